@@ -1,0 +1,294 @@
+"""Model configuration and named presets.
+
+`MoEConfig` is a transformers `PretrainedConfig` (``model_type="moe_lab"``), so it is saved as ``config.json``
+beside every checkpoint and old checkpoints keep loading (unknown keys are kept, missing ones take defaults).
+It checks itself when built: a bad value raises `ValueError` naming the field and what to do.
+
+Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``dense``; sizes
+``tiny`` (tests, seconds), ``small`` (minutes on a CPU) and ``base`` (a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers import PretrainedConfig
+
+FFN_ACTIVATIONS = ("swiglu", "gelu")
+ROUTER_SCORES = ("softmax", "sigmoid")
+TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
+EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static")
+
+
+class MoEConfig(PretrainedConfig):
+    """Decoder-only transformer whose FFN is a Mixture of Experts every `moe_every_n` layers.
+
+    Attention: RoPE, grouped-query attention (`num_key_value_heads`), optional qk-norm (OLMoE: RMSNorm over
+    the whole q and k projections), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
+
+    MoE block: `num_experts` experts of width `expert_intermediate_size`, `num_experts_per_tok` per token,
+    chosen by the router named in `router` (a name from `moe_core.routing.ROUTERS` or an importable dotted
+    path to a `Router` subclass). `capacity_factor=None` is dropless; a number bounds each expert's tokens
+    to ceil(capacity_factor * T * K / E) and drops the overflow, which passes through the residual.
+    Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
+
+    Layer `i` is an MoE layer when ``num_experts > 0``, ``i not in dense_layers`` and
+    ``(i + 1) % moe_every_n == 0`` (the rule of Qwen2-MoE's `decoder_sparse_step`); other layers use a
+    dense FFN of width `intermediate_size`. A model with ``num_experts=0`` is a dense baseline that runs
+    through the very same code.
+    """
+
+    model_type = "moe_lab"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 8000,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 8,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
+        qk_norm: bool = False,
+        clip_qkv: float | None = None,
+        attention_dropout: float = 0.0,
+        ffn_activation: str = "swiglu",
+        intermediate_size: int = 1024,
+        # --- mixture of experts ---
+        num_experts: int = 8,
+        num_experts_per_tok: int = 2,
+        expert_intermediate_size: int = 512,
+        moe_every_n: int = 1,
+        dense_layers: list[int] | None = None,
+        num_shared_experts: int = 0,
+        shared_expert_intermediate_size: int | None = None,
+        shared_expert_gate: bool = False,
+        # --- routing ---
+        router: str = "topk",
+        router_score: str = "softmax",
+        router_topk_order: str = "softmax_then_topk",
+        norm_topk_prob: bool = True,
+        capacity_factor: float | None = None,
+        eval_capacity_factor: float | None = None,
+        router_jitter: float = 0.0,
+        router_aux_loss_coef: float = 0.01,
+        router_z_loss_coef: float = 0.001,
+        router_bias_update_rate: float = 0.0,
+        expert_impl: str = "auto",
+        # --- misc ---
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        hf_origin: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.attention_bias = attention_bias
+        self.qk_norm = qk_norm
+        self.clip_qkv = clip_qkv
+        self.attention_dropout = attention_dropout
+        self.ffn_activation = ffn_activation
+        self.intermediate_size = intermediate_size
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.expert_intermediate_size = expert_intermediate_size
+        self.moe_every_n = moe_every_n
+        self.dense_layers = list(dense_layers or [])
+        self.num_shared_experts = num_shared_experts
+        self.shared_expert_intermediate_size = (
+            shared_expert_intermediate_size if shared_expert_intermediate_size is not None else expert_intermediate_size
+        )
+        self.shared_expert_gate = shared_expert_gate
+        self.router = router
+        self.router_score = router_score
+        self.router_topk_order = router_topk_order
+        self.norm_topk_prob = norm_topk_prob
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.router_jitter = router_jitter
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.router_z_loss_coef = router_z_loss_coef
+        self.router_bias_update_rate = router_bias_update_rate
+        self.expert_impl = expert_impl
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        # Where a converted model came from (architecture, model_type, extra HF fields); used by `to_hf`.
+        self.hf_origin = hf_origin
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"MoEConfig.{field}={getattr(self, field)!r}: {msg}")
+
+        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+                raise bad(field, "must be a positive integer")
+        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.ffn_activation not in FFN_ACTIVATIONS:
+            raise bad("ffn_activation", f"choose one of {FFN_ACTIVATIONS}")
+        if self.num_experts < 0:
+            raise bad("num_experts", "must be >= 0 (0 means a dense model)")
+        if self.moe_every_n < 1:
+            raise bad("moe_every_n", "must be >= 1")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise bad("clip_qkv", "must be positive or None")
+        if self.expert_impl not in EXPERT_IMPLS:
+            raise bad("expert_impl", f"choose one of {EXPERT_IMPLS}")
+        if self.num_shared_experts < 0:
+            raise bad("num_shared_experts", "must be >= 0")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise bad("num_experts_per_tok", f"must be between 1 and num_experts={self.num_experts}")
+        if self.expert_intermediate_size <= 0:
+            raise bad("expert_intermediate_size", "must be a positive integer")
+        if self.router_score not in ROUTER_SCORES:
+            raise bad("router_score", f"choose one of {ROUTER_SCORES}")
+        if self.router_topk_order not in TOPK_ORDERS:
+            raise bad("router_topk_order", f"choose one of {TOPK_ORDERS}")
+        for field in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, field)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise bad(field, "must be a positive number, or None for dropless routing")
+        for field in ("router_jitter", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            if getattr(self, field) < 0:
+                raise bad(field, "must be >= 0")
+        from moe_core.routing import resolve_router  # late import: routing imports nothing from here
+
+        try:
+            resolve_router(self.router)
+        except (KeyError, ImportError, TypeError) as err:
+            raise bad("router", str(err)) from None
+
+    # ------------------------------------------------------------------ derived
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.dense_layers
+            and (layer_idx + 1) % self.moe_every_n == 0
+        )
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+
+# ---------------------------------------------------------------------------------------------- presets
+SIZES: dict[str, dict[str, int]] = {
+    # hidden, layers, heads, kv heads, vocab, context
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, max_position_embeddings=256),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  vocab_size=8000, max_position_embeddings=1024),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def _family(name: str, hidden: int) -> dict[str, Any]:
+    """Architecture choices of each family; widths scale with the hidden size."""
+    if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
+        return dict(num_experts=8, num_experts_per_tok=1, ffn_activation="gelu", expert_intermediate_size=4 * hidden,
+                    intermediate_size=4 * hidden, router="switch", capacity_factor=1.25, eval_capacity_factor=2.0,
+                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    if name == "mixtral":  # Jiang et al. 2024: top-2 of 8 SwiGLU experts, top-k weights renormalized
+        return dict(num_experts=8, num_experts_per_tok=2, ffn_activation="swiglu",
+                    expert_intermediate_size=2 * hidden, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=True, router_aux_loss_coef=0.02, router_z_loss_coef=0.0)
+    if name == "olmoe":  # Muennighoff et al. 2024: 64 fine-grained experts, top-8, qk-norm, no renormalization
+        return dict(num_experts=64, num_experts_per_tok=8, ffn_activation="swiglu",
+                    expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=False, qk_norm=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
+        return dict(num_experts=16, num_experts_per_tok=4, ffn_activation="swiglu",
+                    expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=False, num_shared_experts=1, shared_expert_intermediate_size=2 * hidden,
+                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.001)
+    if name == "dense":
+        return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
+    raise KeyError(name)
+
+
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "dense")
+PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)
+
+
+def get_config(preset: str, **overrides: Any) -> MoEConfig:
+    """Build the config of a named preset, e.g. ``get_config("mixtral-tiny", num_experts=16)``."""
+    family, _, size = preset.partition("-")
+    if family not in FAMILIES or size not in SIZES:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    kwargs = {**SIZES[size], **_family(family, SIZES[size]["hidden_size"]), **overrides}
+    return MoEConfig(**kwargs)
+
+
+def _ffn_params(config: MoEConfig, width: int) -> int:
+    matrices = 3 if config.ffn_activation == "swiglu" else 2
+    return matrices * config.hidden_size * width
+
+
+def dense_baseline(config: MoEConfig, match: str = "active") -> MoEConfig:
+    """A dense model with the same attention and as many FFN parameters as the MoE model's active
+    (``match="active"``: K routed experts plus shared experts) or total (``match="total"``) ones."""
+    if config.num_experts == 0:
+        raise ValueError("dense_baseline: the config is already dense (num_experts=0)")
+    if match not in ("active", "total"):
+        raise ValueError(f"dense_baseline: match={match!r}; choose 'active' or 'total'")
+    routed = config.num_experts_per_tok if match == "active" else config.num_experts
+    width = routed * config.expert_intermediate_size + config.num_shared_experts * config.shared_expert_intermediate_size
+    data = config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "hf_origin"):
+        data.pop(key, None)
+    data.update(num_experts=0, intermediate_size=width, num_shared_experts=0, dense_layers=[])
+    return MoEConfig(**data)
+
+
+def parameter_counts(config: MoEConfig) -> dict[str, int]:
+    """Total and active (per token) parameter counts, computed from the config alone."""
+    d, hd = config.hidden_size, config.head_dim
+    attn = d * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    if config.attention_bias:
+        attn += hd * (config.num_attention_heads + 2 * config.num_key_value_heads)
+    if config.qk_norm:
+        attn += hd * (config.num_attention_heads + config.num_key_value_heads)
+    norms = 2 * d
+    total = active = 0
+    for i in range(config.num_hidden_layers):
+        total += attn + norms
+        active += attn + norms
+        if config.is_moe_layer(i):
+            expert = _ffn_params(config, config.expert_intermediate_size)
+            shared = config.num_shared_experts * _ffn_params(config, config.shared_expert_intermediate_size)
+            shared += d if config.shared_expert_gate and config.num_shared_experts else 0
+            total += config.num_experts * expert + shared + d * config.num_experts
+            active += config.num_experts_per_tok * expert + shared + d * config.num_experts
+        else:
+            total += _ffn_params(config, config.intermediate_size)
+            active += _ffn_params(config, config.intermediate_size)
+    embed = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
+    return {"total": total + embed + d, "active": active + embed + d, "embedding": embed}

@@ -1,0 +1,375 @@
+"""The MoE decoder: one model for Switch, Mixtral, OLMoE, Qwen2-MoE-style shared experts and dense baselines.
+
+Architecture choices (each a field of `MoEConfig`):
+- Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021).
+- Grouped-query attention (Ainslie et al. 2023) through `F.scaled_dot_product_attention`; optional qk-norm
+  over the whole q and k projections (OLMoE, Muennighoff et al. 2024), q/k/v bias (Qwen2-MoE), q/k/v clip.
+- FFN: SwiGLU (Shazeer 2020) or GELU; every `moe_every_n`-th layer a Mixture of Experts (Shazeer et al. 2017;
+  GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
+  with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
+  auxiliary-loss-free bias) and optional shared experts (Qwen2-MoE; DeepSeekMoE, Dai et al. 2024).
+- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged over
+  MoE layers, added whenever labels are given and the coefficient is above zero (so it can never be silently
+  off during fine-tuning). ``lm_loss`` is reported separately for perplexity.
+
+Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
+Hd = head dim, T = B*S tokens, V = vocab.
+
+A `transformers` `PreTrainedModel` with `GenerationMixin`: ``save_pretrained`` (safetensors),
+``from_pretrained``, ``generate`` with a KV cache, PEFT and TRL work on it; importing this module registers
+``model_type="moe_lab"`` with the Auto classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.utils import ModelOutput
+
+from moe_core.config import MoEConfig
+from moe_core.experts import GroupedExperts, ffn_act
+from moe_core.routing import RoutingRecord, build_router
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back (as Llama/Mixtral/OLMoE do in transformers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            freqs_BSh = position_ids_BS[..., None].float() * self.inv_freq.float()
+            emb_BSHd = torch.cat((freqs_BSh, freqs_BSh), dim=-1)
+            return emb_BSHd.cos().to(x.dtype), emb_BSHd.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q_BHSHd, k_BGSHd, cos_BSHd, sin_BSHd):
+    cos, sin = cos_BSHd[:, None], sin_BSHd[:, None]
+    return q_BHSHd * cos + rotate_half(q_BHSHd) * sin, k_BGSHd * cos + rotate_half(k_BGSHd) * sin
+
+
+class FeedForward(nn.Module):
+    """Dense FFN (also the shared expert): SwiGLU ``down(silu(gate x) * up x)`` or GELU ``down(gelu(up x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False) if activation == "swiglu" else None
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h_gate = self.gate_proj(x) if self.gate_proj is not None else None
+        return self.down_proj(ffn_act(self.activation, h_gate, self.up_proj(x)))
+
+
+# ------------------------------------------------------------------------------------------------ attention
+class Attention(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.clip_qkv = config.clip_qkv
+        self.dropout = config.attention_dropout
+        D, Hd = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(D, self.num_heads * Hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * Hd, D, bias=False)
+        if config.qk_norm:  # OLMoE: one RMSNorm over all heads' q (and k), before RoPE
+            self.q_norm = RMSNorm(self.num_heads * Hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * Hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_BSD, cos_sin, mask_BqL, past_key_values: Cache | None, cache_position):
+        B, S, _ = x_BSD.shape
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q_BHSHd = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSHd = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
+        if past_key_values is not None:
+            k_BGSHd, v_BGSHd = past_key_values.update(k_BGSHd, v_BGSHd, self.layer_idx, {"cache_position": cache_position})
+        if self.num_kv_heads != self.num_heads:  # GQA: each kv head serves H/G query heads
+            repeat = self.num_heads // self.num_kv_heads
+            k_BGSHd = k_BGSHd.repeat_interleave(repeat, dim=1)
+            v_BGSHd = v_BGSHd.repeat_interleave(repeat, dim=1)
+        out_BHSHd = F.scaled_dot_product_attention(
+            q_BHSHd, k_BGSHd, v_BGSHd,
+            attn_mask=mask_BqL,
+            is_causal=mask_BqL is None and S > 1,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+
+# ------------------------------------------------------------------------------------------------ MoE block
+class MoEBlock(nn.Module):
+    """Router -> experts (-> plus shared experts). Returns the output and the layer's `RoutingRecord`."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.router = build_router(config)
+        self.experts = GroupedExperts(
+            config.num_experts, config.hidden_size, config.expert_intermediate_size, config.ffn_activation,
+            config.expert_impl)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if config.num_shared_experts > 0:  # shared experts fused into one wide FFN (DeepSeekMoE)
+            width = config.num_shared_experts * config.shared_expert_intermediate_size
+            self.shared_expert = FeedForward(config.hidden_size, width, config.ffn_activation)
+            if config.shared_expert_gate:  # Qwen2-MoE: sigmoid(w . x) scales the shared expert
+                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, expert_impl: str | None = None) -> tuple[torch.Tensor, RoutingRecord]:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        record = self.router(x_TD)
+        y_TD = self.experts(x_TD, record, impl=expert_impl)
+        if self.shared_expert is not None:
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
+        return y_TD.view(B, S, D), record
+
+
+# ------------------------------------------------------------------------------------------------ decoder
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_moe:
+            self.mlp = MoEBlock(config)
+        else:
+            self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.ffn_activation)
+
+    def forward(self, h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl=None):
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos_sin, mask_BqL, past_key_values, cache_position)
+        x_BSD = self.post_attention_layernorm(h_BSD)
+        if self.is_moe:
+            y_BSD, record = self.mlp(x_BSD, expert_impl)
+        else:
+            y_BSD, record = self.mlp(x_BSD), None
+        return h_BSD + y_BSD, record
+
+
+def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_len: int):
+    """Boolean [B, 1, S, L] mask (True = attend) for SDPA, or None when plain causal attention is exact.
+
+    Rows whose every key is masked (left padding) attend everywhere instead: their outputs are never used,
+    and an all-masked row would turn into NaN that 0-weights cannot cancel.
+    """
+    if attention_mask_BL is None and query_len == key_len:
+        return None
+    if attention_mask_BL is not None and query_len == key_len and bool(attention_mask_BL.all()):
+        return None
+    key_pos_L = torch.arange(key_len, device=cache_position_S.device)
+    allowed_BqL = (key_pos_L[None, :] <= cache_position_S[:, None])[None, None]
+    if attention_mask_BL is not None:
+        allowed_BqL = allowed_BqL & attention_mask_BL[:, None, None, :key_len].bool()
+    return allowed_BqL | ~allowed_BqL.any(dim=-1, keepdim=True)
+
+
+# ------------------------------------------------------------------------------------------------ model
+@dataclass
+class MoECausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    routing: tuple[RoutingRecord, ...] | None = None
+
+
+class MoEPreTrainedModel(PreTrainedModel):
+    config_class = MoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+    _supports_cache_class = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0.0, std)
+        elif isinstance(module, GroupedExperts):
+            for p in module.parameters(recurse=False):
+                p.data.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+
+class MoEModel(MoEPreTrainedModel):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, cache_position=None, expert_impl=None):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("MoEModel.forward: give exactly one of input_ids or inputs_embeds")
+        h_BSD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, S, _ = h_BSD.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        checkpointing = self.gradient_checkpointing and self.training
+        if use_cache and past_key_values is None and not checkpointing:
+            past_key_values = DynamicCache(config=self.config)
+        if not use_cache:
+            past_key_values = None
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache_position is None:
+            cache_position = torch.arange(past_len, past_len + S, device=h_BSD.device)
+        if position_ids is None:
+            position_ids = cache_position[None].expand(B, S)
+        mask_BqL = attention_mask_for(attention_mask, cache_position, past_len + S, S)
+        cos_sin = self.rotary_emb(h_BSD, position_ids)
+
+        records: list[RoutingRecord] = []
+        for layer in self.layers:
+            if checkpointing:  # non-reentrant, so the router's aux losses keep their gradient
+                h_BSD, record = checkpoint(layer, h_BSD, cos_sin, mask_BqL, None, cache_position, expert_impl,
+                                           use_reentrant=False)
+            else:
+                h_BSD, record = layer(h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl)
+            if record is not None:
+                records.append(record)
+                if self.training:
+                    layer.mlp.router.observe(record)
+        return self.norm(h_BSD), past_key_values, records
+
+
+class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config)
+        self.model = MoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        output_routing: bool = False,
+        expert_impl: str | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MoECausalLMOutput:
+        h_BSD, past_key_values, records = self.model(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, cache_position,
+            expert_impl)
+        h_keep = h_BSD[:, -logits_to_keep:] if logits_to_keep else h_BSD
+        logits_BSV = self.lm_head(h_keep)
+
+        aux_loss = z_loss = None
+        if records:
+            aux_loss = torch.stack([r.aux_loss for r in records]).mean()
+            z_loss = torch.stack([r.z_loss for r in records]).mean()
+        loss = lm_loss = None
+        if labels is not None:
+            # labels are the inputs: position s predicts token s+1 (transformers' convention)
+            lm_loss = F.cross_entropy(
+                logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1]),
+                labels[:, 1:].reshape(-1).to(logits_BSV.device),
+                ignore_index=-100,
+            )
+            loss = lm_loss
+            if aux_loss is not None and self.config.router_aux_loss_coef > 0:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss
+            if z_loss is not None and self.config.router_z_loss_coef > 0:
+                loss = loss + self.config.router_z_loss_coef * z_loss
+        return MoECausalLMOutput(
+            loss=loss,
+            logits=logits_BSV,
+            past_key_values=past_key_values,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            routing=tuple(records) if output_routing else None,
+        )
+
+    # ------------------------------------------------------------------------------------ MoE helpers
+    def routers(self):
+        return [layer.mlp.router for layer in self.model.layers if layer.is_moe]
+
+    def update_router_biases(self, loads_LE: list[torch.Tensor] | None = None) -> None:
+        """After an optimizer step: let stateful routers (aux-loss-free bias) act on the load they saw."""
+        for i, router in enumerate(self.routers()):
+            router.update_bias(None if loads_LE is None else loads_LE[i])
+
+
+AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
+AutoModel.register(MoEConfig, MoEModel, exist_ok=True)
+AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)

@@ -1,0 +1,318 @@
+"""Routers: which experts each token goes to, and with what weight.
+
+Legend (one per file, shapes in names): T = tokens, D = model dim, E = experts, K = expert slots per token,
+C = capacity (tokens per expert).
+
+Every router maps hidden states ``x_TD`` to one `RoutingRecord`. The record is the single source of truth
+for the experts (which slot goes where, with what weight), the losses, training telemetry and analytics;
+nothing downstream re-derives routing. Router math runs in fp32, whatever the model dtype or autocast.
+
+Routers here:
+- ``topk``: token choice. Softmax (or sigmoid) scores then top-k, optionally renormalized (Mixtral, OLMoE,
+  Qwen2-MoE), or top-k logits then softmax over the k (``router_topk_order="topk_then_softmax"``).
+  Dropless by default; with a capacity factor it drops overflow in GShard's priority order (every token's
+  first choice before any second choice, then token order). Dropped slots pass through the residual.
+- ``switch``: top-1 token choice with capacity (Fedus et al. 2021, "Switch Transformers").
+- ``expert_choice``: each expert takes its top-C tokens (Zhou et al. 2022, "Mixture-of-Experts with Expert
+  Choice Routing"), C = capacity_factor * T / E. Caveat for causal LMs: an expert's choice over the batch
+  looks at later tokens, so train/inference routing differs from strictly causal routing.
+- ``aux_free``: scores plus a per-expert bias used only for selection, and the bias nudged toward uniform
+  load after each optimizer step, outside the gradient, in training only (DeepSeek-V3, Wang et al. 2024,
+  "Auxiliary-Loss-Free Load Balancing").
+
+Losses: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K
+routed slots sent to expert e (before capacity) and ``P_e`` the mean router probability of e; it equals 1.0
+under perfectly uniform routing for any K (Megatron-LM's normalization; transformers' Mixtral loss is K
+times this). The router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, ST-MoE).
+
+Adding a router (register it, then name it in the config: ``MoEConfig(router="my_router")``)::
+
+    from moe_core.routing import Router, RoutingRecord, register_router
+
+    @register_router("hash")
+    class HashRouter(Router):
+        '''Roller et al. 2021: a fixed hash of the position picks the expert; no learned choice.'''
+
+        def route(self, logits_TE):
+            T, E = logits_TE.shape
+            probs_TE = logits_TE.softmax(-1)
+            expert_ids_TK = (torch.arange(T, device=logits_TE.device) % E)[:, None]
+            weights_TK = torch.ones_like(expert_ids_TK, dtype=torch.float32)
+            return self.record(logits_TE, probs_TE, expert_ids_TK, weights_TK)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RoutingRecord:
+    """Everything a routing decision produced, for the experts, the losses, telemetry and analytics.
+
+    Slot ``k`` of token ``t`` goes to expert ``expert_ids_TK[t, k]`` with combine weight ``weights_TK[t, k]``
+    unless ``dropped_TK[t, k]`` (capacity overflow, or a token an expert-choice expert did not pick).
+    """
+
+    expert_ids_TK: torch.Tensor  # long
+    weights_TK: torch.Tensor  # fp32 combine weights, 0 where dropped
+    dropped_TK: torch.Tensor  # bool
+    probs_TE: torch.Tensor  # fp32 full router probabilities (scores), for analytics and the aux loss
+    logits_TE: torch.Tensor  # fp32
+    tokens_per_expert_E: torch.Tensor  # long, slots each expert actually processes
+    aux_loss: torch.Tensor  # scalar, load balancing
+    z_loss: torch.Tensor  # scalar
+    capacity: int | None = None  # tokens per expert allowed, None when dropless
+
+    @property
+    def num_experts(self) -> int:
+        return self.probs_TE.shape[-1]
+
+    @property
+    def dropped_tokens_T(self) -> torch.Tensor:
+        """Tokens none of whose slots was processed: they pass through on the residual alone."""
+        return self.dropped_TK.all(dim=-1)
+
+    def detach(self) -> RoutingRecord:
+        values = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return RoutingRecord(**values)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+ROUTERS: dict[str, type[Router]] = {}
+
+
+def register_router(name: str):
+    """Class decorator: make a `Router` subclass available as ``MoEConfig(router=name)``."""
+
+    def wrap(cls: type[Router]) -> type[Router]:
+        if not (isinstance(cls, type) and issubclass(cls, Router)):
+            raise TypeError(f"register_router({name!r}): {cls!r} is not a Router subclass")
+        ROUTERS[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return wrap
+
+
+def resolve_router(name: str) -> type[Router]:
+    """A router class from the registry, or from an importable dotted path (``pkg.module.Class`` or
+    ``pkg.module:Class``). Never evaluates code."""
+    if name in ROUTERS:
+        return ROUTERS[name]
+    if "." not in name and ":" not in name:
+        raise KeyError(f"unknown router {name!r}; registered: {sorted(ROUTERS)}, or give a dotted import path")
+    module_name, _, attr = name.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(f"router {name!r} could not be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Router)):
+        raise TypeError(f"router {name!r} is not a moe_core.routing.Router subclass")
+    return cls
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer eq. 4, ``E * sum_e f_e * P_e``; 1.0 under perfectly uniform routing."""
+    T, E = probs_TE.shape
+    f_E = torch.bincount(expert_ids_TK.flatten(), minlength=E).to(probs_TE.dtype) / expert_ids_TK.numel()
+    P_E = (probs_TE / probs_TE.sum(-1, keepdim=True)).mean(0)  # sigmoid scores are normalized per token first
+    return E * torch.sum(f_E * P_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE eq. 5: mean squared log-partition function; keeps router logits small and stable."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def capacity_for(capacity_factor: float | None, num_tokens: int, slots_per_token: int, num_experts: int) -> int | None:
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * num_tokens * slots_per_token / num_experts))
+
+
+def drop_over_capacity(expert_ids_TK: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """GShard priority: position of each slot in its expert's buffer, first choices of all tokens first."""
+    T, K = expert_ids_TK.shape
+    onehot_KTE = F.one_hot(expert_ids_TK.t(), num_experts)  # [K, T, E]
+    position_KTE = onehot_KTE.reshape(K * T, num_experts).cumsum(0).reshape(K, T, num_experts) - 1
+    position_TK = (position_KTE * onehot_KTE).sum(-1).t()
+    return position_TK >= capacity
+
+
+# ------------------------------------------------------------------------------------------------ routers
+class Router(nn.Module):
+    """Base router: a linear gate producing fp32 logits, then `route` turns them into a `RoutingRecord`."""
+
+    registry_name = "base"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.score_fn = config.router_score
+        self.norm_topk_prob = config.norm_topk_prob
+        self.topk_order = config.router_topk_order
+        self.capacity_factor = config.capacity_factor
+        self.eval_capacity_factor = config.eval_capacity_factor
+        self.jitter = config.router_jitter
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+
+    @property
+    def active_capacity_factor(self) -> float | None:
+        if not self.training and self.eval_capacity_factor is not None:
+            return self.eval_capacity_factor
+        return self.capacity_factor
+
+    def forward(self, x_TD: torch.Tensor) -> RoutingRecord:
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            x_TD = x_TD.float()
+            if self.training and self.jitter > 0:  # Switch: multiplicative jitter on the router input
+                x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            logits_TE = F.linear(x_TD, self.gate.weight.float())
+            return self.route(logits_TE)
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits_TE) if self.score_fn == "sigmoid" else logits_TE.softmax(dim=-1)
+
+    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
+        raise NotImplementedError
+
+    def record(
+        self,
+        logits_TE: torch.Tensor,
+        probs_TE: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        dropped_TK: torch.Tensor | None = None,
+        capacity: int | None = None,
+        aux_loss: torch.Tensor | None = None,
+    ) -> RoutingRecord:
+        """Assemble a record; fills in the per-expert counts and the losses a subclass did not give."""
+        if dropped_TK is None:
+            dropped_TK = torch.zeros_like(expert_ids_TK, dtype=torch.bool)
+        weights_TK = weights_TK.masked_fill(dropped_TK, 0.0)
+        kept_ids = expert_ids_TK.masked_select(~dropped_TK)
+        tokens_per_expert_E = torch.bincount(kept_ids, minlength=self.num_experts)
+        if aux_loss is None:
+            aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
+        return RoutingRecord(
+            expert_ids_TK=expert_ids_TK,
+            weights_TK=weights_TK,
+            dropped_TK=dropped_TK,
+            probs_TE=probs_TE,
+            logits_TE=logits_TE,
+            tokens_per_expert_E=tokens_per_expert_E,
+            aux_loss=aux_loss,
+            z_loss=router_z_loss(logits_TE),
+            capacity=capacity,
+        )
+
+    def observe(self, record: RoutingRecord) -> None:
+        """Called once per training forward with this router's record (stateful routers keep statistics)."""
+
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """Called after each optimizer step; only stateful routers do anything."""
+
+
+@register_router("topk")
+class TokenChoiceTopKRouter(Router):
+    """Each token picks its K best experts (GShard, Mixtral, OLMoE, Qwen2-MoE)."""
+
+    def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        return scores_TE
+
+    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
+        T, E = logits_TE.shape
+        probs_TE = self.scores(logits_TE)
+        if self.topk_order == "topk_then_softmax":
+            topk_logits_TK, expert_ids_TK = logits_TE.topk(self.top_k, dim=-1)
+            weights_TK = topk_logits_TK.softmax(dim=-1)
+        else:
+            _, expert_ids_TK = self.selection_scores(probs_TE).topk(self.top_k, dim=-1)
+            weights_TK = probs_TE.gather(-1, expert_ids_TK)
+            if self.norm_topk_prob:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        capacity = capacity_for(self.active_capacity_factor, T, self.top_k, E)
+        dropped_TK = None if capacity is None else drop_over_capacity(expert_ids_TK, E, capacity)
+        return self.record(logits_TE, probs_TE, expert_ids_TK, weights_TK, dropped_TK, capacity)
+
+
+@register_router("switch")
+class SwitchRouter(TokenChoiceTopKRouter):
+    """Switch Transformer: top-1, the weight is the router probability itself, capacity-bound when set."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        if self.top_k != 1:
+            raise ValueError(f"router 'switch' routes each token to 1 expert, got num_experts_per_tok={self.top_k}")
+        self.norm_topk_prob = False
+
+
+@register_router("expert_choice")
+class ExpertChoiceRouter(Router):
+    """Each expert takes its top-C tokens by router probability; a token may get 0..E experts.
+
+    The record uses K = E slots per token (slot e is expert e), with unchosen slots marked dropped, so the
+    experts and analytics read it like any other record. ``capacity_factor`` is the average number of
+    experts per token (default: num_experts_per_tok); C = ceil(capacity_factor * T / E), at most T.
+    """
+
+    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
+        T, E = logits_TE.shape
+        probs_TE = logits_TE.softmax(dim=-1)
+        factor = self.active_capacity_factor or float(self.top_k)
+        capacity = min(T, capacity_for(factor, T, 1, E))
+        weights_EC, token_ids_EC = probs_TE.t().topk(capacity, dim=-1)
+        weights_ET = torch.zeros(E, T, dtype=probs_TE.dtype, device=probs_TE.device).scatter(1, token_ids_EC, weights_EC)
+        chosen_ET = torch.zeros(E, T, dtype=torch.bool, device=probs_TE.device).scatter(1, token_ids_EC, True)
+        expert_ids_TK = torch.arange(E, device=probs_TE.device).expand(T, E)
+        zero = logits_TE.new_zeros(())  # balanced by construction: no load-balancing loss
+        return self.record(logits_TE, probs_TE, expert_ids_TK, weights_ET.t(), ~chosen_ET.t(), capacity, aux_loss=zero)
+
+
+@register_router("aux_free")
+class AuxLossFreeRouter(TokenChoiceTopKRouter):
+    """DeepSeek-V3 bias balancing: select with ``scores + bias``, weight with the scores alone.
+
+    After each optimizer step, ``bias_e += rate * sign(mean_load - load_e)`` over the load seen since the
+    last update (in training only; eval forwards never touch it). The bias is a buffer, saved with the
+    checkpoint. With several data-parallel ranks, pass the all-reduced load to `update_bias`.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.update_rate = config.router_bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        self.register_buffer("pending_load", torch.zeros(config.num_experts), persistent=False)
+
+    def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        return scores_TE + self.expert_bias.float()
+
+    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
+        record = super().route(logits_TE)
+        # the balance is kept by the bias, not by a gradient: report the statistic, do not train on it
+        record.aux_loss = record.aux_loss.detach()
+        return record
+
+    def observe(self, record: RoutingRecord) -> None:
+        counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=self.num_experts)
+        self.pending_load += counts_E.to(self.pending_load.dtype)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        load_E = self.pending_load if load_E is None else load_E.to(self.pending_load)
+        if self.update_rate > 0 and load_E.sum() > 0:
+            self.expert_bias += self.update_rate * torch.sign(load_E.mean() - load_E)
+        self.pending_load.zero_()
+
+
+def build_router(config) -> Router:
+    return resolve_router(config.router)(config)
