@@ -181,8 +181,12 @@ class MoEConfig(PretrainedConfig):
         from moe_core.routing import resolve_router  # late import: routing imports nothing from here
 
         try:
-            resolve_router(self.router)
+            router_cls = resolve_router(self.router)
         except (KeyError, ImportError, TypeError) as err:
+            raise bad("router", str(err)) from None
+        try:
+            router_cls.check_config(self)
+        except ValueError as err:
             raise bad("router", str(err)) from None
 
     # ------------------------------------------------------------------ derived

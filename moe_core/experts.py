@@ -11,9 +11,9 @@ per-expert loop costs no copy, and the stack feeds `torch._grouped_mm` directly 
 Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the kept slots:
 - ``reference``: a plain loop over experts with a boolean mask each: slow, obviously right.
 - ``sorted``: sort the kept slots by expert, run each expert's matmuls on its contiguous slice, scatter-add
-  back. The fastest on CPU.
-- ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CUDA bf16, and
-  CPU fp32 in torch 2.13), with no host sync on the token counts.
+  back. The default where grouped_mm is not supported.
+- ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CPU fp32/bf16 in
+  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default where supported.
 - ``static``: every expert on every token, weighted by a dense [T, E] combine matrix: no data-dependent
   shapes, for ONNX export and ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
 Tests hold all four equal in forward and backward.
@@ -34,6 +34,16 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
     return F.gelu(h_up)
 
 
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """`torch._grouped_mm` runs on CPU (fp32, bf16) and on Hopper-or-newer GPUs in bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, impl: str = "auto"):
         super().__init__()
@@ -46,17 +56,23 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
 
-    def expert(self, e: int, x_ND: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on a batch of tokens, like an ordinary FFN."""
-        h_gate = F.linear(x_ND, self.gate_proj[e]) if self.gate_proj is not None else None
-        return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, self.up_proj[e])), self.down_proj[e])
+    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """Expert ``e`` on a batch of tokens, like an ordinary FFN. ``weights`` are the `unbound` weights, so a
+        loop over experts builds one gradient per stack instead of one full-size gradient per slice."""
+        gate, up, down = weights if weights is not None else self.unbound()
+        h_gate = F.linear(x_ND, gate[e]) if gate is not None else None
+        return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, up[e])), down[e])
+
+    def unbound(self) -> tuple:
+        gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
+        return gate, self.up_proj.unbind(0), self.down_proj.unbind(0)
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
         if self.impl != "auto":
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
-        return "grouped_mm" if x_TD.is_cuda else "sorted"
+        return "grouped_mm" if grouped_mm_supported(x_TD) else "sorted"
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
@@ -96,13 +112,16 @@ class GroupedExperts(nn.Module):
             offs_E = counts_E.cumsum(0).to(torch.int32)
             out_AD = self._grouped_ffn(x_AD, offs_E)
         else:
-            chunks = torch.split(x_AD, counts_E.tolist())
-            out_AD = torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])
+            chunks, weights = torch.split(x_AD, counts_E.tolist()), self.unbound()
+            out_AD = torch.cat([self.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
         return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
 
     def _grouped_ffn(self, x_AD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs_E)
+        device = x_AD.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
+
+        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
+            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
             if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
                 out.register_hook(lambda g: g.contiguous())
             return out
@@ -113,8 +132,8 @@ class GroupedExperts(nn.Module):
     # -------------------------------------------------------------------------------- export-friendly
     def forward_static(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
-        y_TD = torch.zeros_like(x_TD)
+        y_TD, weights = torch.zeros_like(x_TD), self.unbound()
         for e in range(self.num_experts):  # a static loop: every expert is in the graph, whatever the routing
             combine_T = (weights_TK * (record.expert_ids_TK == e).to(x_TD.dtype)).sum(-1)
-            y_TD = y_TD + combine_T[:, None] * self.expert(e, x_TD)
+            y_TD = y_TD + combine_T[:, None] * self.expert(e, x_TD, weights)
         return y_TD

@@ -153,6 +153,10 @@ class Router(nn.Module):
 
     registry_name = "base"
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise ValueError when this router cannot work with ``config`` (called when the config is built)."""
+
     def __init__(self, config) -> None:
         super().__init__()
         self.num_experts = config.num_experts
@@ -249,10 +253,13 @@ class TokenChoiceTopKRouter(Router):
 class SwitchRouter(TokenChoiceTopKRouter):
     """Switch Transformer: top-1, the weight is the router probability itself, capacity-bound when set."""
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.num_experts_per_tok != 1:
+            raise ValueError("router 'switch' routes each token to 1 expert; set num_experts_per_tok=1")
+
     def __init__(self, config) -> None:
         super().__init__(config)
-        if self.top_k != 1:
-            raise ValueError(f"router 'switch' routes each token to 1 expert, got num_experts_per_tok={self.top_k}")
         self.norm_topk_prob = False
 
 
@@ -315,4 +322,6 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
 
 
 def build_router(config) -> Router:
-    return resolve_router(config.router)(config)
+    cls = resolve_router(config.router)
+    cls.check_config(config)
+    return cls(config)
