@@ -225,3 +225,24 @@ def test_static_path_exports_with_torch_export():
     exported = torch.export.export(model, (x,), kwargs={"use_cache": False}, strict=False)
     other = torch.randint(0, config.vocab_size, (1, 8))
     torch.testing.assert_close(exported.module()(other, use_cache=False).logits, model(other).logits)
+
+
+def test_peft_lora_reaches_attention_and_every_expert_weight():
+    from peft import LoraConfig, get_peft_model
+
+    config = get_config("mixtral-tiny")
+    model = MoEForCausalLM(config).eval()
+    x = torch.randint(0, config.vocab_size, (2, 8))
+    base_logits = model(x).logits
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"])
+    peft_model = get_peft_model(model, lora)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert any("q_proj.lora_A" in n for n in trainable)
+    assert sum("mlp.experts" in n and "lora_A" in n for n in trainable) == 3 * config.num_hidden_layers
+    torch.testing.assert_close(peft_model(input_ids=x).logits, base_logits)  # B starts at zero
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "mlp.experts" in name and "lora_B" in name:
+                p.normal_(std=0.5)
+    assert not torch.allclose(peft_model(input_ids=x).logits, base_logits, atol=1e-4)
