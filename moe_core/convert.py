@@ -1,0 +1,655 @@
+"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE and Qwen2-MoE checkpoints.
+
+    from moe_core.convert import from_hf, to_hf
+    model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
+    to_hf(model, "out_dir")                           # written back as the architecture it came from
+    to_hf(MoEForCausalLM(get_config("olmoe-tiny")), "out_dir", architecture="olmoe")  # a native model
+
+or ``moe-lab convert from-hf SRC --out DIR`` and ``moe-lab convert to-hf SRC --out DIR --arch olmoe``.
+
+Nothing is approximated: a config the other side cannot express exactly is refused with every reason at once
+(`ConversionError`), and the tests hold logits equal within 1e-5 in float32 in both directions. The truth for
+the Hugging Face side is transformers 4.57's ``models/{mixtral,olmoe,qwen2_moe}/modeling_*.py``.
+
+Weights (HF name -> ours; every other name is identical on both sides, layer ``i``, expert ``j``)::
+
+    Mixtral    model.layers.i.block_sparse_moe.gate                 -> model.layers.i.mlp.router.gate
+               model.layers.i.block_sparse_moe.experts.j.w1/w3/w2   -> mlp.experts.gate_proj/up_proj/down_proj[j]
+    OLMoE      model.layers.i.mlp.gate                              -> mlp.router.gate
+               model.layers.i.mlp.experts.j.{gate,up,down}_proj     -> mlp.experts.{gate,up,down}_proj[j]
+               self_attn.q_norm / k_norm (RMSNorm over all heads)   -> self_attn.q_norm / k_norm
+    Qwen2-MoE  as OLMoE for gate and experts, plus q/k/v biases, mlp.shared_expert.{gate,up,down}_proj,
+               mlp.shared_expert_gate, and dense ``mlp.{gate,up,down}_proj`` in non-sparse layers
+
+Config (HF -> ours)::
+
+    all        hidden_act "silu" -> ffn_activation "swiglu"; softmax top-k token choice, dropless -> router
+               "topk"; rope_theta, rms_norm_eps, max_position_embeddings, tie_word_embeddings, pad/bos/eos
+               ids, attention_dropout, initializer_range carry over; router_z_loss_coef = 0 (HF has none)
+    Mixtral    num_local_experts -> num_experts; intermediate_size -> expert_intermediate_size; head_dim;
+               norm_topk_prob = True (Mixtral always renormalizes); router_jitter_noise -> router_jitter
+    OLMoE      num_experts; intermediate_size -> expert_intermediate_size; qk_norm = True; clip_qkv;
+               norm_topk_prob
+    Qwen2-MoE  moe_intermediate_size -> expert_intermediate_size; intermediate_size (dense layers);
+               shared_expert_intermediate_size with num_shared_experts = 1 and shared_expert_gate = True;
+               decoder_sparse_step -> moe_every_n; mlp_only_layers -> dense_layers; qkv_bias ->
+               attention_bias; norm_topk_prob
+
+Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
+(1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
+over tokens but sums over the K slots, so for one layer it is exactly K times ours. Hence
+``ours.router_aux_loss_coef = K * hf.router_aux_loss_coef`` (and back). Two differences remain and are
+documented rather than converted: HF pools the router logits of all layers before taking the product while we
+average per-layer losses (equal for one layer, both minimized by uniform routing), and HF adds the loss only
+when ``output_router_logits=True`` (off by default; kept in ``hf_origin`` for the way back) while ours adds it
+whenever the coefficient is above zero.
+
+``config.hf_origin`` records the source architecture and every HF config field our config cannot regenerate
+(e.g. ``output_router_logits``, ``max_window_layers``, ``head_dim: null``), so HF -> ours -> HF gives the same
+HF config and the same tensors. Writes are atomic (a temporary directory next to the output, renamed into
+place); tokenizer and generation files next to the source are copied along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_core.config import MoEConfig
+from moe_core.errors import MoELabError
+from moe_core.model import MoEForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class ConversionError(MoELabError):
+    """A checkpoint or config that cannot be converted exactly; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """Where a Hugging Face MoE architecture keeps its experts, and what it calls them."""
+
+    model_type: str
+    class_name: str
+    moe_module: str  # attribute of the decoder layer holding router + experts
+    expert_weights: tuple[str, str, str]  # HF names of our (gate_proj, up_proj, down_proj)
+
+
+ARCHITECTURES: dict[str, HFArchitecture] = {
+    "mixtral": HFArchitecture("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
+    "olmoe": HFArchitecture("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": HFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Files that make a converted directory usable beyond the weights: tokenizers, chat templates, generation defaults.
+COMPANION_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *COMPANION_FILES]
+# Config keys that describe a file, not the architecture; never carried in hf_origin.
+_VOLATILE_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "model_type", "architectures")
+_SILU = ("silu", "swish")  # the same function in transformers' ACT2FN
+
+
+def get_architecture(name: str) -> HFArchitecture:
+    """An architecture by model_type (``mixtral``) or class name (``MixtralForCausalLM``)."""
+    for arch in ARCHITECTURES.values():
+        if name in (arch.model_type, arch.class_name):
+            return arch
+    raise ConversionError(f"unsupported architecture {name!r}; supported: {SUPPORTED}")
+
+
+# ================================================================================================ reading
+def resolve_source(path_or_hub_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local checkpoint directory, downloading config, safetensors and tokenizer files for a hub id."""
+    path = Path(path_or_hub_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConversionError(f"{path} is a file; give the checkpoint directory that holds config.json")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo_id = str(path_or_hub_id)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ConversionError(f"{repo_id}: no such directory, and not a Hugging Face hub id either") from None
+    # read at call time (huggingface_hub reads it once, at import)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
+                                      local_files_only=offline))
+    except Exception as err:  # offline, not found, gated, no network: all end here
+        hint = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if offline else ""
+        raise ConversionError(
+            f"{repo_id}: no such local directory, and the hub snapshot could not be fetched{hint}: "
+            f"{type(err).__name__}: {err}. Download it where the hub is reachable and pass the directory."
+        ) from None
+
+
+class CheckpointReader:
+    """Tensors of a Hugging Face checkpoint, read one at a time by name.
+
+    safetensors (``model.safetensors`` or shards listed in ``model.safetensors.index.json``) are memory-mapped;
+    PyTorch ``.bin`` files are read with ``torch.load(weights_only=True)``, never with a general unpickler.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._open: dict[Path, Any] = {}
+        self.file_of: dict[str, Path] = {}
+        for index_name, single_name in (("model.safetensors.index.json", "model.safetensors"),
+                                        ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+            if (directory / index_name).is_file():
+                weight_map = json.loads((directory / index_name).read_text())["weight_map"]
+                self.file_of = {name: directory / file for name, file in weight_map.items()}
+                break
+            if (directory / single_name).is_file():
+                self.file_of = {name: directory / single_name for name in self._shard(directory / single_name).keys()}
+                break
+        else:
+            raise ConversionError(
+                f"{directory}: no weights found; expected model.safetensors, model.safetensors.index.json, "
+                f"pytorch_model.bin or pytorch_model.bin.index.json (hub ids fetch safetensors only, never "
+                f"pickled files)")
+
+    def _shard(self, file: Path):
+        if file not in self._open:
+            if not file.is_file():
+                raise ConversionError(f"{file}: listed in the checkpoint index but missing")
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self._open[file] = safe_open(str(file), framework="pt", device="cpu")
+            else:
+                try:
+                    self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
+                    self._open[file] = torch.load(file, map_location="cpu", weights_only=True)
+        return self._open[file]
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._shard(self.file_of[name])
+        return shard.get_tensor(name) if hasattr(shard, "get_tensor") else shard[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        shard = self._shard(self.file_of[name])
+        if hasattr(shard, "get_slice"):
+            stored = shard.get_slice(name).get_dtype()
+            return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[stored]
+        return shard[name].dtype
+
+
+def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]]:
+    """The architecture, the transformers config object and the raw config.json of a HF checkpoint."""
+    from transformers import CONFIG_MAPPING
+
+    file = directory / "config.json"
+    if not file.is_file():
+        raise ConversionError(f"{directory}: no config.json; is this a Hugging Face checkpoint directory?")
+    raw = json.loads(file.read_text())
+    model_type = raw.get("model_type")
+    if model_type == MoEConfig.model_type:
+        raise ConversionError(f"{directory} is already a moe_lab checkpoint; load it with MoEForCausalLM.from_pretrained")
+    if model_type not in ARCHITECTURES:
+        raise ConversionError(f"{directory}: model_type {model_type!r} is not supported; supported: {SUPPORTED}")
+    arch = ARCHITECTURES[model_type]
+    return arch, CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items() if k != "model_type"}), raw
+
+
+# ================================================================================================ configs
+def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
+    reasons = []
+    if hf.hidden_act not in _SILU:
+        reasons.append(f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu), so only 'silu' converts")
+    if getattr(hf, "rope_scaling", None):
+        reasons.append(f"rope_scaling={hf.rope_scaling!r}: our RoPE is unscaled; only rope_scaling=None converts")
+    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
+        reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
+    if arch.model_type == "mixtral" and hf.sliding_window is not None:
+        reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
+    if arch.model_type == "qwen2_moe" and hf.use_sliding_window:
+        reasons.append("use_sliding_window=True: our attention is full causal attention")
+    if arch.model_type == "olmoe" and hf.attention_bias:
+        reasons.append("attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for")
+    return reasons
+
+
+def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) -> MoEConfig:
+    """Our config for a transformers config of `arch`; refuses what our model cannot express exactly."""
+    reasons = _refusals_from_hf(arch, hf)
+    if reasons:
+        raise ConversionError(f"cannot convert this {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons))
+    K = hf.num_experts_per_tok
+    common = dict(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+        max_position_embeddings=hf.max_position_embeddings, rope_theta=hf.rope_theta, rms_norm_eps=hf.rms_norm_eps,
+        attention_dropout=hf.attention_dropout, initializer_range=hf.initializer_range, use_cache=hf.use_cache,
+        tie_word_embeddings=hf.tie_word_embeddings, pad_token_id=hf.pad_token_id, bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id, ffn_activation="swiglu", num_experts_per_tok=K, router="topk",
+        router_score="softmax", router_topk_order="softmax_then_topk", capacity_factor=None,
+        router_aux_loss_coef=K * hf.router_aux_loss_coef,  # HF's loss is K times ours (module docstring)
+        router_z_loss_coef=0.0,
+    )
+    if arch.model_type == "mixtral":
+        if hf.router_jitter_noise:
+            logger.warning("router_jitter_noise=%s: HF Mixtral also multiplies the experts' input by the noise in "
+                           "training; ours jitters the router input only (no effect in eval)", hf.router_jitter_noise)
+        specific = dict(num_experts=hf.num_local_experts, expert_intermediate_size=hf.intermediate_size,
+                        intermediate_size=hf.intermediate_size, head_dim=hf.head_dim, norm_topk_prob=True,
+                        router_jitter=hf.router_jitter_noise)
+    elif arch.model_type == "olmoe":
+        specific = dict(num_experts=hf.num_experts, expert_intermediate_size=hf.intermediate_size,
+                        intermediate_size=hf.intermediate_size, qk_norm=True, clip_qkv=hf.clip_qkv,
+                        norm_topk_prob=hf.norm_topk_prob)
+    else:
+        specific = dict(num_experts=hf.num_experts, expert_intermediate_size=hf.moe_intermediate_size,
+                        intermediate_size=hf.intermediate_size, num_shared_experts=1,
+                        shared_expert_intermediate_size=hf.shared_expert_intermediate_size, shared_expert_gate=True,
+                        moe_every_n=hf.decoder_sparse_step, dense_layers=list(hf.mlp_only_layers),
+                        attention_bias=hf.qkv_bias, norm_topk_prob=hf.norm_topk_prob,
+                        head_dim=getattr(hf, "head_dim", None))
+    config = MoEConfig(**common, **specific)
+    raw = hf.to_dict() if raw is None else raw
+    mapped = hf_config_fields(arch, config)
+    extra = {k: v for k, v in raw.items()
+             if k not in _VOLATILE_KEYS and not (k in mapped and mapped[k] == v)}
+    config.hf_origin = {"architecture": arch.class_name, "model_type": arch.model_type, "config": extra}
+    return config
+
+
+def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """Every reason `config` cannot be written as `arch` exactly (empty when it can)."""
+    name, reasons = arch.class_name, []
+    if config.num_experts == 0 and arch.model_type != "qwen2_moe":
+        reasons.append(f"num_experts=0 (a dense model): {name} has experts in every layer; use qwen2_moe")
+    if config.num_experts > 0:
+        if config.router not in ("topk", "switch"):
+            reasons.append(f"router={config.router!r}: {name} routes by softmax top-k token choice only")
+        if config.router_score != "softmax":
+            reasons.append(f"router_score={config.router_score!r}: {name} scores experts with a softmax")
+        if config.capacity_factor is not None or config.eval_capacity_factor is not None:
+            reasons.append(f"capacity_factor={config.capacity_factor}, eval_capacity_factor="
+                           f"{config.eval_capacity_factor}: {name} is dropless; set both to None")
+        if arch.model_type == "mixtral" and not _renormalized(config):
+            reasons.append(f"norm_topk_prob=False (router {config.router!r}): Mixtral always renormalizes top-k")
+        if arch.model_type != "qwen2_moe" and config.moe_layer_ids != list(range(config.num_hidden_layers)):
+            reasons.append(f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "
+                           f"every {name} layer is an MoE layer; use qwen2_moe")
+        if arch.model_type != "qwen2_moe" and config.num_shared_experts:
+            reasons.append(f"num_shared_experts={config.num_shared_experts}: {name} has no shared experts")
+        if arch.model_type == "qwen2_moe" and not (config.num_shared_experts and config.shared_expert_gate):
+            reasons.append("Qwen2-MoE has one sigmoid-gated shared expert in every MoE layer: needs "
+                           "num_shared_experts >= 1 and shared_expert_gate=True (use mixtral or olmoe otherwise)")
+    if config.ffn_activation != "swiglu":
+        reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
+    if config.qk_norm != (arch.model_type == "olmoe"):
+        reasons.append(f"qk_norm={config.qk_norm}: " + ("OLMoE always normalizes q and k" if arch.model_type == "olmoe"
+                                                          else f"{name} has no q/k norm; use olmoe"))
+    if config.clip_qkv is not None and arch.model_type != "olmoe":
+        reasons.append(f"clip_qkv={config.clip_qkv}: {name} does not clip q/k/v; use olmoe")
+    if config.attention_bias and arch.model_type != "qwen2_moe":
+        reasons.append(f"attention_bias=True: {name} has no q/k/v bias; use qwen2_moe")
+    if arch.model_type != "mixtral" and config.head_dim * config.num_attention_heads != config.hidden_size:
+        reasons.append(f"head_dim={config.head_dim}: {name} needs head_dim * num_attention_heads == hidden_size")
+    return reasons
+
+
+def _renormalized(config: MoEConfig) -> bool:
+    """Whether the top-k weights sum to one: renormalized softmax top-k, or softmax over the top-k logits
+    (the same numbers: softmax is monotonic, and renormalizing its top-k is a softmax over those logits)."""
+    if config.router == "switch":
+        return False  # SwitchRouter keeps the raw probability
+    return config.norm_topk_prob or config.router_topk_order == "topk_then_softmax"
+
+
+def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
+    """The HF config fields that our config determines (the rest come from `hf_origin` or HF defaults)."""
+    K = config.num_experts_per_tok
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, attention_dropout=config.attention_dropout,
+        initializer_range=config.initializer_range, use_cache=config.use_cache,
+        tie_word_embeddings=config.tie_word_embeddings, pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, hidden_act="silu",
+        num_experts_per_tok=K, router_aux_loss_coef=config.router_aux_loss_coef / K,
+    )
+    if arch.model_type == "mixtral":
+        fields.update(num_local_experts=config.num_experts, intermediate_size=config.expert_intermediate_size,
+                      head_dim=config.head_dim, router_jitter_noise=config.router_jitter, sliding_window=None)
+    elif arch.model_type == "olmoe":
+        fields.update(num_experts=config.num_experts, intermediate_size=config.expert_intermediate_size,
+                      clip_qkv=config.clip_qkv, norm_topk_prob=_renormalized(config), attention_bias=False,
+                      rope_scaling=None)
+    else:
+        fields.update(num_experts=config.num_experts, moe_intermediate_size=config.expert_intermediate_size,
+                      intermediate_size=config.intermediate_size,
+                      shared_expert_intermediate_size=config.num_shared_experts * config.shared_expert_intermediate_size,
+                      decoder_sparse_step=config.moe_every_n, mlp_only_layers=list(config.dense_layers),
+                      qkv_bias=config.attention_bias, norm_topk_prob=_renormalized(config),
+                      use_sliding_window=False, rope_scaling=None)
+    return fields
+
+
+def _same(key: str, origin_value: Any, value: Any, config: MoEConfig) -> bool:
+    """Whether the source's spelling of a field means the value our config gives it now."""
+    if origin_value == value:
+        return True
+    if isinstance(origin_value, float) and isinstance(value, float):
+        return math.isclose(origin_value, value, rel_tol=1e-9)  # K * c / K need not round-trip exactly
+    if key == "head_dim" and origin_value is None:
+        return value == config.hidden_size // config.num_attention_heads
+    return key == "hidden_act" and origin_value in _SILU and value in _SILU
+
+
+def config_to_hf(config: MoEConfig, arch: HFArchitecture):
+    """The transformers config of `arch` for our config, with the HF-only fields kept in `hf_origin`."""
+    from transformers import CONFIG_MAPPING
+
+    reasons = refusals_to_hf(config, arch)
+    if reasons:
+        raise ConversionError(f"cannot write this model as {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons))
+    if config.router_z_loss_coef > 0:
+        logger.warning("router_z_loss_coef=%s is not carried: %s has no router z-loss (logits are unaffected)",
+                       config.router_z_loss_coef, arch.class_name)
+    if config.router_jitter > 0 and arch.model_type != "mixtral":
+        logger.warning("router_jitter=%s is not carried: %s has no router jitter (logits are unaffected)",
+                       config.router_jitter, arch.class_name)
+    elif config.router_jitter > 0:
+        logger.warning("router_jitter=%s becomes router_jitter_noise: in training HF Mixtral also multiplies the "
+                       "experts' input by the noise, ours the router input only", config.router_jitter)
+    fields = hf_config_fields(arch, config)
+    origin = config.hf_origin or {}
+    if origin.get("model_type") == arch.model_type:
+        for key, origin_value in origin.get("config", {}).items():
+            if key not in fields or _same(key, origin_value, fields[key], config):
+                fields[key] = origin_value
+    hf = CONFIG_MAPPING[arch.model_type](**fields)
+    hf.architectures = [arch.class_name]
+    return hf
+
+
+# ================================================================================================ weights
+def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tuple[str, ...]]]:
+    """``(our name, HF names)`` for every weight; several HF names are per-expert slices stacked on dim 0."""
+    plan: list[tuple[str, tuple[str, ...]]] = []
+    same: list[str] = ["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        same += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        same += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_bias:
+            same += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.qk_norm:
+            same += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
+        if config.is_moe_layer(i):
+            moe = f"{p}.{arch.moe_module}"
+            plan.append((f"{p}.mlp.router.gate.weight", (f"{moe}.gate.weight",)))
+            for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), arch.expert_weights):
+                plan.append((f"{p}.mlp.experts.{ours}",
+                             tuple(f"{moe}.experts.{j}.{theirs}.weight" for j in range(config.num_experts))))
+            if config.num_shared_experts:
+                same += [f"{p}.mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+                if config.shared_expert_gate:
+                    same.append(f"{p}.mlp.shared_expert_gate.weight")
+        else:
+            same += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    same.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        same.append("lm_head.weight")
+    return [(name, (name,)) for name in same] + plan
+
+
+def _our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
+    """Our parameters by name, checked to be exactly those the plan covers (catches model drift early)."""
+    tensors = model.state_dict(keep_vars=True)
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    planned = {ours for ours, _ in plan}
+    if planned != set(tensors):
+        raise ConversionError(
+            f"internal: the conversion plan and MoEForCausalLM disagree (unplanned: "
+            f"{sorted(set(tensors) - planned)[:5]}, missing: {sorted(planned - set(tensors))[:5]}); "
+            f"moe_core/convert.py needs updating for this model")
+    return tensors
+
+
+def _source_dtype(reader: CheckpointReader) -> torch.dtype:
+    name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in reader.file_of else min(reader.file_of)
+    return reader.dtype(name)
+
+
+def from_hf(path_or_hub_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
+            revision: str | None = None) -> MoEForCausalLM:
+    """Our model from a Hugging Face Mixtral, OLMoE or Qwen2-MoE checkpoint (a directory or a hub id).
+
+    The weights are streamed tensor by tensor from the checkpoint into our model (the HF model is never built),
+    in `dtype` (default: the checkpoint's own). The result is in eval mode.
+    """
+    from transformers.modeling_utils import no_init_weights
+
+    directory = resolve_source(path_or_hub_id, revision)
+    arch, hf, raw = read_hf_config(directory)
+    config = config_from_hf(arch, hf, raw)
+    reader = CheckpointReader(directory)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConversionError(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or _source_dtype(reader)
+    with no_init_weights():  # every tensor is overwritten below
+        model = MoEForCausalLM._from_config(config, dtype=dtype)
+    model.tie_weights()  # post_init skips tying when initialization is off (from_pretrained ties afterwards too)
+    plan = weight_plan(config, arch)
+    tensors = _our_tensors(model, plan)
+    available = reader.names()
+    missing = [n for _, names in plan for n in names if n not in available]
+    if missing:
+        raise ConversionError(f"{directory}: {len(missing)} weights the config implies are missing, e.g. "
+                              f"{missing[:3]}; is the checkpoint complete and its config right?")
+    used = {n for _, names in plan for n in names}
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding is the truth
+    unused = sorted(n for n in available - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ConversionError(f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
+                              f"{unused[:3]}; refusing to drop them silently")
+    with torch.no_grad():
+        for ours, names in plan:
+            target = tensors[ours]
+            slices = [target] if len(names) == 1 else list(target)
+            for slot, name in zip(slices, names):
+                source = reader.get(name)
+                if source.shape != slot.shape:
+                    raise ConversionError(f"{directory}: {name} has shape {tuple(source.shape)}, the config "
+                                          f"implies {tuple(slot.shape)} for {ours}")
+                slot.copy_(source)
+    model.config.dtype = dtype
+    return model.eval()
+
+
+def _write_safetensors(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int) -> None:
+    """Write named tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        # clone: the per-expert slices of one stacked tensor share storage, which safetensors refuses
+        save_file({name: t.detach().clone().contiguous() for name, t in shard}, str(directory / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys((name for name, _ in shard), file))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def to_hf(model: MoEForCausalLM, out_dir: str | os.PathLike, architecture: str | None = None, *,
+          tokenizer_dir: str | os.PathLike | None = None, overwrite: bool = False,
+          max_shard_size: int = 5 * 2**30) -> Path:
+    """Write `model` as a Hugging Face checkpoint loadable with ``AutoModelForCausalLM.from_pretrained``.
+
+    `architecture` (``mixtral``, ``olmoe``, ``qwen2_moe``) defaults to the one the model was converted from; a
+    native model must name one. Refuses, with every reason, what the target cannot express exactly. Tokenizer
+    and generation files in `tokenizer_dir` are copied along. Returns the output directory.
+    """
+    config = model.config
+    origin = config.hf_origin or {}
+    name = architecture or origin.get("model_type")
+    if name is None:
+        raise ConversionError(f"this model was not converted from Hugging Face, so name the target "
+                              f"architecture; supported: {SUPPORTED}")
+    arch = get_architecture(name)
+    hf_config = config_to_hf(config, arch)
+    plan = weight_plan(config, arch)
+    ours = _our_tensors(model, plan)
+    tensors = [(hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
+               for our_name, names in plan for j, hf_name in enumerate(names)]
+    hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
+    with atomic_directory(out_dir, overwrite) as tmp:
+        _write_safetensors(tmp, tensors, max_shard_size)
+        hf_config.save_pretrained(tmp)
+        copied = copy_companion_files(tokenizer_dir, tmp) if tokenizer_dir else []
+        if "generation_config.json" not in copied:
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+    return Path(out_dir)
+
+
+# ================================================================================================ files
+def copy_companion_files(source: str | os.PathLike, destination: Path) -> list[str]:
+    """Copy tokenizer, chat-template and generation files from `source`; returns the names copied."""
+    copied = []
+    for name in COMPANION_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, destination / name)
+            copied.append(name)
+    return copied
+
+
+@contextmanager
+def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory next to `out_dir`, renamed into place only when the block succeeds.
+
+    A non-empty `out_dir` is refused unless `overwrite`; then it is replaced only after the new one is complete.
+    """
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"{out} is not empty; choose another output directory or pass overwrite=True "
+                              f"(--overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.is_dir():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def convert_from_hf(source: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    overwrite: bool = False, revision: str | None = None) -> Path:
+    """A HF checkpoint (directory or hub id) written as our checkpoint, tokenizer files included."""
+    directory = resolve_source(source, revision)
+    model = from_hf(directory, dtype=dtype)
+    with atomic_directory(out_dir, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        copy_companion_files(directory, tmp)
+    return Path(out_dir)
+
+
+def load_ours(source: str | os.PathLike) -> MoEForCausalLM:
+    """Our checkpoint directory as a model in its stored dtype, with a clear error for anything else."""
+    directory = Path(source).expanduser()
+    file = directory / "config.json"
+    if not file.is_file():
+        raise ConversionError(f"{directory}: no config.json; give a directory written by save_pretrained")
+    model_type = json.loads(file.read_text()).get("model_type")
+    if model_type in ARCHITECTURES:
+        raise ConversionError(f"{directory} is a Hugging Face {model_type} checkpoint already; "
+                              f"use from_hf / `moe-lab convert from-hf` to bring it in")
+    if model_type != MoEConfig.model_type:
+        raise ConversionError(f"{directory}: model_type {model_type!r} is not a moe_lab checkpoint")
+    return MoEForCausalLM.from_pretrained(directory, dtype="auto").eval()
+
+
+def convert_to_hf(source: str | os.PathLike, out_dir: str | os.PathLike, architecture: str | None = None,
+                  overwrite: bool = False) -> Path:
+    """Our checkpoint directory written as a HF checkpoint, tokenizer files included."""
+    return to_hf(load_ours(source), out_dir, architecture, tokenizer_dir=source, overwrite=overwrite)
+
+
+# ================================================================================================ CLI
+def _cli_from_hf(args: argparse.Namespace) -> int:
+    out = convert_from_hf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision)
+    print(f"wrote moe_lab checkpoint to {out}")
+    return 0
+
+
+def _cli_to_hf(args: argparse.Namespace) -> int:
+    out = convert_to_hf(args.source, args.out, architecture=args.arch, overwrite=args.overwrite)
+    print(f"wrote Hugging Face checkpoint to {out}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="exact conversion to and from Hugging Face MoE checkpoints",
+                                   description="Exact conversion between moe_lab checkpoints and Hugging Face "
+                                               "Mixtral, OLMoE and Qwen2-MoE checkpoints.")
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    from_parser = sub.add_parser("from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint")
+    from_parser.add_argument("source", help="HF checkpoint directory or hub id")
+    from_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    from_parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own dtype")
+    from_parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    from_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    from_parser.set_defaults(func=_cli_from_hf)
+    to_parser = sub.add_parser("to-hf", help="moe_lab checkpoint -> Mixtral / OLMoE / Qwen2-MoE checkpoint")
+    to_parser.add_argument("source", help="moe_lab checkpoint directory (save_pretrained)")
+    to_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    to_parser.add_argument("--arch", choices=sorted(ARCHITECTURES),
+                           help="target architecture; default: the one the model was converted from")
+    to_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    to_parser.set_defaults(func=_cli_to_hf)
