@@ -1,0 +1,94 @@
+"""Tokenizers: train a byte-level BPE (GPT-2 style, `tokenizers`) or load an existing one.
+
+A trained tokenizer has BOS/EOS/PAD special tokens, role markers for chat, and a chat template; it is saved
+as a transformers tokenizer directory (`PreTrainedTokenizerFast`), so ``AutoTokenizer.from_pretrained`` loads
+it. `tokenizer_hash` identifies a tokenizer by its vocabulary, merges and special tokens, and is stored in
+the manifest of prepared data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from moe_core.data.errors import DataError
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # ids 0..6 in a trained tokenizer
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
+
+# Each turn is "<|role|>\n{content}" followed by EOS; generation prompts end with "<|assistant|>\n".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Any:
+    """Train a byte-level BPE tokenizer on `texts`; returns a `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size={vocab_size} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} "
+                         "special tokens); raise it")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS), clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(path_or_id: str | Path) -> Any:
+    """A transformers tokenizer from a prepared-data directory (its ``tokenizer/``), a tokenizer directory,
+    or a hub id. Raises `DataError` when it cannot be loaded or has no EOS token (packing needs one)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path_or_id)
+    if (path / "manifest.json").is_file() and (path / "tokenizer").is_dir():
+        path = path / "tokenizer"
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(path_or_id))
+    except Exception as err:
+        msg = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise DataError(f"tokenizer {str(path_or_id)!r} could not be loaded ({type(err).__name__}: {msg}); pass a "
+                        "tokenizer directory, a prepared-data directory, or a reachable hub id") from None
+    if tok.eos_token_id is None:
+        raise DataError(f"tokenizer {str(path_or_id)!r} has no EOS token; packing separates documents with EOS, "
+                        "so pick a tokenizer that defines one")
+    return tok
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary, merges, normalizer/pre-tokenizer and special tokens."""
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    h = hashlib.sha256()
+    h.update(json.dumps(backend, sort_keys=True).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()
+
+
+def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """`CHAT_TEMPLATE` in plain Python, for rendering instruction data before a tokenizer exists."""
+    text = BOS + "".join(f"<|{m['role']}|>\n{m['content']}{EOS}" for m in messages)
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
