@@ -34,14 +34,18 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
     return F.gelu(h_up)
 
 
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """`torch._grouped_mm` runs on CPU (fp32, bf16) and on Hopper-or-newer GPUs in bf16."""
+def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
+    """`torch._grouped_mm` runs on CPU (fp32, bf16) and on Hopper-or-newer GPUs in bf16, with every row
+    stride a multiple of 16 bytes (so ``dims``, the matrix widths, must be multiples of 16 / element size)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    if any(d * dtype.itemsize % 16 for d in dims):
+        return False
     if x.is_cuda:
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
+    return device == "cpu"
 
 
 class GroupedExperts(nn.Module):
@@ -72,7 +76,8 @@ class GroupedExperts(nn.Module):
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
-        return "grouped_mm" if grouped_mm_supported(x_TD) else "sorted"
+        E, F_, D = self.up_proj.shape
+        return "grouped_mm" if grouped_mm_supported(x_TD, F_, D) else "sorted"
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)

@@ -246,3 +246,12 @@ def test_peft_lora_reaches_attention_and_every_expert_weight():
             if "mlp.experts" in name and "lora_B" in name:
                 p.normal_(std=0.5)
     assert not torch.allclose(peft_model(input_ids=x).logits, base_logits, atol=1e-4)
+
+
+def test_auto_impl_avoids_grouped_mm_for_misaligned_widths():
+    config = get_config("mixtral-tiny", expert_intermediate_size=3)
+    block = seeded_block(config)
+    x = torch.randn(2, 5, config.hidden_size)
+    assert block.experts.resolved_impl(x) == "sorted"
+    torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
+    assert seeded_block(get_config("mixtral-tiny")).experts.resolved_impl(x) == "grouped_mm"
