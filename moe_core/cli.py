@@ -14,6 +14,8 @@ COMMAND_MODULES = (
     "moe_core.convert",
     "moe_core.data.cli",
     "moe_core.train.cli",
+    "moe_core.analytics.cli",
+    "moe_core.inference.cli",
 )
 
 

@@ -1,0 +1,252 @@
+"""`moe-lab eval` and `moe-lab analyze`: thin argument parsing over `moe_core.eval` and `moe_core.analytics`.
+
+    moe-lab eval    --model runs/x --data runs/data [--compare dense=runs/dense] [--generate] [--tasks T]
+    moe-lab analyze --model runs/x --data runs/data --out runs/x/analysis [--device-name h100]
+
+``--model`` is a model directory (``save_pretrained`` / an exported or step checkpoint) or a training output
+directory (its latest checkpoint is used); ``--preset NAME`` builds a randomly initialised model instead (a
+smoke test of the pipeline). Heavy imports happen inside the handlers. Output files only hold numbers,
+hashes, vocabulary entries and generations for the project's own prompts; nothing here prints training text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from moe_core.errors import MoELabError
+
+
+def add_cli(subparsers) -> None:
+    ev = subparsers.add_parser("eval", help="loss/perplexity per split, comparison table, generations, lm-eval",
+                               description="Evaluate a model: loss and perplexity on prepared splits, a table "
+                                           "against other models (dense baselines), generations, lm-eval tasks.")
+    _model_args(ev)
+    ev.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    ev.add_argument("--splits", default="validation,test", help="comma-separated splits (default: %(default)s)")
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--max-batches", type=int, default=None, help="per split (default: all)")
+    ev.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
+                    help="another model to put in the table, e.g. dense=runs/dense-total (repeatable)")
+    ev.add_argument("--generate", action="store_true", help="greedy + sampled generations for the prompt set")
+    ev.add_argument("--max-new-tokens", type=int, default=48)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs lm-eval)")
+    ev.add_argument("--include-path", default=None, help="directory of local lm-eval YAML tasks")
+    ev.add_argument("--limit", type=float, default=None, help="lm-eval examples per task")
+    ev.add_argument("--out", default=None, help="write eval.json, comparison.md, generations.jsonl here")
+    ev.set_defaults(func=run_eval)
+
+    an = subparsers.add_parser("analyze", help="router profile, pictures and cost report",
+                               description="Profile the router on an evaluation split (saved as a versioned "
+                                           "profile), draw the pictures and write the cost report.")
+    _model_args(an)
+    an.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    an.add_argument("--split", default="validation")
+    an.add_argument("--batch-size", type=int, default=8)
+    an.add_argument("--max-batches", type=int, default=16)
+    an.add_argument("--out", required=True, help="output directory: profile/, plots/, cost.json, cost.md")
+    an.add_argument("--top-tokens", type=int, default=10)
+    an.add_argument("--rare-fraction", type=float, default=0.1)
+    an.add_argument("--no-plots", action="store_true")
+    an.add_argument("--text", default=None, help="text for the token-to-expert heatmap (default: a project prompt)")
+    an.add_argument("--device-name", default=None,
+                    help="device to price (default: this machine's, e.g. 'cpu' or the CUDA device name)")
+    an.add_argument("--price-table", default=None, help='JSON {"device": usd_per_hour} over the defaults')
+    an.add_argument("--throughput-batch", type=int, default=4)
+    an.add_argument("--throughput-seq", type=int, default=None, help="default: the data's seq_len or 256")
+    an.add_argument("--throughput-steps", type=int, default=3)
+    an.add_argument("--events", default=None, help="training JSONL event file, for the training cost to date")
+    an.add_argument("--train-tokens", type=int, default=None)
+    an.add_argument("--train-seconds", type=float, default=None)
+    an.add_argument("--train-device", default=None, help="device the training ran on (default: --device-name)")
+    an.add_argument("--train-devices", type=int, default=1)
+    an.set_defaults(func=run_analyze)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--model", help="model directory, or a training output directory")
+    group.add_argument("--preset", help="a config preset with random weights (pipeline smoke test)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the data's)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def resolve_model_dir(path: str | Path) -> Path:
+    """A directory with config.json, or the latest checkpoint under ``<path>/checkpoints``."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    ckpts = path / "checkpoints"
+    if ckpts.is_dir():
+        found = sorted((p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_")
+                        and (p / "config.json").is_file()), key=lambda p: p.name)
+        if found:
+            return found[-1]
+    raise MoELabError(f"{path}: no config.json and no checkpoints/step_* inside; pass a model directory "
+                      "(save_pretrained or an exported checkpoint) or a training output directory")
+
+
+def load_model(args, path: str | None = None, vocab_size: int | None = None):
+    import torch
+
+    from moe_core import MoEForCausalLM, get_config
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = path or args.model
+    if path:
+        model = MoEForCausalLM.from_pretrained(str(resolve_model_dir(path)))
+    else:
+        overrides = {"vocab_size": vocab_size} if vocab_size else {}
+        torch.manual_seed(0)
+        model = MoEForCausalLM(get_config(args.preset, **overrides))
+    return model.to(device).eval()
+
+
+def _tokenizer(args, required: bool):
+    source = args.tokenizer or args.data
+    if source is None:
+        if required:
+            raise MoELabError("a tokenizer is needed: pass --tokenizer DIR or --data DIR (prepared data)")
+        return None
+    from moe_core.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(source)
+
+
+def _data_vocab(args) -> int | None:
+    if not args.data:
+        return None
+    from moe_core.data.shards import read_manifest
+
+    return int(read_manifest(args.data)["tokenizer"]["vocab_size"])
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# ------------------------------------------------------------------------------------------------ eval
+def run_eval(args) -> int:
+    from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
+
+    out = Path(args.out) if args.out else None
+    model = load_model(args, vocab_size=_data_vocab(args))
+    report: dict[str, Any] = {"model": args.model or f"preset:{args.preset}"}
+    splits = [s for s in args.splits.split(",") if s]
+    if args.data:
+        rows = []
+        results = evaluate_splits(model, args.data, splits, args.batch_size, args.max_batches)
+        rows.append(model_row(report["model"], model.config, results))
+        report["splits"] = {k: v.to_dict() for k, v in results.items()}
+        for spec in args.compare:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
+            other = load_model(args, path=path)
+            other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
+            rows.append(model_row(name, other.config, other_results))
+            del other
+        table = comparison_table(rows, reference=report["model"])
+        report["comparison"] = json.loads(table.to_json(orient="records"))
+        markdown = to_markdown(table)
+        print(markdown)
+        if out:
+            _write(out / "comparison.md", markdown + "\n")
+    elif not (args.generate or args.tasks):
+        raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
+    tokenizer = _tokenizer(args, required=bool(args.generate or args.tasks))
+    if args.generate:
+        from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
+
+        generations = generate_samples(model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                                                                  seed=args.seed))
+        report["generations"] = len(generations)
+        if out:
+            write_generations(generations, out / "generations.jsonl")
+        else:
+            for g in generations:
+                print(f"--- {g.prompt} [{g.mode}]\n{g.prompt_text}{g.completion}")
+    if args.tasks:
+        try:
+            from moe_core.eval.harness import MoELabLM, run_tasks
+        except ImportError as err:
+            raise MoELabError(str(err)) from None
+        limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+        report["lm_eval"] = run_tasks(MoELabLM(model, tokenizer), args.tasks.split(","), args.include_path, limit,
+                                      seed=args.seed)
+        print(json.dumps(report["lm_eval"], indent=2, default=str))
+    if out:
+        _write(out / "eval.json", json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ analyze
+def run_analyze(args) -> int:
+    import torch
+
+    from moe_core.analytics.cost import (
+        PriceTable,
+        TrainingUsage,
+        cost_report,
+        measure_throughput,
+        usage_from_events,
+    )
+    from moe_core.analytics.profile import ProfileConfig, collect_profile
+    from moe_core.analytics.token_classes import TOKEN_CLASSES, token_class_table
+    from moe_core.eval.perplexity import to_markdown
+
+    if not args.data:
+        raise MoELabError("moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)")
+    from moe_core.data.shards import PackedTokens
+    from moe_core.eval.batches import split_batches
+
+    out = Path(args.out)
+    model = load_model(args, vocab_size=_data_vocab(args))
+    tokenizer = _tokenizer(args, required=False)
+    data = PackedTokens(args.data, args.split)
+    classes_V = token_class_table(tokenizer, model.config.vocab_size) if tokenizer is not None else None
+    profile = collect_profile(
+        model, split_batches(args.data, args.split, args.batch_size, args.max_batches, with_domains=True,
+                             verify=False),  # PackedTokens above checked the shards
+        ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction),
+        token_classes_V=classes_V, class_names=TOKEN_CLASSES, domain_names=data.domain_names, tokenizer=tokenizer,
+        dataset_labels={"data_dir": str(args.data), "split": args.split,
+                        "data_manifest_tokenizer_hash": data.manifest["tokenizer"]["hash"]},
+    )
+    profile.to_dir(out / "profile")
+    summary = profile.summary()
+    print(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])))
+    if not args.no_plots:
+        from moe_core.analytics.plots import render_all
+        from moe_core.eval.prompts import PROMPTS
+
+        text = args.text or PROMPTS[0].text
+        token_ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else None
+        render_all(profile, out / "plots", model=model, token_ids=token_ids, tokenizer=tokenizer)
+
+    device = next(model.parameters()).device
+    device_name = args.device_name or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    prices = PriceTable.from_file(args.price_table) if args.price_table else PriceTable()
+    seq_len = args.throughput_seq or data.seq_len
+    throughput = measure_throughput(model, args.throughput_batch, seq_len, args.throughput_steps)
+    training = None
+    train_device = args.train_device or device_name
+    if args.events:
+        training = usage_from_events(args.events, train_device, args.train_devices)
+    elif args.train_tokens is not None and args.train_seconds is not None:
+        training = TrainingUsage(args.train_tokens, args.train_seconds, train_device, args.train_devices)
+    drop_rate = float(sum(x.dropped_slots for x in profile.layers) / max(sum(x.slots for x in profile.layers), 1))
+    report = cost_report(model.config, throughput.tokens_per_s, device_name, seq_len, prices, drop_rate, training)
+    cost = {**report.to_dict(), "throughput": vars(throughput)}
+    _write(out / "cost.json", json.dumps(cost, indent=2, default=str) + "\n")
+    _write(out / "cost.md", report.to_markdown() + "\n")
+    print(report.to_markdown())
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

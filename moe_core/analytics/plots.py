@@ -1,0 +1,303 @@
+"""Pictures of a router profile: a PNG (matplotlib, for MLflow and reports) and an interactive HTML (plotly)
+of each.
+
+- expert load heatmap (MoE layer x expert, share of kept slots);
+- co-activation matrices (per layer, fraction of tokens using both experts);
+- routing flow between consecutive MoE layers (top-1 flow: plotly Sankey; the PNG draws the same flow as
+  weighted lines between layer columns, since a static Sankey export needs kaleido);
+- specialization (per layer, each expert's kept slots by token class, and by domain when known);
+- token-to-expert heatmap over a piece of text (router probabilities per token, kept slots marked).
+
+Each function returns ``{"png": Path, "html": Path}``. HTML files load ``plotly.min.js`` from the same
+directory (``include_plotlyjs="directory"``, written once), so they open offline. PNGs are drawn on a bare
+`matplotlib.figure.Figure` (Agg canvas): no pyplot global state, no display needed.
+
+Legend: L = MoE layers, E = experts, C = token classes, T = tokens of the text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_core.analytics.profile import RouterProfile
+
+PLOT_NAMES = ("expert_load", "coactivation", "routing_flow", "specialization", "token_routing")
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=110, layout="constrained")
+
+
+def _write_html(fig, path: Path) -> Path:
+    fig.write_html(path, include_plotlyjs="directory", full_html=True)
+    return path
+
+
+def _out(out_dir: str | Path, name: str) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{name}.png", out_dir / f"{name}.html"
+
+
+def _layer_labels(profile: RouterProfile) -> list[str]:
+    return [f"layer {x.layer_id}" for x in profile.layers]
+
+
+# ------------------------------------------------------------------------------------------------ load
+def plot_expert_load(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+    """Heatmap of each expert's share of its layer's kept slots (1/E is perfect balance)."""
+    import plotly.graph_objects as go
+
+    png, html = _out(out_dir, "expert_load")
+    share_LE = profile.load_matrix_LE()
+    L, E = share_LE.shape
+    labels = _layer_labels(profile)
+    fig = _figure(max(5.0, 0.45 * E + 2.5), max(2.5, 0.5 * L + 1.5))
+    ax = fig.add_subplot()
+    image = ax.imshow(share_LE, aspect="auto", cmap="viridis", vmin=0.0)
+    ax.set(xlabel="expert", ylabel="MoE layer", xticks=range(E), yticks=range(L), yticklabels=labels,
+           title=f"Expert load (share of kept slots; uniform = {1 / E:.3f})")
+    if L * E <= 256:
+        for i in range(L):
+            for j in range(E):
+                ax.text(j, i, f"{share_LE[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if share_LE[i, j] < share_LE.max() * 0.6 else "black")
+    fig.colorbar(image, ax=ax, label="share")
+    fig.savefig(png)
+    hover = [[f"{labels[i]}, expert {j}<br>share {share_LE[i, j]:.4f}<br>slots {profile.layers[i].kept_E[j]}"
+              for j in range(E)] for i in range(L)]
+    pfig = go.Figure(go.Heatmap(z=share_LE, x=list(range(E)), y=labels, colorscale="Viridis", text=hover,
+                                hoverinfo="text", colorbar={"title": "share"}))
+    pfig.update_layout(title="Expert load (share of kept slots)", xaxis_title="expert", yaxis_title="MoE layer")
+    return {"png": png, "html": _write_html(pfig, html)}
+
+
+# ------------------------------------------------------------------------------------------------ co-activation
+def coactivation_fraction(profile: RouterProfile) -> list[np.ndarray]:
+    """Per layer ``[E, E]``: fraction of tokens whose kept slots include both experts (diagonal: expert used)."""
+    return [x.coactivation_EE / max(x.tokens, 1) for x in profile.layers]
+
+
+def plot_coactivation(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    png, html = _out(out_dir, "coactivation")
+    mats = coactivation_fraction(profile)
+    labels = _layer_labels(profile)
+    n = len(mats)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig = _figure(4.2 * cols, 3.8 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    vmax = max(float(m.max()) for m in mats) if mats else 1.0
+    for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(mats[k], cmap="magma", vmin=0.0, vmax=vmax)
+        ax.set(title=labels[k], xlabel="expert j", ylabel="expert i")
+    fig.suptitle("Co-activation: fraction of tokens routed to both experts")
+    fig.colorbar(image, ax=axes, label="fraction of tokens")
+    fig.savefig(png)
+    pfig = make_subplots(rows=rows, cols=cols, subplot_titles=labels)
+    for k, mat in enumerate(mats):
+        pfig.add_trace(go.Heatmap(z=mat, coloraxis="coloraxis",
+                                  hovertemplate="expert %{y} & %{x}: %{z:.4f}<extra></extra>"),
+                       row=k // cols + 1, col=k % cols + 1)
+    pfig.update_layout(title="Co-activation (fraction of tokens routed to both experts)",
+                       coloraxis={"colorscale": "Magma"})
+    return {"png": png, "html": _write_html(pfig, html)}
+
+
+# ------------------------------------------------------------------------------------------------ flow
+def plot_routing_flow(profile: RouterProfile, out_dir: str | Path, min_share: float = 0.0) -> dict[str, Path]:
+    """Top-1 routing flow between consecutive MoE layers; links under ``min_share`` of tokens are hidden."""
+    import plotly.graph_objects as go
+
+    png, html = _out(out_dir, "routing_flow")
+    layers = profile.layers
+    E = max((x.num_experts for x in layers), default=0)
+    node_index = {}
+    labels, node_x, node_y = [], [], []
+    for li, x in enumerate(layers):
+        for e in range(x.num_experts):
+            node_index[(x.layer_id, e)] = len(labels)
+            labels.append(f"L{x.layer_id} e{e}")
+            node_x.append(0.01 + 0.98 * li / max(len(layers) - 1, 1))
+            node_y.append(0.01 + 0.98 * e / max(x.num_experts - 1, 1))
+    sources, targets, values = [], [], []
+    for f in profile.flows:
+        total = max(int(f.top1_EF.sum()), 1)
+        for i, j in zip(*np.nonzero(f.top1_EF)):
+            if f.top1_EF[i, j] / total >= min_share:
+                sources.append(node_index[(f.from_layer, int(i))])
+                targets.append(node_index[(f.to_layer, int(j))])
+                values.append(int(f.top1_EF[i, j]))
+
+    fig = _figure(max(5.0, 2.2 * len(layers) + 1), max(3.5, 0.4 * E + 1.5))
+    ax = fig.add_subplot()
+    colors = _palette(E)
+    for f in profile.flows:
+        li = next(k for k, x in enumerate(layers) if x.layer_id == f.from_layer)
+        total = max(int(f.top1_EF.sum()), 1)
+        widest = max(int(f.top1_EF.max()), 1)
+        for i, j in zip(*np.nonzero(f.top1_EF)):
+            if f.top1_EF[i, j] / total < min_share:
+                continue
+            ax.plot([li, li + 1], [i, j], color=colors[int(i)], alpha=0.55,
+                    linewidth=0.5 + 7.5 * f.top1_EF[i, j] / widest, solid_capstyle="butt")
+    for li, x in enumerate(layers):
+        ax.scatter([li] * x.num_experts, range(x.num_experts), s=30 + 400 * x.share_E, c=colors[:x.num_experts],
+                   edgecolors="black", linewidths=0.5, zorder=3)
+    ax.set(xticks=range(len(layers)), xticklabels=_layer_labels(profile), yticks=range(E), ylabel="expert",
+           title="Routing flow: top-1 expert in layer l -> top-1 expert in layer l+1 (width ~ tokens)")
+    ax.invert_yaxis()
+    fig.savefig(png)
+    link_colors = [_rgba(colors[[k for k, v in node_index.items() if v == s][0][1]], 0.45) for s in sources]
+    pfig = go.Figure(go.Sankey(
+        arrangement="fixed",
+        node={"label": labels, "x": node_x, "y": node_y, "pad": 8, "thickness": 14},
+        link={"source": sources, "target": targets, "value": values, "color": link_colors},
+    ))
+    pfig.update_layout(title="Routing flow (top-1 expert, consecutive MoE layers)")
+    return {"png": png, "html": _write_html(pfig, html)}
+
+
+def _palette(n: int) -> list[tuple[float, float, float, float]]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20" if n > 10 else "tab10"]
+    return [cmap(i % cmap.N) for i in range(max(n, 1))]
+
+
+def _rgba(color, alpha: float) -> str:
+    r, g, b = (int(255 * c) for c in color[:3])
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+# ------------------------------------------------------------------------------------------------ specialization
+def plot_specialization(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+    """Per layer, each expert's kept slots split by token class (and by domain): stacked shares, with the
+    mutual information I(expert; class) in the title. Without class or domain data the chart says so."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    png, html = _out(out_dir, "specialization")
+    panels = []  # (title, names, counts_EC)
+    for x in profile.layers:
+        if profile.class_names:
+            panels.append((f"layer {x.layer_id}: token class, I = {x.mi_class_bits:.3f} bits",
+                           profile.class_names, x.class_counts_EC))
+        if profile.domain_names:
+            panels.append((f"layer {x.layer_id}: domain, I = {x.mi_domain_bits:.3f} bits",
+                           profile.domain_names, x.domain_counts_EM))
+    n = max(len(panels), 1)
+    cols = 2 if profile.class_names and profile.domain_names else 1
+    rows = -(-n // cols)
+    E = max((x.num_experts for x in profile.layers), default=1)
+    fig = _figure(max(6.0, 0.5 * E + 3) * cols, 3.2 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    pfig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels] or ["no data"])
+    for k, ax in enumerate(axes.flat):
+        if k >= len(panels):
+            ax.set_axis_off()
+            if not panels:
+                ax.text(0.5, 0.5, "no token classes or domains in this profile", ha="center", va="center")
+            continue
+        title, names, counts_EC = panels[k]
+        share_EC = counts_EC / np.maximum(counts_EC.sum(1, keepdims=True), 1)
+        colors = _palette(len(names))
+        bottom = np.zeros(share_EC.shape[0])
+        for c, name in enumerate(names):
+            ax.bar(range(share_EC.shape[0]), share_EC[:, c], bottom=bottom, color=colors[c], label=name)
+            pfig.add_trace(go.Bar(x=list(range(share_EC.shape[0])), y=share_EC[:, c], name=name,
+                                  marker_color=_rgba(colors[c], 1.0), legendgroup=name, showlegend=k < cols,
+                                  customdata=counts_EC[:, c],
+                                  hovertemplate=f"expert %{{x}}, {name}: %{{y:.3f}} (%{{customdata}} slots)"
+                                                "<extra></extra>"),
+                           row=k // cols + 1, col=k % cols + 1)
+            bottom += share_EC[:, c]
+        ax.set(title=title, xlabel="expert", ylabel="share of slots", ylim=(0, 1), xticks=range(share_EC.shape[0]))
+        if k < cols:  # one legend per column, outside the bars
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.suptitle("Expert specialization")
+    fig.savefig(png)
+    pfig.update_layout(barmode="stack", title="Expert specialization (share of each expert's slots)")
+    return {"png": png, "html": _write_html(pfig, html)}
+
+
+# ------------------------------------------------------------------------------------------------ token routing
+@torch.no_grad()
+def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str | Path, tokenizer=None,
+                       max_tokens: int = 64) -> dict[str, Path]:
+    """Router probabilities of each token of a short text, per MoE layer (rows: experts, columns: tokens);
+    kept slots are outlined. Give a project-owned text (e.g. a `moe_core.eval.prompts` prompt), not
+    training data: the tokens are drawn as labels."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    png, html = _out(out_dir, "token_routing")
+    ids_T = torch.as_tensor(token_ids, dtype=torch.long).flatten()[:max_tokens]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        routing = model(ids_T[None].to(device), output_routing=True, use_cache=False).routing
+    finally:
+        model.train(was_training)
+    tokens = ([tokenizer.decode([int(t)]) for t in ids_T] if tokenizer is not None else [str(int(t)) for t in ids_T])
+    tokens = [t.replace("\n", "\\n").replace("\t", "\\t") or "\u2205" for t in tokens]
+    T = len(tokens)
+    layer_ids = list(model.config.moe_layer_ids)
+    L = len(routing)
+    E = model.config.num_experts
+    fig = _figure(max(6.0, 0.28 * T + 2), 0.3 * E * L + 1.2 * L + 0.8)
+    axes = fig.subplots(L, 1, squeeze=False)[:, 0]
+    pfig = make_subplots(rows=L, cols=1, subplot_titles=[f"layer {i}" for i in layer_ids], shared_xaxes=True)
+    positions = [f"{i}:{tok}" for i, tok in enumerate(tokens)]
+    for ax, record, layer_id, row in zip(axes, routing, layer_ids, range(1, L + 1)):
+        probs_TE = record.probs_TE.detach().float().cpu()
+        probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp_min(1e-30)
+        probs_ET = probs_TE.t().numpy()
+        ax.imshow(probs_ET, aspect="auto", cmap="Blues", vmin=0.0, vmax=max(float(probs_ET.max()), 1e-6))
+        kept_TK = ~record.dropped_TK.cpu()
+        for t, k in zip(*torch.nonzero(kept_TK, as_tuple=True)):
+            e = int(record.expert_ids_TK[t, k])
+            ax.add_patch(_rect(int(t), e))
+        ax.set(title=f"layer {layer_id}: router probability (outlined: kept slots)", ylabel="expert",
+               yticks=range(E))
+        ax.set_xticks(range(T), tokens, rotation=90, fontsize=7, fontfamily="monospace")
+        pfig.add_trace(go.Heatmap(z=probs_ET, x=positions, y=list(range(E)), coloraxis="coloraxis",
+                                  hovertemplate="token %{x}, expert %{y}: p=%{z:.3f}<extra></extra>"),
+                       row=row, col=1)
+    fig.savefig(png)
+    pfig.update_layout(title="Token-to-expert routing", coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
+                       height=260 * L + 120)
+    return {"png": png, "html": _write_html(pfig, html)}
+
+
+def _rect(t: int, e: int):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((t - 0.5, e - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.0)
+
+
+def render_all(profile: RouterProfile, out_dir: str | Path, model=None, token_ids=None,
+               tokenizer=None) -> dict[str, dict[str, Path]]:
+    """Every picture of ``profile`` into ``out_dir``; the token heatmap too when a model and text are given."""
+    out = {
+        "expert_load": plot_expert_load(profile, out_dir),
+        "coactivation": plot_coactivation(profile, out_dir),
+        "specialization": plot_specialization(profile, out_dir),
+    }
+    if profile.flows:
+        out["routing_flow"] = plot_routing_flow(profile, out_dir)
+    if model is not None and token_ids is not None:
+        out["token_routing"] = plot_token_routing(model, token_ids, out_dir, tokenizer)
+    return out

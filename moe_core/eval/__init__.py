@@ -1,0 +1,12 @@
+"""Evaluation: loss and perplexity on prepared splits, comparison tables against dense baselines,
+generations for a fixed project-owned prompt set, and an lm-evaluation-harness adapter.
+
+    from moe_core.eval.perplexity import evaluate_splits, comparison_table
+    from moe_core.eval.generate import PROMPTS, GenerationConfig, generate_samples
+
+    results = evaluate_splits(model, "runs/data", splits=("validation", "test"))
+    print(results["validation"].perplexity)
+
+Modules: `batches` (fixed-order evaluation batches from prepared data), `perplexity`, `prompts`,
+`generate`, `harness` (needs ``lm-eval``; imported only when used).
+"""

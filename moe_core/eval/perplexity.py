@@ -1,0 +1,138 @@
+"""Loss and perplexity over a split, and comparison tables of several models.
+
+Legend: B = batch, S = sequence, V = vocabulary, N = predicted tokens.
+
+Perplexity is ``exp(sum of token losses / number of predicted tokens)`` over the whole split: every token
+weighs the same, whatever batch it was in (a mean of batch means would overweight short last batches).
+Position s predicts token s+1, as in `MoEForCausalLM.forward`; labels equal to ``ignore_index`` are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.errors import MoELabError
+
+
+class EvaluationError(MoELabError):
+    """An evaluation that cannot run (an empty split, a model and data that do not fit together)."""
+
+
+@dataclass(frozen=True)
+class LossResult:
+    split: str
+    loss: float  # mean next-token cross-entropy, nats per token
+    tokens: int  # predicted tokens
+    sequences: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else float("inf")
+
+    @property
+    def bits_per_token(self) -> float:
+        return self.loss / math.log(2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "perplexity": self.perplexity, "bits_per_token": self.bits_per_token}
+
+
+@torch.no_grad()
+def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: int | None = None,
+                  ignore_index: int = -100) -> LossResult:
+    """Token-weighted mean loss of ``model`` over ``batches`` (LongTensor [B, S], or (ids, domains) pairs),
+    in eval mode (restored afterwards): no router statistics move."""
+    device = next(model.parameters()).device
+    vocab_size = model.config.vocab_size
+    total_nats = 0.0
+    tokens = sequences = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for n, batch in enumerate(batches):
+            if max_batches is not None and n >= max_batches:
+                break
+            ids_BS = batch[0] if isinstance(batch, (tuple, list)) else batch
+            ids_BS = ids_BS.to(device)
+            if ids_BS.dim() == 1:
+                ids_BS = ids_BS[None]
+            if ids_BS.numel() and int(ids_BS.max()) >= vocab_size:
+                raise EvaluationError(f"token id {int(ids_BS.max())} >= the model's vocab_size {vocab_size}: "
+                                      "the data was prepared with another tokenizer")
+            logits_BSV = model(ids_BS, use_cache=False).logits
+            targets_N = ids_BS[:, 1:].reshape(-1)
+            nats = F.cross_entropy(logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1]), targets_N,
+                                   ignore_index=ignore_index, reduction="sum")
+            total_nats += float(nats)
+            tokens += int((targets_N != ignore_index).sum())
+            sequences += ids_BS.shape[0]
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise EvaluationError(f"split {split!r}: no token to predict (empty split, or sequences of length 1)")
+    return LossResult(split=split, loss=total_nats / tokens, tokens=tokens, sequences=sequences)
+
+
+def evaluate_splits(model, data_dir: str | Path, splits: Sequence[str] = ("validation", "test"),
+                    batch_size: int = 8, max_batches: int | None = None) -> dict[str, LossResult]:
+    """`evaluate_loss` on each split of a prepared-data directory (first blocks, in order)."""
+    from moe_core.eval.batches import split_batches
+
+    return {split: evaluate_loss(model, split_batches(data_dir, split, batch_size, max_batches), split=split)
+            for split in splits}
+
+
+def model_row(name: str, config, results: Mapping[str, LossResult], seq_len: int | None = None) -> dict[str, Any]:
+    """One row of a comparison table: sizes and FLOPs from the config, loss and perplexity per split."""
+    from moe_core.analytics.cost import flops_per_token
+    from moe_core.config import parameter_counts
+
+    counts = parameter_counts(config)
+    flops = flops_per_token(config, seq_len or config.max_position_embeddings)
+    row: dict[str, Any] = {
+        "model": name, "experts": f"{config.num_experts_per_tok}/{config.num_experts}" if config.num_experts else "dense",
+        "params_total": counts["total"], "params_active": counts["active"],
+        "gflops_per_token": flops.forward_active / 1e9,
+    }
+    for split, result in results.items():
+        row[f"{split}_loss"] = result.loss
+        row[f"{split}_ppl"] = result.perplexity
+    return row
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = None):
+    """A pandas DataFrame of `model_row` rows; with ``reference`` (a model name), adds ``<split>_ppl_ratio``
+    columns: each model's perplexity over the reference's (below 1.0 is better)."""
+    import pandas as pd
+
+    df = pd.DataFrame(list(rows))
+    if reference is not None:
+        if reference not in set(df["model"]):
+            raise EvaluationError(f"reference model {reference!r} is not in the table ({list(df['model'])})")
+        ref = df[df["model"] == reference].iloc[0]
+        for col in [c for c in df.columns if c.endswith("_ppl")]:
+            df[f"{col}_ratio"] = df[col] / ref[col]
+    return df
+
+
+def to_markdown(df, floatfmt: str = ".4g") -> str:
+    """A GitHub markdown table (no `tabulate` dependency)."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
+
+    header = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    body = ["| " + " | ".join(cell(v.item() if hasattr(v, "item") else v) for v in row) + " |"
+            for row in df.itertuples(index=False)]
+    return "\n".join([header, rule, *body])

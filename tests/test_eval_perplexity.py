@@ -1,0 +1,77 @@
+"""Loss and perplexity: token-weighted over the split, checked by hand with a model of fixed predictions."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from moe_core import MoEForCausalLM, get_config
+from moe_core.eval.perplexity import EvaluationError, comparison_table, evaluate_loss, model_row, to_markdown
+
+
+class FixedDistributionLM(nn.Module):
+    """Predicts the same next-token distribution at every position."""
+
+    def __init__(self, probs: list[float]) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=len(probs))
+        self.anchor = nn.Parameter(torch.zeros(1))
+        self.register_buffer("logp_V", torch.tensor(probs).log())
+
+    def forward(self, input_ids, use_cache=False, **kwargs):
+        return SimpleNamespace(logits=self.logp_V.expand(*input_ids.shape, -1))
+
+
+def test_perplexity_weighs_every_token_the_same():
+    model = FixedDistributionLM([0.5, 0.25, 0.25])
+    batches = [torch.tensor([[0, 0, 0]]), torch.tensor([[0, 1, 1, 1, 1]])]  # 2 tokens at ln 2, 4 at ln 4
+    result = evaluate_loss(model, batches, split="hand")
+    assert result.tokens == 6 and result.sequences == 2
+    assert result.loss == pytest.approx((2 * math.log(2) + 4 * math.log(4)) / 6)
+    assert result.perplexity == pytest.approx(2 ** (10 / 6))  # a mean of batch means would give 2 ** 1.5
+    assert result.bits_per_token == pytest.approx(10 / 6)
+    assert evaluate_loss(model, batches, max_batches=1).loss == pytest.approx(math.log(2))
+
+
+def test_matches_the_models_own_loss_and_keeps_mode():
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("mixtral-tiny"))
+    model.train()
+    ids_BS = torch.randint(0, 512, (2, 12))
+    result = evaluate_loss(model, [ids_BS])
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        assert result.loss == pytest.approx(float(model(ids_BS, labels=ids_BS).lm_loss), rel=1e-5)
+
+
+def test_errors_name_the_problem():
+    model = FixedDistributionLM([0.5, 0.5])
+    with pytest.raises(EvaluationError, match="vocab_size 2"):
+        evaluate_loss(model, [torch.tensor([[0, 5]])])
+    with pytest.raises(EvaluationError, match="no token to predict"):
+        evaluate_loss(model, [], split="empty")
+
+
+def test_comparison_table_against_dense_baselines():
+    from moe_core.config import dense_baseline
+    from moe_core.eval.perplexity import LossResult
+
+    moe = get_config("mixtral-tiny")
+    rows = [
+        model_row("moe", moe, {"validation": LossResult("validation", math.log(20.0), 100, 2)}),
+        model_row("dense-total", dense_baseline(moe, "total"), {"validation": LossResult("validation", math.log(25.0), 100, 2)}),
+    ]
+    table = comparison_table(rows, reference="dense-total")
+    assert list(table["validation_ppl"]) == pytest.approx([20.0, 25.0])
+    assert list(table["validation_ppl_ratio"]) == pytest.approx([0.8, 1.0])
+    assert table.loc[0, "params_active"] < table.loc[1, "params_active"]
+    assert table.loc[0, "experts"] == "2/8" and table.loc[1, "experts"] == "dense"
+    markdown = to_markdown(table)
+    assert markdown.splitlines()[0].startswith("| model | experts |") and "| moe | 2/8 |" in markdown
+    with pytest.raises(EvaluationError, match="reference"):
+        comparison_table(rows, reference="nope")
