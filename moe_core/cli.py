@@ -16,6 +16,8 @@ COMMAND_MODULES = (
     "moe_core.train.cli",
     "moe_core.analytics.cli",
     "moe_core.inference.cli",
+    "flows.cli",
+    "moe_core.finetune.cli",
 )
 
 

@@ -1,0 +1,46 @@
+"""`moe-lab finetune`: fine-tune from a config file and ``--set key=value`` overrides.
+
+    moe-lab finetune --config finetune.yaml --out runs/ft
+    moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
+    moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("finetune", help="fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML/JSON fine-tuning config (fields of moe_core.finetune.FinetuneConfig)")
+    p.add_argument("--model", help="base model: our checkpoint or a HF Mixtral/OLMoE/Qwen2-MoE dir (sets model.path)")
+    p.add_argument("--data", help="training data source (sets data.source)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set lora.experts=esft --set steps=100")
+    p.add_argument("--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)")
+    p.set_defaults(func=run_finetune)
+
+
+def resolve_config(args):
+    from moe_core.finetune.config import FinetuneConfig
+
+    config = FinetuneConfig.load(args.config) if args.config else FinetuneConfig()
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.insert(0, f"model.path={args.model}")
+    if args.data:
+        overrides.insert(0, f"data.source={args.data}")
+    return config.with_overrides(overrides) if overrides else config
+
+
+def run_finetune(args) -> int:
+    config = resolve_config(args)  # fail fast on a bad config, before loading anything
+    from moe_core.finetune.run import finetune
+
+    result = finetune(config, args.out)
+    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+    outputs = ", ".join(str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None)
+    print(f"moe-lab finetune: {config.method}/{config.objective}, {config.steps} steps, final loss {loss}, "
+          f"{result.report.trainable_params:,} trainable parameters; {outputs or args.out}", flush=True)
+    return 0

@@ -1,0 +1,242 @@
+"""The fine-tuning configuration: one typed object, checked when built, saved as ``finetune_config.json`` with
+every output.
+
+    config = FinetuneConfig.build({
+        "model": {"path": "runs/switch-tiny/final"},
+        "data": {"source": "data/alpaca.jsonl"},
+        "method": "lora",
+        "lora": {"experts": "esft", "esft_share": 0.3},
+        "steps": 50,
+    })
+    config = config.with_overrides(["lora.r=16", "objective=dpo"])   # the CLI's --set
+
+Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
+subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``optim``,
+``log`` and ``export``; top-level fields hold the method, objective, batch, steps and seed.
+
+Methods (``method``):
+- ``full``: every weight trains, except what ``freeze`` holds back (the router, chosen experts, ...).
+- ``lora``: PEFT LoRA on attention (``lora.attention``) and on the experts (``lora.experts``: ``all``, a chosen
+  ``list`` in ``lora.expert_ids``, or ``esft``: the experts the router sends most of the task's own tokens to,
+  DeepSeek's Expert-Specialized Fine-Tuning); the base stays frozen; ``freeze.router=false`` trains the router
+  as a full copy saved with the adapter (PEFT ``modules_to_save``).
+- ``router``: task-adaptive routing by tuning only the router gates.
+- ``router_bias``: only a task-conditioned router bias trains (needs ``data.task_column``).
+``routing.task_bias=true`` adds the task-conditioned router bias to any method (multi-task training).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moe_core.errors import MoELabError
+
+METHODS = ("full", "lora", "router", "router_bias")
+OBJECTIVES = ("sft", "dpo")
+
+
+class FinetuneError(MoELabError):
+    """A fine-tuning config or setup that cannot work: the message names the field and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    # our checkpoint directory (config.json with model_type "moe_lab"), a Hugging Face Mixtral / OLMoE / Qwen2-MoE
+    # directory or hub id (converted exactly with moe_core.convert.from_hf; exported back as that architecture)
+    path: str | None = None
+    tokenizer: str | None = None  # a tokenizer directory or prepared-data directory; default: the model's directory
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataSection(_Section):
+    source: str | None = None  # a moe_core.data source: a local file/dir/glob or hf:owner/name
+    hub_config: str | None = None
+    split: str = "train"
+    max_examples: int | None = Field(None, ge=1)
+    max_length: int = Field(512, ge=8)  # tokens per sequence (prompt + completion); longer ones are truncated
+    task_column: str | None = None  # a column naming each example's task: multi-task training and task bias
+    validate_data: bool = False  # run the moe_core.data expectation suite first (slow on big sets)
+
+
+class LoraSection(_Section):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    # attention projections that get an adapter; [] for none
+    attention: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # which routed experts get an adapter: none, all, a chosen list, or ESFT (most used on the task's data)
+    experts: Literal["none", "all", "list", "esft"] = "all"
+    # for experts="list": the same experts in every MoE layer ([0, 3]) or per layer ({1: [0, 3], 3: [2]})
+    expert_ids: list[int] | dict[int, list[int]] | None = None
+    # ESFT (Wang et al. 2024, "Let the Expert Stick to His Last"): per layer, take experts by descending share of
+    # the task's routed tokens until their cumulative share reaches esft_share (the paper's threshold p)
+    esft_share: float = Field(0.2, gt=0, le=1)
+    esft_score: Literal["token", "gate"] = "token"  # ESFT-Token (share of routed slots) or ESFT-Gate (mean score)
+    esft_max_experts: int | None = Field(None, ge=1)  # cap per layer
+    esft_examples: int = Field(64, ge=1)  # examples of the training set the routing profile is taken on
+    shared_expert: bool = False  # also an adapter on the always-on shared expert (Qwen2-MoE / DeepSeekMoE)
+    dense_ffn: bool = False  # also adapters on dense FFN layers (non-MoE layers)
+
+
+class FreezeSection(_Section):
+    # the router gates; None: frozen for lora, trained for full; router/router_bias methods ignore it
+    router: bool | None = None
+    # routed experts that must not change: the same in every MoE layer ([1, 2]) or per layer ({1: [0]})
+    experts: list[int] | dict[int, list[int]] = Field(default_factory=list)
+    shared_expert: bool = False  # freeze the shared expert (full fine-tuning)
+    embeddings: bool = False  # freeze the input embeddings and LM head (full fine-tuning)
+
+
+class RoutingSection(_Section):
+    task_bias: bool = False  # a learned per-task, per-layer bias on the router logits (needs data.task_column)
+
+
+class DpoSection(_Section):
+    beta: float = Field(0.1, gt=0)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+
+
+class OptimSection(_Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class LogSection(_Section):
+    every: int = Field(1, ge=1)
+    routing: bool = True  # per-layer routing statistics (expert load, entropy) in the metrics
+    per_expert: bool = False  # per-expert token fractions too
+
+
+class ExportSection(_Section):
+    adapters: bool = True  # <out>/adapter: the PEFT adapter alone (lora)
+    merged: bool = True  # <out>/merged: our format with the adapter folded in
+    hf: bool | None = None  # <out>/hf: the Hugging Face architecture; None: when the model came from one
+
+
+class FinetuneConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    method: Literal["full", "lora", "router", "router_bias"] = "lora"
+    objective: Literal["sft", "dpo"] = "sft"
+    lora: LoraSection = Field(default_factory=LoraSection)
+    freeze: FreezeSection = Field(default_factory=FreezeSection)
+    routing: RoutingSection = Field(default_factory=RoutingSection)
+    dpo: DpoSection = Field(default_factory=DpoSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    log: LogSection = Field(default_factory=LogSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+
+    steps: int = Field(20, ge=1)
+    batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step
+    grad_accum: int = Field(1, ge=1)
+    completion_only: bool = True  # SFT loss on the answer tokens only (the prompt is context)
+    gradient_checkpointing: bool = False  # recompute activations in backward (TRL turns it on by default)
+    seed: int = 0
+    version: int = 1
+
+    @field_validator("lora", "freeze", mode="before")
+    @classmethod
+    def _int_layer_keys(cls, value):  # YAML/JSON give per-layer dicts with string keys
+        if isinstance(value, dict):
+            for key in ("expert_ids", "experts"):
+                ids = value.get(key)
+                if isinstance(ids, dict):
+                    value = {**value, key: {int(k): v for k, v in ids.items()}}
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> FinetuneConfig:
+        if self.method == "lora" and self.lora.experts == "list" and not self.lora.expert_ids:
+            raise ValueError("lora.experts='list' needs lora.expert_ids, e.g. [0, 3] or {1: [0, 3]}")
+        if self.lora.experts != "list" and self.lora.expert_ids:
+            raise ValueError("lora.expert_ids is set but lora.experts is not 'list'; set lora.experts: list")
+        needs_tasks = self.method == "router_bias" or self.routing.task_bias
+        if needs_tasks and not self.data.task_column:
+            raise ValueError("a task-conditioned router bias needs data.task_column (the column naming each "
+                             "example's task)")
+        if self.gradient_checkpointing and needs_tasks:
+            raise ValueError("gradient_checkpointing does not work with the task-conditioned router bias (the "
+                             "recomputed forward has no task ids); set gradient_checkpointing=false")
+        if self.objective == "dpo" and needs_tasks:
+            raise ValueError("the task-conditioned router bias is not supported with objective=dpo yet; "
+                             "use objective=sft or routing.task_bias=false")
+        if self.method == "lora" and not self.lora.attention and self.lora.experts == "none" \
+                and not self.lora.shared_expert and not self.lora.dense_ffn:
+            raise ValueError("lora: no target at all (attention=[], experts='none'); pick at least one")
+        return self
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def train_router(self) -> bool:
+        if self.method == "router":
+            return True
+        if self.method == "router_bias":
+            return False
+        return self.freeze.router is False if self.method == "lora" else self.freeze.router is not True
+
+    @property
+    def uses_task_bias(self) -> bool:
+        return self.method == "router_bias" or self.routing.task_bias
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, data: dict[str, Any], where: str = "fine-tuning config") -> FinetuneConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
+            raise FinetuneError(f"{where}: {problems}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> FinetuneConfig:
+        """A YAML or JSON file (missing fields take defaults)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FinetuneError(f"config file {path} not found; pass an existing YAML/JSON file to --config")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise FinetuneError(f"config file {path} is not valid YAML/JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise FinetuneError(f"config file {path}: expected a mapping of fields at the top level")
+        return cls.build(data, where=str(path))
+
+    def with_overrides(self, assignments: list[str]) -> FinetuneConfig:
+        """Apply ``key.sub=value`` strings (values parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
+        data = self.model_dump()
+        for item in assignments:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise FinetuneError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
+            value = yaml.safe_load(raw) if raw else None
+            if isinstance(value, str):
+                try:
+                    value = float(value)  # YAML 1.1 reads "1e-3" as a string
+                except ValueError:
+                    pass
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    raise FinetuneError(f"--set {item!r}: {key!r} is not a config field")
+                node = node[part]
+            if leaf not in node:
+                raise FinetuneError(f"--set {item!r}: unknown field {key!r}; see `moe-lab finetune --help`")
+            node[leaf] = value
+        return self.build(data, where="--set")
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")

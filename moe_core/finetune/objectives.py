@@ -1,0 +1,320 @@
+"""SFT and DPO through TRL, with the MoE load-balancing loss kept in the objective and logged.
+
+Why subclasses: TRL 1.16 computes both losses through a "fused LM head" it patches onto the model
+(`trl.trainer.utils.add_fused_lm_head`), which expects a transformers backbone returning ``last_hidden_state``
+and adds an MoE auxiliary loss only for models whose config has ``output_router_logits`` (transformers' Mixtral
+family). Our model has neither, so TRL as-is would fail, or (worse, on a model it could run) silently drop the
+router loss during fine-tuning.
+
+- `MoESFTTrainer` keeps TRL's data pipeline (chat template, prompt/completion masking, truncation, collation) and
+  takes the loss from our model's own forward: ``lm_loss + router_aux_loss_coef * aux + router_z_loss_coef * z``
+  (`moe_core.model`), so the router losses are in whenever their coefficient is above zero. ``lm_loss``,
+  ``aux_loss`` and ``z_loss`` are logged next to ``loss``.
+- `MoEDPOTrainer` keeps TRL's DPO loss and metrics; the fused head TRL calls is replaced by `fused_forward`
+  (per-token log-probabilities from our logits), and ``router_aux_loss_coef * aux + router_z_loss_coef * z`` of
+  the policy forward is added to the DPO loss in training (TRL does the same for Mixtral via ``output_router_logits``),
+  and logged. The reference forward never carries router losses.
+- Both divide by the gradient-accumulation steps themselves (``loss_is_scaled_for_ga = False``): our loss is a
+  per-micro-batch mean, and transformers would otherwise assume a model with ``**kwargs`` scales it already.
+- Both skip TRL's usage-telemetry ping: a library run never calls home.
+
+Metrics go through `moe_core.train.telemetry` sinks (`SinkCallback`; the JSONL sink is always on), with per-layer
+routing statistics (`RoutingStats`): numbers only, never text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.train.telemetry import RoutingStats
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+def _messages(record: dict[str, Any], index: int) -> list[dict[str, str]]:
+    from moe_core.data.sources import to_messages
+
+    messages = to_messages(record)
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise FinetuneError(f"instruction example {index}: the last turn must be the assistant's answer "
+                            f"(got roles {[m['role'] for m in messages]}); fix or drop that row")
+    return messages
+
+
+def task_names_of(records, task_column: str | None) -> list[str]:
+    if not task_column:
+        return []
+    columns = getattr(records, "column_names", None) or (list(records[0]) if len(records) else [])
+    if task_column not in columns:
+        raise FinetuneError(f"data.task_column={task_column!r} is not a column of the data (columns: {columns})")
+    return sorted({str(r[task_column]) for r in records})
+
+
+def sft_dataset(records, task_column: str | None = None, task_names: list[str] | None = None):
+    """Instruction records (alpaca or chat) as TRL conversational prompt/completion rows: the prompt is every turn
+    before the last assistant answer, the completion that answer; ``task_index`` when tasks are given."""
+    import datasets
+
+    rows: dict[str, list[Any]] = {"prompt": [], "completion": []}
+    if task_column:
+        rows["task_index"] = []
+    for i, record in enumerate(records):
+        messages = _messages(record, i)
+        rows["prompt"].append(messages[:-1])
+        rows["completion"].append(messages[-1:])
+        if task_column:
+            rows["task_index"].append(task_names.index(str(record[task_column])))
+    return datasets.Dataset.from_dict(rows)
+
+
+def dpo_dataset(records):
+    """Preference records (``prompt``, ``chosen``, ``rejected``; strings or chat turns) as conversational rows, so
+    the tokenizer's chat template frames them like the SFT data."""
+    import datasets
+
+    rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": []}
+    for i, record in enumerate(records):
+        prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+        if any(v is None or (isinstance(v, str) and not v) for v in (prompt, chosen, rejected)):
+            raise FinetuneError(f"preference example {i}: empty prompt, chosen or rejected; fix or drop that row")
+        rows["prompt"].append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt))
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            rows[key].append([{"role": "assistant", "content": value}] if isinstance(value, str) else list(value))
+    return datasets.Dataset.from_dict(rows)
+
+
+class TaskCollator:
+    """Wraps TRL's collator and adds ``task_ids`` [B] from each example's ``task_index``."""
+
+    def __init__(self, base) -> None:
+        self.base = base
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        task_ids = torch.tensor([int(ex["task_index"]) for ex in examples])
+        keep = ("input_ids", "labels", "seq_lengths")
+        batch = self.base([{k: v for k, v in ex.items() if k in keep} for ex in examples])
+        batch["task_ids"] = task_ids
+        return batch
+
+
+# ------------------------------------------------------------------------------------------------ callbacks
+class SinkCallback(TrainerCallback):
+    """Forward every numeric log of the Trainer to `moe_core.train.telemetry` sinks (``log(step, metrics)``)."""
+
+    def __init__(self, sinks) -> None:
+        self.sinks = list(sinks)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = {k: float(v) for k, v in (logs or {}).items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log(state.global_step, metrics)
+
+
+class MoEStepCallback(TrainerCallback):
+    """After each optimizer step: restore frozen experts bitwise, and let aux-loss-free routers update their bias
+    when the router trains (as pretraining does); a frozen router keeps its bias too."""
+
+    def __init__(self, model, plan: MethodPlan) -> None:
+        self.model, self.plan = model, plan
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.plan.expert_freeze is not None:
+            self.plan.expert_freeze.restore()
+        if self.plan.train_router:
+            unwrap(self.model).update_router_biases()
+
+
+# ------------------------------------------------------------------------------------------------ trainers
+class _MoEMetrics:
+    """Shared by both trainers: the router-loss coefficients, routing statistics and the task context."""
+
+    loss_is_scaled_for_ga = False  # our losses are per-micro-batch means: let Trainer divide by accumulation
+
+    def _setup_moe(self, plan: MethodPlan | None, log_routing: bool, per_expert: bool) -> None:
+        base = unwrap(self.model)
+        self._base = base
+        self._plan = plan
+        self._per_expert = per_expert
+        cfg = base.config
+        self.moe_aux_coef = float(cfg.router_aux_loss_coef) if cfg.num_experts else 0.0
+        self.moe_z_coef = float(cfg.router_z_loss_coef) if cfg.num_experts else 0.0
+        self._routing = (RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts)
+                         if log_routing and cfg.num_experts else None)
+
+    def _send_telemetry(self):  # TRL pings its usage endpoint from every trainer; a library run stays offline
+        return None
+
+    def _task_context(self, task_ids):
+        bias = self._plan.task_bias if self._plan is not None else None
+        if bias is None:
+            return contextlib.nullcontext()
+        return bias.tasks(task_ids)
+
+    def _observe(self, out, mode: str) -> None:
+        metrics = self._metrics[mode]
+        if out.lm_loss is not None:
+            metrics["lm_loss"].append(out.lm_loss.detach().float().item())
+        if out.aux_loss is not None:
+            metrics["aux_loss"].append(out.aux_loss.detach().float().item())
+            metrics["z_loss"].append(out.z_loss.detach().float().item())
+        if self._routing is not None and mode == "train" and out.routing is not None:
+            self._routing.add(out.routing)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._routing is not None and "loss" in logs:
+            cfg = self._base.config
+            logs.update(self._routing.metrics(cfg.moe_layer_ids, per_expert=self._per_expert))
+            self._routing.reset()
+        super().log(logs, start_time)
+
+
+@contextlib.contextmanager
+def _config_kept(model):
+    """TRL writes ``output_router_logits`` and ``router_aux_loss_coef`` into the model config; keep ours as is."""
+    config = unwrap(model).config
+    saved = {k: config.__dict__[k] for k in ("output_router_logits", "router_aux_loss_coef") if k in config.__dict__}
+    try:
+        yield
+    finally:
+        for key in ("output_router_logits", "router_aux_loss_coef"):
+            config.__dict__.pop(key, None)
+        config.__dict__.update(saved)
+
+
+def _trl_sft():
+    from trl import SFTTrainer
+
+    return SFTTrainer
+
+
+def _trl_dpo():
+    from trl import DPOTrainer
+
+    return DPOTrainer
+
+
+class MoESFTTrainer(_MoEMetrics, _trl_sft()):
+    """TRL's SFTTrainer with our model's own loss (LM + router losses); see the module docstring."""
+
+    def __init__(self, model, *args, plan: MethodPlan | None = None, log_routing: bool = True,
+                 per_expert: bool = False, **kwargs) -> None:
+        with _config_kept(model):
+            super().__init__(model, *args, **kwargs)
+        unwrap(self.model).__dict__.pop("forward", None)  # undo TRL's fused-head patch: our forward and loss
+        self._setup_moe(plan, log_routing, per_expert)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        task_ids = inputs.pop("task_ids", None)
+        with self._task_context(task_ids):
+            out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                        labels=inputs["labels"], use_cache=False, output_routing=self._routing is not None)
+        loss = out.loss
+        self._observe(out, mode)
+        with torch.no_grad():
+            labels_BS = inputs["labels"][:, 1:]
+            mask = labels_BS != -100
+            correct = (out.logits[:, :-1].argmax(-1) == labels_BS) & mask
+            n = int(mask.sum())
+            self._metrics[mode]["mean_token_accuracy"].append(correct.sum().item() / max(n, 1))
+            if mode == "train":
+                self._total_train_tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else n
+                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return (loss, out) if return_outputs else loss
+
+
+def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwargs):
+    """Stands in for TRL's fused LM head on our model: with ``fused_lm_head=True`` returns TRL's
+    `FusedCausalLMOutput` (per-token log-probabilities of the labels, entropy, mean logits, top-1 hits) computed
+    from our logits; the router losses of a forward under autograd are kept in ``self._moe_router_out``."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    kwargs.pop("output_router_logits", None)
+    if not fused_lm_head:
+        return type(self).forward(self, *args, labels=labels, **kwargs)
+    kwargs["use_cache"] = False
+    out = type(self).forward(self, *args, output_routing=True, **kwargs)
+    logits_BSV = out.logits[:, :-1].float()
+    labels_BS = labels[:, 1:].to(logits_BSV.device)
+    mask = labels_BS != -100
+    logp_BSV = logits_BSV.log_softmax(-1)
+    log_probs = logp_BSV.gather(-1, labels_BS.clamp(min=0)[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
+    with torch.no_grad():
+        entropy = -(logp_BSV.exp() * logp_BSV).sum(-1).masked_fill(~mask, 0.0)
+        mean_logits = logits_BSV.mean(-1).masked_fill(~mask, 0.0)
+        is_top1 = (logits_BSV.argmax(-1) == labels_BS) & mask
+    if torch.is_grad_enabled():  # the policy forward; the reference forward runs under no_grad
+        self._moe_router_out = out
+    return FusedCausalLMOutput(loss=-log_probs.sum() / mask.sum().clamp(min=1), log_probs=log_probs,
+                               entropy=entropy, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
+                               aux_loss=out.aux_loss)
+
+
+class MoEDPOTrainer(_MoEMetrics, _trl_dpo()):
+    """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
+
+    def __init__(self, model, *args, plan: MethodPlan | None = None, log_routing: bool = True,
+                 per_expert: bool = False, **kwargs) -> None:
+        with _config_kept(model):
+            super().__init__(model, *args, **kwargs)
+        self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
+        base = unwrap(self.model)
+        base.forward = types.MethodType(fused_forward, base)
+        if self.ref_model is not None:
+            ref = unwrap(self.ref_model)
+            ref.forward = types.MethodType(fused_forward, ref)
+        self._setup_moe(plan, log_routing, per_expert)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        self._base._moe_router_out = None
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = self._base.__dict__.pop("_moe_router_out", None)
+        if out is None or out.aux_loss is None:
+            return result
+        loss = result[0] if return_outputs else result
+        if self.moe_aux_coef > 0:
+            loss = loss + self.moe_aux_coef * out.aux_loss
+        if self.moe_z_coef > 0:
+            loss = loss + self.moe_z_coef * out.z_loss
+        self._metrics[mode]["aux_loss"].append(out.aux_loss.detach().float().item())
+        self._metrics[mode]["z_loss"].append(out.z_loss.detach().float().item())
+        if self._routing is not None and mode == "train" and out.routing is not None:
+            self._routing.add(out.routing)
+        return (loss, result[1]) if return_outputs else loss
+
+    def compute_ref_log_probs(self, model, inputs):  # only with precompute_ref_log_probs, which we leave off
+        raise FinetuneError("precompute_ref_log_probs is not supported by MoEDPOTrainer; leave it off")
+
+
+# ------------------------------------------------------------------------------------------------ build
+def trainer_args(config: FinetuneConfig, out_dir, **extra):
+    """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations, no
+    checkpoints (the export writes the outputs)."""
+    common = dict(
+        output_dir=str(out_dir), max_steps=config.steps, per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum, learning_rate=config.optim.lr,
+        weight_decay=config.optim.weight_decay, warmup_steps=config.optim.warmup_steps,
+        lr_scheduler_type="constant_with_warmup" if config.optim.schedule == "constant" else config.optim.schedule, max_grad_norm=config.optim.grad_clip or 0.0,
+        logging_steps=config.log.every, logging_first_step=True, save_strategy="no", report_to="none",
+        seed=config.seed, data_seed=config.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        dataloader_num_workers=0, bf16=config.model.dtype == "bfloat16" and torch.cuda.is_available(),
+        max_length=config.data.max_length, remove_unused_columns=False,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+    common.update(extra)
+    if config.objective == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
+    from trl import DPOConfig
+
+    return DPOConfig(beta=config.dpo.beta, loss_type=[config.dpo.loss_type], precompute_ref_log_probs=False,
+                     **common)

@@ -1,0 +1,286 @@
+"""`finetune`: base model + data + method + objective -> trained adapter / merged weights, in one call.
+
+    from moe_core.finetune import FinetuneConfig, finetune
+    result = finetune(FinetuneConfig.load("finetune.yaml"), out_dir="runs/ft")
+
+Base models: our checkpoints load as they are; Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoints (a local
+directory or a hub id) go through the exact converter (`moe_core.convert.from_hf`), so every architecture trains
+through one code path: the same LoRA targets on the stacked experts, our router losses in the objective, routing
+telemetry, and an exact export back to the architecture it came from (`<out>/hf`).
+
+Written to ``out_dir``: ``finetune_config.json`` (the full config), ``trainable_parameters.json`` (the report),
+``metrics.jsonl`` (every log step), ``esft_selection.json`` (ESFT: routing counts and the chosen experts),
+``summary.json`` (counts, hashes and final metrics; never text), and the exports (`moe_core.finetune.export`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.finetune.methods import (
+    MethodPlan,
+    apply_method,
+    routing_usage,
+    select_esft_experts,
+)
+from moe_core.finetune.report import TrainableReport, trainable_parameter_report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FinetuneResult:
+    out_dir: Path
+    model: Any  # the trained model (a PEFT model for lora), in memory
+    plan: MethodPlan
+    report: TrainableReport
+    metrics: list[dict[str, Any]]
+    adapter_dir: Path | None = None
+    merged_dir: Path | None = None
+    hf_dir: Path | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float | None:
+        losses = [row["loss"] for row in self.metrics if "loss" in row and "train_runtime" not in row]
+        return losses[-1] if losses else None
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def load_base_model(path: str, dtype: str = "float32"):
+    """Our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint converted exactly."""
+    from moe_core.config import MoEConfig
+    from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
+    from moe_core.model import MoEForCausalLM
+
+    directory = resolve_source(path)
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise FinetuneError(f"model.path={path!r}: no config.json in {directory}; pass a checkpoint directory")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    torch_dtype = getattr(torch, dtype)
+    if model_type == MoEConfig.model_type:
+        return MoEForCausalLM.from_pretrained(directory, dtype=torch_dtype)
+    if model_type in ARCHITECTURES:
+        return from_hf(directory, dtype=torch_dtype)
+    raise FinetuneError(f"model.path={path!r}: model_type {model_type!r} is neither a moe_lab checkpoint nor one of "
+                        f"the convertible architectures {sorted(ARCHITECTURES)}")
+
+
+def prepare_tokenizer(tokenizer, model_config):
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise FinetuneError("the tokenizer has no chat template; SFT/DPO data is framed with it. Use a tokenizer "
+                            "from moe_core.data.tokenizer (it has one) or set tokenizer.chat_template")
+    if len(tokenizer) > model_config.vocab_size:
+        raise FinetuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                            f"{model_config.vocab_size}; use the model's own tokenizer")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_records(config: FinetuneConfig):
+    from moe_core.data.sources import load_source
+
+    if not config.data.source:
+        raise FinetuneError("data.source is not set; give an instruction (SFT) or preference (DPO) file")
+    kind = "instruction" if config.objective == "sft" else "preference"
+    loaded = load_source(config.data.source, kind=kind, hub_config=config.data.hub_config, split=config.data.split,
+                         max_documents=config.data.max_examples)
+    if config.data.validate_data:
+        from moe_core.data.validation import validate
+
+        validate(loaded.dataset, kind, source=loaded.spec.name).raise_for_failure()
+    return loaded.dataset
+
+
+def _records_hash(records) -> str:
+    from moe_core.data.sources import canonical_json
+
+    h = hashlib.sha256()
+    for record in records:
+        h.update(canonical_json(dict(record)).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No `datasets` progress bars while TRL maps the data (noise in logs and tests)."""
+    import datasets
+
+    was = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ ESFT
+def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: dict[int, list[int]]):
+    """Route the first ``lora.esft_examples`` training examples (full conversations, chat template) through the
+    base model and pick the experts (`select_esft_experts`)."""
+    from moe_core.finetune.objectives import _messages
+
+    batches = []
+    n = min(config.lora.esft_examples, len(records))
+    for start in range(0, n, config.batch_size):
+        texts = [tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
+                 for i in range(start, min(start + config.batch_size, n))]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                        max_length=config.data.max_length, add_special_tokens=False)
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    usage = routing_usage(model, batches)
+    selection = select_esft_experts(usage, config.lora.esft_share, config.lora.esft_score,
+                                    config.lora.esft_max_experts, exclude=frozen)
+    return usage, selection
+
+
+# ------------------------------------------------------------------------------------------------ run
+def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokenizer=None, records=None,
+             sinks=()) -> FinetuneResult:
+    """Fine-tune per ``config`` and write the outputs to ``out_dir``.
+
+    ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
+    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO) override ``config.model`` / ``config.data``.
+    Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
+    """
+    from transformers import PrinterCallback
+
+    from moe_core.data.tokenizer import load_tokenizer
+    from moe_core.finetune import export
+    from moe_core.finetune.methods import resolve_expert_ids
+    from moe_core.finetune.objectives import (
+        MoEDPOTrainer,
+        MoESFTTrainer,
+        MoEStepCallback,
+        SinkCallback,
+        TaskCollator,
+        dpo_dataset,
+        sft_dataset,
+        task_names_of,
+        trainer_args,
+    )
+    from moe_core.train.telemetry import JsonlSink, read_jsonl
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save(out_dir / "finetune_config.json")
+    _seed(config.seed)
+
+    if model is None:
+        if not config.model.path:
+            raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
+        model = load_base_model(config.model.path, config.model.dtype)
+    if tokenizer is None:
+        source = config.model.tokenizer or config.model.path
+        if not source:
+            raise FinetuneError("no tokenizer: set model.tokenizer (or model.path to a directory holding one)")
+        tokenizer = load_tokenizer(source)
+    tokenizer = prepare_tokenizer(tokenizer, model.config)
+    if records is None:
+        records = load_records(config)
+    if isinstance(records, list):
+        import datasets
+
+        records = datasets.Dataset.from_list(records)
+    if len(records) == 0:
+        raise FinetuneError("the training data has no rows")
+
+    task_names = task_names_of(records, config.data.task_column)
+    model.train()
+    ref_model = None
+    if config.objective == "dpo" and config.method != "lora":
+        import copy
+
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen policy at step 0
+
+    selection = None
+    summary: dict[str, Any] = {"examples": len(records), "data_sha256": _records_hash(records),
+                               "tasks": {name: sum(1 for r in records if str(r[config.data.task_column]) == name)
+                                         for name in task_names}}
+    if config.method == "lora" and config.lora.experts == "esft" and model.config.num_experts:
+        frozen = resolve_expert_ids(config.freeze.experts, model.config, "freeze.experts")
+        usage, selection = esft_selection(model, tokenizer, records, config, frozen)
+        (out_dir / "esft_selection.json").write_text(json.dumps(
+            {"usage": usage.to_dict(), "selection": {str(k): v for k, v in selection.items()},
+             "share": config.lora.esft_share, "score": config.lora.esft_score}, indent=2) + "\n")
+
+    train_model, plan = apply_method(model, config, expert_selection=selection, task_names=task_names)
+    report = trainable_parameter_report(train_model, plan)
+    report.save(out_dir / "trainable_parameters.json")
+    logger.info("%s", report.to_text())
+    if config.method == "lora" and config.lora.experts != "none" and model.config.num_experts:
+        report.require_expert_adapters()
+    if report.trainable_params == 0:
+        raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
+
+    jsonl = JsonlSink(out_dir / "metrics.jsonl")
+    callbacks = [SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan)]
+    args = trainer_args(config, out_dir / "trainer")
+    common = dict(args=args, processing_class=tokenizer, callbacks=callbacks, plan=plan,
+                  log_routing=config.log.routing, per_expert=config.log.per_expert)
+    try:
+        with _quiet_datasets():
+            if config.objective == "sft":
+                dataset = sft_dataset(records, config.data.task_column, task_names)
+                trainer = MoESFTTrainer(train_model, train_dataset=dataset, **common)
+                if config.data.task_column:
+                    trainer.data_collator = TaskCollator(trainer.data_collator)
+            else:
+                trainer = MoEDPOTrainer(train_model, ref_model=ref_model, train_dataset=dpo_dataset(records),
+                                        **common)
+        trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
+        trainer.train()
+    finally:
+        jsonl.close()
+    metrics = read_jsonl(out_dir / "metrics.jsonl")
+
+    result = FinetuneResult(out_dir, train_model, plan, report, metrics, summary=summary)
+    if config.method == "lora" and config.export.adapters:
+        result.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
+    want_hf = config.export.hf if config.export.hf is not None else bool(model.config.hf_origin)
+    if config.export.merged or want_hf:
+        bias = plan.task_bias
+        merged = export.merged_model(train_model, plan)
+        result.model = merged
+        if config.export.merged:
+            result.merged_dir = export.save_merged(merged, out_dir / "merged", tokenizer, plan)
+        if want_hf:
+            result.hf_dir = export.save_hf(merged, out_dir / "hf", tokenizer, plan)
+        if bias is not None:
+            bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
+    final = [row for row in metrics if "loss" in row]
+    summary.update({"steps": config.steps, "trainable_params": report.trainable_params,
+                    "final_metrics": final[-1] if final else {},
+                    "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()}})
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return result
+
+
+def load_finetuned(directory: str | Path):
+    """A merged output directory (``<out>/merged``) as our model, with its task router bias attached if saved."""
+    from moe_core.finetune.methods import TaskRouterBias
+    from moe_core.model import MoEForCausalLM
+
+    directory = Path(directory)
+    model = MoEForCausalLM.from_pretrained(directory).eval()
+    if (directory / TaskRouterBias.META).is_file():
+        TaskRouterBias.load(directory).attach(model)
+    return model

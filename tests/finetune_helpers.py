@@ -1,0 +1,58 @@
+"""Shared fixtures for the fine-tuning tests: a tiny instruction set, a tokenizer trained on it, tiny models."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_core.config import get_config
+from moe_core.model import MoEForCausalLM
+
+COLORS = ["red", "blue", "green", "black", "white", "gold", "pink", "gray"]
+ANIMALS = ["cat", "dog", "fox", "owl", "cow", "bee", "ant", "elk"]
+
+
+def instruction_records(n: int = 16, task: bool = False) -> list[dict]:
+    """Alpaca-style rows with a learnable mapping (the answer repeats a word of the instruction)."""
+    rows = []
+    for i in range(n):
+        color, animal = COLORS[i % 8], ANIMALS[(3 * i) % 8]
+        if i % 2 == 0:
+            row = {"instruction": f"Name the color in: the {color} {animal}.", "input": "",
+                   "output": f"The color is {color}."}
+            kind = "color"
+        else:
+            row = {"instruction": f"Name the animal in: the {color} {animal}.", "input": "",
+                   "output": f"The animal is {animal}."}
+            kind = "animal"
+        if task:
+            row["task"] = kind
+        rows.append(row)
+    return rows
+
+
+def preference_records(n: int = 8) -> list[dict]:
+    return [{"prompt": f"Name the color in: the {COLORS[i % 8]} {ANIMALS[i % 8]}.",
+             "chosen": f"The color is {COLORS[i % 8]}.",
+             "rejected": f"I do not know the {ANIMALS[i % 8]}."} for i in range(n)]
+
+
+def tiny_tokenizer():
+    from moe_core.data.sources import to_messages
+    from moe_core.data.tokenizer import render_chat, train_tokenizer
+
+    texts = [render_chat(to_messages(r)) for r in instruction_records(16)] * 4
+    texts += [f"{r['prompt']} {r['chosen']} {r['rejected']}" for r in preference_records(8)] * 4
+    return train_tokenizer(texts, vocab_size=300, min_frequency=2)
+
+
+def tiny_model(preset: str = "mixtral-tiny", vocab_size: int = 300, seed: int = 0, **overrides) -> MoEForCausalLM:
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts=4, num_experts_per_tok=2, expert_intermediate_size=32, intermediate_size=64,
+                  max_position_embeddings=128)
+    fields.update(overrides)
+    return MoEForCausalLM(get_config(preset, **fields))
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
