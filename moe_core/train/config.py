@@ -1,0 +1,224 @@
+"""The training configuration: one typed object, checked when built, saved as JSON with every checkpoint.
+
+Sections: ``model`` (a preset plus overrides, or a dense baseline of it), ``data``, ``optim`` (AdamW and the
+learning-rate schedule), ``parallel`` (expert x data parallel layout), ``checkpoint``, ``eval``, ``log`` and
+``faults``; top-level fields hold the batch, steps, precision and seed.
+
+Batch sizes are global: ``batch_size`` sequences per optimizer step, split over ``grad_accum`` micro-steps
+and the data-parallel ranks, so one config trains the same model on one process or many.
+
+    config = TrainConfig(model={"preset": "switch-tiny"}, steps=50)
+    config = config.with_overrides(["optim.lr=1e-3", "parallel.ep_size=2"])   # the CLI's --set
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moe_core.errors import MoELabError
+
+
+class TrainConfigError(MoELabError):
+    """A training config that cannot be used: the message names the field and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    preset: str = "switch-tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields, e.g. {"num_experts": 4}
+    baseline: Literal["active", "total"] | None = None  # train the dense model with equal active/total params
+
+    def build_config(self, vocab_size: int | None = None):
+        """The `MoEConfig` this section describes; ``vocab_size`` (the tokenizer's) wins over the preset's."""
+        from moe_core.config import dense_baseline, get_config
+
+        overrides = dict(self.overrides)
+        if vocab_size is not None and "vocab_size" not in overrides:
+            overrides["vocab_size"] = vocab_size
+        try:
+            config = get_config(self.preset, **overrides)
+            if self.baseline is not None:
+                config = dense_baseline(config, self.baseline)
+        except (ValueError, TypeError) as err:
+            raise TrainConfigError(f"model: {err}; fix model.preset / model.overrides") from None
+        return config
+
+
+class DataSection(_Section):
+    # "builtin" (or another moe_core.data source) is prepared (tokenized, packed) once and reused;
+    # "synthetic" is random token blocks for tests and throughput benchmarks (no tokenizer).
+    source: str = "builtin"
+    path: str | None = None  # an already prepared data directory; skips preparation
+    cache_dir: str | None = None  # prepared data is cached here; default $MOE_LAB_DATA_CACHE or ~/.cache/moe-lab/data
+    seq_len: int = Field(64, ge=2)
+    vocab_size: int | None = None  # tokenizer size; default the model preset's vocab_size
+    max_documents: int | None = None
+    seed: int = 0
+    synthetic_blocks: int = Field(512, ge=1)
+
+
+class OptimSection(_Section):
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    fused: bool | None = None  # None: the fused AdamW kernel where this torch has it for the device
+    grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; None disables clipping
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(10, ge=0)
+    decay_fraction: float = Field(0.2, gt=0, le=1)  # WSD: the last fraction of steps decays linearly
+
+
+class ParallelSection(_Section):
+    ep_size: int = Field(1, ge=1)  # experts sharded over this many ranks; world = ep_size * dp_size
+    dp_mode: Literal["ddp", "fsdp2"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # all-reduce the router statistics so the load-balancing loss is over the global batch, as on one process
+    global_aux_loss: bool = True
+
+
+class CheckpointSection(_Section):
+    every: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1)
+    keep_best: bool = True  # also keep the checkpoint with the lowest validation loss
+    export: bool = True  # write a Hugging Face-loadable <out>/final at the end
+
+
+class EvalSection(_Section):
+    every: int = Field(0, ge=0)  # 0: only at the end
+    batches: int = Field(8, ge=1)
+    batch_size: int | None = None  # default: the training micro-batch size
+
+
+class LogSection(_Section):
+    every: int = Field(10, ge=1)
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a terminal, lines otherwise
+    per_expert: bool = True  # per-expert token fractions in telemetry
+    peak_flops: float | None = None  # per device, for MFU; None: a known GPU's bf16 peak, else no MFU
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # `progress: off` in a YAML file
+
+
+class FaultSection(_Section):
+    max_bad_steps_in_a_row: int = Field(5, ge=0)  # non-finite loss/grads: skip; stop after more than this
+
+
+class TrainConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    log: LogSection = Field(default_factory=LogSection)
+    faults: FaultSection = Field(default_factory=FaultSection)
+
+    steps: int = Field(50, ge=1)
+    batch_size: int = Field(8, ge=1)  # global sequences per optimizer step
+    grad_accum: int = Field(1, ge=1)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    deterministic: bool = True  # torch.use_deterministic_algorithms, for exact resume
+    seed: int = 0
+    version: int = 1  # bump when a field changes meaning; old configs keep loading
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainConfig:
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+        return self
+
+    # ------------------------------------------------------------------ derived
+    def micro_batch_size(self, dp_world: int) -> int:
+        """Sequences per rank per micro-step; every rank gets the same number."""
+        per_micro = self.batch_size // self.grad_accum
+        if per_micro % dp_world:
+            raise TrainConfigError(
+                f"batch_size={self.batch_size} / grad_accum={self.grad_accum} = {per_micro} sequences per "
+                f"micro-step do not split over {dp_world} processes; make batch_size a multiple of "
+                f"grad_accum * {dp_world}")
+        return per_micro // dp_world
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_preset(cls, preset: str, **fields: Any) -> TrainConfig:
+        """``TrainConfig.from_preset("switch-tiny", steps=100)``: a model preset with default training."""
+        return cls.build({"model": {"preset": preset}, **fields})
+
+    @classmethod
+    def build(cls, data: dict[str, Any], where: str = "training config") -> TrainConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
+            raise TrainConfigError(f"{where}: {problems}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        """A YAML or JSON file (missing fields take defaults)."""
+        path = Path(path)
+        if not path.is_file():
+            raise TrainConfigError(f"config file {path} not found; pass an existing YAML/JSON file to --config")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise TrainConfigError(f"config file {path} is not valid YAML/JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise TrainConfigError(f"config file {path}: expected a mapping of fields at the top level")
+        return cls.build(data, where=str(path))
+
+    def with_overrides(self, assignments: list[str]) -> TrainConfig:
+        """Apply ``key.sub=value`` strings (values parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
+        data = self.model_dump()
+        for item in assignments:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise TrainConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
+            # YAML 1.1 reads on/off/yes/no as booleans; keep them as words (pydantic reads them as bools too)
+            value = raw if raw.lower() in _YAML_WORDS else (yaml.safe_load(raw) if raw else None)
+            if isinstance(value, str) and _looks_numeric(value):
+                value = float(value)  # YAML 1.1 reads "1e-3" as a string
+            parts = key.split(".")
+            node = data
+            for part in parts[:-1]:
+                if not isinstance(node.get(part), dict):
+                    if parts[0] == "model" and part == "overrides":
+                        node[part] = {}
+                    else:
+                        raise TrainConfigError(f"--set {item!r}: {key!r} is not a config field")
+                node = node[part]
+            if parts[-1] not in node and not (len(parts) == 3 and parts[:2] == ["model", "overrides"]):
+                raise TrainConfigError(f"--set {item!r}: unknown field {key!r}; see `moe-lab train --help`")
+            node[parts[-1]] = value
+        return self.build(data, where="--set")
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+_YAML_WORDS = ("on", "off", "yes", "no", "y", "n")
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

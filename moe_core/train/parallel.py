@@ -1,0 +1,323 @@
+"""Distributed training applied from outside the model: process groups, expert parallelism, gradient sync.
+
+Layout (the seed design's hierarchy): world = ep_size x dp_size, rank = dp_rank * ep_size + ep_rank.
+- An expert-parallel (EP) group is ``ep_size`` consecutive ranks; together they hold all E experts, E/ep_size
+  each. Tokens move inside it with `all_to_all_single` (uneven split sizes, differentiable).
+- A data-parallel (DP) group is the ``dp_size`` ranks with the same ep_rank: they hold the same experts.
+- Everything that is not an expert (attention, norms, embeddings, routers, shared experts) is replicated on
+  every rank.
+
+Gradients: every rank's loss is the mean over its own tokens, and the objective is the mean over the global
+batch, i.e. (1/W) sum_r L_r. Replicated parameters: average over the world (DDP does it during backward).
+Expert parameters: the all-to-all already brought every EP peer's gradient to the expert's owner, so they
+are summed over the DP group and divided by W (`sync_expert_grads`).
+
+`ExpertParallelExperts` replaces each MoE block's `GroupedExperts` (torchtitan keeps parallelism beside
+the model in the same way). Routing stays local to each rank; the wrapper dispatches kept slots to the rank
+owning their expert, runs its local experts and returns the outputs. With ``global_aux_loss`` it also
+replaces the load-balancing loss by the one over the global batch (f_e and P_e all-reduced), so a run on
+W processes optimizes what a single process would on the same global batch.
+
+Note: on gloo the list form `dist.all_to_all` fails with uneven sizes; `all_to_all_single` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+from moe_core.errors import MoELabError
+from moe_core.experts import GroupedExperts
+from moe_core.routing import AuxLossFreeRouter, RoutingRecord, SwitchRouter, TokenChoiceTopKRouter
+
+# Legend: T = tokens on this rank, D = model dim, E = all experts, El = experts on this rank, K = slots per
+# token, A = kept slots this rank sends, R = slots this rank receives, P = ranks in the EP group.
+
+
+class ParallelError(MoELabError):
+    """A parallel layout that cannot work (world size, expert count, backend)."""
+
+
+@dataclass
+class ParallelState:
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    ep_size: int = 1
+    dp_size: int = 1
+    ep_rank: int = 0
+    dp_rank: int = 0
+    ep_group: object = None
+    dp_group: object = None
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ParallelError("device='cuda' but torch sees no CUDA device; set device=cpu or auto")
+    return torch.device(device)
+
+
+def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> ParallelState:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), join the process group and
+    build the EP and DP groups. Without torchrun's variables: a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = resolve_device(device)
+    if world == 1:
+        if ep_size != 1:
+            raise ParallelError(f"parallel.ep_size={ep_size} needs {ep_size}+ processes; run with --nproc {ep_size}")
+        return ParallelState(device=dev)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if world % ep_size:
+        raise ParallelError(f"parallel.ep_size={ep_size} does not divide the world size {world}; "
+                            f"use a divisor of {world}, or --nproc a multiple of {ep_size}")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10),
+                                device_id=dev if dev.type == "cuda" else None)
+    dp_size = world // ep_size
+    ep_rank, dp_rank = rank % ep_size, rank // ep_size
+    ep_group = dp_group = None
+    for d in range(dp_size):  # every rank must create every group, in the same order
+        ranks = [d * ep_size + e for e in range(ep_size)]
+        group = dist.new_group(ranks)
+        if d == dp_rank:
+            ep_group = group
+    for e in range(ep_size):
+        ranks = [d * ep_size + e for d in range(dp_size)]
+        group = dist.new_group(ranks)
+        if e == ep_rank:
+            dp_group = group
+    return ParallelState(world, rank, local_rank, ep_size, dp_size, ep_rank, dp_rank, ep_group, dp_group, dev, backend)
+
+
+def shutdown_parallel(state: ParallelState) -> None:
+    if state.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ experts
+def global_load_balancing_loss(record: RoutingRecord, group) -> torch.Tensor:
+    """Switch eq. 4 with f_e and P_e over the global batch: the statistics are all-reduced (P_e with its
+    gradient: the backward of the differentiable all-reduce sums every rank's upstream gradient, and the
+    data-parallel average then divides by W, leaving exactly d(aux)/d(theta))."""
+    probs_TE = record.probs_TE
+    T, E = probs_TE.shape
+    counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=E).to(probs_TE.dtype)
+    stats = torch.cat([counts_E, probs_TE.new_tensor([T, record.expert_ids_TK.numel()])])
+    dist.all_reduce(stats, group=group)
+    counts_E, total_T, total_slots = stats[:E], stats[E], stats[E + 1]
+    p_sum_E = (probs_TE / probs_TE.sum(-1, keepdim=True)).sum(0)
+    P_E = dist_fn.all_reduce(p_sum_E, group=group) / total_T
+    return E * torch.sum(counts_E / total_slots * P_E)
+
+
+def _uses_standard_aux_loss(router: nn.Module) -> bool:
+    """Routers whose aux loss is exactly `load_balancing_loss(probs, ids)` with a gradient."""
+    return type(router) in (TokenChoiceTopKRouter, SwitchRouter) and not isinstance(router, AuxLossFreeRouter)
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's slice of a `GroupedExperts`, with all-to-all dispatch and return over the EP group."""
+
+    def __init__(self, experts: GroupedExperts, state: ParallelState, global_aux_group=None) -> None:
+        super().__init__()
+        E = experts.num_experts
+        if E % state.ep_size:
+            raise ParallelError(f"num_experts={E} does not split over parallel.ep_size={state.ep_size}; "
+                                f"choose an ep_size that divides {E}")
+        self.num_experts, self.ep_size, self.ep_rank = E, state.ep_size, state.ep_rank
+        self.num_local = E // state.ep_size
+        self.group = state.ep_group
+        self.global_aux_group = global_aux_group
+        first = self.ep_rank * self.num_local
+        F_, D = experts.up_proj.shape[1], experts.up_proj.shape[2]
+        self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
+        with torch.no_grad():
+            for name, param in self.local.named_parameters():
+                param.copy_(getattr(experts, name)[first:first + self.num_local])
+        self.first_expert = first
+
+    def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
+        if self.global_aux_group is not None:
+            record.aux_loss = global_load_balancing_loss(record, self.global_aux_group)
+        if self.ep_size == 1:
+            return self.local(x_TD, record, impl)
+        T, K = record.expert_ids_TK.shape
+        P, El = self.ep_size, self.num_local
+        # sort kept slots by expert: experts are contiguous per rank, so this also groups them by destination
+        kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
+        expert_ids_A, order_A = record.expert_ids_TK.flatten()[kept_A].sort(stable=True)
+        slot_A = kept_A[order_A]
+        token_idx_A = slot_A // K
+        weights_A = record.weights_TK.flatten()[slot_A].to(x_TD.dtype)
+        send_counts_PEl = torch.bincount(expert_ids_A, minlength=self.num_experts).view(P, El)
+        recv_counts_PEl = torch.empty_like(send_counts_PEl)
+        dist.all_to_all_single(recv_counts_PEl, send_counts_PEl, group=self.group)  # counts first
+        send_splits = send_counts_PEl.sum(1).tolist()
+        recv_splits = recv_counts_PEl.sum(1).tolist()
+
+        x_AD = x_TD.index_select(0, token_idx_A)
+        x_RD = dist_fn.all_to_all_single(x_AD.new_empty(sum(recv_splits), x_TD.shape[1]), x_AD,
+                                         recv_splits, send_splits, group=self.group)
+        # received: per source rank, slots sorted by local expert; regroup by local expert across sources
+        local_ids_R = torch.repeat_interleave(
+            torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device))
+        local_ids_R, perm_R = local_ids_R.sort(stable=True)
+        counts_El = recv_counts_PEl.sum(0).tolist()
+        chunks = torch.split(x_RD.index_select(0, perm_R), counts_El)
+        weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
+        out_RD = torch.cat([self.local.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
+        out_RD = out_RD.index_select(0, torch.argsort(perm_R))  # back to the received order
+        out_AD = dist_fn.all_to_all_single(out_RD.new_empty(len(slot_A), x_TD.shape[1]), out_RD,
+                                           send_splits, recv_splits, group=self.group)
+        return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
+
+
+def apply_expert_parallel(model: nn.Module, state: ParallelState, global_aux_loss: bool = True) -> nn.Module:
+    """Replace every MoE block's experts by this rank's `ExpertParallelExperts` (in place)."""
+    if not state.distributed:
+        return model
+    for layer in model.model.layers:
+        if not layer.is_moe:
+            continue
+        block = layer.mlp
+        aux_group = dist.group.WORLD if global_aux_loss and _uses_standard_aux_loss(block.router) else None
+        if state.ep_size == 1 and aux_group is None:
+            continue
+        block.experts = ExpertParallelExperts(block.experts, state, aux_group)
+    return model
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts.local." in name
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+def wrap_data_parallel(model: nn.Module, state: ParallelState, mode: str = "ddp") -> nn.Module:
+    """Data parallelism for the replicated parameters; expert shards are left out (`sync_expert_grads`).
+
+    ``ddp``: `DistributedDataParallel`, gradients averaged over the world during backward.
+    ``fsdp2``: `fully_shard` per decoder layer and at the root over a 1-D mesh of the world (ZeRO-3 style:
+    parameters, gradients and optimizer state sharded, gradients reduce-scattered as averages); returns the
+    same module object, now holding DTensor parameters.
+    """
+    if not state.distributed:
+        return model
+    ignored = [name for name, _ in model.named_parameters() if is_expert_param(name)]
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(state.device.type, (state.world_size,))
+        ignored_params = {p for name, p in model.named_parameters() if is_expert_param(name)}
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=ignored_params & set(layer.parameters()) or None)
+        fully_shard(model, mesh=mesh, ignored_params=ignored_params or None)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    device_ids = [state.device.index] if state.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly FSDP-sharded DTensor) tensor held by this rank."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+@contextlib.contextmanager
+def no_gradient_sync(forward_model: nn.Module, model: nn.Module):
+    """Accumulation micro-steps: skip the gradient reduction (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`)."""
+    if hasattr(forward_model, "no_sync"):
+        with forward_model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def sync_expert_grads(model: nn.Module, state: ParallelState) -> None:
+    """Sum expert gradients over the DP group (ranks holding the same experts) and divide by the world size."""
+    if not state.distributed:
+        return
+    for name, param in model.named_parameters():
+        if not is_expert_param(name) or is_sharded(param):
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if state.dp_size > 1:
+            dist.all_reduce(param.grad, group=state.dp_group)
+        param.grad.div_(state.world_size)
+
+
+def global_grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:
+    """L2 norm of the full gradient: replicated parameters once, FSDP shards summed over the world, expert
+    shards summed over the EP group."""
+    replicated_sq, sharded_sq, expert_sq = (torch.zeros((), dtype=torch.float64, device=state.device) for _ in range(3))
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        sq = local(param.grad).detach().double().square().sum()
+        if is_sharded(param.grad):
+            sharded_sq += sq
+        elif is_expert_param(name):
+            expert_sq += sq
+        else:
+            replicated_sq += sq
+    if state.distributed:
+        dist.all_reduce(sharded_sq)
+        if state.ep_size > 1:
+            dist.all_reduce(expert_sq, group=state.ep_group)
+    return (replicated_sq + sharded_sq + expert_sq).sqrt()
+
+
+def all_reduce_(tensor: torch.Tensor, state: ParallelState, op=None) -> torch.Tensor:
+    if state.distributed:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier(state: ParallelState) -> None:
+    if state.distributed:
+        dist.barrier()

@@ -1,0 +1,143 @@
+"""Training telemetry: routing statistics per MoE layer, and sinks the metrics go to.
+
+A sink is anything with ``log(step, metrics)`` and ``close()`` (`MetricsSink`). The JSONL event file
+(`JsonlSink`) is always on, so a dashboard or a later upload (the MLflow adapter) can read it; the console
+sink draws a progress bar with rate and ETA on a terminal and prints plain log lines otherwise.
+
+Metrics are flat ``name -> float``; per MoE layer ``moe/layer_<i>/<stat>``:
+``drop_rate`` (routed slots dropped over capacity), ``entropy`` (mean over tokens of -sum_e p log p, nats),
+``max_over_mean_load`` (1.0 is perfect balance), ``expert_<e>_frac`` (fraction of routed slots, before
+capacity, sent to expert e). Only numbers are logged: never text, tokens or weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from moe_core.routing import RoutingRecord
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per line: ``{"step": 10, "time": 1712.3, "loss": 3.2, ...}``; appends on resume."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": round(time.time(), 3)}
+        row.update({k: _finite_or_str(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _finite_or_str(value: float):
+    value = float(value)
+    return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class ConsoleSink:
+    """Progress bar (tqdm) with rate and ETA on a terminal; one plain line per logging step otherwise."""
+
+    SHOWN = ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
+
+    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None) -> None:
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.mode = mode
+        self.total = total_steps
+        self._bar = None
+        self._last = start_step
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        shown = {k: metrics[k] for k in self.SHOWN if k in metrics}
+        if self._bar is not None:
+            self._bar.update(step - self._last)
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+        elif self.mode == "lines":
+            text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
+            print(f"step {step}/{self.total} {text}", file=self.stream, flush=True)
+        self._last = step
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# ------------------------------------------------------------------------------------------------ routing
+class RoutingStats:
+    """Sums routing statistics over the steps between two log lines, per MoE layer.
+
+    The sums live in one float64 tensor per layer, ``[E + 3]``: routed slots per expert, then dropped slots,
+    the sum of per-token entropies and the token count, so several ranks can all-reduce them in one call.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.sums_LX = torch.zeros(num_layers, num_experts + 3, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(self, records: tuple[RoutingRecord, ...]) -> None:
+        for i, record in enumerate(records):
+            E = self.num_experts
+            row = self.sums_LX[i]
+            row[:E] += torch.bincount(record.expert_ids_TK.flatten(), minlength=E).double().cpu()
+            row[E] += record.dropped_TK.sum().double().cpu()
+            probs_TE = record.probs_TE.float()
+            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)  # sigmoid scores: normalize per token
+            entropy_T = -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1)
+            row[E + 1] += entropy_T.sum().double().cpu()
+            row[E + 2] += probs_TE.shape[0]
+
+    def loads(self) -> torch.Tensor:
+        return self.sums_LX[:, : self.num_experts]
+
+    def metrics(self, layer_ids: list[int], per_expert: bool = True) -> dict[str, float]:
+        out: dict[str, float] = {}
+        E = self.num_experts
+        for i, layer in enumerate(layer_ids):
+            row = self.sums_LX[i]
+            slots = row[:E].sum().item()
+            if slots == 0:
+                continue
+            frac_E = row[:E] / slots
+            prefix = f"moe/layer_{layer}/"
+            out[prefix + "drop_rate"] = row[E].item() / slots
+            out[prefix + "entropy"] = row[E + 1].item() / max(row[E + 2].item(), 1.0)
+            out[prefix + "max_over_mean_load"] = (frac_E.max() * E).item()
+            if per_expert:
+                for e in range(E):
+                    out[prefix + f"expert_{e}_frac"] = frac_E[e].item()
+        return out
+
+    def reset(self) -> None:
+        self.sums_LX.zero_()
