@@ -1,0 +1,239 @@
+"""Decode throughput and prefill latency of an MoE model against dense models, eager / compiled / ONNX.
+
+Runs, in one process and interleaved round by round (so machine noise hits all alike), batch-1 greedy
+decoding with a KV cache:
+  moe-eager          our model with the decode path of moe_core.inference.fast_decode (K experts per token)
+  moe-compiled       torch.compile(fullgraph) prefill/decode steps on the static path   (--compile)
+  moe-onnx-fp32      optimum-onnx export run in ONNX Runtime                           (--onnx)
+  moe-onnx-int8      the same after ORTQuantizer dynamic int8                          (--onnx)
+  dense-total        a dense model with as many FFN parameters as the MoE total
+  dense-active       a dense model with as many FFN parameters as the MoE active
+  cache-25/50/100    the MoE with experts on disk behind an LRU holding 25/50/100% of them
+
+The memory-bound ratio bound of batch-1 decode is (bytes read per token by dense-total) / (by the MoE): all
+weights but the input embedding, of which one row is read. Perplexity drift of the ONNX int8 model is taken
+on a model first trained briefly here (--train-steps) on a synthetic sparse Markov-chain corpus, so the
+perplexity is far from uniform and drift is meaningful. Prints a table, then ONE JSON line of figures.
+
+    python benchmarks/inference.py                              # olmoe-small (bound 4.6x), ONNX on
+    python benchmarks/inference.py --preset mixtral-small       # bound 2.6x
+    python benchmarks/inference.py --compile                    # add torch.compile (minutes to compile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moe_core import MoEForCausalLM, dense_baseline, get_config, parameter_counts
+
+
+def markov_corpus(vocab: int, sequences: int, seq: int, seed: int = 0, fanout: int = 4,
+                  active: int = 256) -> torch.Tensor:
+    """Token ids from a fixed random chain over `active` of the ids, each with `fanout` possible successors
+    (small enough to be learned in a minute: the perplexity floor is `fanout`)."""
+    g = torch.Generator().manual_seed(1234)  # the chain is fixed; `seed` draws the sequences
+    active = min(active, vocab)
+    successors = torch.randint(0, active, (active, fanout), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(sequences, seq, dtype=torch.long)
+    out[:, 0] = torch.randint(0, active, (sequences,), generator=g)
+    for t in range(1, seq):
+        pick = torch.randint(0, fanout, (sequences,), generator=g)
+        out[:, t] = successors[out[:, t - 1], pick]
+    return out
+
+
+def train_briefly(model, steps: int, vocab: int, batch: int = 8, seq: int = 64) -> None:
+    data = markov_corpus(vocab, steps * batch, seq, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for i in range(steps):
+        x = data[i * batch:(i + 1) * batch]
+        loss = model(x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def decode_bytes(config) -> int:
+    counts = parameter_counts(config)
+    return 4 * (counts["active"] - config.vocab_size * config.hidden_size)
+
+
+def torch_runner(model, prompt, steps):
+    def run():
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model(prompt, use_cache=True, logits_to_keep=1)
+            prefill = time.perf_counter() - t0
+            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            return prefill, (time.perf_counter() - t0) / steps
+    return run
+
+
+def compiled_runner(steps_fns, prompt, steps):
+    def run():
+        t0 = time.perf_counter()
+        logits, cache = steps_fns.prefill(prompt)
+        prefill = time.perf_counter() - t0
+        nxt = logits.argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = steps_fns.decode(nxt, cache)
+            nxt = logits.argmax(-1, keepdim=True)
+        return prefill, (time.perf_counter() - t0) / steps
+    return run
+
+
+def ort_runner(ort_model, prompt, steps):
+    def run():
+        mask = torch.ones_like(prompt)
+        t0 = time.perf_counter()
+        out = ort_model(input_ids=prompt, attention_mask=mask, use_cache=True)
+        prefill = time.perf_counter() - t0
+        nxt = out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            out = ort_model(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        return prefill, (time.perf_counter() - t0) / steps
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="olmoe-small")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
+    parser.add_argument("--train-steps", type=int, default=120, help="training before the perplexity checks")
+    parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from moe_core.inference.evaluate import drift, perplexity
+    from moe_core.inference.fast_decode import enable_fast_decode
+
+    config = get_config(args.preset)
+    moe = MoEForCausalLM(config)
+    t0 = time.perf_counter()
+    train_briefly(moe, args.train_steps, config.vocab_size)
+    train_s = time.perf_counter() - t0
+    enable_fast_decode(moe)
+    dense_total = MoEForCausalLM(dense_baseline(config, "total")).eval()
+    dense_active = MoEForCausalLM(dense_baseline(config, "active")).eval()
+    prompt = markov_corpus(config.vocab_size, 1, args.prompt_len, seed=7)
+    valid = list(markov_corpus(config.vocab_size, 16, 64, seed=1).split(4))
+
+    runners = {
+        "moe-eager": torch_runner(moe, prompt, args.steps),
+        "dense-total": torch_runner(dense_total, prompt, args.steps),
+        "dense-active": torch_runner(dense_active, prompt, args.steps),
+    }
+    figures: dict = {"preset": args.preset, "threads": args.threads, "train_steps": args.train_steps,
+                     "train_s": round(train_s, 1)}
+    workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
+    ppl = {"moe-eager": perplexity(moe, valid)}
+    try:
+        if args.compile:
+            from moe_core.inference.compile import compile_steps
+
+            compiled_model = compile_steps(moe)
+            t0 = time.perf_counter()
+            compiled_runner(compiled_model, prompt, 2)()  # compile prefill and decode (and the dynamic recompile)
+            compiled_runner(compiled_model, prompt, 2)()
+            figures["compile_s"] = round(time.perf_counter() - t0, 1)
+            runners["moe-compiled"] = compiled_runner(compiled_model, prompt, args.steps)
+        if args.onnx:
+            import onnxruntime as ort
+
+            from moe_core.inference.fast_decode import disable_fast_decode
+            from moe_core.inference.onnx_export import export_onnx, load_onnx
+            from moe_core.inference.quantize import quantize_onnx_dynamic
+
+            disable_fast_decode(moe)
+            t0 = time.perf_counter()
+            export_onnx(moe, workdir / "fp32", validate=False)
+            quantize_onnx_dynamic(workdir / "fp32", workdir / "int8")
+            figures["onnx_export_s"] = round(time.perf_counter() - t0, 1)
+            enable_fast_decode(moe)
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = args.threads
+            for name, sub in (("moe-onnx-fp32", "fp32"), ("moe-onnx-int8", "int8")):
+                ort_model = load_onnx(workdir / sub, session_options=options)
+                runners[name] = ort_runner(ort_model, prompt, args.steps)
+                ppl[name] = perplexity(ort_model, valid)
+        if args.cache:
+            from moe_core.inference.expert_cache import offload_experts
+
+            total_experts = config.num_experts * len(config.moe_layer_ids)
+            caches = {}
+            for pct in (25, 50, 100):
+                m = MoEForCausalLM(config).eval()
+                m.load_state_dict(moe.state_dict())
+                caches[pct] = offload_experts(m, workdir / "experts", capacity=max(1, total_experts * pct // 100),
+                                              write=pct == 25)
+                runners[f"cache-{pct}"] = torch_runner(m, prompt, args.steps)
+
+        prefill = {name: [] for name in runners}
+        decode = {name: [] for name in runners}
+        for _ in range(args.rounds):
+            for name, run in runners.items():
+                p, d = run()
+                prefill[name].append(p)
+                decode[name].append(d)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    tps = {name: 1.0 / statistics.median(v) for name, v in decode.items()}
+    prefill_ms = {name: 1e3 * statistics.median(v) for name, v in prefill.items()}
+    bound = decode_bytes(dense_baseline(config, "total")) / decode_bytes(config)
+    ratio_total = tps["moe-eager"] / tps["dense-total"]
+    print(f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
+          f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)")
+    print(f"{'run':<16}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
+    for name in runners:
+        print(f"{name:<16}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
+              f"{tps[name] / tps['dense-total']:>15.2f}x")
+    print(f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
+          f"moe-eager reaches {ratio_total:.2f}x = {100 * ratio_total / bound:.0f}% of it")
+    figures.update({
+        "bound": round(bound, 3), "moe_vs_dense_total": round(ratio_total, 3),
+        "fraction_of_bound": round(ratio_total / bound, 3),
+        "moe_vs_dense_active": round(tps["moe-eager"] / tps["dense-active"], 3),
+        "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
+        "prefill_ms": {k: round(v, 2) for k, v in prefill_ms.items()},
+        "perplexity": {k: round(v, 3) for k, v in ppl.items()},
+    })
+    if args.onnx:
+        figures["onnx_int8_vs_fp32"] = round(tps["moe-onnx-int8"] / tps["moe-onnx-fp32"], 3)
+        figures["onnx_int8_ppl_drift"] = round(drift(ppl["moe-onnx-int8"], ppl["moe-onnx-fp32"]), 4)
+        print(f"ONNX int8 / fp32 decode: {figures['onnx_int8_vs_fp32']:.2f}x; perplexity "
+              f"{ppl['moe-onnx-fp32']:.2f} -> {ppl['moe-onnx-int8']:.2f} ({100 * figures['onnx_int8_ppl_drift']:+.2f}%)")
+    if args.cache:
+        figures["cache_hit_rate"] = {pct: round(c.stats.hit_rate, 3) for pct, c in caches.items()}
+        print("expert cache hit rate: " + ", ".join(f"{p}%: {r:.2f}" for p, r in figures["cache_hit_rate"].items()))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`moe-lab export onnx`, `moe-lab quantize`, `moe-lab prune`, `moe-lab generate`.
+
+Heavy imports happen inside the handlers so ``moe-lab --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _export_onnx(args: argparse.Namespace) -> int:
+    from moe_core.inference.onnx_export import export_onnx
+
+    out = export_onnx(args.model_dir, args.out, opset=args.opset, validate=not args.no_validate)
+    print(f"wrote {out}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    if args.method == "ort-int8":
+        from moe_core.inference.quantize import quantize_onnx_dynamic
+
+        out = quantize_onnx_dynamic(args.model_dir, args.out)
+        print(f"wrote {out}")
+        return 0
+    from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
+
+    report = quantize_checkpoint(args.model_dir, args.out, QuantConfig(bits=args.bits, group_size=args.group_size,
+                                                                     method=args.method))
+    print(json.dumps(report.to_dict()))
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from moe_core.inference.prune import PruneConfig, prune_checkpoint
+
+    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge)
+    report = prune_checkpoint(args.model_dir, args.profile, args.out, config)
+    print(json.dumps(report.to_dict()))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from moe_core.inference.generate import GenerationConfig, generate_cli
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as fh:
+            prompts += [line.rstrip("\n") for line in fh if line.strip()]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout)
+    print(json.dumps(report), file=sys.stderr)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    export = subparsers.add_parser("export", help="export a model for deployment")
+    export_sub = export.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
+    onnx = export_sub.add_parser("onnx", help="ONNX through optimum-onnx, with a KV cache (runs in ONNX Runtime)")
+    onnx.add_argument("model_dir", help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory")
+    onnx.add_argument("--out", required=True)
+    onnx.add_argument("--opset", type=int, default=17)
+    onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
+    onnx.set_defaults(func=_export_onnx)
+
+    quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
+    quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
+    quantize.add_argument("--out", required=True)
+    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "ort-int8"])
+    quantize.add_argument("--bits", type=int, default=8, choices=[4, 8])
+    quantize.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dim")
+    quantize.set_defaults(func=_quantize)
+
+    prune = subparsers.add_parser("prune", help="drop rarely routed experts using a router profile")
+    prune.add_argument("model_dir")
+    prune.add_argument("--profile", required=True, help="a RouterProfile directory (moe-lab analyze)")
+    prune.add_argument("--out", required=True)
+    prune.add_argument("--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)")
+    prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")
+    prune.add_argument("--merge", action="store_true", help="merge each dropped expert into its most similar kept one")
+    prune.set_defaults(func=_prune)
+
+    generate = subparsers.add_parser("generate", help="batched generation with streamed output")
+    generate.add_argument("model_dir", help="checkpoint directory with a tokenizer")
+    generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    generate.add_argument("--prompts-file", help="one prompt per line")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--batch-size", type=int, default=8)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--no-stream", action="store_true")
+    generate.set_defaults(func=_generate)

@@ -1,0 +1,194 @@
+"""Batched generation with padding-aware scheduling and streamed output.
+
+Legend: B = batch, S = sequence, L = key length, V = vocab.
+
+    from moe_core.inference import batch_generate, GenerationConfig
+    result = batch_generate(model, prompts, GenerationConfig(max_new_tokens=32, batch_size=8),
+                            tokenizer=tokenizer, on_token=lambda i, token_id, text: print(i, text))
+    result.texts, result.report        # in prompt order; tokens/s, padding fraction, batches
+
+Scheduling: prompts are sorted by length and cut into batches of ``batch_size``, so each batch holds
+prompts of similar length and little padding (the report gives the padded fraction of prefill positions).
+Each batch is left-padded (new tokens line up at the right), prefilled once, then decoded step by step with
+the KV cache; position ids count real tokens only, so a padded prompt sees the positions it would see alone.
+A row stops at EOS (then only pads) and a batch stops when every row has. ``on_token(prompt_index,
+token_id, text)`` is called for every new token of every row as it is produced: streaming.
+
+Greedy (``temperature=0``) equals `model.generate(do_sample=False)` on each prompt alone (a test holds them
+equal); sampling uses ``temperature`` and optional ``top_k`` with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_core.errors import MoELabError
+
+
+class GenerationError(MoELabError):
+    """Bad generation input (no prompts, no tokenizer for text prompts, ...)."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k filter
+    seed: int = 0
+    eos_token_id: int | None = None  # default: the model config's
+    pad_token_id: int | None = None  # default: the model config's, else eos, else 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise GenerationError("GenerationConfig: max_new_tokens and batch_size must be >= 1")
+        if self.temperature < 0 or self.top_k < 0:
+            raise GenerationError("GenerationConfig: temperature and top_k must be >= 0")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # new tokens per prompt, in prompt order
+    texts: list[str] | None
+    report: dict = field(default_factory=dict)
+
+
+def schedule(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Prompt indices grouped into batches of similar length (longest first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _pick(logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
+    if config.temperature == 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV.float() / config.temperature
+    if config.top_k:
+        kth = logits_BV.topk(min(config.top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], config: GenerationConfig | None = None,
+                   *, tokenizer=None, on_token: Callable[[int, int, str | None], None] | None = None
+                   ) -> GenerationResult:
+    """Generate for many prompts (strings with a ``tokenizer``, or token-id lists); see the module doc."""
+    config = config or GenerationConfig()
+    if not prompts:
+        raise GenerationError("no prompts given")
+    if isinstance(prompts[0], str):
+        if tokenizer is None:
+            raise GenerationError("text prompts need a tokenizer; pass tokenizer= or give token-id lists")
+        prompt_ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    else:
+        prompt_ids = [list(map(int, p)) for p in prompts]
+    if any(len(p) == 0 for p in prompt_ids):
+        raise GenerationError("an empty prompt has nothing to condition on; give at least one token")
+    mc = model.config
+    eos = config.eos_token_id if config.eos_token_id is not None else mc.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = next(x for x in (config.pad_token_id, mc.pad_token_id, next(iter(eos_ids), None), 0) if x is not None)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    was_training = model.training
+    model.eval()
+
+    outputs: list[list[int]] = [[] for _ in prompt_ids]
+    padded_positions = prompt_positions = 0
+    t0 = time.perf_counter()
+    prefill_s = 0.0
+    batches = schedule([len(p) for p in prompt_ids], config.batch_size)
+    try:
+        for batch in batches:
+            S = max(len(prompt_ids[i]) for i in batch)
+            input_ids_BS = torch.full((len(batch), S), pad, dtype=torch.long, device=device)
+            mask_BS = torch.zeros((len(batch), S), dtype=torch.long, device=device)
+            for row, i in enumerate(batch):
+                n = len(prompt_ids[i])
+                input_ids_BS[row, S - n:] = torch.tensor(prompt_ids[i], device=device)
+                mask_BS[row, S - n:] = 1
+            padded_positions += int((mask_BS == 0).sum())
+            prompt_positions += mask_BS.numel()
+            position_ids_BS = (mask_BS.cumsum(-1) - 1).clamp_min(0)
+            tp = time.perf_counter()
+            out = model(input_ids=input_ids_BS, attention_mask=mask_BS, position_ids=position_ids_BS, use_cache=True,
+                        logits_to_keep=1)
+            prefill_s += time.perf_counter() - tp
+            cache, done_B = out.past_key_values, torch.zeros(len(batch), dtype=torch.bool, device=device)
+            next_pos_B1 = position_ids_BS[:, -1:] + 1
+            logits_BV = out.logits[:, -1]
+            for _step in range(config.max_new_tokens):
+                next_B = _pick(logits_BV, config, generator).masked_fill(done_B, pad)
+                for row, i in enumerate(batch):
+                    if not done_B[row]:
+                        token = int(next_B[row])
+                        outputs[i].append(token)
+                        if on_token is not None:
+                            on_token(i, token, tokenizer.decode([token]) if tokenizer is not None else None)
+                if eos_ids:
+                    done_B = done_B | torch.tensor([int(t) in eos_ids for t in next_B], device=device)
+                if bool(done_B.all()):
+                    break
+                mask_BS = torch.cat([mask_BS, (~done_B).long()[:, None]], dim=1)
+                out = model(input_ids=next_B[:, None], attention_mask=mask_BS, position_ids=next_pos_B1,
+                            past_key_values=cache, use_cache=True)
+                cache, next_pos_B1, logits_BV = out.past_key_values, next_pos_B1 + 1, out.logits[:, -1]
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - t0
+    new_tokens = sum(len(o) for o in outputs)
+    report = {
+        "prompts": len(prompt_ids), "batches": len(batches), "batch_size": config.batch_size,
+        "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+        "prefill_s": prefill_s, "padding_fraction": padded_positions / prompt_positions if prompt_positions else 0.0,
+    }
+    texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if tokenizer is not None else None
+    return GenerationResult(outputs, texts, report)
+
+
+def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None) -> dict:
+    """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from moe_core.model import MoEForCausalLM
+
+    out = out or sys.stdout
+    if not prompts:
+        raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    model_dir = Path(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except KeyError:  # no tokenizer class is registered for model_type "moe_lab": read tokenizer.json directly
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise GenerationError(f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
+                              "checkpoint (tokenizer.save_pretrained)") from None
+    if (model_dir / "quantization.json").is_file():
+        from moe_core.inference.quantize import load_quantized
+
+        model = load_quantized(model_dir)
+    else:
+        model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from moe_core.inference.fast_decode import enable_fast_decode
+
+    enable_fast_decode(model)
+
+    def emit(i: int, _token: int, text: str | None) -> None:
+        out.write(json.dumps({"prompt": i, "text": text}) + "\n")
+        out.flush()
+
+    result = batch_generate(model, prompts, config, tokenizer=tokenizer, on_token=emit if stream else None)
+    for i, text in enumerate(result.texts or []):
+        out.write(json.dumps({"prompt": i, "completion": text, "done": True}) + "\n")
+    return result.report

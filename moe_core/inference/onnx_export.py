@@ -1,0 +1,220 @@
+"""ONNX export through optimum-onnx, with a KV cache, and ONNX Runtime generation.
+
+    from moe_core.inference import export_onnx, load_onnx
+    export_onnx(model_or_dir, "out/onnx")                 # model.onnx (with KV cache) + config.json
+    ort_model = load_onnx("out/onnx")                     # an optimum ORTModelForCausalLM
+    ort_model.generate(input_ids, max_new_tokens=20)
+
+or ``moe-lab export onnx MODEL_DIR --out DIR``. Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoints (which
+optimum-onnx 0.1.0 does not support) are converted exactly with `moe_core.convert.from_hf` first and exported
+as ``moe_lab``.
+
+How it works (the truth is optimum-onnx 0.1.0's ``exporters/onnx`` and ``onnxruntime/modeling_decoder.py``):
+- `MoELabOnnxConfig` is a ``TextDecoderWithPositionIdsOnnxConfig`` registered with optimum's `TasksManager`
+  for ``model_type="moe_lab"`` (tasks ``text-generation[-with-past]``, ``feature-extraction[-with-past]``).
+  Its normalized config reads ``num_key_value_heads`` and ``head_dim`` from our config, so the dummy KV cache
+  has the grouped-query shape.
+- optimum exports with the TorchScript tracer (``dynamo=False``). Under ``torch.jit.is_tracing()`` the
+  experts resolve to the ``static`` implementation (every expert on every token, a dense combine matrix), so
+  every expert's weights are in the graph whatever the dummy input routed (`expert_weights_in_graph`
+  checks that from the ONNX file). A tracer on the ``sorted`` path would keep only the experts the dummy
+  input hit: `export_onnx` refuses an explicit non-static ``expert_impl``.
+- optimum's `ORTModelForCausalLM` assumes ``num_key_value_heads == num_attention_heads`` and ``head_dim ==
+  hidden_size // num_attention_heads`` for a model type it does not know (it builds the empty first-step
+  cache from them); `MoEORTModelForCausalLM` sets both from the config. `load_onnx` returns one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from moe_core.config import MoEConfig
+from moe_core.errors import MoELabError
+from moe_core.model import MoEForCausalLM
+
+logger = logging.getLogger(__name__)
+
+ONNX_TASKS = ("text-generation", "text-generation-with-past", "feature-extraction", "feature-extraction-with-past")
+# optimum-onnx 0.1 writes one graph, model.onnx; ORTQuantizer writes model_quantized.onnx
+ONNX_FILES = ("model.onnx", "model_quantized.onnx", "decoder_model_merged.onnx")
+
+
+class OnnxExportError(MoELabError):
+    """An ONNX export or load that cannot proceed; the message says why and what to do."""
+
+
+_REGISTERED: dict[str, type] = {}
+
+
+def onnx_config_class() -> type:
+    """Build (once) and register with optimum's TasksManager the OnnxConfig of ``model_type="moe_lab"``."""
+    if "moe_lab" in _REGISTERED:
+        return _REGISTERED["moe_lab"]
+    from optimum.exporters.onnx.config import TextDecoderWithPositionIdsOnnxConfig
+    from optimum.exporters.tasks import TasksManager
+    from optimum.utils import (
+        DummyTextInputGenerator,
+        MistralDummyPastKeyValuesGenerator,
+        NormalizedTextConfig,
+    )
+
+    class MoELabOnnxConfig(TextDecoderWithPositionIdsOnnxConfig):
+        """``moe_lab`` decoder: position ids, GQA-shaped KV cache (``num_key_value_heads``, ``head_dim``)."""
+
+        DEFAULT_ONNX_OPSET = 14
+        DUMMY_INPUT_GENERATOR_CLASSES = (DummyTextInputGenerator, MistralDummyPastKeyValuesGenerator)
+        DUMMY_PKV_GENERATOR_CLASS = MistralDummyPastKeyValuesGenerator
+        NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
+            num_key_value_heads="num_key_value_heads", head_dim="head_dim", allow_new=True)
+        ATOL_FOR_VALIDATION = 1e-4
+
+    register = TasksManager.create_register("onnx", overwrite_existing=True)
+    register(MoEConfig.model_type, *ONNX_TASKS)(MoELabOnnxConfig)
+    _REGISTERED["moe_lab"] = MoELabOnnxConfig
+    return MoELabOnnxConfig
+
+
+def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausalLM:
+    if isinstance(source, MoEForCausalLM):
+        return source
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise OnnxExportError(f"{path}: no config.json; give a directory written by save_pretrained, "
+                              "`moe-lab convert from-hf`, or a Hugging Face Mixtral/OLMoE/Qwen2-MoE checkpoint")
+    import json
+
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type == MoEConfig.model_type:
+        return MoEForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from moe_core.convert import ARCHITECTURES, from_hf
+
+    if model_type in ARCHITECTURES:
+        logger.info("converting %s checkpoint %s to moe_lab for export", model_type, path)
+        return from_hf(path, dtype=torch.float32)
+    raise OnnxExportError(f"{path}: model_type {model_type!r} cannot be exported here; supported: moe_lab, "
+                          f"{', '.join(ARCHITECTURES)}")
+
+
+def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.PathLike, *, opset: int = 17,
+                with_past: bool = True, validate: bool = True, atol: float = 1e-4) -> Path:
+    """Export a model (object, our checkpoint directory, or a HF Mixtral/OLMoE/Qwen2-MoE directory) to ONNX.
+
+    With ``with_past`` optimum writes ``model.onnx``, one graph taking ``past_key_values.*`` (empty on the
+    first step) and returning ``present.*``, which `ORTModelForCausalLM` runs. ``validate`` runs optimum's output check at ``atol``.
+    Returns ``out_dir``.
+    """
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    model = _load_for_export(source).float().eval()
+    impl = model.config.expert_impl
+    if impl not in ("auto", "static"):
+        raise OnnxExportError(
+            f"config.expert_impl={impl!r}: a traced {impl!r} path keeps only the experts the dummy input hit; "
+            "set model.config.expert_impl='auto' (static under tracing) or 'static' before exporting")
+    for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
+        if getattr(module, "impl", "auto") not in ("auto", "static"):
+            raise OnnxExportError(f"{type(module).__name__}.impl={module.impl!r}; export needs 'auto' or 'static'")
+    config_cls = onnx_config_class()
+    task = "text-generation-with-past" if with_past else "text-generation"
+    onnx_config = config_cls(model.config, task=task, use_past=with_past, use_past_in_inputs=with_past)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    del onnx_config  # registered above; optimum builds its own instances (with and without past)
+    with torch.no_grad(), _library_is_transformers():
+        onnx_export_from_model(model, out_dir, opset=opset, task=task, do_validation=validate, atol=atol)
+    return out_dir
+
+
+@contextmanager
+def _library_is_transformers():
+    """optimum infers the library from ``type(model).__module__`` (``transformers.*``); ours is a transformers
+    `PreTrainedModel` living in ``moe_core``, so answer "transformers" for it while the export runs."""
+    from optimum.exporters.tasks import TasksManager
+
+    original = TasksManager.__dict__["_infer_library_from_model_or_model_class"]
+
+    def infer(cls, model=None, model_class=None):
+        target = model_class if model_class is not None else type(model)
+        if isinstance(target, type) and issubclass(target, MoEForCausalLM):
+            return "transformers"
+        return original.__func__(cls, model=model, model_class=model_class)
+
+    TasksManager._infer_library_from_model_or_model_class = classmethod(infer)
+    try:
+        yield
+    finally:
+        TasksManager._infer_library_from_model_or_model_class = original
+
+
+def load_onnx(onnx_dir: str | os.PathLike, *, file_name: str | None = None, provider: str = "CPUExecutionProvider",
+              session_options=None):
+    """An `ORTModelForCausalLM` (GQA-aware subclass) over an exported directory; ``.generate`` works."""
+    onnx_dir = Path(onnx_dir)
+    if not onnx_dir.is_dir():
+        raise OnnxExportError(f"{onnx_dir}: no such directory; export first with `moe-lab export onnx`")
+    if file_name is None:
+        file_name = next((c for c in ONNX_FILES if (onnx_dir / c).is_file()), None)
+        if file_name is None:
+            found = sorted(p.name for p in onnx_dir.glob("*.onnx"))
+            raise OnnxExportError(f"{onnx_dir}: none of {list(ONNX_FILES)} found (have {found}); pass file_name=")
+    import moe_core.model  # noqa: F401  (registers model_type="moe_lab" with AutoConfig)
+
+    return ort_model_class().from_pretrained(onnx_dir, file_name=file_name, provider=provider,
+                                             session_options=session_options)
+
+
+_ORT_CLASS: list[type] = []
+
+
+def ort_model_class() -> type:
+    if _ORT_CLASS:
+        return _ORT_CLASS[0]
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    class MoEORTModelForCausalLM(ORTModelForCausalLM):
+        """`ORTModelForCausalLM` that takes the KV-cache shape from the config instead of assuming MHA."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if getattr(self.config, "model_type", None) == MoEConfig.model_type:
+                self.num_key_value_heads = self.config.num_key_value_heads
+                self.embed_size_per_head = self.config.head_dim
+
+    _ORT_CLASS.append(MoEORTModelForCausalLM)
+    return MoEORTModelForCausalLM
+
+
+def expert_weights_in_graph(onnx_path: str | os.PathLike, config: MoEConfig) -> dict[str, int]:
+    """How many experts' weights the ONNX graph holds, per projection kind, read from its initializers.
+
+    The static path keeps each projection as one stacked initializer, ``[E, F, D]`` (gate/up) or ``[E, D, F]``
+    (down), and each counts E experts. A complete export of a SwiGLU model holds ``2 * E * moe_layers`` under
+    ``gate_up`` and ``E * moe_layers`` under ``down`` (GELU: half the first). When F == D the two kinds share
+    a shape and are all counted under ``gate_up``. Per-expert slices are not counted: their shapes collide
+    with attention weights, so an exporter that splits the stacks makes this count (and its test) fail.
+    """
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    E, F_, D = config.num_experts, config.expert_intermediate_size, config.hidden_size
+    counts = {"gate_up": 0, "down": 0}
+    for init in model.graph.initializer:
+        dims = tuple(init.dims)
+        if dims == (E, F_, D):
+            counts["gate_up"] += E
+        elif dims == (E, D, F_):
+            counts["down"] += E
+    return counts
+
+
+def expected_expert_weights(config: MoEConfig) -> dict[str, int]:
+    layers = len(config.moe_layer_ids)
+    matrices = 2 if config.ffn_activation == "swiglu" else 1
+    if config.expert_intermediate_size == config.hidden_size:
+        return {"gate_up": (matrices + 1) * config.num_experts * layers, "down": 0}
+    return {"gate_up": matrices * config.num_experts * layers, "down": config.num_experts * layers}

@@ -1,0 +1,215 @@
+"""Selective expert loading: drop (or merge) experts the router rarely uses, for a smaller checkpoint.
+
+Legend: E = experts before, E' = experts kept, D = model dim.
+
+Usage comes from a router profile (`moe_core.analytics.profile.RouterProfile`: the kept slots per expert of
+each MoE layer, `usage_from_profile`) or is counted here from ``model(x, output_routing=True)``
+(`collect_usage`); either way it is ``{layer_id: LongTensor [E]}``.
+
+Our config has one ``num_experts`` for all layers, so every MoE layer keeps the same number E' of experts:
+``keep_experts`` if given, else the most experts any layer has at or above ``min_share`` of its slots (never
+fewer than ``num_experts_per_tok``). Each layer keeps its own E' most used experts, in their original order.
+The router is adjusted by keeping the gate rows (and any per-expert router buffer, e.g. the aux-loss-free
+bias) of the kept experts. Tokens whose K choices were all kept get the same experts and, with
+``norm_topk_prob`` (Mixtral), the same weights; without it (OLMoE) the softmax now runs over the kept
+experts only, so their weights grow by the dropped experts' probability mass.
+
+``merge_similar``: each dropped expert is folded into the kept expert whose weights are most similar
+(cosine of the flattened gate/up/down), a usage-weighted average (in the spirit of "merge, then compress",
+Li et al. 2024, MC-SMoE), instead of being discarded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from moe_core.errors import MoELabError
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class PruneError(MoELabError):
+    """A pruning request that cannot be honoured; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    keep_experts: int | None = None  # experts kept per MoE layer; None: decided by min_share
+    min_share: float = 0.0  # drop experts below this share of a layer's slots (0 drops only never-used ones)
+    merge_similar: bool = False
+
+    def __post_init__(self) -> None:
+        if self.keep_experts is not None and self.keep_experts < 1:
+            raise PruneError(f"PruneConfig.keep_experts={self.keep_experts!r}: must be >= 1")
+        if not 0.0 <= self.min_share < 1.0:
+            raise PruneError(f"PruneConfig.min_share={self.min_share!r}: must be in [0, 1)")
+
+
+@dataclass
+class PruneReport:
+    experts_before: int
+    experts_after: int
+    kept: dict[int, list[int]]  # per MoE layer, the original ids of the kept experts
+    merged_into: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> dropped -> kept
+    params_before: int = 0
+    params_after: int = 0
+    usage_share_kept: dict[int, float] = field(default_factory=dict)  # share of slots the kept experts took
+    perplexity: dict[str, float] = field(default_factory=dict)  # filled by callers that evaluate
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- usage
+def usage_from_profile(profile) -> dict[int, torch.Tensor]:
+    """``{layer_id: kept slots per expert}`` from a `RouterProfile` (or a path to its directory)."""
+    if isinstance(profile, str | os.PathLike):
+        from moe_core.analytics.profile import RouterProfile
+
+        profile = RouterProfile.from_dir(profile)
+    return {layer.layer_id: torch.as_tensor(layer.kept_E, dtype=torch.long) for layer in profile.layers}
+
+
+@torch.no_grad()
+def collect_usage(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Count each MoE layer's kept slots per expert over ``batches`` of token ids (eval mode, no grad)."""
+    was_training = model.training
+    model.eval()
+    usage: dict[int, torch.Tensor] = {}
+    try:
+        for input_ids_BS in batches:
+            routing = model(input_ids=input_ids_BS, use_cache=False, output_routing=True).routing
+            for layer_id, record in zip(model.config.moe_layer_ids, routing):
+                usage[layer_id] = usage.get(layer_id, 0) + record.tokens_per_expert_E.cpu()
+    finally:
+        model.train(was_training)
+    return usage
+
+
+def _normalize_usage(usage, config) -> dict[int, torch.Tensor]:
+    if isinstance(usage, Mapping):
+        usage = {int(k): torch.as_tensor(v, dtype=torch.long) for k, v in usage.items()}
+    else:
+        usage = {layer: torch.as_tensor(v, dtype=torch.long) for layer, v in zip(config.moe_layer_ids, usage)}
+    missing = [layer for layer in config.moe_layer_ids if layer not in usage]
+    if missing:
+        raise PruneError(f"no expert usage for MoE layers {missing}; the profile must come from this model "
+                         f"(MoE layers {config.moe_layer_ids})")
+    for layer, counts in usage.items():
+        if counts.shape != (config.num_experts,):
+            raise PruneError(f"usage of layer {layer} has shape {tuple(counts.shape)}, expected "
+                             f"({config.num_experts},): the profile is of a different model")
+    return usage
+
+
+def choose_experts(usage: dict[int, torch.Tensor], config, prune: PruneConfig) -> dict[int, list[int]]:
+    K, E = config.num_experts_per_tok, config.num_experts
+    if prune.keep_experts is not None:
+        keep = prune.keep_experts
+    else:
+        keep = max(int((counts.float() / counts.sum().clamp_min(1) >= max(prune.min_share, 1e-12)).sum())
+                   for counts in usage.values())
+    if keep > E:
+        raise PruneError(f"keep_experts={keep} is more than the model's {E} experts")
+    keep = max(keep, K)
+    kept = {}
+    for layer, counts in usage.items():
+        order = sorted(range(E), key=lambda e: (-int(counts[e]), e))  # most used first, ties by id
+        kept[layer] = sorted(order[:keep])
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------- pruning
+@torch.no_grad()
+def prune_experts(model, usage, prune: PruneConfig | None = None):
+    """A new, smaller `MoEForCausalLM` keeping each layer's most used experts; returns (model, report)."""
+    from moe_core.config import MoEConfig
+    from moe_core.model import MoEForCausalLM
+
+    prune = prune or PruneConfig()
+    config = model.config
+    if config.num_experts == 0:
+        raise PruneError("the model is dense (num_experts=0): nothing to prune")
+    if config.router == "expert_choice":
+        raise PruneError("expert_choice routing sets capacity from the number of experts; prune a token-choice model")
+    usage = _normalize_usage(usage, config)
+    kept = choose_experts(usage, config, prune)
+    E_new = len(next(iter(kept.values())))
+    data = config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        data.pop(key, None)
+    data["num_experts"] = E_new
+    new_config = MoEConfig(**data)
+    new_model = MoEForCausalLM(new_config).to(next(model.parameters()).dtype).eval()
+
+    state = model.state_dict()
+    new_state = {}
+    report = PruneReport(config.num_experts, E_new, kept)
+    layers = model.model.layers
+    for name, tensor in state.items():
+        new_state[name] = tensor
+    for layer_id, ids in kept.items():
+        prefix = f"model.layers.{layer_id}.mlp."
+        index = torch.tensor(ids)
+        experts = layers[layer_id].mlp.experts
+        stacks = {p: getattr(experts, p).detach().clone() for p in PROJECTIONS if getattr(experts, p) is not None}
+        if prune.merge_similar:
+            report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
+        for p, stack in stacks.items():
+            new_state[f"{prefix}experts.{p}"] = stack.index_select(0, index)
+        for name, tensor in state.items():  # router weights and per-expert router buffers
+            if name.startswith(prefix + "router.") and tensor.dim() >= 1 and tensor.shape[0] == config.num_experts:
+                new_state[name] = tensor.index_select(0, index)
+        share = usage[layer_id].float() / usage[layer_id].sum().clamp_min(1)
+        report.usage_share_kept[layer_id] = float(share[index].sum())
+    missing, unexpected = new_model.load_state_dict(new_state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise PruneError(f"pruned state does not fit the pruned model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if new_config.tie_word_embeddings:
+        new_model.tie_weights()
+    report.params_before = sum(p.numel() for p in model.parameters())
+    report.params_after = sum(p.numel() for p in new_model.parameters())
+    return new_model, report
+
+
+def _merge(stacks: dict[str, torch.Tensor], counts_E: torch.Tensor, kept: list[int]) -> dict[int, int]:
+    """Fold each dropped expert into its most similar kept one (usage-weighted average), in place."""
+    E = counts_E.shape[0]
+    flat_EP = torch.cat([s.reshape(E, -1) for s in stacks.values()], dim=1).float()
+    flat_EP = flat_EP / flat_EP.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    kept_t = torch.tensor(kept)
+    weight_E = counts_E.float().clamp_min(1.0)  # a never-used expert still counts a little
+    merged: dict[int, int] = {}
+    totals = {k: float(weight_E[k]) for k in kept}
+    sums = {p: {k: s[k].float() * weight_E[k] for k in kept} for p, s in stacks.items()}
+    for d in range(E):
+        if d in kept:
+            continue
+        target = kept[int((flat_EP[kept_t] @ flat_EP[d]).argmax())]
+        merged[d] = target
+        totals[target] += float(weight_E[d])
+        for p, s in stacks.items():
+            sums[p][target] = sums[p][target] + s[d].float() * weight_E[d]
+    for p, s in stacks.items():
+        for k in kept:
+            s[k] = (sums[p][k] / totals[k]).to(s.dtype)
+    return merged
+
+
+def prune_checkpoint(model_dir: str | os.PathLike, profile: str | os.PathLike, out_dir: str | os.PathLike,
+                     prune: PruneConfig | None = None) -> PruneReport:
+    """`moe-lab prune`: load a checkpoint and a router profile directory, prune, save_pretrained."""
+    from moe_core.model import MoEForCausalLM
+
+    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new_model, report = prune_experts(model, usage_from_profile(Path(profile)), prune)
+    new_model.save_pretrained(out_dir)
+    from moe_core.convert import copy_companion_files
+
+    copy_companion_files(model_dir, Path(out_dir))
+    return report

@@ -1,0 +1,513 @@
+"""Quantization of a trained model, applied from outside the model file.
+
+Legend: E = experts, O = output features, I = input features, G = groups per row (I / group_size), N =
+calibration tokens of one expert.
+
+PyTorch weight-only experts (`quantize_experts`): each `GroupedExperts` is replaced by a `QuantizedExperts`
+holding int8 weights (``bits=8``: symmetric, one scale per output channel) or packed int4 weights
+(``bits=4``: symmetric, one scale per ``group_size`` inputs of each output channel, two values a byte), and
+dequantizing only the experts a token uses, on the fly. Router, attention, norms, embeddings and the LM head
+stay in full precision. Two ways to choose the integers:
+- ``rtn``: round to nearest.
+- ``gptq``: GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+  Pre-trained Transformers", Algorithm 1 with lazy batch updates): quantize columns in order, each error
+  compensated on the not-yet-quantized columns through the inverse Hessian ``H = X^T X`` of the expert's
+  own inputs, collected from calibration batches routed by the real router. An expert the router rarely
+  picks gets its ``min_tokens`` from the calibration tokens with the highest router probability for it
+  (force-routed); with fewer calibration tokens than that in all, it falls back to round-to-nearest and the
+  report says so. Simplification: all layers are calibrated in one pass on unquantized inputs.
+The reference beside the fast path is fake quantization (`fake_quantize`: quantize, dequantize, run the
+plain `GroupedExperts`); tests hold the two equal. `QuantReport` gives the fraction of parameters quantized
+and the bytes; `check_experts_quantized` raises when any expert stack was skipped.
+
+ONNX Runtime (`quantize_onnx_dynamic`): dynamic int8 through optimum's `ORTQuantizer` on an exported
+directory. The static expert path leaves each expert's weight behind Split/Squeeze/Transpose of the stacked
+initializer, which ONNX Runtime's quantizer would not touch (it quantizes MatMuls whose weight is an
+initializer), so the graph is first constant-folded by ONNX Runtime (basic level: standard ONNX ops only).
+Router MatMuls stay in float; weight-times-activation MatMuls only (no activation-times-activation).
+
+optimum's own GPTQ route (``optimum.gptq.GPTQQuantizer``) needs a CUDA build of ``gptqmodel``/``auto-gptq``;
+`optimum_gptq_available` says whether this machine has one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_core.errors import MoELabError
+from moe_core.experts import GroupedExperts
+from moe_core.inference.fast_decode import DecodeExperts
+
+logger = logging.getLogger(__name__)
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizationError(MoELabError):
+    """A quantization that cannot be done or did not cover what it should; says what and what to do."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int = 8  # 8: per output channel; 4: group-wise, packed two a byte
+    group_size: int = 32  # inputs sharing one scale when bits == 4
+    method: str = "rtn"  # "rtn" or "gptq"
+    min_tokens: int = 32  # gptq: calibration tokens each expert must see (force-routed if rarely hit)
+    damp: float = 0.01  # gptq: dampening, a fraction of the mean Hessian diagonal
+    block_size: int = 128  # gptq: lazy-batch width (a multiple of group_size when bits == 4)
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise QuantizationError(f"QuantConfig.bits={self.bits!r}: choose 8 or 4")
+        if self.method not in ("rtn", "gptq"):
+            raise QuantizationError(f"QuantConfig.method={self.method!r}: choose 'rtn' or 'gptq'")
+        if self.bits == 4 and (self.group_size <= 0 or self.group_size % 2):
+            raise QuantizationError(f"QuantConfig.group_size={self.group_size!r}: must be a positive even number")
+        if self.bits == 4 and self.block_size % self.group_size:
+            raise QuantizationError(f"QuantConfig.block_size={self.block_size} must be a multiple of "
+                                    f"group_size={self.group_size}")
+        if self.min_tokens < 1 or not 0 <= self.damp < 1:
+            raise QuantizationError("QuantConfig: min_tokens must be >= 1 and damp in [0, 1)")
+
+    @property
+    def qmax(self) -> int:
+        return 127 if self.bits == 8 else 7
+
+    def groups(self, in_features: int) -> int:
+        if self.bits == 8:
+            return 1
+        if in_features % self.group_size:
+            raise QuantizationError(f"input width {in_features} is not a multiple of group_size={self.group_size}; "
+                                    "pick a group_size that divides hidden_size and expert_intermediate_size")
+        return in_features // self.group_size
+
+
+# ---------------------------------------------------------------------------------------------- integer codes
+def compute_scales(w_OI: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """Symmetric absmax scales [..., O, G]."""
+    G = config.groups(w_OI.shape[-1])
+    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1)
+    return (w_OGg.abs().amax(-1) / config.qmax).clamp_min(1e-12)
+
+
+def quantize_rtn(w_OI: torch.Tensor, scale_OG: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """Integer codes (int8 holding values in [-qmax-1, qmax]) of ``w`` [..., O, I] at the given scales."""
+    G = scale_OG.shape[-1]
+    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1)
+    q = torch.round(w_OGg / scale_OG[..., None]).clamp(-config.qmax - 1, config.qmax)
+    return q.reshape(w_OI.shape).to(torch.int8)
+
+
+def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor) -> torch.Tensor:
+    G = scale_OG.shape[-1]
+    return (q_OI.float().reshape(*q_OI.shape[:-1], G, -1) * scale_OG[..., None]).reshape(q_OI.shape)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two signed 4-bit codes a byte along the last dim: low nibble = even index."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    lo = (packed & 0x0F).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def fake_quantize(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """The reference: round-to-nearest quantize then dequantize, in the weight's dtype."""
+    scale = compute_scales(w, config)
+    return dequantize(quantize_rtn(w, scale, config), scale).to(w.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- GPTQ
+@torch.no_grad()
+def gptq_quantize(w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ codes and scales of one weight matrix given its input Hessian (Frantar et al. 2022, Alg. 1).
+
+    Scales are absmax of the error-updated weights at the moment their group starts (per row for int8)."""
+    W = w_OI.detach().float().clone()
+    O, I = W.shape
+    H = H_II.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += config.damp * torch.mean(torch.diag(H)) * torch.eye(I)
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:  # numerically singular even after dampening: no error feedback possible
+        scale = compute_scales(W, config)
+        return quantize_rtn(W, scale, config), scale
+    G = config.groups(I)
+    g = I // G
+    scale = compute_scales(W, config) if config.bits == 8 else torch.empty(O, G)
+    Q = torch.empty(O, I, dtype=torch.int8)
+    for i1 in range(0, I, config.block_size):
+        i2 = min(i1 + config.block_size, I)
+        W1, Err1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(O, i2 - i1), Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if config.bits == 4 and col % g == 0:  # the group lies inside this block (block_size % g == 0)
+                scale[:, col // g] = (W1[:, i:i + g].abs().amax(-1) / config.qmax).clamp_min(1e-12)
+            s = scale[:, col // g]
+            q = torch.round(W1[:, i] / s).clamp(-config.qmax - 1, config.qmax)
+            Q[:, col] = q.to(torch.int8)
+            err = (W1[:, i] - q * s) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, scale
+
+
+# ---------------------------------------------------------------------------------------------- the module
+class QuantizedExperts(DecodeExperts):
+    """`GroupedExperts` with weight-only int8/int4 weights, dequantized per expert as it runs.
+
+    Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte) and ``p_scale``
+    (fp32 [E, O, G]). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted`` here."""
+
+    def __init__(self, num_experts: int, activation: str, shapes: dict[str, tuple[int, int]], config: QuantConfig,
+                 impl: str = "auto", max_slots: int = 64) -> None:
+        nn.Module.__init__(self)
+        self.num_experts, self.activation, self.impl, self.max_slots = num_experts, activation, impl, max_slots
+        self.quant_config = config
+        self.projections = tuple(shapes)
+        for name, (O, I) in shapes.items():
+            width = I if config.bits == 8 else I // 2
+            dtype = torch.int8 if config.bits == 8 else torch.uint8
+            self.register_buffer(f"{name}_q", torch.zeros(num_experts, O, width, dtype=dtype))
+            self.register_buffer(f"{name}_scale", torch.ones(num_experts, O, config.groups(I)))
+        # the parent's attributes: no dense weights here
+        self.gate_proj = self.up_proj = self.down_proj = None
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, config: QuantConfig,
+                     codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> QuantizedExperts:
+        """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``)."""
+        shapes = {p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None}
+        new = cls(experts.num_experts, experts.activation, shapes, config, experts.impl,
+                  getattr(experts, "max_slots", 64))
+        for p in shapes:
+            w = getattr(experts, p).detach()
+            if codes is not None and p in codes:
+                q, scale = codes[p]
+            else:
+                scale = compute_scales(w, config)
+                q = quantize_rtn(w, scale, config)
+            getattr(new, f"{p}_q").copy_(pack_int4(q) if config.bits == 4 else q)
+            getattr(new, f"{p}_scale").copy_(scale)
+        return new.to(experts.up_proj.device)
+
+    def codes(self, name: str, e: int | slice = slice(None)) -> torch.Tensor:
+        q = getattr(self, f"{name}_q")[e]
+        return unpack_int4(q) if self.quant_config.bits == 4 else q
+
+    def weight(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """Expert ``e``'s dequantized ``name`` weight [O, I]."""
+        if name not in self.projections:
+            return None
+        return dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e]).to(dtype)
+
+    def dequantized_stack(self, name: str) -> torch.Tensor | None:
+        if name not in self.projections:
+            return None
+        return dequantize(self.codes(name), getattr(self, f"{name}_scale"))
+
+    def resolved_impl(self, x_TD: torch.Tensor) -> str:
+        if self.impl not in ("auto", "grouped_mm"):
+            return self.impl
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            return "static"
+        return "sorted"
+
+    def unbound(self) -> tuple:
+        return None, None, None  # `expert` dequantizes its own slices
+
+    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        gate = self.weight("gate_proj", e, x_ND.dtype)
+        h_gate = F.linear(x_ND, gate) if gate is not None else None
+        h_up = F.linear(x_ND, self.weight("up_proj", e, x_ND.dtype))
+        from moe_core.experts import ffn_act
+
+        return F.linear(ffn_act(self.activation, h_gate, h_up), self.weight("down_proj", e, x_ND.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- report
+@dataclass
+class QuantReport:
+    bits: int
+    method: str
+    params_total: int
+    params_quantized: int
+    bytes_before: int
+    bytes_after: int
+    experts_quantized: int
+    experts_rtn_fallback: list[str] = field(default_factory=list)  # "layer:expert" that gptq left to RTN
+    calibration_tokens: dict[str, list[int]] = field(default_factory=dict)  # per layer, per expert (gptq)
+    forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # force-routed extra tokens (gptq)
+    notes: list[str] = field(default_factory=list)
+    perplexity: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fraction_quantized(self) -> float:
+        return self.params_quantized / self.params_total if self.params_total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fraction_quantized": self.fraction_quantized}
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+def check_experts_quantized(model: nn.Module) -> None:
+    """Raise `QuantizationError` when any expert stack of ``model`` is still in full precision."""
+    skipped = [name for name, m in expert_modules(model) if not isinstance(m, QuantizedExperts)]
+    if skipped:
+        raise QuantizationError(f"expert weights left unquantized in {skipped}; run quantize_experts on the model")
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
+                     calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
+    """Replace every `GroupedExperts` of ``model`` by a `QuantizedExperts`, in place; returns the report.
+
+    ``calibration``: batches of token ids [B, S], required for ``method="gptq"``."""
+    config = config or QuantConfig()
+    modules = expert_modules(model)
+    if not modules:
+        raise QuantizationError("the model has no GroupedExperts to quantize (a dense model?)")
+    params_total = sum(p.numel() for p in model.parameters())
+    bytes_before = _weight_bytes(model)
+    report = QuantReport(config.bits, config.method, params_total, 0, bytes_before, 0, 0)
+    all_codes: dict[str, dict] = {}
+    if config.method == "gptq":
+        if calibration is None:
+            raise QuantizationError("method='gptq' needs calibration batches (token ids [B, S])")
+        all_codes = _gptq_codes(model, modules, config, calibration, report)
+    for name, module in modules:
+        if isinstance(module, QuantizedExperts):
+            continue
+        report.params_quantized += sum(p.numel() for p in module.parameters(recurse=False))
+        report.experts_quantized += module.num_experts
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedExperts.from_experts(module, config, all_codes.get(name)))
+    report.bytes_after = _weight_bytes(model)
+    check_experts_quantized(model)
+    return report
+
+
+@torch.no_grad()
+def _gptq_codes(model, modules, config: QuantConfig, calibration, report: QuantReport) -> dict[str, dict]:
+    """One calibration pass: per expert module, the inputs X [N, D] and router probabilities; then GPTQ."""
+    seen: dict[str, dict[str, list[torch.Tensor]]] = {name: {"x": [], "probs": [], "hit": []} for name, _ in modules}
+    hooks = []
+    for name, module in modules:
+        def hook(mod, args, _out, name=name):
+            x_TD, record = args[0], args[1]
+            seen[name]["x"].append(x_TD.detach().float())
+            seen[name]["probs"].append(record.probs_TE.detach().float())
+            hit_TE = torch.zeros_like(record.probs_TE, dtype=torch.bool)
+            hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0),
+                            ~record.dropped_TK)
+            seen[name]["hit"].append(hit_TE)
+        hooks.append(module.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        for input_ids_BS in calibration:
+            model(input_ids=input_ids_BS, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+
+    codes: dict[str, dict] = {}
+    for name, module in modules:
+        if not seen[name]["x"]:
+            raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
+        x_ND = torch.cat(seen[name]["x"])
+        probs_NE = torch.cat(seen[name]["probs"])
+        hit_NE = torch.cat(seen[name]["hit"])
+        counts, forced, per_proj = [], [], {p: ([], []) for p in PROJECTIONS if getattr(module, p) is not None}
+        for e in range(module.num_experts):
+            idx = hit_NE[:, e].nonzero().flatten()
+            extra = 0
+            if idx.numel() < config.min_tokens:  # force-route the tokens the router likes best for e
+                order = probs_NE[:, e].masked_fill(hit_NE[:, e], -1.0).argsort(descending=True)
+                extra = min(config.min_tokens - idx.numel(), int((~hit_NE[:, e]).sum()))
+                idx = torch.cat([idx, order[:extra]])
+            counts.append(int(hit_NE[:, e].sum()))
+            forced.append(extra)
+            x_e = x_ND[idx]
+            if x_e.shape[0] < config.min_tokens:
+                report.experts_rtn_fallback.append(f"{name}:{e}")
+                for p, (qs, ss) in per_proj.items():
+                    w = getattr(module, p)[e].detach().float()
+                    s = compute_scales(w, config)
+                    qs.append(quantize_rtn(w, s, config))
+                    ss.append(s)
+                continue
+            h_up = F.linear(x_e, module.up_proj[e].float())
+            h_gate = F.linear(x_e, module.gate_proj[e].float()) if module.gate_proj is not None else None
+            from moe_core.experts import ffn_act
+
+            a_e = ffn_act(module.activation, h_gate, h_up)
+            H_in, H_hidden = x_e.T @ x_e, a_e.T @ a_e
+            for p, (qs, ss) in per_proj.items():
+                q, s = gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
+                qs.append(q)
+                ss.append(s)
+        report.calibration_tokens[name] = counts
+        report.forced_tokens[name] = forced
+        codes[name] = {p: (torch.stack(qs), torch.stack(ss)) for p, (qs, ss) in per_proj.items()}
+    if report.experts_rtn_fallback:
+        report.notes.append(f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
+                            f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
+                            "to nearest; give more calibration data")
+    return codes
+
+
+QUANT_FILE = "quantization.json"
+
+
+def save_quantized(model, out_dir: str | os.PathLike, config: QuantConfig, report: QuantReport | None = None) -> Path:
+    """Write config.json, the quantized state dict (safetensors) and quantization.json."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    meta = {"quant_config": asdict(config), "report": report.to_dict() if report else None}
+    (out_dir / QUANT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def load_quantized(directory: str | os.PathLike):
+    """Load what `save_quantized` wrote: an `MoEForCausalLM` with `QuantizedExperts`."""
+    from safetensors.torch import load_file
+
+    from moe_core.config import MoEConfig
+    from moe_core.model import MoEForCausalLM
+
+    directory = Path(directory)
+    if not (directory / QUANT_FILE).is_file():
+        raise QuantizationError(f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized")
+    meta = json.loads((directory / QUANT_FILE).read_text())
+    config = QuantConfig(**meta["quant_config"])
+    model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
+    quantize_experts(model, QuantConfig(bits=config.bits, group_size=config.group_size))  # the structure
+    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantizationError(f"{directory}: checkpoint does not match its config (missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]})")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, config: QuantConfig,
+                        calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
+    """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ without calibration batches
+    calibrates on random token ids (a stand-in; pass real ones from Python for a meaningful result)."""
+    from moe_core.model import MoEForCausalLM
+
+    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if config.method == "gptq" and calibration is None:
+        generator = torch.Generator().manual_seed(0)
+        calibration = [torch.randint(0, model.config.vocab_size, (8, 64), generator=generator) for _ in range(4)]
+        logger.warning("gptq: no calibration batches given, using random token ids")
+    report = quantize_experts(model, config, calibration)
+    save_quantized(model, out_dir, config, report)
+    from moe_core.convert import copy_companion_files
+
+    copy_companion_files(model_dir, Path(out_dir))  # tokenizer and generation defaults travel along
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- ONNX Runtime
+def fold_onnx_constants(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Constant-fold an ONNX file with ONNX Runtime's basic optimizations (standard ONNX ops only), so that
+    every expert's weight becomes a MatMul initializer the quantizer can see."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    return Path(dst)
+
+
+def weight_matmuls(onnx_path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(MatMul nodes whose weight is an initializer, outside the router; router MatMul nodes)."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    weights, routers = [], []
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            (routers if "/router/" in node.name or ".router." in node.input[1] else weights).append(node.name)
+    return weights, routers
+
+
+def quantize_onnx_dynamic(onnx_dir: str | os.PathLike, out_dir: str | os.PathLike, *, per_channel: bool = True,
+                          keep_router_float: bool = True) -> Path:
+    """Dynamic int8 (weights int8 per channel, activations quantized at run time) through optimum's
+    `ORTQuantizer`; writes ``model_quantized.onnx`` and the configs into ``out_dir``."""
+    from optimum.onnxruntime import ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    from moe_core.inference.onnx_export import ONNX_FILES
+
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    src = next((onnx_dir / f for f in ONNX_FILES if (onnx_dir / f).is_file()), None)
+    if src is None:
+        raise QuantizationError(f"{onnx_dir}: no exported ONNX model ({', '.join(ONNX_FILES)}); run "
+                                "`moe-lab export onnx` first")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folded_dir = out_dir / "_folded"
+    folded_dir.mkdir(exist_ok=True)
+    try:
+        folded = fold_onnx_constants(src, folded_dir / "model.onnx")
+        for companion in ("config.json", "generation_config.json"):
+            if (onnx_dir / companion).is_file():
+                shutil.copy(onnx_dir / companion, folded_dir / companion)
+                shutil.copy(onnx_dir / companion, out_dir / companion)
+        weights, routers = weight_matmuls(folded)
+        nodes = weights if keep_router_float else weights + routers
+        qconfig = AutoQuantizationConfig.avx2(is_static=False, per_channel=per_channel, nodes_to_quantize=nodes,
+                                              operators_to_quantize=["MatMul"])
+        quantizer = ORTQuantizer.from_pretrained(folded_dir, file_name="model.onnx")
+        quantizer.quantize(save_dir=out_dir, quantization_config=qconfig)
+    finally:
+        shutil.rmtree(folded_dir, ignore_errors=True)
+    return out_dir
+
+
+def optimum_gptq_available() -> bool:
+    """optimum's GPTQ route needs a CUDA GPU and the gptqmodel (or auto-gptq) backend."""
+    import importlib.util
+
+    return torch.cuda.is_available() and any(
+        importlib.util.find_spec(name) is not None for name in ("gptqmodel", "auto_gptq"))

@@ -1,0 +1,148 @@
+"""Batched generation (equal to one-prompt greedy generate), the CLI end to end, torch.compile / torch.export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moe_core import MoEForCausalLM, get_config
+from moe_core.cli import main
+from moe_core.inference.generate import GenerationConfig, GenerationError, batch_generate, schedule
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**overrides) -> MoEForCausalLM:
+    torch.manual_seed(0)
+    return MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128, **overrides)).eval()
+
+
+def prompts(lengths=(3, 9, 5, 12, 7)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_schedule_groups_similar_lengths():
+    assert schedule([3, 9, 5, 12, 7], 2) == [[3, 1], [4, 2], [0]]
+
+
+def test_batched_greedy_equals_one_prompt_generate():
+    model = tiny()
+    ps = prompts()
+    streamed: list[tuple[int, int]] = []
+    result = batch_generate(model, ps, GenerationConfig(max_new_tokens=8, batch_size=2),
+                            on_token=lambda i, t, _text: streamed.append((i, t)))
+    for i, p in enumerate(ps):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert result.token_ids[i] == ref[0, len(p):].tolist(), i
+        assert [t for j, t in streamed if j == i] == result.token_ids[i]  # streamed as produced
+    assert result.report["new_tokens"] == 40 and result.report["batches"] == 3
+    assert 0 < result.report["padding_fraction"] < 0.5
+
+
+def test_eos_stops_a_row_and_sampling_is_seeded():
+    model = tiny()
+    ps = prompts((4, 6))
+    greedy = batch_generate(model, ps, GenerationConfig(max_new_tokens=6))
+    eos = greedy.token_ids[0][2]
+    first = greedy.token_ids[0].index(eos)
+    stopped = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, eos_token_id=eos))
+    assert stopped.token_ids[0] == greedy.token_ids[0][:first + 1]
+    a = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=20, seed=5))
+    b = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=20, seed=5))
+    assert a.token_ids == b.token_ids
+
+
+def test_generation_errors_are_clear():
+    with pytest.raises(GenerationError, match="tokenizer"):
+        batch_generate(tiny(), ["hello"])
+    with pytest.raises(GenerationError, match="no prompts"):
+        batch_generate(tiny(), [])
+
+
+def _char_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz .,"
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def test_cli_quantize_prune_generate(tmp_path, capsys):
+    from moe_core.analytics.profile import collect_profile
+
+    model = tiny()
+    model.save_pretrained(tmp_path / "model")
+    _char_tokenizer(128).save_pretrained(tmp_path / "model")
+    collect_profile(model, [torch.randint(0, 128, (4, 16))]).to_dir(tmp_path / "profile")
+
+    assert main(["prune", str(tmp_path / "model"), "--profile", str(tmp_path / "profile"), "--out",
+                 str(tmp_path / "pruned"), "--keep", "4"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["experts_after"] == 4 and MoEForCausalLM.from_pretrained(tmp_path / "pruned").config.num_experts == 4
+
+    assert main(["quantize", str(tmp_path / "model"), "--out", str(tmp_path / "q4"), "--bits", "4",
+                 "--group-size", "16"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["fraction_quantized"] > 0.5
+
+    assert main(["generate", str(tmp_path / "q4"), "--prompt", "hello", "--prompt", "a cat",
+                 "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.strip().splitlines()]
+    assert sum(1 for line in lines if "text" in line) == 10  # 2 prompts x 5 tokens, streamed
+    assert [line["prompt"] for line in lines if line.get("done")] == [0, 1]
+    assert json.loads(captured.err.strip().splitlines()[-1])["new_tokens"] == 10
+
+    assert main(["generate", str(tmp_path / "model")]) == 2
+    assert "no prompts" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def test_compile_fullgraph_steps_match_eager():
+    """fullgraph capture on the static path (the aot_eager backend: the graph, without the C++ build)."""
+    from moe_core.inference.compile import compile_steps
+
+    model = tiny(num_hidden_layers=1)
+    steps = compile_steps(model, backend="aot_eager")
+    x = torch.randint(0, 128, (1, 6))
+    logits, cache = steps.prefill(x)
+    with torch.no_grad():
+        ref = model(x, use_cache=True)
+    torch.testing.assert_close(logits, ref.logits[:, -1], atol=1e-5, rtol=1e-5)
+    ref_cache, nxt = ref.past_key_values, logits.argmax(-1, keepdim=True)
+    for _ in range(2):
+        logits, cache = steps.decode(nxt, cache)
+        with torch.no_grad():
+            ref = model(nxt, past_key_values=ref_cache, use_cache=True)
+        torch.testing.assert_close(logits, ref.logits[:, -1], atol=1e-5, rtol=1e-5)
+        ref_cache, nxt = ref.past_key_values, logits.argmax(-1, keepdim=True)
+
+
+@pytest.mark.slow
+def test_compile_inductor_and_torch_export():
+    from moe_core.inference.compile import compile_steps, export_program
+
+    model = tiny(num_hidden_layers=1)
+    x = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        ref = model(x).logits
+    program = export_program(model, x)
+    torch.testing.assert_close(program.module()(x), ref, atol=1e-5, rtol=1e-5)
+    longer = torch.randint(0, 128, (1, 9))  # the sequence length is dynamic
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(longer), model(longer).logits, atol=1e-5, rtol=1e-5)
+    logits, _ = compile_steps(model).prefill(x)
+    torch.testing.assert_close(logits, ref[:, -1], atol=1e-5, rtol=1e-5)
