@@ -1,0 +1,167 @@
+"""`moe-lab run | ui | sync | deploy | serve`: the orchestration commands.
+
+    moe-lab run lifecycle                          # the whole lifecycle, small preset, a few minutes on a CPU
+    moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
+    moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
+    moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
+    moe-lab sync .moe_lab/runs/<run>/pretrain      # upload telemetry recorded while MLflow was unreachable
+    moe-lab deploy                                 # register the deployments with a Prefect server
+    moe-lab serve                                  # serve them from this process (nightly + on demand)
+
+With nothing configured, Prefect runs an ephemeral server with PREFECT_HOME under the project data
+directory ($MOE_LAB_HOME or ./.moe_lab) and MLflow records into SQLite there; PREFECT_API_URL and
+MLFLOW_TRACKING_URI point the same commands at real servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FLOWS = {  # command name -> (module, flow function, params class)
+    "lifecycle": ("flows.lifecycle", "lifecycle", "flows.params:LifecycleParams"),
+    "pretrain": ("flows.pretrain", "pretrain", "flows.params:PretrainParams"),
+    "validate-data": ("flows.validate_data", "validate_data", "flows.params:ValidateParams"),
+    "evaluate": ("flows.evaluate", "evaluate", "flows.evaluate:EvaluateFlowParams"),
+    "optimize": ("flows.optimize", "optimize", "flows.optimize:OptimizeFlowParams"),
+    "finetune": ("flows.finetune", "finetune", "flows.finetune:FinetuneFlowParams"),
+}
+
+
+def add_cli(subparsers) -> None:
+    run = subparsers.add_parser("run", help="run a Prefect flow (lifecycle, pretrain, validate-data, ...)",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("flow", choices=sorted(FLOWS))
+    run.add_argument("--params", help="YAML/JSON file with the flow's parameters")
+    run.add_argument("--size", choices=["tiny", "small"], default="small",
+                     help="training preset for lifecycle/pretrain: tiny (seconds, CI) or small (minutes)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a parameter, e.g. --set train.steps=300 --set baseline=active")
+    run.set_defaults(func=run_flow)
+
+    ui = subparsers.add_parser("ui", help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)")
+    ui.add_argument("--port", type=int, default=None, help="default: 5000 (MLflow), 4200 (Prefect)")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--prefect", action="store_true", help="start the Prefect server and UI instead")
+    ui.set_defaults(func=run_ui)
+
+    sync = subparsers.add_parser("sync", help="upload a training run's metrics.jsonl to MLflow (after an outage)")
+    sync.add_argument("run_dir", help="a training output directory (holds metrics.jsonl)")
+    sync.add_argument("--run-id", default=None, help="MLflow run to upload into (default: the one it was recording to)")
+    sync.add_argument("--all", action="store_true", help="upload every event, not only those after the outage")
+    sync.set_defaults(func=run_sync)
+
+    deploy = subparsers.add_parser("deploy", help="register the nightly and on-demand deployments with Prefect")
+    deploy.add_argument("--work-pool", default=None, help="process work pool (default: moe-lab-process)")
+    deploy.set_defaults(func=run_deploy)
+
+    serve = subparsers.add_parser("serve", help="serve the deployments from this process (schedules run here)")
+    serve.set_defaults(func=run_serve)
+
+
+def _settings():
+    from tasks import settings
+
+    settings.apply_defaults()  # before prefect is imported
+    return settings
+
+
+def build_params(flow: str, params_file: str | None, size: str, overrides: list[str]):
+    """The flow's typed parameters from a file, the size preset and ``key=value`` overrides."""
+    import importlib
+
+    import yaml
+
+    from flows.params import small_train_config, tiny_train_config
+
+    module, _, cls_name = FLOWS[flow][2].partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    data = yaml.safe_load(Path(params_file).read_text()) if params_file else {}
+    if flow in ("lifecycle", "pretrain") and "train" not in data:
+        data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(mode="json")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(raw) if raw else None
+    return cls.model_validate(data)
+
+
+def run_flow(args) -> int:
+    settings = _settings()
+    import importlib
+
+    params = build_params(args.flow, args.params, args.size, args.overrides)
+    module, name, _ = FLOWS[args.flow]
+    flow = getattr(importlib.import_module(module), name)
+    result = flow(params)
+    _print_where_to_look(args.flow, result, settings.describe())
+    return 0
+
+
+def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
+    print(f"\nmoe-lab run {flow}: done")
+    if run_id := result.get("mlflow_run_id"):
+        from tasks import tracking
+
+        print(f"  MLflow run        {tracking.run_url(run_id)}  (tracking: {where['mlflow']}; `moe-lab ui`)")
+    if result.get("version"):
+        state = "champion" if result.get("promoted") else "candidate (champion kept)"
+        print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state}: {result['reason']}")
+    for key in ("out_dir", "export_dir", "data_dir"):
+        if result.get(key):
+            print(f"  {key.replace('_', ' '):<17} {result[key]}")
+    print(f"  Prefect           {where['prefect']}")
+    metrics = result.get("metrics") or {}
+    if "eval.validation_ppl" in metrics:
+        print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")
+
+
+def run_ui(args) -> int:
+    settings = _settings()
+    if args.prefect:
+        env = {**os.environ, "PREFECT_SERVER_API_HOST": args.host}
+        return subprocess.call(["prefect", "server", "start", "--host", args.host, "--port", str(args.port or 4200)],
+                               env=env)
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
+           "--port", str(args.port or 5000)]
+    if uri.startswith("sqlite:"):
+        cmd += ["--default-artifact-root", settings.artifact_root().as_uri()]
+    print(f"MLflow UI on http://{args.host}:{args.port or 5000} ({uri}); Ctrl-C stops it", flush=True)
+    return subprocess.call(cmd)
+
+
+def run_sync(args) -> int:
+    _settings()
+    from tasks.tracking import sync_events
+
+    run_id, uploaded = sync_events(args.run_dir, args.run_id, everything=args.all)
+    print(json.dumps({"run_id": run_id, "events_uploaded": uploaded}))
+    return 0
+
+
+def run_deploy(args) -> int:
+    _settings()
+    from deployments.deploy import deploy
+
+    for name in deploy(args.work_pool):
+        print(f"deployment {name}")
+    print("start a worker: prefect worker start --pool moe-lab-process", file=sys.stderr)
+    return 0
+
+
+def run_serve(args) -> int:
+    _settings()
+    from deployments.deploy import serve
+
+    serve()
+    return 0

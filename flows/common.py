@@ -1,0 +1,39 @@
+"""Small helpers the flows share: where a flow run writes, and the data preparation a training config implies."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from moe_core.data.prepare import PrepareConfig
+from moe_core.data.validation import ValidationConfig
+from moe_core.train import TrainConfig
+from tasks import settings
+
+
+def out_dir_for(flow_name: str, requested: str | None) -> Path:
+    """``requested``, or ``<MOE_LAB_HOME>/runs/<flow>-<time>-<flow run name>``."""
+    if requested:
+        return Path(requested)
+    from prefect.runtime import flow_run
+
+    return settings.runs_dir() / f"{flow_name}-{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
+
+
+def prepare_config_for(train: TrainConfig, validation: ValidationConfig | None = None) -> PrepareConfig:
+    """The preparation `moe_core.train` would do for ``train.data`` (same fields as its own data cache)."""
+    d = train.data
+    return PrepareConfig(source=d.source, seq_len=d.seq_len, max_documents=d.max_documents, seed=d.seed,
+                         vocab_size=d.vocab_size or train.model.build_config().vocab_size,
+                         validation=validation or ValidationConfig())
+
+
+def data_dir_for(config: PrepareConfig) -> str:
+    """Prepared data is shared by flow runs: ``<MOE_LAB_HOME>/data/<source>-<settings hash>``."""
+    from moe_core.train.batches import data_cache_dir
+
+    return str(data_cache_dir(str(settings.lab_home() / "data"), config))
+
+
+def with_data(train: TrainConfig, data_dir: str) -> TrainConfig:
+    return train.model_copy(update={"data": train.data.model_copy(update={"path": data_dir})})

@@ -1,0 +1,39 @@
+"""Flow: evaluate a trained model on prepared data: loss and perplexity (against baselines), the router
+profile and its plots, and the cost report."""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import Field
+
+from flows.common import out_dir_for
+from flows.params import EvaluateParams
+from tasks import evaluate as ev
+from tasks.stages import flow_record
+
+
+class EvaluateFlowParams(EvaluateParams):
+    model_dir: str = Field(..., description="an exported model (a training run's final/) or checkpoint")
+    data_dir: str = Field(..., description="a prepared-data directory (its tokenizer matches the model)")
+    baselines: dict[str, str] = Field(default_factory=dict, description="name -> model directory")
+    events: str | None = Field(None, description="the training's metrics.jsonl, for the training cost")
+    out_dir: str | None = None
+
+
+@flow(name="evaluate")
+def evaluate(params: EvaluateFlowParams) -> dict:
+    out = out_dir_for("evaluate", params.out_dir)
+    with flow_record("evaluate", params) as run_id:
+        result = ev.evaluate_model({"model": params.model_dir, **params.baselines}, params.data_dir,
+                                   str(out / "eval"), params.splits, params.batch_size, params.max_batches, run_id)
+        profile = ev.profile_router(params.model_dir, params.data_dir, str(out / "analysis"), "validation",
+                                    params.batch_size, params.profile_batches, params.plots, run_id)
+        cost = ev.cost_report(params.model_dir, params.events, str(out / "analysis"), params.device_name,
+                              _seq_len(params.data_dir), run_id)
+    return {"metrics": result["metrics"], "profile_dir": profile["profile_dir"], **cost, "mlflow_run_id": run_id}
+
+
+def _seq_len(data_dir: str) -> int:
+    from moe_core.data.shards import read_manifest
+
+    return int(read_manifest(data_dir)["seq_len"])

@@ -1,0 +1,26 @@
+"""Flow: fine-tune a trained model (SFT or DPO; full, LoRA on attention/experts, router-only) and record it."""
+
+from __future__ import annotations
+
+from prefect import flow
+from pydantic import Field
+
+from flows.common import out_dir_for
+from flows.params import _Params
+from moe_core.finetune import FinetuneConfig
+from tasks.finetune import finetune_model
+from tasks.stages import flow_record
+
+
+class FinetuneFlowParams(_Params):
+    config: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    base_model_dir: str = Field(..., description="the model to start from (a training run's final/)")
+    out_dir: str | None = None
+
+
+@flow(name="finetune")
+def finetune(params: FinetuneFlowParams) -> dict:
+    out = out_dir_for("finetune", params.out_dir)
+    with flow_record("finetune", params) as run_id:
+        result = finetune_model(params.config, params.base_model_dir, str(out), run_id)
+    return {**result, "mlflow_run_id": run_id, "out_dir": str(out)}

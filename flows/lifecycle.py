@@ -1,0 +1,70 @@
+"""Flow: the whole life of a model in one run: validate, prepare, pretrain (+ dense baseline), evaluate,
+fine-tune (optional), optimize, register, promote. One MLflow parent run, one nested run per stage."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.common import data_dir_for, out_dir_for, prepare_config_for, with_data
+from flows.params import LifecycleParams
+from tasks import data, registry, train
+from tasks import evaluate as ev
+from tasks import optimize as opt
+from tasks.finetune import finetune_model
+from tasks.stages import flow_record
+
+DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
+
+
+@flow(name="lifecycle")
+def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
+    out = out_dir_for("lifecycle", params.out_dir)
+    p, t = params, params.train
+    with flow_record("lifecycle", params) as run_id:
+        data.validate_data(t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id)
+        prepare_cfg = prepare_config_for(t, p.validation)
+        data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
+        config = with_data(t, data_dir)
+
+        model = train.pretrain(config, str(out / "pretrain"), run_id, p.nproc, p.subprocess)
+        models = {"moe": model["export_dir"]}
+        if p.baseline:
+            dense = config.model_copy(update={"model": config.model.model_copy(update={"baseline": p.baseline})})
+            baseline = train.pretrain(dense, str(out / f"dense-{p.baseline}"), run_id, p.nproc, p.subprocess,
+                                      log_model=False, stage=f"pretrain_dense_{p.baseline}")
+            models[f"dense-{p.baseline}"] = baseline["export_dir"]
+
+        evaluation = ev.evaluate_model(models, data_dir, str(out / "eval"), p.evaluate.splits, p.evaluate.batch_size,
+                                       p.evaluate.max_batches, run_id)
+        ev.profile_router(model["export_dir"], data_dir, str(out / "analysis"), "validation", p.evaluate.batch_size,
+                          p.evaluate.profile_batches, p.evaluate.plots, run_id)
+        ev.cost_report(model["export_dir"], str(out / "pretrain" / "metrics.jsonl"), str(out / "analysis"),
+                       p.evaluate.device_name, config.data.seq_len, run_id)
+
+        if p.finetune.enabled:
+            model = finetune_model(p.finetune.config, model["export_dir"], str(out / "finetune"), run_id)
+
+        if p.optimize is not None:
+            quantized = opt.quantize_model(model["export_dir"], str(out / "quantized"), p.optimize.quantize_bits,
+                                           p.optimize.quantize_method, p.optimize.group_size, run_id)
+            variants = {"pytorch": model["export_dir"], "quantized": quantized}
+            if p.optimize.onnx:
+                variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)
+            opt.benchmark(variants, data_dir, p.optimize.benchmark_batches, str(out / "benchmark"), run_id)
+
+        version = registry.register_model(model["model_uri"], p.promotion.model_name, evaluation["metrics"], run_id)
+        decision = registry.promote(p.promotion.model_name, version, p.promotion.metric, p.promotion.margin,
+                                    p.promotion.higher_is_better, run_id)
+    summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
+               "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
+               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"]}
+    create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
+    return summary
+
+
+def _summary_markdown(s: dict) -> str:
+    return (f"## Lifecycle run\n\n| | |\n|---|---|\n| MLflow run | `{s['mlflow_run_id']}` |\n"
+            f"| registered model | `{s['model_name']}` version {s['version']} |\n"
+            f"| promotion | {'promoted to champion' if s['promoted'] else 'kept the champion'}: {s['reason']} |\n"
+            f"| files | `{s['out_dir']}` |\n| model | `{s['export_dir']}` |\n")

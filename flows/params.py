@@ -1,0 +1,107 @@
+"""Flow parameters: typed models, so the Prefect UI renders a form and validates what it gets.
+
+The training config is the library's own `TrainConfig`, the data checks the library's `ValidationConfig`
+and the quantization the library's bounds; the models here only add what a flow decides (which stages run,
+where outputs go, how the promotion gate judges).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moe_core.data.validation import ValidationConfig
+from moe_core.finetune import FinetuneConfig
+from moe_core.train import TrainConfig
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def tiny_train_config(**fields) -> TrainConfig:
+    """CI size: seconds of data preparation and training on a CPU."""
+    base = {"model": {"preset": "switch-tiny"}, "steps": 12, "batch_size": 4,
+            "data": {"max_documents": 60, "seq_len": 32, "vocab_size": 384},
+            "checkpoint": {"every": 6}, "log": {"every": 3, "progress": "off"},
+            "eval": {"batches": 2}, "optim": {"warmup_steps": 2}}
+    return TrainConfig.build(_merge(base, fields))
+
+
+def small_train_config(**fields) -> TrainConfig:
+    """The README's run: a few minutes on 2 CPU cores, a model that visibly learns."""
+    base = {"model": {"preset": "switch-tiny"}, "steps": 150, "batch_size": 8,
+            "data": {"max_documents": 400, "seq_len": 64, "vocab_size": 2000},
+            "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "lines"},
+            "eval": {"batches": 8}, "optim": {"warmup_steps": 10}}
+    return TrainConfig.build(_merge(base, fields))
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class ValidateParams(_Params):
+    source: str = "builtin"
+    kind: Literal["text", "instruction", "preference"] = "text"
+    max_documents: int | None = Field(200, ge=1)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+
+
+class PretrainParams(_Params):
+    train: TrainConfig = Field(default_factory=tiny_train_config)
+    nproc: int = Field(1, ge=1, description="processes (torchrun) on this node; 1 trains in the flow's process "
+                                            "unless `subprocess` is set")
+    subprocess: bool = Field(False, description="train in a child process group (killed with the flow run)")
+    out_dir: str | None = Field(None, description="default: <MOE_LAB_HOME>/runs/<flow run name>")
+    log_model: bool = True
+
+
+class EvaluateParams(_Params):
+    splits: list[str] = Field(default_factory=lambda: ["validation", "test"])
+    batch_size: int = Field(8, ge=1)
+    max_batches: int | None = Field(8, ge=1)
+    profile_batches: int = Field(8, ge=1)
+    plots: bool = True
+    device_name: str | None = Field(None, description="device to price (default: this machine's)")
+
+
+class OptimizeParams(_Params):
+    quantize_bits: Literal[4, 8] = 8
+    quantize_method: Literal["rtn", "gptq"] = "rtn"
+    group_size: int = Field(32, ge=2)
+    onnx: bool = True
+    benchmark_batches: int = Field(2, ge=1)
+
+
+class FinetuneParams(_Params):
+    enabled: bool = Field(False, description="fine-tune the pretrained model (needs config.data.source)")
+    config: FinetuneConfig = Field(default_factory=FinetuneConfig)
+
+
+class PromotionParams(_Params):
+    model_name: str = "moe-lab-lm"
+    metric: str = Field("eval.validation_ppl", description="an evaluation metric of the candidate's run")
+    higher_is_better: bool = False
+    margin: float = Field(0.0, ge=0, description="relative improvement over the champion needed to promote, "
+                                                 "e.g. 0.02 = 2% lower perplexity")
+
+
+class LifecycleParams(_Params):
+    """Everything the lifecycle does, in one form: validate, prepare, pretrain (+ dense baseline), evaluate,
+    fine-tune, optimize, register, promote."""
+
+    train: TrainConfig = Field(default_factory=tiny_train_config)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    baseline: Literal["active", "total"] | None = Field(None, description="also train this dense baseline")
+    nproc: int = Field(1, ge=1)
+    subprocess: bool = False
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    finetune: FinetuneParams = Field(default_factory=FinetuneParams)
+    optimize: OptimizeParams | None = Field(default_factory=OptimizeParams, description="null skips the stage")
+    promotion: PromotionParams = Field(default_factory=PromotionParams)
+    out_dir: str | None = None

@@ -1,0 +1,117 @@
+"""Evaluation tasks over `moe_core.eval` and `moe_core.analytics`: loss/perplexity (with a comparison table
+against baselines), the router profile and its plots, and the cost report. Model and data go in as paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks import tracking
+from tasks.stages import stage_run
+
+
+def _load(model_dir: str):
+    import torch
+
+    from moe_core import MoEForCausalLM
+
+    return MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@task(name="evaluate-model", retries=1, retry_delay_seconds=2)
+def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: list[str], batch_size: int,
+                   max_batches: int | None, parent_run_id: str | None) -> dict:
+    """Loss and perplexity per split of each model (the first is the candidate, the others baselines)."""
+    from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
+
+    with stage_run("evaluate", parent_run_id) as run_id:
+        rows, metrics = [], {}
+        for i, (name, model_dir) in enumerate(models.items()):
+            model = _load(model_dir)
+            results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
+            rows.append(model_row(name, model.config, results))
+            prefix = "eval" if i == 0 else f"baseline.{name}"
+            for split, r in results.items():
+                metrics.update({f"{prefix}.{split}_loss": r.loss, f"{prefix}.{split}_ppl": r.perplexity})
+        table = comparison_table(rows, reference=next(iter(models)))
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "comparison.md").write_text(to_markdown(table) + "\n")
+        (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        tracking.log_metrics(run_id, metrics)
+        tracking.log_artifacts(run_id, out / "comparison.md", "evaluation")
+        tracking.log_artifacts(run_id, out / "eval.json", "evaluation")
+        create_table_artifact(json.loads(table.to_json(orient="records")), key="evaluation",
+                              description="loss and perplexity per split (ratios against the first model)")
+    return {"run_id": run_id, "metrics": metrics}
+
+
+@task(name="profile-router", retries=1, retry_delay_seconds=2)
+def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batch_size: int, max_batches: int,
+                   plots: bool, parent_run_id: str | None) -> dict:
+    """The router profile on a split (versioned directory), its plots, and per-layer summary metrics."""
+    from moe_core.analytics.profile import ProfileConfig, collect_profile
+    from moe_core.analytics.token_classes import token_class_table
+    from moe_core.data.shards import PackedTokens
+    from moe_core.data.tokenizer import load_tokenizer
+    from moe_core.eval.batches import split_batches
+    from moe_core.eval.perplexity import to_markdown
+
+    with stage_run("profile", parent_run_id) as run_id:
+        model, tokenizer, data = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer"), PackedTokens(data_dir, split)
+        profile = collect_profile(model, split_batches(data_dir, split, batch_size, max_batches, with_domains=True),
+                                  ProfileConfig(), token_classes_V=token_class_table(tokenizer, model.config.vocab_size),
+                                  domain_names=data.domain_names, tokenizer=tokenizer,
+                                  dataset_labels={"data_dir": data_dir, "split": split})
+        out = Path(out_dir)
+        profile.to_dir(out / "profile")
+        summary = profile.summary()
+        metrics = {f"router.layer_{row['layer']}.{k}": v for row in summary.to_dict("records")
+                   for k, v in row.items() if k != "layer"}
+        metrics["router.dead_experts"] = sum(len(row) for row in summary["dead_experts"])
+        tracking.log_metrics(run_id, metrics)
+        tracking.log_artifacts(run_id, out / "profile", "routing_profile")
+        if plots:
+            from moe_core.analytics.plots import render_all
+
+            render_all(profile, out / "plots")
+            tracking.log_artifacts(run_id, out / "plots", "plots")
+        create_markdown_artifact(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])),
+                                 key="router-profile", description="router profile, one row per MoE layer")
+    return {"run_id": run_id, "profile_dir": str(out / "profile")}
+
+
+@task(name="cost-report", retries=1, retry_delay_seconds=2)
+def cost_report(model_dir: str, events: str | None, out_dir: str, device_name: str | None, seq_len: int,
+                parent_run_id: str | None) -> dict:
+    """Forward throughput here and what a token costs, with the training cost to date from its event file."""
+    from moe_core.analytics.cost import cost_report as build_report
+    from moe_core.analytics.cost import measure_throughput, usage_from_events
+
+    with stage_run("cost", parent_run_id) as run_id:
+        model = _load(model_dir)
+        device = device_name or "cpu"
+        throughput = measure_throughput(model, batch_size=4, seq_len=seq_len, steps=3)
+        training = usage_from_events(events, device) if events and Path(events).is_file() else None
+        report = build_report(model.config, throughput.tokens_per_s, device, seq_len, training=training)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cost.md").write_text(report.to_markdown() + "\n")
+        (out / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
+        metrics = tracking.flatten(report.to_dict(), "cost")
+        tracking.log_metrics(run_id, {k: float(v) for k, v in metrics.items() if _is_number(v)})
+        tracking.log_artifacts(run_id, out / "cost.md", "cost")
+        tracking.log_artifacts(run_id, out / "cost.json", "cost")
+        create_markdown_artifact(report.to_markdown(), key="cost", description=f"cost per token on {device}")
+    return {"run_id": run_id, "usd_per_million_tokens": report.usd_per_million_tokens}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text not in ("nan", "inf", "-inf", "True", "False")

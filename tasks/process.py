@@ -1,0 +1,66 @@
+"""Run a training command as its own process group, so cancelling the flow (or a failing task) stops every
+process it started, torchrun workers included.
+
+The group is asked to stop with SIGTERM first (the trainer checkpoints on SIGTERM), then killed after
+``grace_s``. ``MOE_LAB_CHAOS_KILL_AFTER_STEP=N`` SIGKILLs the group once a checkpoint of step >= N exists,
+on a task's first attempt only: the recovery test (and anyone checking their own setup) uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from moe_core.train.checkpoint import latest_checkpoint, read_trainer_state
+
+CHAOS_ENV = "MOE_LAB_CHAOS_KILL_AFTER_STEP"
+
+
+class TrainingProcessDied(RuntimeError):
+    """The training process ended with a non-zero status (killed, crashed); a retry resumes it."""
+
+
+def checkpoint_step(out_dir: Path) -> int:
+    latest = latest_checkpoint(out_dir / "checkpoints")
+    return -1 if latest is None else int(read_trainer_state(latest)["step"])
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL whatever is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_group(cmd: list[str], out_dir: Path, on_poll: Callable[[], None] = lambda: None,
+              first_attempt: bool = True, poll_s: float = 1.0, env: dict | None = None) -> None:
+    """Run ``cmd`` in a new session; call ``on_poll`` every ``poll_s`` (e.g. to forward telemetry). Raises
+    `TrainingProcessDied` on a non-zero exit; stops the whole group if anything interrupts the wait."""
+    chaos = int(os.environ.get(CHAOS_ENV, "0") or 0) if first_attempt else 0
+    poll_s = min(poll_s, 0.05) if chaos else poll_s  # catch the checkpoint before the run ends
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    try:
+        while proc.poll() is None:
+            time.sleep(poll_s)
+            on_poll()
+            if chaos and checkpoint_step(out_dir) >= chaos:
+                os.killpg(proc.pid, signal.SIGKILL)  # a crash, not a request: no last checkpoint
+                proc.wait()
+        on_poll()
+    finally:
+        if proc.poll() is None:
+            stop_group(proc)
+    if proc.returncode != 0:
+        raise TrainingProcessDied(f"training process {' '.join(cmd[:6])} ... exited with {proc.returncode}; "
+                                  f"the last checkpoint is step {checkpoint_step(out_dir)} in {out_dir}")

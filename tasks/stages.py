@@ -1,0 +1,62 @@
+"""What every stage task shares: a nested MLflow run tagged with the Prefect run it belongs to, closed as
+FAILED (with the reason) when the stage raises, and links from Prefect to MLflow."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from prefect.artifacts import create_link_artifact
+
+from tasks import tracking
+
+
+def prefect_tags() -> dict[str, str]:
+    """Prefect ids of the current flow run, task run and deployment (empty outside a run)."""
+    from prefect.runtime import deployment, flow_run, task_run
+
+    tags = {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_name": flow_run.name,
+            "prefect.flow_name": flow_run.flow_name, "prefect.deployment_id": deployment.id,
+            "prefect.deployment_name": deployment.name}
+    if task_run.id:
+        tags.update({"prefect.task_run_id": task_run.id, "prefect.attempt": str(task_run.run_count)})
+    return {k: str(v) for k, v in tags.items() if v}
+
+
+@contextmanager
+def stage_run(name: str, parent_run_id: str | None):
+    """A nested MLflow run for one stage; yields its id."""
+    from prefect.runtime import task_run
+
+    attempt = task_run.run_count if task_run.id else 1
+    run_name = name if attempt <= 1 else f"{name} (attempt {attempt})"
+    run_id = tracking.start_run(run_name, parent_run_id, tags={**prefect_tags(), "moe_lab.stage": name})
+    try:
+        yield run_id
+    except BaseException as err:
+        tracking.end_run(run_id, "FAILED", reason=f"{type(err).__name__}: {str(err)[:400]}")
+        raise
+    tracking.end_run(run_id)
+
+
+def link_to_run(run_id: str, key: str, description: str) -> None:
+    """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes)."""
+    create_link_artifact(tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key,
+                         description=description)
+
+
+@contextmanager
+def flow_record(name: str, params, parent_run_id: str | None = None):
+    """The MLflow run of one flow run (nested under ``parent_run_id`` when given): tagged with the Prefect
+    flow run and deployment, the full parameters as params, closed FAILED/KILLED with the reason."""
+    run_id = tracking.start_run(name, parent_run_id, tags={**prefect_tags(), "moe_lab.flow": name})
+    tracking.log_config(run_id, params)
+    link_to_run(run_id, f"mlflow-{name.replace('_', '-')}", f"MLflow run of this {name} flow run")
+    try:
+        yield run_id
+    except Exception as err:
+        tracking.end_run(run_id, "FAILED", reason=f"{type(err).__name__}: {str(err)[:400]}")
+        raise
+    except BaseException as err:  # cancelled (Prefect's TerminationSignal), interrupted
+        tracking.end_run(run_id, "KILLED", reason=type(err).__name__)
+        raise
+    tracking.end_run(run_id)

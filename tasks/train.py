@@ -1,0 +1,64 @@
+"""The pretraining task: `moe_core.train.train` in this process, or ``moe-lab train`` as a process group
+(``nproc`` > 1 goes through torchrun). Never cached; retried, and every attempt resumes from the output
+directory's last checkpoint, so a killed run ends with the weights an uninterrupted one would have."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from moe_core.train import TrainConfig, read_jsonl
+from moe_core.train.checkpoint import latest_checkpoint, read_trainer_state
+from tasks import tracking
+from tasks.process import run_group
+from tasks.stages import stage_run
+
+
+@task(name="pretrain", retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
+def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc: int = 1,
+             subprocess: bool = False, log_model: bool = True, stage: str = "pretrain") -> dict:
+    """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids."""
+    out = Path(out_dir)
+    resume = latest_checkpoint(out / "checkpoints") is not None
+    with stage_run(stage, parent_run_id) as run_id:
+        tracking.log_config(run_id, config, prefix="train")
+        if config.data.path:
+            tracking.log_dataset(run_id, config.data.path, context="training")
+        if nproc > 1 or subprocess:
+            _train_in_process_group(config, out, run_id, nproc, resume)
+        else:
+            from moe_core.train import train
+
+            train(config, out, resume=resume, sinks=[tracking.MlflowSink(run_id, out)])
+        summary = _summary(out)
+        tracking.log_metrics(run_id, {f"final.{k}": v for k, v in summary.items()}, summary["step"])
+        tracking.set_tags(run_id, {"moe_lab.resumed": resume, "moe_lab.out_dir": str(out)})
+        tracking.log_artifacts(run_id, latest_checkpoint(out / "checkpoints"), "checkpoint")
+        models = tracking.log_model(run_id, out / "final") if log_model else {}
+    return {**summary, "run_id": run_id, "out_dir": str(out), "export_dir": str(out / "final"),
+            "model_uri": models.get("transformers") or models.get("pytorch")}
+
+
+def _train_in_process_group(config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    config.save(out / "flow_train_config.json")
+    cmd = [sys.executable, "-m", "moe_core.cli", "train", "--config", str(out / "flow_train_config.json"),
+           "--out", str(out), "--nproc", str(nproc)] + (["--resume"] if resume else [])
+    follower = tracking.EventFollower(run_id, out)
+    run_group(cmd, out, follower.poll, first_attempt=task_run.run_count <= 1, poll_s=2.0)
+
+
+def _summary(out: Path) -> dict:
+    """Step and losses of the finished run, from its last checkpoint and event file."""
+    state = read_trainer_state(latest_checkpoint(out / "checkpoints"))
+    rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+    last = next((r for r in reversed(rows) if "loss" in r), {})
+    summary = {"step": int(state["step"]), "tokens": int(state["tokens"]), "loss": last.get("loss"),
+               "val_loss": state.get("val_loss")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return {k: v for k, v in summary.items() if v is not None}

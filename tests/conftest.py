@@ -1,0 +1,31 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def lab_env(tmp_path_factory):
+    """One Prefect test server and one MLflow SQLite store for the whole session (the server takes 15-20 s
+    to start), with MOE_LAB_HOME in a temporary directory. Yields that directory."""
+    home = tmp_path_factory.mktemp("moe_lab_home")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MOE_LAB_HOME", str(home))
+    patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    patch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    patch.setenv("PREFECT_HOME", str(home / "prefect"))
+    patch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    patch.delenv("PREFECT_API_URL", raising=False)
+    import mlflow
+    from prefect.settings import PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    with temporary_settings(updates={PREFECT_HOME: home / "prefect",
+                                     PREFECT_LOCAL_STORAGE_PATH: home / "prefect" / "storage"}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield home
+    patch.undo()

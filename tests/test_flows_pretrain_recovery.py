@@ -1,0 +1,48 @@
+"""Automatic recovery: the training process of a pretrain task is SIGKILLed mid-run; Prefect retries the
+task, it resumes from the last checkpoint and ends with exactly the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _config():
+    from moe_core.train import TrainConfig
+
+    return TrainConfig.build({"model": {"preset": "switch-tiny"}, "steps": 40, "batch_size": 4,
+                              "data": {"source": "synthetic", "synthetic_blocks": 64, "seq_len": 16},
+                              "checkpoint": {"every": 5}, "log": {"every": 5, "progress": "off"},
+                              "eval": {"batches": 1}, "device": "cpu"})
+
+
+def test_killed_training_process_is_retried_and_resumes_to_identical_weights(lab_env, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from flows.params import PretrainParams
+    from flows.pretrain import pretrain
+    from tasks.process import CHAOS_ENV
+
+    def run(name: str) -> dict:
+        return pretrain(PretrainParams(train=_config(), subprocess=True, log_model=False, out_dir=str(tmp_path / name)))
+
+    clean = run("uninterrupted")
+    monkeypatch.setenv(CHAOS_ENV, "10")  # SIGKILL the process group once step 10 is checkpointed (1st attempt)
+    killed = run("killed")
+    assert clean["step"] == killed["step"] == 40
+
+    client = MlflowClient()
+    attempts = {r.data.tags["mlflow.runName"]: r for r in client.search_runs(
+        [client.get_run(killed["mlflow_run_id"]).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{killed['mlflow_run_id']}'")}
+    assert attempts["pretrain"].info.status == "FAILED"
+    assert "exited with -9" in attempts["pretrain"].data.tags["failure_reason"]
+    resumed = attempts["pretrain (attempt 2)"]
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["moe_lab.resumed"] == "True"
+
+    a = load_file(tmp_path / "uninterrupted" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a), "resumed weights differ from the uninterrupted run"
