@@ -1,22 +1,22 @@
 """The README's fine-tuning example runs exactly as printed, and so does `moe-lab finetune`."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 
-README_SNIPPET = '''
-from moe_core.finetune import FinetuneConfig, finetune
+REPO = Path(__file__).resolve().parents[1]
+README_EXAMPLE = re.compile(r"```python\n(.*?from moe_core\.finetune import.*?)```", re.S)
 
-config = FinetuneConfig.build({
-    "model": {"path": base_dir}, "data": {"source": data_file},
-    "method": "lora", "lora": {"experts": "esft"}, "steps": 20,
-})
-result = finetune(config, out_dir=out_dir)
-print(result.report.to_text(), result.adapter_dir, result.merged_dir)
-'''
+
+def readme_snippet() -> str:
+    match = README_EXAMPLE.search((REPO / "README.md").read_text())
+    assert match, "README.md lost its fine-tuning example"
+    return match.group(1)
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +38,11 @@ def base_and_data(tmp_path):
 
 
 def test_readme_snippet_runs_as_printed(tmp_path, base_and_data):
-    assert len(README_SNIPPET.strip().splitlines()) < 10
+    snippet = readme_snippet()
+    assert len(snippet.strip().splitlines()) < 10
     base_dir, data_file = base_and_data
     scope = {"base_dir": base_dir, "data_file": data_file, "out_dir": str(tmp_path / "ft")}
-    exec(compile(README_SNIPPET, "README.md", "exec"), scope)
+    exec(compile(snippet, "README.md", "exec"), scope)
     result = scope["result"]
     assert (result.adapter_dir / "adapter_config.json").is_file()
     assert (result.merged_dir / "model.safetensors").is_file()
