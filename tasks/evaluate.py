@@ -53,19 +53,11 @@ def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: 
 def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batch_size: int, max_batches: int,
                    plots: bool, parent_run_id: str | None) -> dict:
     """The router profile on a split (versioned directory), its plots, and per-layer summary metrics."""
-    from moe_core.analytics.profile import ProfileConfig, collect_profile
-    from moe_core.analytics.token_classes import token_class_table
-    from moe_core.data.shards import PackedTokens
-    from moe_core.data.tokenizer import load_tokenizer
-    from moe_core.eval.batches import split_batches
+    from moe_core.analytics.profile import profile_split
     from moe_core.eval.perplexity import to_markdown
 
     with stage_run("profile", parent_run_id) as run_id:
-        model, tokenizer, data = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer"), PackedTokens(data_dir, split)
-        profile = collect_profile(model, split_batches(data_dir, split, batch_size, max_batches, with_domains=True),
-                                  ProfileConfig(), token_classes_V=token_class_table(tokenizer, model.config.vocab_size),
-                                  domain_names=data.domain_names, tokenizer=tokenizer,
-                                  dataset_labels={"data_dir": data_dir, "split": split})
+        profile = profile_split(_load(model_dir), data_dir, split, batch_size, max_batches)
         out = Path(out_dir)
         profile.to_dir(out / "profile")
         summary = profile.summary()

@@ -10,7 +10,7 @@ import torch
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-README_EXAMPLE = re.compile(r"```python\n(.*?from moe_core\.finetune import.*?)```", re.S)
+README_EXAMPLE = re.compile(r"```python\n((?:(?!```).)*?from moe_core\.finetune import(?:(?!```).)*)```", re.S)
 
 
 def readme_snippet() -> str:

@@ -95,7 +95,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert 3 <= step < 500
 
 
-README_EXAMPLE = re.compile(r"```python\n(.*?from moe_core\.train import.*?)```", re.S)
+README_EXAMPLE = re.compile(r"```python\n((?:(?!```).)*?from moe_core\.train import(?:(?!```).)*)```", re.S)
 
 
 def example_code() -> str:

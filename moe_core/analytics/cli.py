@@ -198,28 +198,18 @@ def run_analyze(args) -> int:
         measure_throughput,
         usage_from_events,
     )
-    from moe_core.analytics.profile import ProfileConfig, collect_profile
-    from moe_core.analytics.token_classes import TOKEN_CLASSES, token_class_table
+    from moe_core.analytics.profile import ProfileConfig, profile_split
+    from moe_core.data.shards import read_manifest
     from moe_core.eval.perplexity import to_markdown
 
     if not args.data:
         raise MoELabError("moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)")
-    from moe_core.data.shards import PackedTokens
-    from moe_core.eval.batches import split_batches
 
     out = Path(args.out)
     model = load_model(args, vocab_size=_data_vocab(args))
     tokenizer = _tokenizer(args, required=False)
-    data = PackedTokens(args.data, args.split)
-    classes_V = token_class_table(tokenizer, model.config.vocab_size) if tokenizer is not None else None
-    profile = collect_profile(
-        model, split_batches(args.data, args.split, args.batch_size, args.max_batches, with_domains=True,
-                             verify=False),  # PackedTokens above checked the shards
-        ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction),
-        token_classes_V=classes_V, class_names=TOKEN_CLASSES, domain_names=data.domain_names, tokenizer=tokenizer,
-        dataset_labels={"data_dir": str(args.data), "split": args.split,
-                        "data_manifest_tokenizer_hash": data.manifest["tokenizer"]["hash"]},
-    )
+    profile = profile_split(model, args.data, args.split, args.batch_size, args.max_batches,
+                            ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction), tokenizer)
     profile.to_dir(out / "profile")
     summary = profile.summary()
     print(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])))
@@ -234,7 +224,7 @@ def run_analyze(args) -> int:
     device = next(model.parameters()).device
     device_name = args.device_name or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     prices = PriceTable.from_file(args.price_table) if args.price_table else PriceTable()
-    seq_len = args.throughput_seq or data.seq_len
+    seq_len = args.throughput_seq or int(read_manifest(args.data)["seq_len"])
     throughput = measure_throughput(model, args.throughput_batch, seq_len, args.throughput_steps)
     training = None
     train_device = args.train_device or device_name

@@ -587,3 +587,27 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
     if collector.sequences == 0:
         raise ProfileError("no batch was given: the evaluation set is empty")
     return collector.result(dataset_labels)
+
+
+def profile_split(model, data_dir: str | Path, split: str = "validation", batch_size: int = 8,
+                  max_batches: int | None = None, profile_config: ProfileConfig | None = None,
+                  tokenizer=None) -> RouterProfile:
+    """The router profile of ``model`` on one split of a prepared-data directory (``moe-lab data prepare``):
+    token classes from the data's tokenizer (or ``tokenizer``), domains from its manifest."""
+    from moe_core.analytics.token_classes import token_class_table
+    from moe_core.data.shards import PackedTokens
+    from moe_core.data.tokenizer import load_tokenizer
+    from moe_core.eval.batches import split_batches
+
+    data = PackedTokens(data_dir, split)
+    if tokenizer is None and (Path(data_dir) / "tokenizer").is_dir():
+        tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
+    classes_V = token_class_table(tokenizer, model.config.vocab_size) if tokenizer is not None else None
+    batches = split_batches(data_dir, split, batch_size, max_batches, with_domains=True,
+                            verify=False)  # PackedTokens above checked the shards
+    return collect_profile(
+        model, batches, profile_config, token_classes_V=classes_V, class_names=TOKEN_CLASSES,
+        domain_names=data.domain_names, tokenizer=tokenizer,
+        dataset_labels={"data_dir": str(data_dir), "split": split,
+                        "data_manifest_tokenizer_hash": data.manifest["tokenizer"]["hash"]},
+    )
