@@ -27,13 +27,11 @@ Methods (``method``):
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moe_core.configfile import ConfigFile
 from moe_core.errors import MoELabError
 
 METHODS = ("full", "lora", "router", "router_bias")
@@ -123,7 +121,11 @@ class ExportSection(_Section):
     hf: bool | None = None  # <out>/hf: the Hugging Face architecture; None: when the model came from one
 
 
-class FinetuneConfig(_Section):
+class FinetuneConfig(_Section, ConfigFile):
+    error_cls: ClassVar[type[MoELabError]] = FinetuneError
+    config_name: ClassVar[str] = "fine-tuning config"
+    command: ClassVar[str] = "finetune"
+
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     method: Literal["full", "lora", "router", "router_bias"] = "lora"
@@ -188,55 +190,3 @@ class FinetuneConfig(_Section):
     def uses_task_bias(self) -> bool:
         return self.method == "router_bias" or self.routing.task_bias
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def build(cls, data: dict[str, Any], where: str = "fine-tuning config") -> FinetuneConfig:
-        try:
-            return cls.model_validate(data)
-        except ValidationError as err:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
-            raise FinetuneError(f"{where}: {problems}") from None
-
-    @classmethod
-    def load(cls, path: str | Path) -> FinetuneConfig:
-        """A YAML or JSON file (missing fields take defaults)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FinetuneError(f"config file {path} not found; pass an existing YAML/JSON file to --config")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise FinetuneError(f"config file {path} is not valid YAML/JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise FinetuneError(f"config file {path}: expected a mapping of fields at the top level")
-        return cls.build(data, where=str(path))
-
-    def with_overrides(self, assignments: list[str]) -> FinetuneConfig:
-        """Apply ``key.sub=value`` strings (values parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
-        data = self.model_dump()
-        for item in assignments:
-            key, sep, raw = item.partition("=")
-            if not sep or not key:
-                raise FinetuneError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
-            value = yaml.safe_load(raw) if raw else None
-            if isinstance(value, str):
-                try:
-                    value = float(value)  # YAML 1.1 reads "1e-3" as a string
-                except ValueError:
-                    pass
-            *parents, leaf = key.split(".")
-            node = data
-            for part in parents:
-                if not isinstance(node.get(part), dict):
-                    raise FinetuneError(f"--set {item!r}: {key!r} is not a config field")
-                node = node[part]
-            if leaf not in node:
-                raise FinetuneError(f"--set {item!r}: unknown field {key!r}; see `moe-lab finetune --help`")
-            node[leaf] = value
-        return self.build(data, where="--set")
-
-    def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")

@@ -109,11 +109,9 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
             raise TrainDataError(f"data.path={data_cfg.path!r} is not a directory; prepare it with "
                                  f"`moe-lab data prepare` or leave data.path unset to prepare data.source")
     else:
-        from moe_core.data.prepare import PrepareConfig, prepare
+        from moe_core.data.prepare import prepare
 
-        prepare_cfg = PrepareConfig(source=data_cfg.source, seq_len=data_cfg.seq_len,
-                                    vocab_size=data_cfg.vocab_size or model_vocab,
-                                    max_documents=data_cfg.max_documents, seed=data_cfg.seed)
+        prepare_cfg = data_cfg.prepare_config(model_vocab)
         cache = data_cache_dir(data_cfg.cache_dir, prepare_cfg)
         data_dir = None
         if is_main:

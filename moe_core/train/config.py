@@ -13,13 +13,11 @@ and the data-parallel ranks, so one config trains the same model on one process 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moe_core.configfile import ConfigFile
 from moe_core.errors import MoELabError
 
 
@@ -63,6 +61,14 @@ class DataSection(_Section):
     max_documents: int | None = None
     seed: int = 0
     synthetic_blocks: int = Field(512, ge=1)
+
+    def prepare_config(self, model_vocab: int, **fields: Any):
+        """The `moe_core.data.prepare.PrepareConfig` that prepares ``source`` for this run (``fields``, e.g.
+        ``validation=...``, add to it); the training loop and the flows share it, so they share the cache."""
+        from moe_core.data.prepare import PrepareConfig
+
+        return PrepareConfig(source=self.source, seq_len=self.seq_len, vocab_size=self.vocab_size or model_vocab,
+                             max_documents=self.max_documents, seed=self.seed, **fields)
 
 
 class OptimSection(_Section):
@@ -115,7 +121,12 @@ class FaultSection(_Section):
     max_bad_steps_in_a_row: int = Field(5, ge=0)  # non-finite loss/grads: skip; stop after more than this
 
 
-class TrainConfig(_Section):
+class TrainConfig(_Section, ConfigFile):
+    error_cls: ClassVar[type[MoELabError]] = TrainConfigError
+    config_name: ClassVar[str] = "training config"
+    command: ClassVar[str] = "train"
+    free_form_keys: ClassVar[tuple[tuple[str, ...], ...]] = (("model", "overrides"),)  # MoEConfig fields
+
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     optim: OptimSection = Field(default_factory=OptimSection)
@@ -158,67 +169,3 @@ class TrainConfig(_Section):
     def from_preset(cls, preset: str, **fields: Any) -> TrainConfig:
         """``TrainConfig.from_preset("switch-tiny", steps=100)``: a model preset with default training."""
         return cls.build({"model": {"preset": preset}, **fields})
-
-    @classmethod
-    def build(cls, data: dict[str, Any], where: str = "training config") -> TrainConfig:
-        try:
-            return cls.model_validate(data)
-        except ValidationError as err:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
-            raise TrainConfigError(f"{where}: {problems}") from None
-
-    @classmethod
-    def load(cls, path: str | Path) -> TrainConfig:
-        """A YAML or JSON file (missing fields take defaults)."""
-        path = Path(path)
-        if not path.is_file():
-            raise TrainConfigError(f"config file {path} not found; pass an existing YAML/JSON file to --config")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise TrainConfigError(f"config file {path} is not valid YAML/JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise TrainConfigError(f"config file {path}: expected a mapping of fields at the top level")
-        return cls.build(data, where=str(path))
-
-    def with_overrides(self, assignments: list[str]) -> TrainConfig:
-        """Apply ``key.sub=value`` strings (values parsed as YAML: ``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
-        data = self.model_dump()
-        for item in assignments:
-            key, sep, raw = item.partition("=")
-            if not sep or not key:
-                raise TrainConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
-            # YAML 1.1 reads on/off/yes/no as booleans; keep them as words (pydantic reads them as bools too)
-            value = raw if raw.lower() in _YAML_WORDS else (yaml.safe_load(raw) if raw else None)
-            if isinstance(value, str) and _looks_numeric(value):
-                value = float(value)  # YAML 1.1 reads "1e-3" as a string
-            parts = key.split(".")
-            node = data
-            for part in parts[:-1]:
-                if not isinstance(node.get(part), dict):
-                    if parts[0] == "model" and part == "overrides":
-                        node[part] = {}
-                    else:
-                        raise TrainConfigError(f"--set {item!r}: {key!r} is not a config field")
-                node = node[part]
-            if parts[-1] not in node and not (len(parts) == 3 and parts[:2] == ["model", "overrides"]):
-                raise TrainConfigError(f"--set {item!r}: unknown field {key!r}; see `moe-lab train --help`")
-            node[parts[-1]] = value
-        return self.build(data, where="--set")
-
-    def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
-
-
-_YAML_WORDS = ("on", "off", "yes", "no", "y", "n")
-
-
-def _looks_numeric(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
