@@ -115,7 +115,7 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
         print(f"  MLflow run        {tracking.run_url(run_id)}  (tracking: {where['mlflow']}; `moe-lab ui`)")
     if result.get("version"):
         state = "champion" if result.get("promoted") else "candidate (champion kept)"
-        print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state}: {result['reason']}")
+        print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state} ({result['reason']})")
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")

@@ -22,10 +22,8 @@ def out_dir_for(flow_name: str, requested: str | None) -> Path:
 
 def prepare_config_for(train: TrainConfig, validation: ValidationConfig | None = None) -> PrepareConfig:
     """The preparation `moe_core.train` would do for ``train.data`` (same fields as its own data cache)."""
-    d = train.data
-    return PrepareConfig(source=d.source, seq_len=d.seq_len, max_documents=d.max_documents, seed=d.seed,
-                         vocab_size=d.vocab_size or train.model.build_config().vocab_size,
-                         validation=validation or ValidationConfig())
+    return train.data.prepare_config(train.model.build_config().vocab_size,
+                                     validation=validation or ValidationConfig())
 
 
 def data_dir_for(config: PrepareConfig) -> str:

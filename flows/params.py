@@ -31,8 +31,8 @@ def tiny_train_config(**fields) -> TrainConfig:
 
 def small_train_config(**fields) -> TrainConfig:
     """The README's run: a few minutes on 2 CPU cores, a model that visibly learns."""
-    base = {"model": {"preset": "switch-tiny"}, "steps": 150, "batch_size": 8,
-            "data": {"max_documents": 400, "seq_len": 64, "vocab_size": 2000},
+    base = {"model": {"preset": "switch-small"}, "steps": 150, "batch_size": 8,
+            "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
             "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "lines"},
             "eval": {"batches": 8}, "optim": {"warmup_steps": 10}}
     return TrainConfig.build(_merge(base, fields))
