@@ -49,7 +49,6 @@ from moe_core.data.sources import (
     KINDS,
     LoadedSource,
     _quiet_datasets,
-    file_sha256,
     load_source,
     parse_source,
     source_fingerprint,
@@ -132,7 +131,7 @@ def _tokenizer_fingerprint(name: str | None) -> str | None:
         return None
     path = Path(name)
     if path.is_dir():  # hash the files, so an edited tokenizer directory is noticed
-        return hashlib.sha256("".join(f"{p.name}:{file_sha256(p)}" for p in sorted(path.rglob("*"))
+        return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)}" for p in sorted(path.rglob("*"))
                                       if p.is_file()).encode()).hexdigest()
     return f"hub:{name}"
 

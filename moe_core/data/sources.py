@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moe_core.data.errors import DataError
+from moe_core.data.shards import sha256_file
 
 Kind = Literal["text", "instruction", "preference"]
 KINDS: tuple[str, ...] = ("text", "instruction", "preference")
@@ -274,14 +275,6 @@ class LoadedSource:
     fingerprint: str
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_fingerprint(spec: SourceSpec, hub_config: str | None = None, split: str = "train") -> str:
     """A hash that changes when the source's content changes: file contents for local files; the
     interpreter's stdlib file list (sizes, mtimes) for the built-in corpus; id/config/split for the hub."""
@@ -293,7 +286,7 @@ def source_fingerprint(spec: SourceSpec, hub_config: str | None = None, split: s
             h.update(f"{rel}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     elif spec.type == "local":
         for path in spec.files:
-            h.update(f"{path.name}:{file_sha256(path)}\n".encode())
+            h.update(f"{path.name}:{sha256_file(path)}\n".encode())
     else:
         h.update(f"hub:{spec.location}:{hub_config}:{split}".encode())
     return h.hexdigest()
