@@ -1,10 +1,12 @@
 """Perplexity of a causal LM (PyTorch or ONNX Runtime) on token batches: the quality side of every trade-off
-here (quantization drift, pruning, offloading)."""
+here (quantization drift, pruning, offloading), and a side-by-side table of model variants."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,3 +34,40 @@ def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
 def drift(value: float, reference: float) -> float:
     """Relative change, e.g. perplexity drift of a quantized model: (value - reference) / reference."""
     return (value - reference) / reference
+
+
+def load_variant(kind: str, path: str | Path):
+    """A model variant from its directory: ``"onnx"`` (an `ORTModelForCausalLM`), ``"quantized"`` (weight-only
+    quantized experts) or ``"pytorch"`` (our checkpoint)."""
+    if kind == "onnx":
+        from moe_core.inference.onnx_export import load_onnx
+
+        return load_onnx(path)
+    if kind == "quantized":
+        from moe_core.inference.quantize import load_quantized
+
+        return load_quantized(path)
+    from moe_core import MoEForCausalLM
+
+    return MoEForCausalLM.from_pretrained(path).eval()
+
+
+def compare_variants(variants: dict[str, str | Path], data_dir: str | Path, batches: int,
+                     batch_size: int = 4) -> list[dict[str, float | str]]:
+    """Quality, speed and size of each variant (``{"pytorch" | "quantized" | "onnx": directory}``) on the
+    same validation batches; the first variant is the reference for the perplexity drift."""
+    from moe_core.eval.batches import split_batches
+
+    data = list(split_batches(data_dir, "validation", batch_size, batches))
+    tokens = sum(b.numel() for b in data)
+    rows: list[dict[str, float | str]] = []
+    for kind, path in variants.items():
+        model = load_variant(kind, path)
+        start = time.perf_counter()
+        ppl = perplexity(model, data)
+        seconds = time.perf_counter() - start
+        size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+        rows.append({"variant": kind, "perplexity": ppl, "tokens_per_s": tokens / seconds, "size_mb": size / 2**20})
+    for row in rows:
+        row["ppl_drift"] = drift(row["perplexity"], rows[0]["perplexity"])
+    return rows
