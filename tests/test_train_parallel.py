@@ -79,3 +79,13 @@ def test_two_process_fsdp2_data_parallel_run_matches_one_process(tmp_path, one_p
     # ep_size=1: every rank holds all experts; everything else is sharded by FSDP2 (the ZeRO-3 path)
     run_cli(tmp_path / "fsdp2", "--nproc", "2", "--set", "parallel.dp_mode=fsdp2")
     assert_same_trajectory(one_process, tmp_path / "fsdp2")
+
+
+@pytest.mark.slow
+def test_four_process_expert_by_data_parallel_run_matches_one_process(tmp_path, one_process):
+    # world 4 = ep 2 x dp 2: two expert-parallel groups, each holding half the experts; ranks holding the same
+    # experts all-reduce their expert gradients over the data-parallel group
+    run_cli(tmp_path / "ep2dp2", "--nproc", "4", "--set", "parallel.ep_size=2")
+    assert_same_trajectory(one_process, tmp_path / "ep2dp2")
+    ckpt = tmp_path / "ep2dp2" / "checkpoints" / "step_00000020"
+    assert {p.name for p in ckpt.glob("experts-*")} == {"experts-ep0-of-2.safetensors", "experts-ep1-of-2.safetensors"}
