@@ -10,10 +10,10 @@ per-expert loop costs no copy, and the stack feeds `torch._grouped_mm` directly 
 
 Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the kept slots:
 - ``reference``: a plain loop over experts with a boolean mask each: slow, obviously right.
-- ``sorted``: sort the kept slots by expert, run each expert's matmuls on its contiguous slice, scatter-add
-  back. The default where grouped_mm is not supported.
+- ``sorted``: sort the kept slots by expert, run each expert's matmuls on its contiguous slice and add it
+  back while it is still in cache. The default on CPU and wherever grouped_mm is not supported.
 - ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CPU fp32/bf16 in
-  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default where supported.
+  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs.
 - ``static``: every expert on every token, weighted by a dense [T, E] combine matrix: no data-dependent
   shapes, for ONNX export and ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
 Tests hold all four equal in forward and backward.
@@ -77,7 +77,8 @@ class GroupedExperts(nn.Module):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
         E, F_, D = self.up_proj.shape
-        return "grouped_mm" if grouped_mm_supported(x_TD, F_, D) else "sorted"
+        # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
+        return "grouped_mm" if x_TD.is_cuda and grouped_mm_supported(x_TD, F_, D) else "sorted"
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
@@ -116,10 +117,15 @@ class GroupedExperts(nn.Module):
         if grouped:
             offs_E = counts_E.cumsum(0).to(torch.int32)
             out_AD = self._grouped_ffn(x_AD, offs_E)
-        else:
-            chunks, weights = torch.split(x_AD, counts_E.tolist()), self.unbound()
-            out_AD = torch.cat([self.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
-        return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+            return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+        # expert by expert on its contiguous slice, combined while the slice is still in cache
+        y_TD, weights = torch.zeros_like(x_TD), self.unbound()
+        counts = counts_E.tolist()
+        for e, x_ND, t_N, w_N in zip(range(self.num_experts), x_AD.split(counts), token_idx_A.split(counts),
+                                     weights_A.split(counts)):
+            if counts[e]:
+                y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights) * w_N[:, None])
+        return y_TD
 
     def _grouped_ffn(self, x_AD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         device = x_AD.device.type

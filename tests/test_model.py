@@ -249,9 +249,12 @@ def test_peft_lora_reaches_attention_and_every_expert_weight():
 
 
 def test_auto_impl_avoids_grouped_mm_for_misaligned_widths():
+    from moe_core.experts import grouped_mm_supported
+
     config = get_config("mixtral-tiny", expert_intermediate_size=3)
     block = seeded_block(config)
     x = torch.randn(2, 5, config.hidden_size)
-    assert block.experts.resolved_impl(x) == "sorted"
+    assert not grouped_mm_supported(x, 3, config.hidden_size)  # rows of 12 bytes
+    assert grouped_mm_supported(x, 128, config.hidden_size)
+    assert block.experts.resolved_impl(x) == "sorted"  # the CPU default
     torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
-    assert seeded_block(get_config("mixtral-tiny")).experts.resolved_impl(x) == "grouped_mm"
