@@ -10,7 +10,8 @@ Architecture choices (each a field of `MoEConfig`):
   auxiliary-loss-free bias) and optional shared experts (Qwen2-MoE; DeepSeekMoE, Dai et al. 2024).
 - Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged over
   MoE layers, added whenever labels are given and the coefficient is above zero (so it can never be silently
-  off during fine-tuning). ``lm_loss`` is reported separately for perplexity.
+  off during fine-tuning). ``lm_loss`` is reported separately for perplexity. The router losses are training
+  signals: in eval mode under ``torch.no_grad()`` (generation, evaluation, analytics) they are not computed.
 
 Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
 Hd = head dim, T = B*S tokens, V = vocab.
@@ -334,7 +335,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         logits_BSV = self.lm_head(h_keep)
 
         aux_loss = z_loss = None
-        if records:
+        if records and records[0].aux_loss is not None:  # not computed under no_grad in eval (generation)
             aux_loss = torch.stack([r.aux_loss for r in records]).mean()
             z_loss = torch.stack([r.z_loss for r in records]).mean()
         loss = lm_loss = None

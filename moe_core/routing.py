@@ -66,8 +66,9 @@ class RoutingRecord:
     probs_TE: torch.Tensor  # fp32 full router probabilities (scores), for analytics and the aux loss
     logits_TE: torch.Tensor  # fp32
     tokens_per_expert_E: torch.Tensor  # long, slots each expert actually processes
-    aux_loss: torch.Tensor  # scalar, load balancing
-    z_loss: torch.Tensor  # scalar
+    # scalars; training signals, so None when neither training nor tracking gradients (generation, analytics)
+    aux_loss: torch.Tensor | None  # load balancing
+    z_loss: torch.Tensor | None
     capacity: int | None = None  # tokens per expert allowed, None when dropless
 
     @property
@@ -205,7 +206,8 @@ class Router(nn.Module):
         weights_TK = weights_TK.masked_fill(dropped_TK, 0.0)
         kept_ids = expert_ids_TK.masked_select(~dropped_TK)
         tokens_per_expert_E = torch.bincount(kept_ids, minlength=self.num_experts)
-        if aux_loss is None:
+        losses_needed = self.training or torch.is_grad_enabled()
+        if aux_loss is None and losses_needed:
             aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
         return RoutingRecord(
             expert_ids_TK=expert_ids_TK,
@@ -215,7 +217,7 @@ class Router(nn.Module):
             logits_TE=logits_TE,
             tokens_per_expert_E=tokens_per_expert_E,
             aux_loss=aux_loss,
-            z_loss=router_z_loss(logits_TE),
+            z_loss=router_z_loss(logits_TE) if losses_needed else None,
             capacity=capacity,
         )
 
@@ -306,7 +308,8 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
         record = super().route(logits_TE)
         # the balance is kept by the bias, not by a gradient: report the statistic, do not train on it
-        record.aux_loss = record.aux_loss.detach()
+        if record.aux_loss is not None:
+            record.aux_loss = record.aux_loss.detach()
         return record
 
     def observe(self, record: RoutingRecord) -> None:

@@ -225,3 +225,19 @@ def test_router_from_dotted_path():
     config = MoEConfig(hidden_size=32, num_attention_heads=4, num_experts=4, num_experts_per_tok=1,
                        router="moe_core.routing.SwitchRouter")
     assert type(build_router(config)).__name__ == "SwitchRouter"
+
+
+def test_router_losses_are_skipped_only_for_gradient_free_eval():
+    config = get_config("mixtral-tiny")
+    model = MoEForCausalLM(config)
+    x = torch.randint(0, config.vocab_size, (2, 8))
+    model.eval()
+    with torch.no_grad():
+        out = model(x, labels=x, output_routing=True)
+    assert out.aux_loss is None and out.routing[0].z_loss is None
+    assert torch.equal(out.loss, out.lm_loss)
+    assert out.routing[0].tokens_per_expert_E.sum() == 16 * 2  # analytics still get the counts
+    assert model(x, labels=x).aux_loss is not None  # eval with gradients (e.g. a hook-based analysis)
+    model.train()
+    with torch.no_grad():
+        assert model(x, labels=x).aux_loss is not None  # training telemetry under no_grad keeps them

@@ -163,7 +163,7 @@ class ExpertParallelExperts(nn.Module):
         self.first_expert = first
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
-        if self.global_aux_group is not None:
+        if self.global_aux_group is not None and record.aux_loss is not None:
             record.aux_loss = global_load_balancing_loss(record, self.global_aux_group)
         if self.ep_size == 1:
             return self.local(x_TD, record, impl)
