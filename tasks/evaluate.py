@@ -54,10 +54,12 @@ def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batc
                    plots: bool, parent_run_id: str | None) -> dict:
     """The router profile on a split (versioned directory), its plots, and per-layer summary metrics."""
     from moe_core.analytics.profile import profile_split
+    from moe_core.data.tokenizer import load_tokenizer
     from moe_core.eval.perplexity import to_markdown
 
     with stage_run("profile", parent_run_id) as run_id:
-        profile = profile_split(_load(model_dir), data_dir, split, batch_size, max_batches)
+        model, tokenizer = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer")
+        profile = profile_split(model, data_dir, split, batch_size, max_batches, tokenizer=tokenizer)
         out = Path(out_dir)
         profile.to_dir(out / "profile")
         summary = profile.summary()
@@ -69,7 +71,7 @@ def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batc
         if plots:
             from moe_core.analytics.plots import render_all
 
-            render_all(profile, out / "plots")
+            render_all(profile, out / "plots", model=model, tokenizer=tokenizer)
             tracking.log_artifacts(run_id, out / "plots", "plots")
         create_markdown_artifact(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])),
                                  key="router-profile", description="router profile, one row per MoE layer")

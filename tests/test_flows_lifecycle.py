@@ -54,7 +54,8 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert "validation/validation.md" in artifact_paths(client, stages["validate_data"], "validation")
     assert "tokenizer" in artifact_paths(client, stages["prepare_data"])
     assert "routing_profile/profile.json" in artifact_paths(client, stages["profile"], "routing_profile")
-    assert any(p.endswith(".png") for p in artifact_paths(client, stages["profile"], "plots"))
+    plots = artifact_paths(client, stages["profile"], "plots")
+    assert {"plots/expert_load.png", "plots/token_routing.png", "plots/routing_flow.html"} <= set(plots), plots
     assert "checkpoint" in artifact_paths(client, pretrain)
     models = client.search_logged_models([parent.info.experiment_id])
     flavors = {m.name for m in models if m.source_run_id in (pretrain.info.run_id, stages["export_onnx"].info.run_id)}

@@ -215,10 +215,8 @@ def run_analyze(args) -> int:
     print(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])))
     if not args.no_plots:
         from moe_core.analytics.plots import render_all
-        from moe_core.eval.prompts import PROMPTS
 
-        text = args.text or PROMPTS[0].text
-        token_ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else None
+        token_ids = tokenizer.encode(args.text, add_special_tokens=False) if args.text and tokenizer else None
         render_all(profile, out / "plots", model=model, token_ids=token_ids, tokenizer=tokenizer)
 
     device = next(model.parameters()).device

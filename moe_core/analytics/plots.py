@@ -290,7 +290,8 @@ def _rect(t: int, e: int):
 
 def render_all(profile: RouterProfile, out_dir: str | Path, model=None, token_ids=None,
                tokenizer=None) -> dict[str, dict[str, Path]]:
-    """Every picture of ``profile`` into ``out_dir``; the token heatmap too when a model and text are given."""
+    """Every picture of ``profile`` into ``out_dir``; the token heatmap too when a model is given, over
+    ``token_ids`` or else the first project prompt encoded with ``tokenizer``."""
     out = {
         "expert_load": plot_expert_load(profile, out_dir),
         "coactivation": plot_coactivation(profile, out_dir),
@@ -298,6 +299,10 @@ def render_all(profile: RouterProfile, out_dir: str | Path, model=None, token_id
     }
     if profile.flows:
         out["routing_flow"] = plot_routing_flow(profile, out_dir)
+    if token_ids is None and tokenizer is not None:
+        from moe_core.eval.prompts import PROMPTS
+
+        token_ids = tokenizer.encode(PROMPTS[0].text, add_special_tokens=False)
     if model is not None and token_ids is not None:
         out["token_routing"] = plot_token_routing(model, token_ids, out_dir, tokenizer)
     return out
