@@ -5,6 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+
+@pytest.fixture()
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: one torch thread avoids OpenMP oversubscription, which made
+    them up to 30x slower. Test modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

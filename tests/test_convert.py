@@ -29,6 +29,7 @@ from moe_core import MoEForCausalLM, get_config
 from moe_core.cli import main
 from moe_core.convert import ConversionError, atomic_directory, from_hf, to_hf
 from moe_core.routing import load_balancing_loss
+from tests.helpers import randomize_
 
 ATOL = 1e-5
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,15 +56,6 @@ HF_CASES = {
 }
 EXPECTED_MOE_LAYERS = {"mixtral": [True, True], "olmoe": [True, True], "qwen2_moe": [True, False, True],
                        "qwen2_moe_sparse_step": [False, True, False, False]}
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights at a scale that makes logits O(1); norm weights near, not at, one."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
 
 
 def logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

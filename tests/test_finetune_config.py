@@ -1,20 +1,13 @@
 """The fine-tuning config, the trainable-parameter report and the CLI wiring: fast, no training."""
 
 import pytest
-import torch
 
 from moe_core.finetune import FinetuneConfig, FinetuneError
 from moe_core.finetune.methods import apply_method
 from moe_core.finetune.report import trainable_parameter_report
 from tests.finetune_helpers import instruction_records, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_config_checks_itself_and_names_the_field():

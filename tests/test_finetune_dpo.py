@@ -8,13 +8,7 @@ import torch
 from moe_core.finetune import FinetuneConfig, finetune
 from tests.finetune_helpers import preference_records, tiny_model, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def completion_logps(model, tokenizer, records, key: str) -> torch.Tensor:

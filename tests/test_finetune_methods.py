@@ -15,13 +15,7 @@ from moe_core.finetune.methods import (
 )
 from tests.finetune_helpers import state, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def steps(model, n=3, lr=1e-2, weight_decay=0.1, seed=0):

@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 
@@ -19,12 +18,7 @@ def readme_snippet() -> str:
     return match.group(1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture()

@@ -9,13 +9,7 @@ from moe_core.finetune.export import merged_model, save_adapter
 from moe_core.finetune.methods import TaskRouterBias
 from tests.finetune_helpers import instruction_records, state, tiny_model, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,7 @@ from moe_core.experts import GroupedExperts
 from moe_core.inference.fast_decode import DecodeExperts, disable_fast_decode, enable_fast_decode
 from moe_core.routing import build_router
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two busy cores: OpenMP spinning makes tiny ops 100x slower
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.mark.parametrize("preset,T", [("mixtral-tiny", 1), ("mixtral-tiny", 5), ("olmoe-tiny", 1), ("switch-tiny", 3)])

@@ -11,13 +11,7 @@ from moe_core import MoEForCausalLM, get_config
 from moe_core.cli import main
 from moe_core.inference.generate import GenerationConfig, GenerationError, batch_generate, schedule
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny(**overrides) -> MoEForCausalLM:

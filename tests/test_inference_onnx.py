@@ -28,16 +28,9 @@ from moe_core.inference.onnx_export import (
     export_onnx,
     load_onnx,
 )
+from tests.helpers import randomize_
 
 ATOL = 1e-4
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
 
 
 def inputs(vocab_size: int, batch: int = 4, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,13 +11,7 @@ from moe_core import MoEForCausalLM, get_config
 from moe_core.inference.expert_cache import ExpertCacheError, offload_experts
 from moe_core.inference.prune import PruneConfig, PruneError, collect_usage, prune_experts, usage_from_profile
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def model_of(preset="mixtral-tiny", **overrides) -> MoEForCausalLM:

@@ -23,13 +23,7 @@ from moe_core.inference.quantize import (
     unpack_int4,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny_model(**overrides) -> MoEForCausalLM:

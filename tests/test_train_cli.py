@@ -30,12 +30,7 @@ def cli(*args):
     return [sys.executable, "-m", "moe_core.cli", "train", *args]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_cli_trains_resumes_and_refuses_to_overwrite(tmp_path, capsys):

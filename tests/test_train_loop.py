@@ -16,14 +16,7 @@ from moe_core.train import TrainConfig, read_jsonl, train
 from moe_core.train.checkpoint import list_checkpoints, read_trainer_state
 from moe_core.train.loop import OutOfMemoryError, Trainer, TrainingDivergedError
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread avoids OpenMP oversubscription (30x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny(preset="switch-tiny", **fields):
