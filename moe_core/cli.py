@@ -25,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-lab", description="Open MoE Trainer Lab")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:  # a real missing dependency inside the module: let it surface
-                raise
-            continue  # that area has not landed in this checkout yet
-        module.add_cli(sub)
+        importlib.import_module(name).add_cli(sub)
     return parser
 
 

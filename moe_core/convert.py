@@ -58,9 +58,6 @@ import logging
 import math
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +66,7 @@ import torch
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -538,7 +536,7 @@ def to_hf(model: MoEForCausalLM, out_dir: str | os.PathLike, architecture: str |
     tensors = [(hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
                for our_name, names in plan for j, hf_name in enumerate(names)]
     hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         _write_safetensors(tmp, tensors, max_shard_size)
         hf_config.save_pretrained(tmp)
         copied = copy_companion_files(tokenizer_dir, tmp) if tokenizer_dir else []
@@ -560,41 +558,12 @@ def copy_companion_files(source: str | os.PathLike, destination: Path) -> list[s
     return copied
 
 
-@contextmanager
-def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to `out_dir`, renamed into place only when the block succeeds.
-
-    A non-empty `out_dir` is refused unless `overwrite`; then it is replaced only after the new one is complete.
-    """
-    out = Path(out_dir).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConversionError(f"{out} is not empty; choose another output directory or pass overwrite=True "
-                              f"(--overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if out.is_dir():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
 def convert_from_hf(source: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     overwrite: bool = False, revision: str | None = None) -> Path:
     """A HF checkpoint (directory or hub id) written as our checkpoint, tokenizer files included."""
     directory = resolve_source(source, revision)
     model = from_hf(directory, dtype=dtype)
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         model.save_pretrained(tmp)
         copy_companion_files(directory, tmp)
     return Path(out_dir)

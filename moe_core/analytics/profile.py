@@ -41,9 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +52,7 @@ import torch
 from moe_core.analytics import stats
 from moe_core.analytics.token_classes import TOKEN_CLASSES
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_directory
 from moe_core.routing import RoutingRecord
 
 PROFILE_VERSION = 1
@@ -228,17 +226,10 @@ class RouterProfile:
         import pandas as pd
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
+        with atomic_directory(path, overwrite=True, error_cls=ProfileError) as tmp:
             (tmp / "profile.json").write_text(json.dumps(self._json(), indent=2, allow_nan=False) + "\n")
             for name, rows in self._tables().items():
                 pd.DataFrame(rows["rows"], columns=rows["columns"]).to_parquet(tmp / f"{name}.parquet", index=False)
-            _replace_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return path
 
     @classmethod
@@ -368,17 +359,6 @@ def _as_comparable(profile: RouterProfile) -> tuple:
     return (profile.version, json.dumps(profile.model, sort_keys=True), json.dumps(profile.dataset, sort_keys=True),
             tuple(profile.class_names), tuple(profile.domain_names), profile.rare_fraction,
             tuple(arrays(x) for x in profile.layers), tuple(arrays(f) for f in profile.flows))
-
-
-def _replace_dir(tmp: Path, path: Path) -> None:
-    """Move a finished directory into place; an existing one is swapped out, then removed."""
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ collection

@@ -27,8 +27,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ from moe_core.data.sources import (
     to_messages,
 )
 from moe_core.data.validation import ValidationConfig, validate
+from moe_core.fileio import atomic_directory
 
 SPLITS = ("train", "validation", "test")
 DTYPES = ("auto", "uint16", "uint32")
@@ -162,28 +161,9 @@ def prepare(config: PrepareConfig, out_dir: str | Path, overwrite: bool = False)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise DataError(f"{out}: exists and is not a prepared-data directory; choose an empty or new directory")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
+    with atomic_directory(out, overwrite=True, error_cls=DataError) as tmp:  # refusals were decided above
         _build(config, tmp, fingerprint, source_fp)
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, out)
 
 
 # ---------------------------------------------------------------------------------------------- steps
