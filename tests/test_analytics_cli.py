@@ -9,6 +9,7 @@ import pytest
 
 from moe_core.analytics.cli import add_cli
 from moe_core.analytics.profile import RouterProfile
+from moe_core.data import prepare
 
 
 def run(argv: list[str]) -> int:
@@ -20,7 +21,6 @@ def run(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    prepare = pytest.importorskip("moe_core.data.prepare")
     out = tmp_path_factory.mktemp("data") / "prepared"
     return prepare.prepare(prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False), out)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_core import MoEForCausalLM, get_config
+from moe_core.data.tokenizer import train_tokenizer
 from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
 from moe_core.eval.prompts import PROMPTS
 
@@ -14,8 +15,7 @@ TEXTS = [p.text for p in PROMPTS] * 2 + ["def add(a, b):\n    return a + b\n", "
 
 
 def tiny_tokenizer():
-    tokenizer_mod = pytest.importorskip("moe_core.data.tokenizer")
-    return tokenizer_mod.train_tokenizer(TEXTS, vocab_size=300, min_frequency=1)
+    return train_tokenizer(TEXTS, vocab_size=300, min_frequency=1)
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,11 @@ import textwrap
 
 import pytest
 import torch
+from lm_eval.api.instance import Instance
 
-pytest.importorskip("lm_eval")
-
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from moe_core import MoEForCausalLM, get_config  # noqa: E402
-from moe_core.eval.harness import MoELabLM, run_tasks  # noqa: E402
-from tests.test_eval_generate import tiny_tokenizer  # noqa: E402
+from moe_core import MoEForCausalLM, get_config
+from moe_core.eval.harness import MoELabLM, run_tasks
+from tests.test_eval_generate import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
