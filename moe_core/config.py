@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 FFN_ACTIVATIONS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
-EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static")
+EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 
 
 class MoEConfig(PretrainedConfig):

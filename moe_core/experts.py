@@ -14,9 +14,14 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
   back while it is still in cache. The default on CPU and wherever grouped_mm is not supported.
 - ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CPU fp32/bf16 in
   torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs.
-- ``static``: every expert on every token, weighted by a dense [T, E] combine matrix: no data-dependent
-  shapes, for ONNX export and ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
-Tests hold all four equal in forward and backward.
+- ``static``: every expert on every token, as one wide FFN of E*F hidden units gated by a dense [T, E]
+  combine matrix: three matmuls, no data-dependent shapes, for ONNX export and
+  ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
+- ``gather``: each token gathers its K experts' weights and every projection is written as the reduction
+  it is (``h_tkf = sum_d x_td w_{e_tk} fd``). For compiled decoding (few tokens): inductor fuses the gather
+  into the reduction loop, so a step streams exactly the chosen experts' bytes, with no copy, no host sync
+  and no data-dependent shape. Eager, it materializes [T, K, F, D]: a reference for small T only.
+Tests hold all five equal in forward and backward.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class GroupedExperts(nn.Module):
         h_gate = F.linear(x_ND, gate[e]) if gate is not None else None
         return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, up[e])), down[e])
 
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
+        """The whole ``(gate [E, F, D] or None, up [E, F, D], down [E, D, F])`` weight stacks."""
+        return self.gate_proj, self.up_proj, self.down_proj
+
     def unbound(self) -> tuple:
         gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
         return gate, self.up_proj.unbind(0), self.down_proj.unbind(0)
@@ -86,9 +95,12 @@ class GroupedExperts(nn.Module):
             return self.forward_reference(x_TD, record)
         if impl == "static":
             return self.forward_static(x_TD, record)
+        if impl == "gather":
+            return self.forward_gather(x_TD, record)
         if impl in ("sorted", "grouped_mm"):
             return self.forward_sorted(x_TD, record, grouped=impl == "grouped_mm")
-        raise ValueError(f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm or static")
+        raise ValueError(f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm, static "
+                         "or gather")
 
     # -------------------------------------------------------------------------------- slow reference
     def forward_reference(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
@@ -142,9 +154,29 @@ class GroupedExperts(nn.Module):
 
     # -------------------------------------------------------------------------------- export-friendly
     def forward_static(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        # the layer as one wide dense FFN of E*F hidden units, each expert's units scaled by its combine
+        # weight before the down projection: sum_e c_te down_e(h_te) = down_cat(c_t (x) h_t). Three
+        # matmuls whatever E, every expert in the graph, and each weight a plain 2-D matrix (so ONNX
+        # Runtime's int8 quantizer gets one per-channel MatMul per projection, not E small ones)
+        gate, up, down = self.stacks(x_TD.dtype)
+        E, F_, D = up.shape
+        T = x_TD.shape[0]
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
-        y_TD, weights = torch.zeros_like(x_TD), self.unbound()
-        for e in range(self.num_experts):  # a static loop: every expert is in the graph, whatever the routing
-            combine_T = (weights_TK * (record.expert_ids_TK == e).to(x_TD.dtype)).sum(-1)
-            y_TD = y_TD + combine_T[:, None] * self.expert(e, x_TD, weights)
-        return y_TD
+        experts_E = torch.arange(E, device=x_TD.device)
+        combine_TE = (weights_TK[:, :, None] * (record.expert_ids_TK[:, :, None] == experts_E)).sum(1)
+        h_up_TEF = F.linear(x_TD, up.reshape(E * F_, D)).view(T, E, F_)
+        h_gate_TEF = F.linear(x_TD, gate.reshape(E * F_, D)).view(T, E, F_) if gate is not None else None
+        h_TEF = ffn_act(self.activation, h_gate_TEF, h_up_TEF) * combine_TE[:, :, None]
+        down_DEF = down.transpose(0, 1).reshape(D, E * F_)
+        return F.linear(h_TEF.reshape(T, E * F_), down_DEF)
+
+    def forward_gather(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
+        gate, up, down = self.stacks(x_TD.dtype)
+        ids_TK = record.expert_ids_TK
+        x_T11D = x_TD[:, None, None, :]
+        h_up_TKF = (x_T11D * up[ids_TK]).sum(-1)
+        h_gate_TKF = (x_T11D * gate[ids_TK]).sum(-1) if gate is not None else None
+        h_TK1F = ffn_act(self.activation, h_gate_TKF, h_up_TKF)[:, :, None, :]
+        y_TKD = (h_TK1F * down[ids_TK]).sum(-1)
+        return (weights_TK[:, :, None] * y_TKD).sum(1)

@@ -204,8 +204,9 @@ class Router(nn.Module):
         if dropped_TK is None:
             dropped_TK = torch.zeros_like(expert_ids_TK, dtype=torch.bool)
         weights_TK = weights_TK.masked_fill(dropped_TK, 0.0)
-        kept_ids = expert_ids_TK.masked_select(~dropped_TK)
-        tokens_per_expert_E = torch.bincount(kept_ids, minlength=self.num_experts)
+        # a scatter-add, not bincount of the kept ids: no data-dependent shape, so it compiles into the graph
+        tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids_TK.device)
+        tokens_per_expert_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
         losses_needed = self.training or torch.is_grad_enabled()
         if aux_loss is None and losses_needed:
             aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)

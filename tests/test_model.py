@@ -8,7 +8,7 @@ from moe_core import MoEConfig, MoEForCausalLM, dense_baseline, get_config, para
 from moe_core.config import PRESETS
 from moe_core.model import MoEBlock
 
-IMPLS = ("sorted", "grouped_mm", "static")
+IMPLS = ("sorted", "grouped_mm", "static", "gather")
 
 
 def seeded_block(config):

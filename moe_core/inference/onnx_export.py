@@ -15,7 +15,7 @@ How it works (the truth is optimum-onnx 0.1.0's ``exporters/onnx`` and ``onnxrun
   Its normalized config reads ``num_key_value_heads`` and ``head_dim`` from our config, so the dummy KV cache
   has the grouped-query shape.
 - optimum exports with the TorchScript tracer (``dynamo=False``). Under ``torch.jit.is_tracing()`` the
-  experts resolve to the ``static`` implementation (every expert on every token, a dense combine matrix), so
+  experts resolve to the ``static`` implementation (every expert on every token: one wide FFN), so
   every expert's weights are in the graph whatever the dummy input routed (`expert_weights_in_graph`
   checks that from the ONNX file). A tracer on the ``sorted`` path would keep only the experts the dummy
   input hit: `export_onnx` refuses an explicit non-static ``expert_impl``.
@@ -189,32 +189,24 @@ def ort_model_class() -> type:
     return MoEORTModelForCausalLM
 
 
-def expert_weights_in_graph(onnx_path: str | os.PathLike, config: MoEConfig) -> dict[str, int]:
-    """How many experts' weights the ONNX graph holds, per projection kind, read from its initializers.
+def expert_weights_in_graph(onnx_path: str | os.PathLike, config: MoEConfig) -> int:
+    """How many expert weight matrices the ONNX graph holds, read from its initializers.
 
-    The static path keeps each projection as one stacked initializer, ``[E, F, D]`` (gate/up) or ``[E, D, F]``
-    (down), and each counts E experts. A complete export of a SwiGLU model holds ``2 * E * moe_layers`` under
-    ``gate_up`` and ``E * moe_layers`` under ``down`` (GELU: half the first). When F == D the two kinds share
-    a shape and are all counted under ``gate_up``. Per-expert slices are not counted: their shapes collide
-    with attention weights, so an exporter that splits the stacks makes this count (and its test) fail.
+    The static path keeps each projection of a layer as one initializer holding all E experts: the stack
+    ``[E, F, D]`` / ``[E, D, F]`` or, once the exporter folds the reshape, the wide matrix ``[E*F, D]`` /
+    ``[D, E*F]`` (either orientation); each counts E. A complete export holds `expected_expert_weights`
+    of them. An exporter that kept only the experts its dummy input reached would hold smaller matrices,
+    which do not count, so the check fails.
     """
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     E, F_, D = config.num_experts, config.expert_intermediate_size, config.hidden_size
-    counts = {"gate_up": 0, "down": 0}
-    for init in model.graph.initializer:
-        dims = tuple(init.dims)
-        if dims == (E, F_, D):
-            counts["gate_up"] += E
-        elif dims == (E, D, F_):
-            counts["down"] += E
-    return counts
+    full = {(E, F_, D), (E, D, F_), (E * F_, D), (D, E * F_)}
+    return sum(E for init in model.graph.initializer if tuple(init.dims) in full)
 
 
-def expected_expert_weights(config: MoEConfig) -> dict[str, int]:
-    layers = len(config.moe_layer_ids)
-    matrices = 2 if config.ffn_activation == "swiglu" else 1
-    if config.expert_intermediate_size == config.hidden_size:
-        return {"gate_up": (matrices + 1) * config.num_experts * layers, "down": 0}
-    return {"gate_up": matrices * config.num_experts * layers, "down": config.num_experts * layers}
+def expected_expert_weights(config: MoEConfig) -> int:
+    """Expert weight matrices in a complete export: 3 per expert and MoE layer (SwiGLU), 2 for GELU experts."""
+    matrices = 3 if config.ffn_activation == "swiglu" else 2
+    return matrices * config.num_experts * len(config.moe_layer_ids)
