@@ -138,7 +138,7 @@ def test_save_and_load_quantized(tmp_path):
 def test_onnx_dynamic_int8_quantizes_every_expert_matmul(tmp_path):
     import onnx
 
-    from moe_core.inference.onnx_export import export_onnx, load_onnx
+    from moe_core.inference.onnx_export import expected_expert_weights, export_onnx, load_onnx
     from moe_core.inference.quantize import quantize_onnx_dynamic
 
     model = tiny_model()
@@ -146,9 +146,15 @@ def test_onnx_dynamic_int8_quantizes_every_expert_matmul(tmp_path):
     quantize_onnx_dynamic(tmp_path / "fp32", tmp_path / "int8")
     graph = onnx.load(str(tmp_path / "int8" / "model_quantized.onnx"))
     ops = [n.op_type for n in graph.graph.node]
-    moe_layers, E = len(model.config.moe_layer_ids), model.config.num_experts
-    # 3 per expert, 4 attention projections per layer, the LM head; the routers stay in float
-    assert ops.count("MatMulInteger") == 3 * E * moe_layers + 4 * model.config.num_hidden_layers + 1
+    config = model.config
+    moe_layers, E, F_, D = len(config.moe_layer_ids), config.num_experts, config.expert_intermediate_size, \
+        config.hidden_size
+    # one wide matmul per expert projection (all E experts), 4 attention projections per layer, the LM
+    # head; the routers stay in float
+    assert ops.count("MatMulInteger") == 3 * moe_layers + 4 * config.num_hidden_layers + 1
+    int8 = [tuple(i.dims) for i in graph.graph.initializer
+            if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)]
+    assert sum(E for dims in int8 if sorted(dims) == sorted((E * F_, D))) == expected_expert_weights(config)
     router_matmuls = [n for n in graph.graph.node if n.op_type == "MatMul" and "/router/" in n.name]
     assert len(router_matmuls) == moe_layers
     ort = load_onnx(tmp_path / "int8")
@@ -160,3 +166,26 @@ def test_onnx_dynamic_int8_quantizes_every_expert_matmul(tmp_path):
     # a lot, so hold the mean error, not the max (the trained-model perplexity drift is in the benchmark)
     assert (got - ref).abs().mean() < 0.1 * ref.abs().mean()
     assert (got - ref).abs().max() > 0  # it did quantize
+
+
+def test_optimum_gptq_route(tmp_path, capsys):
+    """optimum's GPTQ needs CUDA and gptqmodel: without them a clear error and nothing written; with them
+    every expert projection of the HF architecture is quantized (the function refuses otherwise)."""
+    from moe_core.cli import main
+    from moe_core.inference.quantize import optimum_gptq_available, quantize_optimum_gptq
+
+    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128))
+    model.save_pretrained(tmp_path / "model")
+    if not optimum_gptq_available():
+        with pytest.raises(QuantizationError, match="CUDA GPU and the gptqmodel"):
+            quantize_optimum_gptq(tmp_path / "model", tmp_path / "gptq", None)
+        assert main(["quantize", str(tmp_path / "model"), "--out", str(tmp_path / "gptq"),
+                     "--method", "optimum-gptq"]) == 2
+        assert "gptqmodel" in capsys.readouterr().err
+        assert not (tmp_path / "gptq").exists()
+        return
+    out = quantize_optimum_gptq(tmp_path / "model", tmp_path / "gptq", [ids()], architecture="mixtral")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, device_map="cuda")
+    assert not [n for n, m in hf.named_modules() if type(m) is torch.nn.Linear and ".experts." in n]

@@ -21,13 +21,16 @@ plain `GroupedExperts`); tests hold the two equal. `QuantReport` gives the fract
 and the bytes; `check_experts_quantized` raises when any expert stack was skipped.
 
 ONNX Runtime (`quantize_onnx_dynamic`): dynamic int8 through optimum's `ORTQuantizer` on an exported
-directory. The static expert path leaves each expert's weight behind Split/Squeeze/Transpose of the stacked
-initializer, which ONNX Runtime's quantizer would not touch (it quantizes MatMuls whose weight is an
-initializer), so the graph is first constant-folded by ONNX Runtime (basic level: standard ONNX ops only).
+directory. The static expert path runs each projection of a layer as one wide MatMul over all E experts
+([D, E*F] or [E*F, D]), so per-channel scales are per expert row and ONNX Runtime runs three int8 MatMuls a
+layer instead of 3E small ones. ONNX Runtime's quantizer only quantizes MatMuls whose weight is an
+initializer, and a weight may sit behind a Reshape/Transpose of its stack, so the graph is first
+constant-folded by ONNX Runtime (basic level: standard ONNX ops only).
 Router MatMuls stay in float; weight-times-activation MatMuls only (no activation-times-activation).
 
-optimum's own GPTQ route (``optimum.gptq.GPTQQuantizer``) needs a CUDA build of ``gptqmodel``/``auto-gptq``;
-`optimum_gptq_available` says whether this machine has one.
+optimum's own GPTQ route (`quantize_optimum_gptq`, ``optimum.gptq.GPTQQuantizer``) runs on the model's
+Hugging Face architecture and needs a CUDA GPU with ``gptqmodel``/``auto-gptq``; `optimum_gptq_available`
+says whether this machine has them. Not exercised here: no GPU was lent to this project's sessions.
 """
 
 from __future__ import annotations
@@ -233,6 +236,10 @@ class QuantizedExperts(DecodeExperts):
     def unbound(self) -> tuple:
         return None, None, None  # `expert` dequantizes its own slices
 
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
+        stacks = (self.dequantized_stack(p) for p in PROJECTIONS)
+        return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
+
     def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
         gate = self.weight("gate_proj", e, x_ND.dtype)
         h_gate = F.linear(x_ND, gate) if gate is not None else None
@@ -426,6 +433,13 @@ def load_quantized(directory: str | os.PathLike):
     return model
 
 
+def random_calibration(vocab_size: int, batches: int = 4, batch: int = 8, seq: int = 64) -> list[torch.Tensor]:
+    """Seeded random token ids: the stand-in calibration of the CLI (pass real batches from Python)."""
+    logger.warning("gptq: no calibration batches given, using random token ids")
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (batch, seq), generator=generator) for _ in range(batches)]
+
+
 def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, config: QuantConfig,
                         calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
     """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ without calibration batches
@@ -434,9 +448,7 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike
 
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if config.method == "gptq" and calibration is None:
-        generator = torch.Generator().manual_seed(0)
-        calibration = [torch.randint(0, model.config.vocab_size, (8, 64), generator=generator) for _ in range(4)]
-        logger.warning("gptq: no calibration batches given, using random token ids")
+        calibration = random_calibration(model.config.vocab_size)
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
     from moe_core.convert import copy_companion_files
@@ -511,3 +523,49 @@ def optimum_gptq_available() -> bool:
 
     return torch.cuda.is_available() and any(
         importlib.util.find_spec(name) is not None for name in ("gptqmodel", "auto_gptq"))
+
+
+def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                          calibration: list[torch.Tensor] | None, *, bits: int = 4, group_size: int = 128, architecture: str | None = None) -> Path:
+    """optimum's GPTQ (``optimum.gptq.GPTQQuantizer``) on a GPU, written as a Hugging Face GPTQ checkpoint.
+
+    optimum quantizes ``nn.Linear`` modules; our experts are stacked parameters, so the model goes through
+    its Hugging Face architecture first (`moe_core.convert.to_hf`: Mixtral / OLMoE / Qwen2-MoE, one
+    ``nn.Linear`` per expert projection), is quantized there block by block on ``calibration`` (token-id
+    batches [B, S]; None: `random_calibration`, a stand-in), and is refused if any expert projection stayed in float. The result loads with
+    ``AutoModelForCausalLM.from_pretrained`` on a machine with the same backend. Rarely routed experts get
+    few calibration rows here (GPTQ's dampening keeps them well-posed); our own ``method="gptq"`` force-routes
+    them instead and runs on a CPU."""
+    if not optimum_gptq_available():
+        raise QuantizationError(
+            "optimum's GPTQ route needs a CUDA GPU and the gptqmodel backend (pip install gptqmodel); "
+            f"this machine has cuda={torch.cuda.is_available()}. Use --method gptq (ours, runs on a CPU).")
+    import tempfile
+
+    from optimum.gptq import GPTQQuantizer
+    from transformers import AutoModelForCausalLM
+
+    from moe_core.convert import copy_companion_files, to_hf
+    from moe_core.fileio import atomic_directory
+    from moe_core.model import MoEForCausalLM
+
+    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    calibration = calibration or random_calibration(model.config.vocab_size)
+    with tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp, \
+            atomic_directory(out_dir, error_cls=QuantizationError) as staging:
+        to_hf(model, Path(tmp) / "hf", architecture)
+        del model
+        hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float16, device_map="cuda")
+        dataset = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]}
+                   for batch in calibration for row in batch]
+        quantizer = GPTQQuantizer(bits=bits, dataset=dataset, group_size=group_size,
+                                  block_name_to_quantize="model.layers", model_seqlen=calibration[0].shape[-1])
+        hf = quantizer.quantize_model(hf, tokenizer=None)
+        left = [name for name, module in hf.named_modules()
+                if type(module) is nn.Linear and ".experts." in name]
+        if left:
+            raise QuantizationError(f"optimum GPTQ left {len(left)} expert projections in float "
+                                    f"(e.g. {left[:3]}); refusing a partly quantized checkpoint")
+        quantizer.save(hf, str(staging))
+        copy_companion_files(model_dir, staging)
+    return Path(out_dir)
