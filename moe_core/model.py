@@ -201,7 +201,8 @@ def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_
     """
     if attention_mask_BL is None and query_len == key_len:
         return None
-    if attention_mask_BL is not None and query_len == key_len and bool(attention_mask_BL.all()):
+    if (attention_mask_BL is not None and query_len == key_len and not torch.compiler.is_compiling()
+            and bool(attention_mask_BL.all())):  # (a compiled graph cannot branch on data: it keeps the mask)
         return None
     key_pos_L = torch.arange(key_len, device=cache_position_S.device)
     allowed_BqL = (key_pos_L[None, :] <= cache_position_S[:, None])[None, None]

@@ -42,6 +42,17 @@ def test_batched_greedy_equals_one_prompt_generate():
     assert 0 < result.report["padding_fraction"] < 0.5
 
 
+@pytest.mark.slow
+def test_compiled_batched_generation_equals_eager():
+    """compile=True: left-padded prompts through the fullgraph prefill and the gather decode (inductor)."""
+    model = tiny(num_hidden_layers=1)
+    ps = prompts((3, 9, 5))
+    config = dict(max_new_tokens=6, batch_size=3)
+    eager = batch_generate(model, ps, GenerationConfig(**config))
+    compiled = batch_generate(model, ps, GenerationConfig(**config, compile=True))
+    assert compiled.token_ids == eager.token_ids
+
+
 def test_eos_stops_a_row_and_sampling_is_seeded():
     model = tiny()
     ps = prompts((4, 6))
@@ -125,6 +136,46 @@ def test_compile_fullgraph_steps_match_eager():
         ref_cache, nxt = ref.past_key_values, logits.argmax(-1, keepdim=True)
 
 
+def test_compiled_steps_compile_once_for_every_prompt_and_cache_length():
+    """Prefill has a symbolic prompt length and decode a symbolic cache length: a graph each, not one per
+    length (decode may compile once more when the cache first grows)."""
+    from torch._dynamo.utils import counters
+
+    from moe_core.inference.compile import compile_steps
+
+    model = tiny(num_hidden_layers=1, num_experts=8, num_experts_per_tok=2)
+    steps = compile_steps(model, backend="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    for length in (5, 7, 12):
+        x = torch.randint(0, 128, (1, length))
+        logits, cache = steps.prefill(x)
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(x).logits[:, -1], atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    graphs = counters["stats"]["unique_graphs"]
+    nxt = logits.argmax(-1, keepdim=True)
+    for _ in range(6):
+        logits, cache = steps.decode(nxt, cache)
+        nxt = logits.argmax(-1, keepdim=True)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2
+
+
+def test_reduction_gemv_leaves_eager_linears_and_the_state_dict_alone():
+    from moe_core.inference.compile import ReductionLinear, reduction_gemv
+
+    model = tiny(num_hidden_layers=1)
+    x = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        ref = model(x).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    reduction_gemv(model)
+    assert isinstance(model.lm_head, ReductionLinear) and isinstance(model.model.layers[0].self_attn.q_proj,
+                                                                     ReductionLinear)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.slow
 def test_compile_inductor_and_torch_export():
     from moe_core.inference.compile import compile_steps, export_program
@@ -138,5 +189,10 @@ def test_compile_inductor_and_torch_export():
     longer = torch.randint(0, 128, (1, 9))  # the sequence length is dynamic
     with torch.no_grad():
         torch.testing.assert_close(program.module()(longer), model(longer).logits, atol=1e-5, rtol=1e-5)
-    logits, _ = compile_steps(model).prefill(x)
+    steps = compile_steps(model)  # inductor: the fused gather-reduction decode kernel, and reduction GEMVs
+    logits, cache = steps.prefill(x)
     torch.testing.assert_close(logits, ref[:, -1], atol=1e-5, rtol=1e-5)
+    nxt = logits.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        ref = model(torch.cat([x, nxt], 1)).logits[:, -1]
+    torch.testing.assert_close(steps.decode(nxt, cache)[0], ref, atol=1e-5, rtol=1e-5)

@@ -24,6 +24,13 @@ def _quantize(args: argparse.Namespace) -> int:
         out = quantize_onnx_dynamic(args.model_dir, args.out)
         print(f"wrote {out}")
         return 0
+    if args.method == "optimum-gptq":
+        from moe_core.inference.quantize import quantize_optimum_gptq
+
+        out = quantize_optimum_gptq(args.model_dir, args.out, None, bits=args.bits, group_size=args.group_size,
+                                    architecture=args.hf_architecture)
+        print(f"wrote {out}")
+        return 0
     from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 
     report = quantize_checkpoint(args.model_dir, args.out, QuantConfig(bits=args.bits, group_size=args.group_size,
@@ -49,7 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
         with open(args.prompts_file, encoding="utf-8") as fh:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed, compile=args.compile)
     report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout)
     print(json.dumps(report), file=sys.stderr)
     return 0
@@ -68,9 +75,12 @@ def add_cli(subparsers) -> None:
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
     quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
     quantize.add_argument("--out", required=True)
-    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "ort-int8"])
+    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "ort-int8", "optimum-gptq"],
+                          help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)")
     quantize.add_argument("--bits", type=int, default=8, choices=[4, 8])
     quantize.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dim")
+    quantize.add_argument("--hf-architecture", choices=["mixtral", "olmoe", "qwen2_moe"], default=None,
+                          help="optimum-gptq: the HF architecture to quantize through (default: the model's origin)")
     quantize.set_defaults(func=_quantize)
 
     prune = subparsers.add_parser("prune", help="drop rarely routed experts using a router profile")
@@ -92,4 +102,6 @@ def add_cli(subparsers) -> None:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--no-stream", action="store_true")
+    generate.add_argument("--compile", action="store_true",
+                          help="torch.compile prefill and decode (slow first batch, faster decoding)")
     generate.set_defaults(func=_generate)

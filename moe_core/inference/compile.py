@@ -1,21 +1,28 @@
 """``torch.compile`` of the prefill and decode steps, and ``torch.export`` of the forward, from outside.
 
     from moe_core.inference import compile_steps, export_program
-    steps = compile_steps(model)                 # fullgraph on the export-friendly ``static`` expert path
-    logits, cache = steps.prefill(input_ids)
+    steps = compile_steps(model)                 # two fullgraph graphs: prefill and decode
+    logits, cache = steps.prefill(input_ids)     # (optional attention mask and position ids, as the model)
     logits, cache = steps.decode(next_ids, cache)
     program = export_program(model, example_ids) # torch.export.ExportedProgram of the cache-free forward
 
-Under compilation the experts resolve to ``static`` (every expert on every token with a dense combine
-matrix), so the graph has no data-dependent shapes and ``fullgraph=True`` holds; it does E/K times the
-expert FLOPs, which is the price of a single graph (on a CPU at batch 1 the eager decode path of
-`moe_core.inference.fast_decode` is usually faster; the benchmark measures both). Prefill and decode are
-compiled separately: prefill with static shapes (a graph per prompt length), decode with automatic dynamic
-shapes (the growing KV cache recompiles once, not every step).
-"""
+Both steps are captured whole (``fullgraph=True``), each with the expert path that suits it:
 
+- prefill, many tokens: the ``static`` path (every expert on every token as one wide FFN gated by a dense
+  [T, E] combine matrix, so no data-dependent shapes). The prompt length is symbolic: one graph serves
+  every length.
+- decode, one token per sequence: the ``gather`` path. Each token gathers its K experts' weights and each
+  projection is the reduction ``sum_d x_d w_fd``; inductor fuses the gather into that loop, so a step streams
+  only the chosen experts' bytes, with no host sync. Batch-1 decoding is memory-bound, and on a CPU MKL's
+  single-row GEMV streams weights at about half the bandwidth of inductor's vectorized reduction
+  (benchmarks/README.md), so `reduction_gemv` also rewrites every ``nn.Linear`` (attention, dense FFN, LM
+  head) the same way whenever it sees a single row under compilation: dense baselines compiled with
+  `compile_steps` get the same kernel, and comparisons stay fair. The KV-cache length goes dynamic after
+  the first recompile (dynamo's automatic dynamic shapes), so the growing cache does not recompile every step.
+"""
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,8 +42,10 @@ _SDPA = F.scaled_dot_product_attention
 
 def _sdpa_bool_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
     # with a symbolic sequence length, ``is_causal = mask is None and S > 1`` is a SymBool, which SDPA rejects;
-    # bool() makes the tracer guard on it instead (optimum's exporter patches SDPA the same way)
-    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=bool(is_causal), **kwargs)
+    # branching on it makes the tracer guard on it instead (optimum's exporter patches SDPA the same way)
+    if is_causal:
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=True, **kwargs)
+    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kwargs)
 
 
 @contextmanager
@@ -49,17 +58,47 @@ def traceable_sdpa():
         F.scaled_dot_product_attention = _SDPA
 
 
-class _Step(nn.Module):
-    """The model call a compiled step runs: logits of the last position and the updated cache."""
+class ReductionLinear(nn.Linear):
+    """`nn.Linear` that, under compilation and for a single row, is written as the reduction it is.
 
-    def __init__(self, model: nn.Module, expert_impl: str) -> None:
-        super().__init__()
-        self.model, self.expert_impl = model, expert_impl
+    Eager calls (and any call with more than one row) are plain ``F.linear``; outputs equal nn.Linear's
+    up to float summation order. Installed in place by `reduction_gemv` (the state dict is unchanged)."""
 
-    def forward(self, input_ids_BS, past_key_values=None):
-        out = self.model(input_ids=input_ids_BS, past_key_values=past_key_values, use_cache=True, logits_to_keep=1,
-                         expert_impl=self.expert_impl)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
+            y = (x[..., None, :] * self.weight).sum(-1)
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
+
+
+def reduction_gemv(model: nn.Module) -> nn.Module:
+    """Make every plain ``nn.Linear`` of ``model`` a `ReductionLinear` (same parameters, same state dict)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = ReductionLinear
+    return model
+
+
+def _step_fn(model: nn.Module, expert_impl: str):
+    """The model call a compiled step runs, as a function with its own code object: dynamo keeps graphs and
+    its recompile budget per code object, so every step of every `compile_steps` call gets its own."""
+
+    def step(input_ids_BS, past_key_values=None, attention_mask_BL=None, position_ids_BS=None):
+        out = model(input_ids=input_ids_BS, past_key_values=past_key_values, attention_mask=attention_mask_BL,
+                    position_ids=position_ids_BS, use_cache=True, logits_to_keep=1, expert_impl=expert_impl)
         return out.logits[:, -1], out.past_key_values
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                              step.__closure__)
+
+
+def _contiguous_cache(cache):
+    # prefill leaves transposed (strided) keys and values in the cache, decode steps contiguous ones: one
+    # layout for every decode call, or dynamo recompiles on the stride change
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+    return cache
 
 
 @dataclass
@@ -69,23 +108,35 @@ class CompiledSteps:
 
 
 def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None = None,
-                  expert_impl: str = "static", backend: str = "inductor") -> CompiledSteps:
-    """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``."""
+                  prefill_impl: str = "static", decode_impl: str = "gather", gemv: str = "reduction",
+                  backend: str = "inductor") -> CompiledSteps:
+    """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
+
+    ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
+    Both steps have symbolic shapes (prompt length, batch, cache length): one graph each, whatever the
+    lengths."""
+    if gemv not in ("reduction", "mm"):
+        raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
     model.eval()
-    step = _Step(model, expert_impl)
-    # prefill: static shapes (one graph per prompt length; a symbolic length turns SDPA's is_causal into a
-    # SymBool that dynamo cannot pass on); decode: S = 1 always, and the cache length goes dynamic after the
-    # first recompile (dynamo's automatic dynamic shapes), so the growing cache does not recompile every step
-    prefill = torch.compile(step, fullgraph=fullgraph, dynamic=False, mode=mode, backend=backend)
-    decode = torch.compile(step, fullgraph=fullgraph, dynamic=None, mode=mode, backend=backend)
+    if gemv == "reduction":
+        reduction_gemv(model)
+    # a decode step is a few milliseconds, so dynamo's guards on every module attribute cost a tenth of it;
+    # the steps hold one model, whose structure must not change after compile_steps (parameters may be
+    # updated in place: they are graph inputs)
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    prefill = torch.compile(_step_fn(model, prefill_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
+                            backend=backend, options=options)
+    decode = torch.compile(_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
+                           backend=backend, options=options)
 
-    def run_prefill(input_ids_BS):
+    def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
-            return prefill(input_ids_BS)
+            logits, cache = prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
+        return logits, _contiguous_cache(cache)
 
-    def run_decode(input_ids_BS, past_key_values):
+    def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
-            return decode(input_ids_BS, past_key_values)
+            return decode(input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS)
 
     return CompiledSteps(run_prefill, run_decode)
 

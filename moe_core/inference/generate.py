@@ -15,7 +15,9 @@ A row stops at EOS (then only pads) and a batch stops when every row has. ``on_t
 token_id, text)`` is called for every new token of every row as it is produced: streaming.
 
 Greedy (``temperature=0``) equals `model.generate(do_sample=False)` on each prompt alone (a test holds them
-equal); sampling uses ``temperature`` and optional ``top_k`` with a seeded generator.
+equal); sampling uses ``temperature`` and optional ``top_k`` with a seeded generator. ``compile=True`` runs
+prefill and decode through `moe_core.inference.compile.compile_steps` (fullgraph, symbolic lengths): the
+first batch pays the compilation (a minute or more on a CPU), long generations win it back.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class GenerationConfig:
     seed: int = 0
     eos_token_id: int | None = None  # default: the model config's
     pad_token_id: int | None = None  # default: the model config's, else eos, else 0
+    compile: bool = False  # torch.compile the prefill and decode steps (compile_steps)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1:
@@ -97,6 +100,7 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
     generator = torch.Generator(device=device).manual_seed(config.seed)
     was_training = model.training
     model.eval()
+    prefill, decode = _steps(model, config.compile)
 
     outputs: list[list[int]] = [[] for _ in prompt_ids]
     padded_positions = prompt_positions = 0
@@ -116,12 +120,10 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
             prompt_positions += mask_BS.numel()
             position_ids_BS = (mask_BS.cumsum(-1) - 1).clamp_min(0)
             tp = time.perf_counter()
-            out = model(input_ids=input_ids_BS, attention_mask=mask_BS, position_ids=position_ids_BS, use_cache=True,
-                        logits_to_keep=1)
+            logits_BV, cache = prefill(input_ids_BS, mask_BS, position_ids_BS)
             prefill_s += time.perf_counter() - tp
-            cache, done_B = out.past_key_values, torch.zeros(len(batch), dtype=torch.bool, device=device)
+            done_B = torch.zeros(len(batch), dtype=torch.bool, device=device)
             next_pos_B1 = position_ids_BS[:, -1:] + 1
-            logits_BV = out.logits[:, -1]
             for _step in range(config.max_new_tokens):
                 next_B = _pick(logits_BV, config, generator).masked_fill(done_B, pad)
                 for row, i in enumerate(batch):
@@ -135,9 +137,8 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
                 if bool(done_B.all()):
                     break
                 mask_BS = torch.cat([mask_BS, (~done_B).long()[:, None]], dim=1)
-                out = model(input_ids=next_B[:, None], attention_mask=mask_BS, position_ids=next_pos_B1,
-                            past_key_values=cache, use_cache=True)
-                cache, next_pos_B1, logits_BV = out.past_key_values, next_pos_B1 + 1, out.logits[:, -1]
+                logits_BV, cache = decode(next_B[:, None], cache, mask_BS, next_pos_B1)
+                next_pos_B1 = next_pos_B1 + 1
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - t0
@@ -149,6 +150,29 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
     }
     texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if tokenizer is not None else None
     return GenerationResult(outputs, texts, report)
+
+
+def _steps(model, compile: bool):
+    """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache)."""
+    if compile:
+        from moe_core.inference.compile import compile_steps
+
+        steps = compile_steps(model)
+        return steps.prefill, steps.decode
+
+    @torch.no_grad()
+    def prefill(input_ids_BS, mask_BS, position_ids_BS):
+        out = model(input_ids=input_ids_BS, attention_mask=mask_BS, position_ids=position_ids_BS, use_cache=True,
+                    logits_to_keep=1)
+        return out.logits[:, -1], out.past_key_values
+
+    @torch.no_grad()
+    def decode(input_ids_B1, cache, mask_BL, position_ids_B1):
+        out = model(input_ids=input_ids_B1, attention_mask=mask_BL, position_ids=position_ids_B1,
+                    past_key_values=cache, use_cache=True)
+        return out.logits[:, -1], out.past_key_values
+
+    return prefill, decode
 
 
 def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None) -> dict:
