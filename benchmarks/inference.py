@@ -3,15 +3,20 @@
 Runs, in one process and interleaved round by round (so machine noise hits all alike), batch-1 greedy
 decoding with a KV cache:
   moe-eager          our model with the decode path of moe_core.inference.fast_decode (K experts per token)
-  moe-compiled       torch.compile(fullgraph) prefill/decode steps on the static path   (--compile)
+  moe-compiled       moe_core.inference.compile_steps: fullgraph prefill (static experts) and decode
+                     (gathered experts, reduction GEMVs)                             (--compile)
   moe-onnx-fp32      optimum-onnx export run in ONNX Runtime                           (--onnx)
   moe-onnx-int8      the same after ORTQuantizer dynamic int8                          (--onnx)
   dense-total        a dense model with as many FFN parameters as the MoE total
   dense-active       a dense model with as many FFN parameters as the MoE active
+  dense-*-compiled   the dense models through the same compile_steps (same GEMV kernel) (--compile)
   cache-25/50/100    the MoE with experts on disk behind an LRU holding 25/50/100% of them
+Then (--prune) a size-against-perplexity sweep: the MoE pruned by its routing on calibration data to
+100/75/50/25% of its experts (and K), each dropped expert discarded or merged into its nearest kept one.
 
 The memory-bound ratio bound of batch-1 decode is (bytes read per token by dense-total) / (by the MoE): all
-weights but the input embedding, of which one row is read. Perplexity drift of the ONNX int8 model is taken
+weights but the input embedding, of which one row is read. The headline ratio is the fastest MoE run over
+the fastest dense-total run (eager or compiled), so a kernel that helps both cannot inflate it. Perplexity drift of the ONNX int8 model is taken
 on a model first trained briefly here (--train-steps) on a synthetic sparse Markov-chain corpus, so the
 perplexity is far from uniform and drift is meaningful. Prints a table, then ONE JSON line of figures.
 
@@ -70,6 +75,24 @@ def decode_bytes(config) -> int:
     return 4 * (counts["active"] - config.vocab_size * config.hidden_size)
 
 
+def prune_sweep(moe, calibration, valid) -> list[dict]:
+    """Parameters and validation perplexity of the MoE pruned to fewer experts, dropped or merged."""
+    from moe_core.inference.evaluate import perplexity
+    from moe_core.inference.prune import PruneConfig, collect_usage, prune_experts
+
+    E, K = moe.config.num_experts, moe.config.num_experts_per_tok
+    usage = collect_usage(moe, calibration)
+    rows = []
+    for keep in sorted({E, 3 * E // 4, E // 2, E // 4, K} - {0}, reverse=True):
+        for merge in (False, True) if keep < E else (False,):
+            pruned, report = prune_experts(moe, usage, PruneConfig(keep_experts=keep, merge_similar=merge))
+            rows.append({"experts": keep, "merge": merge, "params": report.params_after,
+                         "size": round(report.params_after / report.params_before, 3),
+                         "usage_kept": round(min(report.usage_share_kept.values()), 3),
+                         "perplexity": round(perplexity(pruned, valid), 3)})
+    return rows
+
+
 def torch_runner(model, prompt, steps):
     def run():
         with torch.inference_mode():
@@ -126,12 +149,13 @@ def main() -> None:
     parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     from moe_core.inference.evaluate import drift, perplexity
-    from moe_core.inference.fast_decode import enable_fast_decode
+    from moe_core.inference.fast_decode import disable_fast_decode, enable_fast_decode
 
     config = get_config(args.preset)
     moe = MoEForCausalLM(config)
@@ -157,16 +181,17 @@ def main() -> None:
         if args.compile:
             from moe_core.inference.compile import compile_steps
 
-            compiled_model = compile_steps(moe)
-            t0 = time.perf_counter()
-            compiled_runner(compiled_model, prompt, 2)()  # compile prefill and decode (and the dynamic recompile)
-            compiled_runner(compiled_model, prompt, 2)()
-            figures["compile_s"] = round(time.perf_counter() - t0, 1)
-            runners["moe-compiled"] = compiled_runner(compiled_model, prompt, args.steps)
+            figures["compile_s"] = {}
+            for name, model in (("moe", moe), ("dense-total", dense_total), ("dense-active", dense_active)):
+                compiled = compile_steps(model)
+                t0 = time.perf_counter()
+                compiled_runner(compiled, prompt, 2)()  # compile prefill and decode (and the dynamic recompile)
+                compiled_runner(compiled, prompt, 2)()
+                figures["compile_s"][name] = round(time.perf_counter() - t0, 1)
+                runners[f"{name}-compiled"] = compiled_runner(compiled, prompt, args.steps)
         if args.onnx:
             import onnxruntime as ort
 
-            from moe_core.inference.fast_decode import disable_fast_decode
             from moe_core.inference.onnx_export import export_onnx, load_onnx
             from moe_core.inference.quantize import quantize_onnx_dynamic
 
@@ -207,28 +232,43 @@ def main() -> None:
     tps = {name: 1.0 / statistics.median(v) for name, v in decode.items()}
     prefill_ms = {name: 1e3 * statistics.median(v) for name, v in prefill.items()}
     bound = decode_bytes(dense_baseline(config, "total")) / decode_bytes(config)
-    ratio_total = tps["moe-eager"] / tps["dense-total"]
+
+    def best(prefix: str) -> str:
+        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-eager")), key=tps.get)
+
+    moe_best, total_best, active_best = best("moe"), best("dense-total"), best("dense-active")
+    ratio_total = tps[moe_best] / tps[total_best]
     print(f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
           f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)")
-    print(f"{'run':<16}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
+    print(f"{'run':<22}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
     for name in runners:
-        print(f"{name:<16}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
-              f"{tps[name] / tps['dense-total']:>15.2f}x")
+        print(f"{name:<22}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
+              f"{tps[name] / tps[total_best]:>15.2f}x")
     print(f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
-          f"moe-eager reaches {ratio_total:.2f}x = {100 * ratio_total / bound:.0f}% of it")
+          f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it")
     figures.update({
         "bound": round(bound, 3), "moe_vs_dense_total": round(ratio_total, 3),
-        "fraction_of_bound": round(ratio_total / bound, 3),
-        "moe_vs_dense_active": round(tps["moe-eager"] / tps["dense-active"], 3),
+        "fraction_of_bound": round(ratio_total / bound, 3), "moe_run": moe_best, "dense_total_run": total_best,
+        "moe_vs_dense_active": round(tps[moe_best] / tps[active_best], 3),
+        "eager_moe_vs_dense_total": round(tps["moe-eager"] / tps["dense-total"], 3),
         "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
         "prefill_ms": {k: round(v, 2) for k, v in prefill_ms.items()},
         "perplexity": {k: round(v, 3) for k, v in ppl.items()},
     })
+    if args.compile:
+        figures["compiled_moe_vs_dense_total"] = round(tps["moe-compiled"] / tps["dense-total-compiled"], 3)
     if args.onnx:
         figures["onnx_int8_vs_fp32"] = round(tps["moe-onnx-int8"] / tps["moe-onnx-fp32"], 3)
         figures["onnx_int8_ppl_drift"] = round(drift(ppl["moe-onnx-int8"], ppl["moe-onnx-fp32"]), 4)
         print(f"ONNX int8 / fp32 decode: {figures['onnx_int8_vs_fp32']:.2f}x; perplexity "
               f"{ppl['moe-onnx-fp32']:.2f} -> {ppl['moe-onnx-int8']:.2f} ({100 * figures['onnx_int8_ppl_drift']:+.2f}%)")
+    if args.prune:
+        disable_fast_decode(moe)
+        figures["prune"] = prune_sweep(moe, list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8)), valid)
+        print(f"{'experts':>8}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}{'perplexity':>12}")
+        for row in figures["prune"]:
+            print(f"{row['experts']:>8}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}{row['size']:>7.2f}"
+                  f"{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}")
     if args.cache:
         figures["cache_hit_rate"] = {pct: round(c.stats.hit_rate, 3) for pct, c in caches.items()}
         print("expert cache hit rate: " + ", ".join(f"{p}%: {r:.2f}" for p, r in figures["cache_hit_rate"].items()))
