@@ -79,7 +79,7 @@ def reduction_gemv(model: nn.Module) -> nn.Module:
     return model
 
 
-def _step_fn(model: nn.Module, expert_impl: str):
+def _step_fn(model: nn.Module, expert_impl: str | None):
     """The model call a compiled step runs, as a function with its own code object: dynamo keeps graphs and
     its recompile budget per code object, so every step of every `compile_steps` call gets its own."""
 
@@ -109,12 +109,14 @@ class CompiledSteps:
 
 def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None = None,
                   prefill_impl: str = "static", decode_impl: str = "gather", gemv: str = "reduction",
-                  backend: str = "inductor") -> CompiledSteps:
+                  backend: str = "inductor", compile_prefill: bool = True) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
     Both steps have symbolic shapes (prompt length, batch, cache length): one graph each, whatever the
-    lengths."""
+    lengths. The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
+    ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
+    runs prefill eagerly (without gradients) and compiles decode only."""
     if gemv not in ("reduction", "mm"):
         raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
     model.eval()
@@ -129,9 +131,12 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
     decode = torch.compile(_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
                            backend=backend, options=options)
 
+    eager_prefill = _step_fn(model, None)
+
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
-            logits, cache = prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
+            step = prefill if compile_prefill else eager_prefill
+            logits, cache = step(input_ids_BS, None, attention_mask_BS, position_ids_BS)
         return logits, _contiguous_cache(cache)
 
     def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
