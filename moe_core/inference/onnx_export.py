@@ -126,7 +126,13 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
     with torch.no_grad(), _library_is_transformers():
-        onnx_export_from_model(model, out_dir, opset=opset, task=task, do_validation=validate, atol=atol)
+        try:
+            onnx_export_from_model(model, out_dir, opset=opset, task=task, do_validation=validate, atol=atol)
+        finally:
+            # optimum's patcher "restores" forward by assigning the bound method to the instance; an instance
+            # attribute changes the model for torch.compile (it recompiles and runs far slower), so drop it
+            if "forward" in model.__dict__:
+                del model.forward
     return out_dir
 
 
