@@ -174,6 +174,10 @@ class GroupedExperts(nn.Module):
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
         gate, up, down = self.stacks(x_TD.dtype)
         ids_TK = record.expert_ids_TK
+        gathered = ids_TK.numel() * up[0].numel()
+        if gathered > 2**28 and not torch.compiler.is_compiling():
+            raise ValueError(f"expert_impl='gather' would materialize {gathered:,} weights for {ids_TK.shape[0]} "
+                             "tokens outside torch.compile; it is for compiled decoding: use 'auto' here")
         x_T11D = x_TD[:, None, None, :]
         h_up_TKF = (x_T11D * up[ids_TK]).sum(-1)
         h_gate_TKF = (x_T11D * gate[ids_TK]).sum(-1) if gate is not None else None

@@ -258,3 +258,12 @@ def test_auto_impl_avoids_grouped_mm_for_misaligned_widths():
     assert grouped_mm_supported(x, 128, config.hidden_size)
     assert block.experts.resolved_impl(x) == "sorted"  # the CPU default
     torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
+
+
+def test_gather_path_refuses_to_materialize_a_large_batch_eagerly():
+    config = get_config("olmoe-tiny", expert_impl="gather")
+    block = seeded_block(config)
+    F_, D, K = config.expert_intermediate_size, config.hidden_size, config.num_experts_per_tok
+    tokens = 2**28 // (K * F_ * D) + 1
+    with pytest.raises(ValueError, match="compiled decoding"):
+        block(torch.randn(1, tokens, D))
