@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from moe_core import MoEForCausalLM, dense_baseline, get_config, parameter_counts
+from moe_core.configfile import parse_value
 
 
 def markov_corpus(vocab: int, sequences: int, seq: int, seed: int = 0, fanout: int = 4,
@@ -165,10 +166,7 @@ def main() -> None:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+        overrides[key] = parse_value(value)
     config = get_config(args.preset, **overrides)
     moe = MoEForCausalLM(config)
     t0 = time.perf_counter()

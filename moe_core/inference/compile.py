@@ -80,7 +80,7 @@ def reduction_gemv(model: nn.Module) -> nn.Module:
 
 
 def _step_fn(model: nn.Module, expert_impl: str | None):
-    """The model call a compiled step runs, as a function with its own code object: dynamo keeps graphs and
+    """The model call a step runs, as a function with its own code object: dynamo keeps graphs and
     its recompile budget per code object, so every step of every `compile_steps` call gets its own."""
 
     def step(input_ids_BS, past_key_values=None, attention_mask_BL=None, position_ids_BS=None):
@@ -131,19 +131,30 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
     decode = torch.compile(_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
                            backend=backend, options=options)
 
-    eager_prefill = _step_fn(model, None)
-
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
-            step = prefill if compile_prefill else eager_prefill
-            logits, cache = step(input_ids_BS, None, attention_mask_BS, position_ids_BS)
-        return logits, _contiguous_cache(cache)
+            return prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
 
     def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
             return decode(input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS)
 
-    return CompiledSteps(run_prefill, run_decode)
+    return CompiledSteps(run_prefill if compile_prefill else eager_steps(model).prefill, run_decode)
+
+
+def eager_steps(model: nn.Module) -> CompiledSteps:
+    """`compile_steps`'s interface, run eagerly on the model's own expert paths, without gradients."""
+    step = _step_fn(model, None)
+
+    @torch.no_grad()
+    def prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
+        return step(input_ids_BS, None, attention_mask_BS, position_ids_BS)
+
+    @torch.no_grad()
+    def decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
+        return step(input_ids_BS, past_key_values, attention_mask_BL, position_ids_BS)
+
+    return CompiledSteps(prefill, decode)
 
 
 class _Forward(nn.Module):

@@ -155,25 +155,11 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
 
 def _steps(model, compile: bool):
     """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache)."""
-    if compile:
-        from moe_core.inference.compile import compile_steps
+    from moe_core.inference.compile import compile_steps, eager_steps
 
-        steps = compile_steps(model, compile_prefill=False)  # the eager sorted prefill is the faster one
-        return steps.prefill, steps.decode
-
-    @torch.no_grad()
-    def prefill(input_ids_BS, mask_BS, position_ids_BS):
-        out = model(input_ids=input_ids_BS, attention_mask=mask_BS, position_ids=position_ids_BS, use_cache=True,
-                    logits_to_keep=1)
-        return out.logits[:, -1], out.past_key_values
-
-    @torch.no_grad()
-    def decode(input_ids_B1, cache, mask_BL, position_ids_B1):
-        out = model(input_ids=input_ids_B1, attention_mask=mask_BL, position_ids=position_ids_B1,
-                    past_key_values=cache, use_cache=True)
-        return out.logits[:, -1], out.past_key_values
-
-    return prefill, decode
+    # compiled: decode only, the eager sorted prefill is the faster one
+    steps = compile_steps(model, compile_prefill=False) if compile else eager_steps(model)
+    return steps.prefill, steps.decode
 
 
 def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None) -> dict:
