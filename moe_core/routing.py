@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -102,18 +104,91 @@ def register_router(name: str):
     return wrap
 
 
+# Where a router class may come from. A config names a router; a config can come from a model folder someone
+# else wrote, so naming a module must never run it. Code is imported only from modules the user allowed:
+# ``allow_router_module`` (the CLI's ``--router-module``), the environment variable below, or an installed
+# package's entry point in the group below. A dotted path in a config then resolves only inside a module that
+# is already imported (the user's own code ran it) and only to a Router subclass.
+ROUTER_MODULES_ENV = "MOE_LAB_ROUTER_MODULES"  # comma-separated module names
+ROUTER_ENTRY_POINT_GROUP = "moe_lab.routers"  # entry points ``name = "pkg.module:RouterClass"``
+_ALLOWED_MODULES: set[str] = set()
+
+
+class RouterNotAllowedError(KeyError):
+    """A config names a router that is neither registered nor in a module the user allowed."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_module_name(name: str) -> str:
+    name = name.strip()
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"router module {name!r} is not a module name like 'mypkg.routers'")
+    return name
+
+
+def allow_router_module(name: str) -> None:
+    """Import ``name`` (the routers it registers become available) and allow dotted paths into it."""
+    name = _check_module_name(name)
+    try:
+        importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(f"router module {name!r} could not be imported: {err}") from None
+    _ALLOWED_MODULES.add(name)
+
+
+def _router_entry_points() -> dict[str, object]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ROUTER_ENTRY_POINT_GROUP)}
+
+
+def _allowed_from_environment() -> list[str]:
+    return [_check_module_name(m) for m in os.environ.get(ROUTER_MODULES_ENV, "").split(",") if m.strip()]
+
+
+def _not_allowed(name: str, module_name: str | None) -> RouterNotAllowedError:
+    example = module_name or "mypkg.routers"
+    where = (f"its module {module_name!r} is not imported and was not allowed" if module_name
+             else "no allowed module registers it")
+    return RouterNotAllowedError(
+        f"unknown router {name!r}: {where} (a config, e.g. a model folder's config.json, never imports code by "
+        f"itself). Registered: {sorted(ROUTERS)}. To use a router of your own, allow the module that defines it: "
+        f"`--router-module {example}` on the command line, {ROUTER_MODULES_ENV}={example} in the environment, "
+        f"an entry point in group {ROUTER_ENTRY_POINT_GROUP!r}, or moe_core.routing.allow_router_module("
+        f"{example!r}) in Python")
+
+
 def resolve_router(name: str) -> type[Router]:
-    """A router class from the registry, or from an importable dotted path (``pkg.module.Class`` or
-    ``pkg.module:Class``). Never evaluates code."""
+    """A router class: from the registry, an allowed module (which may register it), an entry point of group
+    ``moe_lab.routers``, or a dotted path (``pkg.module.Class`` / ``pkg.module:Class``) into a module that is
+    already imported or allowed. Never imports a module only because a config names it; never evaluates code."""
     if name in ROUTERS:
         return ROUTERS[name]
-    if "." not in name and ":" not in name:
-        raise KeyError(f"unknown router {name!r}; registered: {sorted(ROUTERS)}, or give a dotted import path")
-    module_name, _, attr = name.replace(":", ".").rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ImportError(f"router {name!r} could not be imported: {err}") from None
+    for module_name in _allowed_from_environment():  # may register ``name``
+        if module_name not in _ALLOWED_MODULES:
+            allow_router_module(module_name)
+    if name in ROUTERS:
+        return ROUTERS[name]
+    entry_points = _router_entry_points()
+    if name in entry_points:  # an installed package declared this router: loading it is what the user installed
+        cls = entry_points[name].load()
+        module_name = None
+    elif "." in name or ":" in name:
+        module_name, _, attr = name.replace(":", ".").rpartition(".")
+        ep_modules = {ep.value.partition(":")[0] for ep in entry_points.values()}
+        module = sys.modules.get(module_name)  # allowed modules were imported when they were allowed
+        if module is None and module_name in ep_modules:
+            module = importlib.import_module(module_name)
+        if module is None:
+            raise _not_allowed(name, module_name)
+        cls = vars(module).get(attr)  # not getattr: a module-level __getattr__ could import or run code
+        if cls is None:
+            raise RouterNotAllowedError(f"router {name!r}: module {module_name!r} defines no {attr!r}; "
+                                        f"registered: {sorted(ROUTERS)}")
+    else:
+        raise _not_allowed(name, None)
     if not (isinstance(cls, type) and issubclass(cls, Router)):
         raise TypeError(f"router {name!r} is not a moe_core.routing.Router subclass")
     return cls
