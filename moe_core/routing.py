@@ -208,9 +208,19 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def capacity_for(capacity_factor: float | None, num_tokens: int, slots_per_token: int, num_experts: int) -> int | None:
+def capacity_for(capacity_factor: float | None, num_tokens: int | torch.Tensor, slots_per_token: int,
+                 num_experts: int) -> int | torch.Tensor | None:
+    """Tokens each expert may take, ``ceil(capacity_factor * T * K / E)`` and at least 1 (GShard, Switch).
+
+    Under the TorchScript tracer (ONNX export) ``T = logits_TE.shape[0]`` is a 0-dim tensor; the capacity is
+    then computed with tensor ops, so the exported graph derives it from each input's token count instead of
+    freezing the sample input's capacity as a constant (which dropped the wrong tokens at any other shape).
+    The tensor path computes in float64 in Python's order of operations, so both give the same integer."""
     if capacity_factor is None:
         return None
+    if isinstance(num_tokens, torch.Tensor):
+        exact = num_tokens.to(torch.float64) * capacity_factor * slots_per_token / num_experts
+        return torch.ceil(exact).clamp(min=1).to(torch.long)
     return max(1, math.ceil(capacity_factor * num_tokens * slots_per_token / num_experts))
 
 
