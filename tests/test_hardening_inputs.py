@@ -179,3 +179,34 @@ def test_saved_config_with_extra_keys_still_loads(tmp_path, caplog):
     model = MoEForCausalLM.from_pretrained(tmp_path)
     assert model.config.num_experts == 8 and model.config.num_expert == 2
     assert "num_expert" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ data caches
+def test_no_copy_of_a_local_file_stays_in_any_cache(tmp_path, monkeypatch):
+    """`datasets` kept an Arrow copy of every local file it read (also of files that failed validation) under
+    ~/.cache/huggingface. Validate with every cache location in tmp_path, then look for the text."""
+    import datasets
+
+    from moe_core.data.errors import DataError
+    from moe_core.data.validation import validate_source
+
+    marker = "PLAINTEXT-MARKER-7f3a"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "dup.jsonl").write_text("".join(json.dumps({"text": f"{marker} same"}) + "\n" for _ in range(40)))
+    (src / "broken.jsonl").write_text("".join(json.dumps({"text": f"{marker} {i}"}) + "\n" for i in range(3000))
+                                      + "{not json\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MOE_LAB_DATA_CACHE", str(tmp_path / "lab"))
+    # datasets reads HF_HOME / HF_DATASETS_CACHE when imported; point the values it uses at tmp_path
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    monkeypatch.setattr(datasets.config, "HF_CACHE_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(datasets.config, "DOWNLOADED_DATASETS_PATH", tmp_path / "hf-datasets" / "downloads")
+
+    assert not validate_source(str(src / "dup.jsonl"), kind="text").success  # parses, fails the suite
+    with pytest.raises(DataError, match="could not parse"):
+        validate_source(str(src / "broken.jsonl"), kind="text")  # fails half way through the file
+    copies = [p for p in tmp_path.rglob("*") if p.is_file() and src not in p.parents
+              and marker.encode() in p.read_bytes()]
+    assert not copies, f"text of a local file left in {copies}"
+    assert (tmp_path / "lab" / "hf-datasets").is_dir()  # the scratch cache lived in the lab's directory
