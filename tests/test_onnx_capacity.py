@@ -82,3 +82,9 @@ def test_stock_ort_class_loads_exports_with_as_many_kv_heads_as_heads(tmp_path):
         ORTModelForCausalLM.from_pretrained(tmp_path / "gqa")(input_ids=prompt, attention_mask=torch.ones_like(prompt))
     got = load_onnx(tmp_path / "gqa").generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(got, gqa.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False))
+
+
+def test_expert_choice_export_is_refused_clearly(tmp_path):
+    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=96, router="expert_choice")).eval()
+    with pytest.raises(OnnxExportError, match="expert_choice"):
+        export_onnx(model, tmp_path / "onnx")

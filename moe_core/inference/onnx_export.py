@@ -48,6 +48,7 @@ from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
+from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
         raise OnnxExportError(
             f"config.expert_impl={impl!r}: a traced {impl!r} path keeps only the experts the dummy input hit; "
             "set model.config.expert_impl='auto' (static under tracing) or 'static' before exporting")
+    if any(isinstance(module, ExpertChoiceRouter) for module in model.modules()):
+        raise OnnxExportError("router 'expert_choice' picks each expert's tokens across the whole batch, which the "
+                              "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)")
     for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
         if getattr(module, "impl", "auto") not in ("auto", "static"):
             raise OnnxExportError(f"{type(module).__name__}.impl={module.impl!r}; export needs 'auto' or 'static'")
