@@ -71,7 +71,7 @@ class RoutingRecord:
     # scalars; training signals, so None when neither training nor tracking gradients (generation, analytics)
     aux_loss: torch.Tensor | None  # load balancing
     z_loss: torch.Tensor | None
-    capacity: int | None = None  # tokens per expert allowed, None when dropless
+    capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
 
     @property
     def num_experts(self) -> int:
