@@ -2,7 +2,10 @@
 
 `MoEConfig` is a transformers `PretrainedConfig` (``model_type="moe_lab"``), so it is saved as ``config.json``
 beside every checkpoint and old checkpoints keep loading (unknown keys are kept, missing ones take defaults).
-It checks itself when built: a bad value raises `ValueError` naming the field and what to do.
+It checks itself when built: a bad value raises `ValueError` naming the field and what to do, and so does an
+unknown field (``MoEConfig(num_expert=2)``, ``get_config(..., **overrides)``: a typo is never kept silently).
+Loading a saved ``config.json`` (``from_pretrained`` / ``from_dict``) accepts Hugging Face's standard keys and
+keeps unknown ones with a warning, so files written by other versions keep loading.
 
 Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``dense``; sizes
 ``tiny`` (tests, seconds), ``small`` (minutes on a CPU) and ``base`` (a GPU).
@@ -10,10 +13,17 @@ Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
+from functools import cache
 from typing import Any
 
 from transformers import PretrainedConfig
+
+from moe_core.errors import did_you_mean
+
+logger = logging.getLogger(__name__)
 
 FFN_ACTIVATIONS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -28,8 +38,8 @@ class MoEConfig(PretrainedConfig):
     the whole q and k projections), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
 
     MoE block: `num_experts` experts of width `expert_intermediate_size`, `num_experts_per_tok` per token,
-    chosen by the router named in `router` (a name from `moe_core.routing.ROUTERS` or an importable dotted
-    path to a `Router` subclass). `capacity_factor=None` is dropless; a number bounds each expert's tokens
+    chosen by the router named in `router` (a name from `moe_core.routing.ROUTERS` or a dotted path to a
+    `Router` subclass in an imported or allowed module; see `moe_core.routing.resolve_router`). `capacity_factor=None` is dropless; a number bounds each expert's tokens
     to ceil(capacity_factor * T * K / E) and drops the overflow, which passes through the residual.
     Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
 
@@ -90,6 +100,7 @@ class MoEConfig(PretrainedConfig):
         hf_origin: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        check_model_fields(kwargs)  # our fields are named parameters; the rest must be transformers' own
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -138,6 +149,22 @@ class MoEConfig(PretrainedConfig):
             **kwargs,
         )
         self.validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        """A saved config (``config.json``): unknown keys are kept as attributes with a warning, not refused, so
+        a file written by another version (or with a typo in it) still loads and can be inspected."""
+        fields = model_fields()
+        unknown = {k: v for k, v in config_dict.items() if k not in fields}
+        if unknown:
+            hints = "".join(did_you_mean(k, fields) for k in unknown)
+            logger.warning("MoEConfig: unknown field(s) %s in a saved config are kept but unused%s",
+                           sorted(unknown), hints)
+        result = super().from_dict({k: v for k, v in config_dict.items() if k in fields}, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        for key, value in unknown.items():
+            setattr(config, key, value)
+        return result
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -202,6 +229,28 @@ class MoEConfig(PretrainedConfig):
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
 
+@cache
+def model_fields() -> frozenset[str]:
+    """Every key a user may give `MoEConfig`: its own parameters and those `PretrainedConfig` understands
+    (its parameters, generation defaults it still reads, and the bookkeeping keys of a saved config.json)."""
+    own = set(inspect.signature(MoEConfig.__init__).parameters) - {"self", "kwargs"}
+    hf = set(inspect.signature(PretrainedConfig.__init__).parameters) - {"self", "kwargs"}
+    hf |= set(PretrainedConfig().to_dict()) | set(PretrainedConfig._get_global_generation_defaults())
+    # popped by PretrainedConfig.__init__ / from_dict (configuration_utils.py)
+    hf |= {"torch_dtype", "name_or_path", "_commit_hash", "attn_implementation", "gradient_checkpointing",
+           "num_labels", "tf_legacy_loss", "use_bfloat16", "transformers_version", "model_type"}
+    return frozenset(own | hf)
+
+
+def check_model_fields(keys, where: str = "MoEConfig") -> None:
+    """Refuse keys that are not model fields (a typo like ``num_expert``), naming the closest field."""
+    fields = model_fields()
+    for key in keys:
+        if key not in fields:
+            raise ValueError(f"{where}: unknown field {key!r}{did_you_mean(key, fields)} (model fields are the "
+                             "parameters of moe_core.config.MoEConfig)")
+
+
 # ---------------------------------------------------------------------------------------------- presets
 SIZES: dict[str, dict[str, int]] = {
     # hidden, layers, heads, kv heads, vocab, context
@@ -246,7 +295,8 @@ def get_config(preset: str, **overrides: Any) -> MoEConfig:
     """Build the config of a named preset, e.g. ``get_config("mixtral-tiny", num_experts=16)``."""
     family, _, size = preset.partition("-")
     if family not in FAMILIES or size not in SIZES:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; choose one of: "
+                         f"{', '.join(PRESETS)}")
     kwargs = {**SIZES[size], **_family(family, SIZES[size]["hidden_size"]), **overrides}
     return MoEConfig(**kwargs)
 
@@ -269,7 +319,7 @@ def dense_baseline(config: MoEConfig, match: str = "active") -> MoEConfig:
     for key in ("model_type", "transformers_version", "architectures", "hf_origin"):
         data.pop(key, None)
     data.update(num_experts=0, intermediate_size=width, num_shared_experts=0, dense_layers=[])
-    return MoEConfig(**data)
+    return MoEConfig.from_dict(data)  # a copy: keys a loaded config carried stay as they were
 
 
 def parameter_counts(config: MoEConfig) -> dict[str, int]:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import ValidationError
 
-from moe_core.errors import MoELabError
+from moe_core.errors import MoELabError, did_you_mean
 
 # YAML 1.1 reads on/off/yes/no as booleans; --set keeps them as words (pydantic reads them as bools anyway)
 _YAML_WORDS = ("on", "off", "yes", "no", "y", "n")
@@ -47,8 +47,20 @@ class ConfigFile:
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}{cls._hint(e)}"
+                                 for e in err.errors())
             raise cls.error_cls(f"{where or cls.config_name}: {problems}") from None
+
+    @classmethod
+    def _hint(cls, error: dict) -> str:
+        """For an unknown field: the closest field of the section it was given in."""
+        if error.get("type") != "extra_forbidden":
+            return ""
+        model, *parents, leaf = (cls, *error["loc"])
+        for part in parents:
+            field = getattr(model, "model_fields", {}).get(part)
+            model = getattr(field, "annotation", None)
+        return did_you_mean(str(leaf), getattr(model, "model_fields", {}))
 
     @classmethod
     def load(cls, path: str | Path):
@@ -82,7 +94,7 @@ class ConfigFile:
                 node = node[part]
             if leaf not in node and not free_form:
                 hint = f"; see `moe-lab {self.command} --help`" if self.command else ""
-                raise self.error_cls(f"--set {item!r}: unknown field {key!r}{hint}")
+                raise self.error_cls(f"--set {item!r}: unknown field {key!r}{did_you_mean(leaf, node)}{hint}")
             node[leaf] = parse_value(raw)
         return self.build(data, where="--set")
 

@@ -3,3 +3,11 @@
 
 class MoELabError(Exception):
     """Base class: the message says what was wrong, where, and what to do. Never training text or weights."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    """``"; did you mean 'num_experts'?"`` when a close match exists, else ``""`` (for unknown-field errors)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +71,7 @@ class RoutingRecord:
     # scalars; training signals, so None when neither training nor tracking gradients (generation, analytics)
     aux_loss: torch.Tensor | None  # load balancing
     z_loss: torch.Tensor | None
-    capacity: int | None = None  # tokens per expert allowed, None when dropless
+    capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
 
     @property
     def num_experts(self) -> int:
@@ -102,18 +104,91 @@ def register_router(name: str):
     return wrap
 
 
+# Where a router class may come from. A config names a router; a config can come from a model folder someone
+# else wrote, so naming a module must never run it. Code is imported only from modules the user allowed:
+# ``allow_router_module`` (the CLI's ``--router-module``), the environment variable below, or an installed
+# package's entry point in the group below. A dotted path in a config then resolves only inside a module that
+# is already imported (the user's own code ran it) and only to a Router subclass.
+ROUTER_MODULES_ENV = "MOE_LAB_ROUTER_MODULES"  # comma-separated module names
+ROUTER_ENTRY_POINT_GROUP = "moe_lab.routers"  # entry points ``name = "pkg.module:RouterClass"``
+_ALLOWED_MODULES: set[str] = set()
+
+
+class RouterNotAllowedError(KeyError):
+    """A config names a router that is neither registered nor in a module the user allowed."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_module_name(name: str) -> str:
+    name = name.strip()
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"router module {name!r} is not a module name like 'mypkg.routers'")
+    return name
+
+
+def allow_router_module(name: str) -> None:
+    """Import ``name`` (the routers it registers become available) and allow dotted paths into it."""
+    name = _check_module_name(name)
+    try:
+        importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(f"router module {name!r} could not be imported: {err}") from None
+    _ALLOWED_MODULES.add(name)
+
+
+def _router_entry_points() -> dict[str, object]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ROUTER_ENTRY_POINT_GROUP)}
+
+
+def _allowed_from_environment() -> list[str]:
+    return [_check_module_name(m) for m in os.environ.get(ROUTER_MODULES_ENV, "").split(",") if m.strip()]
+
+
+def _not_allowed(name: str, module_name: str | None) -> RouterNotAllowedError:
+    example = module_name or "mypkg.routers"
+    where = (f"its module {module_name!r} is not imported and was not allowed" if module_name
+             else "no allowed module registers it")
+    return RouterNotAllowedError(
+        f"unknown router {name!r}: {where} (a config, e.g. a model folder's config.json, never imports code by "
+        f"itself). Registered: {sorted(ROUTERS)}. To use a router of your own, allow the module that defines it: "
+        f"`--router-module {example}` on the command line, {ROUTER_MODULES_ENV}={example} in the environment, "
+        f"an entry point in group {ROUTER_ENTRY_POINT_GROUP!r}, or moe_core.routing.allow_router_module("
+        f"{example!r}) in Python")
+
+
 def resolve_router(name: str) -> type[Router]:
-    """A router class from the registry, or from an importable dotted path (``pkg.module.Class`` or
-    ``pkg.module:Class``). Never evaluates code."""
+    """A router class: from the registry, an allowed module (which may register it), an entry point of group
+    ``moe_lab.routers``, or a dotted path (``pkg.module.Class`` / ``pkg.module:Class``) into a module that is
+    already imported or allowed. Never imports a module only because a config names it; never evaluates code."""
     if name in ROUTERS:
         return ROUTERS[name]
-    if "." not in name and ":" not in name:
-        raise KeyError(f"unknown router {name!r}; registered: {sorted(ROUTERS)}, or give a dotted import path")
-    module_name, _, attr = name.replace(":", ".").rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ImportError(f"router {name!r} could not be imported: {err}") from None
+    for module_name in _allowed_from_environment():  # may register ``name``
+        if module_name not in _ALLOWED_MODULES:
+            allow_router_module(module_name)
+    if name in ROUTERS:
+        return ROUTERS[name]
+    entry_points = _router_entry_points()
+    if name in entry_points:  # an installed package declared this router: loading it is what the user installed
+        cls = entry_points[name].load()
+        module_name = None
+    elif "." in name or ":" in name:
+        module_name, _, attr = name.replace(":", ".").rpartition(".")
+        ep_modules = {ep.value.partition(":")[0] for ep in entry_points.values()}
+        module = sys.modules.get(module_name)  # allowed modules were imported when they were allowed
+        if module is None and module_name in ep_modules:
+            module = importlib.import_module(module_name)
+        if module is None:
+            raise _not_allowed(name, module_name)
+        cls = vars(module).get(attr)  # not getattr: a module-level __getattr__ could import or run code
+        if cls is None:
+            raise RouterNotAllowedError(f"router {name!r}: module {module_name!r} defines no {attr!r}; "
+                                        f"registered: {sorted(ROUTERS)}")
+    else:
+        raise _not_allowed(name, None)
     if not (isinstance(cls, type) and issubclass(cls, Router)):
         raise TypeError(f"router {name!r} is not a moe_core.routing.Router subclass")
     return cls
@@ -133,9 +208,19 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def capacity_for(capacity_factor: float | None, num_tokens: int, slots_per_token: int, num_experts: int) -> int | None:
+def capacity_for(capacity_factor: float | None, num_tokens: int | torch.Tensor, slots_per_token: int,
+                 num_experts: int) -> int | torch.Tensor | None:
+    """Tokens each expert may take, ``ceil(capacity_factor * T * K / E)`` and at least 1 (GShard, Switch).
+
+    Under the TorchScript tracer (ONNX export) ``T = logits_TE.shape[0]`` is a 0-dim tensor; the capacity is
+    then computed with tensor ops, so the exported graph derives it from each input's token count instead of
+    freezing the sample input's capacity as a constant (which dropped the wrong tokens at any other shape).
+    The tensor path computes in float64 in Python's order of operations, so both give the same integer."""
     if capacity_factor is None:
         return None
+    if isinstance(num_tokens, torch.Tensor):
+        exact = num_tokens.to(torch.float64) * capacity_factor * slots_per_token / num_experts
+        return torch.ceil(exact).clamp(min=1).to(torch.long)
     return max(1, math.ceil(capacity_factor * num_tokens * slots_per_token / num_experts))
 
 

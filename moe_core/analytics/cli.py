@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moe_core.cli import add_router_module_option
 from moe_core.errors import MoELabError
 
 
@@ -39,6 +40,7 @@ def add_cli(subparsers) -> None:
     ev.add_argument("--limit", type=float, default=None, help="lm-eval examples per task")
     ev.add_argument("--out", default=None, help="write eval.json, comparison.md, generations.jsonl here")
     ev.set_defaults(func=run_eval)
+    add_router_module_option(ev)
 
     an = subparsers.add_parser("analyze", help="router profile, pictures and cost report",
                                description="Profile the router on an evaluation split (saved as a versioned "
@@ -65,6 +67,7 @@ def add_cli(subparsers) -> None:
     an.add_argument("--train-device", default=None, help="device the training ran on (default: --device-name)")
     an.add_argument("--train-devices", type=int, default=1)
     an.set_defaults(func=run_analyze)
+    add_router_module_option(an)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

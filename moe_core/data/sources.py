@@ -14,6 +14,13 @@ Source strings (`parse_source`):
 
 Local files are checked before `datasets` reads them (`check_file`), so an empty, binary or non-UTF-8 file,
 or one enormous line, is reported with the file name, byte offset and line instead of a parser traceback.
+
+Where text is stored: `datasets` would keep an Arrow copy of every local file it reads under
+``~/.cache/huggingface/datasets``, files that fail validation included. Local files are read through a
+scratch cache inside the lab's data directory (`lab_data_dir`) into memory, and the scratch directory is
+deleted when loading ends, whether it succeeded or not: no copy of a local file's text stays behind. Hub
+datasets are cached in ``<lab data dir>/hf-datasets``. Prepared data (``moe_core.data.prepare``) holds token
+ids, which decode back to the text with the tokenizer beside them.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import sysconfig
+import tempfile
 import tokenize
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -292,15 +302,41 @@ def source_fingerprint(spec: SourceSpec, hub_config: str | None = None, split: s
     return h.hexdigest()
 
 
-def _load_local(spec: SourceSpec, max_line_bytes: int, txt_sample_by: str) -> Any:
-    import datasets
+def lab_data_dir() -> Path:
+    """The lab's own data directory: prepared data and every `datasets` cache of ours live under it, never in
+    ``~/.cache/huggingface``. ``$MOE_LAB_DATA_CACHE``, else ``~/.cache/moe-lab/data``."""
+    return Path(os.environ.get("MOE_LAB_DATA_CACHE") or Path.home() / ".cache" / "moe-lab" / "data")
 
+
+@contextmanager
+def _scratch_datasets_cache() -> Iterator[str]:
+    """A `datasets` cache directory that exists only while local files are read (into memory), then is
+    removed with every Arrow copy of their text, also when reading failed half way."""
+    root = lab_data_dir() / "hf-datasets"
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".local-", dir=root)
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load_local(spec: SourceSpec, max_line_bytes: int, txt_sample_by: str) -> Any:
     for path in spec.files:
         check_file(path, spec.builder or "", max_line_bytes)
+    with _scratch_datasets_cache() as cache_dir:
+        return _load_local_files(spec, txt_sample_by, cache_dir)
+
+
+def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> Any:
+    import datasets
+
     kwargs: dict[str, Any] = {"sample_by": txt_sample_by} if spec.builder == "text" else {}
 
     def load(files: list[Path]) -> Any:
-        return datasets.load_dataset(spec.builder, data_files=[str(p) for p in files], split="train", **kwargs)
+        # keep_in_memory: the rows are read into memory, so the scratch cache can go once loading ends
+        return datasets.load_dataset(spec.builder, data_files=[str(p) for p in files], split="train",
+                                     cache_dir=cache_dir, keep_in_memory=True, **kwargs)
 
     try:
         with _quiet_datasets():
@@ -357,7 +393,8 @@ def _load_hub(spec: SourceSpec, hub_config: str | None, split: str, max_document
     # "train[:N]" lets `datasets` read only the first N rows where the builder supports it
     selected = split if max_documents is None or "[" in split else f"{split}[:{max_documents}]"
     try:
-        return datasets.load_dataset(spec.location, hub_config, split=selected)
+        return datasets.load_dataset(spec.location, hub_config, split=selected,
+                                     cache_dir=str(lab_data_dir() / "hf-datasets"))
     except Exception as err:
         msg = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         raise DataError(

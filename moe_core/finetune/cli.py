@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from moe_core.cli import add_router_module_option
+
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("finetune", help="fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
@@ -20,6 +22,7 @@ def add_cli(subparsers) -> None:
                    help="override a config field, e.g. --set lora.experts=esft --set steps=100")
     p.add_argument("--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)")
     p.set_defaults(func=run_finetune)
+    add_router_module_option(p)
 
 
 def resolve_config(args):

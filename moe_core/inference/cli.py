@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from moe_core.cli import add_router_module_option
+
 
 def _export_onnx(args: argparse.Namespace) -> int:
     from moe_core.inference.onnx_export import export_onnx
@@ -71,6 +73,7 @@ def add_cli(subparsers) -> None:
     onnx.add_argument("--opset", type=int, default=17)
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
     onnx.set_defaults(func=_export_onnx)
+    add_router_module_option(onnx)
 
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
     quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
@@ -82,6 +85,7 @@ def add_cli(subparsers) -> None:
     quantize.add_argument("--hf-architecture", choices=["mixtral", "olmoe", "qwen2_moe"], default=None,
                           help="optimum-gptq: the HF architecture to quantize through (default: the model's origin)")
     quantize.set_defaults(func=_quantize)
+    add_router_module_option(quantize)
 
     prune = subparsers.add_parser("prune", help="drop rarely routed experts using a router profile")
     prune.add_argument("model_dir")
@@ -91,6 +95,7 @@ def add_cli(subparsers) -> None:
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")
     prune.add_argument("--merge", action="store_true", help="merge each dropped expert into its most similar kept one")
     prune.set_defaults(func=_prune)
+    add_router_module_option(prune)
 
     generate = subparsers.add_parser("generate", help="batched generation with streamed output")
     generate.add_argument("model_dir", help="checkpoint directory with a tokenizer")
@@ -105,3 +110,4 @@ def add_cli(subparsers) -> None:
     generate.add_argument("--compile", action="store_true",
                           help="torch.compile prefill and decode (slow first batch, faster decoding)")
     generate.set_defaults(func=_generate)
+    add_router_module_option(generate)

@@ -17,9 +17,13 @@ Prefetch (``prefetch=True``): after layer l routes, the *next* MoE layer's route
 MoE input (the residual stream changes little from one layer to the next) and its top-K experts are loaded
 before they are asked for (``stats.prefetched``, and the hits they turn into, ``stats.prefetch_hits``).
 
-Graceful degradation: an expert whose file is missing or unreadable is marked unavailable, a warning is
-issued once, ``stats.fallbacks`` counts each rerouted slot, and its tokens go to their next-best available
-expert by router probability (keeping the slot's combine weight); generation continues.
+Graceful degradation: an expert that cannot be used is marked unavailable, a warning is issued once (naming
+the file and why), ``stats.unavailable`` counts such experts and ``stats.fallbacks`` each rerouted slot, and its
+tokens go to their best available expert by router probability (keeping the slot's combine weight);
+generation continues. "Cannot be used" is any of: the file is missing or unreadable (not safetensors), a
+projection is missing, or a tensor has the wrong shape, dtype or non-finite values. Rerouting repeats until
+every slot lands on an expert that loaded (several of a token's top choices may be missing at once); only a
+layer with no usable expert left raises `ExpertCacheError`.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class CacheStats:
     prefetched: int = 0  # experts loaded ahead of use
     prefetch_hits: int = 0  # hits on an expert that a prefetch brought in
     fallbacks: int = 0  # slots rerouted because their expert could not be loaded
+    unavailable: int = 0  # experts found unusable (missing, unreadable, wrong names/shapes/dtype, non-finite)
 
     @property
     def hit_rate(self) -> float:
@@ -79,7 +84,27 @@ class ExpertCache:
         self.resident: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
         self.unavailable: set[tuple[int, int]] = set()
         self.prefetched_keys: set[tuple[int, int]] = set()
+        # per layer, what each expert file must hold: projection name -> (shape, dtype)
+        self.expected: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
         self.stats = CacheStats()
+
+    def expect(self, layer: int, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Declare the tensors every expert file of ``layer`` must hold; anything else counts as unusable."""
+        self.expected[layer] = spec
+
+    def _check(self, layer: int, weights: dict[str, torch.Tensor]) -> str | None:
+        """Why these tensors cannot stand in for the layer's expert (None when they can)."""
+        for name, (shape, dtype) in self.expected.get(layer, {}).items():
+            if name not in weights:
+                return f"no tensor {name!r}"
+            tensor = weights[name]
+            if tuple(tensor.shape) != shape:
+                return f"{name} has shape {tuple(tensor.shape)}, expected {shape}"
+            if tensor.dtype != dtype:
+                return f"{name} has dtype {tensor.dtype}, expected {dtype}"
+            if not bool(torch.isfinite(tensor).all()):
+                return f"{name} holds non-finite values"
+        return None
 
     def _load(self, key: tuple[int, int]) -> dict[str, torch.Tensor] | None:
         from safetensors import safe_open
@@ -87,12 +112,17 @@ class ExpertCache:
         path = expert_file(self.directory, *key)
         try:
             with safe_open(str(path), framework="pt", device=str(self.device)) as f:
-                return {name: f.get_tensor(name) for name in f.keys()}
+                weights = {name: f.get_tensor(name) for name in f.keys()}
+            problem = self._check(key[0], weights)
         except Exception as err:  # missing, truncated or corrupt file: degrade, do not stop generation
-            self.unavailable.add(key)
-            warnings.warn(f"expert {key[1]} of layer {key[0]} could not be loaded from {path} ({type(err).__name__}); "
-                          "its tokens go to their next-best available expert", RuntimeWarning, stacklevel=3)
-            return None
+            problem = f"unreadable: {type(err).__name__}"
+        if problem is None:
+            return weights
+        self.unavailable.add(key)
+        self.stats.unavailable += 1
+        warnings.warn(f"expert {key[1]} of layer {key[0]} cannot be used from {path} ({problem}); its tokens go to "
+                      "their best available expert", RuntimeWarning, stacklevel=3)
+        return None
 
     def _insert(self, key, weights) -> None:
         self.resident[key] = weights
@@ -166,15 +196,16 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         ids_TK, dropped_TK = self._reroute(record)
-        for _ in range(2):  # a load failing right now marks the expert unavailable: reroute once more
+        # a load failing now marks that expert unavailable, and the slots rerouted to the next-best expert may
+        # find it missing too: repeat until every needed expert loaded. Each round marks at least one more
+        # expert unavailable, so this ends; _reroute raises once the layer has none left.
+        for _ in range(self.num_experts + 1):
             needed = sorted(set(ids_TK.masked_select(~dropped_TK).tolist()))
             weights = {e: self.cache.get(self.layer_id, e) for e in needed}
             if all(w is not None for w in weights.values()):
                 break
             ids_TK, dropped_TK = self._reroute(RoutingRecord(**{**record.__dict__, "expert_ids_TK": ids_TK,
                                                                 "dropped_TK": dropped_TK}))
-        else:
-            raise ExpertCacheError(f"layer {self.layer_id}: experts keep failing to load from {self.cache.directory}")
         if self.prefetch_from is not None:
             next_layer, next_router = self.prefetch_from
             with torch.no_grad():
@@ -229,7 +260,10 @@ def offload_experts(model, directory: str | os.PathLike, capacity: int, *, prefe
     moe_layers = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
     for i in moe_layers:
         block = model.model.layers[i].mlp
-        block.experts = OffloadedExperts(i, block.experts.num_experts, block.experts.activation, cache)
+        experts = block.experts
+        cache.expect(i, {p: (tuple(getattr(experts, p).shape[1:]), getattr(experts, p).dtype)
+                         for p in PROJECTIONS if getattr(experts, p) is not None})
+        block.experts = OffloadedExperts(i, experts.num_experts, experts.activation, cache)
     if prefetch:
         for here, nxt in zip(moe_layers, moe_layers[1:]):
             model.model.layers[here].mlp.experts.prefetch_from = (nxt, model.model.layers[nxt].mlp.router)

@@ -176,6 +176,14 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
     if not prompts:
         raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     model_dir = Path(model_dir)
+    # the model first: AutoTokenizer reads config.json too, and its errors (a bad router) must not read as
+    # a missing tokenizer
+    if (model_dir / "quantization.json").is_file():
+        from moe_core.inference.quantize import load_quantized
+
+        model = load_quantized(model_dir)
+    else:
+        model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except KeyError:  # no tokenizer class is registered for model_type "moe_lab": read tokenizer.json directly
@@ -185,12 +193,6 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
     except (OSError, ValueError) as err:
         raise GenerationError(f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
                               "checkpoint (tokenizer.save_pretrained)") from None
-    if (model_dir / "quantization.json").is_file():
-        from moe_core.inference.quantize import load_quantized
-
-        model = load_quantized(model_dir)
-    else:
-        model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     from moe_core.inference.fast_decode import enable_fast_decode
 
     enable_fast_decode(model)

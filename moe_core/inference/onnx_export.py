@@ -19,9 +19,20 @@ How it works (the truth is optimum-onnx 0.1.0's ``exporters/onnx`` and ``onnxrun
   every expert's weights are in the graph whatever the dummy input routed (`expert_weights_in_graph`
   checks that from the ONNX file). A tracer on the ``sorted`` path would keep only the experts the dummy
   input hit: `export_onnx` refuses an explicit non-static ``expert_impl``.
-- optimum's `ORTModelForCausalLM` assumes ``num_key_value_heads == num_attention_heads`` and ``head_dim ==
-  hidden_size // num_attention_heads`` for a model type it does not know (it builds the empty first-step
-  cache from them); `MoEORTModelForCausalLM` sets both from the config. `load_onnx` returns one.
+- Capacity-bound routers (Switch, top-k with a capacity factor) drop the tokens over each expert's capacity,
+  ``ceil(capacity_factor * T * K / E)``. Under the tracer ``T`` is a tensor, so the graph computes the capacity
+  from each input's token count (`moe_core.routing.capacity_for`); a constant frozen at the sample input's
+  shape would drop the wrong tokens at every other shape.
+- `export_onnx` checks its own output (`validate_export`): the graph holds every expert's weights, and its
+  logits equal PyTorch's at several batch x sequence shapes, one of them a repeated token so that a
+  capacity-bound router drops tokens. A failed check raises and leaves no export behind.
+- optimum's stock `ORTModelForCausalLM` assumes ``num_key_value_heads == num_attention_heads`` and ``head_dim ==
+  hidden_size // num_attention_heads`` for a model type it does not know (optimum-onnx 0.1.0,
+  ``onnxruntime/modeling_decoder.py``, ``ORTModelForCausalLM.__init__``: it builds the empty first-step cache
+  from them and has no hook for another model type). So the stock class loads exports of models with as many
+  KV heads as attention heads, and fails on grouped-query ones (``Got invalid dimensions for input:
+  past_key_values.0.key``); `MoEORTModelForCausalLM` sets both from the config. `load_onnx` returns one and
+  works for every export.
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ import torch
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
+from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +118,10 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     """Export a model (object, our checkpoint directory, or a HF Mixtral/OLMoE/Qwen2-MoE directory) to ONNX.
 
     With ``with_past`` optimum writes ``model.onnx``, one graph taking ``past_key_values.*`` (empty on the
-    first step) and returning ``present.*``, which `ORTModelForCausalLM` runs. ``validate`` runs optimum's output check at ``atol``.
-    Returns ``out_dir``.
+    first step) and returning ``present.*``, which `load_onnx` runs. ``validate`` runs optimum's output check
+    at ``atol``, then `validate_export` (every expert in the graph; logits at several shapes, with tokens
+    dropped over capacity); a failure raises `OnnxExportError` and leaves nothing in ``out_dir``. The directory
+    is written whole or not at all (an existing one is replaced). Returns ``out_dir``.
     """
     from optimum.exporters.onnx import onnx_export_from_model
 
@@ -116,6 +131,9 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
         raise OnnxExportError(
             f"config.expert_impl={impl!r}: a traced {impl!r} path keeps only the experts the dummy input hit; "
             "set model.config.expert_impl='auto' (static under tracing) or 'static' before exporting")
+    if any(isinstance(module, ExpertChoiceRouter) for module in model.modules()):
+        raise OnnxExportError("router 'expert_choice' picks each expert's tokens across the whole batch, which the "
+                              "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)")
     for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
         if getattr(module, "impl", "auto") not in ("auto", "static"):
             raise OnnxExportError(f"{type(module).__name__}.impl={module.impl!r}; export needs 'auto' or 'static'")
@@ -123,17 +141,65 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     task = "text-generation-with-past" if with_past else "text-generation"
     onnx_config = config_cls(model.config, task=task, use_past=with_past, use_past_in_inputs=with_past)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
-    with torch.no_grad(), _library_is_transformers():
-        try:
-            onnx_export_from_model(model, out_dir, opset=opset, task=task, do_validation=validate, atol=atol)
-        finally:
-            # optimum's patcher "restores" forward by assigning the bound method to the instance; an instance
-            # attribute changes the model for torch.compile (it recompiles and runs far slower), so drop it
-            if "forward" in model.__dict__:
-                del model.forward
+    with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
+        with torch.no_grad(), _library_is_transformers():
+            try:
+                onnx_export_from_model(model, tmp, opset=opset, task=task, do_validation=validate, atol=atol)
+            finally:
+                # optimum's patcher "restores" forward by assigning the bound method to the instance; an instance
+                # attribute changes the model for torch.compile (it recompiles and runs far slower), so drop it
+                if "forward" in model.__dict__:
+                    del model.forward
+        if validate and with_past:
+            validate_export(model, tmp, atol=atol)
     return out_dir
+
+
+# (batch, sequence) shapes the export is checked at; the last row repeats one token, so a capacity-bound
+# router sends most tokens to one expert and drops the overflow
+VALIDATION_SHAPES = ((1, 8), (2, 24), (4, 64), (2, 48))
+
+
+@torch.no_grad()
+def validate_export(model: MoEForCausalLM, onnx_dir: str | os.PathLike, *, atol: float = 1e-4,
+                    shapes: tuple[tuple[int, int], ...] = VALIDATION_SHAPES, seed: int = 0) -> list[dict]:
+    """Check an export against its PyTorch model; raise `OnnxExportError` on any difference.
+
+    The graph must hold every expert's weights (`expert_weights_in_graph`), and at each ``(batch, seq)`` shape
+    the ONNX logits must equal PyTorch's within ``atol * max(1, max|logits|)``. Shapes other than the tracer's
+    sample input are what catch a routing quantity frozen into the graph as a constant (an expert capacity
+    drops other tokens once T changes). Returns one row per shape: max abs difference and slots dropped."""
+    config = model.config
+    onnx_dir = Path(onnx_dir)
+    file_name = next((c for c in ONNX_FILES if (onnx_dir / c).is_file()), "model.onnx")
+    if config.num_experts > 0:
+        found, expected = expert_weights_in_graph(onnx_dir / file_name, config), expected_expert_weights(config)
+        if found != expected:
+            raise OnnxExportError(f"{onnx_dir / file_name}: the graph holds {found} expert weight matrices, a complete "
+                                  f"export {expected}; the tracer kept only some experts")
+    ort = load_onnx(onnx_dir, file_name=file_name)
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, (batch, seq) in enumerate(shapes):
+        seq = min(seq, config.max_position_embeddings)
+        input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+        if i == len(shapes) - 1:
+            input_ids[:] = input_ids[0, 0]
+        attention_mask = torch.ones_like(input_ids)
+        out = model(input_ids, attention_mask=attention_mask, output_routing=True)
+        got = ort(input_ids=input_ids, attention_mask=attention_mask).logits
+        diff = (out.logits - got).abs().max().item()
+        dropped = sum(int(r.dropped_TK.sum()) for r in (out.routing or ()))
+        rows.append({"batch": batch, "seq": seq, "max_abs_diff": diff, "dropped_slots": dropped})
+        limit = atol * max(1.0, out.logits.abs().max().item())
+        if not diff <= limit:
+            raise OnnxExportError(
+                f"ONNX logits differ from PyTorch by {diff:.3g} (limit {limit:.3g}) at batch {batch} x seq {seq} "
+                f"({dropped} routed slots dropped over capacity); the graph does not compute what the model does "
+                "at this shape, so it is not written")
+    logger.info("ONNX export checked at %s", rows)
+    return rows
 
 
 @contextmanager

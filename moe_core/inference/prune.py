@@ -144,7 +144,7 @@ def prune_experts(model, usage, prune: PruneConfig | None = None):
     for key in ("model_type", "transformers_version", "architectures"):
         data.pop(key, None)
     data["num_experts"] = E_new
-    new_config = MoEConfig(**data)
+    new_config = MoEConfig.from_dict(data)
     new_model = MoEForCausalLM(new_config).to(next(model.parameters()).dtype).eval()
 
     state = model.state_dict()

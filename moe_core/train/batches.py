@@ -142,10 +142,11 @@ def data_cache_dir(cache_dir: str | None, prepare_cfg) -> Path:
     import dataclasses
     import hashlib
     import json
-    import os
     import re
 
-    root = Path(cache_dir or os.environ.get("MOE_LAB_DATA_CACHE") or Path.home() / ".cache" / "moe-lab" / "data")
+    from moe_core.data.sources import lab_data_dir
+
+    root = Path(cache_dir) if cache_dir else lab_data_dir()
     settings = json.dumps(dataclasses.asdict(prepare_cfg), sort_keys=True, default=str)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(prepare_cfg.source))[-40:]
     return root / f"{name}-{hashlib.sha1(settings.encode()).hexdigest()[:12]}"

@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+from moe_core.cli import add_router_module_option
+
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("train", help="pretrain a model (MoE or dense baseline), one process or many",
@@ -33,6 +35,7 @@ def add_cli(subparsers) -> None:
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     g.add_argument("--rdzv-id", default="moe-lab", help="job id shared by all nodes of one run")
     p.set_defaults(func=run_train)
+    add_router_module_option(p)
 
 
 def resolve_config(args):

@@ -34,6 +34,15 @@ class ModelSection(_Section):
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields, e.g. {"num_experts": 4}
     baseline: Literal["active", "total"] | None = None  # train the dense model with equal active/total params
 
+    @field_validator("overrides")
+    @classmethod
+    def _known_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """A typo (``num_expert``) is refused here, before any data is prepared, not trained with silently."""
+        from moe_core.config import check_model_fields
+
+        check_model_fields(value)
+        return value
+
     def build_config(self, vocab_size: int | None = None):
         """The `MoEConfig` this section describes; ``vocab_size`` (the tokenizer's) wins over the preset's."""
         from moe_core.config import dense_baseline, get_config
