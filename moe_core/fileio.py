@@ -308,3 +308,62 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False,
         os.close(in_use)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ run outputs
+def previous_outputs(out_dir: str | os.PathLike, patterns: tuple[str, ...]) -> list[str]:
+    """What of a run's outputs (glob ``patterns`` relative to ``out_dir``) an earlier run left there."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    return sorted(str(p.relative_to(out)) for pattern in patterns for p in out.glob(pattern))
+
+
+def refuse_previous_outputs(out_dir: str | os.PathLike, patterns: tuple[str, ...], hint: str, what: str = "outputs",
+                            error_cls: type[MoELabError] = MoELabError) -> None:
+    """The rule every run command follows (train, finetune): an output directory holding an earlier run's outputs
+    is not written into unless the user said how (``hint``: --resume for training, --overwrite for fine-tuning)."""
+    found = previous_outputs(out_dir, patterns)
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise error_cls(f"{out_dir} already holds {what} of an earlier run ({shown}); {hint}, or choose "
+                        f"another output directory")
+
+
+@contextmanager
+def staged_outputs(out_dir: str | os.PathLike, replace: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A staging directory inside ``out_dir`` for a run's outputs: on success each entry is moved into ``out_dir``
+    (replacing an entry of the same name), ``summary.json`` last if there is one, so it marks a complete set; on
+    failure the staging directory goes and ``out_dir`` keeps only what was there before. On success, earlier
+    outputs matching ``replace`` (glob patterns) are removed first. Files other writers put in ``out_dir`` (an
+    MLflow run reference, say) are left alone. Abandoned stagings of killed runs are removed."""
+    out = Path(out_dir).expanduser().absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    for path in out.glob(".staging.tmp-*"):
+        if path.is_dir():
+            remove_abandoned(path)
+    stage = out / f".staging.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    in_use = os.open(stage / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(in_use, fcntl.LOCK_EX)
+    try:
+        with disk_full_guard(out):
+            yield stage
+            os.unlink(stage / IN_USE)
+            for name in previous_outputs(out, replace):
+                stale = out / name
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+            entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
+            for entry in entries:
+                target = out / entry.name
+                if target.is_dir() and not target.is_symlink():
+                    old = out / f".{entry.name}.old-{uuid.uuid4().hex[:8]}"
+                    os.replace(target, old)
+                    os.replace(entry, target)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(entry, target)
+    finally:
+        os.close(in_use)
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from moe_core.errors import MoELabError
-from moe_core.fileio import OutputLock
+from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
@@ -172,9 +172,9 @@ class Trainer:
             resume_from = self._resume_checkpoint()
             if resume_from is None and st.is_main and existing is None:
                 print(f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True)
-        elif existing is not None:
-            raise MoELabError(f"{self.out_dir} already holds checkpoints (latest {existing.name}); pass --resume "
-                              f"(resume=True) to continue that run, or choose another output directory")
+        else:
+            refuse_previous_outputs(self.out_dir, ("checkpoints/step_*",), "pass --resume (resume=True) to continue "
+                                    "that run", what="checkpoints")
         if resume_from is not None:
             saved = TrainConfig.load(resume_from / "train_config.json")
             for section in ("model", "data", "parallel"):
