@@ -1,7 +1,7 @@
 """Checkpoints and run outputs under attack or bad luck: planted pickles, old formats, damaged or half-deleted
 checkpoints, diverging runs, full disks, torn metrics lines, two runs on one directory, abandoned temporaries.
 
-Tiny models on the synthetic source (no tokenizer); the lock test starts a second Python process.
+Tiny models on the synthetic source (no tokenizer); the lock test starts a second Python process."""
 
 import errno
 import json
