@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_core.errors import MoELabError
-from moe_core.fileio import disk_full_guard
+from moe_core.fileio import atomic_directory, disk_full_guard
 
 FORMAT = 2
 STEP_PREFIX = "step_"
@@ -416,15 +416,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
     if [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)] or unexpected:
         raise CheckpointError(f"{ckpt}: cannot export, parameters do not match its config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    shutil.copy2(ckpt / "train_config.json", tmp / "train_config.json")
-    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+    with atomic_directory(out_dir, overwrite=True, error_cls=CheckpointError) as tmp:  # full disk: a clear error
+        model.save_pretrained(tmp, safe_serialization=True)
+        shutil.copy2(ckpt / "train_config.json", tmp / "train_config.json")
+        if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+            for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
+                if item.is_file():
+                    shutil.copy2(item, tmp / item.name)
     return out_dir
