@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from moe_core.errors import MoELabError
-from moe_core.fileio import OutputLock, refuse_previous_outputs
+from moe_core.fileio import OutputLock, disk_full_guard, refuse_previous_outputs
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
@@ -252,25 +252,28 @@ class Trainer:
                                             f"not checkpointing. Lower optim.lr or enable optim.grad_clip")
         final = self.ckpt_root / ckpt_io.step_dir_name(self.step)
         tmp = ckpt_io.begin_checkpoint(self.ckpt_root, self.step)
-        if st.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            self.config.save(tmp / "train_config.json")
-            self.model_config.save_pretrained(tmp)
-        par.barrier(st)
         try:
+            if st.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                with disk_full_guard(tmp, ckpt_io.estimated_bytes(self.model, self.optimizer)):
+                    self.config.save(tmp / "train_config.json")
+                    self.model_config.save_pretrained(tmp)
+            par.barrier(st)
             ckpt_io.save_rank_files(tmp, self.model, self.optimizer, rank=st.rank, ep_rank=st.ep_rank,
                                     ep_size=st.ep_size, dp_rank=st.dp_rank, write_replicated=st.is_main,
                                     scheduler=self.scheduler, data_state=self.batches.state_dict(),
                                     scaler=self.scaler)
+            par.barrier(st)
+            if st.is_main:
+                val = self.last_val_loss
+                if val is not None and (self.best is None or val < self.best["val_loss"]):
+                    self.best = {"name": final.name, "step": self.step, "val_loss": val}
+                ckpt_io.finish_checkpoint(tmp, final, self._trainer_state())
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give the space back
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk, say: give the space back
             raise
-        par.barrier(st)
         if st.is_main:
-            if self.last_val_loss is not None and (self.best is None or self.last_val_loss < self.best["val_loss"]):
-                self.best = {"name": final.name, "step": self.step, "val_loss": self.last_val_loss}
-            ckpt_io.finish_checkpoint(tmp, final, self._trainer_state())
             keep_best = self.best["name"] if (self.best and self.config.checkpoint.keep_best) else None
             ckpt_io.prune_checkpoints(self.ckpt_root, self.config.checkpoint.keep_last, keep_best)
         par.barrier(st)
