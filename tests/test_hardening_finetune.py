@@ -12,7 +12,7 @@ from moe_core.fileio import OutputLock, OutputLockedError
 from moe_core.finetune import FinetuneConfig, FinetuneDivergedError, FinetuneError, finetune
 from moe_core.finetune.objectives import MoESFTTrainer
 from moe_core.train import read_jsonl
-from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+from tests.finetune_helpers import instruction_records, preference_records, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -28,12 +28,13 @@ def small(**fields):
     return FinetuneConfig.build(base)
 
 
-@pytest.mark.parametrize("steps", [4, 9])  # ends inside the allowed streak / stops at the streak limit
-def test_a_diverging_fine_tune_writes_nothing_and_says_why(tmp_path, tokenizer, steps):
+@pytest.mark.parametrize("objective,steps", [("sft", 4), ("sft", 9), ("dpo", 4)])  # 9: stops at the streak limit
+def test_a_diverging_fine_tune_writes_nothing_and_says_why(tmp_path, tokenizer, objective, steps):
     (tmp_path / "mlflow_run.json").write_text("{}")  # what a caller (the Prefect task) put there first
-    config = small(steps=steps, optim={"lr": 1e30, "grad_clip": None})
+    config = small(steps=steps, objective=objective, optim={"lr": 1e30, "grad_clip": None})
+    records = instruction_records(8) if objective == "sft" else preference_records(8)
     with pytest.raises(FinetuneDivergedError, match="non-finite loss or gradient.*nothing written"):
-        finetune(config, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(8))
+        finetune(config, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=records)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow_run.json"]  # no config, metrics or weights
 
 
