@@ -256,7 +256,7 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_pa
 KILLED_WRITER = """
 import os, signal, sys
 from moe_core.fileio import atomic_directory
-with atomic_directory(sys.argv[1]) as tmp:
+with atomic_directory(sys.argv[1]) as tmp, atomic_directory(sys.argv[2]) as other:
     (tmp / "half").write_text("x")
     os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -266,15 +266,14 @@ def test_abandoned_temporaries_are_removed_and_live_ones_kept(tmp_path):
     from moe_core.data.prepare import PrepareConfig, prepare
 
     out = tmp_path / "prep"
-    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out)], env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out), str(tmp_path / "data")],
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
     (abandoned,) = tmp_path.glob(".prep.tmp-*")
+    assert list(tmp_path.glob(".data.tmp-*"))
     with atomic_directory(tmp_path / "prep") as live:  # the next writer removed the abandoned temporary
         assert not abandoned.exists()
         assert clean_abandoned_temporaries(out) == [] and live.is_dir()  # and a third leaves a live one alone
         (live / "data").write_text("x")
-    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "data")],
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert list(tmp_path.glob(".data.tmp-*"))
     prepare(PrepareConfig(max_documents=24, vocab_size=300, seq_len=32, num_proc=1, val_fraction=0.1,
                           test_fraction=0.1), tmp_path / "data")
     assert not list(tmp_path.glob(".data.tmp-*"))  # the killed preparation's leftovers went
