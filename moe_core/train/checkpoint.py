@@ -251,9 +251,18 @@ def set_rng_state(state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ save / load
 def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
-    """The temporary directory every rank writes into (created by rank 0 before a barrier)."""
+    """The temporary directory every rank writes into (created by rank 0, `write_configs`, before a barrier)."""
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
     return tmp
+
+
+def write_configs(tmp: Path, train_config, model_config) -> None:
+    """Rank 0: a fresh temporary directory with ``train_config.json`` and ``config.json`` in it."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with disk_full_guard(tmp):
+        train_config.save(tmp / "train_config.json")
+        model_config.save_pretrained(tmp)
 
 
 def rank_state_name(rank: int) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from moe_core.errors import MoELabError
-from moe_core.fileio import OutputLock, disk_full_guard, refuse_previous_outputs
+from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
@@ -254,11 +254,7 @@ class Trainer:
         tmp = ckpt_io.begin_checkpoint(self.ckpt_root, self.step)
         try:
             if st.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                with disk_full_guard(tmp, ckpt_io.estimated_bytes(self.model, self.optimizer)):
-                    self.config.save(tmp / "train_config.json")
-                    self.model_config.save_pretrained(tmp)
+                ckpt_io.write_configs(tmp, self.config, self.model_config)
             par.barrier(st)
             ckpt_io.save_rank_files(tmp, self.model, self.optimizer, rank=st.rank, ep_rank=st.ep_rank,
                                     ep_size=st.ep_size, dp_rank=st.dp_rank, write_replicated=st.is_main,
