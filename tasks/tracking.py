@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from moe_core.train.telemetry import read_jsonl
 from tasks import settings
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
@@ -316,17 +317,31 @@ class EventFollower:
         self.run_id, self.run_dir = run_id, Path(run_dir)
         self.events = self.run_dir / "metrics.jsonl"
         self.offset = self.events.stat().st_size if self.events.is_file() else 0  # earlier attempts: already sent
+        # a resume rewrites the file without the rows past its checkpoint (JsonlSink): steps up to here are sent
+        self.last_step = max((int(r.get("step", -1)) for r in read_jsonl(self.events)), default=-1) \
+            if self.events.is_file() else -1
+        self.skip_upto = self.last_step  # rows up to this step are sent already
         self.offline_from_step: int | None = None
         write_run_file(self.run_dir, run_id)
 
     def poll(self) -> None:
         if self.offline_from_step is not None or not self.events.is_file():
             return
+        if self.events.stat().st_size < self.offset:  # rewritten shorter by a resume: read again, skip sent steps
+            self.offset, self.skip_upto = 0, self.last_step
         with self.events.open("rb") as f:
             f.seek(self.offset)
             chunk = f.read()
+        if self.offset and chunk and not chunk.startswith(b"{"):  # shrunk and regrown between two polls
+            self.offset, self.skip_upto = 0, self.last_step
+            return self.poll()
         for line in chunk[:chunk.rfind(b"\n") + 1].splitlines(keepends=True):
-            row = json.loads(line) if line.strip() else None
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:  # a damaged line: the JSONL reader skips it too
+                row = None
+            if row is not None and int(row.get("step", 0)) <= self.skip_upto:
+                row = None
             if row is not None:
                 try:
                     log_metrics(self.run_id, {k: v for k, v in row.items() if k not in ("step", "time")},
@@ -336,6 +351,7 @@ class EventFollower:
                     write_run_file(self.run_dir, self.run_id, offline_from_step=self.offline_from_step,
                                    error=f"{type(err).__name__}")
                     return
+                self.last_step = int(row.get("step", self.last_step))
             self.offset += len(line)
 
 
@@ -354,8 +370,8 @@ def sync_events(run_dir: str | Path, run_id: str | None = None, everything: bool
         everything = True
     start = 0 if everything else int(info.get("offline_from_step") or 0)
     uploaded = 0
-    for line in events.read_text().splitlines():
-        if line.strip() and (row := json.loads(line)).get("step", 0) >= start:
+    for row in read_jsonl(events):  # a torn last line (a crash or a full disk mid-append) is left out
+        if row.get("step", 0) >= start:
             log_metrics(run_id, {k: v for k, v in row.items() if k not in ("step", "time")}, row.get("step"),
                         int(row.get("time", time.time()) * 1000))
             uploaded += 1

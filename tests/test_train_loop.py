@@ -144,11 +144,13 @@ def test_too_many_bad_steps_in_a_row_stop_without_checkpointing_bad_weights(tmp_
     config = tiny(steps=10, faults={"max_bad_steps_in_a_row": 2}, checkpoint={"every": 1})
     trainer = Trainer(config, tmp_path)
     trainer.forward_model = PoisonedLoss(trainer.model, bad_calls=range(4, 100))
-    with pytest.raises(TrainingDivergedError, match="3 steps in a row had a non-finite loss"):
+    with pytest.raises(TrainingDivergedError, match="3 steps in a row had a non-finite loss") as err:
         trainer.run()
     trainer.close()
     ckpts = list_checkpoints(tmp_path / "checkpoints")
-    assert ckpts[-1].name == "step_00000005"  # the failing step 6 wrote nothing
+    assert ckpts[-1].name == "step_00000003"  # only after good steps: the skipped steps 4-6 wrote nothing
+    # step 4 diverged from the weights of step 3: the last good checkpoint is step 2
+    assert "resume from " + str(tmp_path / "checkpoints" / "step_00000002") in str(err.value)
     for ckpt in ckpts:
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values())
 

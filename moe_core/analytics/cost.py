@@ -35,6 +35,7 @@ import torch
 
 from moe_core.config import MoEConfig, dense_baseline
 from moe_core.errors import MoELabError
+from moe_core.train.telemetry import read_jsonl
 
 # Rough on-demand cloud prices, USD per device-hour (one accelerator with its share of the host; "cpu" is a
 # whole 8-vCPU general-purpose VM), as listed by the large clouds and GPU clouds in 2025. Ballpark defaults
@@ -239,7 +240,7 @@ def usage_from_events(path: str | Path, device: str, num_devices: int = 1) -> Tr
 
     Wall time is last minus first logged ``time``: it misses the steps before the first log line.
     """
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)  # the one JSONL reader: a torn last line (crash, full disk) is left out
     times = [float(r["time"]) for r in rows if isinstance(r.get("time"), (int, float))]
     tokens = [float(r["tokens"]) for r in rows if isinstance(r.get("tokens"), (int, float))]
     if not times or not tokens:

@@ -13,7 +13,7 @@ SFT/DPO trainers with the MoE losses), `report` (trainable-parameter report), `e
 `run` (finetune), `cli`.
 """
 
-from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 
 
 def __getattr__(name: str):  # the trainers import TRL and transformers: only when asked for
@@ -28,5 +28,5 @@ def __getattr__(name: str):  # the trainers import TRL and transformers: only wh
     raise AttributeError(f"module 'moe_core.finetune' has no attribute {name!r}")
 
 
-__all__ = ["FinetuneConfig", "FinetuneError", "FinetuneResult", "TrainableReport", "finetune", "load_base_model",
+__all__ = ["FinetuneConfig", "FinetuneDivergedError", "FinetuneError", "FinetuneResult", "TrainableReport", "finetune", "load_base_model",
            "load_finetuned", "trainable_parameter_report"]

@@ -21,6 +21,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set lora.experts=esft --set steps=100")
     p.add_argument("--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier fine-tune in --out (once this one succeeded)")
     p.set_defaults(func=run_finetune)
     add_router_module_option(p)
 
@@ -41,9 +43,10 @@ def run_finetune(args) -> int:
     config = resolve_config(args)  # fail fast on a bad config, before loading anything
     from moe_core.finetune.run import finetune
 
-    result = finetune(config, args.out)
-    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "n/a"
+    result = finetune(config, args.out, overwrite=args.overwrite)
+    loss = f"{result.last_step_loss:.4f}" if result.last_step_loss is not None else "n/a"
     outputs = ", ".join(str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None)
     print(f"moe-lab finetune: {config.method}/{config.objective}, {config.steps} steps, final loss {loss}, "
-          f"{result.report.trainable_params:,} trainable parameters; {outputs or args.out}", flush=True)
+          f"skipped {result.skipped_steps} steps, {result.report.trainable_params:,} trainable parameters; "
+          f"{outputs or args.out}", flush=True)
     return 0

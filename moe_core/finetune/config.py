@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from moe_core.configfile import ConfigFile
 from moe_core.errors import MoELabError
+from moe_core.train.config import FaultSection
 
 METHODS = ("full", "lora", "router", "router_bias")
 OBJECTIVES = ("sft", "dpo")
@@ -40,6 +41,10 @@ OBJECTIVES = ("sft", "dpo")
 
 class FinetuneError(MoELabError):
     """A fine-tuning config or setup that cannot work: the message names the field and what to do."""
+
+
+class FinetuneDivergedError(FinetuneError):
+    """Too many steps in a row with a non-finite loss or gradient, or weights that are not finite."""
 
 
 class _Section(BaseModel):
@@ -137,6 +142,7 @@ class FinetuneConfig(_Section, ConfigFile):
     optim: OptimSection = Field(default_factory=OptimSection)
     log: LogSection = Field(default_factory=LogSection)
     export: ExportSection = Field(default_factory=ExportSection)
+    faults: FaultSection = Field(default_factory=FaultSection)  # the same rule as pretraining
 
     steps: int = Field(20, ge=1)
     batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step

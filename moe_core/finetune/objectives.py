@@ -17,6 +17,10 @@ router loss during fine-tuning.
 - Both divide by the gradient-accumulation steps themselves (``loss_is_scaled_for_ga = False``): our loss is a
   per-micro-batch mean, and transformers would otherwise assume a model with ``**kwargs`` scales it already.
 - Both skip TRL's usage-telemetry ping: a library run never calls home.
+- Both skip a step whose loss or gradient is not finite, as pretraining does (`FiniteStepGuard`): no weight,
+  optimizer or router-bias update, counted in ``skipped_steps``; the logged ``loss`` is the mean over the finite
+  steps of the interval (absent when there was none), never a stand-in; more than
+  ``faults.max_bad_steps_in_a_row`` in a row stops the run with `FinetuneDivergedError`.
 
 Metrics go through `moe_core.train.telemetry` sinks (`SinkCallback`; the JSONL sink is always on), with per-layer
 routing statistics (`RoutingStats`): numbers only, never text.
@@ -25,13 +29,14 @@ routing statistics (`RoutingStats`): numbers only, never text.
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.train.telemetry import RoutingStats
 
@@ -117,17 +122,70 @@ class SinkCallback(TrainerCallback):
             sink.log(state.global_step, metrics)
 
 
+class FiniteStepGuard(TrainerCallback):
+    """Skips optimizer steps whose loss or gradient is not finite (as `moe_core.train.loop` does): just before
+    the optimizer step, every gradient of a bad step is dropped (AdamW leaves a parameter without a gradient, and
+    its moments, untouched). Counts skipped steps, stops after more than ``max_bad_in_row`` in a row, and keeps
+    the finite step losses of the current logging interval."""
+
+    def __init__(self, max_bad_in_row: int) -> None:
+        self.max_bad_in_row = max_bad_in_row
+        self.micro_losses: list[float] = []
+        self.skipped_steps = 0
+        self.bad_in_row = 0
+        self.last_step_skipped = False
+        self.last_step_loss: float | None = None  # the loss of the last optimizer step (NaN when it was skipped)
+        self.interval: list[float] = []  # finite step losses since the last log
+
+    def observe(self, loss: torch.Tensor) -> None:
+        self.micro_losses.append(float(loss))
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        step_loss = sum(self.micro_losses)
+        self.micro_losses = []
+        grads_finite = all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+        self.last_step_loss = step_loss
+        if math.isfinite(step_loss) and grads_finite:
+            self.bad_in_row = 0
+            self.last_step_skipped = False
+            self.interval.append(step_loss)
+            return
+        for p in params:
+            p.grad = None
+        self.skipped_steps += 1
+        self.bad_in_row += 1
+        self.last_step_skipped = True
+        if self.bad_in_row > self.max_bad_in_row:
+            raise FinetuneDivergedError(
+                f"step {state.global_step + 1}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
+                f"(last loss {step_loss}); stopped, nothing written. Lower optim.lr, keep optim.grad_clip on, or "
+                f"use method=lora")
+
+    def interval_metrics(self) -> dict[str, float]:
+        """``loss`` (mean over the finite steps since the last call; absent if none) and ``skipped_steps``."""
+        out = {"skipped_steps": float(self.skipped_steps)}
+        if self.interval:
+            out["loss"] = sum(self.interval) / len(self.interval)
+        self.interval = []
+        return out
+
+
 class MoEStepCallback(TrainerCallback):
     """After each optimizer step: restore frozen experts bitwise, and let aux-loss-free routers update their bias
-    when the router trains (as pretraining does); a frozen router keeps its bias too."""
+    when the router trains (as pretraining does); a frozen router keeps its bias too, and so does a skipped step."""
 
-    def __init__(self, model, plan: MethodPlan) -> None:
-        self.model, self.plan = model, plan
+    def __init__(self, model, plan: MethodPlan, guard: FiniteStepGuard | None = None) -> None:
+        self.model, self.plan, self.guard = model, plan, guard
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.plan.expert_freeze is not None:
             self.plan.expert_freeze.restore()
-        if self.plan.train_router:
+        if self.guard is not None and self.guard.last_step_skipped:
+            for router in unwrap(self.model).routers():  # the load of a skipped step moves no bias
+                if getattr(router, "pending_load", None) is not None:
+                    router.pending_load.zero_()
+        elif self.plan.train_router:
             unwrap(self.model).update_router_biases()
 
 
@@ -137,7 +195,10 @@ class _MoEMetrics:
 
     loss_is_scaled_for_ga = False  # our losses are per-micro-batch means: let Trainer divide by accumulation
 
+    _guard: FiniteStepGuard | None = None
+
     def _setup_moe(self, plan: MethodPlan | None, log_routing: bool, per_expert: bool) -> None:
+        self._guard = next((c for c in self.callback_handler.callbacks if isinstance(c, FiniteStepGuard)), None)
         base = unwrap(self.model)
         self._base = base
         self._plan = plan
@@ -147,6 +208,12 @@ class _MoEMetrics:
         self.moe_z_coef = float(cfg.router_z_loss_coef) if cfg.num_experts else 0.0
         self._routing = (RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts)
                          if log_routing and cfg.num_experts else None)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if self._guard is not None:
+            self._guard.observe(loss)
+        return loss
 
     def _send_telemetry(self):  # TRL pings its usage endpoint from every trainer; a library run stays offline
         return None
@@ -168,6 +235,11 @@ class _MoEMetrics:
             self._routing.add(out.routing)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._guard is not None and "loss" in logs:  # Trainer's loss stands in for NaN steps: ours does not
+            del logs["loss"]
+            logs.update(self._guard.interval_metrics())
+            if "grad_norm" in logs and not math.isfinite(logs["grad_norm"]):
+                del logs["grad_norm"]
         if self._routing is not None and "loss" in logs:
             cfg = self._base.config
             logs.update(self._routing.metrics(cfg.moe_layer_ids, per_expert=self._per_expert))
@@ -307,6 +379,7 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         seed=config.seed, data_seed=config.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         dataloader_num_workers=0, bf16=config.model.dtype == "bfloat16" and torch.cuda.is_available(),
         max_length=config.data.max_length, remove_unused_columns=False,
+        logging_nan_inf_filter=False,  # FiniteStepGuard skips and counts bad steps; no stand-in losses
         gradient_checkpointing=config.gradient_checkpointing,
     )
     common.update(extra)

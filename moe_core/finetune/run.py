@@ -11,6 +11,12 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 Written to ``out_dir``: ``finetune_config.json`` (the full config), ``trainable_parameters.json`` (the report),
 ``metrics.jsonl`` (every log step), ``esft_selection.json`` (ESFT: routing counts and the chosen experts),
 ``summary.json`` (counts, hashes and final metrics; never text), and the exports (`moe_core.finetune.export`).
+
+The rules every run command follows: ``out_dir`` is locked for the life of the run (`moe_core.fileio.OutputLock`);
+one that holds an earlier fine-tune's outputs is refused unless ``overwrite``; every output is staged and moved
+into ``out_dir`` only when the run succeeded (`moe_core.fileio.staged_outputs`), so a failed run leaves nothing.
+Steps with a non-finite loss or gradient are skipped and counted (`objectives.FiniteStepGuard`); a run whose
+last step was skipped, or whose weights are not finite, raises `FinetuneDivergedError` and writes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import Any
 
 import torch
 
-from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
+from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import (
     MethodPlan,
     apply_method,
@@ -49,11 +56,18 @@ class FinetuneResult:
     merged_dir: Path | None = None
     hf_dir: Path | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    last_step_loss: float | None = None  # the loss of the very last optimizer step
 
     @property
     def final_loss(self) -> float | None:
         losses = [row["loss"] for row in self.metrics if "loss" in row and "train_runtime" not in row]
         return losses[-1] if losses else None
+
+
+# what a fine-tune writes into its output directory (an earlier run's are refused unless overwrite)
+OUTPUTS = ("finetune_config.json", "trainable_parameters.json", "esft_selection.json", "metrics.jsonl",
+           "summary.json", "adapter", "merged", "hf", "trainer")
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -154,19 +168,46 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
 
 # ------------------------------------------------------------------------------------------------ run
 def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokenizer=None, records=None,
-             sinks=()) -> FinetuneResult:
+             sinks=(), overwrite: bool = False) -> FinetuneResult:
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
     ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
     alpaca/chat rows for SFT, prompt/chosen/rejected for DPO) override ``config.model`` / ``config.data``.
     Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
+    ``out_dir`` holding an earlier fine-tune's outputs is refused unless ``overwrite`` (then they are replaced
+    once this run succeeded); see the module docstring for the locking and staging rules.
     """
+    out_dir = Path(out_dir)
+    with OutputLock(out_dir, "fine-tuning run"):
+        if not overwrite:
+            refuse_previous_outputs(out_dir, OUTPUTS, "pass --overwrite (overwrite=True) to replace them",
+                                    error_cls=FinetuneError)
+        with staged_outputs(out_dir, replace=OUTPUTS if overwrite else ()) as stage:
+            result = _finetune(config, stage, model=model, tokenizer=tokenizer, records=records, sinks=sinks)
+    for name in ("adapter_dir", "merged_dir", "hf_dir"):  # where the outputs are now
+        if getattr(result, name) is not None:
+            setattr(result, name, out_dir / getattr(result, name).name)
+    result.out_dir = out_dir
+    return result
+
+
+def check_finite_weights(model, where: str) -> None:
+    """Refuse weights that are not finite (a diverged run) before anything is written."""
+    bad = [name for name, tensor in model.state_dict().items()
+           if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if bad:
+        raise FinetuneDivergedError(f"{where}: {len(bad)} tensors hold non-finite values (first: {bad[0]}); nothing "
+                                    f"written. Lower optim.lr, keep optim.grad_clip on, or use method=lora")
+
+
+def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks) -> FinetuneResult:
     from transformers import PrinterCallback
 
     from moe_core.data.tokenizer import load_tokenizer
     from moe_core.finetune import export
     from moe_core.finetune.methods import resolve_expert_ids
     from moe_core.finetune.objectives import (
+        FiniteStepGuard,
         MoEDPOTrainer,
         MoESFTTrainer,
         MoEStepCallback,
@@ -179,8 +220,6 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
     )
     from moe_core.train.telemetry import JsonlSink, read_jsonl
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config.save(out_dir / "finetune_config.json")
     _seed(config.seed)
 
@@ -232,7 +271,8 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
         raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
 
     jsonl = JsonlSink(out_dir / "metrics.jsonl")
-    callbacks = [SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan)]
+    guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
+    callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard)]
     args = trainer_args(config, out_dir / "trainer")
     common = dict(args=args, processing_class=tokenizer, callbacks=callbacks, plan=plan,
                   log_routing=config.log.routing, per_expert=config.log.per_expert)
@@ -251,14 +291,21 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
     finally:
         jsonl.close()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
+    if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
+        raise FinetuneDivergedError(
+            f"the last {guard.bad_in_row} step(s) had a non-finite loss or gradient ({guard.skipped_steps} of "
+            f"{config.steps} skipped); nothing written. Lower optim.lr, keep optim.grad_clip on, or use method=lora")
+    check_finite_weights(train_model, "fine-tuned model")
 
-    result = FinetuneResult(out_dir, train_model, plan, report, metrics, summary=summary)
+    result = FinetuneResult(out_dir, train_model, plan, report, metrics, summary=summary,
+                            skipped_steps=guard.skipped_steps, last_step_loss=guard.last_step_loss)
     if config.method == "lora" and config.export.adapters:
         result.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
     want_hf = config.export.hf if config.export.hf is not None else bool(model.config.hf_origin)
     if config.export.merged or want_hf:
         bias = plan.task_bias
         merged = export.merged_model(train_model, plan)
+        check_finite_weights(merged, "merged model")
         result.model = merged
         if config.export.merged:
             result.merged_dir = export.save_merged(merged, out_dir / "merged", tokenizer, plan)
@@ -267,7 +314,8 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
         if bias is not None:
             bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
     final = [row for row in metrics if "loss" in row]
-    summary.update({"steps": config.steps, "trainable_params": report.trainable_params,
+    summary.update({"steps": config.steps, "skipped_steps": guard.skipped_steps,
+                    "trainable_params": report.trainable_params,
                     "final_metrics": final[-1] if final else {},
                     "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()}})
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -1,28 +1,41 @@
-"""Checkpoints: everything needed to continue a run exactly, written atomically.
+"""Checkpoints: everything needed to continue a run exactly, written atomically, loaded without unpickling code.
 
-Layout of ``<out>/checkpoints/step_<N>/``::
+This file is the one home of the checkpoint format (format 2). Layout of ``<out>/checkpoints/step_<N>/``::
 
     train_config.json        the TrainConfig (also model.config below)
     config.json              the MoEConfig (save_pretrained format)
     model.safetensors        replicated parameters and buffers (router biases included); the whole model
                              on one process, so the directory loads with ``from_pretrained`` as is
     experts-ep<k>-of-<n>.safetensors   expert shard k under expert parallelism (n > 1)
-    rank<r>.pt               per rank: optimizer, RNG states (python, numpy, torch, cuda)
-    trainer_state.json       step, tokens, data position, scheduler, loss scaler, best validation loss,
-                             tokenizer reference
+    rank<r>-state.pt         per rank, loaded with ``torch.load(weights_only=True)`` (tensors and plain
+                             containers only; anything else is refused): the optimizer state (this rank's
+                             shards under FSDP2), the LR scheduler, the data position (epoch and sampler),
+                             the fp16 loss scaler, and the RNG states (python, numpy, torch, cuda) as tensors,
+                             ints and tuples
+    trainer_state.json       step, tokens, skipped steps, best validation loss, world and expert-parallel size,
+                             tokenizer and data references
+    manifest.json            written last: format version, step, and the size and SHA-256 of every other file
 
 A checkpoint is written into ``.tmp-step_<N>`` (every rank writes its own files; a shared filesystem is
-assumed across nodes), each file fsync'ed, then renamed to ``step_<N>`` by rank 0: a directory named
-``step_*`` is always complete, whatever kills the process. The last ``keep_last`` and the best (lowest
-validation loss) are kept. `export_checkpoint` gathers expert shards into one Hugging Face directory.
+assumed across nodes), each file fsync'ed, then rank 0 writes ``trainer_state.json`` and ``manifest.json`` and
+renames the directory to ``step_<N>``. A ``step_*`` directory counts as a checkpoint only when its manifest is
+there and every file has its recorded size (`list_checkpoints`); before resuming, the checksums are checked too,
+and a damaged or incomplete checkpoint is passed over for the newest complete one, with a warning
+(`select_resume_checkpoint`). Pruning renames a checkpoint out of sight before deleting it. The last
+``keep_last`` and the best (lowest validation loss) are kept. Checkpoints of the earlier pickle format
+(``rank<r>.pt`` + ``rank<r>-trainer.pt``, no manifest) are refused, never unpickled.
+`export_checkpoint` gathers expert shards into one Hugging Face directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,31 +43,129 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_directory, disk_full_guard
 
+FORMAT = 2
 STEP_PREFIX = "step_"
 EXPERT_MARK = ".experts.local."
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+OLD_FORMAT_FILES = ("rank0.pt", "rank0-trainer.pt")  # format 1: pickled optimizer/RNG/scheduler files
 
 
 class CheckpointError(MoELabError):
-    """A checkpoint that is missing or does not match the run resuming from it."""
+    """A checkpoint that is missing, damaged or does not match the run resuming from it."""
 
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+def step_of(path: Path) -> int:
+    return int(path.name[len(STEP_PREFIX):])
+
+
+def _step_dirs(ckpt_root: str | Path) -> list[Path]:
+    """Every ``step_*`` directory, complete or not, oldest first."""
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+             and p.name[len(STEP_PREFIX):].isdigit()]
+    return sorted(found, key=step_of)
+
+
+def is_old_format(ckpt: Path) -> bool:
+    return not (ckpt / MANIFEST).exists() and any((ckpt / name).exists() for name in OLD_FORMAT_FILES)
+
+
+def incomplete_reason(ckpt: Path) -> str | None:
+    """Why ``ckpt`` is not a complete checkpoint (cheap: sizes only), or None when it is."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json (the write or a deletion was cut short)"
+    except (OSError, ValueError) as err:
+        return f"manifest.json is unreadable ({type(err).__name__})"
+    if manifest.get("format") != FORMAT:
+        return f"format {manifest.get('format')!r}, this version reads format {FORMAT}"
+    for name, entry in manifest.get("files", {}).items():
+        try:
+            size = (ckpt / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, {entry['bytes']} were written"
+    return None
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """The complete checkpoints (manifest present, every file at its recorded size), oldest first."""
+    return [p for p in _step_dirs(ckpt_root) if incomplete_reason(p) is None]
 
 
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     found = list_checkpoints(ckpt_root)
     return found[-1] if found else None
+
+
+def any_checkpoint_dir(ckpt_root: str | Path) -> Path | None:
+    """The newest ``step_*`` directory, complete or not (a run's output directory is taken once it has one)."""
+    found = _step_dirs(ckpt_root)
+    return found[-1] if found else None
+
+
+def old_format_error(ckpt: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{ckpt} was written by an earlier moe-lab in a format that stores optimizer, RNG and scheduler state as "
+        f"pickles (rank*.pt, rank*-trainer.pt), which can run code when loaded; this version refuses to load them. "
+        f"Its weights (model.safetensors) are safe: continue from them in a new output directory "
+        f"(moe_core.train.export_checkpoint(ckpt, dir) then fine-tune, or load with from_pretrained), or resume it "
+        f"exactly with the moe-lab version that wrote it, only if you trust where the files came from")
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Raise `CheckpointError` unless every file of ``ckpt`` has the size and SHA-256 its manifest records."""
+    if is_old_format(ckpt):
+        raise old_format_error(ckpt)
+    reason = incomplete_reason(ckpt)
+    if reason is None:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        for name, entry in sorted(manifest["files"].items()):
+            if _sha256(ckpt / name) != entry["sha256"]:
+                reason = f"{name} does not match its checksum"
+                break
+    if reason is not None:
+        raise CheckpointError(f"{ckpt}: incomplete or damaged checkpoint: {reason}")
+
+
+def select_resume_checkpoint(ckpt_root: str | Path) -> Path | None:
+    """The newest checkpoint that passes `verify_checkpoint`; damaged or incomplete newer ones are passed over
+    with a warning on stderr. An old-format checkpoint met on the way raises (it is never unpickled)."""
+    skipped: list[str] = []
+    chosen = None
+    for ckpt in reversed(_step_dirs(ckpt_root)):
+        if is_old_format(ckpt):
+            raise old_format_error(ckpt)
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as err:
+            skipped.append(str(err))
+            continue
+        chosen = ckpt
+        break
+    for reason in skipped:
+        print(f"moe-lab train: warning: {reason}; falling back to "
+              f"{chosen.name if chosen else 'the start (no complete checkpoint left)'}", file=sys.stderr, flush=True)
+    return chosen
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -71,8 +182,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    _fsync_file(path)
+    with disk_full_guard(path):
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        _fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -117,15 +229,21 @@ def load_model_state(model: torch.nn.Module, ckpt: Path, ep_rank: int = 0, ep_si
 
 # ------------------------------------------------------------------------------------------------ RNG
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG the run draws from, as tensors, ints and tuples (``weights_only`` loads them)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -133,39 +251,71 @@ def set_rng_state(state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ save / load
 def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
-    """The temporary directory every rank writes into (created by rank 0 before a barrier)."""
+    """The temporary directory every rank writes into (created by rank 0, `write_configs`, before a barrier)."""
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
     return tmp
 
 
+def write_configs(tmp: Path, train_config, model_config) -> None:
+    """Rank 0: a fresh temporary directory with ``train_config.json`` and ``config.json`` in it."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with disk_full_guard(tmp):
+        train_config.save(tmp / "train_config.json")
+        model_config.save_pretrained(tmp)
+
+
+def rank_state_name(rank: int) -> str:
+    return f"rank{rank}-state.pt"
+
+
+def estimated_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Roughly what one checkpoint of this rank takes on disk: parameters, buffers and optimizer tensors."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+    for per_param in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
+    return total
+
+
 def save_rank_files(tmp: Path, model: torch.nn.Module, optimizer, *, rank: int, ep_rank: int, ep_size: int,
-                    dp_rank: int, write_replicated: bool) -> None:
-    replicated, experts = split_state_dict(model)
-    if write_replicated:
-        save_file(replicated, tmp / "model.safetensors", metadata={"format": "pt"})
-        _fsync_file(tmp / "model.safetensors")
-    if experts and dp_rank == 0:
-        path = tmp / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
-        save_file(experts, path, metadata={"format": "pt"})
+                    dp_rank: int, write_replicated: bool, scheduler=None, data_state: dict | None = None,
+                    scaler=None) -> None:
+    """This rank's files: the weights it owns (safetensors) and ``rank<r>-state.pt`` (optimizer, scheduler, data
+    position, loss scaler, RNG; tensors and plain containers only, so it loads with ``weights_only=True``)."""
+    with disk_full_guard(tmp, estimated_bytes(model, optimizer)):
+        replicated, experts = split_state_dict(model)
+        if write_replicated:
+            save_file(replicated, tmp / "model.safetensors", metadata={"format": "pt"})
+            _fsync_file(tmp / "model.safetensors")
+        if experts and dp_rank == 0:
+            path = tmp / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
+            save_file(experts, path, metadata={"format": "pt"})
+            _fsync_file(path)
+        state = {"format": FORMAT, "optimizer": _local_optimizer_state(optimizer), "rng": rng_state(),
+                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "data": data_state, "scaler": scaler.state_dict() if scaler is not None else None}
+        path = tmp / rank_state_name(rank)
+        torch.save(state, path)
         _fsync_file(path)
-    path = tmp / f"rank{rank}.pt"
-    torch.save({"optimizer": _local_optimizer_state(optimizer), "rng": rng_state()}, path)
-    _fsync_file(path)
 
 
 def finish_checkpoint(tmp: Path, final: Path, trainer_state: dict) -> Path:
-    """Rank 0, after every rank wrote its files: trainer state last, then the atomic rename."""
-    write_json(tmp / "trainer_state.json", trainer_state)
+    """Rank 0, after every rank wrote its files: trainer state, then the manifest (the completion mark), then the
+    atomic rename."""
+    write_json(tmp / TRAINER_STATE, trainer_state)
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+    write_json(tmp / MANIFEST, {"format": FORMAT, "step": trainer_state.get("step"), "files": files})
     _fsync_dir(tmp)
     if final.exists():  # a checkpoint of the same step from an earlier attempt
-        shutil.rmtree(final)
+        _remove_checkpoint(final)
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     return final
 
 
 def _local_optimizer_state(optimizer) -> dict:
-    """The optimizer state with FSDP2 DTensors replaced by this rank's shard (plain tensors pickle safely)."""
+    """The optimizer state with FSDP2 DTensors replaced by this rank's shard (plain tensors load weights-only)."""
     from torch.distributed.tensor import DTensor
 
     state = optimizer.state_dict()  # its per-parameter dicts are the live ones: build new dicts
@@ -192,29 +342,55 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def load_rank_files(ckpt: Path, rank: int) -> dict:
-    path = ckpt / f"rank{rank}.pt"
+    """``rank<r>-state.pt`` loaded weights-only: a file holding anything but tensors and plain containers (a
+    planted pickle payload, for one) is refused before any of it runs."""
+    if is_old_format(ckpt):
+        raise old_format_error(ckpt)
+    path = ckpt / rank_state_name(rank)
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {path.name}; resume with the same number of processes as the run "
                               f"that wrote it")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: refused to load: it holds objects other than tensors and plain containers "
+                              f"({first[:200]}). moe-lab never writes such files; it may have been tampered with. "
+                              f"Resume from another checkpoint or start a new run") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {str(err)[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a format-{FORMAT} rank state file")
+    return state
 
 
 def read_trainer_state(ckpt: Path) -> dict:
-    return json.loads((ckpt / "trainer_state.json").read_text())
+    return json.loads((ckpt / TRAINER_STATE).read_text())
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename out of sight first (a kill midway leaves a ``.tmp-`` directory, never a half checkpoint), then delete."""
+    doomed = path.parent / f".tmp-delete-{path.name}-{os.getpid()}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int, best: str | None) -> None:
-    """Delete all but the last `keep_last` checkpoints and the best one; stale temporary directories too."""
+    """Delete all but the last `keep_last` checkpoints and the best one (complete ones count; incomplete
+    ``step_*`` directories older than the newest complete one go too)."""
     found = list_checkpoints(ckpt_root)
     keep = {p.name for p in found[-keep_last:]}
     if best:
         keep.add(best)
-    for path in found:
-        if path.name not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+    newest = step_of(found[-1]) if found else -1
+    for path in _step_dirs(ckpt_root):
+        if path.name not in keep and (path in found or step_of(path) < newest) and not is_old_format(path):
+            _remove_checkpoint(path)
 
 
 def clean_temporary(ckpt_root: Path) -> None:
+    """Remove checkpoint temporaries (``.tmp-step_*``, ``.tmp-delete-*``) of killed writers; call only while
+    holding the output directory's lock, so no live writer is using them."""
     if ckpt_root.is_dir():
         for path in ckpt_root.glob(".tmp-*"):
             shutil.rmtree(path, ignore_errors=True)
@@ -249,15 +425,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
     if [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)] or unexpected:
         raise CheckpointError(f"{ckpt}: cannot export, parameters do not match its config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    shutil.copy2(ckpt / "train_config.json", tmp / "train_config.json")
-    if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
+    with atomic_directory(out_dir, overwrite=True, error_cls=CheckpointError) as tmp:  # full disk: a clear error
+        model.save_pretrained(tmp, safe_serialization=True)
+        shutil.copy2(ckpt / "train_config.json", tmp / "train_config.json")
+        if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+            for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
+                if item.is_file():
+                    shutil.copy2(item, tmp / item.name)
     return out_dir

@@ -8,12 +8,19 @@ One optimizer step (in the spirit of torchtitan's `train.py`):
 2. per micro-batch: forward under autocast with routing records, loss = lm + aux_coef * aux + z_coef * z
    (the model adds them), divided by grad_accum, backward (DDP syncs replicated grads on the last one);
 3. expert grads summed over their data-parallel group; the global grad norm; a non-finite loss or norm skips
-   the step (counted; more than `faults.max_bad_steps_in_a_row` in a row stops the run, no checkpoint);
+   the step (counted; more than `faults.max_bad_steps_in_a_row` in a row stops the run, naming the last
+   checkpoint whose weights still gave a finite step);
 4. clip, AdamW step, LR schedule step, then the aux-loss-free router bias update with the load all-reduced
    over every rank.
 Every `log.every` steps: losses, LR, grad norm, tokens/s, FLOPs and MFU, per-layer routing statistics, to
 the JSONL event file, the console and any extra `MetricsSink`. Every `checkpoint.every` steps, at the end and
-on SIGTERM: an atomic checkpoint (`checkpoint.py`). At the end: a Hugging Face export in ``<out>/final``.
+on SIGTERM: an atomic checkpoint (`checkpoint.py`), only ever right after a good (finite) step: one that falls
+due on a skipped step waits for the next good one. At the end: a Hugging Face export in ``<out>/final``.
+
+The output directory is locked for the life of the run (`moe_core.fileio.OutputLock`, held by rank 0): a second
+run on the same directory stops with a clear error. On resume, the newest checkpoint that passes its manifest's
+checks is used (a damaged newer one is passed over with a warning), and ``metrics.jsonl`` rows past it are
+dropped, so the file holds each step once.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import numpy as np
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
@@ -134,6 +142,7 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints"
         self.extra_sinks = list(sinks or [])
         self.sinks: list[MetricsSink] = []
+        self.lock: OutputLock | None = None
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
         self._determinism = (torch.are_deterministic_algorithms_enabled(),
                              torch.is_deterministic_algorithms_warn_only_enabled())
@@ -153,18 +162,19 @@ class Trainer:
         self.micro_batch = config.micro_batch_size(st.world_size)
 
         resume_from = None
-        if st.is_main:
+        if st.is_main:  # one run per output directory: rank 0 holds the lock until close()
+            self.lock = OutputLock(self.out_dir, "training run").acquire()
             self.out_dir.mkdir(parents=True, exist_ok=True)
             ckpt_io.clean_temporary(self.ckpt_root)
         par.barrier(st)
-        existing = ckpt_io.latest_checkpoint(self.ckpt_root)
+        existing = ckpt_io.any_checkpoint_dir(self.ckpt_root)
         if resume:
-            resume_from = existing
-            if resume_from is None and st.is_main:
+            resume_from = self._resume_checkpoint()
+            if resume_from is None and st.is_main and existing is None:
                 print(f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True)
-        elif existing is not None:
-            raise MoELabError(f"{self.out_dir} already holds checkpoints (latest {existing.name}); pass --resume "
-                              f"(resume=True) to continue that run, or choose another output directory")
+        else:
+            refuse_previous_outputs(self.out_dir, ("checkpoints/step_*",), "pass --resume (resume=True) to continue "
+                                    "that run", what="checkpoints")
         if resume_from is not None:
             saved = TrainConfig.load(resume_from / "train_config.json")
             for section in ("model", "data", "parallel"):
@@ -216,6 +226,15 @@ class Trainer:
             self._load(resume_from)
 
     # ------------------------------------------------------------------------------------ checkpoints
+    def _resume_checkpoint(self) -> Path | None:
+        """Rank 0 picks the newest verified checkpoint (`select_resume_checkpoint`); every rank takes the same."""
+        st = self.state
+        chosen = ckpt_io.select_resume_checkpoint(self.ckpt_root) if st.is_main else None
+        step = torch.tensor([float(ckpt_io.step_of(chosen)) if chosen is not None else -1.0], dtype=torch.float64)
+        if st.distributed:
+            par.all_reduce_(step, st, op=torch.distributed.ReduceOp.MAX)
+        return None if step.item() < 0 else self.ckpt_root / ckpt_io.step_dir_name(int(step.item()))
+
     def _trainer_state(self) -> dict:
         return {
             "step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
@@ -233,23 +252,24 @@ class Trainer:
                                             f"not checkpointing. Lower optim.lr or enable optim.grad_clip")
         final = self.ckpt_root / ckpt_io.step_dir_name(self.step)
         tmp = ckpt_io.begin_checkpoint(self.ckpt_root, self.step)
+        try:
+            if st.is_main:
+                ckpt_io.write_configs(tmp, self.config, self.model_config)
+            par.barrier(st)
+            ckpt_io.save_rank_files(tmp, self.model, self.optimizer, rank=st.rank, ep_rank=st.ep_rank,
+                                    ep_size=st.ep_size, dp_rank=st.dp_rank, write_replicated=st.is_main,
+                                    scheduler=self.scheduler, data_state=self.batches.state_dict(),
+                                    scaler=self.scaler)
+            par.barrier(st)
+            if st.is_main:
+                val = self.last_val_loss
+                if val is not None and (self.best is None or val < self.best["val_loss"]):
+                    self.best = {"name": final.name, "step": self.step, "val_loss": val}
+                ckpt_io.finish_checkpoint(tmp, final, self._trainer_state())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk, say: give the space back
+            raise
         if st.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            self.config.save(tmp / "train_config.json")
-            self.model_config.save_pretrained(tmp)
-        par.barrier(st)
-        ckpt_io.save_rank_files(tmp, self.model, self.optimizer, rank=st.rank, ep_rank=st.ep_rank,
-                                ep_size=st.ep_size, dp_rank=st.dp_rank, write_replicated=st.is_main)
-        extra = {"scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
-                 "scaler": self.scaler.state_dict() if self.scaler else None}
-        torch.save(extra, tmp / f"rank{st.rank}-trainer.pt")
-        ckpt_io._fsync_file(tmp / f"rank{st.rank}-trainer.pt")
-        par.barrier(st)
-        if st.is_main:
-            if self.last_val_loss is not None and (self.best is None or self.last_val_loss < self.best["val_loss"]):
-                self.best = {"name": final.name, "step": self.step, "val_loss": self.last_val_loss}
-            ckpt_io.finish_checkpoint(tmp, final, self._trainer_state())
             keep_best = self.best["name"] if (self.best and self.config.checkpoint.keep_best) else None
             ckpt_io.prune_checkpoints(self.ckpt_root, self.config.checkpoint.keep_last, keep_best)
         par.barrier(st)
@@ -261,11 +281,10 @@ class Trainer:
         ckpt_io.load_model_state(self.model, ckpt, st.ep_rank, st.ep_size)
         rank_state = ckpt_io.load_rank_files(ckpt, st.rank)
         ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
-        extra = torch.load(ckpt / f"rank{st.rank}-trainer.pt", map_location="cpu", weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.batches.load_state_dict(extra["data"])
-        if self.scaler is not None and extra["scaler"]:
-            self.scaler.load_state_dict(extra["scaler"])
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self.batches.load_state_dict(rank_state["data"])
+        if self.scaler is not None and rank_state["scaler"]:
+            self.scaler.load_state_dict(rank_state["scaler"])
         saved = ckpt_io.read_trainer_state(ckpt)
         if saved["world_size"] != st.world_size or saved["ep_size"] != st.ep_size:
             raise ckpt_io.CheckpointError(
@@ -344,13 +363,24 @@ class Trainer:
         self.step += 1
         self.tokens += c.batch_size * c.data.seq_len
         if self.bad_in_row > c.faults.max_bad_steps_in_a_row:
+            good = self._last_good_checkpoint()
             raise TrainingDivergedError(
                 f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
                 f"(last loss {losses[0].item()}, grad norm {grad_norm.item()}); stopped without checkpointing. "
-                f"Lower optim.lr, keep optim.grad_clip on, try precision=fp32, or resume from "
-                f"{self.last_checkpoint or 'the start'} with a fix")
+                f"Lower optim.lr, keep optim.grad_clip on, try precision=fp32, or "
+                + (f"resume from {good} (the last checkpoint whose weights still gave a finite step) with a fix: "
+                   f"move the newer checkpoints away and pass --resume" if good is not None
+                   else "start again with a fix (no checkpoint before the divergence gave a finite step)"))
         return {"loss": losses[0].item(), "lm_loss": losses[1].item(), "aux_loss": losses[2].item(),
                 "z_loss": losses[3].item(), "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+
+    def _last_good_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose weights were followed by a finite step. The current streak of
+        ``bad_in_row`` skipped steps began at step ``self.step - bad_in_row + 1``, computed from the weights
+        after step ``self.step - bad_in_row``: a checkpoint of that step holds the weights that diverged."""
+        limit = self.step - self.bad_in_row - 1
+        good = [p for p in ckpt_io.list_checkpoints(self.ckpt_root) if ckpt_io.step_of(p) <= limit]
+        return good[-1] if good else None
 
     def _router_loads(self) -> list[torch.Tensor | None]:
         """Per router, the expert load seen this step (aux-loss-free bias), summed over every rank."""
@@ -396,7 +426,7 @@ class Trainer:
         if not self.state.is_main:
             return
         self.metrics_path = self.out_dir / "metrics.jsonl"
-        self.sinks = [JsonlSink(self.metrics_path)]
+        self.sinks = [JsonlSink(self.metrics_path, start_step=self.step)]  # rows past a resumed step: dropped
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
@@ -419,6 +449,7 @@ class Trainer:
         self.model.train()
         interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
         last_loss = None
+        checkpoint_due = False
         try:
             while self.step < c.steps:
                 t0 = time.perf_counter()
@@ -444,12 +475,15 @@ class Trainer:
                         history.append({"step": self.step, **metrics})
                     interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
                 stop = self._stop_requested()
-                if self.step % c.checkpoint.every == 0 or last_step or stop:
+                checkpoint_due = checkpoint_due or self.step % c.checkpoint.every == 0 or last_step or stop
+                if checkpoint_due and stats["finite"]:  # never right after a skipped step: see _last_good_checkpoint
                     self.save_checkpoint()
+                    checkpoint_due = False
                 if stop:
                     if st.is_main:
+                        saved = "saved" if not checkpoint_due else "kept (the last step was skipped, not saved)"
                         print(f"moe-lab train: {self._stop_signal or 'SIGTERM'} at step {self.step}: checkpoint "
-                              f"{self.last_checkpoint} saved; continue with --resume", flush=True)
+                              f"{self.last_checkpoint} {saved}; continue with --resume", flush=True)
                     return self._result(last_loss, history, stopped_by=self._stop_signal or "SIGTERM")
         finally:
             if previous is not None:
@@ -505,3 +539,6 @@ class Trainer:
         self.sinks = []
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
         par.shutdown_parallel(self.state)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from moe_core.fileio import append_record, cut_torn_tail, disk_full_guard
 from moe_core.routing import RoutingRecord
 
 
@@ -32,22 +35,43 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per line: ``{"step": 10, "time": 1712.3, "loss": 3.2, ...}``; appends on resume."""
+    """One JSON object per line: ``{"step": 10, "time": 1712.3, "loss": 3.2, ...}``; appends on resume.
 
-    def __init__(self, path: str | Path) -> None:
+    Each line goes out in one append that is all or nothing (`moe_core.fileio.append_record`: a full disk cuts the
+    partial line back off and raises `DiskFullError`), so readers never meet a torn record we left. Opening the
+    file cuts a torn tail left by a crash; with ``start_step`` (a resume) rows past that step are dropped, since
+    the run repeats those steps.
+    """
+
+    def __init__(self, path: str | Path, start_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        cut_torn_tail(self.path)
+        if start_step is not None and self.path.is_file():
+            _drop_rows_after(self.path, start_step)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}
         row.update({k: _finite_or_str(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        append_record(self._fd, (json.dumps(row) + "\n").encode(), self.path)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the rows logged after ``step``."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if (row := _parse(line)) is None or row.get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with disk_full_guard(tmp):
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
 
 
 def _finite_or_str(value: float):
@@ -55,8 +79,29 @@ def _finite_or_str(value: float):
     return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf
 
 
+def _parse(line: bytes | str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a JSONL event file. A torn last line (a crash or a full disk while a writer appended) is left
+    out; a damaged line elsewhere is left out with a warning naming the file and line."""
+    lines = Path(path).read_bytes().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        row = _parse(line)
+        if row is None:
+            if number != len(lines):
+                warnings.warn(f"{path}:{number}: not a JSON object; line skipped", stacklevel=2)
+            continue
+        rows.append(row)
+    return rows
 
 
 class ConsoleSink:
