@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 FLOWS = {  # command name -> (module, flow function, params class)
     "lifecycle": ("flows.lifecycle", "lifecycle", "flows.params:LifecycleParams"),
     "pretrain": ("flows.pretrain", "pretrain", "flows.params:PretrainParams"),
@@ -71,28 +73,72 @@ def _settings():
 
 
 def build_params(flow: str, params_file: str | None, size: str, overrides: list[str]):
-    """The flow's typed parameters from a file, the size preset and ``key=value`` overrides."""
+    """The flow's typed parameters from a file, the size preset and ``key=value`` overrides; bad input
+    raises `FlowParamsError` naming the file or the ``--set`` item (the CLI prints it and exits 2)."""
     import importlib
 
-    import yaml
-
-    from flows.params import small_train_config, tiny_train_config
+    from flows.params import FlowParamsError, small_train_config, tiny_train_config
 
     module, _, cls_name = FLOWS[flow][2].partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
-    data = yaml.safe_load(Path(params_file).read_text()) if params_file else {}
+    data = _read_params_file(params_file) if params_file else {}
     if flow in ("lifecycle", "pretrain") and "train" not in data:
         data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(mode="json")
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
-        node = data
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(raw) if raw else None
-    return cls.model_validate(data)
+        _apply_override(data, item)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        where = " and ".join(filter(None, [params_file, "--set" if overrides else None])) or "defaults"
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
+        raise FlowParamsError(f"moe-lab run {flow} parameters ({where}): {problems}") from None
+
+
+def _read_params_file(path: str) -> dict:
+    import yaml
+
+    from flows.params import FlowParamsError
+
+    file = Path(path)
+    if not file.is_file():
+        raise FlowParamsError(f"--params {path}: file not found")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise FlowParamsError(f"--params {path}: not valid YAML/JSON: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise FlowParamsError(f"--params {path}: not a text file (expected YAML/JSON)") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise FlowParamsError(f"--params {path}: expected a mapping of parameters at the top level, "
+                              f"got {type(data).__name__}")
+    return data
+
+
+def _apply_override(data: dict, item: str) -> None:
+    """``a.b.c=value`` into ``data``: sections are created when absent, never written through a value."""
+    import yaml
+
+    from flows.params import FlowParamsError
+    from moe_core.configfile import parse_value
+
+    key, sep, raw = item.partition("=")
+    parts = key.split(".")
+    if not sep or not all(parts):
+        raise FlowParamsError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.steps=100")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            section = ".".join(parts[:depth + 1])
+            raise FlowParamsError(f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
+                                  f"{key} cannot be set; set {section}=VALUE instead")
+        node = child
+    try:
+        node[parts[-1]] = parse_value(raw)
+    except yaml.YAMLError as err:
+        raise FlowParamsError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 def run_flow(args) -> int:

@@ -12,8 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moe_core.data.validation import ValidationConfig
+from moe_core.errors import MoELabError
 from moe_core.finetune import FinetuneConfig
 from moe_core.train import TrainConfig
+
+
+class FlowParamsError(MoELabError):
+    """Flow parameters that cannot be read: a malformed params file or ``--set`` item, or invalid values."""
 
 
 class _Params(BaseModel):

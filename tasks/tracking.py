@@ -189,30 +189,29 @@ def _in_run(run_id: str):
     return mlflow.start_run(run_id=run_id)  # ends (FINISHED) on exit: call on a stage run at its end
 
 
-def log_model(run_id: str, model_dir: str | Path, flavors: Iterable[str] = ("transformers", "pytorch")) -> dict[str, str]:
-    """Log a Hugging Face model directory in the given flavors; returns ``{flavor: model_uri}``. The run
-    is finished afterwards (MLflow's log_model needs it active)."""
+def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
+    """Log a Hugging Face model directory in MLflow's transformers flavor (``save_pretrained``: safetensors
+    weights, config and tokenizer, so loading it unpickles nothing); returns ``{"transformers": model_uri}``.
+    A directory without a tokenizer is logged as plain files under ``model`` (``{"files": runs:/...}``).
+    No pickled flavor is logged (MLflow's PyTorch flavor would be one). The run is finished afterwards
+    (MLflow's log_model needs it active)."""
     import mlflow
     import torch
 
     import moe_core  # noqa: F401  (registers model_type "moe_lab" with the Auto classes)
     from moe_core import MoEForCausalLM
 
-    model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    uris: dict[str, str] = {}
-    with _in_run(run_id):
-        if "transformers" in flavors and (Path(model_dir) / "tokenizer_config.json").is_file():
-            from moe_core.data.tokenizer import load_tokenizer
+    if not (Path(model_dir) / "tokenizer_config.json").is_file():
+        log_artifacts(run_id, model_dir, "model")
+        return {"files": f"runs:/{run_id}/model"}
+    from moe_core.data.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(model_dir)
-            info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="transformers",
-                                                 task="text-generation", pip_requirements=PIP_REQUIREMENTS)
-            uris["transformers"] = info.model_uri
-        if "pytorch" in flavors:
-            info = mlflow.pytorch.log_model(model, name="pytorch", serialization_format="pickle",
-                                            pip_requirements=PIP_REQUIREMENTS)
-            uris["pytorch"] = info.model_uri
-    return uris
+    model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with _in_run(run_id):
+        info = mlflow.transformers.log_model({"model": model, "tokenizer": load_tokenizer(model_dir)},
+                                             name="transformers", task="text-generation",
+                                             pip_requirements=PIP_REQUIREMENTS)
+    return {"transformers": info.model_uri}
 
 
 def log_onnx_model(run_id: str, onnx_file: str | Path) -> str:
