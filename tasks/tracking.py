@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import settings
+from tasks.storelock import store_lock
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 RUN_FILE = "mlflow_run.json"  # beside metrics.jsonl: which MLflow run the events belong to
@@ -38,10 +39,20 @@ PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # s
 
 
 # ------------------------------------------------------------------------------------------------ runs
+_READY_STORES: set[str] = set()  # tracking URIs whose database this process has seen initialized
+
+
 def client():
     from mlflow import MlflowClient
 
-    return MlflowClient()
+    c = MlflowClient()
+    uri = c.tracking_uri
+    if uri not in _READY_STORES:
+        # the first use creates (migrates) a SQLite database: one process at a time (see tasks.storelock)
+        with store_lock(uri, "store initialization"):
+            _ = c._tracking_client.store, c._get_registry_client().store
+        _READY_STORES.add(uri)
+    return c
 
 
 def tracking_uri() -> str:
