@@ -162,6 +162,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     if result.get("version"):
         state = "champion" if result.get("promoted") else "candidate (champion kept)"
         print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state} ({result['reason']})")
+    elif "version" in result:
+        print(f"  registered model  none: {result['reason']}")
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
@@ -169,6 +171,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     metrics = result.get("metrics") or {}
     if "eval.validation_ppl" in metrics:
         print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")
+    if "eval.validation_bpb" in metrics:
+        print(f"  bits per byte     {metrics['eval.validation_bpb']:.4f}")
 
 
 def run_ui(args) -> int:

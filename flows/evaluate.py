@@ -27,7 +27,8 @@ def evaluate(params: EvaluateFlowParams) -> dict:
         result = ev.evaluate_model({"model": params.model_dir, **params.baselines}, params.data_dir,
                                    str(out / "eval"), params.splits, params.batch_size, params.max_batches, run_id)
         profile = ev.profile_router(params.model_dir, params.data_dir, str(out / "analysis"), "validation",
-                                    params.batch_size, params.profile_batches, params.plots, run_id)
+                                    params.batch_size, params.profile_batches, params.plots, run_id,
+                                    params.vocab_pieces)
         cost = ev.cost_report(params.model_dir, params.events, str(out / "analysis"), params.device_name,
                               _seq_len(params.data_dir), run_id)
     return {"metrics": result["metrics"], "profile_dir": profile["profile_dir"], **cost, "mlflow_run_id": run_id}

@@ -1,0 +1,143 @@
+"""Orchestration hardening (issue 12): broken models are never registered, the promotion gate compares only
+what is comparable, one process at a time initializes the MLflow store and decides promotions, MLflow
+outages do not stop training or lose records, bad flow parameters get clear errors, and flows record no
+vocabulary pieces by default."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from moe_core.data import prepare
+
+    out = tmp_path_factory.mktemp("data") / "prepared"
+    return str(prepare.prepare(prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False),
+                               out))
+
+
+def save_model(out: Path, tokenizer, seed: int = 0, nan: bool = False) -> str:
+    from moe_core import MoEForCausalLM
+    from moe_core.config import get_config
+
+    torch.manual_seed(seed)
+    model = MoEForCausalLM(get_config("switch-tiny", vocab_size=len(tokenizer), max_position_embeddings=64))
+    if nan:
+        with torch.no_grad():
+            model.lm_head.weight[3, :] = float("nan")  # what a diverged fine-tune writes
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def models(data_dir, tmp_path_factory):
+    """Two models of the same data: one with the data's tokenizer, one with another vocabulary; and a NaN one."""
+    from moe_core.data.sources import builtin_corpus
+    from moe_core.data.tokenizer import load_tokenizer, train_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    own = load_tokenizer(Path(data_dir) / "tokenizer")
+    other = train_tokenizer([d.text for d in builtin_corpus(30)], vocab_size=420)
+    return {"own": save_model(root / "own", own), "other": save_model(root / "other", other, seed=1),
+            "nan": save_model(root / "nan", own, nan=True)}
+
+
+def evaluate_in_flow(model_dir: str, data_dir: str, out: Path) -> dict:
+    from prefect import flow
+
+    from tasks import tracking
+    from tasks.evaluate import evaluate_model
+
+    @flow
+    def evaluate_once() -> dict:
+        parent = tracking.start_run("hardening-eval")
+        result = evaluate_model({"candidate": model_dir}, data_dir, str(out), ["validation"], 2, 2, parent)
+        return {**result, "parent": parent}
+
+    return evaluate_once()
+
+
+# ------------------------------------------------------------------------------------------------ §2 models
+def test_bits_per_byte_is_judged_on_the_same_text_with_each_models_tokenizer(lab_env, data_dir, models, tmp_path):
+    own = evaluate_in_flow(models["own"], data_dir, tmp_path / "own")
+    other = evaluate_in_flow(models["other"], data_dir, tmp_path / "other")
+    assert own["judged_on"]["eval.text_sha256"] == other["judged_on"]["eval.text_sha256"]
+    assert own["judged_on"]["eval.text_bytes"] == other["judged_on"]["eval.text_bytes"]
+    assert own["judged_on"]["eval.tokenizer_sha256"] != other["judged_on"]["eval.tokenizer_sha256"]
+    for result in (own, other):
+        assert result["nonfinite"] == [] and result["metrics"]["eval.validation_bpb"] > 0
+
+
+def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(lab_env, data_dir, models, tmp_path):
+    from mlflow import MlflowClient
+
+    from tasks.registry import UnregistrableModel, check_model, register_model, registration_refusal
+
+    result = evaluate_in_flow(models["nan"], data_dir, tmp_path / "nan")
+    assert "eval.validation_bpb" in result["nonfinite"] and "eval.validation_loss" in result["nonfinite"]
+    reason = registration_refusal(models["nan"], result)
+    assert reason.startswith("non-finite weights") and "lm_head.weight" in reason
+
+    refusal = check_model.fn(models["nan"], result, result["parent"])
+    assert refusal == reason
+    tags = MlflowClient().get_run(result["parent"]).data.tags
+    assert tags["registry.decision"] == "refused" and "non-finite" in tags["registry.reason"]
+    with pytest.raises(UnregistrableModel):  # even a caller that skips the check cannot register it
+        register_model.fn("runs:/x/model", models["nan"], "never-lm", result, None)
+    assert MlflowClient().search_model_versions("name = 'never-lm'") == []
+
+    finite_weights_nan_metric = {**result, "metrics": {"eval.validation_bpb": float("nan")}}
+    assert "non-finite evaluation" in registration_refusal(models["own"], finite_weights_nan_metric)
+
+
+def new_version(client, name: str, run_id: str, **tags) -> str:
+    return str(client.create_model_version(name, f"runs:/{run_id}/model", run_id, tags=tags).version)
+
+
+def test_the_gate_refuses_to_compare_models_judged_on_other_text_or_per_token_across_tokenizers(lab_env):
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+    from tasks.registry import gate
+
+    client = MlflowClient()
+    run_id = tracking.start_run("gate-comparability")
+    client.log_text(run_id, "placeholder", "model/README.txt")
+    name = "comparable-lm"
+    client.create_registered_model(name)
+    text_a = {"eval.text_sha256": "a" * 64, "eval.tokenizer_sha256": "t384"}
+    champion = new_version(client, name, run_id, **text_a, **{"metric.eval.validation_bpb": "2.0",
+                                                               "metric.eval.validation_ppl": "517"})
+    assert gate(name, champion, "eval.validation_bpb", 0.0, False)["promoted"] is True
+
+    # the issue's case: lower perplexity, but on other data with another tokenizer
+    other_data = new_version(client, name, run_id, **{"eval.text_sha256": "b" * 64, "eval.tokenizer_sha256": "t4000",
+                                                      "metric.eval.validation_bpb": "1.0", "metric.eval.validation_ppl": "203"})
+    for metric in ("eval.validation_bpb", "eval.validation_ppl"):
+        decision = gate(name, other_data, metric, 0.0, False)
+        assert decision["promoted"] is False and decision["reason"].startswith("not comparable: the champion was "
+                                                                                 "evaluated on other text")
+    # same text, another tokenizer: perplexity is not comparable, bits per byte is
+    same_text = new_version(client, name, run_id, **{**text_a, "eval.tokenizer_sha256": "t4000",
+                                                     "metric.eval.validation_bpb": "1.5", "metric.eval.validation_ppl": "600"})
+    decision = gate(name, same_text, "eval.validation_ppl", 0.0, False)
+    assert decision["promoted"] is False and "per token and the tokenizers differ" in decision["reason"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == champion
+    decision = gate(name, same_text, "eval.validation_bpb", 0.0, False)
+    assert decision["promoted"] is True and "beats" in decision["reason"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == same_text
+    assert client.get_model_version(name, other_data).tags["promotion.decision"] == "kept_champion"
+    tracking.end_run(run_id)
