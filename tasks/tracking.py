@@ -45,13 +45,14 @@ _READY_STORES: set[str] = set()  # tracking URIs whose database this process has
 def client():
     from mlflow import MlflowClient
 
-    c = MlflowClient()
-    uri = c.tracking_uri
-    if uri not in _READY_STORES:
-        # the first use creates (migrates) a SQLite database: one process at a time (see tasks.storelock)
-        with store_lock(uri, "store initialization"):
-            _ = c._tracking_client.store, c._get_registry_client().store
-        _READY_STORES.add(uri)
+    uri = tracking_uri()
+    if uri in _READY_STORES:
+        return MlflowClient()
+    # constructing the first client creates (migrates) a SQLite database: one process at a time
+    with store_lock(uri, "store initialization"):
+        c = MlflowClient()
+        _ = c._get_registry_client().store  # the registry tables too
+    _READY_STORES.add(uri)
     return c
 
 
@@ -236,11 +237,22 @@ def log_onnx_model(run_id: str, onnx_file: str | Path) -> str:
 
 # ------------------------------------------------------------------------------------------------ registry
 def register(model_uri: str, name: str, tags: Mapping[str, Any] | None = None) -> str:
-    """A new version of registered model `name`; returns the version number."""
+    """A new version of registered model `name`; returns the version number. ``model_uri``: a logged
+    model (``models:/...``) or plain files of a run (``runs:/<run id>/<path>``, see `log_model`)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
-    version = mlflow.register_model(model_uri, name, tags={k: str(v) for k, v in (tags or {}).items()})
-    return str(version.version)
+    tags = {k: str(v) for k, v in (tags or {}).items()}
+    if not model_uri.startswith("runs:/"):
+        return str(mlflow.register_model(model_uri, name, tags=tags).version)
+    c = client()
+    try:
+        c.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    run_id = model_uri[len("runs:/"):].split("/")[0]
+    return str(c.create_model_version(name, model_uri, run_id, tags=tags).version)
 
 
 def set_alias(name: str, alias: str, version: str) -> None:

@@ -141,3 +141,58 @@ def test_the_gate_refuses_to_compare_models_judged_on_other_text_or_per_token_ac
     assert str(client.get_model_version_by_alias(name, "champion").version) == same_text
     assert client.get_model_version(name, other_data).tags["promotion.decision"] == "kept_champion"
     tracking.end_run(run_id)
+
+
+# ------------------------------------------------------------------------------------------------ §3 store
+RACER = """
+import json, sys, time
+from pathlib import Path
+from tasks import settings
+settings.apply_defaults()
+from tasks import tracking
+from tasks.registry import gate
+here, go = Path(sys.argv[1]), Path(sys.argv[2])
+here.touch()
+while not go.exists():
+    time.sleep(0.005)
+run = tracking.start_run("race")  # the first call on a fresh store creates the database
+tracking.client().log_text(run, "x", "model/README.txt")
+tags = {"eval.text_sha256": "t", "eval.tokenizer_sha256": "k", "metric.eval.validation_bpb": "2.0"}
+version = tracking.register(f"runs:/{run}/model", "race-lm", tags=tags)
+decision = gate("race-lm", version, "eval.validation_bpb", 0.5, False)
+tracking.end_run(run)
+print(json.dumps(decision))
+"""
+
+
+def clean_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    return {**env, "MOE_LAB_HOME": str(home), "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true"}
+
+
+@pytest.mark.slow  # two processes importing MLflow and migrating a database: ~40-80 s on 2 busy cores
+def test_two_lifecycles_on_a_fresh_store_initialize_it_and_decide_promotion_one_at_a_time(tmp_path):
+    """Two real processes start on a fresh SQLite store at the same instant: neither fails in MLflow's
+    migration, and exactly one of two equal candidates becomes champion (the other does not beat it)."""
+    from mlflow import MlflowClient
+
+    home, go = tmp_path / "home", tmp_path / "go"
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(r), str(go)], env=clean_env(home), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ready]
+    deadline = time.time() + 120
+    while not all(r.exists() for r in ready) and time.time() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    outputs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    decisions = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert sorted(d["promoted"] for d in decisions) == [False, True], decisions
+    winner = next(d for d in decisions if d["promoted"])
+    loser = next(d for d in decisions if not d["promoted"])
+    assert loser["champion"] == winner["version"] and "does not beat" in loser["reason"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    assert str(client.get_model_version_by_alias("race-lm", "champion").version) == winner["version"]
+    tags = {v.version: v.tags["promotion.decision"] for v in client.search_model_versions("name = 'race-lm'")}
+    assert sorted(tags.values()) == ["kept_champion", "promoted"]
