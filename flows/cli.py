@@ -4,7 +4,7 @@
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
     moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
-    moe-lab sync .moe_lab/runs/<run>/pretrain      # upload telemetry recorded while MLflow was unreachable
+    moe-lab sync .moe_lab/runs/<flow run>          # upload what was kept while MLflow was unreachable
     moe-lab deploy                                 # register the deployments with a Prefect server
     moe-lab serve                                  # serve them from this process (nightly + on demand)
 
@@ -51,8 +51,9 @@ def add_cli(subparsers) -> None:
     ui.add_argument("--prefect", action="store_true", help="start the Prefect server and UI instead")
     ui.set_defaults(func=run_ui)
 
-    sync = subparsers.add_parser("sync", help="upload a training run's metrics.jsonl to MLflow (after an outage)")
-    sync.add_argument("run_dir", help="a training output directory (holds metrics.jsonl)")
+    sync = subparsers.add_parser("sync", help="upload what a flow or training run kept while MLflow was unreachable")
+    sync.add_argument("run_dir", help="a flow's output directory (holds mlflow_pending.jsonl) or a training "
+                                      "output directory (holds metrics.jsonl)")
     sync.add_argument("--run-id", default=None, help="MLflow run to upload into (default: the one it was recording to)")
     sync.add_argument("--all", action="store_true", help="upload every event, not only those after the outage")
     sync.set_defaults(func=run_sync)
@@ -173,6 +174,9 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
         print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")
     if "eval.validation_bpb" in metrics:
         print(f"  bits per byte     {metrics['eval.validation_bpb']:.4f}")
+    if result.get("mlflow_pending"):
+        print(f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
+              f"                    upload them once MLflow is back: {result['sync_command']}")
 
 
 def run_ui(args) -> int:
@@ -192,10 +196,9 @@ def run_ui(args) -> int:
 
 def run_sync(args) -> int:
     _settings()
-    from tasks.tracking import sync_events
+    from tasks.sync import sync
 
-    run_id, uploaded = sync_events(args.run_dir, args.run_id, everything=args.all)
-    print(json.dumps({"run_id": run_id, "events_uploaded": uploaded}))
+    print(json.dumps(sync(args.run_dir, args.run_id, everything=args.all), indent=1))
     return 0
 
 

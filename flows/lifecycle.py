@@ -14,7 +14,7 @@ from tasks import data, registry, train
 from tasks import evaluate as ev
 from tasks import optimize as opt
 from tasks.finetune import finetune_model
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -23,7 +23,7 @@ DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify 
 def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     out = out_dir_for("lifecycle", params.out_dir)
     p, t = params, params.train
-    with flow_record("lifecycle", params) as run_id:
+    with flow_record("lifecycle", params, out_dir=out) as run_id:
         data.validate_data(t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id)
         prepare_cfg = prepare_config_for(t, p.validation)
         data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
@@ -61,13 +61,16 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
 
         version, decision = None, {"promoted": False, "reason": f"not registered: {refusal}"}
         if refusal is None:
+            gate = {"metric": p.promotion.metric, "margin": p.promotion.margin,
+                    "higher_is_better": p.promotion.higher_is_better}
             version = registry.register_model(model["model_uri"], model["export_dir"], p.promotion.model_name,
-                                              evaluation, run_id)
-            decision = registry.promote(p.promotion.model_name, version, p.promotion.metric, p.promotion.margin,
-                                        p.promotion.higher_is_better, run_id)
+                                              evaluation, run_id, model["run_id"], gate)
+            decision = registry.promote(p.promotion.model_name, version, **gate, parent_run_id=run_id) if version \
+                else {"promoted": False, "reason": registry.PENDING_REASON}
     summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
                "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
-               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"]}
+               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"],
+               **pending_summary()}
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary
 

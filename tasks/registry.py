@@ -20,11 +20,13 @@ from prefect.artifacts import create_markdown_artifact
 
 from moe_core.errors import MoELabError
 from moe_core.eval.finite import nonfinite_tensors
-from tasks import tracking
+from tasks import pending, tracking
 from tasks.storelock import store_lock
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 TEXT_TAG, TOKENIZER_TAG = "eval.text_sha256", "eval.tokenizer_sha256"
+PENDING_REASON = ("pending: MLflow is unreachable; `moe-lab sync` on the flow's directory registers the model "
+                  "and runs the promotion gate")
 
 
 class UnregistrableModel(MoELabError):
@@ -57,16 +59,36 @@ def check_model(model_dir: str, evaluation: dict, parent_run_id: str | None) -> 
 
 
 @task(name="register-model", retries=2, retry_delay_seconds=2)
-def register_model(model_uri: str, model_dir: str, name: str, evaluation: dict, parent_run_id: str | None) -> str:
-    """A new version of ``name`` from ``model_uri`` (the model in ``model_dir``), tagged with its evaluation:
-    metrics, and the text and tokenizer it was judged on. Refuses (`UnregistrableModel`) a model that
-    `check_model` would refuse."""
+def register_model(model_uri: str | None, model_dir: str, name: str, evaluation: dict, parent_run_id: str | None,
+                   model_run_id: str | None = None, gate_settings: dict | None = None) -> str | None:
+    """A new version of ``name`` from ``model_uri`` (the model in ``model_dir``, logged by run
+    ``model_run_id``), tagged with its evaluation: metrics, and the text and tokenizer it was judged on.
+    Refuses (`UnregistrableModel`) a model that `check_model` would refuse. While MLflow is unreachable
+    returns None: the registration (and, with ``gate_settings``, the promotion gate) waits in the pending
+    manifest for ``moe-lab sync``."""
     refusal = registration_refusal(model_dir, evaluation)
     if refusal is not None:
         raise UnregistrableModel(f"{model_dir}: {refusal}")
     tags = {"moe_lab.lifecycle_run_id": parent_run_id or "", **evaluation.get("judged_on", {}),
             **{f"metric.{k}": f"{v:.6g}" for k, v in evaluation["metrics"].items()}}
-    version = tracking.register(model_uri, name, tags=tags)
+    later = {"model_uri": model_uri, "model_run": model_run_id, "name": name, "tags": tags, "gate": gate_settings}
+    if pending.offline_reason() is not None or pending.is_local(parent_run_id) or model_uri is None:
+        if model_uri is None and pending.offline_reason() is None:
+            raise UnregistrableModel(f"{model_dir}: no model was logged to MLflow, nothing to register")
+        pending.record("register", parent_run_id, **later)
+        return None
+    try:
+        version = tracking.register(model_uri, name, tags=tags)
+    except Exception:
+        if (reason := tracking.probe()) is None:
+            raise
+        pending.go_offline(reason)
+        pending.record("register", parent_run_id, **later)
+        return None
+    return record_registration(name, version, parent_run_id)
+
+
+def record_registration(name: str, version: str, parent_run_id: str | None) -> str:
     tracking.set_alias(name, CANDIDATE, version)
     if parent_run_id:
         tracking.set_tags(parent_run_id, {"registry.decision": "registered", "registry.model": name,
@@ -128,14 +150,30 @@ def promote(name: str, version: str, metric: str, margin: float, higher_is_bette
             parent_run_id: str | None) -> dict:
     """Move ``champion`` to ``version`` when it wins; otherwise keep the champion. The decision and its
     reason are recorded on the version, on the lifecycle's MLflow run and as a Prefect artifact."""
-    decision = gate(name, version, metric, margin, higher_is_better)
+    try:
+        if (offline := pending.offline_reason()) is not None:
+            raise ConnectionError(offline)
+        decision = gate(name, version, metric, margin, higher_is_better)
+    except Exception:
+        if (offline := pending.offline_reason() or tracking.probe()) is None:
+            raise
+        pending.go_offline(offline)
+        pending.record("promote", parent_run_id, name=name, version=version,
+                       gate={"metric": metric, "margin": margin, "higher_is_better": higher_is_better})
+        return {"promoted": False, "version": version, "champion": None,
+                "reason": PENDING_REASON}
+    record_decision(decision, parent_run_id)
+    promoted, reason = decision["promoted"], decision["reason"]
+    create_markdown_artifact(f"## Promotion gate: {name} v{version}\n\n**{'promoted' if promoted else 'kept champion'}**"
+                             f": {reason}\n", key="promotion", description=reason)
+    return decision
+
+
+def record_decision(decision: dict, parent_run_id: str | None) -> None:
     promoted, reason = decision["promoted"], decision["reason"]
     if parent_run_id:
         tracking.set_tags(parent_run_id, {"promotion.decision": "promoted" if promoted else "kept_champion",
                                           "promotion.reason": reason, "registry.champion": decision["champion"]})
-    create_markdown_artifact(f"## Promotion gate: {name} v{version}\n\n**{'promoted' if promoted else 'kept champion'}**"
-                             f": {reason}\n", key="promotion", description=reason)
-    return decision
 
 
 def _metric(tags: dict[str, str], metric: str) -> float | None:
