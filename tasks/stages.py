@@ -39,7 +39,10 @@ def stage_run(name: str, parent_run_id: str | None):
 
 
 def link_to_run(run_id: str, key: str, description: str) -> None:
-    """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes)."""
+    """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes); none while
+    the run waits for MLflow (it has no address yet)."""
+    if pending.offline_reason() is not None or pending.is_local(run_id):
+        return
     create_link_artifact(tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key,
                          description=description)
 

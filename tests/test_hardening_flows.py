@@ -196,3 +196,165 @@ def test_two_lifecycles_on_a_fresh_store_initialize_it_and_decide_promotion_one_
     assert str(client.get_model_version_by_alias("race-lm", "champion").version) == winner["version"]
     tags = {v.version: v.tags["promotion.decision"] for v in client.search_model_versions("name = 'race-lm'")}
     assert sorted(tags.values()) == ["kept_champion", "promoted"]
+
+
+# ------------------------------------------------------------------------------------------------ §4 outages
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real `mlflow server` process on 127.0.0.1 over a SQLite store in a temporary directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300) -> None:
+        import requests
+
+        log = open(self.root / "server.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1"], stdout=log, stderr=log, start_new_session=True,
+            env=clean_env(self.root / "home"))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.RequestException:
+                time.sleep(0.5)
+        self.kill()
+        raise TimeoutError(f"mlflow server did not answer within {timeout} s; see {self.root / 'server.log'}")
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its workers, as an outage would
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow_server"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture()
+def tracking_at(monkeypatch, lab_env):
+    """Point the flows' MLflow at another address for one test (restored afterwards); no client retries."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    previous = mlflow.get_tracking_uri()
+    yield mlflow.set_tracking_uri
+    mlflow.set_tracking_uri(previous)
+    from tasks import pending
+
+    pending.reset(None)
+
+
+def pretrain_params(out: Path, steps: int = 12):
+    from flows.params import PretrainParams, tiny_train_config
+
+    train = tiny_train_config(steps=steps, data={"source": "synthetic", "synthetic_blocks": 32, "seq_len": 16},
+                              log={"every": 2}, checkpoint={"every": steps // 2})
+    return PretrainParams(train=train, out_dir=str(out))
+
+
+def journal_ops(out: Path) -> list[str]:
+    from tasks.pending import JOURNAL, read_journal
+
+    return [e["op"] for e in read_journal(out / JOURNAL)]
+
+
+@pytest.mark.slow
+def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(tracking_at, mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.pretrain import pretrain
+    from moe_core.train import read_jsonl
+    from tasks.sync import sync
+
+    tracking_at(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    out = tmp_path / "pretrain"
+    started = time.monotonic()
+    result = pretrain(pretrain_params(out))
+    assert time.monotonic() - started < 120  # not MLflow's minutes of retries before any training
+    assert result["step"] == 12 and (out / "final" / "config.json").is_file()
+    assert result["mlflow_run_id"].startswith("pending-") and result["sync_command"] == f"moe-lab sync {out}"
+    ops = journal_ops(out)
+    assert ops[0] == "start_run" and ops.count("start_run") == 2 and ops.count("end_run") == 2
+    assert {"log_params", "log_metrics", "log_artifacts", "log_model"} <= set(ops)
+    assert json.loads((out / "mlflow_run.json").read_text())["offline_from_step"] == 0
+
+    tracking_at(mlflow_server.url)  # MLflow is back
+    first = sync(out)
+    assert first["operations_replayed"] == len(ops) and first["events_uploaded"] == {str(out): 6}
+    client = MlflowClient(mlflow_server.url)
+    flow_run = client.get_run(first["runs"][result["mlflow_run_id"]])
+    stage = client.get_run(first["runs"][result["run_id"]])
+    assert flow_run.info.status == stage.info.status == "FINISHED"
+    assert stage.data.tags["mlflow.parentRunId"] == flow_run.info.run_id
+    assert stage.data.metrics["final.step"] == 12 and stage.data.params["train.steps"] == "12"
+    history = client.get_metric_history(stage.info.run_id, "loss")
+    assert [m.step for m in history] == [e["step"] for e in read_jsonl(out / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
+    assert {"checkpoint", "model"} <= {a.path for a in client.list_artifacts(stage.info.run_id)}
+
+    second = sync(out)  # idempotent: nothing is sent twice
+    assert second["operations_replayed"] == 0 and second["events_uploaded"] == {str(out): 0}
+    assert len(client.get_metric_history(stage.info.run_id, "loss")) == 6
+
+
+@pytest.mark.slow
+def test_mlflow_dying_mid_run_finishes_the_flow_and_sync_completes_the_runs(tracking_at, mlflow_server, tmp_path):
+    import threading
+
+    from mlflow import MlflowClient
+
+    from flows.pretrain import pretrain
+    from moe_core.train import read_jsonl
+    from tasks.sync import sync
+
+    tracking_at(mlflow_server.url)
+    out = tmp_path / "pretrain"
+
+    def kill_after_first_events() -> None:
+        events = out / "metrics.jsonl"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (events.is_file() and events.read_text().count("\n") >= 2):
+            time.sleep(0.02)
+        mlflow_server.kill()
+
+    killer = threading.Thread(target=kill_after_first_events, daemon=True)
+    killer.start()
+    result = pretrain(pretrain_params(out, steps=60))  # finishes: no MlflowException escapes
+    killer.join(60)
+    assert result["step"] == 60 and result["mlflow_pending"] == str(out / "mlflow_pending.jsonl")
+    assert not result["mlflow_run_id"].startswith("pending-")  # the runs existed before the outage
+    ops = journal_ops(out)
+    assert ops.count("end_run") == 2 and "log_model" in ops  # both runs' ends and the model are pending
+
+    mlflow_server.start()  # back, same store: the runs are still RUNNING there
+    client = MlflowClient(mlflow_server.url)
+    assert client.get_run(result["mlflow_run_id"]).info.status == "RUNNING"
+    first = sync(out)
+    assert first["operations_replayed"] == len(ops) and first["notes"] == []
+    stage = client.get_run(result["run_id"])
+    assert client.get_run(result["mlflow_run_id"]).info.status == stage.info.status == "FINISHED"
+    assert stage.data.metrics["final.step"] == 60
+    steps = [m.step for m in client.get_metric_history(stage.info.run_id, "loss")]
+    assert sorted(set(steps)) == [e["step"] for e in read_jsonl(out / "metrics.jsonl")]  # no event lost
+    assert "model" in {a.path for a in client.list_artifacts(stage.info.run_id)}
+    assert sync(out)["operations_replayed"] == 0 and sync(out)["events_uploaded"] == {str(out): 0}
