@@ -143,6 +143,64 @@ def test_the_gate_refuses_to_compare_models_judged_on_other_text_or_per_token_ac
     tracking.end_run(run_id)
 
 
+# ------------------------------------------------------------------------------------------------ §5 inputs
+def test_flows_record_router_profiles_without_vocabulary_pieces_by_default(lab_env, data_dir, models, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.evaluate import EvaluateFlowParams, evaluate
+    from moe_core import MoEForCausalLM
+    from moe_core.analytics.profile import ProfileConfig, RouterProfile, profile_split
+
+    result = evaluate(EvaluateFlowParams(model_dir=models["own"], data_dir=data_dir, splits=["validation"],
+                                         max_batches=1, batch_size=2, profile_batches=1, plots=False,
+                                         out_dir=str(tmp_path / "eval")))
+    client = MlflowClient()
+    runs = client.search_runs([client.get_run(result["mlflow_run_id"]).info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{result['mlflow_run_id']}'")
+    profile_run = next(r for r in runs if r.data.tags["mlflow.runName"] == "profile")
+    local = client.download_artifacts(profile_run.info.run_id, "routing_profile", str(tmp_path / "downloaded"))
+    top = [t for layer in RouterProfile.from_dir(local).layers for expert in layer.top_tokens for t in expert]
+    assert top and all(t.token is None for t in top)  # ids and counts only
+    assert '"token": null' in (Path(local) / "profile.json").read_text().replace('"token":null', '"token": null')
+
+    # the pieces are there when asked for (so the check above can fail)
+    model = MoEForCausalLM.from_pretrained(models["own"]).eval()
+    asked = profile_split(model, data_dir, "validation", 2, 1, ProfileConfig(include_vocab_pieces=True))
+    assert any(t.token for layer in asked.layers for expert in layer.top_tokens for t in expert)
+
+
+@pytest.fixture()
+def restored_environ():
+    """`moe-lab run` points MLflow and Prefect at the lab home in os.environ; undo that for later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_bad_flow_parameters_are_clear_errors_with_exit_2(tmp_path, capsys, restored_environ):
+    from moe_core.cli import main
+
+    bad_yaml = tmp_path / "params.yaml"
+    bad_yaml.write_text("train: [1,\n")
+    not_a_mapping = tmp_path / "list.yaml"
+    not_a_mapping.write_text("- 1\n- 2\n")
+    cases = {
+        ("--params", str(bad_yaml)): f"--params {bad_yaml}: not valid YAML/JSON",
+        ("--params", str(not_a_mapping)): "expected a mapping of parameters",
+        ("--params", str(tmp_path / "missing.yaml")): "file not found",
+        ("--set", "train.steps.x=1"): "train.steps is a value (12), not a section",
+        ("--set", "train.steps=[1,"): "'train.steps=[1,': the value is not valid YAML",
+        ("--set", "train.steps=many"): "train.steps: Input should be a valid integer",
+        ("--set", "=3"): "expected key=value with a dotted key",
+        ("--set", "train..steps=3"): "expected key=value with a dotted key",
+    }
+    for args, message in cases.items():
+        assert main(["run", "pretrain", "--size", "tiny", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)
+
+
 # ------------------------------------------------------------------------------------------------ §3 store
 RACER = """
 import json, sys, time
