@@ -103,6 +103,37 @@ def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(lab_
     assert "non-finite evaluation" in registration_refusal(models["own"], finite_weights_nan_metric)
 
 
+@pytest.mark.slow
+def test_a_lifecycle_whose_fine_tune_diverges_registers_and_promotes_nothing(lab_env, tmp_path):
+    """The issue's case end to end: method full, lr 1e30, no clipping. Whether fine-tuning refuses to write
+    the NaN weights (the flow fails) or writes them (the lifecycle refuses them), no version exists."""
+    from mlflow import MlflowClient
+
+    from flows.lifecycle import lifecycle
+    from flows.params import EvaluateParams, FinetuneParams, LifecycleParams, PromotionParams
+    from moe_core.finetune import FinetuneConfig
+    from tests.finetune_helpers import instruction_records
+
+    data_file = tmp_path / "sft.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(8)))
+    diverging = FinetuneConfig.build({"data": {"source": str(data_file), "max_length": 32}, "method": "full",
+                                      "optim": {"lr": 1e30, "grad_clip": None}, "steps": 3, "batch_size": 2})
+    params = LifecycleParams(finetune=FinetuneParams(enabled=True, config=diverging), optimize=None,
+                             evaluate=EvaluateParams(splits=["validation"], max_batches=2, profile_batches=1,
+                                                     plots=False),
+                             promotion=PromotionParams(model_name="diverged-lm"), out_dir=str(tmp_path / "run"))
+    state = lifecycle(params, return_state=True)
+    client = MlflowClient()
+    assert client.search_model_versions("name = 'diverged-lm'") == []
+    if state.is_completed():
+        result = state.result()
+        assert result["version"] is None and result["promoted"] is False
+        assert result["reason"].startswith("not registered: non-finite")
+        tags = client.get_run(result["mlflow_run_id"]).data.tags
+        assert tags["registry.decision"] == "refused" and "non-finite" in tags["registry.reason"]
+        assert result["metrics"] != {} and any("nan" in str(v).lower() for v in result["metrics"].values())
+
+
 def new_version(client, name: str, run_id: str, **tags) -> str:
     return str(client.create_model_version(name, f"runs:/{run_id}/model", run_id, tags=tags).version)
 
