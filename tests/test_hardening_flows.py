@@ -274,7 +274,7 @@ def test_two_lifecycles_on_a_fresh_store_initialize_it_and_decide_promotion_one_
         time.sleep(0.05)
     go.touch()
     outputs = [p.communicate(timeout=180) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     decisions = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     assert sorted(d["promoted"] for d in decisions) == [False, True], decisions

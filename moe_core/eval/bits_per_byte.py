@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from moe_core.eval.perplexity import EvaluationError
 
+
 @dataclass(frozen=True)
 class ByteLossResult:
     nats: float  # summed negative log-likelihood of every token of the texts
