@@ -4,7 +4,7 @@
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
     moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
-    moe-lab sync .moe_lab/runs/<run>/pretrain      # upload telemetry recorded while MLflow was unreachable
+    moe-lab sync .moe_lab/runs/<flow run>          # upload what was kept while MLflow was unreachable
     moe-lab deploy                                 # register the deployments with a Prefect server
     moe-lab serve                                  # serve them from this process (nightly + on demand)
 
@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from pydantic import ValidationError
 
 FLOWS = {  # command name -> (module, flow function, params class)
     "lifecycle": ("flows.lifecycle", "lifecycle", "flows.params:LifecycleParams"),
@@ -49,8 +51,9 @@ def add_cli(subparsers) -> None:
     ui.add_argument("--prefect", action="store_true", help="start the Prefect server and UI instead")
     ui.set_defaults(func=run_ui)
 
-    sync = subparsers.add_parser("sync", help="upload a training run's metrics.jsonl to MLflow (after an outage)")
-    sync.add_argument("run_dir", help="a training output directory (holds metrics.jsonl)")
+    sync = subparsers.add_parser("sync", help="upload what a flow or training run kept while MLflow was unreachable")
+    sync.add_argument("run_dir", help="a flow's output directory (holds mlflow_pending.jsonl) or a training "
+                                      "output directory (holds metrics.jsonl)")
     sync.add_argument("--run-id", default=None, help="MLflow run to upload into (default: the one it was recording to)")
     sync.add_argument("--all", action="store_true", help="upload every event, not only those after the outage")
     sync.set_defaults(func=run_sync)
@@ -71,28 +74,72 @@ def _settings():
 
 
 def build_params(flow: str, params_file: str | None, size: str, overrides: list[str]):
-    """The flow's typed parameters from a file, the size preset and ``key=value`` overrides."""
+    """The flow's typed parameters from a file, the size preset and ``key=value`` overrides; bad input
+    raises `FlowParamsError` naming the file or the ``--set`` item (the CLI prints it and exits 2)."""
     import importlib
 
-    import yaml
-
-    from flows.params import small_train_config, tiny_train_config
+    from flows.params import FlowParamsError, small_train_config, tiny_train_config
 
     module, _, cls_name = FLOWS[flow][2].partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
-    data = yaml.safe_load(Path(params_file).read_text()) if params_file else {}
+    data = _read_params_file(params_file) if params_file else {}
     if flow in ("lifecycle", "pretrain") and "train" not in data:
         data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(mode="json")
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
-        node = data
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(raw) if raw else None
-    return cls.model_validate(data)
+        _apply_override(data, item)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        where = " and ".join(filter(None, [params_file, "--set" if overrides else None])) or "defaults"
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
+        raise FlowParamsError(f"moe-lab run {flow} parameters ({where}): {problems}") from None
+
+
+def _read_params_file(path: str) -> dict:
+    import yaml
+
+    from flows.params import FlowParamsError
+
+    file = Path(path)
+    if not file.is_file():
+        raise FlowParamsError(f"--params {path}: file not found")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise FlowParamsError(f"--params {path}: not valid YAML/JSON: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise FlowParamsError(f"--params {path}: not a text file (expected YAML/JSON)") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise FlowParamsError(f"--params {path}: expected a mapping of parameters at the top level, "
+                              f"got {type(data).__name__}")
+    return data
+
+
+def _apply_override(data: dict, item: str) -> None:
+    """``a.b.c=value`` into ``data``: sections are created when absent, never written through a value."""
+    import yaml
+
+    from flows.params import FlowParamsError
+    from moe_core.configfile import parse_value
+
+    key, sep, raw = item.partition("=")
+    parts = key.split(".")
+    if not sep or not all(parts):
+        raise FlowParamsError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.steps=100")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            section = ".".join(parts[:depth + 1])
+            raise FlowParamsError(f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
+                                  f"{key} cannot be set; set {section}=VALUE instead")
+        node = child
+    try:
+        node[parts[-1]] = parse_value(raw)
+    except yaml.YAMLError as err:
+        raise FlowParamsError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 def run_flow(args) -> int:
@@ -116,6 +163,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     if result.get("version"):
         state = "champion" if result.get("promoted") else "candidate (champion kept)"
         print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state} ({result['reason']})")
+    elif "version" in result:
+        print(f"  registered model  none: {result['reason']}")
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
@@ -123,6 +172,11 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     metrics = result.get("metrics") or {}
     if "eval.validation_ppl" in metrics:
         print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")
+    if "eval.validation_bpb" in metrics:
+        print(f"  bits per byte     {metrics['eval.validation_bpb']:.4f}")
+    if result.get("mlflow_pending"):
+        print(f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
+              f"                    upload them once MLflow is back: {result['sync_command']}")
 
 
 def run_ui(args) -> int:
@@ -142,10 +196,9 @@ def run_ui(args) -> int:
 
 def run_sync(args) -> int:
     _settings()
-    from tasks.tracking import sync_events
+    from tasks.sync import sync
 
-    run_id, uploaded = sync_events(args.run_dir, args.run_id, everything=args.all)
-    print(json.dumps({"run_id": run_id, "events_uploaded": uploaded}))
+    print(json.dumps(sync(args.run_dir, args.run_id, everything=args.all), indent=1))
     return 0
 
 

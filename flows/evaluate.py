@@ -9,7 +9,7 @@ from pydantic import Field
 from flows.common import out_dir_for
 from flows.params import EvaluateParams
 from tasks import evaluate as ev
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 
 class EvaluateFlowParams(EvaluateParams):
@@ -23,14 +23,16 @@ class EvaluateFlowParams(EvaluateParams):
 @flow(name="evaluate")
 def evaluate(params: EvaluateFlowParams) -> dict:
     out = out_dir_for("evaluate", params.out_dir)
-    with flow_record("evaluate", params) as run_id:
+    with flow_record("evaluate", params, out_dir=out) as run_id:
         result = ev.evaluate_model({"model": params.model_dir, **params.baselines}, params.data_dir,
                                    str(out / "eval"), params.splits, params.batch_size, params.max_batches, run_id)
         profile = ev.profile_router(params.model_dir, params.data_dir, str(out / "analysis"), "validation",
-                                    params.batch_size, params.profile_batches, params.plots, run_id)
+                                    params.batch_size, params.profile_batches, params.plots, run_id,
+                                    params.vocab_pieces)
         cost = ev.cost_report(params.model_dir, params.events, str(out / "analysis"), params.device_name,
                               _seq_len(params.data_dir), run_id)
-    return {"metrics": result["metrics"], "profile_dir": profile["profile_dir"], **cost, "mlflow_run_id": run_id}
+    return {"metrics": result["metrics"], "profile_dir": profile["profile_dir"], **cost, "mlflow_run_id": run_id,
+            **pending_summary()}
 
 
 def _seq_len(data_dir: str) -> int:

@@ -9,7 +9,7 @@ from flows.common import out_dir_for
 from flows.params import _Params
 from moe_core.finetune import FinetuneConfig
 from tasks.finetune import finetune_model
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 
 class FinetuneFlowParams(_Params):
@@ -21,6 +21,6 @@ class FinetuneFlowParams(_Params):
 @flow(name="finetune")
 def finetune(params: FinetuneFlowParams) -> dict:
     out = out_dir_for("finetune", params.out_dir)
-    with flow_record("finetune", params) as run_id:
+    with flow_record("finetune", params, out_dir=out) as run_id:
         result = finetune_model(params.config, params.base_model_dir, str(out), run_id)
-    return {**result, "mlflow_run_id": run_id, "out_dir": str(out)}
+    return {**result, "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}

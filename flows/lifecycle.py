@@ -1,5 +1,7 @@
 """Flow: the whole life of a model in one run: validate, prepare, pretrain (+ dense baseline), evaluate,
-fine-tune (optional), optimize, register, promote. One MLflow parent run, one nested run per stage."""
+fine-tune (optional, then evaluated again), optimize, register, promote. One MLflow parent run, one nested
+run per stage. What is registered is the model last evaluated: a stage that changes the model is followed by
+an evaluation, and a model with non-finite weights or metrics is never registered."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tasks import data, registry, train
 from tasks import evaluate as ev
 from tasks import optimize as opt
 from tasks.finetune import finetune_model
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -21,7 +23,7 @@ DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify 
 def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     out = out_dir_for("lifecycle", params.out_dir)
     p, t = params, params.train
-    with flow_record("lifecycle", params) as run_id:
+    with flow_record("lifecycle", params, out_dir=out) as run_id:
         data.validate_data(t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id)
         prepare_cfg = prepare_config_for(t, p.validation)
         data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
@@ -38,14 +40,18 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         evaluation = ev.evaluate_model(models, data_dir, str(out / "eval"), p.evaluate.splits, p.evaluate.batch_size,
                                        p.evaluate.max_batches, run_id)
         ev.profile_router(model["export_dir"], data_dir, str(out / "analysis"), "validation", p.evaluate.batch_size,
-                          p.evaluate.profile_batches, p.evaluate.plots, run_id)
+                          p.evaluate.profile_batches, p.evaluate.plots, run_id, p.evaluate.vocab_pieces)
         ev.cost_report(model["export_dir"], str(out / "pretrain" / "metrics.jsonl"), str(out / "analysis"),
                        p.evaluate.device_name, config.data.seq_len, run_id)
 
         if p.finetune.enabled:
             model = finetune_model(p.finetune.config, model["export_dir"], str(out / "finetune"), run_id)
+            evaluation = ev.evaluate_model({"finetuned": model["export_dir"]}, data_dir, str(out / "eval-finetuned"),
+                                           p.evaluate.splits, p.evaluate.batch_size, p.evaluate.max_batches, run_id,
+                                           stage="evaluate_finetuned")
 
-        if p.optimize is not None:
+        refusal = registry.check_model(model["export_dir"], evaluation, run_id)  # NaN weights or metrics
+        if p.optimize is not None and refusal is None:
             quantized = opt.quantize_model(model["export_dir"], str(out / "quantized"), p.optimize.quantize_bits,
                                            p.optimize.quantize_method, p.optimize.group_size, run_id)
             variants = {"pytorch": model["export_dir"], "quantized": quantized}
@@ -53,18 +59,24 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)
             opt.benchmark(variants, data_dir, p.optimize.benchmark_batches, str(out / "benchmark"), run_id)
 
-        version = registry.register_model(model["model_uri"], p.promotion.model_name, evaluation["metrics"], run_id)
-        decision = registry.promote(p.promotion.model_name, version, p.promotion.metric, p.promotion.margin,
-                                    p.promotion.higher_is_better, run_id)
+        version, decision = None, {"promoted": False, "reason": f"not registered: {refusal}"}
+        if refusal is None:
+            gate = {"metric": p.promotion.metric, "margin": p.promotion.margin,
+                    "higher_is_better": p.promotion.higher_is_better}
+            version = registry.register_model(model["model_uri"], model["export_dir"], p.promotion.model_name,
+                                              evaluation, run_id, model["run_id"], gate)
+            decision = registry.promote(p.promotion.model_name, version, **gate, parent_run_id=run_id) if version \
+                else {"promoted": False, "reason": registry.PENDING_REASON}
     summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
                "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
-               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"]}
+               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"],
+               **pending_summary()}
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary
 
 
 def _summary_markdown(s: dict) -> str:
     return (f"## Lifecycle run\n\n| | |\n|---|---|\n| MLflow run | `{s['mlflow_run_id']}` |\n"
-            f"| registered model | `{s['model_name']}` version {s['version']} |\n"
+            f"| registered model | `{s['model_name']}` version {s['version'] or '(none)'} |\n"
             f"| promotion | {'promoted to champion' if s['promoted'] else 'kept the champion'}: {s['reason']} |\n"
             f"| files | `{s['out_dir']}` |\n| model | `{s['export_dir']}` |\n")

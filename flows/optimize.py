@@ -8,7 +8,7 @@ from pydantic import Field
 from flows.common import out_dir_for
 from flows.params import OptimizeParams
 from tasks import optimize as opt
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 
 class OptimizeFlowParams(OptimizeParams):
@@ -20,11 +20,12 @@ class OptimizeFlowParams(OptimizeParams):
 @flow(name="optimize")
 def optimize(params: OptimizeFlowParams) -> dict:
     out = out_dir_for("optimize", params.out_dir)
-    with flow_record("optimize", params) as run_id:
+    with flow_record("optimize", params, out_dir=out) as run_id:
         quantized = opt.quantize_model(params.model_dir, str(out / "quantized"), params.quantize_bits,
                                        params.quantize_method, params.group_size, run_id)
         variants = {"pytorch": params.model_dir, "quantized": quantized}
         if params.onnx:
             variants["onnx"] = opt.export_onnx_model(params.model_dir, str(out / "onnx"), run_id)
         bench = opt.benchmark(variants, params.data_dir, params.benchmark_batches, str(out), run_id)
-    return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id}
+    return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id,
+            **pending_summary()}

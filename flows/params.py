@@ -12,8 +12,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moe_core.data.validation import ValidationConfig
+from moe_core.errors import MoELabError
 from moe_core.finetune import FinetuneConfig
 from moe_core.train import TrainConfig
+
+
+class FlowParamsError(MoELabError):
+    """Flow parameters that cannot be read: a malformed params file or ``--set`` item, or invalid values."""
 
 
 class _Params(BaseModel):
@@ -67,6 +72,8 @@ class EvaluateParams(_Params):
     max_batches: int | None = Field(8, ge=1)
     profile_batches: int = Field(8, ge=1)
     plots: bool = True
+    vocab_pieces: bool = Field(False, description="record the router profile's top tokens as vocabulary "
+                                                  "pieces (strings) too, not only ids and counts")
     device_name: str | None = Field(None, description="device to price (default: this machine's)")
 
 
@@ -85,10 +92,12 @@ class FinetuneParams(_Params):
 
 class PromotionParams(_Params):
     model_name: str = "moe-lab-lm"
-    metric: str = Field("eval.validation_ppl", description="an evaluation metric of the candidate's run")
+    metric: str = Field("eval.validation_bpb", description="an evaluation metric of the candidate's run; "
+                        "bits per byte (*_bpb) compares models with different tokenizers, per-token metrics "
+                        "(loss, ppl) only models with the same tokenizer")
     higher_is_better: bool = False
     margin: float = Field(0.0, ge=0, description="relative improvement over the champion needed to promote, "
-                                                 "e.g. 0.02 = 2% lower perplexity")
+                                                 "e.g. 0.02 = 2% fewer bits per byte")
 
 
 class LifecycleParams(_Params):

@@ -8,7 +8,7 @@ from prefect import flow
 from flows.common import data_dir_for, out_dir_for, prepare_config_for, with_data
 from flows.params import PretrainParams
 from tasks import data, train
-from tasks.stages import flow_record
+from tasks.stages import flow_record, pending_summary
 
 DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -16,10 +16,10 @@ DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify t
 @flow(name="pretrain")
 def pretrain(params: PretrainParams = DEFAULTS) -> dict:
     out = out_dir_for("pretrain", params.out_dir)
-    with flow_record("pretrain", params) as run_id:
+    with flow_record("pretrain", params, out_dir=out) as run_id:
         config = params.train
         if config.data.source != "synthetic" and config.data.path is None:
             prepare_cfg = prepare_config_for(config)
             config = with_data(config, data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id))
         result = train.pretrain(config, str(out), run_id, params.nproc, params.subprocess, params.log_model)
-    return {**result, "mlflow_run_id": run_id}
+    return {**result, "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}

@@ -54,7 +54,7 @@ def _prepare_cache_key(context, parameters) -> str:
 
 
 @task(name="prepare-data", retries=2, retry_delay_seconds=2, cache_key_fn=_prepare_cache_key,
-      persist_result=True)
+      persist_result=True, result_serializer="json")  # the cached path as JSON: Prefect's default is a pickle
 def prepare_data(config: PrepareConfig, out_dir: str, parent_run_id: str | None) -> str:
     """Tokenize and pack into ``out_dir`` (reused when it already holds the same data); returns the path."""
     with stage_run("prepare_data", parent_run_id) as run_id:

@@ -4,6 +4,7 @@ against baselines), the router profile and its plots, and the cost report. Model
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from prefect import task
@@ -21,45 +22,70 @@ def _load(model_dir: str):
     return MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def _tokenizer(model_dir: str, data_dir: str):
+    """The model's own tokenizer (exports carry one), else the data's it was trained on."""
+    from moe_core.data.tokenizer import load_tokenizer
+
+    own = Path(model_dir) / "tokenizer_config.json"
+    return load_tokenizer(model_dir if own.is_file() else Path(data_dir) / "tokenizer")
+
+
 @task(name="evaluate-model", retries=1, retry_delay_seconds=2)
 def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: list[str], batch_size: int,
-                   max_batches: int | None, parent_run_id: str | None) -> dict:
-    """Loss and perplexity per split of each model (the first is the candidate, the others baselines)."""
+                   max_batches: int | None, parent_run_id: str | None, stage: str = "evaluate") -> dict:
+    """Loss and perplexity per split of each model (the first is the candidate, the others baselines), and
+    bits per byte on the raw validation text with each model's own tokenizer (comparable across
+    tokenizers). Returns the metrics, which text and tokenizer the candidate was judged on, and the names of
+    metrics that are not finite (a diverged model)."""
+    from moe_core.data.shards import read_manifest
+    from moe_core.data.tokenizer import tokenizer_hash
+    from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
     from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
 
-    with stage_run("evaluate", parent_run_id) as run_id:
-        rows, metrics = [], {}
+    with stage_run(stage, parent_run_id) as run_id:
+        rows, metrics, judged_on = [], {}, {}
+        seq_len = int(read_manifest(data_dir)["seq_len"])
+        texts = split_texts(data_dir, "validation", None if max_batches is None else max_batches * batch_size)
         for i, (name, model_dir) in enumerate(models.items()):
-            model = _load(model_dir)
+            model, tokenizer = _load(model_dir), _tokenizer(model_dir, data_dir)
             results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
-            rows.append(model_row(name, model.config, results))
+            per_byte = evaluate_bits_per_byte(model, tokenizer, texts, window=seq_len, batch_size=batch_size)
+            rows.append({**model_row(name, model.config, results), "validation_bpb": per_byte.bits_per_byte})
             prefix = "eval" if i == 0 else f"baseline.{name}"
             for split, r in results.items():
                 metrics.update({f"{prefix}.{split}_loss": r.loss, f"{prefix}.{split}_ppl": r.perplexity})
+            metrics[f"{prefix}.validation_bpb"] = per_byte.bits_per_byte
+            if i == 0:
+                judged_on = {"eval.text_sha256": per_byte.text_sha256, "eval.text_bytes": str(per_byte.bytes),
+                             "eval.tokenizer_sha256": tokenizer_hash(tokenizer), "eval.model_dir": str(model_dir)}
+        nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         table = comparison_table(rows, reference=next(iter(models)))
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "comparison.md").write_text(to_markdown(table) + "\n")
         (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
-        tracking.log_metrics(run_id, metrics)
+        tracking.log_metrics(run_id, metrics)  # finite values only; the others are named in a tag
+        tracking.set_tags(run_id, {**judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
         tracking.log_artifacts(run_id, out / "comparison.md", "evaluation")
         tracking.log_artifacts(run_id, out / "eval.json", "evaluation")
         create_table_artifact(json.loads(table.to_json(orient="records")), key="evaluation",
                               description="loss and perplexity per split (ratios against the first model)")
-    return {"run_id": run_id, "metrics": metrics}
+    return {"run_id": run_id, "metrics": metrics, "judged_on": judged_on, "nonfinite": nonfinite}
 
 
 @task(name="profile-router", retries=1, retry_delay_seconds=2)
 def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batch_size: int, max_batches: int,
-                   plots: bool, parent_run_id: str | None) -> dict:
-    """The router profile on a split (versioned directory), its plots, and per-layer summary metrics."""
-    from moe_core.analytics.profile import profile_split
+                   plots: bool, parent_run_id: str | None, vocab_pieces: bool = False) -> dict:
+    """The router profile on a split (versioned directory), its plots, and per-layer summary metrics.
+    Top tokens per expert are recorded as ids and counts; their vocabulary pieces only with ``vocab_pieces``."""
+    from moe_core.analytics.profile import ProfileConfig, profile_split
     from moe_core.data.tokenizer import load_tokenizer
     from moe_core.eval.perplexity import to_markdown
 
     with stage_run("profile", parent_run_id) as run_id:
         model, tokenizer = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer")
-        profile = profile_split(model, data_dir, split, batch_size, max_batches, tokenizer=tokenizer)
+        profile = profile_split(model, data_dir, split, batch_size, max_batches,
+                                profile_config=ProfileConfig(include_vocab_pieces=vocab_pieces), tokenizer=tokenizer)
         out = Path(out_dir)
         profile.to_dir(out / "profile")
         summary = profile.summary()

@@ -31,4 +31,4 @@ def finetune_model(config: FinetuneConfig, base_model_dir: str, out_dir: str, pa
         model_dir = result.merged_dir or Path(out_dir) / "merged"
         models = tracking.log_model(run_id, model_dir)
     return {"run_id": run_id, "export_dir": str(model_dir),
-            "model_uri": models.get("transformers") or models.get("pytorch")}
+            "model_uri": models.get("transformers") or models.get("files")}

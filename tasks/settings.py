@@ -48,6 +48,11 @@ def apply_defaults() -> Path:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home / 'mlflow.db'}"
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")  # a busy 2-core machine
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # MLflow's client retries a dead server for minutes (7 retries, doubling waits); a lab run notices an
+    # outage within seconds instead and keeps its records for `moe-lab sync` (see tasks.pending)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
     return home
 
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from prefect.artifacts import create_link_artifact
 
-from tasks import tracking
+from tasks import pending, tracking
 
 
 def prefect_tags() -> dict[str, str]:
@@ -39,15 +39,26 @@ def stage_run(name: str, parent_run_id: str | None):
 
 
 def link_to_run(run_id: str, key: str, description: str) -> None:
-    """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes)."""
+    """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes); none while
+    the run waits for MLflow (it has no address yet)."""
+    if pending.offline_reason() is not None or pending.is_local(run_id):
+        return
     create_link_artifact(tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key,
                          description=description)
 
 
 @contextmanager
-def flow_record(name: str, params, parent_run_id: str | None = None):
+def flow_record(name: str, params, parent_run_id: str | None = None, out_dir=None):
     """The MLflow run of one flow run (nested under ``parent_run_id`` when given): tagged with the Prefect
-    flow run and deployment, the full parameters as params, closed FAILED/KILLED with the reason."""
+    flow run and deployment, the full parameters as params, closed FAILED/KILLED with the reason.
+
+    MLflow is probed first (seconds, not MLflow's minutes of retries): when it cannot be reached, or stops
+    answering mid-flow, the flow goes on and its records wait in ``<out_dir>/mlflow_pending.jsonl`` for
+    ``moe-lab sync <out_dir>`` (see `tasks.pending`)."""
+    if parent_run_id is None:  # a top-level flow: a fresh look at the server, a fresh pending manifest
+        pending.reset(out_dir, reason := tracking.probe())
+        if reason is not None:
+            tracking.warn_offline(reason)
     run_id = tracking.start_run(name, parent_run_id, tags={**prefect_tags(), "moe_lab.flow": name})
     tracking.log_config(run_id, params)
     link_to_run(run_id, f"mlflow-{name.replace('_', '-')}", f"MLflow run of this {name} flow run")
@@ -60,3 +71,12 @@ def flow_record(name: str, params, parent_run_id: str | None = None):
         tracking.end_run(run_id, "KILLED", reason=type(err).__name__)
         raise
     tracking.end_run(run_id)
+
+
+def pending_summary() -> dict:
+    """For a flow's result: where its records wait for ``moe-lab sync`` (empty when MLflow has them all)."""
+    journal = pending.pending_journal()
+    if journal is None:
+        return {}
+    return {"mlflow_pending": str(journal), "mlflow_offline": pending.offline_reason() or "MLflow failed mid-run",
+            "sync_command": f"moe-lab sync {journal.parent}"}

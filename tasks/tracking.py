@@ -17,6 +17,10 @@ tags are ids and short reasons. Reports, profiles, plots, tokenizer and models a
 `MlflowSink` forwards training telemetry from a background thread, so a slow or unreachable server never
 stalls training; when MLflow cannot be reached it goes offline, writes ``mlflow_run.json`` beside the event
 file, and ``moe-lab sync RUN_DIR`` (`sync_events`) uploads the rest of ``metrics.jsonl`` later.
+
+Outages: a flow probes the server first (`probe`, a few seconds at most). From the moment MLflow is found
+unreachable, every write here is kept in the flow's pending manifest instead (`tasks.pending`), runs started
+meanwhile get local ids, and the flow finishes; ``moe-lab sync <flow dir>`` sends the rest (`tasks.sync`).
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from moe_core.train.telemetry import read_jsonl
-from tasks import settings
+from tasks import pending, settings
+from tasks.storelock import store_lock
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 RUN_FILE = "mlflow_run.json"  # beside metrics.jsonl: which MLflow run the events belong to
@@ -39,10 +44,21 @@ PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # s
 
 
 # ------------------------------------------------------------------------------------------------ runs
+_READY_STORES: set[str] = set()  # tracking URIs whose database this process has seen initialized
+
+
 def client():
     from mlflow import MlflowClient
 
-    return MlflowClient()
+    uri = tracking_uri()
+    if uri in _READY_STORES:
+        return MlflowClient()
+    # constructing the first client creates (migrates) a SQLite database: one process at a time
+    with store_lock(uri, "store initialization"):
+        c = MlflowClient()
+        _ = c._get_registry_client().store  # the registry tables too
+    _READY_STORES.add(uri)
+    return c
 
 
 def tracking_uri() -> str:
@@ -65,31 +81,84 @@ def experiment_id(name: str | None = None) -> str:
         return c.get_experiment_by_name(name).experiment_id
 
 
+def probe(uri: str | None = None, timeout: float = 3.0) -> str | None:
+    """None when the tracking store answers, else why not. One HTTP request with a short timeout (MLflow's
+    own client would retry for minutes); local stores (SQLite, files) are always there."""
+    uri = uri or tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return None
+    import requests
+
+    try:
+        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.RequestException as err:
+        return f"MLflow at {uri} is unreachable ({type(err).__name__})"
+    if response.status_code >= 500:
+        return f"MLflow at {uri} answered HTTP {response.status_code}"
+    return None
+
+
+def _send(op: str, run_id: str | None, payload: dict[str, Any], call: Callable[[], Any], pending_result: Any = None):
+    """``call()`` MLflow, or keep ``op`` in the pending manifest when MLflow is (or just became) unreachable.
+    An error while the server answers is a real error and is raised."""
+    if not pending.deferral_allowed():
+        return call()
+    if pending.offline_reason() is None and not pending.is_local(run_id):
+        try:
+            return call()
+        except Exception:
+            reason = probe()
+            if reason is None:
+                raise
+            pending.go_offline(reason)
+            warn_offline(reason)
+    pending.record(op, run_id, **payload)
+    return pending_result
+
+
+def warn_offline(reason: str) -> None:
+    import sys
+
+    where = pending.journal_path()
+    print(f"moe-lab: {reason}; going on without it. Records are kept in {where}; upload them with "
+          f"`moe-lab sync {where.parent}` once MLflow is back.", file=sys.stderr, flush=True)
+
+
 def start_run(name: str, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
-    """A new run (nested under ``parent_run_id`` when given); returns its id."""
+    """A new run (nested under ``parent_run_id`` when given); returns its id (a local ``pending-...`` id
+    while MLflow is unreachable)."""
     all_tags = {"mlflow.runName": name, **{k: str(v) for k, v in (tags or {}).items() if v is not None}}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
-    return client().create_run(experiment_id(), tags=all_tags, run_name=name).info.run_id
+    local = pending.new_local_id()  # used only if the run has to wait for MLflow (or its parent does)
+    return _send("start_run", parent_run_id, {"local": local, "name": name, "tags": all_tags},
+                 lambda: client().create_run(experiment_id(), tags=all_tags, run_name=name).info.run_id,
+                 pending_result=local)
 
 
 def end_run(run_id: str, status: str = "FINISHED", reason: str | None = None) -> None:
     """FINISHED, FAILED or KILLED; ``reason`` (one short line, no data) goes into the ``failure_reason`` tag."""
     if reason:
         set_tags(run_id, {"failure_reason" if status != "FINISHED" else "note": reason[:500]})
-    client().set_terminated(run_id, status)
+    _send("end_run", run_id, {"status": status}, lambda: client().set_terminated(run_id, status))
 
 
 def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
-    c = client()
-    for key, value in tags.items():
-        if value is not None:
-            c.set_tag(run_id, key, str(value)[:5000])
+    tags = {k: str(v)[:5000] for k, v in tags.items() if v is not None}
+
+    def call() -> None:
+        c = client()
+        for key, value in tags.items():
+            c.set_tag(run_id, key, value)
+
+    _send("set_tags", run_id, {"tags": tags}, call)
 
 
 def run_url(run_id: str) -> str:
     """A link to the run in the MLflow UI (``moe-lab ui`` for the embedded store)."""
     uri = tracking_uri()
+    if pending.offline_reason() is not None or pending.is_local(run_id):
+        return f"(not in MLflow yet: `moe-lab sync {pending.journal_path().parent}` once {uri} is back)"
     run = client().get_run(run_id)
     base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
@@ -116,15 +185,21 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 def log_config(run_id: str, config: Any, prefix: str = "") -> None:
     """Every field of a (pydantic/dataclass/dict) config as params, and the whole config as JSON."""
+    params = flatten(config, prefix)
+    data = config.model_dump(mode="json") if hasattr(config, "model_dump") else flatten(config)
+    artifact_file = f"config/{prefix or 'config'}.json"
+    _send("log_params", run_id, {"params": params, "data": data, "artifact_file": artifact_file},
+          lambda: _log_params_now(run_id, params, data, artifact_file))
+
+
+def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_file: str) -> None:
     from mlflow.entities import Param
 
-    params = flatten(config, prefix)
     c = client()
     items = [Param(k, v) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i:i + 100])
-    data = config.model_dump(mode="json") if hasattr(config, "model_dump") else flatten(config)
-    c.log_dict(run_id, data, f"config/{prefix or 'config'}.json")
+    c.log_dict(run_id, data, artifact_file)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -140,12 +215,22 @@ def _finite(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 def log_metrics(run_id: str, metrics: Mapping[str, Any], step: int | None = None,
                 timestamp_ms: int | None = None, mlflow_client=None) -> int:
-    """Numbers only (other values are skipped); returns how many were logged."""
-    from mlflow.entities import Metric
-
+    """Numbers only (other values are skipped); returns how many were logged (or kept pending)."""
     values = _finite(metrics)
     ts = timestamp_ms or int(time.time() * 1000)
-    batch = [Metric(k, v, ts, step or 0) for k, v in values.items()]
+    if mlflow_client is not None:  # the telemetry sink: its own offline handling, events stay in metrics.jsonl
+        return send_metrics(run_id, values, step, ts, mlflow_client)
+    _send("log_metrics", run_id, {"metrics": values, "step": step, "timestamp_ms": ts},
+          lambda: send_metrics(run_id, values, step, ts))
+    return len(values)
+
+
+def send_metrics(run_id: str, values: Mapping[str, float], step: int | None, timestamp_ms: int,
+                 mlflow_client=None) -> int:
+    """Straight to MLflow (raises when it fails): the telemetry sink, the event follower and sync."""
+    from mlflow.entities import Metric
+
+    batch = [Metric(k, v, timestamp_ms, step or 0) for k, v in _finite(values).items()]
     c = mlflow_client or client()
     for i in range(0, len(batch), 1000):
         c.log_batch(run_id, metrics=batch[i:i + 1000])
@@ -154,20 +239,30 @@ def log_metrics(run_id: str, metrics: Mapping[str, Any], step: int | None = None
 
 def log_artifacts(run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:
     path = Path(local_path)
-    if path.is_dir():
-        client().log_artifacts(run_id, str(path), artifact_path)
-    elif path.is_file():
-        client().log_artifact(run_id, str(path), artifact_path)
-    else:
+    if not path.exists():
         raise FileNotFoundError(f"{path}: nothing to record in MLflow run {run_id}")
+
+    def call() -> None:
+        if path.is_dir():
+            client().log_artifacts(run_id, str(path), artifact_path)
+        else:
+            client().log_artifact(run_id, str(path), artifact_path)
+
+    _send("log_artifacts", run_id, {"path": str(path.resolve()), "artifact_path": artifact_path}, call)
 
 
 def log_text(run_id: str, text: str, artifact_file: str) -> None:
-    client().log_text(run_id, text, artifact_file)
+    _send("log_text", run_id, {"text": text, "artifact_file": artifact_file},
+          lambda: client().log_text(run_id, text, artifact_file))
 
 
 def log_dataset(run_id: str, data_dir: str | Path, context: str = "training") -> None:
     """Record a prepared-data directory with `mlflow.data`: per-split counts and the fingerprint, no text."""
+    _send("log_dataset", run_id, {"data_dir": str(Path(data_dir).resolve()), "context": context},
+          lambda: _log_dataset_now(run_id, data_dir, context))
+
+
+def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
     import mlflow.data
     import pandas as pd
     from mlflow.entities import DatasetInput, InputTag
@@ -190,33 +285,42 @@ def _in_run(run_id: str):
     return mlflow.start_run(run_id=run_id)  # ends (FINISHED) on exit: call on a stage run at its end
 
 
-def log_model(run_id: str, model_dir: str | Path, flavors: Iterable[str] = ("transformers", "pytorch")) -> dict[str, str]:
-    """Log a Hugging Face model directory in the given flavors; returns ``{flavor: model_uri}``. The run
-    is finished afterwards (MLflow's log_model needs it active)."""
+def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
+    """Log a Hugging Face model directory in MLflow's transformers flavor (``save_pretrained``: safetensors
+    weights, config and tokenizer, so loading it unpickles nothing); returns ``{"transformers": model_uri}``.
+    A directory without a tokenizer is logged as plain files under ``model`` (``{"files": runs:/...}``).
+    No pickled flavor is logged (MLflow's PyTorch flavor would be one). The run is finished afterwards
+    (MLflow's log_model needs it active). While MLflow is unreachable: ``{}``, and the model is pending."""
+    return _send("log_model", run_id, {"model_dir": str(Path(model_dir).resolve())},
+                 lambda: _log_model_now(run_id, model_dir), pending_result={})
+
+
+def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
     import mlflow
     import torch
 
     import moe_core  # noqa: F401  (registers model_type "moe_lab" with the Auto classes)
     from moe_core import MoEForCausalLM
 
+    if not (Path(model_dir) / "tokenizer_config.json").is_file():
+        client().log_artifacts(run_id, str(model_dir), "model")
+        return {"files": f"runs:/{run_id}/model"}
+    from moe_core.data.tokenizer import load_tokenizer
+
     model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    uris: dict[str, str] = {}
     with _in_run(run_id):
-        if "transformers" in flavors and (Path(model_dir) / "tokenizer_config.json").is_file():
-            from moe_core.data.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(model_dir)
-            info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="transformers",
-                                                 task="text-generation", pip_requirements=PIP_REQUIREMENTS)
-            uris["transformers"] = info.model_uri
-        if "pytorch" in flavors:
-            info = mlflow.pytorch.log_model(model, name="pytorch", serialization_format="pickle",
-                                            pip_requirements=PIP_REQUIREMENTS)
-            uris["pytorch"] = info.model_uri
-    return uris
+        info = mlflow.transformers.log_model({"model": model, "tokenizer": load_tokenizer(model_dir)},
+                                             name="transformers", task="text-generation",
+                                             pip_requirements=PIP_REQUIREMENTS)
+    return {"transformers": info.model_uri}
 
 
-def log_onnx_model(run_id: str, onnx_file: str | Path) -> str:
+def log_onnx_model(run_id: str, onnx_file: str | Path) -> str | None:
+    return _send("log_onnx_model", run_id, {"onnx_file": str(Path(onnx_file).resolve())},
+                 lambda: _log_onnx_model_now(run_id, onnx_file))
+
+
+def _log_onnx_model_now(run_id: str, onnx_file: str | Path) -> str:
     import mlflow.onnx
     import onnx
 
@@ -227,11 +331,22 @@ def log_onnx_model(run_id: str, onnx_file: str | Path) -> str:
 
 # ------------------------------------------------------------------------------------------------ registry
 def register(model_uri: str, name: str, tags: Mapping[str, Any] | None = None) -> str:
-    """A new version of registered model `name`; returns the version number."""
+    """A new version of registered model `name`; returns the version number. ``model_uri``: a logged
+    model (``models:/...``) or plain files of a run (``runs:/<run id>/<path>``, see `log_model`)."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
-    version = mlflow.register_model(model_uri, name, tags={k: str(v) for k, v in (tags or {}).items()})
-    return str(version.version)
+    tags = {k: str(v) for k, v in (tags or {}).items()}
+    if not model_uri.startswith("runs:/"):
+        return str(mlflow.register_model(model_uri, name, tags=tags).version)
+    c = client()
+    try:
+        c.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    run_id = model_uri[len("runs:/"):].split("/")[0]
+    return str(c.create_model_version(name, model_uri, run_id, tags=tags).version)
 
 
 def set_alias(name: str, alias: str, version: str) -> None:
@@ -258,6 +373,50 @@ def run_metric(run_id: str, key: str) -> float | None:
     return client().get_run(run_id).data.metrics.get(key)
 
 
+# ------------------------------------------------------------------------------------------------ pending
+def replay(entry: Mapping[str, Any], state: dict[str, Any]) -> str | None:
+    """Send one operation of a pending manifest (`tasks.pending`) to MLflow, mapping local run ids to the
+    runs created for them (``state["runs"]``, updated here, as are the logged models in ``state["models"]``).
+    Returns a note when the operation could not be sent (a file that is gone), else None."""
+    runs = state["runs"]
+
+    def real(run_id: str | None) -> str | None:
+        return runs.get(run_id, run_id) if run_id else run_id
+
+    op, run = entry["op"], real(entry.get("run"))
+    if op == "start_run":
+        tags = {**entry["tags"], "moe_lab.synced": "true"}
+        if "mlflow.parentRunId" in tags:
+            tags["mlflow.parentRunId"] = real(tags["mlflow.parentRunId"])
+        runs[entry["local"]] = client().create_run(experiment_id(), tags=tags, run_name=entry["name"]).info.run_id
+    elif op == "log_params":
+        _log_params_now(run, entry["params"], entry["data"], entry["artifact_file"])
+    elif op == "log_metrics":
+        send_metrics(run, entry["metrics"], entry["step"], entry["timestamp_ms"])
+    elif op == "set_tags":
+        for key, value in entry["tags"].items():
+            client().set_tag(run, key, value)
+    elif op == "end_run":
+        client().set_terminated(run, entry["status"])
+    elif op == "log_text":
+        client().log_text(run, entry["text"], entry["artifact_file"])
+    elif op in ("log_artifacts", "log_dataset", "log_model", "log_onnx_model"):
+        path = Path(entry.get("path") or entry.get("data_dir") or entry.get("model_dir") or entry["onnx_file"])
+        if not path.exists():
+            return f"{op}: {path} no longer exists; not uploaded"
+        if op == "log_artifacts":
+            (client().log_artifacts if path.is_dir() else client().log_artifact)(run, str(path), entry["artifact_path"])
+        elif op == "log_dataset":
+            _log_dataset_now(run, path, entry["context"])
+        elif op == "log_model":
+            state["models"][run] = _log_model_now(run, path)
+        else:
+            _log_onnx_model_now(run, path)
+    else:
+        raise ValueError(f"pending manifest: unknown operation {op!r}")
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ telemetry
 class MlflowSink:
     """A `moe_core.train.telemetry.MetricsSink` that forwards to an MLflow run from a background thread.
@@ -274,6 +433,8 @@ class MlflowSink:
         self._close_timeout = close_timeout
         self._queue: queue.Queue = queue.Queue()
         write_run_file(self.run_dir, run_id)
+        if pending.offline_reason() is not None or pending.is_local(run_id):  # MLflow already known down
+            self._go_offline(0, pending.offline_reason() or "the MLflow run is pending")
         self._thread = threading.Thread(target=self._forward, name="mlflow-sink", daemon=True)
         self._thread.start()
 
@@ -287,11 +448,15 @@ class MlflowSink:
                 continue
             step, metrics, ts = item
             try:
-                log_metrics(self.run_id, metrics, step, ts, mlflow_client=self._client)
+                send_metrics(self.run_id, metrics, step, ts, mlflow_client=self._client)
             except Exception as err:  # noqa: BLE001 - any failure: keep training, events stay in the JSONL
-                self.offline_from_step = step
-                self.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-                write_run_file(self.run_dir, self.run_id, offline_from_step=step, error=self.error)
+                self._go_offline(step, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                if self._client is None and (reason := probe()) is not None:
+                    pending.go_offline(reason)  # the flow's next records go straight to its pending manifest
+
+    def _go_offline(self, step: int, error: str) -> None:
+        self.offline_from_step, self.error = step, error
+        write_run_file(self.run_dir, self.run_id, offline_from_step=step, error=error)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -323,6 +488,9 @@ class EventFollower:
         self.skip_upto = self.last_step  # rows up to this step are sent already
         self.offline_from_step: int | None = None
         write_run_file(self.run_dir, run_id)
+        if pending.offline_reason() is not None or pending.is_local(run_id):
+            self.offline_from_step = 0
+            write_run_file(self.run_dir, run_id, offline_from_step=0, error=pending.offline_reason() or "pending")
 
     def poll(self) -> None:
         if self.offline_from_step is not None or not self.events.is_file():
@@ -344,8 +512,8 @@ class EventFollower:
                 row = None
             if row is not None:
                 try:
-                    log_metrics(self.run_id, {k: v for k, v in row.items() if k not in ("step", "time")},
-                                row.get("step"), int(row.get("time", time.time()) * 1000))
+                    send_metrics(self.run_id, {k: v for k, v in row.items() if k not in ("step", "time")},
+                                 row.get("step"), int(row.get("time", time.time()) * 1000))
                 except Exception as err:  # noqa: BLE001 - MLflow down: training goes on
                     self.offline_from_step = int(row.get("step", 0))
                     write_run_file(self.run_dir, self.run_id, offline_from_step=self.offline_from_step,
@@ -357,23 +525,37 @@ class EventFollower:
 
 def sync_events(run_dir: str | Path, run_id: str | None = None, everything: bool = False) -> tuple[str, int]:
     """`moe-lab sync`: upload a run directory's ``metrics.jsonl`` to MLflow, from the step where its sink
-    went offline (or all of it with ``everything``, or when no run was ever recorded). Returns
-    (run id, events uploaded)."""
+    went offline (or all of it with ``everything``, or when no run was ever recorded). What was uploaded is
+    remembered (``synced_through_step`` in ``mlflow_run.json``), so a second sync sends only newer events.
+    Returns (run id, events uploaded)."""
+
     run_dir = Path(run_dir)
     events = run_dir / "metrics.jsonl"
     if not events.is_file():
         raise FileNotFoundError(f"{events} not found; pass a training output directory (it holds metrics.jsonl)")
     info = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).is_file() else {}
-    run_id = run_id or info.get("run_id")
+    recorded = info.get("run_id")
+    run_id = run_id or (None if pending.is_local(recorded) else recorded)
     if run_id is None:
         run_id = start_run(f"sync:{run_dir.name}", tags={"moe_lab.synced_from": str(run_dir.resolve())})
         everything = True
-    start = 0 if everything else int(info.get("offline_from_step") or 0)
-    uploaded = 0
-    for row in read_jsonl(events):  # a torn last line (a crash or a full disk mid-append) is left out
-        if row.get("step", 0) >= start:
-            log_metrics(run_id, {k: v for k, v in row.items() if k not in ("step", "time")}, row.get("step"),
-                        int(row.get("time", time.time()) * 1000))
-            uploaded += 1
-    write_run_file(run_dir, run_id, synced_at=time.time())
+    if everything:
+        after = -1
+    elif info.get("offline_from_step") is None:
+        after = None  # the sink never went offline: MLflow has every event
+    else:
+        after = max(int(info["offline_from_step"]) - 1, int(info.get("synced_through_step", -1)))
+    uploaded, last = 0, info.get("synced_through_step")
+    if after is not None:
+        for row in read_jsonl(events):
+            if "step" in row and int(row["step"]) > after:
+                send_metrics(run_id, {k: v for k, v in row.items() if k not in ("step", "time")}, row["step"],
+                             int(row.get("time", time.time()) * 1000))
+                uploaded += 1
+                last = max(int(row["step"]), last if last is not None else -1)
+    extra = {k: v for k, v in info.items() if k not in ("run_id", "tracking_uri")}
+    extra.update(synced_at=time.time(), synced_through_step=last)
+    if everything and last is None:
+        extra.pop("synced_through_step")
+    write_run_file(run_dir, run_id, **extra)
     return run_id, uploaded

@@ -41,7 +41,7 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
         tracking.log_artifacts(run_id, latest_checkpoint(out / "checkpoints"), "checkpoint")
         models = tracking.log_model(run_id, out / "final") if log_model else {}
     return {**summary, "run_id": run_id, "out_dir": str(out), "export_dir": str(out / "final"),
-            "model_uri": models.get("transformers") or models.get("pytorch")}
+            "model_uri": models.get("transformers") or models.get("files")}
 
 
 def _train_in_process_group(config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool) -> None:

@@ -14,6 +14,8 @@ def test_decide_lower_and_higher_is_better():
     assert decide(0.80, 0.70, 0.1, True)[0] is True
     assert decide(0.75, 0.70, 0.1, True)[0] is False
     assert decide(None, 10.0, 0.0, False)[0] is False
+    assert decide(float("nan"), 10.0, 0.0, False)[0] is False
+    assert decide(float("nan"), None, 0.0, False)[0] is False  # not even as the first champion
 
 
 def test_promotion_gate_promotes_and_refuses(lab_env):
@@ -35,7 +37,9 @@ def test_promotion_gate_promotes_and_refuses(lab_env):
     client.create_registered_model(name)
 
     def new_version(ppl: float) -> str:
-        version = client.create_model_version(name, source, run_id, tags={"metric.eval.validation_ppl": str(ppl)})
+        version = client.create_model_version(name, source, run_id, tags={"metric.eval.validation_ppl": str(ppl),
+                                                                          "eval.text_sha256": "same text",
+                                                                          "eval.tokenizer_sha256": "same tokenizer"})
         return str(version.version)
 
     gate = dict(name=name, metric="eval.validation_ppl", margin=0.02, higher_is_better=False, parent_run_id=run_id)

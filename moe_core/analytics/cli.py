@@ -52,6 +52,8 @@ def add_cli(subparsers) -> None:
     an.add_argument("--max-batches", type=int, default=16)
     an.add_argument("--out", required=True, help="output directory: profile/, plots/, cost.json, cost.md")
     an.add_argument("--top-tokens", type=int, default=10)
+    an.add_argument("--vocab-pieces", action="store_true",
+                    help="write each top token's vocabulary piece (string) beside its id and count")
     an.add_argument("--rare-fraction", type=float, default=0.1)
     an.add_argument("--no-plots", action="store_true")
     an.add_argument("--text", default=None, help="text for the token-to-expert heatmap (default: a project prompt)")
@@ -212,7 +214,8 @@ def run_analyze(args) -> int:
     model = load_model(args, vocab_size=_data_vocab(args))
     tokenizer = _tokenizer(args, required=False)
     profile = profile_split(model, args.data, args.split, args.batch_size, args.max_batches,
-                            ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction), tokenizer)
+                            ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction,
+                                          include_vocab_pieces=args.vocab_pieces), tokenizer)
     profile.to_dir(out / "profile")
     summary = profile.summary()
     print(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])))

@@ -21,7 +21,7 @@ for ``expert_choice`` a dropped slot is an expert that did not pick the token):
 - ``[E, C]`` kept slots per token class and ``[E, M]`` per document domain; their mutual information with
   the expert choice, in bits, is taken over kept slots (a token with K kept slots counts K times).
 - top tokens per expert: the most frequent token ids among its kept slots, with their decoded strings
-  (vocabulary entries, never running text).
+  (vocabulary entries, never running text) only when ``ProfileConfig.include_vocab_pieces`` asks for them.
 
 A `RouterProfile` is saved as a versioned directory (`to_dir`, written to a temporary directory and renamed
 into place) that the inference-optimization work reads back with `RouterProfile.from_dir`::
@@ -73,6 +73,9 @@ class ProfileConfig:
     top_tokens: int = 10  # most frequent token ids kept per expert
     rare_fraction: float = 0.1  # an expert below this fraction of the mean load is "rare"
     max_batches: int | None = None  # stop after this many batches (None: the whole iterable)
+    # decode each top token id into its vocabulary piece (a string from the tokenizer). Off by default:
+    # pieces with counts say which words a corpus uses, so whoever records a profile (MLflow) opts in.
+    include_vocab_pieces: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_tokens, int) or self.top_tokens < 0:
@@ -504,7 +507,8 @@ class ProfileCollector:
                     n = min(n_top, int((counts_V > 0).sum()))
                     # sort by count, ties by token id, so the order does not depend on the sort algorithm
                     order = np.lexsort((np.arange(acc.V), -counts_V.numpy()))[:n]
-                    strings = (self.tokenizer.decode([int(t)]) for t in order) if self.tokenizer else (None,) * n
+                    decode = self.tokenizer is not None and self.profile_config.include_vocab_pieces
+                    strings = (self.tokenizer.decode([int(t)]) for t in order) if decode else (None,) * n
                     top_tokens.append([TopToken(int(t), int(counts_V[t]), s) for t, s in zip(order, strings)])
             layers.append(LayerProfile(
                 layer_id=layer_id, num_experts=acc.E, slots_per_token=acc.K, tokens=acc.tokens,

@@ -7,6 +7,7 @@ generations for a fixed project-owned prompt set, and an lm-evaluation-harness a
     results = evaluate_splits(model, "runs/data", splits=("validation", "test"))
     print(results["validation"].perplexity)
 
-Modules: `batches` (fixed-order evaluation batches from prepared data), `perplexity`, `prompts`,
-`generate`, `harness` (needs ``lm-eval``; imported only when used).
+Modules: `batches` (fixed-order evaluation batches from prepared data), `perplexity`, `bits_per_byte`
+(a loss comparable across tokenizers), `finite` (NaN/inf weights in a saved model), `prompts`, `generate`,
+`harness` (needs ``lm-eval``; imported only when used).
 """
