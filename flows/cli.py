@@ -119,10 +119,8 @@ def _read_params_file(path: str) -> dict:
 
 def _apply_override(data: dict, item: str) -> None:
     """``a.b.c=value`` into ``data``: sections are created when absent, never written through a value."""
-    import yaml
-
     from flows.params import FlowParamsError
-    from moe_core.configfile import parse_value
+    from moe_core.configfile import ValueSyntaxError, parse_value
 
     key, sep, raw = item.partition("=")
     parts = key.split(".")
@@ -138,8 +136,8 @@ def _apply_override(data: dict, item: str) -> None:
         node = child
     try:
         node[parts[-1]] = parse_value(raw)
-    except yaml.YAMLError as err:
-        raise FlowParamsError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(err).split())}") from None
+    except ValueSyntaxError as err:
+        raise FlowParamsError(f"--set {item!r}: {err}") from None
 
 
 def run_flow(args) -> int:

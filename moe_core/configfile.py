@@ -23,11 +23,18 @@ from moe_core.errors import MoELabError, did_you_mean
 _YAML_WORDS = ("on", "off", "yes", "no", "y", "n")
 
 
+class ValueSyntaxError(MoELabError):
+    """A ``--set`` value that is not valid YAML (``[1,`` or ``{a: }``)."""
+
+
 def parse_value(raw: str) -> Any:
     """A ``--set`` value parsed as YAML (``3``, ``1e-3``, ``true``, ``[1, 2]``), with numbers as numbers."""
     if not raw:
         return None
-    value = raw if raw.lower() in _YAML_WORDS else yaml.safe_load(raw)
+    try:
+        value = raw if raw.lower() in _YAML_WORDS else yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ValueSyntaxError(f"the value is not valid YAML: {' '.join(str(err).split())}") from None
     if isinstance(value, str):
         try:
             return float(value)  # YAML 1.1 reads "1e-3" as a string
@@ -95,7 +102,10 @@ class ConfigFile:
             if leaf not in node and not free_form:
                 hint = f"; see `moe-lab {self.command} --help`" if self.command else ""
                 raise self.error_cls(f"--set {item!r}: unknown field {key!r}{did_you_mean(leaf, node)}{hint}")
-            node[leaf] = parse_value(raw)
+            try:
+                node[leaf] = parse_value(raw)
+            except ValueSyntaxError as err:
+                raise self.error_cls(f"--set {item!r}: {err}") from None
         return self.build(data, where="--set")
 
     def to_json(self) -> str:

@@ -1,6 +1,7 @@
 """TrainConfig: typed, checks itself, --set overrides, round-trips through JSON; LR schedules; FLOPs."""
 
 import math
+import re
 
 import pytest
 
@@ -33,9 +34,11 @@ def test_overrides_are_typed_and_nested():
     ("steps=-1", "steps"),
     ("precision=fp8", "precision"),
     ("nokey", "expected key=value"),
+    ("optim.betas=[0.9,", "'optim.betas=[0.9,': the value is not valid YAML"),  # malformed YAML: no traceback
+    ("model.overrides.num_experts={a: ", "the value is not valid YAML"),
 ])
 def test_bad_overrides_name_the_field(item, fragment):
-    with pytest.raises(TrainConfigError, match=fragment.replace(".", r"\.")):
+    with pytest.raises(TrainConfigError, match=re.escape(fragment)):
         TrainConfig().with_overrides([item])
 
 
