@@ -35,6 +35,7 @@ import torch
 from moe_core.errors import MoELabError
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
+from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token, peak_flops
@@ -397,6 +398,8 @@ class Trainer:
             return
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.sinks = [JsonlSink(self.metrics_path)]
+        self.monitor = RoutingMonitor(self.out_dir, self.moe_layer_ids, self.model_config.num_experts,
+                                      self.config.log.alerts, self.model.routers())
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
@@ -440,6 +443,7 @@ class Trainer:
                     metrics.update(self._interval_metrics(interval, stats))
                     last_loss = metrics.get("loss", last_loss)
                     if st.is_main:
+                        metrics.update(self.monitor.observe(self.step, metrics))  # alerts, biases, load log
                         self._log(metrics)
                         history.append({"step": self.step, **metrics})
                     interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
@@ -503,5 +507,7 @@ class Trainer:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
         par.shutdown_parallel(self.state)
