@@ -14,7 +14,8 @@ Alerts are plain numbers in the run's event file (``metrics.jsonl``), so the das
 ``moe-lab sync`` see them without a second format; a line on stderr marks when one is first raised.
 
 It also appends one float32 row per logging step to ``routing_loads.f32`` (layout in ``routing_loads.json``):
-``[step, tokens, then per MoE layer: E expert shares, drop_rate, entropy, max_over_mean, E biases]``. A long
+``[step, tokens, then per MoE layer: E expert shares, drop_rate, entropy, max_over_mean, E biases
+(aux-free routers only)]``. A long
 run (100k steps x 24 layers x 128 experts) is then read by memory-mapping instead of parsing millions of
 JSON keys; a reader uses only whole rows (``size // row_bytes``), so a torn last row is never seen.
 """
@@ -46,21 +47,25 @@ class AlertThresholds(BaseModel):
     drop_rate: float = Field(0.2, gt=0, le=1)  # dropped slots over this fraction
 
 
-def sidecar_header(layer_ids: list[int], num_experts: int) -> dict:
-    per_layer = 2 * num_experts + len(LAYER_STATS)
+def sidecar_header(layer_ids: list[int], num_experts: int, bias: bool) -> dict:
+    """Row layout: ``[step, tokens]`` then ``per_layer_floats`` per MoE layer (column ranges in ``per_layer``)."""
+    stats = len(LAYER_STATS)
+    per_layer = num_experts + stats + (num_experts if bias else 0)
+    columns = {"frac": [0, num_experts], **{name: num_experts + k for k, name in enumerate(LAYER_STATS)}}
+    if bias:
+        columns["bias"] = [num_experts + stats, per_layer]
     return {"version": 1, "dtype": "float32", "layers": list(layer_ids), "experts": num_experts,
-            "row": ["step", "tokens"] + [f"layer_{i}" for i in layer_ids],
-            "per_layer": {"frac": [0, num_experts], **{name: num_experts + k for k, name in enumerate(LAYER_STATS)},
-                          "bias": [num_experts + len(LAYER_STATS), per_layer]},
-            "row_floats": 2 + len(layer_ids) * per_layer}
+            "per_layer": columns, "per_layer_floats": per_layer, "row_floats": 2 + len(layer_ids) * per_layer}
 
 
 class RoutingMonitor:
     """Alerts, biases and the binary load log of one run; see the module docstring."""
 
     def __init__(self, out_dir: str | Path, layer_ids: list[int], num_experts: int,
-                 thresholds: AlertThresholds, routers: list | None = None, stream=None) -> None:
+                 thresholds: AlertThresholds, routers: list | None = None, routing_stats=None,
+                 stream=None) -> None:
         self.layer_ids, self.E = list(layer_ids), num_experts
+        self.routing_stats = routing_stats  # `telemetry.RoutingStats`: shares even with log.per_expert off
         self.thresholds = thresholds
         self.routers = list(routers or [])
         self.stream = stream or sys.stderr
@@ -69,7 +74,8 @@ class RoutingMonitor:
         self._file = None
         if self.layer_ids:
             out = Path(out_dir)
-            header = sidecar_header(self.layer_ids, num_experts)
+            self.has_bias = any(getattr(r, "expert_bias", None) is not None for r in self.routers)
+            header = sidecar_header(self.layer_ids, num_experts, self.has_bias)
             tmp = out / f".{SIDECAR_HEADER}.tmp-{os.getpid()}"
             tmp.write_text(json.dumps(header, indent=1))
             os.replace(tmp, out / SIDECAR_HEADER)
@@ -104,6 +110,10 @@ class RoutingMonitor:
             for e in range(self.E):
                 shares_LE[i, e] = metrics.get(prefix + f"expert_{e}_frac", np.nan)
                 bias_LE[i, e] = added.get(prefix + f"expert_{e}_bias", np.nan)
+        last = getattr(self.routing_stats, "last_sums_LX", None)
+        if last is not None and last.shape[0] == len(self.layer_ids):
+            slots_L1 = last[:, : self.E].sum(-1, keepdim=True)
+            shares_LE = (last[:, : self.E] / slots_L1).numpy()  # a layer that saw no slots: NaN, not dead
         if self.thresholds.enabled:
             added.update(self._alerts(shares_LE, stats_LS, step))
         self._append_row(step, metrics.get("tokens", np.nan), shares_LE, stats_LS, bias_LE)
@@ -128,7 +138,8 @@ class RoutingMonitor:
         return out
 
     def _append_row(self, step, tokens, shares_LE, stats_LS, bias_LE) -> None:
-        per_layer = np.concatenate([shares_LE, stats_LS, bias_LE], axis=1)
+        parts = [shares_LE, stats_LS] + ([bias_LE] if self.has_bias else [])
+        per_layer = np.concatenate(parts, axis=1)
         row = np.concatenate([[step, tokens], per_layer.reshape(-1)]).astype(np.float32)
         self._file.write(row.tobytes())
         self._file.flush()

@@ -1,0 +1,297 @@
+"""What the dashboard reads: run directories under the runs roots, tailed incrementally, and downsampled.
+
+A training run is a directory holding ``metrics.jsonl`` (the trainer's event file; ``metrics.rank<r>.jsonl``
+beside it where ranks write their own) and, from the trainer's `RoutingMonitor`, ``routing_loads.f32``: the
+per-layer expert loads as float32 rows, memory-mapped here. An inference run holds ``inference.jsonl``.
+
+Safety: a run is addressed by an opaque id that maps to a directory found by walking the roots; no request
+ever builds a path from user input, and a directory (or symlink) resolving outside its root is skipped.
+Only numbers are read from event files: string values (there should be none) are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson  # a Prefect dependency; parses the event file ~4x faster than json
+
+from moe_core.train.alerts import read_sidecar
+
+EVENTS = "metrics.jsonl"
+INFERENCE_EVENTS = "inference.jsonl"
+LIVE_SECONDS = 30.0  # a run whose event file changed this recently is shown as live
+MAX_DEPTH = 4  # how deep under a root run directories are looked for
+
+
+def run_id(root_index: int, rel: str) -> str:
+    return hashlib.sha1(f"{root_index}:{rel}".encode()).hexdigest()[:12]
+
+
+@dataclass
+class Column:
+    """One metric over the rows of an event file: steps and values, grown in place."""
+
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+
+class EventTail:
+    """Parses only what was appended to a JSONL event file since the last call (whole lines only)."""
+
+    def __init__(self, path: Path, skip_prefixes: tuple[str, ...] = ()) -> None:
+        self.path, self.offset, self.skip = path, 0, skip_prefixes
+        self.rows = 0
+        self.columns: dict[str, Column] = {}
+        self.alerts: dict[str, dict] = {}  # alert key -> first/last step and value
+        self.last_time: float | None = None
+
+    def poll(self) -> list[dict]:
+        """New complete rows (numbers only), also folded into `columns`."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:  # the file was replaced: start over
+            self.__init__(self.path, self.skip)
+        if size == self.offset:
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        new = []
+        for line in data[: end + 1].splitlines():
+            if not line.strip():
+                continue
+            try:
+                raw = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a torn line (a crash mid-write): skip it, keep the rest
+            if not isinstance(raw, dict) or not isinstance(raw.get("step"), int | float):
+                continue
+            step = float(raw["step"])
+            row = {"step": step}
+            for key, value in raw.items():
+                if isinstance(value, bool) or not isinstance(value, int | float) or key == "step":
+                    continue
+                if key.startswith("alert/"):
+                    seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
+                    seen["last_step"], seen["value"] = step, value
+                    row[key] = value
+                    continue
+                if key == "time":
+                    self.last_time = value
+                row[key] = value
+                if self.skip and key.startswith(self.skip):
+                    continue
+                col = self.columns.get(key)
+                if col is None:
+                    col = self.columns[key] = Column()
+                col.steps.append(step)
+                col.values.append(float(value))
+            self.rows += 1
+            new.append(row)
+        return new
+
+
+class RunData:
+    """One run directory: its event files tailed, its load log mapped, its config and checkpoints."""
+
+    def __init__(self, rid: str, path: Path, root: Path, name: str) -> None:
+        self.id, self.path, self.root, self.name = rid, path, root, name
+        self.lock = threading.Lock()
+        self.kind = "train" if (path / EVENTS).is_file() else "inference"
+        # per-expert keys live in the load log when there is one: do not keep a second copy in memory
+        self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS),
+                              skip_prefixes=("moe/",))
+        self.rank_tails = [EventTail(p, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))]
+        self._sidecar_rows = 0
+        self._steps = np.zeros(0, dtype=np.float64)
+
+    # ------------------------------------------------------------------ reading
+    def refresh(self) -> list[dict]:
+        with self.lock:
+            for t in self.rank_tails:
+                t.poll()
+            return self.tail.poll()
+
+    def sidecar(self):
+        found = read_sidecar(self.path)
+        if found is None:
+            return None, None, None
+        header, rows = found
+        n = rows.shape[0]
+        if n != self._sidecar_rows:  # read only the new rows' step column
+            with self.lock:
+                if n > self._sidecar_rows:
+                    self._steps = np.concatenate([self._steps, np.asarray(rows[self._sidecar_rows:, 0], np.float64)])
+                else:
+                    self._steps = np.asarray(rows[:, 0], np.float64)
+                self._sidecar_rows = n
+        return header, rows, self._steps[:n]
+
+    def is_live(self) -> bool:
+        try:
+            mtime = self.tail.path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return time.time() - mtime < LIVE_SECONDS
+
+    def config(self) -> dict | None:
+        """The training config (from the newest checkpoint that has one); numbers and names, no text."""
+        ckpts = self.checkpoints()
+        for ck in reversed(ckpts):
+            file = self.path / "checkpoints" / ck["name"] / "train_config.json"
+            if file.is_file() and _inside(file, self.root):
+                return orjson.loads(file.read_bytes())
+        return None
+
+    def checkpoints(self) -> list[dict]:
+        root = self.path / "checkpoints"
+        out = []
+        if root.is_dir():
+            for d in sorted(root.iterdir()):
+                if d.is_dir() and d.name.startswith("step_") and not d.name.startswith("."):
+                    try:
+                        step = int(d.name.split("_")[1])
+                    except (IndexError, ValueError):
+                        continue
+                    out.append({"name": d.name, "step": step, "time": d.stat().st_mtime})
+        return sorted(out, key=lambda c: c["step"])
+
+    def summary(self) -> dict:
+        self.refresh()
+        header, rows, steps = self.sidecar()
+        last_step = self.tail.columns.get("tokens", Column()).steps[-1:] or [None]
+        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(),
+                "last_step": last_step[0], "rows": self.tail.rows, "metrics": sorted(self.tail.columns),
+                "layers": header["layers"] if header else [], "experts": header["experts"] if header else 0,
+                "has_bias": bool(header and "bias" in header["per_layer"]),
+                "routing_rows": 0 if rows is None else int(rows.shape[0]),
+                "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
+                "ranks": len(self.rank_tails) or 1}
+
+    def listing(self) -> dict:
+        try:
+            mtime = self.tail.path.stat().st_mtime
+        except FileNotFoundError:
+            mtime = 0.0
+        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(), "mtime": mtime,
+                "root": str(self.root)}
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+class RunRegistry:
+    """The runs found under the roots, by id; rescanned when asked for a listing (cheap: a directory walk)."""
+
+    def __init__(self, roots: list[str | Path]) -> None:
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
+        self.runs: dict[str, RunData] = {}
+        self.lock = threading.Lock()
+
+    def scan(self) -> list[RunData]:
+        found: dict[str, RunData] = {}
+        for i, root in enumerate(self.roots):
+            if not root.is_dir():
+                continue
+            for path in self._walk(root, 0):
+                rel = path.relative_to(root).as_posix() or "."
+                rid = run_id(i, rel)
+                name = rel if rel != "." else root.name
+                with self.lock:
+                    found[rid] = self.runs.get(rid) or RunData(rid, path, root, name)
+        with self.lock:
+            self.runs = found
+        return sorted(found.values(), key=lambda r: r.listing()["mtime"], reverse=True)
+
+    def _walk(self, directory: Path, depth: int):
+        root = self.roots[0]
+        for r in self.roots:
+            if _inside(directory, r):
+                root = r
+                break
+        if not _inside(directory, root):  # a symlink out of the root
+            return
+        if (directory / EVENTS).is_file() or (directory / INFERENCE_EVENTS).is_file():
+            yield directory
+        if depth >= MAX_DEPTH:
+            return
+        try:
+            children = sorted(directory.iterdir())
+        except OSError:
+            return
+        for child in children:
+            if child.name.startswith(".") or child.name in ("checkpoints", "final", "data"):
+                continue
+            if child.is_symlink() and not _inside(child, root):
+                continue
+            if child.is_dir():
+                yield from self._walk(child, depth + 1)
+
+    def get(self, rid: str) -> RunData | None:
+        with self.lock:
+            run = self.runs.get(rid)
+        if run is None:
+            self.scan()
+            with self.lock:
+                run = self.runs.get(rid)
+        return run
+
+
+# ---------------------------------------------------------------------------------------------- downsampling
+def bucket_edges(n: int, points: int) -> np.ndarray:
+    """Start index of each of at most ``points`` equal buckets over ``n`` rows."""
+    if n <= points:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n, points, endpoint=False).astype(np.int64))
+
+
+def downsample_series(steps: np.ndarray, values: np.ndarray, points: int) -> dict:
+    """Bucket means with min and max per bucket (so a spike is never averaged away), NaN-aware."""
+    n = len(steps)
+    if n <= points:
+        return {"x": steps.tolist(), "y": _clean(values), "min": None, "max": None}
+    edges = bucket_edges(n, points)
+    counts = np.diff(np.append(edges, n))
+    finite = np.isfinite(values)
+    safe = np.where(finite, values, 0.0)
+    sums = np.add.reduceat(safe, edges)
+    nums = np.add.reduceat(finite.astype(np.float64), edges)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums / nums
+    lo = np.minimum.reduceat(np.where(finite, values, np.inf), edges)
+    hi = np.maximum.reduceat(np.where(finite, values, -np.inf), edges)
+    x = np.add.reduceat(steps, edges) / counts
+    return {"x": x.tolist(), "y": _clean(mean), "min": _clean(lo), "max": _clean(hi)}
+
+
+def downsample_rows(rows_NC: np.ndarray, points: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bucket means of a ``[rows, columns]`` block; returns (edges, means[buckets, columns])."""
+    n = rows_NC.shape[0]
+    edges = bucket_edges(n, points)
+    if n <= points:
+        return edges, np.asarray(rows_NC, dtype=np.float64)
+    counts = np.diff(np.append(edges, n))[:, None]
+    block = np.nan_to_num(np.asarray(rows_NC, dtype=np.float64), nan=0.0)
+    return edges, np.add.reduceat(block, edges, axis=0) / counts
+
+
+def _clean(values) -> list:
+    """JSON-safe floats: NaN and infinities become null."""
+    return [v if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).tolist()]
