@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import orjson  # a Prefect dependency; parses the event file ~4x faster than json
 
-from moe_core.train.alerts import read_sidecar
+from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
 
 EVENTS = "metrics.jsonl"
 INFERENCE_EVENTS = "inference.jsonl"
@@ -44,8 +44,8 @@ class Column:
 class EventTail:
     """Parses only what was appended to a JSONL event file since the last call (whole lines only)."""
 
-    def __init__(self, path: Path, skip_prefixes: tuple[str, ...] = ()) -> None:
-        self.path, self.offset, self.skip = path, 0, skip_prefixes
+    def __init__(self, path: Path, root: Path, skip_prefixes: tuple[str, ...] = ()) -> None:
+        self.path, self.root, self.offset, self.skip = path, root, 0, skip_prefixes
         self.rows = 0
         self.columns: dict[str, Column] = {}
         self.alerts: dict[str, dict] = {}  # alert key -> first/last step and value
@@ -53,12 +53,14 @@ class EventTail:
 
     def poll(self) -> list[dict]:
         """New complete rows (numbers only), also folded into `columns`."""
+        if not _inside(self.path, self.root):  # checked on every read: a symlink swapped in later is refused
+            return []
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
             return []
         if size < self.offset:  # the file was replaced: start over
-            self.__init__(self.path, self.skip)
+            self.__init__(self.path, self.root, self.skip)
         if size == self.offset:
             return []
         with self.path.open("rb") as f:
@@ -109,11 +111,12 @@ class RunData:
     def __init__(self, rid: str, path: Path, root: Path, name: str) -> None:
         self.id, self.path, self.root, self.name = rid, path, root, name
         self.lock = threading.Lock()
-        self.kind = "train" if (path / EVENTS).is_file() else "inference"
+        self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
         # per-expert keys live in the load log when there is one: do not keep a second copy in memory
-        self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS),
+        self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root,
                               skip_prefixes=("moe/",))
-        self.rank_tails = [EventTail(p, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))]
+        self.rank_tails = [EventTail(p, root, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))
+                           if _inside(p, root)]
         self._sidecar_rows = 0
         self._steps = np.zeros(0, dtype=np.float64)
 
@@ -125,6 +128,8 @@ class RunData:
             return self.tail.poll()
 
     def sidecar(self):
+        if not all(_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
+            return None, None, None  # a symlink out of the runs root is never followed
         found = read_sidecar(self.path)
         if found is None:
             return None, None, None
@@ -228,7 +233,8 @@ class RunRegistry:
                 break
         if not _inside(directory, root):  # a symlink out of the root
             return
-        if (directory / EVENTS).is_file() or (directory / INFERENCE_EVENTS).is_file():
+        events = [directory / EVENTS, directory / INFERENCE_EVENTS]
+        if any(f.is_file() and _inside(f, root) for f in events):  # a symlinked event file must stay inside
             yield directory
         if depth >= MAX_DEPTH:
             return

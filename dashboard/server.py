@@ -27,9 +27,8 @@ import numpy as np
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from moe_core.train.alerts import LAYER_STATS
-
 from dashboard.runs import RunData, RunRegistry, _clean, downsample_rows, downsample_series
+from moe_core.train.alerts import LAYER_STATS
 
 STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
