@@ -89,7 +89,7 @@ def start_beside(roots: list[str | Path], host: str = "127.0.0.1", port: int = 0
     it answers. The caller terminates it (or leaves it running for the user)."""
     token = resolve_token(host, token)
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "moe_core.cli", "dashboard", "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "dashboard.cli", "--host", host, "--port", str(port)]  # skips the dispatcher
     for root in roots:
         cmd += ["--runs", str(root)]
     env = dict(os.environ)
@@ -110,3 +110,21 @@ def start_beside(roots: list[str | Path], host: str = "127.0.0.1", port: int = 0
             time.sleep(0.2)
     proc.terminate()
     raise DashboardError(f"the dashboard did not answer on {url} within {wait_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dashboard.cli``: the ``moe-lab dashboard`` command alone (a faster start beside a job)."""
+    parser = argparse.ArgumentParser(prog="moe-lab")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["dashboard", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except MoELabError as err:
+        print(f"moe-lab dashboard: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
