@@ -14,6 +14,7 @@ Endpoints (all GET):
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
+    /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from dashboard import analysis
 from dashboard.runs import RunData, RunRegistry, _clean, downsample_rows, downsample_series
 from moe_core.train.alerts import LAYER_STATS
 
@@ -135,6 +137,20 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         last = np.asarray(rows[-1], dtype=np.float64)
         frac = [_clean(last[2 + i * width: 2 + i * width + E]) for i in range(len(header["layers"]))]
         return {"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac}
+
+    # ------------------------------------------------------------------ analysis
+    @app.get("/api/runs/{rid}/specialization")
+    def specialization(rid: str):
+        return {"run": rid, "profile": analysis.specialization(run_or_404(rid))}
+
+    @app.get("/api/runs/{rid}/cost")
+    def cost(rid: str):
+        run = run_or_404(rid)
+        run.refresh()
+        latest = {k: run.tail.columns[k].values[-1] for k in ("flops_per_token", "tokens_per_s", "mfu",
+                                                              "tflops_per_device", "tokens")
+                  if k in run.tail.columns and run.tail.columns[k].values}
+        return {"run": rid, "report": analysis.cost(run), "training": latest}
 
     # ------------------------------------------------------------------ live
     @app.get("/api/runs/{rid}/stream")

@@ -225,3 +225,46 @@ def test_text_in_an_event_file_is_never_served(tmp_path):
         resp = c.get(path)
         assert resp.status_code == 200 and "SECRET" not in resp.text
     assert c.get(f"/api/runs/{rid}/scalars?keys=loss").json()["series"]["loss"]["y"] == [2.0, 1.5]
+
+
+def test_specialization_and_cost_from_the_runs_saved_analysis(client, runs_root):
+    """A real router profile and cost report beside a run (where `moe-lab analyze` writes them); served as
+    numbers, never the profile's vocabulary strings."""
+    import torch
+
+    from moe_core.analytics.cost import cost_report
+    from moe_core.analytics.profile import collect_profile
+    from moe_core.model import MoEForCausalLM
+    from moe_core.train.checkpoint import latest_checkpoint
+
+    run_dir = runs_root / "group" / "topk"
+    model = MoEForCausalLM.from_pretrained(latest_checkpoint(run_dir / "checkpoints"))
+    batches = [torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]
+    profile = collect_profile(model, batches)
+    profile.to_dir(run_dir / "analysis" / "profile")
+    report = cost_report(model.config, 1000.0, "cpu", seq_len=32)
+    (run_dir / "analysis" / "cost.json").write_text(json.dumps(report.to_dict(), default=str))
+
+    rid = run_ids(client)["group/topk"]
+    spec = client.get(f"/api/runs/{rid}/specialization").json()["profile"]
+    assert [x["layer"] for x in spec["layers"]] == [0, 1]
+    layer = spec["layers"][0]
+    assert sum(layer["share"]) == pytest.approx(1.0)
+    assert layer["share"] == pytest.approx(profile.layers[0].share_E.tolist())
+    assert layer["mi_class_bits"] == pytest.approx(profile.layers[0].mi_class_bits)
+    assert len(layer["class_share"]) == 8 and len(layer["class_share"][0]) == len(spec["classes"])
+    used = [e for e in range(8) if profile.layers[0].kept_E[e] > 0]
+    assert all(layer["coactivation"][e][e] == 1.0 for e in used)  # P(e used | e used)
+    assert spec["flows"][0]["from_layer"] == 0 and len(spec["flows"][0]["top1"]) == 8
+    top_token = profile.layers[0].top_tokens[used[0]][0].token
+    resp = client.get(f"/api/runs/{rid}/specialization")
+    assert "top_tokens" not in resp.text and (not top_token or f'"{top_token}"' not in resp.text)
+
+    cost = client.get(f"/api/runs/{rid}/cost").json()
+    assert cost["report"]["device"] == "cpu"
+    assert cost["report"]["usd_per_million_tokens"] == pytest.approx(report.usd_per_million_tokens)
+    assert cost["report"]["flop_saving"] == pytest.approx(report.flop_saving)
+    assert cost["training"]["flops_per_token"] > 0
+    other = run_ids(client)["auxfree-dead"]
+    assert client.get(f"/api/runs/{other}/specialization").json()["profile"] is None
