@@ -66,3 +66,24 @@ def serve(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def write_analysis(run_dir: Path):
+    """A real router profile and cost report under ``<run>/analysis`` (where `moe-lab analyze` writes them)."""
+    import json
+
+    import torch
+
+    from moe_core.analytics.cost import cost_report
+    from moe_core.analytics.profile import TOKEN_CLASSES, RouterProfile, collect_profile
+    from moe_core.model import MoEForCausalLM
+    from moe_core.train.checkpoint import latest_checkpoint
+
+    model = MoEForCausalLM.from_pretrained(latest_checkpoint(run_dir / "checkpoints"))
+    batches = [torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]
+    classes_V = torch.arange(model.config.vocab_size) % len(TOKEN_CLASSES)  # synthetic ids: a fixed class each
+    collect_profile(model, batches, token_classes_V=classes_V).to_dir(run_dir / "analysis" / "profile")
+    report = cost_report(model.config, 1000.0, "cpu", seq_len=32)
+    (run_dir / "analysis" / "cost.json").write_text(json.dumps(report.to_dict(), default=str))
+    return RouterProfile.from_dir(run_dir / "analysis" / "profile"), report

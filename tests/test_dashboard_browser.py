@@ -16,7 +16,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from dashboard.server import create_app
-from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run
+from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
 
 CHROMIUM = "/usr/bin/chromium"  # .ci/run installs Debian's chromium when it is missing
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -63,7 +63,8 @@ def test_live_run_in_the_browser(tmp_path):
     shots = Path(os.environ.get("MOE_LAB_SCREENSHOTS") or tmp_path / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     root = tmp_path / "runs"
-    train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
+    baseline = train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
+    write_analysis(baseline.out_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     log = (tmp_path / "live-run.log").open("w")  # a file, not a pipe: a full pipe would stall the run
     live = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(root / "live-auxfree"), "3000"], env=env,
@@ -101,6 +102,17 @@ def test_live_run_in_the_browser(tmp_path):
             legend = page.locator(f"{chart} .u-legend .u-series").all_inner_texts()
             assert any("live-auxfree" in t for t in legend) and any("baseline-topk" in t for t in legend), legend
             page.screenshot(path=str(shots / "compare.png"), full_page=True)
+
+            # Specialization and Cost of the finished run, from its saved profile and cost report
+            page.goto(f"{url}/#/specialization/{base_id}")
+            page.wait_for_selector("[data-testid=mi-table]")
+            classes = page.locator('.heatmap[data-title*="token class"]')
+            assert classes.count() == 2  # one per MoE layer
+            assert int(classes.first.get_attribute("data-columns")) > 1  # a column per token class
+            page.screenshot(path=str(shots / "specialization.png"), full_page=True)
+            page.goto(f"{url}/#/cost/{base_id}")
+            page.wait_for_selector("[data-testid=saving]")
+            assert page.inner_text("[data-testid=saving]").endswith("%")
             assert not errors, errors
             browser.close()
         assert live.poll() is None, f"the training run ended early: {(tmp_path / 'live-run.log').read_text()[-2000:]}"
