@@ -82,8 +82,13 @@ class EventTail:
                 continue
             step = float(raw["step"])
             row = {"step": step}
+            skip = self.skip
             for key, value in raw.items():
-                if isinstance(value, bool) or not isinstance(value, int | float) or key == "step":
+                if skip and key.startswith(skip):  # most keys of a big run: test them first
+                    continue
+                if value.__class__ is not float and (isinstance(value, bool) or not isinstance(value, int)):
+                    continue  # numbers only: a string (there should be none) is never kept or served
+                if key == "step":
                     continue
                 if key.startswith("alert/"):
                     seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
@@ -93,8 +98,6 @@ class EventTail:
                 if key == "time":
                     self.last_time = value
                 row[key] = value
-                if self.skip and key.startswith(self.skip):
-                    continue
                 col = self.columns.get(key)
                 if col is None:
                     col = self.columns[key] = Column()
@@ -112,7 +115,7 @@ class RunData:
         self.id, self.path, self.root, self.name = rid, path, root, name
         self.lock = threading.Lock()
         self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
-        # per-expert keys live in the load log when there is one: do not keep a second copy in memory
+        # per-layer keys (moe/...) are read from the binary load log: never parsed into memory twice
         self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root,
                               skip_prefixes=("moe/",))
         self.rank_tails = [EventTail(p, root, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))

@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
@@ -117,15 +118,15 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         block = rows[lo:hi, base: base + header["per_layer_floats"]]
         edges, means = downsample_rows(block, points)
         E = header["experts"]
+        means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
         out = {"run": rid, "layer": layer, "experts": E, "rows": int(hi - lo),
-               "steps": _clean(steps[lo:hi][edges] if len(edges) else []),
-               "frac": [_clean(r) for r in means[:, :E]]}
+               "steps": steps[lo:hi][edges] if len(edges) else [], "frac": means[:, :E]}
         for name in LAYER_STATS:
-            out[name] = _clean(means[:, cols[name]]) if len(means) else []
+            out[name] = means[:, cols[name]] if len(means) else []
         if "bias" in cols:
             b0, b1 = cols["bias"]
-            out["bias"] = [_clean(r) for r in means[:, b0:b1]]
-        return out
+            out["bias"] = means[:, b0:b1]
+        return FastJSON(out)
 
     @app.get("/api/runs/{rid}/routing/now")
     def routing_now(rid: str):
@@ -134,9 +135,9 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         if header is None or rows.shape[0] == 0:
             return {"run": rid, "step": None, "layers": header["layers"] if header else [], "frac": []}
         E, width = header["experts"], header["per_layer_floats"]
-        last = np.asarray(rows[-1], dtype=np.float64)
-        frac = [_clean(last[2 + i * width: 2 + i * width + E]) for i in range(len(header["layers"]))]
-        return {"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac}
+        last = np.array(rows[-1], dtype=np.float32)
+        frac_LE = np.stack([last[2 + i * width: 2 + i * width + E] for i in range(len(header["layers"]))])
+        return FastJSON({"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac_LE})
 
     # ------------------------------------------------------------------ analysis
     @app.get("/api/runs/{rid}/specialization")
@@ -207,6 +208,22 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         return _static_file(f"assets/{name}")
 
     return app
+
+
+class FastJSON(Response):
+    """JSON through orjson, numpy arrays included (NaN becomes null): a 600 x 128 heatmap in milliseconds,
+    where the default encoder takes half a second."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY, default=_contiguous)
+
+
+def _contiguous(obj):
+    if isinstance(obj, np.ndarray):  # a column slice: orjson serializes C-contiguous arrays only
+        return np.ascontiguousarray(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
 def _static_file(rel: str) -> Response:
