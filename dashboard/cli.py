@@ -84,7 +84,7 @@ def run_dashboard(args) -> int:
 
 
 def start_beside(roots: list[str | Path], host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, wait_s: float = 20.0) -> tuple[subprocess.Popen, str]:
+                 token: str | None = None, wait_s: float = 90.0) -> tuple[subprocess.Popen, str]:
     """Start the dashboard in a child process (beside a training run or a flow); returns it and its URL once
     it answers. The caller terminates it (or leaves it running for the user)."""
     token = resolve_token(host, token)
