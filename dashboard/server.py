@@ -95,7 +95,7 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
             col = run.tail.columns.get(key)
             if col is None:
                 continue
-            steps, values = np.asarray(col.steps), np.asarray(col.values)
+            steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
             keep = _in_range(steps, start, end)
             series = downsample_series(steps[keep], values[keep], points)
             if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
@@ -235,6 +235,16 @@ def _static_file(rel: str) -> Response:
                             "the dashboard's built app is missing (dashboard/static); run npm run build in "
                             "dashboard/web")
     return FileResponse(path)
+
+
+def _last_per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted by step, the last row for each step: a resumed run logs the steps after its checkpoint again."""
+    if len(steps) < 2 or np.all(np.diff(steps) > 0):
+        return steps, values
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    last = np.append(steps[1:] != steps[:-1], True)
+    return steps[last], values[last]
 
 
 def _in_range(steps: np.ndarray, start: float | None, end: float | None) -> np.ndarray:

@@ -257,3 +257,28 @@ def test_specialization_and_cost_from_the_runs_saved_analysis(client, runs_root)
     assert cost["training"]["flops_per_token"] > 0
     other = run_ids(client)["auxfree-dead"]
     assert client.get(f"/api/runs/{other}/specialization").json()["profile"] is None
+
+
+def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
+    """On resume the trainer logs the steps after its checkpoint again: the load log drops its rows past the
+    checkpoint (and a torn last row), the server keeps the last event-file row of each step."""
+    from moe_core.train.alerts import AlertThresholds, RoutingMonitor
+
+    run = tmp_path / "root" / "r"
+    run.mkdir(parents=True)
+    monitor = RoutingMonitor(run, [0], 4, AlertThresholds())
+    for step in range(1, 7):
+        monitor.observe(step, {"tokens": step * 10.0, **{f"moe/layer_0/expert_{e}_frac": 0.25 for e in range(4)}})
+    monitor.close()
+    with open(run / SIDECAR, "ab") as f:
+        f.write(b"\0" * 7)  # torn
+    RoutingMonitor(run, [0], 4, AlertThresholds(), start_step=3).close()
+    assert read_sidecar(run)[1][:, 0].tolist() == [1, 2, 3]
+    assert (run / SIDECAR).stat().st_size % (4 * read_sidecar(run)[0]["row_floats"]) == 0
+
+    rows = [(1, 5.0), (2, 4.0), (3, 3.0), (2, 4.5), (3, 3.5), (4, 2.5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in rows))
+    c = TestClient(create_app([tmp_path / "root"]))
+    rid = c.get("/api/runs").json()["runs"][0]["id"]
+    loss = c.get(f"/api/runs/{rid}/scalars?keys=loss").json()["series"]["loss"]
+    assert loss["x"] == [1, 2, 3, 4] and loss["y"] == [5.0, 4.5, 3.5, 2.5]

@@ -63,7 +63,7 @@ class RoutingMonitor:
 
     def __init__(self, out_dir: str | Path, layer_ids: list[int], num_experts: int,
                  thresholds: AlertThresholds, routers: list | None = None, routing_stats=None,
-                 stream=None) -> None:
+                 start_step: int = 0, stream=None) -> None:
         self.layer_ids, self.E = list(layer_ids), num_experts
         self.routing_stats = routing_stats  # `telemetry.RoutingStats`: shares even with log.per_expert off
         self.thresholds = thresholds
@@ -82,9 +82,15 @@ class RoutingMonitor:
             self._row_bytes = 4 * header["row_floats"]
             path = out / SIDECAR
             self._file = path.open("ab")
-            torn = path.stat().st_size % self._row_bytes
-            if torn:  # a crash mid-row: drop the partial row so later rows stay aligned
-                self._file.truncate(path.stat().st_size - torn)
+            size = path.stat().st_size
+            keep = size - size % self._row_bytes  # a crash mid-row: drop the partial row
+            if keep:  # resumed: rows after the checkpoint's step are logged again, so drop them here
+                steps = np.memmap(path, dtype=np.float32, mode="r", shape=(keep // self._row_bytes,
+                                                                            header["row_floats"]))[:, 0]
+                keep = int(np.searchsorted(steps, start_step, side="right")) * self._row_bytes
+                del steps
+            if keep != size:
+                self._file.truncate(keep)
 
     def biases(self) -> dict[str, float]:
         out: dict[str, float] = {}

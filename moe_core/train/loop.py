@@ -399,7 +399,7 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.sinks = [JsonlSink(self.metrics_path)]
         self.monitor = RoutingMonitor(self.out_dir, self.moe_layer_ids, self.model_config.num_experts,
-                                      self.config.log.alerts, self.model.routers(), self.routing)
+                                      self.config.log.alerts, self.model.routers(), self.routing, self.step)
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
