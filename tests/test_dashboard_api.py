@@ -282,3 +282,16 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
     rid = c.get("/api/runs").json()["runs"][0]["id"]
     loss = c.get(f"/api/runs/{rid}/scalars?keys=loss").json()["series"]["loss"]
     assert loss["x"] == [1, 2, 3, 4] and loss["y"] == [5.0, 4.5, 3.5, 2.5]
+
+
+@pytest.mark.slow  # MLflow creates its SQLite schema: ~10 s
+def test_mlflow_runs_are_listed_through_the_adapter(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MOE_LAB_EXPERIMENT", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(tracking_uri=uri)
+    run = c.create_run(c.create_experiment("moe-lab"), run_name="pretrain")
+    c.log_metric(run.info.run_id, "val_loss", 2.5)
+    listed = TestClient(create_app([tmp_path / "none"], mlflow_uri=uri)).get("/api/runs").json()["mlflow"]
+    assert [(r["name"], r["metrics"]["val_loss"]) for r in listed] == [("pretrain", 2.5)]
