@@ -218,7 +218,7 @@ class RunRegistry:
         for i, root in enumerate(self.roots):
             if not root.is_dir():
                 continue
-            for path in self._walk(root, 0):
+            for path in self._walk(root, root, 0):
                 rel = path.relative_to(root).as_posix() or "."
                 rid = run_id(i, rel)
                 name = rel if rel != "." else root.name
@@ -228,12 +228,7 @@ class RunRegistry:
             self.runs = found
         return sorted(found.values(), key=lambda r: r.listing()["mtime"], reverse=True)
 
-    def _walk(self, directory: Path, depth: int):
-        root = self.roots[0]
-        for r in self.roots:
-            if _inside(directory, r):
-                root = r
-                break
+    def _walk(self, root: Path, directory: Path, depth: int):
         if not _inside(directory, root):  # a symlink out of the root
             return
         events = [directory / EVENTS, directory / INFERENCE_EVENTS]
@@ -248,10 +243,8 @@ class RunRegistry:
         for child in children:
             if child.name.startswith(".") or child.name in ("checkpoints", "final", "data"):
                 continue
-            if child.is_symlink() and not _inside(child, root):
-                continue
-            if child.is_dir():
-                yield from self._walk(child, depth + 1)
+            if child.is_dir() and _inside(child, root):
+                yield from self._walk(root, child, depth + 1)
 
     def get(self, rid: str) -> RunData | None:
         with self.lock:
