@@ -29,6 +29,25 @@ LIVE_SECONDS = 30.0  # a run whose event file changed this recently is shown as 
 MAX_DEPTH = 4  # how deep under a root run directories are looked for
 
 
+_NUMBER = (int, float)  # exact classes: bool (a subclass of int) is left out
+
+
+def _parse_lines(data: bytes) -> list:
+    """Every complete JSON line of ``data``; one orjson call for the whole block, line by line only when a
+    line is torn (a crash mid-write), which is then skipped."""
+    lines = [line for line in data.splitlines() if line.strip()]
+    try:
+        return orjson.loads(b"[" + b",".join(lines) + b"]")
+    except orjson.JSONDecodeError:
+        out = []
+        for line in lines:
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+        return out
+
+
 def run_id(root_index: int, rel: str) -> str:
     return hashlib.sha1(f"{root_index}:{rel}".encode()).hexdigest()[:12]
 
@@ -46,6 +65,8 @@ class EventTail:
 
     def __init__(self, path: Path, root: Path, skip_prefixes: tuple[str, ...] = ()) -> None:
         self.path, self.root, self.offset, self.skip = path, root, 0, skip_prefixes
+        self._skipped: set[str] = set()  # keys seen that start with a skip prefix (classified once)
+        self._seen: set[str] = set()
         self.rows = 0
         self.columns: dict[str, Column] = {}
         self.alerts: dict[str, dict] = {}  # alert key -> first/last step and value
@@ -71,40 +92,36 @@ class EventTail:
             return []
         self.offset += end + 1
         new = []
-        for line in data[: end + 1].splitlines():
-            if not line.strip():
-                continue
-            try:
-                raw = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # a torn line (a crash mid-write): skip it, keep the rest
+        skip = self.skip or ("\0",)
+        for raw in _parse_lines(data[: end + 1]):
             if not isinstance(raw, dict) or not isinstance(raw.get("step"), int | float):
                 continue
             step = float(raw["step"])
-            row = {"step": step}
-            skip = self.skip
-            for key, value in raw.items():
-                if skip and key.startswith(skip):  # most keys of a big run: test them first
-                    continue
-                if value.__class__ is not float and (isinstance(value, bool) or not isinstance(value, int)):
-                    continue  # numbers only: a string (there should be none) is never kept or served
-                if key == "step":
-                    continue
-                if key.startswith("alert/"):
-                    seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
-                    seen["last_step"], seen["value"] = step, value
-                    row[key] = value
-                    continue
-                if key == "time":
-                    self.last_time = value
-                row[key] = value
-                col = self.columns.get(key)
-                if col is None:
-                    col = self.columns[key] = Column()
-                col.steps.append(step)
-                col.values.append(float(value))
+            # numbers only (a string, there should be none, is never kept or served); per-layer keys first
+            # out, they are most keys of a big run and live in the load log
+            keys = raw.keys()
+            if not keys <= self._seen:  # a key not met before: classify it once (set operations run in C)
+                fresh = keys - self._seen
+                self._seen |= fresh
+                self._skipped |= {k for k in fresh if k.startswith(skip)}
+            row = {k: raw[k] for k in keys - self._skipped if raw[k].__class__ in _NUMBER}
+            row["step"] = step
+            for key in [k for k in row if k.startswith("alert/")]:
+                value = row[key]
+                seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
+                seen["last_step"], seen["value"] = step, value
             self.rows += 1
             new.append(row)
+        for key in {k for row in new for k in row} - {"step"}:
+            if key.startswith("alert/"):
+                continue
+            col = self.columns.get(key)
+            if col is None:
+                col = self.columns[key] = Column()
+            col.steps.extend(row["step"] for row in new if key in row)
+            col.values.extend(float(row[key]) for row in new if key in row)
+        if new and "time" in new[-1]:
+            self.last_time = new[-1]["time"]
         return new
 
 
@@ -290,8 +307,8 @@ def downsample_rows(rows_NC: np.ndarray, points: int) -> tuple[np.ndarray, np.nd
     if n <= points:
         return edges, np.asarray(rows_NC, dtype=np.float64)
     counts = np.diff(np.append(edges, n))[:, None]
-    block = np.nan_to_num(np.asarray(rows_NC, dtype=np.float64), nan=0.0)
-    return edges, np.add.reduceat(block, edges, axis=0) / counts
+    # straight from the memory map, float64 sums; a NaN (a layer that saw no tokens) makes its bucket null
+    return edges, np.add.reduceat(rows_NC, edges, axis=0, dtype=np.float64) / counts
 
 
 def _clean(values) -> list:

@@ -101,7 +101,7 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
             if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
                 series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
             out[key] = series
-        return {"run": rid, "x": x, "series": out}
+        return FastJSON({"run": rid, "x": x, "series": out})
 
     @app.get("/api/runs/{rid}/routing")
     def routing(rid: str, layer: int = 0, points: int = Query(600, ge=2, le=MAX_POINTS),
