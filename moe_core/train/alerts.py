@@ -74,6 +74,7 @@ class RoutingMonitor:
         self._file = None
         if self.layer_ids:
             out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
             self.has_bias = any(getattr(r, "expert_bias", None) is not None for r in self.routers)
             header = sidecar_header(self.layer_ids, num_experts, self.has_bias)
             tmp = out / f".{SIDECAR_HEADER}.tmp-{os.getpid()}"
