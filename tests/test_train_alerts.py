@@ -42,3 +42,25 @@ def test_disabled_alerts_and_dense_models_write_nothing(tmp_path):
     m.close()
     dense = RoutingMonitor(tmp_path / "b", [], 0, AlertThresholds())
     assert dense.observe(1, {"loss": 1.0}) == {} and read_sidecar(tmp_path / "b") is None
+
+
+def test_per_expert_off_keeps_bias_and_shares_in_the_load_log_only(tmp_path):
+    import torch
+
+    from moe_core.train.telemetry import RoutingStats
+
+    class AuxFree:  # what RoutingMonitor reads of an aux-free router: its bias buffer
+        expert_bias = torch.tensor([0.5, -0.5, 0.0, 0.25])
+
+    stats = RoutingStats(1, 4)
+    stats.sums_LX[0, :4] = torch.tensor([4.0, 2.0, 2.0, 0.0])
+    stats.reset()  # as the loop does after logging: the interval's sums stay readable
+    m = RoutingMonitor(tmp_path, [0], 4, AlertThresholds(), [AuxFree()], stats, per_expert=False)
+    added = m.observe(1, {"moe/layer_0/drop_rate": 0.0, "moe/layer_0/entropy": 1.0,
+                          "moe/layer_0/max_over_mean_load": 2.0})
+    m.close()
+    assert not any("bias" in k or "frac" in k for k in added)
+    header, rows = read_sidecar(tmp_path)
+    b0, b1 = header["per_layer"]["bias"]
+    np.testing.assert_allclose(rows[0, 2:6], [0.5, 0.25, 0.25, 0.0])  # shares from the routing sums
+    np.testing.assert_allclose(rows[0, 2 + b0: 2 + b1], [0.5, -0.5, 0.0, 0.25])

@@ -4,7 +4,8 @@
 logging step, before they go to the sinks, and returns metrics to add to that row:
 
 - ``moe/layer_<i>/expert_<e>_bias``: the aux-loss-free router bias (DeepSeek-V3, Wang et al. 2024
-  "Auxiliary-Loss-Free Load Balancing") per expert, where that router is used;
+  "Auxiliary-Loss-Free Load Balancing") per expert, where that router is used (with ``log.per_expert``, like
+  the shares; the load log below always has both);
 - ``alert/dead_expert/layer_<i>/expert_<e>``: the expert's share of routed slots, logged while it has stayed
   under ``dead_share`` x the uniform share (1/E) for ``dead_steps`` logging steps in a row;
 - ``alert/load_collapse/layer_<i>``: max/mean load, while it is over ``max_over_mean``;
@@ -63,8 +64,9 @@ class RoutingMonitor:
 
     def __init__(self, out_dir: str | Path, layer_ids: list[int], num_experts: int,
                  thresholds: AlertThresholds, routers: list | None = None, routing_stats=None,
-                 start_step: int = 0, stream=None) -> None:
+                 start_step: int = 0, per_expert: bool = True, stream=None) -> None:
         self.layer_ids, self.E = list(layer_ids), num_experts
+        self.per_expert = per_expert  # `log.per_expert`: bias keys in the event file too (always in the load log)
         self.routing_stats = routing_stats  # `telemetry.RoutingStats`: shares even with log.per_expert off
         self.thresholds = thresholds
         self.routers = list(routers or [])
@@ -106,7 +108,8 @@ class RoutingMonitor:
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         if not self.layer_ids:
             return {}
-        added = self.biases()
+        biases = self.biases()
+        added = dict(biases) if self.per_expert else {}  # per-expert keys stay out of the event file if asked
         shares_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
         stats_LS = np.full((len(self.layer_ids), len(LAYER_STATS)), np.nan, dtype=np.float64)
         bias_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
@@ -116,7 +119,7 @@ class RoutingMonitor:
                 stats_LS[i, s] = metrics.get(prefix + name, np.nan)
             for e in range(self.E):
                 shares_LE[i, e] = metrics.get(prefix + f"expert_{e}_frac", np.nan)
-                bias_LE[i, e] = added.get(prefix + f"expert_{e}_bias", np.nan)
+                bias_LE[i, e] = biases.get(prefix + f"expert_{e}_bias", np.nan)
         last = getattr(self.routing_stats, "last_sums_LX", None)
         if last is not None and last.shape[0] == len(self.layer_ids):
             slots_L1 = last[:, : self.E].sum(-1, keepdim=True)

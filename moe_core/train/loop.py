@@ -135,6 +135,7 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints"
         self.extra_sinks = list(sinks or [])
         self.sinks: list[MetricsSink] = []
+        self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
         self._determinism = (torch.are_deterministic_algorithms_enabled(),
                              torch.is_deterministic_algorithms_warn_only_enabled())
@@ -399,7 +400,8 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.sinks = [JsonlSink(self.metrics_path)]
         self.monitor = RoutingMonitor(self.out_dir, self.moe_layer_ids, self.model_config.num_experts,
-                                      self.config.log.alerts, self.model.routers(), self.routing, self.step)
+                                      self.config.log.alerts, self.model.routers(), self.routing, self.step,
+                                      self.config.log.per_expert)
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
@@ -507,7 +509,7 @@ class Trainer:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-        if getattr(self, "monitor", None) is not None:
+        if self.monitor is not None:
             self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
         par.shutdown_parallel(self.state)
