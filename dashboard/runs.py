@@ -11,6 +11,7 @@ Only numbers are read from event files: string values (there should be none) are
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import threading
@@ -27,6 +28,7 @@ EVENTS = "metrics.jsonl"
 INFERENCE_EVENTS = "inference.jsonl"
 LIVE_SECONDS = 30.0  # a run whose event file changed this recently is shown as live
 MAX_DEPTH = 4  # how deep under a root run directories are looked for
+RECENT_ROWS = 2000  # event-file rows kept whole for live streams (each client reads from its own cursor)
 
 
 _NUMBER = (int, float)  # exact classes: bool (a subclass of int) is left out
@@ -67,7 +69,8 @@ class EventTail:
         self.path, self.root, self.offset, self.skip = path, root, 0, skip_prefixes
         self._skipped: set[str] = set()  # keys seen that start with a skip prefix (classified once)
         self._seen: set[str] = set()
-        self.rows = 0
+        self.rows = 0  # rows parsed so far; also the sequence number of the last one
+        self.recent: collections.deque[tuple[int, dict]] = collections.deque(maxlen=RECENT_ROWS)
         self.columns: dict[str, Column] = {}
         self.alerts: dict[str, dict] = {}  # alert key -> first/last step and value
         self.last_time: float | None = None
@@ -111,6 +114,7 @@ class EventTail:
                 seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
                 seen["last_step"], seen["value"] = step, value
             self.rows += 1
+            self.recent.append((self.rows, row))
             new.append(row)
         for key in {k for row in new for k in row} - {"step"}:
             if key.startswith("alert/"):
@@ -123,6 +127,10 @@ class EventTail:
         if new and "time" in new[-1]:
             self.last_time = new[-1]["time"]
         return new
+
+    def rows_after(self, seq: int) -> list[dict]:
+        """The kept rows after sequence number ``seq`` (a stream's cursor; several streams share one tail)."""
+        return [row for q, row in self.recent if q > seq]
 
 
 class RunData:

@@ -37,6 +37,7 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
 POLL_SECONDS = 0.2  # how often a live stream looks for new rows (the latency floor)
 MAX_POINTS = 4000
+MAX_BACKLOG = 1000  # load-log rows a new stream sends at once; older ones come from /routing
 
 
 def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: str | None = None,
@@ -160,20 +161,20 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
 
         async def events():
             sent_rows = None
+            cursor = 0  # this client's place in the run's event rows (every client gets every row)
             yield "retry: 1000\n\n"
             while not await request.is_disconnected():
-                rows = run.refresh()
-                payload = []
-                for row in rows:
-                    if row["step"] > since:
-                        payload.append({k: v for k, v in row.items() if not k.startswith("moe/") or
-                                        not k.endswith(("_frac", "_bias"))})
+                run.refresh()
+                with run.lock:  # another request may be appending to the tail
+                    rows = run.tail.rows_after(cursor)
+                    cursor = run.tail.rows
+                payload = [row for row in rows if row["step"] > since]
                 header, loads, steps = run.sidecar()
                 routing = []
                 if header is not None:
                     n = loads.shape[0]
-                    if sent_rows is None:
-                        sent_rows = int(np.searchsorted(steps, since, side="right")) if since >= 0 else n
+                    if sent_rows is None:  # the backlog after `since`, at most MAX_BACKLOG rows
+                        sent_rows = max(int(np.searchsorted(steps, since, side="right")), n - MAX_BACKLOG)
                     if n > sent_rows:
                         E, width = header["experts"], header["per_layer_floats"]
                         b0, b1 = header["per_layer"].get("bias", (None, None))

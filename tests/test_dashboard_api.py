@@ -134,20 +134,21 @@ def _copy_partial(src, dst, rows: int):
     return lines, data, width
 
 
-def test_stream_sends_each_new_row_once(runs_root, tmp_path):
-    """Server-sent events over a real server: rows appended after connecting arrive, in order, once; a torn
-    (half-written) line waits until it is complete."""
+def test_stream_sends_each_new_row_to_every_client_once(runs_root, tmp_path):
+    """Server-sent events over a real server, two clients on one run (the Run and Routing pages): rows
+    appended after connecting arrive at both, in order, once; a torn (half-written) line waits until it is
+    complete."""
     root = tmp_path / "live"
     root.mkdir()
     lines, data, width = _copy_partial(runs_root / "auxfree-dead", root / "run", 4)
     with serve(create_app([root], poll_seconds=0.05)) as url:
         rid = json.load(urllib.request.urlopen(url + "/api/runs"))["runs"][0]["id"]
-        received = []
-        done = threading.Event()
+        clients = [([], threading.Event(), threading.Event()) for _ in range(2)]
 
-        def listen():
+        def listen(received, connected, done):
             with urllib.request.urlopen(f"{url}/api/runs/{rid}/stream?since=4", timeout=20) as resp:
                 for raw in resp:
+                    connected.set()
                     line = raw.decode()
                     if line.startswith("data: "):
                         received.append(json.loads(line[6:]))
@@ -155,8 +156,9 @@ def test_stream_sends_each_new_row_once(runs_root, tmp_path):
                             done.set()
                             return
 
-        thread = threading.Thread(target=listen, daemon=True)
-        thread.start()
+        for client in clients:
+            threading.Thread(target=listen, args=client, daemon=True).start()
+        assert all(c[1].wait(20) for c in clients)
         with open(root / "run" / "metrics.jsonl", "a") as f, open(root / "run" / SIDECAR, "ab") as g:
             for i in range(4, 8):
                 f.write(lines[i][:20])  # torn: the rest of the line comes later
@@ -166,13 +168,12 @@ def test_stream_sends_each_new_row_once(runs_root, tmp_path):
                 f.flush()
                 g.write(data[i * width: (i + 1) * width])
                 g.flush()
-        assert done.wait(20), received
-    steps = [r["step"] for u in received for r in u["rows"]]
-    assert steps == [5, 6, 7, 8]
-    routing_steps = [r["step"] for u in received for r in u["routing"]]
-    assert routing_steps[:3] == [5, 6, 7]
-    assert all(len(r["frac"]) == 2 and len(r["frac"][0]) == 8 for u in received for r in u["routing"])
-    assert any(a["key"].startswith("alert/dead_expert") for a in received[-1]["alerts"])
+        assert all(c[2].wait(20) for c in clients), [c[0] for c in clients]
+    for received, _, _ in clients:
+        assert [r["step"] for u in received for r in u["rows"]] == [5, 6, 7, 8]
+        assert [r["step"] for u in received for r in u["routing"]][:3] == [5, 6, 7]
+        assert all(len(r["frac"]) == 2 and len(r["frac"][0]) == 8 for u in received for r in u["routing"])
+        assert any(a["key"].startswith("alert/dead_expert") for a in received[-1]["alerts"])
 
 
 def test_token_required_beyond_localhost(runs_root):
