@@ -12,6 +12,7 @@ Endpoints (all GET):
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
+                          (&encoding=u16: the shares as base64 uint16, as the app asks for them)
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
     /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
@@ -20,6 +21,7 @@ Endpoints (all GET):
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 from pathlib import Path
@@ -106,7 +108,8 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
 
     @app.get("/api/runs/{rid}/routing")
     def routing(rid: str, layer: int = 0, points: int = Query(600, ge=2, le=MAX_POINTS),
-                start: float | None = None, end: float | None = None):
+                start: float | None = None, end: float | None = None,
+                encoding: str = Query("json", pattern="^(json|u16)$")):
         run = run_or_404(rid)
         header, rows, steps = run.sidecar()
         if header is None:
@@ -122,6 +125,8 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
         out = {"run": rid, "layer": layer, "experts": E, "rows": int(hi - lo),
                "steps": steps[lo:hi][edges] if len(edges) else [], "frac": means[:, :E]}
+        if encoding == "u16":  # the heatmap as 2 bytes a cell instead of ~12 characters of JSON
+            out["frac"] = _u16(means[:, :E])
         for name in LAYER_STATS:
             out[name] = means[:, cols[name]] if len(means) else []
         if "bias" in cols:
@@ -219,6 +224,16 @@ class FastJSON(Response):
 
     def render(self, content) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY, default=_contiguous)
+
+
+U16_NULL = 65535  # u16 encoding: shares in [0, 1] as round(share * 65534); 65535 is a missing value
+
+
+def _u16(shares: np.ndarray) -> dict:
+    """``[rows, E]`` shares as little-endian uint16, base64: what the browser's heatmap needs, 1/65534 steps."""
+    q = np.where(np.isfinite(shares), np.round(np.clip(shares, 0.0, 1.0) * (U16_NULL - 1)), U16_NULL)
+    return {"encoding": "u16", "shape": list(shares.shape), "scale": U16_NULL - 1, "null": U16_NULL,
+            "data": base64.b64encode(q.astype("<u2").tobytes()).decode()}
 
 
 def _contiguous(obj):

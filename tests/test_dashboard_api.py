@@ -296,3 +296,16 @@ def test_mlflow_runs_are_listed_through_the_adapter(tmp_path, monkeypatch):
     c.log_metric(run.info.run_id, "val_loss", 2.5)
     listed = TestClient(create_app([tmp_path / "none"], mlflow_uri=uri)).get("/api/runs").json()["mlflow"]
     assert [(r["name"], r["metrics"]["val_loss"]) for r in listed] == [("pretrain", 2.5)]
+
+
+def test_routing_u16_encoding_matches_json(client):
+    import base64
+
+    rid = run_ids(client)["auxfree-dead"]
+    plain = client.get(f"/api/runs/{rid}/routing?layer=1&points=5").json()
+    packed = client.get(f"/api/runs/{rid}/routing?layer=1&points=5&encoding=u16").json()
+    enc = packed["frac"]
+    q = np.frombuffer(base64.b64decode(enc["data"]), dtype="<u2").reshape(enc["shape"])
+    np.testing.assert_allclose(q / enc["scale"], plain["frac"], atol=1 / enc["scale"])
+    assert packed["steps"] == plain["steps"]
+    assert client.get(f"/api/runs/{rid}/routing?layer=1&encoding=bogus").status_code == 422

@@ -40,3 +40,22 @@ export interface Series {
   min: (number | null)[] | null;
   max: (number | null)[] | null;
 }
+
+export interface U16Matrix { encoding: "u16"; shape: [number, number]; scale: number; null: number; data: string }
+
+// The routing endpoint's heatmap (encoding=u16): base64 little-endian uint16 -> rows of shares (null: missing).
+export function decodeU16(m: U16Matrix): (number | null)[][] {
+  const bytes = Uint8Array.from(atob(m.data), (c) => c.charCodeAt(0));
+  const view = new DataView(bytes.buffer);
+  const [rows, cols] = m.shape;
+  const out: (number | null)[][] = new Array(rows);
+  for (let r = 0; r < rows; r++) {
+    const row: (number | null)[] = new Array(cols);
+    for (let c = 0; c < cols; c++) {
+      const q = view.getUint16(2 * (r * cols + c), true);
+      row[c] = q === m.null ? null : q / m.scale;
+    }
+    out[r] = row;
+  }
+  return out;
+}
