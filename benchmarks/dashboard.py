@@ -176,7 +176,7 @@ def load_time(args, workdir: Path, browser) -> dict:
                                "tokens_per_s,mfu,skipped_steps,val_loss,step_time_s,tokens&points=2000").read()
         with ThreadPoolExecutor(6) as pool:  # a browser opens about 6 connections per host
             list(pool.map(lambda layer: urllib.request.urlopen(
-                f"{url}api/runs/{rid}/routing?layer={layer}&points=600").read(), summary["layers"]))
+                f"{url}api/runs/{rid}/routing?layer={layer}&points=600&encoding=u16").read(), summary["layers"]))
         out["server_s"] = time.perf_counter() - t0
     finally:
         proc.terminate()
