@@ -43,6 +43,8 @@ def add_cli(subparsers) -> None:
                      help="training preset for lifecycle/pretrain: tiny (seconds, CI) or small (minutes)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a parameter, e.g. --set train.steps=300 --set baseline=active")
+    run.add_argument("--dashboard", action="store_true",
+                     help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL")
     run.set_defaults(func=run_flow)
 
     ui = subparsers.add_parser("ui", help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)")
@@ -147,7 +149,19 @@ def run_flow(args) -> int:
     params = build_params(args.flow, args.params, args.size, args.overrides)
     module, name, _ = FLOWS[args.flow]
     flow = getattr(importlib.import_module(module), name)
-    result = flow(params)
+    dashboard = None
+    if args.dashboard:
+        from dashboard.cli import start_beside
+        from flows.common import DASHBOARD_URL_ENV
+
+        dashboard, url = start_beside([settings.runs_dir()])
+        os.environ[DASHBOARD_URL_ENV] = url
+        print(f"moe-lab run {args.flow}: live dashboard {url}", flush=True)
+    try:
+        result = flow(params)
+    finally:
+        if dashboard is not None:
+            dashboard.terminate()
     _print_where_to_look(args.flow, result, settings.describe())
     return 0
 
@@ -167,6 +181,7 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
     print(f"  Prefect           {where['prefect']}")
+    print(f"  dashboard         moe-lab dashboard --runs {where['home']}/runs  (training, routing, compare)")
     metrics = result.get("metrics") or {}
     if "eval.validation_ppl" in metrics:
         print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")

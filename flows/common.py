@@ -35,3 +35,19 @@ def data_dir_for(config: PrepareConfig) -> str:
 
 def with_data(train: TrainConfig, data_dir: str) -> TrainConfig:
     return train.model_copy(update={"data": train.data.model_copy(update={"path": data_dir})})
+
+
+DASHBOARD_URL_ENV = "MOE_LAB_DASHBOARD_URL"  # set by `moe-lab run ... --dashboard` (without any token)
+
+
+def link_dashboard(flow_name: str) -> str | None:
+    """A Prefect link artifact to the live dashboard, when one was started beside this flow run."""
+    import os
+
+    url = os.environ.get(DASHBOARD_URL_ENV)
+    if url:
+        from prefect.artifacts import create_link_artifact
+
+        create_link_artifact(url, link_text="live dashboard", key=f"{flow_name}-dashboard",
+                             description="moe-lab dashboard: training, routing, compare")
+    return url

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import data_dir_for, out_dir_for, prepare_config_for, with_data
+from flows.common import data_dir_for, link_dashboard, out_dir_for, prepare_config_for, with_data
 from flows.params import LifecycleParams
 from tasks import data, registry, train
 from tasks import evaluate as ev
@@ -22,6 +22,7 @@ DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify 
 @flow(name="lifecycle")
 def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     out = out_dir_for("lifecycle", params.out_dir)
+    link_dashboard("lifecycle")
     p, t = params, params.train
     with flow_record("lifecycle", params, out_dir=out) as run_id:
         data.validate_data(t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import data_dir_for, out_dir_for, prepare_config_for, with_data
+from flows.common import data_dir_for, link_dashboard, out_dir_for, prepare_config_for, with_data
 from flows.params import PretrainParams
 from tasks import data, train
 from tasks.stages import flow_record, pending_summary
@@ -16,7 +16,12 @@ DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify t
 @flow(name="pretrain")
 def pretrain(params: PretrainParams = DEFAULTS) -> dict:
     out = out_dir_for("pretrain", params.out_dir)
+<<<<<<< HEAD
     with flow_record("pretrain", params, out_dir=out) as run_id:
+=======
+    link_dashboard("pretrain")
+    with flow_record("pretrain", params) as run_id:
+>>>>>>> h-dash
         config = params.train
         if config.data.source != "synthetic" and config.data.path is None:
             prepare_cfg = prepare_config_for(config)

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "moe_core.inference.cli",
     "flows.cli",
     "moe_core.finetune.cli",
+    "dashboard.cli",
 )
 
 

@@ -59,7 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed, compile=args.compile)
-    report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout)
+    report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout,
+                          events_dir=args.events, expert_cache=args.expert_cache)
     print(json.dumps(report), file=sys.stderr)
     return 0
 
@@ -109,5 +110,10 @@ def add_cli(subparsers) -> None:
     generate.add_argument("--no-stream", action="store_true")
     generate.add_argument("--compile", action="store_true",
                           help="torch.compile prefill and decode (slow first batch, faster decoding)")
+    generate.add_argument("--expert-cache", type=int, default=None, metavar="N",
+                          help="keep only N experts in memory (the rest offloaded to disk, LRU)")
+    generate.add_argument("--events", default=None, metavar="DIR",
+                          help="write live figures (tokens/s, cache hit rate, ...) to DIR/inference.jsonl for "
+                               "moe-lab dashboard (numbers only)")
     generate.set_defaults(func=_generate)
     add_router_module_option(generate)

@@ -162,10 +162,15 @@ def _steps(model, compile: bool):
     return steps.prefill, steps.decode
 
 
-def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None) -> dict:
-    """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream."""
+def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None,
+                 events_dir=None, expert_cache: int | None = None) -> dict:
+    """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream.
+    ``expert_cache``: keep only this many experts in memory (offloaded to a temporary directory);
+    ``events_dir``: write live figures there for the dashboard (`monitor.InferenceMonitor`)."""
+    import contextlib
     import json
     import sys
+    import tempfile
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -194,14 +199,30 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
         raise GenerationError(f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
                               "checkpoint (tokenizer.save_pretrained)") from None
     from moe_core.inference.fast_decode import enable_fast_decode
+    from moe_core.inference.monitor import InferenceMonitor
 
-    enable_fast_decode(model)
+    with contextlib.ExitStack() as stack:
+        cache = None
+        if expert_cache is not None:
+            from moe_core.inference.expert_cache import offload_experts
 
-    def emit(i: int, _token: int, text: str | None) -> None:
-        out.write(json.dumps({"prompt": i, "text": text}) + "\n")
-        out.flush()
+            cache = offload_experts(model, stack.enter_context(tempfile.TemporaryDirectory()), expert_cache)
+        enable_fast_decode(model)
+        monitor = InferenceMonitor(events_dir, cache) if events_dir else None
+        if monitor is not None:
+            stack.callback(monitor.close)
 
-    result = batch_generate(model, prompts, config, tokenizer=tokenizer, on_token=emit if stream else None)
+        def emit(i: int, token: int, text: str | None) -> None:
+            if monitor is not None:
+                monitor.on_token(i, token, None)  # counts only: the text never reaches the event file
+            if stream:
+                out.write(json.dumps({"prompt": i, "text": text}) + "\n")
+                out.flush()
+
+        result = batch_generate(model, prompts, config, tokenizer=tokenizer,
+                                on_token=emit if (stream or monitor) else None)
+        if cache is not None:
+            result.report["expert_cache"] = cache.stats.to_dict()
     for i, text in enumerate(result.texts or []):
         out.write(json.dumps({"prompt": i, "completion": text, "done": True}) + "\n")
     return result.report

@@ -29,6 +29,8 @@ def add_cli(subparsers) -> None:
                    help="override a config field, e.g. --set steps=200 --set model.overrides.num_experts=4")
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start the live dashboard (moe-lab dashboard) on this run and print its URL")
     g = p.add_argument_group("launch (torchrun)")
     g.add_argument("--nproc", type=int, default=1, help="processes per node (launches torchrun when > 1)")
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node rendezvous)")
@@ -87,6 +89,8 @@ def worker_argv(args) -> list[str]:
 
 def run_train(args) -> int:
     config = resolve_config(args)  # fail fast on a bad config, before launching anything
+    if getattr(args, "dashboard", False) and "WORLD_SIZE" not in os.environ:
+        return _with_dashboard(args)
     if (args.nproc > 1 or args.nnodes > 1) and "WORLD_SIZE" not in os.environ:
         return subprocess.call(torchrun_command(args, worker_argv(args)))
 
@@ -101,3 +105,26 @@ def run_train(args) -> int:
         print(f"moe-lab train: step {result.step}{stopped}, {result.tokens} tokens, loss {loss}{val}; "
               f"skipped {result.skipped_steps} steps; {where}", flush=True)
     return 0
+
+
+def _with_dashboard(args) -> int:
+    """Train with the dashboard serving ``--out`` beside it (a child process; the dashboard lives in the
+    `dashboard` package, above the library). On a terminal it stays up after training until Ctrl-C."""
+    from pathlib import Path
+
+    from dashboard.cli import start_beside
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    dashboard, url = start_beside([args.out])
+    print(f"moe-lab train: live dashboard {url}", flush=True)
+    try:
+        args.dashboard = False
+        code = run_train(args)
+        if sys.stdin.isatty():
+            print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
+            dashboard.wait()
+        return code
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        dashboard.terminate()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from moe_core.configfile import ConfigFile
 from moe_core.errors import MoELabError
+from moe_core.train.alerts import AlertThresholds
 
 
 class TrainConfigError(MoELabError):
@@ -119,6 +120,7 @@ class LogSection(_Section):
     progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a terminal, lines otherwise
     per_expert: bool = True  # per-expert token fractions in telemetry
     peak_flops: float | None = None  # per device, for MFU; None: a known GPU's bf16 peak, else no MFU
+    alerts: AlertThresholds = Field(default_factory=AlertThresholds)  # dead expert, load collapse, drops
 
     @field_validator("progress", mode="before")
     @classmethod

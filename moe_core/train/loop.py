@@ -43,6 +43,7 @@ from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
+from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token, peak_flops
@@ -143,6 +144,7 @@ class Trainer:
         self.extra_sinks = list(sinks or [])
         self.sinks: list[MetricsSink] = []
         self.lock: OutputLock | None = None
+        self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
         self._determinism = (torch.are_deterministic_algorithms_enabled(),
                              torch.is_deterministic_algorithms_warn_only_enabled())
@@ -427,6 +429,9 @@ class Trainer:
             return
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.sinks = [JsonlSink(self.metrics_path, start_step=self.step)]  # rows past a resumed step: dropped
+        self.monitor = RoutingMonitor(self.out_dir, self.moe_layer_ids, self.model_config.num_experts,
+                                      self.config.log.alerts, self.model.routers(), self.routing, self.step,
+                                      self.config.log.per_expert)
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
@@ -471,6 +476,7 @@ class Trainer:
                     metrics.update(self._interval_metrics(interval, stats))
                     last_loss = metrics.get("loss", last_loss)
                     if st.is_main:
+                        metrics.update(self.monitor.observe(self.step, metrics))  # alerts, biases, load log
                         self._log(metrics)
                         history.append({"step": self.step, **metrics})
                     interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
@@ -537,6 +543,8 @@ class Trainer:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+        if self.monitor is not None:
+            self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
         par.shutdown_parallel(self.state)
         if self.lock is not None:

@@ -185,4 +185,5 @@ class RoutingStats:
         return out
 
     def reset(self) -> None:
+        self.last_sums_LX = self.sums_LX.clone()  # the interval just logged, for `alerts.RoutingMonitor`
         self.sums_LX.zero_()

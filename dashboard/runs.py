@@ -1,0 +1,324 @@
+"""What the dashboard reads: run directories under the runs roots, tailed incrementally, and downsampled.
+
+A training run is a directory holding ``metrics.jsonl`` (the trainer's event file; ``metrics.rank<r>.jsonl``
+beside it where ranks write their own) and, from the trainer's `RoutingMonitor`, ``routing_loads.f32``: the
+per-layer expert loads as float32 rows, memory-mapped here. An inference run holds ``inference.jsonl``.
+
+Safety: a run is addressed by an opaque id that maps to a directory found by walking the roots; no request
+ever builds a path from user input, and a directory (or symlink) resolving outside its root is skipped.
+Only numbers are read from event files: string values (there should be none) are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson  # a Prefect dependency; parses the event file ~4x faster than json
+
+from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+
+EVENTS = "metrics.jsonl"
+INFERENCE_EVENTS = "inference.jsonl"
+LIVE_SECONDS = 30.0  # a run whose event file changed this recently is shown as live
+MAX_DEPTH = 4  # how deep under a root run directories are looked for
+RECENT_ROWS = 2000  # event-file rows kept whole for live streams (each client reads from its own cursor)
+
+
+_NUMBER = (int, float)  # exact classes: bool (a subclass of int) is left out
+
+
+def _parse_lines(data: bytes) -> list:
+    """Every complete JSON line of ``data``; one orjson call for the whole block, line by line only when a
+    line is torn (a crash mid-write), which is then skipped."""
+    lines = [line for line in data.splitlines() if line.strip()]
+    try:
+        return orjson.loads(b"[" + b",".join(lines) + b"]")
+    except orjson.JSONDecodeError:
+        out = []
+        for line in lines:
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+        return out
+
+
+def run_id(root_index: int, rel: str) -> str:
+    return hashlib.sha1(f"{root_index}:{rel}".encode()).hexdigest()[:12]
+
+
+@dataclass
+class Column:
+    """One metric over the rows of an event file: steps and values, grown in place."""
+
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+
+class EventTail:
+    """Parses only what was appended to a JSONL event file since the last call (whole lines only)."""
+
+    def __init__(self, path: Path, root: Path, skip_prefixes: tuple[str, ...] = ()) -> None:
+        self.path, self.root, self.offset, self.skip = path, root, 0, skip_prefixes
+        self._skipped: set[str] = set()  # keys seen that start with a skip prefix (classified once)
+        self._seen: set[str] = set()
+        self.rows = 0  # rows parsed so far; also the sequence number of the last one
+        self.recent: collections.deque[tuple[int, dict]] = collections.deque(maxlen=RECENT_ROWS)
+        self.columns: dict[str, Column] = {}
+        self.alerts: dict[str, dict] = {}  # alert key -> first/last step and value
+        self.last_time: float | None = None
+
+    def poll(self) -> list[dict]:
+        """New complete rows (numbers only), also folded into `columns`."""
+        if not _inside(self.path, self.root):  # checked on every read: a symlink swapped in later is refused
+            return []
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:  # the file was replaced: start over
+            self.__init__(self.path, self.root, self.skip)
+        if size == self.offset:
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        new = []
+        skip = self.skip or ("\0",)
+        for raw in _parse_lines(data[: end + 1]):
+            if not isinstance(raw, dict) or not isinstance(raw.get("step"), int | float):
+                continue
+            step = float(raw["step"])
+            # numbers only (a string, there should be none, is never kept or served); per-layer keys first
+            # out, they are most keys of a big run and live in the load log
+            keys = raw.keys()
+            if not keys <= self._seen:  # a key not met before: classify it once (set operations run in C)
+                fresh = keys - self._seen
+                self._seen |= fresh
+                self._skipped |= {k for k in fresh if k.startswith(skip)}
+            row = {k: raw[k] for k in keys - self._skipped if raw[k].__class__ in _NUMBER}
+            row["step"] = step
+            for key in [k for k in row if k.startswith("alert/")]:
+                value = row[key]
+                seen = self.alerts.setdefault(key, {"key": key, "first_step": step, "value": value})
+                seen["last_step"], seen["value"] = step, value
+            self.rows += 1
+            self.recent.append((self.rows, row))
+            new.append(row)
+        for key in {k for row in new for k in row} - {"step"}:
+            if key.startswith("alert/"):
+                continue
+            col = self.columns.get(key)
+            if col is None:
+                col = self.columns[key] = Column()
+            col.steps.extend(row["step"] for row in new if key in row)
+            col.values.extend(float(row[key]) for row in new if key in row)
+        if new and "time" in new[-1]:
+            self.last_time = new[-1]["time"]
+        return new
+
+    def rows_after(self, seq: int) -> list[dict]:
+        """The kept rows after sequence number ``seq`` (a stream's cursor; several streams share one tail)."""
+        return [row for q, row in self.recent if q > seq]
+
+
+class RunData:
+    """One run directory: its event files tailed, its load log mapped, its config and checkpoints."""
+
+    def __init__(self, rid: str, path: Path, root: Path, name: str) -> None:
+        self.id, self.path, self.root, self.name = rid, path, root, name
+        self.lock = threading.Lock()
+        self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
+        # per-layer keys (moe/...) are read from the binary load log: never parsed into memory twice
+        self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root,
+                              skip_prefixes=("moe/",))
+        self.rank_tails = [EventTail(p, root, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))
+                           if _inside(p, root)]
+        self._sidecar_rows = 0
+        self._steps = np.zeros(0, dtype=np.float64)
+
+    # ------------------------------------------------------------------ reading
+    def refresh(self) -> list[dict]:
+        with self.lock:
+            for t in self.rank_tails:
+                t.poll()
+            return self.tail.poll()
+
+    def sidecar(self):
+        if not all(_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
+            return None, None, None  # a symlink out of the runs root is never followed
+        found = read_sidecar(self.path)
+        if found is None:
+            return None, None, None
+        header, rows = found
+        n = rows.shape[0]
+        if n != self._sidecar_rows:  # read only the new rows' step column
+            with self.lock:
+                if n > self._sidecar_rows:
+                    self._steps = np.concatenate([self._steps, np.asarray(rows[self._sidecar_rows:, 0], np.float64)])
+                else:
+                    self._steps = np.asarray(rows[:, 0], np.float64)
+                self._sidecar_rows = n
+        return header, rows, self._steps[:n]
+
+    def is_live(self) -> bool:
+        try:
+            mtime = self.tail.path.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return time.time() - mtime < LIVE_SECONDS
+
+    def config(self) -> dict | None:
+        """The training config (from the newest checkpoint that has one); numbers and names, no text."""
+        ckpts = self.checkpoints()
+        for ck in reversed(ckpts):
+            file = self.path / "checkpoints" / ck["name"] / "train_config.json"
+            if file.is_file() and _inside(file, self.root):
+                return orjson.loads(file.read_bytes())
+        return None
+
+    def checkpoints(self) -> list[dict]:
+        root = self.path / "checkpoints"
+        out = []
+        if root.is_dir():
+            for d in sorted(root.iterdir()):
+                if d.is_dir() and d.name.startswith("step_") and not d.name.startswith("."):
+                    try:
+                        step = int(d.name.split("_")[1])
+                    except (IndexError, ValueError):
+                        continue
+                    out.append({"name": d.name, "step": step, "time": d.stat().st_mtime})
+        return sorted(out, key=lambda c: c["step"])
+
+    def summary(self) -> dict:
+        self.refresh()
+        header, rows, steps = self.sidecar()
+        last_step = self.tail.columns.get("tokens", Column()).steps[-1:] or [None]
+        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(),
+                "last_step": last_step[0], "rows": self.tail.rows, "metrics": sorted(self.tail.columns),
+                "layers": header["layers"] if header else [], "experts": header["experts"] if header else 0,
+                "has_bias": bool(header and "bias" in header["per_layer"]),
+                "routing_rows": 0 if rows is None else int(rows.shape[0]),
+                "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
+                "ranks": len(self.rank_tails) or 1}
+
+    def listing(self) -> dict:
+        try:
+            mtime = self.tail.path.stat().st_mtime
+        except FileNotFoundError:
+            mtime = 0.0
+        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(), "mtime": mtime,
+                "root": str(self.root)}
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+class RunRegistry:
+    """The runs found under the roots, by id; rescanned when asked for a listing (cheap: a directory walk)."""
+
+    def __init__(self, roots: list[str | Path]) -> None:
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
+        self.runs: dict[str, RunData] = {}
+        self.lock = threading.Lock()
+
+    def scan(self) -> list[RunData]:
+        found: dict[str, RunData] = {}
+        for i, root in enumerate(self.roots):
+            if not root.is_dir():
+                continue
+            for path in self._walk(root, root, 0):
+                rel = path.relative_to(root).as_posix() or "."
+                rid = run_id(i, rel)
+                name = rel if rel != "." else root.name
+                with self.lock:
+                    found[rid] = self.runs.get(rid) or RunData(rid, path, root, name)
+        with self.lock:
+            self.runs = found
+        return sorted(found.values(), key=lambda r: r.listing()["mtime"], reverse=True)
+
+    def _walk(self, root: Path, directory: Path, depth: int):
+        if not _inside(directory, root):  # a symlink out of the root
+            return
+        events = [directory / EVENTS, directory / INFERENCE_EVENTS]
+        if any(f.is_file() and _inside(f, root) for f in events):  # a symlinked event file must stay inside
+            yield directory
+        if depth >= MAX_DEPTH:
+            return
+        try:
+            children = sorted(directory.iterdir())
+        except OSError:
+            return
+        for child in children:
+            if child.name.startswith(".") or child.name in ("checkpoints", "final", "data"):
+                continue
+            if child.is_dir() and _inside(child, root):
+                yield from self._walk(root, child, depth + 1)
+
+    def get(self, rid: str) -> RunData | None:
+        with self.lock:
+            run = self.runs.get(rid)
+        if run is None:
+            self.scan()
+            with self.lock:
+                run = self.runs.get(rid)
+        return run
+
+
+# ---------------------------------------------------------------------------------------------- downsampling
+def bucket_edges(n: int, points: int) -> np.ndarray:
+    """Start index of each of at most ``points`` equal buckets over ``n`` rows."""
+    if n <= points:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n, points, endpoint=False).astype(np.int64))
+
+
+def downsample_series(steps: np.ndarray, values: np.ndarray, points: int) -> dict:
+    """Bucket means with min and max per bucket (so a spike is never averaged away), NaN-aware."""
+    n = len(steps)
+    if n <= points:
+        return {"x": steps.tolist(), "y": _clean(values), "min": None, "max": None}
+    edges = bucket_edges(n, points)
+    counts = np.diff(np.append(edges, n))
+    finite = np.isfinite(values)
+    safe = np.where(finite, values, 0.0)
+    sums = np.add.reduceat(safe, edges)
+    nums = np.add.reduceat(finite.astype(np.float64), edges)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums / nums
+    lo = np.minimum.reduceat(np.where(finite, values, np.inf), edges)
+    hi = np.maximum.reduceat(np.where(finite, values, -np.inf), edges)
+    x = np.add.reduceat(steps, edges) / counts
+    return {"x": x.tolist(), "y": _clean(mean), "min": _clean(lo), "max": _clean(hi)}
+
+
+def downsample_rows(rows_NC: np.ndarray, points: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bucket means of a ``[rows, columns]`` block; returns (edges, means[buckets, columns])."""
+    n = rows_NC.shape[0]
+    edges = bucket_edges(n, points)
+    if n <= points:
+        return edges, np.asarray(rows_NC, dtype=np.float64)
+    counts = np.diff(np.append(edges, n))[:, None]
+    # straight from the memory map, float64 sums; a NaN (a layer that saw no tokens) makes its bucket null
+    return edges, np.add.reduceat(rows_NC, edges, axis=0, dtype=np.float64) / counts
+
+
+def _clean(values) -> list:
+    """JSON-safe floats: NaN and infinities become null."""
+    return [v if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).tolist()]

@@ -1,0 +1,287 @@
+"""The dashboard's web server: JSON endpoints for history, server-sent events for live runs, the built app.
+
+    app = create_app(["./.moe_lab/runs"], token=None)      # uvicorn.run(app, host="127.0.0.1", port=8765)
+
+Read-only: it never writes into a run. Every request names a run by the opaque id from ``/api/runs``, never by
+a path (see `runs.py`). With a token set, every request must carry it (``Authorization: Bearer``, the
+``token`` query parameter, which the app passes on, or the cookie set when the page was opened with it).
+
+Endpoints (all GET):
+    /api/runs                                   runs under the roots (newest first, live ones marked) + MLflow
+    /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
+    /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
+    /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
+    /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
+                          (&encoding=u16: the shares as base64 uint16, as the app asks for them)
+    /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
+    /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
+    /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+from pathlib import Path
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from dashboard import analysis
+from dashboard.runs import RunData, RunRegistry, _clean, downsample_rows, downsample_series
+from moe_core.train.alerts import LAYER_STATS
+
+STATIC = Path(__file__).parent / "static"
+TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
+POLL_SECONDS = 0.2  # how often a live stream looks for new rows (the latency floor)
+MAX_POINTS = 4000
+MAX_BACKLOG = 1000  # load-log rows a new stream sends at once; older ones come from /routing
+
+
+def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: str | None = None,
+               poll_seconds: float = POLL_SECONDS) -> FastAPI:
+    registry = RunRegistry(roots)
+    app = FastAPI(title="moe-lab dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.registry = registry
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        if token:
+            given = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                     or request.query_params.get("token") or request.cookies.get("moe_lab_token") or "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return JSONResponse({"detail": "a dashboard token is required (?token=... or Authorization: "
+                                               "Bearer ...)"}, status_code=401)
+        response = await call_next(request)
+        if token and request.query_params.get("token"):
+            response.set_cookie("moe_lab_token", token, httponly=True, samesite="strict")
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+    def run_or_404(rid: str) -> RunData:
+        run = registry.get(rid)
+        if run is None:
+            raise HTTPException(404, f"no run with id {rid!r} under the dashboard's runs roots")
+        return run
+
+    # ------------------------------------------------------------------ runs
+    @app.get("/api/runs")
+    def list_runs():
+        runs = [r.listing() for r in registry.scan()]
+        return {"roots": [str(r) for r in registry.roots], "runs": runs, "mlflow": _mlflow_runs(mlflow_uri)}
+
+    @app.get("/api/runs/{rid}")
+    def summary(rid: str):
+        return run_or_404(rid).summary()
+
+    @app.get("/api/runs/{rid}/config")
+    def config(rid: str):
+        return {"config": run_or_404(rid).config()}
+
+    @app.get("/api/runs/{rid}/checkpoints")
+    def checkpoints(rid: str):
+        return {"checkpoints": run_or_404(rid).checkpoints()}
+
+    @app.get("/api/runs/{rid}/scalars")
+    def scalars(rid: str, keys: str = "loss", points: int = Query(1000, ge=2, le=MAX_POINTS),
+                start: float | None = None, end: float | None = None, x: str = "step"):
+        run = run_or_404(rid)
+        run.refresh()
+        out = {}
+        tokens = run.tail.columns.get("tokens")
+        for key in keys.split(",")[:32]:
+            col = run.tail.columns.get(key)
+            if col is None:
+                continue
+            steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
+            keep = _in_range(steps, start, end)
+            series = downsample_series(steps[keep], values[keep], points)
+            if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
+                series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
+            out[key] = series
+        return FastJSON({"run": rid, "x": x, "series": out})
+
+    @app.get("/api/runs/{rid}/routing")
+    def routing(rid: str, layer: int = 0, points: int = Query(600, ge=2, le=MAX_POINTS),
+                start: float | None = None, end: float | None = None,
+                encoding: str = Query("json", pattern="^(json|u16)$")):
+        run = run_or_404(rid)
+        header, rows, steps = run.sidecar()
+        if header is None:
+            raise HTTPException(404, f"run {run.name} has no routing load log (routing_loads.f32)")
+        if layer not in header["layers"]:
+            raise HTTPException(404, f"layer {layer} is not an MoE layer of {run.name}: {header['layers']}")
+        li = header["layers"].index(layer)
+        base, cols = 2 + li * header["per_layer_floats"], header["per_layer"]
+        lo, hi = _row_range(steps, start, end)
+        block = rows[lo:hi, base: base + header["per_layer_floats"]]
+        edges, means = downsample_rows(block, points)
+        E = header["experts"]
+        means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
+        out = {"run": rid, "layer": layer, "experts": E, "rows": int(hi - lo),
+               "steps": steps[lo:hi][edges] if len(edges) else [], "frac": means[:, :E]}
+        if encoding == "u16":  # the heatmap as 2 bytes a cell instead of ~12 characters of JSON
+            out["frac"] = _u16(means[:, :E])
+        for name in LAYER_STATS:
+            out[name] = means[:, cols[name]] if len(means) else []
+        if "bias" in cols:
+            b0, b1 = cols["bias"]
+            out["bias"] = means[:, b0:b1]
+        return FastJSON(out)
+
+    @app.get("/api/runs/{rid}/routing/now")
+    def routing_now(rid: str):
+        run = run_or_404(rid)
+        header, rows, steps = run.sidecar()
+        if header is None or rows.shape[0] == 0:
+            return {"run": rid, "step": None, "layers": header["layers"] if header else [], "frac": []}
+        E, width = header["experts"], header["per_layer_floats"]
+        last = np.array(rows[-1], dtype=np.float32)
+        frac_LE = np.stack([last[2 + i * width: 2 + i * width + E] for i in range(len(header["layers"]))])
+        return FastJSON({"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac_LE})
+
+    # ------------------------------------------------------------------ analysis
+    @app.get("/api/runs/{rid}/specialization")
+    def specialization(rid: str):
+        return {"run": rid, "profile": analysis.specialization(run_or_404(rid))}
+
+    @app.get("/api/runs/{rid}/cost")
+    def cost(rid: str):
+        run = run_or_404(rid)
+        run.refresh()
+        latest = {k: run.tail.columns[k].values[-1] for k in ("flops_per_token", "tokens_per_s", "mfu",
+                                                              "tflops_per_device", "tokens")
+                  if k in run.tail.columns and run.tail.columns[k].values}
+        return {"run": rid, "report": analysis.cost(run), "training": latest}
+
+    # ------------------------------------------------------------------ live
+    @app.get("/api/runs/{rid}/stream")
+    async def stream(rid: str, request: Request, since: float = -1.0):
+        run = run_or_404(rid)
+
+        async def events():
+            sent_rows = None
+            cursor = 0  # this client's place in the run's event rows (every client gets every row)
+            yield "retry: 1000\n\n"
+            while not await request.is_disconnected():
+                run.refresh()
+                with run.lock:  # another request may be appending to the tail
+                    rows = run.tail.rows_after(cursor)
+                    cursor = run.tail.rows
+                payload = [row for row in rows if row["step"] > since]
+                header, loads, steps = run.sidecar()
+                routing = []
+                if header is not None:
+                    n = loads.shape[0]
+                    if sent_rows is None:  # the backlog after `since`, at most MAX_BACKLOG rows
+                        sent_rows = max(int(np.searchsorted(steps, since, side="right")), n - MAX_BACKLOG)
+                    if n > sent_rows:
+                        E, width = header["experts"], header["per_layer_floats"]
+                        b0, b1 = header["per_layer"].get("bias", (None, None))
+                        for r in range(sent_rows, n):
+                            row = np.asarray(loads[r], dtype=np.float64)
+                            routing.append({"step": float(row[0]), "frac": [
+                                _clean(row[2 + i * width: 2 + i * width + E]) for i in range(len(header["layers"]))],
+                                **{name: _clean([row[2 + i * width + header["per_layer"][name]]
+                                                 for i in range(len(header["layers"]))]) for name in LAYER_STATS},
+                                **({"bias": [_clean(row[2 + i * width + b0: 2 + i * width + b1])
+                                             for i in range(len(header["layers"]))]} if b0 is not None else {})})
+                        sent_rows = n
+                if payload or routing:
+                    data = json.dumps({"rows": payload, "routing": routing,
+                                       "alerts": sorted(run.tail.alerts.values(), key=lambda a: a["first_step"])},
+                                      allow_nan=False, default=str)
+                    yield f"event: update\ndata: {data}\n\n"
+                else:
+                    yield ": keep-alive\n\n"
+                await asyncio.sleep(poll_seconds)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    # ------------------------------------------------------------------ the app
+    @app.get("/")
+    def index():
+        return _static_file("index.html")
+
+    @app.get("/assets/{name}")
+    def asset(name: str):
+        return _static_file(f"assets/{name}")
+
+    return app
+
+
+class FastJSON(Response):
+    """JSON through orjson, numpy arrays included (NaN becomes null): a 600 x 128 heatmap in milliseconds,
+    where the default encoder takes half a second."""
+
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY, default=_contiguous)
+
+
+U16_NULL = 65535  # u16 encoding: shares in [0, 1] as round(share * 65534); 65535 is a missing value
+
+
+def _u16(shares: np.ndarray) -> dict:
+    """``[rows, E]`` shares as little-endian uint16, base64: what the browser's heatmap needs, 1/65534 steps."""
+    q = np.where(np.isfinite(shares), np.round(np.clip(shares, 0.0, 1.0) * (U16_NULL - 1)), U16_NULL)
+    return {"encoding": "u16", "shape": list(shares.shape), "scale": U16_NULL - 1, "null": U16_NULL,
+            "data": base64.b64encode(q.astype("<u2").tobytes()).decode()}
+
+
+def _contiguous(obj):
+    if isinstance(obj, np.ndarray):  # a column slice: orjson serializes C-contiguous arrays only
+        return np.ascontiguousarray(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def _static_file(rel: str) -> Response:
+    """A file of the built app: only names the build produced (a fixed listing), never a joined path."""
+    allowed = {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file()}
+    path = allowed.get(rel)
+    if path is None:
+        raise HTTPException(404, "not found" if rel != "index.html" else
+                            "the dashboard's built app is missing (dashboard/static); run npm run build in "
+                            "dashboard/web")
+    return FileResponse(path)
+
+
+def _last_per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted by step, the last row for each step: a resumed run logs the steps after its checkpoint again."""
+    if len(steps) < 2 or np.all(np.diff(steps) > 0):
+        return steps, values
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    last = np.append(steps[1:] != steps[:-1], True)
+    return steps[last], values[last]
+
+
+def _in_range(steps: np.ndarray, start: float | None, end: float | None) -> np.ndarray:
+    keep = np.ones(len(steps), dtype=bool)
+    if start is not None:
+        keep &= steps >= start
+    if end is not None:
+        keep &= steps <= end
+    return keep
+
+
+def _row_range(steps: np.ndarray, start: float | None, end: float | None) -> tuple[int, int]:
+    lo = 0 if start is None else int(np.searchsorted(steps, start, side="left"))
+    hi = len(steps) if end is None else int(np.searchsorted(steps, end, side="right"))
+    return lo, max(lo, hi)
+
+
+def _mlflow_runs(uri: str | None) -> list[dict]:
+    """MLflow runs through the project's adapter (tasks/tracking.py); empty when no URI was given."""
+    if not uri:
+        return []
+    from tasks.tracking import list_runs  # MLflow is optional for the dashboard: imported only when asked
+
+    return list_runs(uri)

@@ -1,0 +1,61 @@
+// The dashboard's JSON and server-sent-events client. The token (when the server needs one) comes from the
+// page's ?token= and is passed on with every request.
+const token = new URLSearchParams(location.search).get("token");
+
+function withToken(path: string): string {
+  if (!token) return path;
+  return path + (path.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(token);
+}
+
+export async function getJSON<T = any>(path: string): Promise<T> {
+  const res = await fetch(withToken(path));
+  if (!res.ok) {
+    let detail = res.statusText;
+    try {
+      detail = (await res.json()).detail ?? detail;
+    } catch {}
+    throw new Error(`${res.status}: ${detail}`);
+  }
+  return res.json();
+}
+
+export function stream(path: string, onUpdate: (data: any) => void): () => void {
+  const source = new EventSource(withToken(path));
+  source.addEventListener("update", (ev) => onUpdate(JSON.parse((ev as MessageEvent).data)));
+  return () => source.close();
+}
+
+export interface RunListing {
+  id: string;
+  name: string;
+  kind: string;
+  live: boolean;
+  mtime: number;
+  root: string;
+}
+
+export interface Series {
+  x: number[];
+  y: (number | null)[];
+  min: (number | null)[] | null;
+  max: (number | null)[] | null;
+}
+
+export interface U16Matrix { encoding: "u16"; shape: [number, number]; scale: number; null: number; data: string }
+
+// The routing endpoint's heatmap (encoding=u16): base64 little-endian uint16 -> rows of shares (null: missing).
+export function decodeU16(m: U16Matrix): (number | null)[][] {
+  const bytes = Uint8Array.from(atob(m.data), (c) => c.charCodeAt(0));
+  const view = new DataView(bytes.buffer);
+  const [rows, cols] = m.shape;
+  const out: (number | null)[][] = new Array(rows);
+  for (let r = 0; r < rows; r++) {
+    const row: (number | null)[] = new Array(cols);
+    for (let c = 0; c < cols; c++) {
+      const q = view.getUint16(2 * (r * cols + c), true);
+      row[c] = q === m.null ? null : q / m.scale;
+    }
+    out[r] = row;
+  }
+  return out;
+}

@@ -1,0 +1,174 @@
+"""Routing health at each logging step: alerts, the aux-free bias, and a compact binary log of expert loads.
+
+`RoutingMonitor.observe(step, metrics)` is called by the training loop (rank 0) with the metrics of one
+logging step, before they go to the sinks, and returns metrics to add to that row:
+
+- ``moe/layer_<i>/expert_<e>_bias``: the aux-loss-free router bias (DeepSeek-V3, Wang et al. 2024
+  "Auxiliary-Loss-Free Load Balancing") per expert, where that router is used (with ``log.per_expert``, like
+  the shares; the load log below always has both);
+- ``alert/dead_expert/layer_<i>/expert_<e>``: the expert's share of routed slots, logged while it has stayed
+  under ``dead_share`` x the uniform share (1/E) for ``dead_steps`` logging steps in a row;
+- ``alert/load_collapse/layer_<i>``: max/mean load, while it is over ``max_over_mean``;
+- ``alert/drops/layer_<i>``: the drop rate, while it is over ``drop_rate``.
+
+Alerts are plain numbers in the run's event file (``metrics.jsonl``), so the dashboard, MLflow and
+``moe-lab sync`` see them without a second format; a line on stderr marks when one is first raised.
+
+It also appends one float32 row per logging step to ``routing_loads.f32`` (layout in ``routing_loads.json``):
+``[step, tokens, then per MoE layer: E expert shares, drop_rate, entropy, max_over_mean, E biases
+(aux-free routers only)]``. A long
+run (100k steps x 24 layers x 128 experts) is then read by memory-mapping instead of parsing millions of
+JSON keys; a reader uses only whole rows (``size // row_bytes``), so a torn last row is never seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+SIDECAR = "routing_loads.f32"
+SIDECAR_HEADER = "routing_loads.json"
+LAYER_STATS = ("drop_rate", "entropy", "max_over_mean_load")
+
+
+class AlertThresholds(BaseModel):
+    """When the trainer raises a routing alert (``log.alerts`` in the training config)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = True
+    dead_share: float = Field(0.05, ge=0, le=1)  # share < dead_share / E counts as dead (5% of uniform)
+    dead_steps: int = Field(3, ge=1)  # ... for this many logging steps in a row
+    max_over_mean: float = Field(3.0, gt=1)  # max/mean expert load over this: load collapse
+    drop_rate: float = Field(0.2, gt=0, le=1)  # dropped slots over this fraction
+
+
+def sidecar_header(layer_ids: list[int], num_experts: int, bias: bool) -> dict:
+    """Row layout: ``[step, tokens]`` then ``per_layer_floats`` per MoE layer (column ranges in ``per_layer``)."""
+    stats = len(LAYER_STATS)
+    per_layer = num_experts + stats + (num_experts if bias else 0)
+    columns = {"frac": [0, num_experts], **{name: num_experts + k for k, name in enumerate(LAYER_STATS)}}
+    if bias:
+        columns["bias"] = [num_experts + stats, per_layer]
+    return {"version": 1, "dtype": "float32", "layers": list(layer_ids), "experts": num_experts,
+            "per_layer": columns, "per_layer_floats": per_layer, "row_floats": 2 + len(layer_ids) * per_layer}
+
+
+class RoutingMonitor:
+    """Alerts, biases and the binary load log of one run; see the module docstring."""
+
+    def __init__(self, out_dir: str | Path, layer_ids: list[int], num_experts: int,
+                 thresholds: AlertThresholds, routers: list | None = None, routing_stats=None,
+                 start_step: int = 0, per_expert: bool = True, stream=None) -> None:
+        self.layer_ids, self.E = list(layer_ids), num_experts
+        self.per_expert = per_expert  # `log.per_expert`: bias keys in the event file too (always in the load log)
+        self.routing_stats = routing_stats  # `telemetry.RoutingStats`: shares even with log.per_expert off
+        self.thresholds = thresholds
+        self.routers = list(routers or [])
+        self.stream = stream or sys.stderr
+        self._under_LE = np.zeros((len(self.layer_ids), num_experts), dtype=np.int64)  # dead streak per expert
+        self._raised: set[str] = set()
+        self._file = None
+        if self.layer_ids:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.has_bias = any(getattr(r, "expert_bias", None) is not None for r in self.routers)
+            header = sidecar_header(self.layer_ids, num_experts, self.has_bias)
+            tmp = out / f".{SIDECAR_HEADER}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(header, indent=1))
+            os.replace(tmp, out / SIDECAR_HEADER)
+            self._row_bytes = 4 * header["row_floats"]
+            path = out / SIDECAR
+            self._file = path.open("ab")
+            size = path.stat().st_size
+            keep = size - size % self._row_bytes  # a crash mid-row: drop the partial row
+            if keep:  # resumed: rows after the checkpoint's step are logged again, so drop them here
+                steps = np.memmap(path, dtype=np.float32, mode="r", shape=(keep // self._row_bytes,
+                                                                            header["row_floats"]))[:, 0]
+                keep = int(np.searchsorted(steps, start_step, side="right")) * self._row_bytes
+                del steps
+            if keep != size:
+                self._file.truncate(keep)
+
+    def biases(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for layer, router in zip(self.layer_ids, self.routers):
+            bias_E = getattr(router, "expert_bias", None)
+            if bias_E is None:
+                continue
+            for e, value in enumerate(bias_E.detach().float().cpu().tolist()):
+                out[f"moe/layer_{layer}/expert_{e}_bias"] = value
+        return out
+
+    def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        if not self.layer_ids:
+            return {}
+        biases = self.biases()
+        added = dict(biases) if self.per_expert else {}  # per-expert keys stay out of the event file if asked
+        shares_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
+        stats_LS = np.full((len(self.layer_ids), len(LAYER_STATS)), np.nan, dtype=np.float64)
+        bias_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
+        for i, layer in enumerate(self.layer_ids):
+            prefix = f"moe/layer_{layer}/"
+            for s, name in enumerate(LAYER_STATS):
+                stats_LS[i, s] = metrics.get(prefix + name, np.nan)
+            for e in range(self.E):
+                shares_LE[i, e] = metrics.get(prefix + f"expert_{e}_frac", np.nan)
+                bias_LE[i, e] = biases.get(prefix + f"expert_{e}_bias", np.nan)
+        last = getattr(self.routing_stats, "last_sums_LX", None)
+        if last is not None and last.shape[0] == len(self.layer_ids):
+            slots_L1 = last[:, : self.E].sum(-1, keepdim=True)
+            shares_LE = (last[:, : self.E] / slots_L1).numpy()  # a layer that saw no slots: NaN, not dead
+        if self.thresholds.enabled:
+            added.update(self._alerts(shares_LE, stats_LS, step))
+        self._append_row(step, metrics.get("tokens", np.nan), shares_LE, stats_LS, bias_LE)
+        return added
+
+    def _alerts(self, shares_LE: np.ndarray, stats_LS: np.ndarray, step: int) -> dict[str, float]:
+        t, out = self.thresholds, {}
+        dead_LE = shares_LE < t.dead_share / self.E  # NaN (no per-expert telemetry) compares False
+        self._under_LE = np.where(dead_LE, self._under_LE + 1, 0)
+        for i, layer in enumerate(self.layer_ids):
+            for e in np.flatnonzero(self._under_LE[i] >= t.dead_steps):
+                out[f"alert/dead_expert/layer_{layer}/expert_{e}"] = float(shares_LE[i, e])
+            drop, _, max_over_mean = stats_LS[i]
+            if max_over_mean > t.max_over_mean:
+                out[f"alert/load_collapse/layer_{layer}"] = float(max_over_mean)
+            if drop > t.drop_rate:
+                out[f"alert/drops/layer_{layer}"] = float(drop)
+        for key, value in out.items():
+            if key not in self._raised:
+                print(f"moe-lab train: step {step}: routing alert {key} = {value:.4g}", file=self.stream, flush=True)
+        self._raised = set(out)
+        return out
+
+    def _append_row(self, step, tokens, shares_LE, stats_LS, bias_LE) -> None:
+        parts = [shares_LE, stats_LS] + ([bias_LE] if self.has_bias else [])
+        per_layer = np.concatenate(parts, axis=1)
+        row = np.concatenate([[step, tokens], per_layer.reshape(-1)]).astype(np.float32)
+        self._file.write(row.tobytes())
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+
+
+def read_sidecar(run_dir: str | Path) -> tuple[dict, np.ndarray] | None:
+    """The header and a read-only memory map ``[rows, row_floats]`` of a run's load log (whole rows only),
+    or None when the run has none."""
+    run_dir = Path(run_dir)
+    header_path, data_path = run_dir / SIDECAR_HEADER, run_dir / SIDECAR
+    if not header_path.is_file() or not data_path.is_file():
+        return None
+    header = json.loads(header_path.read_text())
+    width = int(header["row_floats"])
+    rows = data_path.stat().st_size // (4 * width)
+    if rows == 0:
+        return header, np.zeros((0, width), dtype=np.float32)
+    return header, np.memmap(data_path, dtype=np.float32, mode="r", shape=(rows, width))

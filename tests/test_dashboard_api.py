@@ -1,0 +1,311 @@
+"""The dashboard's server over real run directories: history, downsampling, routing, alerts, live events,
+tokens, path traversal, and that no text from an event file is ever served."""
+
+import json
+import os
+import shutil
+import threading
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from dashboard.cli import DashboardError, resolve_token
+from dashboard.runs import downsample_series
+from dashboard.server import create_app
+from moe_core.train import read_jsonl
+from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+from tests.dashboard_helpers import DEAD_EXPERT, DEAD_LAYER, serve, train_run, write_analysis
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    """Two real tiny runs: aux-free routing with an injected dead expert, and top-k routing."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("runs")
+    train_run(root / "auxfree-dead", STEPS, "aux_free", dead=True)
+    train_run(root / "group" / "topk", STEPS, "topk")
+    torch.set_num_threads(threads)
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(runs_root):
+    return TestClient(create_app([runs_root]))
+
+
+def run_ids(client):
+    return {r["name"]: r["id"] for r in client.get("/api/runs").json()["runs"]}
+
+
+def test_trainer_writes_alerts_biases_and_the_load_log(runs_root):
+    rows = read_jsonl(runs_root / "auxfree-dead" / "metrics.jsonl")
+    key = f"alert/dead_expert/layer_{DEAD_LAYER}/expert_{DEAD_EXPERT}"
+    raised = [r["step"] for r in rows if key in r]
+    assert raised and raised[0] == 2 and raised == list(range(2, STEPS + 1))  # after dead_steps=2 logged steps
+    assert all(f"moe/layer_0/expert_{e}_bias" in rows[-1] for e in range(8))
+    assert not any(k.startswith("alert/dead_expert") for r in read_jsonl(runs_root / "group/topk/metrics.jsonl")
+                   for k in r)
+    header, loads = read_sidecar(runs_root / "auxfree-dead")
+    assert loads.shape == (STEPS, header["row_floats"])
+    assert loads[:, 0].tolist() == list(range(1, STEPS + 1))
+    width, E = header["per_layer_floats"], header["experts"]
+    for i in range(len(header["layers"])):
+        shares = loads[:, 2 + i * width: 2 + i * width + E]
+        np.testing.assert_allclose(shares.sum(1), 1.0, rtol=1e-5)  # shares of routed slots
+    assert np.all(loads[:, 2 + DEAD_EXPERT] == 0)
+    # the same numbers as the event file
+    np.testing.assert_allclose(loads[:, 2 + 1], [r["moe/layer_0/expert_1_frac"] for r in rows], rtol=1e-6)
+
+
+def test_runs_listing_summary_config_checkpoints(client):
+    ids = run_ids(client)
+    assert set(ids) == {"auxfree-dead", "group/topk"}
+    s = client.get(f"/api/runs/{ids['auxfree-dead']}").json()
+    assert s["kind"] == "train" and s["layers"] == [0, 1] and s["experts"] == 8 and s["has_bias"]
+    assert s["last_step"] == STEPS and s["routing_rows"] == STEPS
+    assert {"loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(s["metrics"])
+    assert [a["key"] for a in s["alerts"] if "dead" in a["key"]] == [f"alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"]
+    assert client.get(f"/api/runs/{ids['auxfree-dead']}/config").json()["config"]["steps"] == STEPS
+    assert [c["step"] for c in client.get(f"/api/runs/{ids['auxfree-dead']}/checkpoints").json()["checkpoints"]] == [STEPS]
+
+
+def test_scalars_full_and_downsampled(client, runs_root):
+    rid = run_ids(client)["auxfree-dead"]
+    rows = read_jsonl(runs_root / "auxfree-dead" / "metrics.jsonl")
+    full = client.get(f"/api/runs/{rid}/scalars?keys=loss,val_loss,nope").json()["series"]
+    assert set(full) == {"loss", "val_loss"}
+    assert full["loss"]["x"] == list(range(1, STEPS + 1))
+    assert full["loss"]["y"] == pytest.approx([r["loss"] for r in rows])
+    assert full["val_loss"]["x"] == [5, 10, 12]
+    small = client.get(f"/api/runs/{rid}/scalars?keys=loss&points=4").json()["series"]["loss"]
+    assert len(small["y"]) == 4
+    for lo, mean, hi in zip(small["min"], small["y"], small["max"]):
+        assert lo <= mean <= hi
+    assert max(small["max"]) == pytest.approx(max(r["loss"] for r in rows))  # spikes survive downsampling
+    by_tokens = client.get(f"/api/runs/{rid}/scalars?keys=loss&x=tokens").json()["series"]["loss"]
+    assert by_tokens["x"] == [r["tokens"] for r in rows]
+    ranged = client.get(f"/api/runs/{rid}/scalars?keys=loss&start=3&end=6").json()["series"]["loss"]
+    assert ranged["x"] == [3, 4, 5, 6]
+
+
+def test_downsample_series_keeps_extremes_and_nan():
+    steps = np.arange(1000, dtype=float)
+    values = np.sin(steps / 50)
+    values[500] = 40.0
+    values[10] = np.nan
+    out = downsample_series(steps, values, 100)
+    assert len(out["x"]) == 100 and max(out["max"]) == 40.0 and None not in out["y"]
+
+
+def test_routing_layer_and_now(client):
+    ids = run_ids(client)
+    r = client.get(f"/api/runs/{ids['auxfree-dead']}/routing?layer=0").json()
+    assert r["experts"] == 8 and r["steps"] == list(range(1, STEPS + 1)) and len(r["frac"]) == STEPS
+    assert all(abs(sum(row) - 1) < 1e-5 and row[DEAD_EXPERT] == 0 for row in r["frac"])
+    assert len(r["bias"]) == STEPS and r["bias"][-1][DEAD_EXPERT] < -1000
+    assert len(r["drop_rate"]) == len(r["entropy"]) == len(r["max_over_mean_load"]) == STEPS
+    down = client.get(f"/api/runs/{ids['auxfree-dead']}/routing?layer=1&points=3").json()
+    assert len(down["frac"]) == 3 and all(abs(sum(row) - 1) < 1e-5 for row in down["frac"])
+    topk = client.get(f"/api/runs/{ids['group/topk']}/routing?layer=1").json()
+    assert "bias" not in topk
+    assert client.get(f"/api/runs/{ids['group/topk']}/routing?layer=7").status_code == 404
+    now = client.get(f"/api/runs/{ids['auxfree-dead']}/routing/now").json()
+    assert now["step"] == STEPS and len(now["frac"]) == 2 and now["frac"][0] == r["frac"][-1]
+
+
+def _copy_partial(src, dst, rows: int):
+    """A run directory holding the first ``rows`` logged steps of ``src`` (as a trainer would have by then)."""
+    dst.mkdir()
+    lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dst / "metrics.jsonl").write_text("".join(lines[:rows]))
+    shutil.copy(src / SIDECAR_HEADER, dst / SIDECAR_HEADER)
+    width = 4 * json.loads((src / SIDECAR_HEADER).read_text())["row_floats"]
+    data = (src / SIDECAR).read_bytes()
+    (dst / SIDECAR).write_bytes(data[: rows * width])
+    return lines, data, width
+
+
+def test_stream_sends_each_new_row_to_every_client_once(runs_root, tmp_path):
+    """Server-sent events over a real server, two clients on one run (the Run and Routing pages): rows
+    appended after connecting arrive at both, in order, once; a torn (half-written) line waits until it is
+    complete."""
+    root = tmp_path / "live"
+    root.mkdir()
+    lines, data, width = _copy_partial(runs_root / "auxfree-dead", root / "run", 4)
+    with serve(create_app([root], poll_seconds=0.05)) as url:
+        rid = json.load(urllib.request.urlopen(url + "/api/runs"))["runs"][0]["id"]
+        clients = [([], threading.Event(), threading.Event()) for _ in range(2)]
+
+        def listen(received, connected, done):
+            with urllib.request.urlopen(f"{url}/api/runs/{rid}/stream?since=4", timeout=20) as resp:
+                for raw in resp:
+                    connected.set()
+                    line = raw.decode()
+                    if line.startswith("data: "):
+                        received.append(json.loads(line[6:]))
+                        if max([r["step"] for u in received for r in u["rows"]], default=0) >= 8:
+                            done.set()
+                            return
+
+        for client in clients:
+            threading.Thread(target=listen, args=client, daemon=True).start()
+        assert all(c[1].wait(20) for c in clients)
+        with open(root / "run" / "metrics.jsonl", "a") as f, open(root / "run" / SIDECAR, "ab") as g:
+            for i in range(4, 8):
+                f.write(lines[i][:20])  # torn: the rest of the line comes later
+                f.flush()
+                threading.Event().wait(0.15)
+                f.write(lines[i][20:])
+                f.flush()
+                g.write(data[i * width: (i + 1) * width])
+                g.flush()
+        assert all(c[2].wait(20) for c in clients), [c[0] for c in clients]
+    for received, _, _ in clients:
+        assert [r["step"] for u in received for r in u["rows"]] == [5, 6, 7, 8]
+        assert [r["step"] for u in received for r in u["routing"]][:3] == [5, 6, 7]
+        assert all(len(r["frac"]) == 2 and len(r["frac"][0]) == 8 for u in received for r in u["routing"])
+        assert any(a["key"].startswith("alert/dead_expert") for a in received[-1]["alerts"])
+
+
+def test_token_required_beyond_localhost(runs_root):
+    with pytest.raises(DashboardError, match="token"):
+        resolve_token("0.0.0.0", None)
+    assert resolve_token("127.0.0.1", None) is None
+    c = TestClient(create_app([runs_root], token="s3cret"))
+    for path in ("/api/runs", "/", "/assets/app.js"):
+        assert c.get(path).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    page = c.get("/?token=s3cret")
+    assert page.status_code == 200 and "moe_lab_token" in page.headers.get("set-cookie", "")
+    assert c.get("/api/runs").status_code == 200  # the cookie set by the page carries on
+
+
+@pytest.mark.parametrize("path", [
+    "/api/runs/..%2F..%2F..%2Fetc%2Fpasswd", "/api/runs/%2Fetc%2Fpasswd/config", "/api/runs/../../etc/passwd",
+    "/api/runs/%2e%2e%2f%2e%2e/scalars", "/assets/..%2F..%2Fserver.py", "/assets/%2e%2e%2fruns.py",
+    "/assets/../../../etc/passwd", "/assets/%252e%252e%252fserver.py", "/api/runs//etc/passwd",
+])
+def test_no_path_outside_the_roots_is_served(client, path):
+    resp = client.get(path)
+    assert resp.status_code in (401, 404, 405), (path, resp.status_code)
+    assert "root:" not in resp.text and "create_app" not in resp.text
+
+
+def test_symlinks_out_of_the_root_are_not_followed(runs_root, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(runs_root / "group" / "topk", outside / "secret-run")
+    root = tmp_path / "root"
+    (root / "mine").mkdir(parents=True)
+    os.symlink(outside / "secret-run", root / "linked-run")  # a directory symlink out of the root
+    os.symlink(outside / "secret-run" / "metrics.jsonl", root / "mine" / "metrics.jsonl")  # a file symlink
+    c = TestClient(create_app([root]))
+    assert c.get("/api/runs").json()["runs"] == []
+    encoded = urllib.parse.quote(str(outside / "secret-run"), safe="")
+    assert c.get(f"/api/runs/{encoded}").status_code == 404
+
+
+def test_text_in_an_event_file_is_never_served(tmp_path):
+    run = tmp_path / "root" / "r"
+    run.mkdir(parents=True)
+    rows = [{"step": 1, "time": 1.0, "loss": 2.0, "prompt": "SECRET PROMPT", "moe/layer_0/note": "SECRET"},
+            {"step": 2, "time": 2.0, "loss": 1.5, "sample_text": "SECRET TEXT"}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = TestClient(create_app([tmp_path / "root"]))
+    rid = c.get("/api/runs").json()["runs"][0]["id"]
+    for path in (f"/api/runs/{rid}", f"/api/runs/{rid}/scalars?keys=loss,prompt,sample_text"):
+        resp = c.get(path)
+        assert resp.status_code == 200 and "SECRET" not in resp.text
+    assert c.get(f"/api/runs/{rid}/scalars?keys=loss").json()["series"]["loss"]["y"] == [2.0, 1.5]
+
+
+def test_specialization_and_cost_from_the_runs_saved_analysis(client, runs_root):
+    """A real router profile and cost report beside a run (where `moe-lab analyze` writes them); served as
+    numbers, never the profile's vocabulary strings."""
+    run_dir = runs_root / "group" / "topk"
+    profile, report = write_analysis(run_dir)
+
+    rid = run_ids(client)["group/topk"]
+    spec = client.get(f"/api/runs/{rid}/specialization").json()["profile"]
+    assert [x["layer"] for x in spec["layers"]] == [0, 1]
+    layer = spec["layers"][0]
+    assert sum(layer["share"]) == pytest.approx(1.0)
+    assert layer["share"] == pytest.approx(profile.layers[0].share_E.tolist())
+    assert layer["mi_class_bits"] == pytest.approx(profile.layers[0].mi_class_bits)
+    assert len(spec["classes"]) > 1 and len(layer["class_share"]) == 8
+    assert all(len(row) == len(spec["classes"]) and sum(row) == pytest.approx(1.0) for row in layer["class_share"]
+               if row[0] is not None)
+    used = [e for e in range(8) if profile.layers[0].kept_E[e] > 0]
+    assert all(layer["coactivation"][e][e] == 1.0 for e in used)  # P(e used | e used)
+    assert spec["flows"][0]["from_layer"] == 0 and len(spec["flows"][0]["top1"]) == 8
+    top_token = profile.layers[0].top_tokens[used[0]][0].token
+    resp = client.get(f"/api/runs/{rid}/specialization")
+    assert "top_tokens" not in resp.text and (not top_token or f'"{top_token}"' not in resp.text)
+
+    cost = client.get(f"/api/runs/{rid}/cost").json()
+    assert cost["report"]["device"] == "cpu"
+    assert cost["report"]["usd_per_million_tokens"] == pytest.approx(report.usd_per_million_tokens)
+    assert cost["report"]["flop_saving"] == pytest.approx(report.flop_saving)
+    assert cost["training"]["flops_per_token"] > 0
+    other = run_ids(client)["auxfree-dead"]
+    assert client.get(f"/api/runs/{other}/specialization").json()["profile"] is None
+
+
+def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
+    """On resume the trainer logs the steps after its checkpoint again: the load log drops its rows past the
+    checkpoint (and a torn last row), the server keeps the last event-file row of each step."""
+    from moe_core.train.alerts import AlertThresholds, RoutingMonitor
+
+    run = tmp_path / "root" / "r"
+    run.mkdir(parents=True)
+    monitor = RoutingMonitor(run, [0], 4, AlertThresholds())
+    for step in range(1, 7):
+        monitor.observe(step, {"tokens": step * 10.0, **{f"moe/layer_0/expert_{e}_frac": 0.25 for e in range(4)}})
+    monitor.close()
+    with open(run / SIDECAR, "ab") as f:
+        f.write(b"\0" * 7)  # torn
+    RoutingMonitor(run, [0], 4, AlertThresholds(), start_step=3).close()
+    assert read_sidecar(run)[1][:, 0].tolist() == [1, 2, 3]
+    assert (run / SIDECAR).stat().st_size % (4 * read_sidecar(run)[0]["row_floats"]) == 0
+
+    rows = [(1, 5.0), (2, 4.0), (3, 3.0), (2, 4.5), (3, 3.5), (4, 2.5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in rows))
+    c = TestClient(create_app([tmp_path / "root"]))
+    rid = c.get("/api/runs").json()["runs"][0]["id"]
+    loss = c.get(f"/api/runs/{rid}/scalars?keys=loss").json()["series"]["loss"]
+    assert loss["x"] == [1, 2, 3, 4] and loss["y"] == [5.0, 4.5, 3.5, 2.5]
+
+
+@pytest.mark.slow  # MLflow creates its SQLite schema: ~10 s
+def test_mlflow_runs_are_listed_through_the_adapter(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MOE_LAB_EXPERIMENT", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(tracking_uri=uri)
+    run = c.create_run(c.create_experiment("moe-lab"), run_name="pretrain")
+    c.log_metric(run.info.run_id, "val_loss", 2.5)
+    listed = TestClient(create_app([tmp_path / "none"], mlflow_uri=uri)).get("/api/runs").json()["mlflow"]
+    assert [(r["name"], r["metrics"]["val_loss"]) for r in listed] == [("pretrain", 2.5)]
+
+
+def test_routing_u16_encoding_matches_json(client):
+    import base64
+
+    rid = run_ids(client)["auxfree-dead"]
+    plain = client.get(f"/api/runs/{rid}/routing?layer=1&points=5").json()
+    packed = client.get(f"/api/runs/{rid}/routing?layer=1&points=5&encoding=u16").json()
+    enc = packed["frac"]
+    q = np.frombuffer(base64.b64decode(enc["data"]), dtype="<u2").reshape(enc["shape"])
+    np.testing.assert_allclose(q / enc["scale"], plain["frac"], atol=1 / enc["scale"])
+    assert packed["steps"] == plain["steps"]
+    assert client.get(f"/api/runs/{rid}/routing?layer=1&encoding=bogus").status_code == 422

@@ -1,0 +1,127 @@
+"""The dashboard in a real browser: headless Chromium (Debian's /usr/bin/chromium, driven by Playwright for
+Python) watching a real training run. The routing heatmap and the loss chart gain points while the run
+advances, the injected dead expert raises the alert on the page, and the compare page overlays two runs.
+Screenshots go to the test's temporary directory (or $MOE_LAB_SCREENSHOTS)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from dashboard.server import create_app
+from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
+
+CHROMIUM = "/usr/bin/chromium"  # .ci/run installs Debian's chromium when it is missing
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+LIVE_RUN = """
+import sys, torch
+torch.set_num_threads(1)
+from pathlib import Path
+from tests.dashboard_helpers import train_run
+train_run(Path(sys.argv[1]), int(sys.argv[2]), "aux_free", dead=True)
+"""
+
+
+def wait_for_run(url: str, name: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = json.load(urllib.request.urlopen(url + "/api/runs"))["runs"]
+        for r in runs:
+            if r["name"] == name:
+                summary = json.load(urllib.request.urlopen(f"{url}/api/runs/{r['id']}"))
+                if summary["routing_rows"] >= 1:
+                    return r["id"]
+        time.sleep(0.3)
+    raise AssertionError(f"run {name} did not log a step within {timeout} s")
+
+
+def attr(page, selector: str, name: str) -> int:
+    return int(page.get_attribute(selector, name) or 0)
+
+
+def grows(page, selector: str, name: str, by: int = 3, timeout_ms: int = 30000) -> tuple[int, int]:
+    """Wait until the element's counter attribute rises by ``by`` over its current value."""
+    page.wait_for_selector(f"{selector}[{name}]", timeout=timeout_ms)
+    page.wait_for_function(f"document.querySelector('{selector}') && "
+                           f"+document.querySelector('{selector}').getAttribute('{name}') > 0", timeout=timeout_ms)
+    before = attr(page, selector, name)
+    page.wait_for_function(f"+document.querySelector('{selector}').getAttribute('{name}') >= {before + by}",
+                           timeout=timeout_ms)
+    return before, attr(page, selector, name)
+
+
+def test_live_run_in_the_browser(tmp_path):
+    assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
+    shots = Path(os.environ.get("MOE_LAB_SCREENSHOTS") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    root = tmp_path / "runs"
+    baseline = train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
+    write_analysis(baseline.out_dir)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    log = (tmp_path / "live-run.log").open("w")  # a file, not a pipe: a full pipe would stall the run
+    live = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(root / "live-auxfree"), "3000"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with serve(create_app([root], poll_seconds=0.1)) as url, sync_playwright() as p:
+            live_id = wait_for_run(url, "live-auxfree")
+            base_id = wait_for_run(url, "baseline-topk")
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+
+            # Routing, live: the heatmap of layer 0 gains columns while the run advances
+            page.goto(f"{url}/#/routing/{live_id}")
+            heat = '.heatmap[data-title^="layer 0: expert load"]'
+            before, after = grows(page, heat, "data-columns")
+            assert after >= before + 3
+            page.wait_for_selector(f'[data-alert="alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"]', timeout=30000)
+            assert "dead expert" in page.inner_text("[data-testid=alerts]")
+            page.wait_for_selector('.heatmap[data-title^="layer 0: aux-free bias"]')
+            page.screenshot(path=str(shots / "routing.png"), full_page=True)
+
+            # Run: the loss chart gains points
+            page.goto(f"{url}/#/run/{live_id}")
+            before, after = grows(page, '.chart[data-title="loss"]', "data-points")
+            assert after >= before + 3
+            page.screenshot(path=str(shots / "run.png"), full_page=True)
+
+            # Compare: the live run and the finished baseline overlaid on one chart
+            page.goto(f"{url}/#/compare/{live_id},{base_id}")
+            chart = '.chart[data-title="loss"]'
+            page.wait_for_function(f"+document.querySelector('{chart}')?.getAttribute('data-points') > 10",
+                                   timeout=30000)
+            legend = page.locator(f"{chart} .u-legend .u-series").all_inner_texts()
+            assert any("live-auxfree" in t for t in legend) and any("baseline-topk" in t for t in legend), legend
+            page.screenshot(path=str(shots / "compare.png"), full_page=True)
+
+            # Specialization and Cost of the finished run, from its saved profile and cost report
+            page.goto(f"{url}/#/specialization/{base_id}")
+            page.wait_for_selector("[data-testid=mi-table]")
+            classes = page.locator('.heatmap[data-title*="token class"]')
+            assert classes.count() == 2  # one per MoE layer
+            assert int(classes.first.get_attribute("data-columns")) > 1  # a column per token class
+            page.screenshot(path=str(shots / "specialization.png"), full_page=True)
+            page.goto(f"{url}/#/cost/{base_id}")
+            page.wait_for_selector("[data-testid=saving]")
+            assert page.inner_text("[data-testid=saving]").endswith("%")
+            assert not errors, errors
+            browser.close()
+        assert live.poll() is None, f"the training run ended early: {(tmp_path / 'live-run.log').read_text()[-2000:]}"
+    finally:
+        if live.poll() is None:
+            live.send_signal(signal.SIGTERM)  # the trainer checkpoints and stops
+            try:
+                live.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                live.kill()
+        log.close()
+    print(f"screenshots: {shots}")
