@@ -16,12 +16,8 @@ DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify t
 @flow(name="pretrain")
 def pretrain(params: PretrainParams = DEFAULTS) -> dict:
     out = out_dir_for("pretrain", params.out_dir)
-<<<<<<< HEAD
-    with flow_record("pretrain", params, out_dir=out) as run_id:
-=======
     link_dashboard("pretrain")
-    with flow_record("pretrain", params) as run_id:
->>>>>>> h-dash
+    with flow_record("pretrain", params, out_dir=out) as run_id:
         config = params.train
         if config.data.source != "synthetic" and config.data.path is None:
             prepare_cfg = prepare_config_for(config)
