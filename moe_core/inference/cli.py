@@ -18,6 +18,8 @@ def _export_onnx(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    from moe_core.inference.quantize import QuantizationError
+
     if args.method == "ort-int8":
         from moe_core.inference.quantize import quantize_onnx_dynamic
 
@@ -25,16 +27,26 @@ def _quantize(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return 0
     if args.method == "optimum-gptq":
-        from moe_core.inference.quantize import quantize_optimum_gptq
+        from moe_core.inference.quantize import calibration_batches, quantize_optimum_gptq
 
-        out = quantize_optimum_gptq(args.model_dir, args.out, None, bits=args.bits, group_size=args.group_size,
-                                    architecture=args.hf_architecture)
+        if not args.data:
+            raise QuantizationError("--method optimum-gptq calibrates on real text: pass --data DIR "
+                                    "(a prepared-data directory, moe-lab data prepare)")
+        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
+        out = quantize_optimum_gptq(args.model_dir, args.out, calibration, bits=args.bits,
+                                    group_size=args.group_size, architecture=args.hf_architecture)
         print(f"wrote {out}")
         return 0
-    from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
+    from moe_core.inference.quantize import QuantConfig, calibration_batches, quantize_checkpoint
 
-    report = quantize_checkpoint(args.model_dir, args.out, QuantConfig(bits=args.bits, group_size=args.group_size,
-                                                                     method=args.method))
+    config = QuantConfig(bits=args.bits, group_size=args.group_size, method=args.method)
+    calibration = None
+    if args.method in ("gptq", "awq"):
+        if not args.data:
+            raise QuantizationError(f"--method {args.method} calibrates on real text: pass --data DIR "
+                                    "(a prepared-data directory, moe-lab data prepare)")
+        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
+    report = quantize_checkpoint(args.model_dir, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
     return 0
 
@@ -75,8 +87,12 @@ def add_cli(subparsers) -> None:
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
     quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
     quantize.add_argument("--out", required=True)
-    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "ort-int8", "optimum-gptq"],
+    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "ort-int8", "optimum-gptq"],
                           help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)")
+    quantize.add_argument("--data", default=None,
+                          help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq")
+    quantize.add_argument("--calib-batches", type=int, default=16, help="calibration batches from --data")
+    quantize.add_argument("--calib-batch-size", type=int, default=8)
     quantize.add_argument("--bits", type=int, default=8, choices=[4, 8])
     quantize.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dim")
     quantize.add_argument("--hf-architecture", choices=["mixtral", "olmoe", "qwen2_moe"], default=None,
