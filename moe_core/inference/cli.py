@@ -29,10 +29,8 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.method == "optimum-gptq":
         from moe_core.inference.quantize import calibration_batches, quantize_optimum_gptq
 
-        if not args.data:
-            raise QuantizationError("--method optimum-gptq calibrates on real text: pass --data DIR "
-                                    "(a prepared-data directory, moe-lab data prepare)")
-        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
+        # without --data, quantize_optimum_gptq says what is missing (the GPU backend first, then the data)
+        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
         out = quantize_optimum_gptq(args.model_dir, args.out, calibration, bits=args.bits,
                                     group_size=args.group_size, architecture=args.hf_architecture)
         print(f"wrote {out}")
