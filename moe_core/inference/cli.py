@@ -27,7 +27,8 @@ def _quantize(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return 0
     if args.method == "optimum-gptq":
-        from moe_core.inference.quantize import calibration_batches, quantize_optimum_gptq
+        from moe_core.inference.evaluate import calibration_batches
+        from moe_core.inference.quantize import quantize_optimum_gptq
 
         # without --data, quantize_optimum_gptq says what is missing (the GPU backend first, then the data)
         calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
@@ -35,7 +36,8 @@ def _quantize(args: argparse.Namespace) -> int:
                                     group_size=args.group_size, architecture=args.hf_architecture)
         print(f"wrote {out}")
         return 0
-    from moe_core.inference.quantize import QuantConfig, calibration_batches, quantize_checkpoint
+    from moe_core.inference.evaluate import calibration_batches
+    from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 
     config = QuantConfig(bits=args.bits, group_size=args.group_size, method=args.method)
     calibration = None
@@ -52,8 +54,12 @@ def _quantize(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace) -> int:
     from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
-    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge)
-    report = prune_checkpoint(args.model_dir, args.profile, args.out, config)
+    from moe_core.inference.evaluate import calibration_batches
+
+    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge,
+                         criterion=args.criterion)
+    calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+    report = prune_checkpoint(args.model_dir, args.profile, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
     return 0
 
@@ -97,9 +103,14 @@ def add_cli(subparsers) -> None:
                           help="optimum-gptq: the HF architecture to quantize through (default: the model's origin)")
     quantize.set_defaults(func=_quantize)
 
-    prune = subparsers.add_parser("prune", help="drop rarely routed experts using a router profile")
+    prune = subparsers.add_parser("prune", help="drop (or merge) low-ranked experts: routed slots or REAP saliency")
     prune.add_argument("model_dir")
-    prune.add_argument("--profile", required=True, help="a RouterProfile directory (moe-lab analyze)")
+    prune.add_argument("--profile", default=None, help="a RouterProfile directory (moe-lab analyze): slot counts")
+    prune.add_argument("--criterion", default="frequency", choices=["frequency", "reap"],
+                       help="rank experts by routed slots, or by REAP's router-weighted output norm (needs --data)")
+    prune.add_argument("--data", default=None, help="prepared-data directory whose train split calibrates the ranking")
+    prune.add_argument("--calib-batches", type=int, default=16)
+    prune.add_argument("--calib-batch-size", type=int, default=8)
     prune.add_argument("--out", required=True)
     prune.add_argument("--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)")
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")

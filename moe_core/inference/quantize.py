@@ -542,27 +542,6 @@ def load_quantized(directory: str | os.PathLike):
     return model
 
 
-def calibration_batches(data_dir: str | os.PathLike, batches: int = 16, batch_size: int = 8,
-                        split: str = "train") -> list[torch.Tensor]:
-    """The first ``batches`` batches [B, S] of a prepared-data directory's ``split``: GPTQ/AWQ calibration."""
-    from moe_core.data.shards import PackedTokens
-    from moe_core.eval.batches import split_batches
-
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise QuantizationError(f"--data {data_dir}: not a directory; give a prepared-data directory "
-                                "(moe-lab data prepare)")
-    try:
-        PackedTokens(data_dir, split, verify=False)
-    except MoELabError as err:
-        raise QuantizationError(f"--data {data_dir}: cannot read its {split!r} split ({err}); give a "
-                                "prepared-data directory (moe-lab data prepare)") from err
-    out = list(split_batches(data_dir, split, batch_size, batches))
-    if not out:
-        raise QuantizationError(f"--data {data_dir}: the {split!r} split has no sequences")
-    return out
-
-
 def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, config: QuantConfig,
                         calibration: Iterable[torch.Tensor] | None = None,
                         data_dir: str | os.PathLike | None = None) -> QuantReport:
@@ -571,6 +550,8 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     from moe_core.model import MoEForCausalLM
 
     if calibration is None and data_dir is not None:
+        from moe_core.inference.evaluate import calibration_batches
+
         calibration = calibration_batches(data_dir)
     if config.method in ("gptq", "awq") and calibration is None:
         raise QuantizationError(f"--method {config.method} calibrates on real text: pass --data DIR (a "
