@@ -32,10 +32,10 @@ def ids(batch=2, seq=16, seed=1):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+@torch.no_grad()
 def slow_saliency(model, batches) -> dict[int, torch.Tensor]:
     """Token by token, slot by slot: g_e(x) * ||down_e(silu(gate_e x) * up_e x)||, averaged per expert."""
     inputs: dict[int, list] = {i: [] for i in model.config.moe_layer_ids}
-    torch.set_grad_enabled(False)
     hooks = [model.model.layers[i].mlp.experts.register_forward_hook(
         lambda m, args, out, i=i: inputs[i].append((args[0].detach(), args[1])))
         for i in model.config.moe_layer_ids]
@@ -44,7 +44,6 @@ def slow_saliency(model, batches) -> dict[int, torch.Tensor]:
             model(input_ids=x, use_cache=False)
     for h in hooks:
         h.remove()
-    torch.set_grad_enabled(True)
     E = model.config.num_experts
     out = {}
     for i, calls in inputs.items():
@@ -57,7 +56,7 @@ def slow_saliency(model, batches) -> dict[int, torch.Tensor]:
                         continue
                     e = int(record.expert_ids_TK[t, k])
                     h = F.silu(experts.gate_proj[e] @ x_TD[t]) * (experts.up_proj[e] @ x_TD[t])
-                    total[e] += float(record.weights_TK[t, k]) * float((experts.down_proj[e] @ h).detach().norm())
+                    total[e] += float(record.weights_TK[t, k]) * float((experts.down_proj[e] @ h).norm())
                     count[e] += 1
         out[i] = torch.tensor([s / c if c else 0.0 for s, c in zip(total, count)])
     return out
