@@ -10,6 +10,8 @@ decoding with a KV cache:
   dense-total        a dense model with as many FFN parameters as the MoE total
   dense-active       a dense model with as many FFN parameters as the MoE active
   dense-*-compiled   the dense models through the same compile_steps (same GEMV kernel) (--compile)
+  *-compiled-static  the same compiled decode on a preallocated StaticCache, eager prefill;
+                     also at batch 8 and 32 (--batches) for the MoE and dense-total      (--compile)
   cache-25/50/100    the MoE with experts on disk behind an LRU holding 25/50/100% of them
   moe-int4-rtn/gptq/awq  int4 experts (group 32) by round-to-nearest, GPTQ, AWQ, eager decode   (--quant)
 Then (--prune) a size-against-perplexity sweep: the MoE pruned on calibration data to 100/75/50/25% of its
@@ -133,6 +135,7 @@ def torch_runner(model, prompt, steps):
 
 
 def compiled_runner(steps_fns, prompt, steps):
+    """Prefill seconds and seconds per decode step (each step decodes one token for every row of ``prompt``)."""
     def run():
         t0 = time.perf_counter()
         logits, cache = steps_fns.prefill(prompt)
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 32],
+                        help="batched compiled static-cache decode beside batch 1 (--compile)")
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--quant", action=argparse.BooleanOptionalAction, default=True,
                         help="int4 experts by RTN, GPTQ and AWQ: perplexity drift, size, eager decode speed")
@@ -211,11 +216,13 @@ def main() -> None:
                      "train_steps": args.train_steps, "train_s": round(train_s, 1)}
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
+    batch_of: dict[str, int] = {}  # runs decoding more than one sequence a step
     try:
         if args.compile:
             from moe_core.inference.compile import compile_steps
 
             figures["compile_s"] = {}
+            max_len = args.prompt_len + args.steps + 1
             for name, model in (("moe", moe), ("dense-total", dense_total), ("dense-active", dense_active)):
                 compiled = compile_steps(model)
                 t0 = time.perf_counter()
@@ -223,6 +230,17 @@ def main() -> None:
                 compiled_runner(compiled, prompt, 2)()
                 figures["compile_s"][name] = round(time.perf_counter() - t0, 1)
                 runners[f"{name}-compiled"] = compiled_runner(compiled, prompt, args.steps)
+                # the static KV cache: eager prefill (as batch_generate), compiled decode, one cache per batch
+                static = compile_steps(model, cache="static", max_cache_len=max_len, compile_prefill=False)
+                t0 = time.perf_counter()
+                for batch in [1] + ([] if name == "dense-active" else args.batches):
+                    rows = markov_corpus(config.vocab_size, batch, args.prompt_len, seed=7)
+                    compiled_runner(static, rows, 2)()
+                    suffix = "" if batch == 1 else f"@b{batch}"
+                    runners[f"{name}-compiled-static{suffix}"] = compiled_runner(static, rows, args.steps)
+                    if batch > 1:
+                        batch_of[f"{name}-compiled-static{suffix}"] = batch
+                figures["compile_s"][f"{name}-static"] = round(time.perf_counter() - t0, 1)
         if args.onnx:
             import onnxruntime as ort
 
@@ -278,20 +296,23 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    tps = {name: 1.0 / statistics.median(v) for name, v in decode.items()}
+    tps = {name: batch_of.get(name, 1) / statistics.median(v) for name, v in decode.items()}
     prefill_ms = {name: 1e3 * statistics.median(v) for name, v in prefill.items()}
     bound = decode_bytes(dense_baseline(config, "total")) / decode_bytes(config)
 
     def best(prefix: str) -> str:
-        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-eager")), key=tps.get)
+        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-compiled-static",
+                                             f"{prefix}-eager")), key=tps.get)
 
     moe_best, total_best, active_best = best("moe"), best("dense-total"), best("dense-active")
     ratio_total = tps[moe_best] / tps[total_best]
     print(f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
           f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)")
-    print(f"{'run':<22}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
+    print(f"{'run':<30}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
     for name in runners:
-        print(f"{name:<22}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
+        if name in batch_of:
+            continue
+        print(f"{name:<30}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
               f"{tps[name] / tps[total_best]:>15.2f}x")
     print(f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
           f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it")
@@ -306,6 +327,17 @@ def main() -> None:
     })
     if args.compile:
         figures["compiled_moe_vs_dense_total"] = round(tps["moe-compiled"] / tps["dense-total-compiled"], 3)
+        figures["static_moe_vs_dense_total"] = round(
+            tps["moe-compiled-static"] / tps["dense-total-compiled-static"], 3)
+        figures["static_fraction_of_bound"] = round(figures["static_moe_vs_dense_total"] / bound, 3)
+        figures["batched"] = {}
+        print(f"{'batch':>6}{'moe tok/s':>12}{'dense-total tok/s':>19}{'moe / dense-total':>19}   (compiled, static cache)")
+        for batch in [1] + args.batches:
+            suffix = "" if batch == 1 else f"@b{batch}"
+            moe_tps, dense_tps = tps[f"moe-compiled-static{suffix}"], tps[f"dense-total-compiled-static{suffix}"]
+            figures["batched"][batch] = {"moe_tok_s": round(moe_tps, 1), "dense_total_tok_s": round(dense_tps, 1),
+                                         "ratio": round(moe_tps / dense_tps, 3)}
+            print(f"{batch:>6}{moe_tps:>12.1f}{dense_tps:>19.1f}{moe_tps / dense_tps:>18.2f}x")
     if args.onnx:
         figures["onnx_int8_vs_fp32"] = round(tps["moe-onnx-int8"] / tps["moe-onnx-fp32"], 3)
         figures["onnx_int8_ppl_drift"] = round(drift(ppl["moe-onnx-int8"], ppl["moe-onnx-fp32"]), 4)
