@@ -17,6 +17,13 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    from moe_core.inference.gguf_export import export_gguf
+
+    print(f"wrote {export_gguf(args.hf_dir, args.out)}")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from moe_core.inference.quantize import QuantizationError
 
@@ -87,6 +94,11 @@ def add_cli(subparsers) -> None:
     onnx.add_argument("--opset", type=int, default=17)
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
     onnx.set_defaults(func=_export_onnx)
+    gguf = export_sub.add_parser("gguf", help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
+                                              "(moe-lab convert to-hf --arch mixtral)")
+    gguf.add_argument("hf_dir", help="a Hugging Face Mixtral checkpoint with tokenizer.json")
+    gguf.add_argument("--out", required=True, help="the .gguf file to write")
+    gguf.set_defaults(func=_export_gguf)
 
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
     quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
