@@ -59,9 +59,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from moe_core.inference.prune import PruneConfig, prune_checkpoint
-
     from moe_core.inference.evaluate import calibration_batches
+    from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
     config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge,
                          criterion=args.criterion)
