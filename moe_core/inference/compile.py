@@ -184,7 +184,7 @@ class _StaticCacheSteps:
 def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None = None,
                   prefill_impl: str = "static", decode_impl: str = "gather", gemv: str = "reduction",
                   backend: str = "inductor", compile_prefill: bool = True, cache: str = "dynamic",
-                  max_cache_len: int | None = None) -> CompiledSteps:
+                  max_cache_len: int | None = None, cpp_wrapper: bool = False) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
@@ -206,6 +206,8 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
     # the steps hold one model, whose structure must not change after compile_steps (parameters may be
     # updated in place: they are graph inputs)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if cpp_wrapper:  # inductor's C++ wrapper: kernel launches without the Python wrapper's per-call cost
+        options["cpp_wrapper"] = True
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
         if compile_prefill:
