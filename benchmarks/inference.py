@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="compile the static-cache steps with inductor's C++ wrapper (slower to compile)")
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 32],
                         help="batched compiled static-cache decode beside batch 1 (--compile)")
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
@@ -213,7 +215,7 @@ def main() -> None:
         "dense-active": torch_runner(dense_active, prompt, args.steps),
     }
     figures: dict = {"preset": args.preset, "overrides": overrides, "threads": args.threads,
-                     "train_steps": args.train_steps, "train_s": round(train_s, 1)}
+                     "train_steps": args.train_steps, "train_s": round(train_s, 1), "cpp_wrapper": args.cpp_wrapper}
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
     batch_of: dict[str, int] = {}  # runs decoding more than one sequence a step
@@ -231,7 +233,8 @@ def main() -> None:
                 figures["compile_s"][name] = round(time.perf_counter() - t0, 1)
                 runners[f"{name}-compiled"] = compiled_runner(compiled, prompt, args.steps)
                 # the static KV cache: eager prefill (as batch_generate), compiled decode, one cache per batch
-                static = compile_steps(model, cache="static", max_cache_len=max_len, compile_prefill=False)
+                static = compile_steps(model, cache="static", max_cache_len=max_len, compile_prefill=False,
+                                       cpp_wrapper=args.cpp_wrapper)
                 t0 = time.perf_counter()
                 for batch in [1] + ([] if name == "dense-active" else args.batches):
                     rows = markov_corpus(config.vocab_size, batch, args.prompt_len, seed=7)
