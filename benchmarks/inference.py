@@ -10,9 +10,13 @@ decoding with a KV cache:
   dense-total        a dense model with as many FFN parameters as the MoE total
   dense-active       a dense model with as many FFN parameters as the MoE active
   dense-*-compiled   the dense models through the same compile_steps (same GEMV kernel) (--compile)
+  *-compiled-static  the same compiled decode on a preallocated StaticCache, eager prefill;
+                     also at batch 8 and 32 (--batches) for the MoE and dense-total      (--compile)
   cache-25/50/100    the MoE with experts on disk behind an LRU holding 25/50/100% of them
-Then (--prune) a size-against-perplexity sweep: the MoE pruned by its routing on calibration data to
-100/75/50/25% of its experts (and K), each dropped expert discarded or merged into its nearest kept one.
+  moe-int4-rtn/gptq/awq  int4 experts (group 32) by round-to-nearest, GPTQ, AWQ, eager decode   (--quant)
+Then (--prune) a size-against-perplexity sweep: the MoE pruned on calibration data to 100/75/50/25% of its
+experts (and K), ranked by routed slots (frequency) or REAP saliency, each dropped expert discarded or merged
+into its nearest kept one.
 
 The memory-bound ratio bound of batch-1 decode is (bytes read per token by dense-total) / (by the MoE): all
 weights but the input embedding, of which one row is read. The headline ratio is the fastest MoE run over
@@ -78,21 +82,41 @@ def decode_bytes(config) -> int:
 
 
 def prune_sweep(moe, calibration, valid) -> list[dict]:
-    """Parameters and validation perplexity of the MoE pruned to fewer experts, dropped or merged."""
+    """Parameters and validation perplexity of the MoE pruned to fewer experts, ranked by routed slots
+    (frequency) or by REAP saliency, each dropped expert discarded or merged."""
     from moe_core.inference.evaluate import perplexity
-    from moe_core.inference.prune import PruneConfig, collect_usage, prune_experts
+    from moe_core.inference.prune import PruneConfig, collect_saliency, collect_usage, prune_experts
 
     E, K = moe.config.num_experts, moe.config.num_experts_per_tok
     usage = collect_usage(moe, calibration)
+    saliency = collect_saliency(moe, calibration)
     rows = []
     for keep in sorted({E, 3 * E // 4, E // 2, E // 4, K} - {0}, reverse=True):
-        for merge in (False, True) if keep < E else (False,):
-            pruned, report = prune_experts(moe, usage, PruneConfig(keep_experts=keep, merge_similar=merge))
-            rows.append({"experts": keep, "merge": merge, "params": report.params_after,
-                         "size": round(report.params_after / report.params_before, 3),
-                         "usage_kept": round(min(report.usage_share_kept.values()), 3),
-                         "perplexity": round(perplexity(pruned, valid), 3)})
+        for criterion in ("frequency", "reap") if keep < E else ("frequency",):
+            for merge in (False, True) if keep < E else (False,):
+                config = PruneConfig(keep_experts=keep, merge_similar=merge, criterion=criterion)
+                pruned, report = prune_experts(moe, usage, config, saliency)
+                rows.append({"experts": keep, "criterion": criterion, "merge": merge, "params": report.params_after,
+                             "size": round(report.params_after / report.params_before, 3),
+                             "usage_kept": round(min(report.usage_share_kept.values()), 3),
+                             "perplexity": round(perplexity(pruned, valid), 3)})
     return rows
+
+
+def quantized_models(moe, calibration, bits: int = 4, group_size: int = 32) -> dict[str, tuple]:
+    """Copies of the MoE with int4 experts by RTN, GPTQ and AWQ (calibrated on the same batches)."""
+    import copy
+
+    from moe_core.inference.quantize import QuantConfig, quantize_experts
+
+    out = {}
+    for method in ("rtn", "gptq", "awq"):
+        model = copy.deepcopy(moe).eval()
+        t0 = time.perf_counter()
+        report = quantize_experts(model, QuantConfig(bits=bits, group_size=group_size, method=method),
+                                  calibration if method != "rtn" else None)
+        out[f"moe-int{bits}-{method}"] = (model, report, time.perf_counter() - t0)
+    return out
 
 
 def torch_runner(model, prompt, steps):
@@ -111,6 +135,7 @@ def torch_runner(model, prompt, steps):
 
 
 def compiled_runner(steps_fns, prompt, steps):
+    """Prefill seconds and seconds per decode step (each step decodes one token for every row of ``prompt``)."""
     def run():
         t0 = time.perf_counter()
         logits, cache = steps_fns.prefill(prompt)
@@ -153,7 +178,13 @@ def main() -> None:
     parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="compile the static-cache steps with inductor's C++ wrapper (slower to compile)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 32],
+                        help="batched compiled static-cache decode beside batch 1 (--compile)")
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--quant", action=argparse.BooleanOptionalAction, default=True,
+                        help="int4 experts by RTN, GPTQ and AWQ: perplexity drift, size, eager decode speed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -184,14 +215,16 @@ def main() -> None:
         "dense-active": torch_runner(dense_active, prompt, args.steps),
     }
     figures: dict = {"preset": args.preset, "overrides": overrides, "threads": args.threads,
-                     "train_steps": args.train_steps, "train_s": round(train_s, 1)}
+                     "train_steps": args.train_steps, "train_s": round(train_s, 1), "cpp_wrapper": args.cpp_wrapper}
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
+    batch_of: dict[str, int] = {}  # runs decoding more than one sequence a step
     try:
         if args.compile:
             from moe_core.inference.compile import compile_steps
 
             figures["compile_s"] = {}
+            max_len = args.prompt_len + args.steps + 1
             for name, model in (("moe", moe), ("dense-total", dense_total), ("dense-active", dense_active)):
                 compiled = compile_steps(model)
                 t0 = time.perf_counter()
@@ -199,6 +232,18 @@ def main() -> None:
                 compiled_runner(compiled, prompt, 2)()
                 figures["compile_s"][name] = round(time.perf_counter() - t0, 1)
                 runners[f"{name}-compiled"] = compiled_runner(compiled, prompt, args.steps)
+                # the static KV cache: eager prefill (as batch_generate), compiled decode, one cache per batch
+                static = compile_steps(model, cache="static", max_cache_len=max_len, compile_prefill=False,
+                                       cpp_wrapper=args.cpp_wrapper)
+                t0 = time.perf_counter()
+                for batch in [1] + ([] if name == "dense-active" else args.batches):
+                    rows = markov_corpus(config.vocab_size, batch, args.prompt_len, seed=7)
+                    compiled_runner(static, rows, 2)()
+                    suffix = "" if batch == 1 else f"@b{batch}"
+                    runners[f"{name}-compiled-static{suffix}"] = compiled_runner(static, rows, args.steps)
+                    if batch > 1:
+                        batch_of[f"{name}-compiled-static{suffix}"] = batch
+                figures["compile_s"][f"{name}-static"] = round(time.perf_counter() - t0, 1)
         if args.onnx:
             import onnxruntime as ort
 
@@ -217,6 +262,21 @@ def main() -> None:
                 ort_model = load_onnx(workdir / sub, session_options=options)
                 runners[name] = ort_runner(ort_model, prompt, args.steps)
                 ppl[name] = perplexity(ort_model, valid)
+        if args.quant:
+            calibration = list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8))
+            disable_fast_decode(moe)
+            quantized = quantized_models(moe, calibration)
+            enable_fast_decode(moe)
+            fp32_bytes = sum(t.numel() * t.element_size() for t in moe.state_dict().values())
+            figures["quant"] = {}
+            for name, (model, report, seconds) in quantized.items():
+                ppl[name] = perplexity(model, valid)
+                runners[name] = torch_runner(model, prompt, args.steps)
+                figures["quant"][name] = {
+                    "bytes": report.bytes_after, "size": round(report.bytes_after / fp32_bytes, 3),
+                    "experts_quantized": report.experts_quantized,
+                    "rtn_fallback": len(report.experts_rtn_fallback), "quantize_s": round(seconds, 1),
+                    "forced_tokens": sum(sum(v) for v in report.forced_tokens.values())}
         if args.cache:
             from moe_core.inference.expert_cache import offload_experts
 
@@ -239,20 +299,23 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    tps = {name: 1.0 / statistics.median(v) for name, v in decode.items()}
+    tps = {name: batch_of.get(name, 1) / statistics.median(v) for name, v in decode.items()}
     prefill_ms = {name: 1e3 * statistics.median(v) for name, v in prefill.items()}
     bound = decode_bytes(dense_baseline(config, "total")) / decode_bytes(config)
 
     def best(prefix: str) -> str:
-        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-eager")), key=tps.get)
+        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-compiled-static",
+                                             f"{prefix}-eager")), key=tps.get)
 
     moe_best, total_best, active_best = best("moe"), best("dense-total"), best("dense-active")
     ratio_total = tps[moe_best] / tps[total_best]
     print(f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
           f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)")
-    print(f"{'run':<22}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
+    print(f"{'run':<30}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
     for name in runners:
-        print(f"{name:<22}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
+        if name in batch_of:
+            continue
+        print(f"{name:<30}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
               f"{tps[name] / tps[total_best]:>15.2f}x")
     print(f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
           f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it")
@@ -267,18 +330,38 @@ def main() -> None:
     })
     if args.compile:
         figures["compiled_moe_vs_dense_total"] = round(tps["moe-compiled"] / tps["dense-total-compiled"], 3)
+        figures["static_moe_vs_dense_total"] = round(
+            tps["moe-compiled-static"] / tps["dense-total-compiled-static"], 3)
+        figures["static_fraction_of_bound"] = round(figures["static_moe_vs_dense_total"] / bound, 3)
+        figures["batched"] = {}
+        print(f"{'batch':>6}{'moe tok/s':>12}{'dense-total tok/s':>19}{'moe / dense-total':>19}   (compiled, static cache)")
+        for batch in [1] + args.batches:
+            suffix = "" if batch == 1 else f"@b{batch}"
+            moe_tps, dense_tps = tps[f"moe-compiled-static{suffix}"], tps[f"dense-total-compiled-static{suffix}"]
+            figures["batched"][batch] = {"moe_tok_s": round(moe_tps, 1), "dense_total_tok_s": round(dense_tps, 1),
+                                         "ratio": round(moe_tps / dense_tps, 3)}
+            print(f"{batch:>6}{moe_tps:>12.1f}{dense_tps:>19.1f}{moe_tps / dense_tps:>18.2f}x")
     if args.onnx:
         figures["onnx_int8_vs_fp32"] = round(tps["moe-onnx-int8"] / tps["moe-onnx-fp32"], 3)
         figures["onnx_int8_ppl_drift"] = round(drift(ppl["moe-onnx-int8"], ppl["moe-onnx-fp32"]), 4)
         print(f"ONNX int8 / fp32 decode: {figures['onnx_int8_vs_fp32']:.2f}x; perplexity "
               f"{ppl['moe-onnx-fp32']:.2f} -> {ppl['moe-onnx-int8']:.2f} ({100 * figures['onnx_int8_ppl_drift']:+.2f}%)")
+    if args.quant:
+        print(f"{'int4 experts':<18}{'perplexity':>12}{'drift vs fp32':>15}{'size':>7}{'decode tok/s':>14}"
+              f"{'rtn fallbacks':>15}")
+        for name, row in figures["quant"].items():
+            row["perplexity_drift"] = round(drift(ppl[name], ppl["moe-eager"]), 4)
+            print(f"{name:<18}{ppl[name]:>12.3f}{100 * row['perplexity_drift']:>14.2f}%{row['size']:>7.2f}"
+                  f"{tps[name]:>14.1f}{row['rtn_fallback']:>15}")
     if args.prune:
         disable_fast_decode(moe)
         figures["prune"] = prune_sweep(moe, list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8)), valid)
-        print(f"{'experts':>8}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}{'perplexity':>12}")
+        print(f"{'experts':>8}{'criterion':>11}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}"
+              f"{'perplexity':>12}{'drift':>8}")
         for row in figures["prune"]:
-            print(f"{row['experts']:>8}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}{row['size']:>7.2f}"
-                  f"{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}")
+            row["drift"] = round(drift(row["perplexity"], ppl["moe-eager"]), 4)
+            print(f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}"
+                  f"{row['size']:>7.2f}{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>7.2f}%")
     if args.cache:
         figures["cache_hit_rate"] = {pct: round(c.stats.hit_rate, 3) for pct, c in caches.items()}
         print("expert cache hit rate: " + ", ".join(f"{p}%: {r:.2f}" for p, r in figures["cache_hit_rate"].items()))

@@ -54,7 +54,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         refusal = registry.check_model(model["export_dir"], evaluation, run_id)  # NaN weights or metrics
         if p.optimize is not None and refusal is None:
             quantized = opt.quantize_model(model["export_dir"], str(out / "quantized"), p.optimize.quantize_bits,
-                                           p.optimize.quantize_method, p.optimize.group_size, run_id)
+                                           p.optimize.quantize_method, p.optimize.group_size, run_id, data_dir)
             variants = {"pytorch": model["export_dir"], "quantized": quantized}
             if p.optimize.onnx:
                 variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)

@@ -79,7 +79,7 @@ class EvaluateParams(_Params):
 
 class OptimizeParams(_Params):
     quantize_bits: Literal[4, 8] = 8
-    quantize_method: Literal["rtn", "gptq"] = "rtn"
+    quantize_method: Literal["rtn", "gptq", "awq"] = "rtn"  # gptq/awq calibrate on the prepared data
     group_size: int = Field(32, ge=2)
     onnx: bool = True
     benchmark_batches: int = Field(2, ge=1)

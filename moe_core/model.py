@@ -270,12 +270,14 @@ class MoEModel(MoEPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if not use_cache:
             past_key_values = None
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
         if cache_position is None:
+            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
             cache_position = torch.arange(past_len, past_len + S, device=h_BSD.device)
         if position_ids is None:
             position_ids = cache_position[None].expand(B, S)
-        mask_BqL = attention_mask_for(attention_mask, cache_position, past_len + S, S)
+        # keys the attention sees: past + S for a DynamicCache, the preallocated length for a StaticCache
+        key_len = past_key_values.get_mask_sizes(cache_position, 0)[0] if past_key_values is not None else S
+        mask_BqL = attention_mask_for(attention_mask, cache_position, key_len, S)
         cos_sin = self.rotary_emb(h_BSD, position_ids)
 
         records: list[RoutingRecord] = []

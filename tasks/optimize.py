@@ -15,12 +15,12 @@ from tasks.stages import stage_run
 
 @task(name="quantize-experts", retries=1, retry_delay_seconds=2)
 def quantize_model(model_dir: str, out_dir: str, bits: int, method: str, group_size: int,
-                   parent_run_id: str | None) -> str:
+                   parent_run_id: str | None, data_dir: str | None = None) -> str:
     from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 
     with stage_run("quantize", parent_run_id) as run_id:
         config = QuantConfig(bits=bits, method=method, group_size=group_size)
-        report = quantize_checkpoint(model_dir, out_dir, config)
+        report = quantize_checkpoint(model_dir, out_dir, config, data_dir=data_dir)  # gptq/awq calibrate on it
         tracking.log_config(run_id, config, prefix="quant")
         tracking.log_metrics(run_id, {f"quant.{k}": v for k, v in report.to_dict().items()})
         tracking.log_artifacts(run_id, out_dir, "quantized_model")

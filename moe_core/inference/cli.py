@@ -19,7 +19,16 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    from moe_core.inference.gguf_export import export_gguf
+
+    print(f"wrote {export_gguf(args.hf_dir, args.out)}")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
+    from moe_core.inference.quantize import QuantizationError
+
     if args.method == "ort-int8":
         from moe_core.inference.quantize import quantize_onnx_dynamic
 
@@ -27,25 +36,38 @@ def _quantize(args: argparse.Namespace) -> int:
         print(f"wrote {out}")
         return 0
     if args.method == "optimum-gptq":
+        from moe_core.inference.evaluate import calibration_batches
         from moe_core.inference.quantize import quantize_optimum_gptq
 
-        out = quantize_optimum_gptq(args.model_dir, args.out, None, bits=args.bits, group_size=args.group_size,
-                                    architecture=args.hf_architecture)
+        # without --data, quantize_optimum_gptq says what is missing (the GPU backend first, then the data)
+        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+        out = quantize_optimum_gptq(args.model_dir, args.out, calibration, bits=args.bits,
+                                    group_size=args.group_size, architecture=args.hf_architecture)
         print(f"wrote {out}")
         return 0
+    from moe_core.inference.evaluate import calibration_batches
     from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 
-    report = quantize_checkpoint(args.model_dir, args.out, QuantConfig(bits=args.bits, group_size=args.group_size,
-                                                                     method=args.method))
+    config = QuantConfig(bits=args.bits, group_size=args.group_size, method=args.method)
+    calibration = None
+    if args.method in ("gptq", "awq"):
+        if not args.data:
+            raise QuantizationError(f"--method {args.method} calibrates on real text: pass --data DIR "
+                                    "(a prepared-data directory, moe-lab data prepare)")
+        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
+    report = quantize_checkpoint(args.model_dir, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
     return 0
 
 
 def _prune(args: argparse.Namespace) -> int:
+    from moe_core.inference.evaluate import calibration_batches
     from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
-    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge)
-    report = prune_checkpoint(args.model_dir, args.profile, args.out, config)
+    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge,
+                         criterion=args.criterion)
+    calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+    report = prune_checkpoint(args.model_dir, args.profile, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
     return 0
 
@@ -75,12 +97,21 @@ def add_cli(subparsers) -> None:
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
     onnx.set_defaults(func=_export_onnx)
     add_router_module_option(onnx)
+    gguf = export_sub.add_parser("gguf", help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
+                                              "(moe-lab convert to-hf --arch mixtral)")
+    gguf.add_argument("hf_dir", help="a Hugging Face Mixtral checkpoint with tokenizer.json")
+    gguf.add_argument("--out", required=True, help="the .gguf file to write")
+    gguf.set_defaults(func=_export_gguf)
 
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
     quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
     quantize.add_argument("--out", required=True)
-    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "ort-int8", "optimum-gptq"],
+    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "ort-int8", "optimum-gptq"],
                           help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)")
+    quantize.add_argument("--data", default=None,
+                          help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq")
+    quantize.add_argument("--calib-batches", type=int, default=16, help="calibration batches from --data")
+    quantize.add_argument("--calib-batch-size", type=int, default=8)
     quantize.add_argument("--bits", type=int, default=8, choices=[4, 8])
     quantize.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dim")
     quantize.add_argument("--hf-architecture", choices=["mixtral", "olmoe", "qwen2_moe"], default=None,
@@ -88,9 +119,14 @@ def add_cli(subparsers) -> None:
     quantize.set_defaults(func=_quantize)
     add_router_module_option(quantize)
 
-    prune = subparsers.add_parser("prune", help="drop rarely routed experts using a router profile")
+    prune = subparsers.add_parser("prune", help="drop (or merge) low-ranked experts: routed slots or REAP saliency")
     prune.add_argument("model_dir")
-    prune.add_argument("--profile", required=True, help="a RouterProfile directory (moe-lab analyze)")
+    prune.add_argument("--profile", default=None, help="a RouterProfile directory (moe-lab analyze): slot counts")
+    prune.add_argument("--criterion", default="frequency", choices=["frequency", "reap"],
+                       help="rank experts by routed slots, or by REAP's router-weighted output norm (needs --data)")
+    prune.add_argument("--data", default=None, help="prepared-data directory whose train split calibrates the ranking")
+    prune.add_argument("--calib-batches", type=int, default=16)
+    prune.add_argument("--calib-batch-size", type=int, default=8)
     prune.add_argument("--out", required=True)
     prune.add_argument("--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)")
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")

@@ -19,6 +19,14 @@ Both steps are captured whole (``fullgraph=True``), each with the expert path th
   head) the same way whenever it sees a single row under compilation: dense baselines compiled with
   `compile_steps` get the same kernel, and comparisons stay fair. The KV-cache length goes dynamic after
   the first recompile (dynamo's automatic dynamic shapes), so the growing cache does not recompile every step.
+
+``cache="static"`` decodes into transformers' ``StaticCache`` instead (``compile_steps(model,
+cache="static", max_cache_len=L)``): keys and values preallocated at [B, G, L, Hd] once per batch shape and
+written in place at ``cache_position`` (a tensor input, so the graph does not guard on the length), the
+attention mask spans all L slots (those past the current position are masked out), and the compiled decode
+returns only the logits: no cache object is unpacked or rebuilt per step. The steps then hold one cache,
+reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
+`StaticDecodeState`.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
 
@@ -107,18 +116,89 @@ class CompiledSteps:
     decode: object
 
 
+@dataclass
+class StaticDecodeState:
+    """What a static-cache step passes to the next: the preallocated cache, the tokens written so far, and
+    the full-length [B, L] attention mask (None when nothing is padded)."""
+    cache: StaticCache
+    length: int
+    attention_mask_BL: torch.Tensor | None = None
+
+
+def _static_step_fn(model: nn.Module, expert_impl: str | None):
+    """A step on a `StaticCache` that returns only the last logits (the cache is updated in place)."""
+
+    def step(input_ids_BS, cache, cache_position_S, attention_mask_BL=None, position_ids_BS=None):
+        out = model(input_ids=input_ids_BS, past_key_values=cache, attention_mask=attention_mask_BL,
+                    position_ids=position_ids_BS, cache_position=cache_position_S, use_cache=True,
+                    logits_to_keep=1, expert_impl=expert_impl)
+        return out.logits[:, -1]
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                              step.__closure__)
+
+
+class _StaticCacheSteps:
+    """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots."""
+
+    def __init__(self, model: nn.Module, prefill, decode, max_cache_len: int) -> None:
+        self.model, self.prefill_fn, self.decode_fn, self.max_cache_len = model, prefill, decode, max_cache_len
+        self.cache: StaticCache | None = None
+        self.positions = torch.arange(max_cache_len)
+
+    def _cache_for(self, batch: int, like: torch.Tensor) -> StaticCache:
+        config = self.model.config
+        if self.cache is None or self.cache.layers[0].max_batch_size != batch:
+            self.cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
+            dtype = next(self.model.parameters()).dtype
+            self.cache.early_initialization(batch, config.num_key_value_heads, config.head_dim, dtype, like.device)
+        else:
+            self.cache.reset()
+        return self.cache
+
+    def prefill(self, input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
+        B, S = input_ids_BS.shape
+        if S >= self.max_cache_len:
+            raise CompileError(f"prompt of {S} tokens does not fit a static cache of max_cache_len="
+                               f"{self.max_cache_len} (room for the decoded tokens too); raise max_cache_len")
+        cache = self._cache_for(B, input_ids_BS)
+        mask_BL = None
+        if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
+            mask_BL = torch.ones(B, self.max_cache_len, dtype=attention_mask_BS.dtype)
+            mask_BL[:, :S] = attention_mask_BS
+        with torch.no_grad(), traceable_sdpa():
+            logits = self.prefill_fn(input_ids_BS, cache, self.positions[:S], mask_BL, position_ids_BS)
+        return logits, StaticDecodeState(cache, S, mask_BL)
+
+    def decode(self, input_ids_BS, state: StaticDecodeState, attention_mask_BL=None, position_ids_BS=None):
+        """``attention_mask_BL`` is ignored: the state holds the full-length mask (new tokens are never pads)."""
+        if state.length >= self.max_cache_len:
+            raise CompileError(f"the static cache is full ({self.max_cache_len} tokens); raise max_cache_len")
+        with torch.no_grad(), traceable_sdpa():
+            logits = self.decode_fn(input_ids_BS, state.cache, self.positions[state.length:state.length + 1],
+                                    state.attention_mask_BL, position_ids_BS)
+        state.length += 1
+        return logits, state
+
+
 def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None = None,
                   prefill_impl: str = "static", decode_impl: str = "gather", gemv: str = "reduction",
-                  backend: str = "inductor", compile_prefill: bool = True) -> CompiledSteps:
+                  backend: str = "inductor", compile_prefill: bool = True, cache: str = "dynamic",
+                  max_cache_len: int | None = None, cpp_wrapper: bool = False) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
     Both steps have symbolic shapes (prompt length, batch, cache length): one graph each, whatever the
     lengths. The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
-    runs prefill eagerly (without gradients) and compiles decode only."""
+    runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
+    preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc)."""
     if gemv not in ("reduction", "mm"):
         raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"compile_steps: cache={cache!r}; choose 'dynamic' or 'static'")
+    if cache == "static" and (max_cache_len is None or max_cache_len < 2):
+        raise ValueError("compile_steps(cache='static') needs max_cache_len >= 2 (prompt plus new tokens)")
     model.eval()
     if gemv == "reduction":
         reduction_gemv(model)
@@ -126,6 +206,17 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
     # the steps hold one model, whose structure must not change after compile_steps (parameters may be
     # updated in place: they are graph inputs)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if cpp_wrapper:  # inductor's C++ wrapper: kernel launches without the Python wrapper's per-call cost
+        options["cpp_wrapper"] = True
+    if cache == "static":
+        static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
+        if compile_prefill:
+            static_prefill = torch.compile(static_prefill, fullgraph=fullgraph, dynamic=True, mode=mode,
+                                           backend=backend, options=options)
+        static_decode = torch.compile(_static_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True,
+                                      mode=mode, backend=backend, options=options)
+        steps = _StaticCacheSteps(model, static_prefill, static_decode, max_cache_len)
+        return CompiledSteps(steps.prefill, steps.decode)
     prefill = torch.compile(_step_fn(model, prefill_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
                             backend=backend, options=options)
     decode = torch.compile(_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True, mode=mode,

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_core.errors import MoELabError
+
 
 @torch.no_grad()
 def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
@@ -29,6 +31,26 @@ def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
     if total_tokens == 0:
         raise ValueError("perplexity: no tokens to score (give batches of at least 2 tokens per row)")
     return math.exp(total_nll / total_tokens)
+
+
+def calibration_batches(data_dir: str | Path, batches: int = 16, batch_size: int = 8,
+                        split: str = "train") -> list[torch.Tensor]:
+    """The first ``batches`` batches [B, S] of a prepared-data directory's ``split``: the calibration data of
+    GPTQ / AWQ quantization and of REAP pruning (``--data DIR``)."""
+    from moe_core.data.shards import PackedTokens
+    from moe_core.eval.batches import split_batches
+
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise MoELabError(f"--data {data_dir}: not a directory; give a prepared-data directory (moe-lab data prepare)")
+    try:
+        PackedTokens(data_dir, split, verify=False)
+    except MoELabError as err:
+        raise MoELabError(f"--data {data_dir}: cannot read its {split!r} split ({err})") from err
+    out = list(split_batches(data_dir, split, batch_size, batches))
+    if not out:
+        raise MoELabError(f"--data {data_dir}: the {split!r} split has no sequences")
+    return out
 
 
 def drift(value: float, reference: float) -> float:

@@ -14,6 +14,15 @@ bias) of the kept experts. Tokens whose K choices were all kept get the same exp
 ``norm_topk_prob`` (Mixtral), the same weights; without it (OLMoE) the softmax now runs over the kept
 experts only, so their weights grow by the dropped experts' probability mass.
 
+Two criteria rank a layer's experts (``PruneConfig.criterion``):
+- ``frequency``: routed slots (the usage above).
+- ``reap``: router-weighted expert activation (REAP, Lasby et al. 2025, "REAP the Experts: Why Pruning
+  Prevails for One-Shot MoE Compression"): ``S_e = mean over the tokens routed to e of g_e(x) * ||f_e(x)||_2``
+  with ``g_e`` the combine weight the router gave e and ``f_e(x)`` the expert's output, from calibration
+  batches (`collect_saliency`). An expert that is often picked with a small weight, or whose output is small,
+  contributes little to the layer's output however often it runs; the mean (not the sum) is REAP's choice.
+  Never-routed experts have saliency 0.
+
 ``merge_similar``: each dropped expert is folded into the kept expert whose weights are most similar
 (cosine of the flattened gate/up/down), a usage-weighted average (in the spirit of "merge, then compress",
 Li et al. 2024, MC-SMoE), instead of being discarded.
@@ -42,8 +51,11 @@ class PruneConfig:
     keep_experts: int | None = None  # experts kept per MoE layer; None: decided by min_share
     min_share: float = 0.0  # drop experts below this share of a layer's slots (0 drops only never-used ones)
     merge_similar: bool = False
+    criterion: str = "frequency"  # "frequency" (routed slots) or "reap" (router-weighted activation)
 
     def __post_init__(self) -> None:
+        if self.criterion not in ("frequency", "reap"):
+            raise PruneError(f"PruneConfig.criterion={self.criterion!r}: choose 'frequency' or 'reap'")
         if self.keep_experts is not None and self.keep_experts < 1:
             raise PruneError(f"PruneConfig.keep_experts={self.keep_experts!r}: must be >= 1")
         if not 0.0 <= self.min_share < 1.0:
@@ -59,6 +71,7 @@ class PruneReport:
     params_before: int = 0
     params_after: int = 0
     usage_share_kept: dict[int, float] = field(default_factory=dict)  # share of slots the kept experts took
+    criterion: str = "frequency"
     perplexity: dict[str, float] = field(default_factory=dict)  # filled by callers that evaluate
 
     def to_dict(self) -> dict:
@@ -91,11 +104,50 @@ def collect_usage(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Ten
     return usage
 
 
-def _normalize_usage(usage, config) -> dict[int, torch.Tensor]:
+@torch.no_grad()
+def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """REAP saliency per MoE layer, ``{layer_id: FloatTensor [E]}``: per expert, the mean over the slots
+    routed to it of (combine weight x L2 norm of the expert's output), over ``batches`` of token ids."""
+    from moe_core.experts import GroupedExperts
+
+    layers = {layer_id: model.model.layers[layer_id].mlp.experts for layer_id in model.config.moe_layer_ids}
+    E = model.config.num_experts
+    sums = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
+    counts = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
+    hooks = []
+    for layer_id, experts in layers.items():
+        if not isinstance(experts, GroupedExperts):
+            raise PruneError(f"layer {layer_id} has no GroupedExperts (an offloaded or dense model?)")
+
+        def hook(module, args, _out, layer_id=layer_id):
+            x_TD, record = args[0], args[1]
+            for e in range(module.num_experts):  # each expert on its routed tokens, as forward_reference
+                token_idx, slot_idx = torch.where((record.expert_ids_TK == e) & ~record.dropped_TK)
+                if token_idx.numel() == 0:
+                    continue
+                norm_N = module.expert(e, x_TD[token_idx]).float().norm(dim=-1)
+                sums[layer_id][e] += (record.weights_TK[token_idx, slot_idx].float() * norm_N).sum().double()
+                counts[layer_id][e] += token_idx.numel()
+        hooks.append(experts.register_forward_hook(hook))
+    was_training = model.training
+    model.eval()
+    try:
+        for input_ids_BS in batches:
+            model(input_ids=input_ids_BS, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    if not any(float(c.sum()) for c in counts.values()):
+        raise PruneError("the calibration batches routed no tokens; give token ids [B, S]")
+    return {layer_id: (sums[layer_id] / counts[layer_id].clamp_min(1)).float() for layer_id in layers}
+
+
+def _normalize_usage(usage, config, dtype=torch.long) -> dict[int, torch.Tensor]:
     if isinstance(usage, Mapping):
-        usage = {int(k): torch.as_tensor(v, dtype=torch.long) for k, v in usage.items()}
+        usage = {int(k): torch.as_tensor(v, dtype=dtype) for k, v in usage.items()}
     else:
-        usage = {layer: torch.as_tensor(v, dtype=torch.long) for layer, v in zip(config.moe_layer_ids, usage)}
+        usage = {layer: torch.as_tensor(v, dtype=dtype) for layer, v in zip(config.moe_layer_ids, usage)}
     missing = [layer for layer in config.moe_layer_ids if layer not in usage]
     if missing:
         raise PruneError(f"no expert usage for MoE layers {missing}; the profile must come from this model "
@@ -107,27 +159,32 @@ def _normalize_usage(usage, config) -> dict[int, torch.Tensor]:
     return usage
 
 
-def choose_experts(usage: dict[int, torch.Tensor], config, prune: PruneConfig) -> dict[int, list[int]]:
+def choose_experts(scores: dict[int, torch.Tensor], config, prune: PruneConfig) -> dict[int, list[int]]:
+    """Per layer, the ids of the ``keep`` experts with the highest score (slots, or REAP saliency), sorted.
+    Without ``keep_experts``, ``min_share`` applies to each layer's share of its total score."""
     K, E = config.num_experts_per_tok, config.num_experts
     if prune.keep_experts is not None:
         keep = prune.keep_experts
     else:
-        keep = max(int((counts.float() / counts.sum().clamp_min(1) >= max(prune.min_share, 1e-12)).sum())
-                   for counts in usage.values())
+        keep = max(int((counts.float() / counts.float().sum().clamp_min(1e-12) >= max(prune.min_share, 1e-12)).sum())
+                   for counts in scores.values())
     if keep > E:
         raise PruneError(f"keep_experts={keep} is more than the model's {E} experts")
     keep = max(keep, K)
     kept = {}
-    for layer, counts in usage.items():
-        order = sorted(range(E), key=lambda e: (-int(counts[e]), e))  # most used first, ties by id
+    for layer, counts in scores.items():
+        order = sorted(range(E), key=lambda e: (-float(counts[e]), e))  # highest score first, ties by id
         kept[layer] = sorted(order[:keep])
     return kept
 
 
 # ---------------------------------------------------------------------------------------------- pruning
 @torch.no_grad()
-def prune_experts(model, usage, prune: PruneConfig | None = None):
-    """A new, smaller `MoEForCausalLM` keeping each layer's most used experts; returns (model, report)."""
+def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None):
+    """A new, smaller `MoEForCausalLM` keeping each layer's highest-ranked experts; returns (model, report).
+
+    ``usage``: routed slots per layer (ranks experts for ``criterion="frequency"``, weights merges, and gives
+    the report's kept share); ``saliency``: `collect_saliency`'s REAP scores, required for ``"reap"``."""
     from moe_core.config import MoEConfig
     from moe_core.model import MoEForCausalLM
 
@@ -138,7 +195,13 @@ def prune_experts(model, usage, prune: PruneConfig | None = None):
     if config.router == "expert_choice":
         raise PruneError("expert_choice routing sets capacity from the number of experts; prune a token-choice model")
     usage = _normalize_usage(usage, config)
-    kept = choose_experts(usage, config, prune)
+    if prune.criterion == "reap":
+        if saliency is None:
+            raise PruneError("criterion='reap' needs REAP saliency from calibration data (collect_saliency; "
+                             "from the CLI, --data DIR)")
+        kept = choose_experts(_normalize_usage(saliency, config, torch.float32), config, prune)
+    else:
+        kept = choose_experts(usage, config, prune)
     E_new = len(next(iter(kept.values())))
     data = config.to_dict()
     for key in ("model_type", "transformers_version", "architectures"):
@@ -149,7 +212,7 @@ def prune_experts(model, usage, prune: PruneConfig | None = None):
 
     state = model.state_dict()
     new_state = {}
-    report = PruneReport(config.num_experts, E_new, kept)
+    report = PruneReport(config.num_experts, E_new, kept, criterion=prune.criterion)
     layers = model.model.layers
     for name, tensor in state.items():
         new_state[name] = tensor
@@ -201,13 +264,24 @@ def _merge(stacks: dict[str, torch.Tensor], counts_E: torch.Tensor, kept: list[i
     return merged
 
 
-def prune_checkpoint(model_dir: str | os.PathLike, profile: str | os.PathLike, out_dir: str | os.PathLike,
-                     prune: PruneConfig | None = None) -> PruneReport:
-    """`moe-lab prune`: load a checkpoint and a router profile directory, prune, save_pretrained."""
+def prune_checkpoint(model_dir: str | os.PathLike, profile: str | os.PathLike | None, out_dir: str | os.PathLike,
+                     prune: PruneConfig | None = None, calibration: Iterable[torch.Tensor] | None = None
+                     ) -> PruneReport:
+    """`moe-lab prune`: load a checkpoint, rank its experts (slots from a router ``profile`` directory or
+    counted on ``calibration`` batches; REAP saliency on ``calibration``), prune, save_pretrained."""
     from moe_core.model import MoEForCausalLM
 
+    prune = prune or PruneConfig()
+    calibration = list(calibration) if calibration is not None else None
+    if profile is None and calibration is None:
+        raise PruneError("give a router profile (--profile DIR) or calibration data (--data DIR)")
+    if prune.criterion == "reap" and calibration is None:
+        raise PruneError("--criterion reap measures expert outputs on calibration data: pass --data DIR "
+                         "(a prepared-data directory)")
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    new_model, report = prune_experts(model, usage_from_profile(Path(profile)), prune)
+    usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
+    saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
+    new_model, report = prune_experts(model, usage, prune, saliency)
     new_model.save_pretrained(out_dir)
     from moe_core.convert import copy_companion_files
 

@@ -16,6 +16,17 @@ stay in full precision. Two ways to choose the integers:
   picks gets its ``min_tokens`` from the calibration tokens with the highest router probability for it
   (force-routed); with fewer calibration tokens than that in all, it falls back to round-to-nearest and the
   report says so. Simplification: all layers are calibrated in one pass on unquantized inputs.
+- ``awq``: AWQ (Lin et al. 2024, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+  Acceleration", Sec. 3.2): per expert, a per-input-channel scale ``s = mean|x|^alpha`` (normalized as
+  upstream llm-awq, ``s / sqrt(max s * min s)``) chosen on the grid ``alpha in {0, 1/(n-1), ..., 1}`` to
+  minimize ``|| Q(W diag(s)) diag(s)^-1 x - W x ||^2`` on the expert's own calibration inputs (Eq. 5), then
+  round-to-nearest with groups of ``W diag(s)``. gate_proj and up_proj share their input and one scale
+  (searched on their joint output, as upstream scales a block's inputs together); down_proj is searched on
+  the hidden activation. Upstream folds ``1/s`` into the preceding op; an expert's input is the normed hidden
+  state every expert shares, so ``1/s`` is kept per expert as ``p_in_scale`` and divides the dequantized
+  weight's columns instead (the same product). ``alpha = 0`` is plain RTN, so AWQ's output error on the
+  calibration inputs is never above RTN's. Calibration coverage, force-routing and the RTN fallback are
+  GPTQ's. Not done: upstream's second search (per-group weight clipping).
 The reference beside the fast path is fake quantization (`fake_quantize`: quantize, dequantize, run the
 plain `GroupedExperts`); tests hold the two equal. `QuantReport` gives the fraction of parameters quantized
 and the bytes; `check_experts_quantized` raises when any expert stack was skipped.
@@ -48,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.errors import MoELabError
-from moe_core.experts import GroupedExperts
+from moe_core.experts import GroupedExperts, ffn_act
 from moe_core.inference.fast_decode import DecodeExperts
 
 logger = logging.getLogger(__name__)
@@ -63,16 +74,19 @@ class QuantizationError(MoELabError):
 class QuantConfig:
     bits: int = 8  # 8: per output channel; 4: group-wise, packed two a byte
     group_size: int = 32  # inputs sharing one scale when bits == 4
-    method: str = "rtn"  # "rtn" or "gptq"
-    min_tokens: int = 32  # gptq: calibration tokens each expert must see (force-routed if rarely hit)
+    method: str = "rtn"  # "rtn", "gptq" or "awq"
+    min_tokens: int = 32  # gptq/awq: calibration tokens each expert must see (force-routed if rarely hit)
     damp: float = 0.01  # gptq: dampening, a fraction of the mean Hessian diagonal
     block_size: int = 128  # gptq: lazy-batch width (a multiple of group_size when bits == 4)
+    awq_grid: int = 20  # awq: points of the alpha grid on [0, 1]
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise QuantizationError(f"QuantConfig.bits={self.bits!r}: choose 8 or 4")
-        if self.method not in ("rtn", "gptq"):
-            raise QuantizationError(f"QuantConfig.method={self.method!r}: choose 'rtn' or 'gptq'")
+        if self.method not in ("rtn", "gptq", "awq"):
+            raise QuantizationError(f"QuantConfig.method={self.method!r}: choose 'rtn', 'gptq' or 'awq'")
+        if self.awq_grid < 2:
+            raise QuantizationError(f"QuantConfig.awq_grid={self.awq_grid!r}: must be >= 2")
         if self.bits == 4 and (self.group_size <= 0 or self.group_size % 2):
             raise QuantizationError(f"QuantConfig.group_size={self.group_size!r}: must be a positive even number")
         if self.bits == 4 and self.block_size % self.group_size:
@@ -172,12 +186,52 @@ def gptq_quantize(w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig) -
     return Q, scale
 
 
+# ---------------------------------------------------------------------------------------------- AWQ
+def awq_output_error(w_OI: torch.Tensor, x_NI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig) -> float:
+    """AWQ's objective (Lin et al. 2024, Eq. 5): mean squared error of ``Q(W diag(s)) diag(s)^-1 x`` against
+    ``W x`` over the rows of ``x``."""
+    w = w_OI.float()
+    w_hat = fake_quantize(w * s_I, config) / s_I
+    return float(((x_NI @ (w_hat - w).T) ** 2).mean())
+
+
+def awq_alphas(config: QuantConfig) -> list[float]:
+    return [i / (config.awq_grid - 1) for i in range(config.awq_grid)]
+
+
+@torch.no_grad()
+def awq_search_scale(w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
+                     ) -> tuple[torch.Tensor, float, list[float]]:
+    """The per-input-channel scale [I] minimizing `awq_output_error` over the alpha grid; returns
+    (scale, the chosen alpha, the error at each alpha). ``w`` may stack several weights that share ``x``."""
+    x = x_NI.float()
+    mean_abs_I = x.abs().mean(0)
+    errors, best = [], (float("inf"), 0.0, torch.ones_like(mean_abs_I))
+    for alpha in awq_alphas(config):
+        s_I = mean_abs_I.pow(alpha).clamp_min(1e-4)
+        s_I = s_I / (s_I.max() * s_I.min()).sqrt()  # llm-awq's normalization: keeps the weights' range centred
+        err = awq_output_error(w_OI, x, s_I, config)
+        errors.append(err)
+        if err < best[0]:
+            best = (err, alpha, s_I)
+    return best[2], best[1], errors
+
+
+def awq_quantize(w_OI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes and group scales of ``W diag(s)``, and ``s``: the weight is ``dequantize(q, scale) / s``."""
+    w_s = w_OI.detach().float() * s_I
+    scale = compute_scales(w_s, config)
+    return quantize_rtn(w_s, scale, config), scale, s_I
+
+
 # ---------------------------------------------------------------------------------------------- the module
 class QuantizedExperts(DecodeExperts):
     """`GroupedExperts` with weight-only int8/int4 weights, dequantized per expert as it runs.
 
-    Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte) and ``p_scale``
-    (fp32 [E, O, G]). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted`` here."""
+    Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte), ``p_scale``
+    (fp32 [E, O, G]) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
+    the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``."""
 
     def __init__(self, num_experts: int, activation: str, shapes: dict[str, tuple[int, int]], config: QuantConfig,
                  impl: str = "auto", max_slots: int = 64) -> None:
@@ -190,25 +244,32 @@ class QuantizedExperts(DecodeExperts):
             dtype = torch.int8 if config.bits == 8 else torch.uint8
             self.register_buffer(f"{name}_q", torch.zeros(num_experts, O, width, dtype=dtype))
             self.register_buffer(f"{name}_scale", torch.ones(num_experts, O, config.groups(I)))
+            if config.method == "awq":
+                self.register_buffer(f"{name}_in_scale", torch.ones(num_experts, I))
         # the parent's attributes: no dense weights here
         self.gate_proj = self.up_proj = self.down_proj = None
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, config: QuantConfig,
                      codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> QuantizedExperts:
-        """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``)."""
+        """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
+        or ``(q, scale, in_scale [E, I])`` for AWQ)."""
         shapes = {p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None}
         new = cls(experts.num_experts, experts.activation, shapes, config, experts.impl,
                   getattr(experts, "max_slots", 64))
         for p in shapes:
             w = getattr(experts, p).detach()
+            in_scale = None
             if codes is not None and p in codes:
-                q, scale = codes[p]
+                q, scale, *rest = codes[p]
+                in_scale = rest[0] if rest else None
             else:
                 scale = compute_scales(w, config)
                 q = quantize_rtn(w, scale, config)
             getattr(new, f"{p}_q").copy_(pack_int4(q) if config.bits == 4 else q)
             getattr(new, f"{p}_scale").copy_(scale)
+            if in_scale is not None:
+                getattr(new, f"{p}_in_scale").copy_(in_scale)
         return new.to(experts.up_proj.device)
 
     def codes(self, name: str, e: int | slice = slice(None)) -> torch.Tensor:
@@ -219,12 +280,18 @@ class QuantizedExperts(DecodeExperts):
         """Expert ``e``'s dequantized ``name`` weight [O, I]."""
         if name not in self.projections:
             return None
-        return dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e]).to(dtype)
+        w = dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e])
+        if self.quant_config.method == "awq":
+            w = w / getattr(self, f"{name}_in_scale")[e]
+        return w.to(dtype)
 
     def dequantized_stack(self, name: str) -> torch.Tensor | None:
         if name not in self.projections:
             return None
-        return dequantize(self.codes(name), getattr(self, f"{name}_scale"))
+        w = dequantize(self.codes(name), getattr(self, f"{name}_scale"))
+        if self.quant_config.method == "awq":
+            w = w / getattr(self, f"{name}_in_scale")[:, None, :]
+        return w
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
         if self.impl not in ("auto", "grouped_mm"):
@@ -244,8 +311,6 @@ class QuantizedExperts(DecodeExperts):
         gate = self.weight("gate_proj", e, x_ND.dtype)
         h_gate = F.linear(x_ND, gate) if gate is not None else None
         h_up = F.linear(x_ND, self.weight("up_proj", e, x_ND.dtype))
-        from moe_core.experts import ffn_act
-
         return F.linear(ffn_act(self.activation, h_gate, h_up), self.weight("down_proj", e, x_ND.dtype))
 
 
@@ -262,6 +327,7 @@ class QuantReport:
     experts_rtn_fallback: list[str] = field(default_factory=list)  # "layer:expert" that gptq left to RTN
     calibration_tokens: dict[str, list[int]] = field(default_factory=dict)  # per layer, per expert (gptq)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # force-routed extra tokens (gptq)
+    awq_alpha: dict[str, list[list[float]]] = field(default_factory=dict)  # per expert: [alpha_in, alpha_hidden]
     notes: list[str] = field(default_factory=list)
     perplexity: dict[str, float] = field(default_factory=dict)
 
@@ -293,7 +359,7 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
                      calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
     """Replace every `GroupedExperts` of ``model`` by a `QuantizedExperts`, in place; returns the report.
 
-    ``calibration``: batches of token ids [B, S], required for ``method="gptq"``."""
+    ``calibration``: batches of token ids [B, S], required for ``method="gptq"`` and ``"awq"``."""
     config = config or QuantConfig()
     modules = expert_modules(model)
     if not modules:
@@ -302,10 +368,11 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
     bytes_before = _weight_bytes(model)
     report = QuantReport(config.bits, config.method, params_total, 0, bytes_before, 0, 0)
     all_codes: dict[str, dict] = {}
-    if config.method == "gptq":
+    if config.method in ("gptq", "awq"):
         if calibration is None:
-            raise QuantizationError("method='gptq' needs calibration batches (token ids [B, S])")
-        all_codes = _gptq_codes(model, modules, config, calibration, report)
+            raise QuantizationError(f"method={config.method!r} needs calibration batches (token ids [B, S]): "
+                                    "from the CLI, --data DIR (a prepared-data directory)")
+        all_codes = _calibrated_codes(model, modules, config, calibration, report)
     for name, module in modules:
         if isinstance(module, QuantizedExperts):
             continue
@@ -316,12 +383,16 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
         setattr(parent, child, QuantizedExperts.from_experts(module, config, all_codes.get(name)))
     report.bytes_after = _weight_bytes(model)
     check_experts_quantized(model)
+    total = sum(m.num_experts for _, m in modules if not isinstance(m, QuantizedExperts))
+    if report.experts_quantized != total:  # every expert of every layer, counted (fallbacks are in the report)
+        raise QuantizationError(f"quantized {report.experts_quantized} of {total} experts")
     return report
 
 
 @torch.no_grad()
-def _gptq_codes(model, modules, config: QuantConfig, calibration, report: QuantReport) -> dict[str, dict]:
-    """One calibration pass: per expert module, the inputs X [N, D] and router probabilities; then GPTQ."""
+def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, torch.Tensor]]:
+    """One calibration pass: per expert module, its inputs x [N, D], router probabilities [N, E] and which
+    expert each token was routed to (hit [N, E])."""
     seen: dict[str, dict[str, list[torch.Tensor]]] = {name: {"x": [], "probs": [], "hit": []} for name, _ in modules}
     hooks = []
     for name, module in modules:
@@ -343,15 +414,59 @@ def _gptq_codes(model, modules, config: QuantConfig, calibration, report: QuantR
         for h in hooks:
             h.remove()
         model.train(was_training)
-
-    codes: dict[str, dict] = {}
-    for name, module in modules:
+    for name in seen:
         if not seen[name]["x"]:
             raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
-        x_ND = torch.cat(seen[name]["x"])
-        probs_NE = torch.cat(seen[name]["probs"])
-        hit_NE = torch.cat(seen[name]["hit"])
-        counts, forced, per_proj = [], [], {p: ([], []) for p in PROJECTIONS if getattr(module, p) is not None}
+    return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in seen.items()}
+
+
+def _gptq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, _alphas: list) -> dict[str, tuple]:
+    h_up = F.linear(x_ND, module.up_proj[e].float())
+    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
+    a_NF = ffn_act(module.activation, h_gate, h_up)
+    H_in, H_hidden = x_ND.T @ x_ND, a_NF.T @ a_NF
+    return {p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
+            for p in PROJECTIONS if getattr(module, p) is not None}
+
+
+def _awq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, alphas: list) -> dict[str, tuple]:
+    """AWQ of one expert: one scale for the projections reading x (searched on their joint output), one for
+    down_proj on the hidden activation computed in full precision."""
+    inputs = [p for p in ("gate_proj", "up_proj") if getattr(module, p) is not None]
+    w_in = torch.cat([getattr(module, p)[e].float() for p in inputs])
+    s_in, alpha_in, _ = awq_search_scale(w_in, x_ND, config)
+    h_up = F.linear(x_ND, module.up_proj[e].float())
+    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
+    a_NF = ffn_act(module.activation, h_gate, h_up)
+    s_hidden, alpha_hidden, _ = awq_search_scale(module.down_proj[e], a_NF, config)
+    alphas.append([alpha_in, alpha_hidden])
+    codes = {p: awq_quantize(getattr(module, p)[e], s_in, config) for p in inputs}
+    codes["down_proj"] = awq_quantize(module.down_proj[e], s_hidden, config)
+    return codes
+
+
+def _rtn_expert(module, e: int, config: QuantConfig) -> dict[str, tuple]:
+    codes = {}
+    for p in PROJECTIONS:
+        if getattr(module, p) is None:
+            continue
+        w = getattr(module, p)[e].detach().float()
+        scale = compute_scales(w, config)
+        codes[p] = (quantize_rtn(w, scale, config), scale)
+        if config.method == "awq":  # the identity scale: this expert is plain RTN inside an AWQ module
+            codes[p] += (torch.ones(w.shape[-1]),)
+    return codes
+
+
+@torch.no_grad()
+def _calibrated_codes(model, modules, config: QuantConfig, calibration, report: QuantReport) -> dict[str, dict]:
+    """GPTQ or AWQ codes of every expert from its own calibration inputs (force-routed up to min_tokens)."""
+    seen = _collect_expert_inputs(model, modules, calibration)
+    quantize_expert = _gptq_expert if config.method == "gptq" else _awq_expert
+    codes: dict[str, dict] = {}
+    for name, module in modules:
+        x_ND, probs_NE, hit_NE = seen[name]["x"], seen[name]["probs"], seen[name]["hit"]
+        counts, forced, alphas, per_expert = [], [], [], []
         for e in range(module.num_experts):
             idx = hit_NE[:, e].nonzero().flatten()
             extra = 0
@@ -361,28 +476,19 @@ def _gptq_codes(model, modules, config: QuantConfig, calibration, report: QuantR
                 idx = torch.cat([idx, order[:extra]])
             counts.append(int(hit_NE[:, e].sum()))
             forced.append(extra)
-            x_e = x_ND[idx]
-            if x_e.shape[0] < config.min_tokens:
+            if idx.numel() < config.min_tokens:
                 report.experts_rtn_fallback.append(f"{name}:{e}")
-                for p, (qs, ss) in per_proj.items():
-                    w = getattr(module, p)[e].detach().float()
-                    s = compute_scales(w, config)
-                    qs.append(quantize_rtn(w, s, config))
-                    ss.append(s)
+                per_expert.append(_rtn_expert(module, e, config))
+                if config.method == "awq":
+                    alphas.append([0.0, 0.0])
                 continue
-            h_up = F.linear(x_e, module.up_proj[e].float())
-            h_gate = F.linear(x_e, module.gate_proj[e].float()) if module.gate_proj is not None else None
-            from moe_core.experts import ffn_act
-
-            a_e = ffn_act(module.activation, h_gate, h_up)
-            H_in, H_hidden = x_e.T @ x_e, a_e.T @ a_e
-            for p, (qs, ss) in per_proj.items():
-                q, s = gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
-                qs.append(q)
-                ss.append(s)
+            per_expert.append(quantize_expert(module, e, x_ND[idx], config, alphas))
         report.calibration_tokens[name] = counts
         report.forced_tokens[name] = forced
-        codes[name] = {p: (torch.stack(qs), torch.stack(ss)) for p, (qs, ss) in per_proj.items()}
+        if alphas:
+            report.awq_alpha[name] = alphas
+        codes[name] = {p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert)))
+                       for p in per_expert[0]}
     if report.experts_rtn_fallback:
         report.notes.append(f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
                             f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
@@ -422,7 +528,10 @@ def load_quantized(directory: str | os.PathLike):
     meta = json.loads((directory / QUANT_FILE).read_text())
     config = QuantConfig(**meta["quant_config"])
     model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
-    quantize_experts(model, QuantConfig(bits=config.bits, group_size=config.group_size))  # the structure
+    for name, module in expert_modules(model):  # the structure (and AWQ's input scales) for the state dict
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                QuantizedExperts.from_experts(module, config))
     missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
@@ -433,22 +542,21 @@ def load_quantized(directory: str | os.PathLike):
     return model
 
 
-def random_calibration(vocab_size: int, batches: int = 4, batch: int = 8, seq: int = 64) -> list[torch.Tensor]:
-    """Seeded random token ids: the stand-in calibration of the CLI (pass real batches from Python)."""
-    logger.warning("gptq: no calibration batches given, using random token ids")
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab_size, (batch, seq), generator=generator) for _ in range(batches)]
-
-
 def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, config: QuantConfig,
-                        calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
-    """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ without calibration batches
-    calibrates on random token ids (a stand-in; pass real ones from Python for a meaningful result)."""
+                        calibration: Iterable[torch.Tensor] | None = None,
+                        data_dir: str | os.PathLike | None = None) -> QuantReport:
+    """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ and AWQ calibrate on
+    ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
     from moe_core.model import MoEForCausalLM
 
+    if calibration is None and data_dir is not None:
+        from moe_core.inference.evaluate import calibration_batches
+
+        calibration = calibration_batches(data_dir)
+    if config.method in ("gptq", "awq") and calibration is None:
+        raise QuantizationError(f"--method {config.method} calibrates on real text: pass --data DIR (a "
+                                "prepared-data directory, moe-lab data prepare)")
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if config.method == "gptq" and calibration is None:
-        calibration = random_calibration(model.config.vocab_size)
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
     from moe_core.convert import copy_companion_files
@@ -532,7 +640,7 @@ def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLi
     optimum quantizes ``nn.Linear`` modules; our experts are stacked parameters, so the model goes through
     its Hugging Face architecture first (`moe_core.convert.to_hf`: Mixtral / OLMoE / Qwen2-MoE, one
     ``nn.Linear`` per expert projection), is quantized there block by block on ``calibration`` (token-id
-    batches [B, S]; None: `random_calibration`, a stand-in), and is refused if any expert projection stayed in float. The result loads with
+    batches [B, S]), and is refused if any expert projection stayed in float. The result loads with
     ``AutoModelForCausalLM.from_pretrained`` on a machine with the same backend. Rarely routed experts get
     few calibration rows here (GPTQ's dampening keeps them well-posed); our own ``method="gptq"`` force-routes
     them instead and runs on a CPU."""
@@ -549,8 +657,9 @@ def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLi
     from moe_core.fileio import atomic_directory
     from moe_core.model import MoEForCausalLM
 
+    if not calibration:
+        raise QuantizationError("optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)")
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    calibration = calibration or random_calibration(model.config.vocab_size)
     with tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp, \
             atomic_directory(out_dir, error_cls=QuantizationError) as staging:
         to_hf(model, Path(tmp) / "hf", architecture)

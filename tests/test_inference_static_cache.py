@@ -1,0 +1,81 @@
+"""Static KV cache: the model on transformers' StaticCache equals the DynamicCache, and compiled static-cache
+decoding gives the eager greedy tokens with one decode graph for every cache length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache, StaticCache
+
+from moe_core import MoEForCausalLM, get_config
+from moe_core.inference.compile import CompileError, compile_steps, eager_steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def tiny(**overrides) -> MoEForCausalLM:
+    torch.manual_seed(0)
+    return MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128, **overrides)).eval()
+
+
+def greedy(steps, prompt, new_tokens):
+    logits, state = steps.prefill(prompt)
+    out = []
+    for _ in range(new_tokens):
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        logits, state = steps.decode(nxt, state)
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def test_static_cache_equals_dynamic_cache_with_left_padding():
+    model = tiny()
+    B, S, L = 2, 7, 16
+    x = torch.randint(0, 128, (B, S))
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :3] = 0  # left padding on the second row
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    static = StaticCache(config=model.config, max_cache_len=L)
+    full_mask = torch.cat([mask, torch.ones(B, L - S, dtype=torch.long)], dim=1)
+    out_s = model(x, attention_mask=full_mask, position_ids=positions, past_key_values=static,
+                  cache_position=torch.arange(S), use_cache=True)
+    out_d = model(x, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache(config=model.config),
+                  use_cache=True)
+    keep = mask.bool()
+    torch.testing.assert_close(out_s.logits[keep], out_d.logits[keep], atol=1e-5, rtol=1e-5)
+    dyn = out_d.past_key_values
+    for t in range(3):
+        nxt = out_s.logits[:, -1:].argmax(-1)
+        pos = positions[:, -1:] + 1 + t
+        out_s = model(nxt, attention_mask=full_mask, position_ids=pos, past_key_values=static,
+                      cache_position=torch.tensor([S + t]), use_cache=True)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        out_d = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=dyn, use_cache=True)
+        dyn = out_d.past_key_values
+        torch.testing.assert_close(out_s.logits, out_d.logits, atol=1e-5, rtol=1e-5)
+    assert static.layers[0].keys.shape[2] == L  # preallocated, never grown
+
+
+def test_compiled_static_decode_gives_the_eager_greedy_tokens_with_one_graph():
+    """Decoding into the static cache: the same tokens as eager decoding on a DynamicCache, and no new graph as
+    the cache fills (its length is a tensor input, not a guard). aot_eager: the graph, without the C++ build."""
+    from torch._dynamo.utils import counters
+
+    model = tiny(num_hidden_layers=1)
+    prompt = torch.randint(0, 128, (2, 6))
+    expected = greedy(eager_steps(model), prompt, 8)
+    steps = compile_steps(model, backend="aot_eager", cache="static", max_cache_len=16, compile_prefill=False)
+    logits, state = steps.prefill(prompt)
+    nxt = logits.argmax(-1, keepdim=True)
+    logits, state = steps.decode(nxt, state)  # the first decode compiles
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        logits, state = steps.decode(logits.argmax(-1, keepdim=True), state)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(greedy(steps, prompt, 8), expected)  # a second generation reuses (resets) the cache
+    assert torch.equal(greedy(steps, prompt[:1], 8), expected[:1])  # another batch size: a new cache
+    with pytest.raises(CompileError, match="max_cache_len"):
+        greedy(steps, prompt, 12)
+    with pytest.raises(CompileError, match="max_cache_len"):
+        steps.prefill(torch.randint(0, 128, (1, 16)))
