@@ -29,18 +29,34 @@ def checkpoint_step(out_dir: Path) -> int:
     return -1 if latest is None else int(read_trainer_state(latest)["step"])
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``, read from /proc (Linux)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(entry.name))
+    return members
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL whatever is left."""
+    """SIGTERM the process group, wait up to ``grace_s`` for every member (grandchildren too, not only the
+    leader), then SIGKILL whatever is left and wait for it to be gone."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_members(proc.pid):
+                return
+            time.sleep(0.05)
 
 
 def run_group(cmd: list[str], out_dir: Path, on_poll: Callable[[], None] = lambda: None,

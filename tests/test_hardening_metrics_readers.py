@@ -14,7 +14,7 @@ from tasks import tracking
 @pytest.fixture()
 def sent(monkeypatch):
     steps = []
-    monkeypatch.setattr(tracking, "log_metrics", lambda run_id, metrics, step=None, ts=None, **kw: steps.append(step))
+    monkeypatch.setattr(tracking, "send_metrics", lambda run_id, metrics, step=None, ts=None, **kw: steps.append(step))
     return steps
 
 
