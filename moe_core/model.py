@@ -35,7 +35,7 @@ from transformers.utils import ModelOutput
 
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
-from moe_core.routing import RoutingRecord, build_router
+from moe_core.routing import GlobalBatchBalance, RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -299,6 +299,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # None: each forward balances its own batch; a `GlobalBatchBalance` (set by the trainer, from outside)
+        # balances the optimizer step's global batch instead
+        self.load_balance: GlobalBatchBalance | None = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -337,6 +340,10 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
 
         aux_loss = z_loss = None
         if records and records[0].aux_loss is not None:  # not computed under no_grad in eval (generation)
+            if self.training and self.load_balance is not None:  # f_e over the global batch
+                standard = [router.uses_standard_aux_loss for router in self.routers()]
+                for record, loss in zip(records, self.load_balance.losses(records, standard)):
+                    record.aux_loss = loss
             aux_loss = torch.stack([r.aux_loss for r in records]).mean()
             z_loss = torch.stack([r.z_loss for r in records]).mean()
         loss = lm_loss = None
