@@ -82,6 +82,7 @@ class MoEConfig(PretrainedConfig):
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
+        embedding_init_std: float | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -127,6 +128,8 @@ class MoEConfig(PretrainedConfig):
         self.router_bias_update_rate = router_bias_update_rate
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
+        # None: initializer_range. Why a separate value: see `_family("switch")` and `MoEPreTrainedModel`
+        self.embedding_init_std = embedding_init_std
         self.use_cache = use_cache
         # Where a converted model came from (architecture, model_type, extra HF fields); used by `to_hf`.
         self.hf_origin = hf_origin
@@ -155,6 +158,8 @@ class MoEConfig(PretrainedConfig):
             raise bad("num_experts", "must be >= 0 (0 means a dense model)")
         if self.moe_every_n < 1:
             raise bad("moe_every_n", "must be >= 1")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            raise bad("embedding_init_std", "must be positive, or None for initializer_range")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise bad("clip_qkv", "must be positive or None")
         if self.expert_impl not in EXPERT_IMPLS:
@@ -217,9 +222,16 @@ SIZES: dict[str, dict[str, int]] = {
 def _family(name: str, hidden: int) -> dict[str, Any]:
     """Architecture choices of each family; widths scale with the hidden size."""
     if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
+        # Embeddings N(0, 1) as in T5, which Switch builds on (mesh-tf; transformers' SwitchTransformers
+        # `_init_weights`), not 0.02: with 0.02, the few Adam steps of warm-up write one direction shared by
+        # all tokens that outgrows the token embeddings, the router input becomes 85-99% that common part
+        # (measured at step 10 of the lifecycle run), its logits a per-expert offset for the whole batch, and
+        # top-1 sends most of a batch to one expert: 20-60% of slots dropped at capacity 1.25 (issue 17).
+        # Multiplicative router jitter 1e-2: Switch's (and transformers') default.
         return dict(num_experts=8, num_experts_per_tok=1, ffn_activation="gelu", expert_intermediate_size=4 * hidden,
                     intermediate_size=4 * hidden, router="switch", capacity_factor=1.25, eval_capacity_factor=2.0,
-                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+                    router_jitter=0.01, embedding_init_std=1.0)
     if name == "mixtral":  # Jiang et al. 2024: top-2 of 8 SwiGLU experts, top-k weights renormalized
         return dict(num_experts=8, num_experts_per_tok=2, ffn_activation="swiglu",
                     expert_intermediate_size=2 * hidden, intermediate_size=4 * hidden, router="topk",

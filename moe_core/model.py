@@ -23,6 +23,7 @@ A `transformers` `PreTrainedModel` with `GenerationMixin`: ``save_pretrained`` (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ from transformers.utils import ModelOutput
 
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
-from moe_core.routing import GlobalBatchBalance, RoutingRecord, build_router
+from moe_core.routing import GlobalBatchBalance, Router, RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -235,12 +236,18 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if isinstance(module, Router):  # (after its gate Linear: children are initialized first)
+            # Switch Transformer §2.4: truncated normal, std sqrt(s / fan_in) with s = 0.1, "for stability"
+            fan_in = module.gate.weight.shape[1]
+            router_std = math.sqrt(0.1 / fan_in)
+            nn.init.trunc_normal_(module.gate.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
+        elif isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:
                 module.bias.data.zero_()
         elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(0.0, std)
+            embedding_std = getattr(self.config, "embedding_init_std", None)  # (configs saved before it existed)
+            module.weight.data.normal_(0.0, embedding_std or std)
         elif isinstance(module, GroupedExperts):
             for p in module.parameters(recurse=False):
                 p.data.normal_(0.0, std)

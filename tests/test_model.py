@@ -22,7 +22,9 @@ def seeded_block(config):
 def forward_backward(block, x, impl):
     block.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
-    y, record = block(x, impl)
+    with torch.random.fork_rng():  # the same router jitter (Switch's default) for every path compared
+        torch.manual_seed(1)
+        y, record = block(x, impl)
     # a non-uniform upstream gradient, so that every weight's gradient is exercised
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     grads = {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
