@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     args.steps = args.steps or (40 if args.quick else 300)
+    if args.quick:
+        args.seq, args.eval_batches = min(args.seq, 64), min(args.eval_batches, 4)
     args.max_documents = args.max_documents or (400 if args.quick else 2000)
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 FFN_ACTIVATIONS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
+ROUTER_LOSS_REDUCTIONS = ("mean", "sum")
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 
 
@@ -32,6 +33,8 @@ class MoEConfig(PretrainedConfig):
     path to a `Router` subclass). `capacity_factor=None` is dropless; a number bounds each expert's tokens
     to ceil(capacity_factor * T * K / E) and drops the overflow, which passes through the residual.
     Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
+    The router losses enter the training loss as ``coef * mean`` over MoE layers (``router_loss_reduction=
+    "mean"``: OLMoE/megablocks, transformers) or ``coef * sum`` (``"sum"``: Switch, GShard, Megatron-LM).
 
     Layer `i` is an MoE layer when ``num_experts > 0``, ``i not in dense_layers`` and
     ``(i + 1) % moe_every_n == 0`` (the rule of Qwen2-MoE's `decoder_sparse_step`); other layers use a
@@ -79,6 +82,7 @@ class MoEConfig(PretrainedConfig):
         router_aux_loss_coef: float = 0.01,
         router_z_loss_coef: float = 0.001,
         router_bias_update_rate: float = 0.0,
+        router_loss_reduction: str = "mean",
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
@@ -126,6 +130,7 @@ class MoEConfig(PretrainedConfig):
         self.router_aux_loss_coef = router_aux_loss_coef
         self.router_z_loss_coef = router_z_loss_coef
         self.router_bias_update_rate = router_bias_update_rate
+        self.router_loss_reduction = router_loss_reduction
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
         # None: initializer_range. Why a separate value: see `_family("switch")` and `MoEPreTrainedModel`
@@ -174,6 +179,8 @@ class MoEConfig(PretrainedConfig):
             raise bad("expert_intermediate_size", "must be a positive integer")
         if self.router_score not in ROUTER_SCORES:
             raise bad("router_score", f"choose one of {ROUTER_SCORES}")
+        if self.router_loss_reduction not in ROUTER_LOSS_REDUCTIONS:
+            raise bad("router_loss_reduction", f"choose one of {ROUTER_LOSS_REDUCTIONS}")
         if self.router_topk_order not in TOPK_ORDERS:
             raise bad("router_topk_order", f"choose one of {TOPK_ORDERS}")
         for field in ("capacity_factor", "eval_capacity_factor"):
@@ -227,11 +234,13 @@ def _family(name: str, hidden: int) -> dict[str, Any]:
         # all tokens that outgrows the token embeddings, the router input becomes 85-99% that common part
         # (measured at step 10 of the lifecycle run), its logits a per-expert offset for the whole batch, and
         # top-1 sends most of a batch to one expert: 20-60% of slots dropped at capacity 1.25 (issue 17).
-        # Multiplicative router jitter 1e-2: Switch's (and transformers') default.
+        # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
+        # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
+        # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
         return dict(num_experts=8, num_experts_per_tok=1, ffn_activation="gelu", expert_intermediate_size=4 * hidden,
                     intermediate_size=4 * hidden, router="switch", capacity_factor=1.25, eval_capacity_factor=2.0,
                     norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
-                    router_jitter=0.01, embedding_init_std=1.0)
+                    router_jitter=0.01, embedding_init_std=1.0, router_loss_reduction="sum")
     if name == "mixtral":  # Jiang et al. 2024: top-2 of 8 SwiGLU experts, top-k weights renormalized
         return dict(num_experts=8, num_experts_per_tok=2, ffn_activation="swiglu",
                     expert_intermediate_size=2 * hidden, intermediate_size=4 * hidden, router="topk",

@@ -8,9 +8,9 @@ Architecture choices (each a field of `MoEConfig`):
   GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
   with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
   auxiliary-loss-free bias) and optional shared experts (Qwen2-MoE; DeepSeekMoE, Dai et al. 2024).
-- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged over
-  MoE layers, added whenever labels are given and the coefficient is above zero (so it can never be silently
-  off during fine-tuning). ``lm_loss`` is reported separately for perplexity. The router losses are training
+- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged (or,
+  with ``router_loss_reduction="sum"``, summed: Switch) over MoE layers, added whenever labels are given and
+  the coefficient is above zero (so it can never be silently off during fine-tuning). ``lm_loss`` is reported separately for perplexity. The router losses are training
   signals: in eval mode under ``torch.no_grad()`` (generation, evaluation, analytics) they are not computed.
 
 Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
@@ -362,10 +362,12 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
                 ignore_index=-100,
             )
             loss = lm_loss
+            # aux_loss and z_loss are reported as layer means (1.0 = uniform); "sum" weighs every layer fully
+            layers = len(records) if getattr(self.config, "router_loss_reduction", "mean") == "sum" else 1
             if aux_loss is not None and self.config.router_aux_loss_coef > 0:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss
+                loss = loss + self.config.router_aux_loss_coef * layers * aux_loss
             if z_loss is not None and self.config.router_z_loss_coef > 0:
-                loss = loss + self.config.router_z_loss_coef * z_loss
+                loss = loss + self.config.router_z_loss_coef * layers * z_loss
         return MoECausalLMOutput(
             loss=loss,
             logits=logits_BSV,
