@@ -250,10 +250,11 @@ def _family(name: str, hidden: int) -> dict[str, Any]:
                     expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
                     norm_topk_prob=False, qk_norm=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
     if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
+        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004
         return dict(num_experts=16, num_experts_per_tok=4, ffn_activation="swiglu",
                     expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
                     norm_topk_prob=False, num_shared_experts=1, shared_expert_intermediate_size=2 * hidden,
-                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.001)
+                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.004)
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
