@@ -263,7 +263,9 @@ class Router(nn.Module):
         tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids_TK.device)
         tokens_per_expert_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
         losses_needed = self.training or torch.is_grad_enabled()
-        if aux_loss is None and losses_needed:
+        if not losses_needed:
+            aux_loss = None  # both losses or neither (a router's own aux loss, e.g. expert choice's zero, too)
+        elif aux_loss is None:
             aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
         return RoutingRecord(
             expert_ids_TK=expert_ids_TK,

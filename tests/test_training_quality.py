@@ -124,3 +124,13 @@ def test_switch_defaults_balance_after_warmup(tmp_path, corpus_cache, one_thread
     assert sum(drops) / len(drops) < 0.08
     assert max(loads) < 2.1
     assert late[-1]["aux_loss"] < 1.06  # approaching 1.0, uniform
+
+
+def test_expert_choice_model_evaluates_without_gradients():
+    """Expert choice gave its zero aux loss even under no_grad, with no z-loss beside it: evaluating a
+    trained expert-choice model crashed (found by benchmarks/quality.py)."""
+    model = _model("mixtral-tiny", router="expert_choice").eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        out = model(x, labels=x)
+    assert out.aux_loss is None and out.z_loss is None and torch.isfinite(out.lm_loss)
