@@ -134,3 +134,36 @@ def test_expert_choice_model_evaluates_without_gradients():
     with torch.no_grad():
         out = model(x, labels=x)
     assert out.aux_loss is None and out.z_loss is None and torch.isfinite(out.lm_loss)
+
+
+def _two_rank_worker(rank: int, init_file: str, result_file: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = _model(capacity_factor=None)  # the same weights on both ranks (seeded)
+        x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+        model.load_balance = GlobalBatchBalance(torch.distributed.group.WORLD)
+        model.load_balance.reset()
+        out = model(x[rank:rank + 1], labels=x[rank:rank + 1], output_routing=True)
+        if rank == 0:
+            torch.save({"counts": model.load_balance.counts_LE, "aux": [r.aux_loss.detach() for r in out.routing],
+                        "probs": [r.probs_TE.detach() for r in out.routing],
+                        "ids": [r.expert_ids_TK for r in out.routing]}, result_file)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_global_batch_sums_counts_over_data_parallel_ranks(tmp_path):
+    """Two gloo processes, one sequence each: f_e is the two-sequence batch's, as on one process."""
+    torch.multiprocessing.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path / "rank0.pt")),
+                                nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    model = _model(capacity_factor=None)
+    x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    big = model(x, labels=x, output_routing=True)
+    E = model.config.num_experts
+    for layer, record in enumerate(big.routing):
+        counts_E = slot_counts(record.expert_ids_TK, E).double()
+        torch.testing.assert_close(got["counts"][layer], counts_E)
+        expected = load_balancing_loss(got["probs"][layer], got["ids"][layer], counts_E / counts_E.sum())
+        torch.testing.assert_close(got["aux"][layer], expected)
