@@ -11,7 +11,8 @@ Architecture choices (each a field of `MoEConfig`):
 - Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged (or,
   with ``router_loss_reduction="sum"``, summed: Switch) over MoE layers, added whenever labels are given and
   the coefficient is above zero (so it can never be silently off during fine-tuning). ``lm_loss`` is reported
-  separately for perplexity. The router losses are training signals: in eval mode under ``torch.no_grad()`` (generation, evaluation, analytics) they are not computed.
+  separately for perplexity. The router losses are training signals: in eval mode under ``torch.no_grad()``
+  (generation, evaluation, analytics) they are not computed.
 
 Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
 Hd = head dim, T = B*S tokens, V = vocab.
