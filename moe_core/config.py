@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 FFN_ACTIVATIONS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
+ROUTER_LOSS_REDUCTIONS = ("mean", "sum")
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 
 
@@ -42,6 +43,8 @@ class MoEConfig(PretrainedConfig):
     `Router` subclass in an imported or allowed module; see `moe_core.routing.resolve_router`). `capacity_factor=None` is dropless; a number bounds each expert's tokens
     to ceil(capacity_factor * T * K / E) and drops the overflow, which passes through the residual.
     Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
+    The router losses enter the training loss as ``coef * mean`` over MoE layers (``router_loss_reduction=
+    "mean"``: OLMoE/megablocks, transformers) or ``coef * sum`` (``"sum"``: Switch, GShard, Megatron-LM).
 
     Layer `i` is an MoE layer when ``num_experts > 0``, ``i not in dense_layers`` and
     ``(i + 1) % moe_every_n == 0`` (the rule of Qwen2-MoE's `decoder_sparse_step`); other layers use a
@@ -89,9 +92,11 @@ class MoEConfig(PretrainedConfig):
         router_aux_loss_coef: float = 0.01,
         router_z_loss_coef: float = 0.001,
         router_bias_update_rate: float = 0.0,
+        router_loss_reduction: str = "mean",
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
+        embedding_init_std: float | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
         pad_token_id: int | None = None,
@@ -136,8 +141,11 @@ class MoEConfig(PretrainedConfig):
         self.router_aux_loss_coef = router_aux_loss_coef
         self.router_z_loss_coef = router_z_loss_coef
         self.router_bias_update_rate = router_bias_update_rate
+        self.router_loss_reduction = router_loss_reduction
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
+        # None: initializer_range. Why a separate value: see `_family("switch")` and `MoEPreTrainedModel`
+        self.embedding_init_std = embedding_init_std
         self.use_cache = use_cache
         # Where a converted model came from (architecture, model_type, extra HF fields); used by `to_hf`.
         self.hf_origin = hf_origin
@@ -182,6 +190,8 @@ class MoEConfig(PretrainedConfig):
             raise bad("num_experts", "must be >= 0 (0 means a dense model)")
         if self.moe_every_n < 1:
             raise bad("moe_every_n", "must be >= 1")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            raise bad("embedding_init_std", "must be positive, or None for initializer_range")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise bad("clip_qkv", "must be positive or None")
         if self.expert_impl not in EXPERT_IMPLS:
@@ -196,6 +206,8 @@ class MoEConfig(PretrainedConfig):
             raise bad("expert_intermediate_size", "must be a positive integer")
         if self.router_score not in ROUTER_SCORES:
             raise bad("router_score", f"choose one of {ROUTER_SCORES}")
+        if self.router_loss_reduction not in ROUTER_LOSS_REDUCTIONS:
+            raise bad("router_loss_reduction", f"choose one of {ROUTER_LOSS_REDUCTIONS}")
         if self.router_topk_order not in TOPK_ORDERS:
             raise bad("router_topk_order", f"choose one of {TOPK_ORDERS}")
         for field in ("capacity_factor", "eval_capacity_factor"):
@@ -266,9 +278,18 @@ SIZES: dict[str, dict[str, int]] = {
 def _family(name: str, hidden: int) -> dict[str, Any]:
     """Architecture choices of each family; widths scale with the hidden size."""
     if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
+        # Embeddings N(0, 1) as in T5, which Switch builds on (mesh-tf; transformers' SwitchTransformers
+        # `_init_weights`), not 0.02: with 0.02, the few Adam steps of warm-up write one direction shared by
+        # all tokens that outgrows the token embeddings, the router input becomes 85-99% that common part
+        # (measured at step 10 of the lifecycle run), its logits a per-expert offset for the whole batch, and
+        # top-1 sends most of a batch to one expert: 20-60% of slots dropped at capacity 1.25 (issue 17).
+        # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
+        # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
+        # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
         return dict(num_experts=8, num_experts_per_tok=1, ffn_activation="gelu", expert_intermediate_size=4 * hidden,
                     intermediate_size=4 * hidden, router="switch", capacity_factor=1.25, eval_capacity_factor=2.0,
-                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+                    router_jitter=0.01, embedding_init_std=1.0, router_loss_reduction="sum")
     if name == "mixtral":  # Jiang et al. 2024: top-2 of 8 SwiGLU experts, top-k weights renormalized
         return dict(num_experts=8, num_experts_per_tok=2, ffn_activation="swiglu",
                     expert_intermediate_size=2 * hidden, intermediate_size=4 * hidden, router="topk",
@@ -278,10 +299,11 @@ def _family(name: str, hidden: int) -> dict[str, Any]:
                     expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
                     norm_topk_prob=False, qk_norm=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
     if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
+        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004
         return dict(num_experts=16, num_experts_per_tok=4, ffn_activation="swiglu",
                     expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
                     norm_topk_prob=False, num_shared_experts=1, shared_expert_intermediate_size=2 * hidden,
-                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.001)
+                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.004)
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)

@@ -8,10 +8,11 @@ Architecture choices (each a field of `MoEConfig`):
   GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
   with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
   auxiliary-loss-free bias) and optional shared experts (Qwen2-MoE; DeepSeekMoE, Dai et al. 2024).
-- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged over
-  MoE layers, added whenever labels are given and the coefficient is above zero (so it can never be silently
-  off during fine-tuning). ``lm_loss`` is reported separately for perplexity. The router losses are training
-  signals: in eval mode under ``torch.no_grad()`` (generation, evaluation, analytics) they are not computed.
+- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged (or,
+  with ``router_loss_reduction="sum"``, summed: Switch) over MoE layers, added whenever labels are given and
+  the coefficient is above zero (so it can never be silently off during fine-tuning). ``lm_loss`` is reported
+  separately for perplexity. The router losses are training signals: in eval mode under ``torch.no_grad()``
+  (generation, evaluation, analytics) they are not computed.
 
 Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
 Hd = head dim, T = B*S tokens, V = vocab.
@@ -23,6 +24,7 @@ A `transformers` `PreTrainedModel` with `GenerationMixin`: ``save_pretrained`` (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,7 @@ from transformers.utils import ModelOutput
 
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
-from moe_core.routing import RoutingRecord, build_router
+from moe_core.routing import GlobalBatchBalance, Router, RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -235,12 +237,18 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if isinstance(module, Router):  # (after its gate Linear: children are initialized first)
+            # Switch Transformer §2.4: truncated normal, std sqrt(s / fan_in) with s = 0.1, "for stability"
+            fan_in = module.gate.weight.shape[1]
+            router_std = math.sqrt(0.1 / fan_in)
+            nn.init.trunc_normal_(module.gate.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
+        elif isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:
                 module.bias.data.zero_()
         elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(0.0, std)
+            embedding_std = getattr(self.config, "embedding_init_std", None)  # (configs saved before it existed)
+            module.weight.data.normal_(0.0, embedding_std or std)
         elif isinstance(module, GroupedExperts):
             for p in module.parameters(recurse=False):
                 p.data.normal_(0.0, std)
@@ -301,6 +309,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # None: each forward balances its own batch; a `GlobalBatchBalance` (set by the trainer, from outside)
+        # balances the optimizer step's global batch instead
+        self.load_balance: GlobalBatchBalance | None = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -339,6 +350,10 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
 
         aux_loss = z_loss = None
         if records and records[0].aux_loss is not None:  # not computed under no_grad in eval (generation)
+            if self.training and self.load_balance is not None:  # f_e over the global batch
+                standard = [router.uses_standard_aux_loss for router in self.routers()]
+                for record, loss in zip(records, self.load_balance.losses(records, standard)):
+                    record.aux_loss = loss
             aux_loss = torch.stack([r.aux_loss for r in records]).mean()
             z_loss = torch.stack([r.z_loss for r in records]).mean()
         loss = lm_loss = None
@@ -350,10 +365,12 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
                 ignore_index=-100,
             )
             loss = lm_loss
+            # aux_loss and z_loss are reported as layer means (1.0 = uniform); "sum" weighs every layer fully
+            layers = len(records) if getattr(self.config, "router_loss_reduction", "mean") == "sum" else 1
             if aux_loss is not None and self.config.router_aux_loss_coef > 0:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss
+                loss = loss + self.config.router_aux_loss_coef * layers * aux_loss
             if z_loss is not None and self.config.router_z_loss_coef > 0:
-                loss = loss + self.config.router_z_loss_coef * z_loss
+                loss = loss + self.config.router_z_loss_coef * layers * z_loss
         return MoECausalLMOutput(
             loss=loss,
             logits=logits_BSV,

@@ -195,12 +195,64 @@ def resolve_router(name: str) -> type[Router]:
 
 
 # ------------------------------------------------------------------------------------------------ losses
-def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer eq. 4, ``E * sum_e f_e * P_e``; 1.0 under perfectly uniform routing."""
+def slot_counts(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed slots per expert, counted from the token-choice assignment BEFORE capacity drops (Switch eq. 4:
+    f_e counts what the router chose, not what an expert had room for)."""
+    return torch.bincount(expert_ids_TK.flatten(), minlength=num_experts)
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor,
+                        slot_fraction_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer eq. 4, ``E * sum_e f_e * P_e``; 1.0 under perfectly uniform routing.
+
+    ``f_e`` (no gradient) is the fraction of this batch's slots routed to e, or ``slot_fraction_E`` when
+    given (the global batch's, `GlobalBatchBalance`); ``P_e`` (the gradient path) is always this batch's.
+    """
     T, E = probs_TE.shape
-    f_E = torch.bincount(expert_ids_TK.flatten(), minlength=E).to(probs_TE.dtype) / expert_ids_TK.numel()
+    if slot_fraction_E is None:
+        slot_fraction_E = slot_counts(expert_ids_TK, E).to(probs_TE.dtype) / expert_ids_TK.numel()
     P_E = (probs_TE / probs_TE.sum(-1, keepdim=True)).mean(0)  # sigmoid scores are normalized per token first
-    return E * torch.sum(f_E * P_E)
+    return E * torch.sum(slot_fraction_E.to(P_E.dtype) * P_E)
+
+
+class GlobalBatchBalance:
+    """The load-balancing loss over the global batch: ``f_e`` from every micro-batch of the optimizer step
+    and every data-parallel rank, ``P_e`` from this micro-batch (Qiu et al. 2025, "Demons in the Detail: On
+    Implementing Load Balancing Loss for Training Specialized Mixture-of-Expert Models").
+
+    A micro-batch of a few sequences (one domain, one language) need not be balanced by itself; the step
+    should be. Balancing each micro-batch forces every expert to take a share of every sequence, which works
+    against specialization; balancing the global batch lets a micro-batch lean on the experts its content
+    needs. Like Megatron-LM's ``global_aux_loss``, ``f_e`` is the running count over the micro-batches seen so
+    far in the step (the last one uses the exact global ``f``), so nothing waits for the step's end; the
+    gradient still flows through this micro-batch's ``P_e`` only. Call `reset` at the start of each step.
+
+    ``group``: a process group whose ranks' counts are summed into ``f`` (every rank runs the same number of
+    micro-batches, as data parallelism does anyway); None on one process.
+    """
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.counts_LE: torch.Tensor | None = None  # routed slots per MoE layer and expert, this step
+
+    def reset(self) -> None:
+        self.counts_LE = None
+
+    @torch.no_grad()
+    def observe(self, records) -> torch.Tensor:
+        """Add these records' slot counts (one record per MoE layer) and return f_LE over the step so far."""
+        counts_LE = torch.stack([slot_counts(r.expert_ids_TK, r.num_experts) for r in records]).double()
+        if self.group is not None:
+            torch.distributed.all_reduce(counts_LE, group=self.group)
+        self.counts_LE = counts_LE if self.counts_LE is None else self.counts_LE + counts_LE
+        return self.counts_LE / self.counts_LE.sum(-1, keepdim=True).clamp_min(1.0)
+
+    def losses(self, records, standard) -> list[torch.Tensor]:
+        """Each record's aux loss, recomputed with the global ``f`` where ``standard[i]`` says its router uses
+        the standard Switch loss (aux-loss-free and expert-choice routers keep theirs)."""
+        f_LE = self.observe(records)
+        return [load_balancing_loss(r.probs_TE, r.expert_ids_TK, f_LE[i]) if standard[i] else r.aux_loss
+                for i, r in enumerate(records)]
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -238,6 +290,9 @@ class Router(nn.Module):
     """Base router: a linear gate producing fp32 logits, then `route` turns them into a `RoutingRecord`."""
 
     registry_name = "base"
+    # True when `record` fills in the standard Switch loss from (probs, ids) with its gradient, so a
+    # global-batch or all-reduced version of it (`GlobalBatchBalance`, train/parallel.py) may replace it
+    uses_standard_aux_loss = False
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -293,7 +348,9 @@ class Router(nn.Module):
         tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids_TK.device)
         tokens_per_expert_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
         losses_needed = self.training or torch.is_grad_enabled()
-        if aux_loss is None and losses_needed:
+        if not losses_needed:
+            aux_loss = None  # both losses or neither (a router's own aux loss, e.g. expert choice's zero, too)
+        elif aux_loss is None:
             aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
         return RoutingRecord(
             expert_ids_TK=expert_ids_TK,
@@ -317,6 +374,8 @@ class Router(nn.Module):
 @register_router("topk")
 class TokenChoiceTopKRouter(Router):
     """Each token picks its K best experts (GShard, Mixtral, OLMoE, Qwen2-MoE)."""
+
+    uses_standard_aux_loss = True
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         return scores_TE
@@ -381,6 +440,8 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     last update (in training only; eval forwards never touch it). The bias is a buffer, saved with the
     checkpoint. With several data-parallel ranks, pass the all-reduced load to `update_bias`.
     """
+
+    uses_standard_aux_loss = False  # its loss is reported, detached: the bias balances, not a gradient
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -22,7 +22,9 @@ def seeded_block(config):
 def forward_backward(block, x, impl):
     block.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
-    y, record = block(x, impl)
+    with torch.random.fork_rng():  # the same router jitter (Switch's default) for every path compared
+        torch.manual_seed(1)
+        y, record = block(x, impl)
     # a non-uniform upstream gradient, so that every weight's gradient is exercised
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     grads = {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
@@ -93,7 +95,9 @@ def test_every_tiny_preset_trains_one_step_and_counts_its_parameters(preset):
     assert losses[-1] < losses[0]
     if config.num_experts:
         assert out.aux_loss is not None and out.z_loss is not None
-        expected = out.lm_loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+        layers = len(config.moe_layer_ids) if config.router_loss_reduction == "sum" else 1  # Switch: summed
+        expected = out.lm_loss + layers * (config.router_aux_loss_coef * out.aux_loss
+                                           + config.router_z_loss_coef * out.z_loss)
         torch.testing.assert_close(out.loss, expected)
     else:
         assert out.aux_loss is None and torch.equal(out.loss, out.lm_loss)

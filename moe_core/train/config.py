@@ -152,6 +152,10 @@ class TrainConfig(_Section, ConfigFile):
     grad_accum: int = Field(1, ge=1)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the load-balancing loss's f_e over each micro-batch (each rank's, or all ranks' with
+    # parallel.global_aux_loss), or over the whole step: every micro-batch and every rank (Qiu et al. 2025,
+    # "Demons in the Detail": global-batch balancing lets experts specialize; `moe_core.routing.GlobalBatchBalance`)
+    balance_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
     activation_checkpointing: bool = False
     compile: bool = False
     deterministic: bool = True  # torch.use_deterministic_algorithms, for exact resume

@@ -41,6 +41,7 @@ import torch
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, refuse_previous_outputs
+from moe_core.routing import GlobalBatchBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
@@ -199,7 +200,10 @@ class Trainer:
         model = MoEForCausalLM(self.model_config)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = par.apply_expert_parallel(model, st, config.parallel.global_aux_loss)
+        global_batch = config.balance_scope == "global_batch"
+        if global_batch:  # f_e over every micro-batch of the step and every rank (`GlobalBatchBalance`)
+            model.load_balance = GlobalBatchBalance(torch.distributed.group.WORLD if st.distributed else None)
+        model = par.apply_expert_parallel(model, st, config.parallel.global_aux_loss and not global_batch)
         self.model = model.to(st.device)  # the plain module: state dicts, routers, eval
         self.forward_model = self.model
         if config.compile:
@@ -317,6 +321,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         c, st = self.config, self.state
         indices = self.batches.next_batch()
+        if self.model.load_balance is not None:
+            self.model.load_balance.reset()  # a new global batch
         sums = torch.zeros(4, dtype=torch.float64)  # loss, lm, aux, z: sums of micro-batch means
         for m in range(c.grad_accum):
             ids_BS = stack_blocks(self.train_data, rank_slice(indices, m, st.rank, st.world_size, self.micro_batch))

@@ -1,0 +1,240 @@
+"""Training quality: do the published directions of MoE research reproduce here, at equal tokens?
+
+Every arm trains on the same data, for the same tokens (batch x seq x steps), from the `small` lifecycle
+settings (`flows.params.small_train_config`), then reports validation perplexity and routing health:
+drop rate (at the training capacity), busiest expert over the mean load, dead experts, load-balancing
+loss (1.0 is uniform), from the training telemetry after warm-up (the second half of the run), and the
+mutual information between expert choice and document domain on the validation split
+(`moe_core.analytics.profile_split`).
+
+Comparisons (the published direction in brackets):
+- ``switch`` (Switch-8: top-1, capacity 1.25) vs ``dense-active`` (equal active parameters) and
+  ``dense-total`` (equal total parameters, a reference) [Switch Transformer: the MoE beats dense-active].
+- ``dropless`` (token choice, top-2 of 8, no capacity) vs ``expert-choice`` [OLMoE: EC is not better].
+- ``no-balance`` (aux loss off) vs ``dropless`` (aux loss) vs ``aux-free`` (DeepSeek-V3 bias balancing)
+  [without balancing the load collapses; bias balancing balances without the loss].
+- ``fine`` (32 experts of width d/2, top-8) vs ``dropless`` (8 of width 2d, top-2: Mixtral-style coarse),
+  equal active and total parameters [OLMoE, DeepSeekMoE: fine-grained is better].
+- ``micro-batch`` vs ``global-batch`` balancing, 4 micro-batches per step [Qiu et al. 2025: global-batch
+  balancing specializes more (higher MI with domain) at equal or better perplexity].
+
+    python benchmarks/quality.py --quick                 # minutes: the same table, small budget
+    python benchmarks/quality.py                         # ~1 hour on 2 idle CPU cores
+    python benchmarks/quality.py --data ~/wikitext-103   # a local corpus: files, or a datasets.save_to_disk copy
+    python benchmarks/quality.py --arms switch,dense-active --seeds 0,1,2
+
+Each arm runs with one torch thread (on a shared 2-core machine, 2 threads were slower; see README.md).
+Prints a table, then ONE JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flows.params import small_train_config
+from moe_core.analytics.profile import profile_split
+from moe_core.config import parameter_counts
+from moe_core.train import TrainConfig
+from moe_core.train.loop import Trainer
+
+# name -> (preset, model overrides, dense baseline, extra TrainConfig fields)
+ARMS: dict[str, tuple[str, dict, str | None, dict]] = {
+    "switch": ("switch-small", {}, None, {}),
+    "dense-active": ("switch-small", {}, "active", {}),
+    "dense-total": ("switch-small", {}, "total", {}),
+    "dropless": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None, {}),
+    "expert-choice": ("mixtral-small", {"router": "expert_choice", "capacity_factor": 2.0,
+                                        "eval_capacity_factor": 2.0}, None, {}),
+    "no-balance": ("mixtral-small", {"router_aux_loss_coef": 0.0}, None, {}),
+    "aux-free": ("mixtral-small", {"router": "aux_free", "router_score": "sigmoid", "router_aux_loss_coef": 0.0,
+                                   "router_bias_update_rate": 1e-3}, None, {}),
+    "fine": ("mixtral-small", {"num_experts": 32, "num_experts_per_tok": 8, "expert_intermediate_size": 128,
+                               "norm_topk_prob": False, "router_aux_loss_coef": 0.01}, None, {}),
+    "micro-batch": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None,
+                    {"grad_accum": 4, "balance_scope": "micro_batch"}),
+    "global-batch": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None,
+                     {"grad_accum": 4, "balance_scope": "global_batch"}),
+}
+# the comparison with the smallest gap gets every seed; the others the first (budget: ~1 hour on 2 cores)
+SEEDED = ("switch", "dense-active")
+# (arm a, arm b, published direction): "lower" = a's perplexity is lower than b's
+DIRECTIONS = (
+    ("switch", "dense-active", "Switch Transformer: MoE < dense at equal active params"),
+    ("dropless", "expert-choice", "OLMoE: expert choice not better than dropless token choice"),
+    ("dropless", "no-balance", "balancing loss keeps load balanced (collapse without it)"),
+    ("aux-free", "no-balance", "DeepSeek-V3: bias balancing balances without the loss"),
+    ("fine", "dropless", "OLMoE/DeepSeekMoE: fine-grained < coarse at equal active and total"),
+    ("global-batch", "micro-batch", "Qiu et al. 2025: global-batch balancing specializes more"),
+)
+
+
+def local_corpus(path: str, cache: Path) -> str:
+    """A data source string for ``--data``: files as they are; a `datasets.save_to_disk` copy (e.g.
+    WikiText-103 prepared offline) exported once to parquet, which the data pipeline reads."""
+    root = Path(path).expanduser()
+    if root.is_dir() and ((root / "dataset_dict.json").exists() or (root / "state.json").exists()):
+        import datasets  # only for a save_to_disk copy
+
+        ds = datasets.load_from_disk(str(root))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        out = cache / f"{root.name}.parquet"
+        if not out.exists():
+            ds.select_columns(["text"]).filter(lambda r: bool(r["text"].strip())).to_parquet(str(out))
+        return str(out)
+    return str(root)
+
+
+def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
+    preset, overrides, baseline, extra = ARMS[arm]
+    fields = {
+        "model": {"preset": preset, "overrides": overrides, "baseline": baseline},
+        "data": {"source": source, "seq_len": args.seq, "max_documents": args.max_documents},
+        "steps": args.steps, "batch_size": args.batch, "seed": seed,
+        "optim": {"warmup_steps": max(1, args.steps // 15)},
+        "eval": {"every": 0, "batches": args.eval_batches},
+        "log": {"every": max(1, args.steps // 10), "progress": "off"},
+        "checkpoint": {"every": 10**9, "export": False},
+        **extra,
+    }
+    if args.cache:
+        fields["data"]["cache_dir"] = args.cache
+    return small_train_config(**fields)
+
+
+def routing_health(history: list[dict], steps: int) -> dict[str, float]:
+    """Means over the logged intervals of the second half (after warm-up): drop rate (mean of layers),
+    max/mean load (worst layer), LB loss (mean of layers), dead experts (last interval, all layers)."""
+    late = [h for h in history if h["step"] > steps // 2 and "tokens" in h]
+    if not late or not any(k.endswith("/drop_rate") for k in late[-1]):
+        return {}
+    drops = [statistics.mean(v for k, v in h.items() if k.endswith("/drop_rate")) for h in late]
+    worst = [max(v for k, v in h.items() if k.endswith("/max_over_mean_load")) for h in late]
+    dead = sum(1 for k, v in late[-1].items() if k.endswith("_frac") and v == 0.0)
+    return {"drop_rate": statistics.mean(drops), "max_over_mean": statistics.mean(worst),
+            "lb_loss": statistics.mean(h["aux_loss"] for h in late), "dead_experts": dead}
+
+
+def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
+    config = train_config(arm, args, seed, source)
+    trainer = Trainer(config, workdir / f"{arm}-s{seed}")
+    t0 = time.perf_counter()
+    try:
+        result = trainer.run()
+        row = {"arm": arm, "seed": seed, "val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss),
+               "tokens": result.tokens, **routing_health(result.history, config.steps)}
+        counts = parameter_counts(trainer.model_config)
+        row.update(params_active=counts["active"], params_total=counts["total"])
+        if trainer.model_config.num_experts:
+            profile = profile_split(trainer.model, trainer.data_dir, "validation", batch_size=8,
+                                    max_batches=args.eval_batches)
+            row["mi_domain_bits"] = statistics.mean(layer.mi_domain_bits for layer in profile.layers)
+    finally:
+        trainer.close()
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        agg = {"seeds": len(mine)}
+        for key in ("val_ppl", "drop_rate", "max_over_mean", "lb_loss", "dead_experts", "mi_domain_bits"):
+            values = [r[key] for r in mine if key in r]
+            if values:
+                agg[key] = statistics.mean(values)
+                if key == "val_ppl" and len(values) > 1:
+                    agg["val_ppl_sd"] = statistics.stdev(values)
+        agg.update(params_active=mine[0]["params_active"], params_total=mine[0]["params_total"])
+        out[arm] = agg
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: 40 steps, 1 seed")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    parser.add_argument("--seeds", default=None, help="comma-separated (default 0,1 full, 0 quick); arms other "
+                        f"than {', '.join(SEEDED)} run the first seed only unless --all-seeds")
+    parser.add_argument("--all-seeds", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300 full, 40 quick)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--max-documents", type=int, default=None, help="default 2000 full, 400 quick")
+    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--data", default="builtin", help="a local text corpus: a file, a directory of "
+                        ".txt/.jsonl/.parquet files, or a datasets.save_to_disk copy (e.g. WikiText-103)")
+    parser.add_argument("--cache", default=None, help="prepared-data cache directory (default: the usual)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    args.steps = args.steps or (40 if args.quick else 300)
+    if args.quick:
+        args.seq, args.eval_batches = min(args.seq, 64), min(args.eval_batches, 4)
+    args.max_documents = args.max_documents or (400 if args.quick else 2000)
+    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    torch.set_num_threads(args.threads)
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moe-quality-") as tmp:
+        source = local_corpus(args.data, Path(tmp)) if args.data != "builtin" else "builtin"
+        for seed in seeds:
+            for arm in arms:
+                if seed != seeds[0] and arm not in SEEDED and not args.all_seeds:
+                    continue
+                row = run_arm(arm, args, seed, source, Path(tmp))
+                rows.append(row)
+                print(f"  {arm} seed {seed}: val ppl {row['val_ppl']:.2f} ({row['wall_s']:.0f} s)", flush=True)
+    table = summarize(rows)
+    tokens = rows[0]["tokens"]
+    print(f"\n{len(seeds)} seed(s), {tokens:,} training tokens per arm ({args.steps} steps x {args.batch} x "
+          f"{args.seq}), data {args.data}, {torch.get_num_threads()} thread(s)")
+    print(f"{'arm':<14}{'val ppl':>10}{'sd':>7}{'drop':>8}{'max/mean':>10}{'LB loss':>9}{'dead':>6}"
+          f"{'MI dom':>8}{'active M':>10}{'total M':>9}")
+    for arm, r in table.items():
+        def cell(key, fmt, width):
+            return f"{r[key]:>{width}{fmt}}" if key in r else f"{'-':>{width}}"
+        print(f"{arm:<14}{r['val_ppl']:>10.2f}{cell('val_ppl_sd', '.2f', 7)}{cell('drop_rate', '.3f', 8)}"
+              f"{cell('max_over_mean', '.2f', 10)}{cell('lb_loss', '.3f', 9)}{cell('dead_experts', '.0f', 6)}"
+              f"{cell('mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}")
+    verdicts = {}
+    for a, b, claim in DIRECTIONS:
+        if a in table and b in table:
+            if a == "global-batch":
+                holds = table[a].get("mi_domain_bits", 0) > table[b].get("mi_domain_bits", 0)
+            elif b == "expert-choice":
+                holds = table[a]["val_ppl"] <= table[b]["val_ppl"]
+            elif b == "no-balance":
+                holds = table[a].get("max_over_mean", 9e9) < table[b].get("max_over_mean", 0)
+            else:
+                holds = table[a]["val_ppl"] < table[b]["val_ppl"]
+            verdicts[f"{a} vs {b}"] = holds
+            print(f"{'reproduces' if holds else 'DOES NOT reproduce':>18}: {claim}")
+    if "switch" in table and "dense-active" in table:
+        gain = 1 - table["switch"]["val_ppl"] / table["dense-active"]["val_ppl"]
+        print(f"switch vs dense-active: {100 * gain:.1f}% lower perplexity (target >= 5%)")
+    print(json.dumps({
+        "benchmark": "quality", "quick": args.quick, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "tokens": tokens, "seeds": seeds, "data": args.data, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "machine": platform.machine(),
+        "arms": {arm: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                 for arm, r in table.items()},
+        "directions": verdicts,
+    }))
+
+
+if __name__ == "__main__":
+    main()
