@@ -204,12 +204,13 @@ def main() -> None:
           f"{args.seq}), data {args.data}, {torch.get_num_threads()} thread(s)")
     print(f"{'arm':<14}{'val ppl':>10}{'sd':>7}{'drop':>8}{'max/mean':>10}{'LB loss':>9}{'dead':>6}"
           f"{'MI dom':>8}{'active M':>10}{'total M':>9}")
+    def cell(r, key, fmt, width):
+        return f"{r[key]:>{width}{fmt}}" if key in r else f"{'-':>{width}}"
+
     for arm, r in table.items():
-        def cell(key, fmt, width):
-            return f"{r[key]:>{width}{fmt}}" if key in r else f"{'-':>{width}}"
-        print(f"{arm:<14}{r['val_ppl']:>10.2f}{cell('val_ppl_sd', '.2f', 7)}{cell('drop_rate', '.3f', 8)}"
-              f"{cell('max_over_mean', '.2f', 10)}{cell('lb_loss', '.3f', 9)}{cell('dead_experts', '.0f', 6)}"
-              f"{cell('mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}")
+        print(f"{arm:<14}{r['val_ppl']:>10.2f}{cell(r, 'val_ppl_sd', '.2f', 7)}{cell(r, 'drop_rate', '.3f', 8)}"
+              f"{cell(r, 'max_over_mean', '.2f', 10)}{cell(r, 'lb_loss', '.3f', 9)}{cell(r, 'dead_experts', '.0f', 6)}"
+              f"{cell(r, 'mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}")
     verdicts = {}
     for a, b, claim in DIRECTIONS:
         if a in table and b in table:
