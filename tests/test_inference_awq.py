@@ -21,22 +21,10 @@ from moe_core.inference.quantize import (
     quantize_experts,
     save_quantized,
 )
+from tests.helpers import tiny_mixtral as tiny_model
+from tests.helpers import token_ids as ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def tiny_model(**overrides) -> MoEForCausalLM:
-    torch.manual_seed(0)
-    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128, **overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.1)
-    return model
-
-
-def ids(batch=2, seq=16, seed=1):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def outlier_layer(seed=0):
