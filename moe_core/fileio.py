@@ -272,6 +272,19 @@ def clean_abandoned_temporaries(out: Path) -> list[Path]:
     return removed
 
 
+
+def replace_path(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``, replacing what is there; a directory in the way is renamed aside first (rename
+    cannot replace a non-empty directory, nor put a directory over a link) and removed after, so ``dst`` is never
+    missing and never mixed."""
+    if dst.is_symlink() or dst.is_dir():
+        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(dst, old)
+        os.replace(src, dst)
+        old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
 @contextmanager
 def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False,
                      error_cls: type[MoELabError] = MoELabError) -> Iterator[Path]:
@@ -297,13 +310,7 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False,
         with disk_full_guard(out):
             yield tmp
             os.unlink(tmp / IN_USE)
-            if out.is_dir():
-                old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(out, old)
-                os.replace(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
+            replace_path(tmp, out)
     finally:
         os.close(in_use)
         if tmp.exists():
@@ -355,14 +362,7 @@ def staged_outputs(out_dir: str | os.PathLike, replace: tuple[str, ...] = ()) ->
                 shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
             entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
             for entry in entries:
-                target = out / entry.name
-                if target.is_dir() and not target.is_symlink():
-                    old = out / f".{entry.name}.old-{uuid.uuid4().hex[:8]}"
-                    os.replace(target, old)
-                    os.replace(entry, target)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(entry, target)
+                replace_path(entry, out / entry.name)
     finally:
         os.close(in_use)
         if stage.exists():
