@@ -61,3 +61,21 @@ def assert_same_run(one: Path, many: Path, steps: int = STEPS, rel: float = 2e-5
     assert wa.keys() == wb.keys()
     for name in wa:
         assert ((wb[name] - wa[name]).norm() / wa[name].norm()).item() < weights_rel, name
+
+
+def assert_comm_metrics(run: Path, world: int, ep_size: int, tokens_per_step: int = 8 * 32) -> None:
+    """The expert-parallel communication telemetry of a finished run is there and adds up: every slot routed
+    in an EP group is received by exactly one EP rank (dropless routing), and what one rank sends another
+    receives."""
+    from moe_core.config import get_config
+
+    config = get_config("mixtral-tiny")
+    moe_layers, k = len(config.moe_layer_ids), config.num_experts_per_tok
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    for row in rows:
+        slots = sum(row[f"comm/ep_rank_{j}/tokens_recv"] for j in range(ep_size))
+        assert slots == pytest.approx(tokens_per_step / (world // ep_size) * k * moe_layers)
+        sent = sum(row[f"comm/rank_{r}/a2a_bytes_sent"] for r in range(world))
+        assert sent == pytest.approx(sum(row[f"comm/rank_{r}/a2a_bytes_recv"] for r in range(world))) and sent > 0
+        assert 0 < row["comm/frac_step"] < 1 and row["comm/tokens_recv_imbalance"] >= 1
+        assert row["comm/a2a_ms"] == pytest.approx(sum(row[f"comm/layer_{i}/a2a_ms"] for i in config.moe_layer_ids))

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from moe_core.train.checkpoint import read_trainer_state
-from tests.dist_helpers import assert_same_run, cli, env, free_port, run_cli, train_args
+from tests.dist_helpers import assert_comm_metrics, assert_same_run, cli, env, free_port, run_cli, train_args
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def run_two_nodes(out, nproc_per_node: int, ep_size: int) -> None:
 def test_experts_sharded_over_two_nodes_match_one_process(tmp_path, one_process):
     run_two_nodes(tmp_path / "ep2", nproc_per_node=1, ep_size=2)
     assert_same_run(one_process, tmp_path / "ep2")
+    assert_comm_metrics(tmp_path / "ep2", world=2, ep_size=2)
     ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000008"
     assert {p.name for p in ckpt.glob("experts-*")} == {"experts-ep0-of-2.safetensors", "experts-ep1-of-2.safetensors"}
 
@@ -52,5 +53,6 @@ def test_experts_sharded_over_two_nodes_match_one_process(tmp_path, one_process)
 def test_expert_parallel_inside_each_node_data_parallel_across_nodes(tmp_path, one_process):
     run_two_nodes(tmp_path / "ep2dp2", nproc_per_node=2, ep_size=2)
     assert_same_run(one_process, tmp_path / "ep2dp2")
+    assert_comm_metrics(tmp_path / "ep2dp2", world=4, ep_size=2)
     state = read_trainer_state(tmp_path / "ep2dp2" / "checkpoints" / "step_00000008")
     assert (state["world_size"], state["ep_size"]) == (4, 2)  # one group of 4 ranks over both nodes

@@ -523,6 +523,7 @@ class Trainer:
         if self.peak_flops:
             out["mfu"] = achieved / self.peak_flops
         out["skipped_steps"] = float(self.skipped_steps)
+        out.update(par.comm_metrics(self.model, st, interval["steps"], interval["time"]))
         if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":  # under torchrun's elastic agent
             out["elastic/restarts"] = float(restart_count())
         if self.moe_layer_ids:
