@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -231,7 +232,7 @@ def timed_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
     stats.seconds += time.perf_counter() - t0
-    row = x[0].numel() * x.element_size() if x.ndim > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; a rank may send or receive no rows
     stats.bytes_sent += (sum(in_splits) - in_splits[me]) * row
     stats.bytes_recv += (sum(out_splits) - out_splits[me]) * row
     return out
