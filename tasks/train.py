@@ -22,7 +22,7 @@ from tasks.stages import stage_run
 @task(name="pretrain", retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc: int = 1,
              subprocess: bool = False, log_model: bool = True, stage: str = "pretrain",
-             max_restarts: int = 0) -> dict:
+             max_restarts: int = 0, launcher: str = "torchrun", ray_address: str | None = None) -> dict:
     """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids."""
     out = Path(out_dir)
     resume = latest_checkpoint(out / "checkpoints") is not None
@@ -30,7 +30,13 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
         tracking.log_config(run_id, config, prefix="train")
         if config.data.path:
             tracking.log_dataset(run_id, config.data.path, context="training")
-        if nproc > 1 or subprocess:
+        if launcher == "ray":
+            from moe_core.train.ray_launch import train_with_ray  # optional extra: pip install .[ray]
+
+            follower = tracking.EventFollower(run_id, out)
+            train_with_ray(config, out, nproc, resume=resume, address=ray_address, max_failures=max_restarts)
+            follower.poll()
+        elif nproc > 1 or subprocess:
             _train_in_process_group(config, out, run_id, nproc, resume, max_restarts)
         else:
             from moe_core.train import train
