@@ -65,3 +65,29 @@ def test_sigkilled_rank_restarts_group_and_resumes_bitwise(tmp_path):
     a, b = gather_state_dict(reference / final), gather_state_dict(elastic / final)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_each_restart_attempt_sees_only_its_own_store_keys(monkeypatch):
+    """The agent's store outlives a dead group: a restarted group must not read the old group's keys (gloo
+    peer addresses), or a fast new rank dials a dead one's port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moe_core.train.parallel import _attempt_store
+    from tests.dist_helpers import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=5))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _attempt_store(timedelta(seconds=5)).set("default_pg/0//rank_0", b"dead-rank-0-address")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = _attempt_store(timedelta(seconds=5))
+    assert not second.check(["default_pg/0//rank_0"])
+    assert agent_store.check(["moe-lab/attempt_0/default_pg/0//rank_0"])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert _attempt_store(timedelta(seconds=5)) is None  # no agent store: init_process_group's own

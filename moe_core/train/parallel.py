@@ -99,7 +99,8 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
     if backend == "nccl" and dev.type != "cuda":
         raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10),
+        timeout = datetime.timedelta(minutes=10)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout),
                                 device_id=dev if dev.type == "cuda" else None)
     dp_size = world // ep_size
     ep_rank, dp_rank = rank % ep_size, rank // ep_size
@@ -115,6 +116,19 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
         if e == ep_rank:
             dp_group = group
     return ParallelState(world, rank, local_rank, ep_size, dp_size, ep_rank, dp_rank, ep_group, dp_group, dev, backend)
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's elastic agent, the store of this attempt: the agent's TCPStore, keys prefixed by the
+    restart count. The agent keeps one store for the whole job and workers connect to it without a prefix, so
+    a restarted group would otherwise read the dead group's keys (gloo's peer addresses: rank 1 of the new
+    group dialled the killed rank 0's old port, "Connection refused", when it got there first). None: let
+    init_process_group build its store from the environment (no agent, or one that does not share its store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moe-lab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_parallel(state: ParallelState) -> None:
