@@ -4,6 +4,8 @@ group and starts it again, the restarted workers resume from the newest complete
 takes over the lock the dead one left (a kernel flock dies with its holder), and the run ends with weights
 bitwise equal to an uninterrupted run of the same layout."""
 
+import os
+import signal
 import subprocess
 import time
 
@@ -40,7 +42,8 @@ def test_sigkilled_rank_restarts_group_and_resumes_bitwise(tmp_path):
     run_cli(reference, *train_args(STEPS, every=4), *LAYOUT)
 
     agent = subprocess.Popen(cli(elastic, *train_args(STEPS, every=4), *LAYOUT, "--max-restarts", "1"), env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
     try:
         deadline, killed = time.monotonic() + 300, None
         while killed is None and time.monotonic() < deadline and agent.poll() is None:
@@ -51,7 +54,7 @@ def test_sigkilled_rank_restarts_group_and_resumes_bitwise(tmp_path):
         log = agent.communicate(timeout=400)[0]
     finally:
         if agent.poll() is None:
-            agent.kill()
+            os.killpg(agent.pid, signal.SIGKILL)  # the agent and its workers: nothing outlives the test
     assert killed is not None, "the run ended before a worker could be killed"
     assert agent.returncode == 0, log[-4000:]
     assert "taking over the lock" in log  # the restarted rank 0 took the dead one's lock

@@ -7,6 +7,8 @@ Layouts: ep over both nodes (2 nodes x 1 process, ep_size=2: every all-to-all cr
 ep x dp with ep inside a node (2 nodes x 2 processes, ep_size=2: group ranks are contiguous per node, so each
 node holds all experts once and the nodes exchange only data-parallel gradients)."""
 
+import os
+import signal
 import subprocess
 
 import pytest
@@ -27,14 +29,15 @@ def run_two_nodes(out, nproc_per_node: int, ep_size: int) -> None:
     agents = [subprocess.Popen(cli(out, *train_args(), "--set", f"parallel.ep_size={ep_size}", "--nnodes", "2",
                                    "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--rdzv-id", "mn-test",
                                    "--nproc-per-node", str(nproc_per_node)),
-                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
               for node in (0, 1)]
     try:
         logs = [agent.communicate(timeout=500)[0] for agent in agents]
     finally:
         for agent in agents:
             if agent.poll() is None:
-                agent.kill()
+                os.killpg(agent.pid, signal.SIGKILL)  # the agent and its workers: nothing outlives the test
     for agent, log in zip(agents, logs):
         assert agent.returncode == 0, log[-4000:]
     assert sum("moe-lab train: step 8" in log for log in logs) == 1  # one rank 0 in the whole group
