@@ -8,10 +8,16 @@
    loss and perplexity side by side (Switch Transformer, Fedus et al. 2021: MoE lower at equal active
    compute and tokens).
 
+3. EP scaling (``--ep-scaling 1,2,4``): the same global batch trained by ``moe-lab train --nproc N`` with
+   ``parallel.ep_size=N`` (experts sharded over all N processes; gloo on CPU, NCCL on GPUs), for each N in
+   turn; median step time, tokens/s and the communication telemetry (all-to-all ms and bytes per rank, share
+   of the step) from the run's ``metrics.jsonl``. The first ``--warmup`` steps are left out.
+
 Prints a table, then ONE JSON line of the figures.
 
     python benchmarks/train_step.py                                  # switch-small, batch 8 x seq 128
     python benchmarks/train_step.py --preset mixtral-small --quality-steps 0   # step time only
+    python benchmarks/train_step.py --ep-scaling 1,2,4 --preset mixtral-small --rounds 20   # EP scaling
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +37,7 @@ from pathlib import Path
 import torch
 
 from moe_core.config import parameter_counts
-from moe_core.train import TrainConfig
+from moe_core.train import TrainConfig, read_jsonl
 from moe_core.train.loop import Trainer
 
 
@@ -83,6 +92,50 @@ def quality(args, workdir: Path) -> dict[str, dict]:
     return out
 
 
+def ep_scaling(args, workdir: Path) -> dict[int, dict]:
+    """One `moe-lab train` run per process count, experts sharded over all processes; medians of its steps."""
+    out = {}
+    for n in args.ep_scaling:
+        run = workdir / f"ep{n}"
+        steps = args.warmup + args.rounds
+        sets = [f"steps={steps}", f"batch_size={args.batch}", f"data.seq_len={args.seq}", "data.source=synthetic",
+                f"data.synthetic_blocks={max(64, args.batch * 4)}", f"precision={args.precision}",
+                f"device={args.device}", "log.every=1", "log.progress=off", "checkpoint.every=1000000000",
+                "checkpoint.export=false", "eval.batches=1", f"parallel.ep_size={n}"]
+        cmd = [sys.executable, "-m", "moe_core.cli", "train", "--out", str(run), "--preset", args.preset,
+               "--nproc", str(n), *[a for item in sets for a in ("--set", item)]]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"ep{n} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        rows = [r for r in read_jsonl(run / "metrics.jsonl") if "step_time_s" in r][args.warmup:]
+        step_s = statistics.median(r["step_time_s"] for r in rows)
+        row = {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s}
+        for key in ("comm/a2a_ms", "comm/a2a_ms_max", "comm/a2a_bytes_sent", "comm/frac_step",
+                    "comm/tokens_recv_imbalance"):
+            if key in rows[0]:
+                row[key] = statistics.median(r[key] for r in rows)
+        out[n] = row
+    return out
+
+
+def print_ep_scaling(args, scaling: dict[int, dict]) -> None:
+    base = scaling[min(scaling)]["tokens_per_s"]
+    print(f"EP scaling, {args.preset}: global batch {args.batch} x seq {args.seq}, {args.precision} on "
+          f"{args.device}, {args.threads or 1} thread(s) per process, median of {args.rounds} steps")
+    print(f"{'procs':>5}{'step ms':>10}{'tokens/s':>11}{'speedup':>9}{'a2a ms':>9}{'a2a KiB/rank':>14}"
+          f"{'comm frac':>11}{'imbalance':>11}")
+    for n, row in scaling.items():
+        print(f"{n:>5}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>11.0f}{row['tokens_per_s'] / base:>9.2f}"
+              f"{row.get('comm/a2a_ms', 0):>9.1f}{row.get('comm/a2a_bytes_sent', 0) / 1024:>14.1f}"
+              f"{row.get('comm/frac_step', 0):>11.2f}{row.get('comm/tokens_recv_imbalance', 1):>11.2f}")
+    print(json.dumps({"benchmark": "train_step_ep_scaling", "preset": args.preset, "batch": args.batch,
+                      "seq": args.seq, "precision": args.precision, "device": args.device,
+                      "threads_per_process": args.threads or 1, "torch": torch.__version__,
+                      "cpus": os.cpu_count(), "results": {str(n): {k: round(v, 4) for k, v in row.items()}
+                                                          for n, row in scaling.items()}}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="switch-small")
@@ -97,9 +150,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-documents", type=int, default=2000, help="of the built-in corpus")
     parser.add_argument("--eval-batches", type=int, default=32)
+    parser.add_argument("--ep-scaling", type=lambda s: [int(n) for n in s.split(",")], default=None,
+                        metavar="1,2,4", help="only the EP scaling runs, with these process counts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.ep_scaling:
+        with tempfile.TemporaryDirectory(prefix="moe-ep-bench-") as tmp:
+            print_ep_scaling(args, ep_scaling(args, Path(tmp)))
+        return
 
     with tempfile.TemporaryDirectory(prefix="moe-train-bench-") as tmp:
         speed = step_times(args, Path(tmp))

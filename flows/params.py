@@ -62,6 +62,13 @@ class PretrainParams(_Params):
     nproc: int = Field(1, ge=1, description="processes (torchrun) on this node; 1 trains in the flow's process "
                                             "unless `subprocess` is set")
     subprocess: bool = Field(False, description="train in a child process group (killed with the flow run)")
+    max_restarts: int = Field(2, ge=0, description="process groups: torchrun's elastic agent restarts the group "
+                                                   "this many times when a rank dies (it resumes from the last "
+                                                   "checkpoint); recorded in MLflow as elastic/restarts")
+    launcher: Literal["torchrun", "ray"] = Field("torchrun", description="process groups: torchrun on this "
+                                                 "worker's machine, or Ray Train on the cluster at ray_address")
+    ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray); None: $RAY_ADDRESS or a "
+                                                      "local cluster")
     out_dir: str | None = Field(None, description="default: <MOE_LAB_HOME>/runs/<flow run name>")
     log_model: bool = True
 

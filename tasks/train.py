@@ -21,7 +21,8 @@ from tasks.stages import stage_run
 
 @task(name="pretrain", retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc: int = 1,
-             subprocess: bool = False, log_model: bool = True, stage: str = "pretrain") -> dict:
+             subprocess: bool = False, log_model: bool = True, stage: str = "pretrain",
+             max_restarts: int = 0, launcher: str = "torchrun", ray_address: str | None = None) -> dict:
     """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids."""
     out = Path(out_dir)
     resume = latest_checkpoint(out / "checkpoints") is not None
@@ -29,8 +30,14 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
         tracking.log_config(run_id, config, prefix="train")
         if config.data.path:
             tracking.log_dataset(run_id, config.data.path, context="training")
-        if nproc > 1 or subprocess:
-            _train_in_process_group(config, out, run_id, nproc, resume)
+        if launcher == "ray":
+            from moe_core.train.ray_launch import train_with_ray  # optional extra: pip install .[ray]
+
+            follower = tracking.EventFollower(run_id, out)
+            train_with_ray(config, out, nproc, resume=resume, address=ray_address, max_failures=max_restarts)
+            follower.poll()
+        elif nproc > 1 or subprocess:
+            _train_in_process_group(config, out, run_id, nproc, resume, max_restarts)
         else:
             from moe_core.train import train
 
@@ -44,11 +51,14 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
             "model_uri": models.get("transformers") or models.get("files")}
 
 
-def _train_in_process_group(config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool) -> None:
+def _train_in_process_group(config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool,
+                            max_restarts: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config.save(out / "flow_train_config.json")
     cmd = [sys.executable, "-m", "moe_core.cli", "train", "--config", str(out / "flow_train_config.json"),
            "--out", str(out), "--nproc", str(nproc)] + (["--resume"] if resume else [])
+    if nproc > 1 and max_restarts:  # torchrun's elastic agent: a dead rank restarts the group, which resumes
+        cmd += ["--max-restarts", str(max_restarts)]
     follower = tracking.EventFollower(run_id, out)
     run_group(cmd, out, follower.poll, first_attempt=task_run.run_count <= 1, poll_s=2.0)
 
@@ -59,6 +69,6 @@ def _summary(out: Path) -> dict:
     rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     last = next((r for r in reversed(rows) if "loss" in r), {})
     summary = {"step": int(state["step"]), "tokens": int(state["tokens"]), "loss": last.get("loss"),
-               "val_loss": state.get("val_loss")}
+               "val_loss": state.get("val_loss"), "restarts": last.get("elastic/restarts")}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return {k: v for k, v in summary.items() if v is not None}

@@ -4,20 +4,28 @@
     moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
     moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
     moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # launches torchrun for you
-    moe-lab train --nproc 8 --nnodes 2 --rdzv-endpoint host0:29400 --out /shared/runs/b   # on each node
+    moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
+    moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
+    moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
 
-With ``--nproc`` (or ``--nnodes`` > 1) the command re-runs itself under ``torchrun``; inside torchrun
-(``WORLD_SIZE`` set) it trains as one rank of the group.
+With ``--nproc`` (or ``--nnodes`` > 1, or ``--max-restarts``) the command re-runs itself under ``torchrun``
+(`moe_core.train.launch`); inside torchrun (``WORLD_SIZE`` set) it trains as one rank of the group, and a
+group restarted by torchrun's elastic agent resumes from the newest complete checkpoint. ``--slurm`` writes
+``<out>/launch.sbatch`` (``srun`` starts one torchrun agent per node) and with ``--submit`` hands it to sbatch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from moe_core.cli import add_router_module_option
+from moe_core.train import launch
+from moe_core.train.launch import LaunchSpec
 
 
 def add_cli(subparsers) -> None:
@@ -32,10 +40,24 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dashboard", action="store_true",
                    help="start the live dashboard (moe-lab dashboard) on this run and print its URL")
     g = p.add_argument_group("launch (torchrun)")
-    g.add_argument("--nproc", type=int, default=1, help="processes per node (launches torchrun when > 1)")
-    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node rendezvous)")
-    g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1,
+                   help="processes per node (launches torchrun when > 1)")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node c10d rendezvous)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (0 .. nnodes-1)")
+    g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node")
     g.add_argument("--rdzv-id", default="moe-lab", help="job id shared by all nodes of one run")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="elastic: restart the group up to N times when a worker dies; it resumes from the "
+                        "newest complete checkpoint")
+    s = p.add_argument_group("Slurm (writes an sbatch script running srun torchrun)")
+    s.add_argument("--slurm", action="store_true", help="write <out>/launch.sbatch instead of training here")
+    s.add_argument("--submit", action="store_true", help="with --slurm: submit the script with sbatch")
+    s.add_argument("--slurm-partition", default=None)
+    s.add_argument("--slurm-account", default=None)
+    s.add_argument("--slurm-time", default="24:00:00", help="wall-clock limit, [D-]HH:MM:SS")
+    s.add_argument("--slurm-gpus-per-node", type=int, default=0)
+    s.add_argument("--slurm-cpus-per-task", type=int, default=8)
+    s.add_argument("--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)")
     p.set_defaults(func=run_train)
     add_router_module_option(p)
 
@@ -59,18 +81,36 @@ def resolve_config(args):
     return config.with_overrides(overrides) if overrides else config
 
 
-def torchrun_command(args, argv: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
-    if args.nnodes > 1:
-        if not args.rdzv_endpoint:
-            from moe_core.errors import MoELabError
+def launch_spec(args) -> LaunchSpec:
+    return LaunchSpec(nproc_per_node=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
 
-            raise MoELabError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node)")
-        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
-                f"--rdzv-id={args.rdzv_id}"]
-    else:
-        cmd += ["--standalone"]
-    return cmd + ["-m", "moe_core.cli", "train", *argv]
+
+def torchrun_command(args, argv: list[str]) -> list[str]:
+    return launch.torchrun_command(launch_spec(args), argv)
+
+
+def slurm_spec(args) -> launch.SlurmSpec:
+    return launch.SlurmSpec(nodes=args.nnodes, nproc_per_node=args.nproc, gpus_per_node=args.slurm_gpus_per_node,
+                            cpus_per_task=args.slurm_cpus_per_task, time=args.slurm_time,
+                            partition=args.slurm_partition, account=args.slurm_account,
+                            max_restarts=args.max_restarts, setup=args.slurm_setup)
+
+
+def write_slurm_script(args) -> Path:
+    """``<out>/launch.sbatch`` for this run (written atomically); the workers get absolute paths."""
+    worker = worker_argv(args)
+    worker[worker.index("--out") + 1] = str(Path(args.out).absolute())
+    if args.config:
+        worker[worker.index("--config") + 1] = str(Path(args.config).absolute())
+    script = launch.render_sbatch(slurm_spec(args), worker)
+    path = Path(args.out) / "launch.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(script)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)  # never a half-written script for sbatch
+    return path
 
 
 def worker_argv(args) -> list[str]:
@@ -89,14 +129,24 @@ def worker_argv(args) -> list[str]:
 
 def run_train(args) -> int:
     config = resolve_config(args)  # fail fast on a bad config, before launching anything
+    if args.slurm:
+        path = write_slurm_script(args)
+        print(f"moe-lab train: wrote {path}", flush=True)
+        if args.submit:
+            if shutil.which("sbatch") is None:
+                raise launch.LaunchError("--submit: no `sbatch` on PATH; run it on a Slurm login node, or submit "
+                                         f"{path} yourself")
+            return subprocess.call(["sbatch", str(path)])
+        return 0
     if getattr(args, "dashboard", False) and "WORLD_SIZE" not in os.environ:
         return _with_dashboard(args)
-    if (args.nproc > 1 or args.nnodes > 1) and "WORLD_SIZE" not in os.environ:
-        return subprocess.call(torchrun_command(args, worker_argv(args)))
+    spec = launch_spec(args)
+    if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
+        return subprocess.call(launch.torchrun_command(spec, worker_argv(args)))
 
     from moe_core.train.loop import train
 
-    result = train(config, args.out, resume=args.resume)
+    result = train(config, args.out, resume=launch.resume_requested(args.resume))
     if int(os.environ.get("RANK", "0")) == 0:
         where = result.export_dir or result.checkpoint
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"

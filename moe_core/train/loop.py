@@ -48,6 +48,7 @@ from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token, peak_flops
+from moe_core.train.launch import restart_count
 from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, RoutingStats
 
 
@@ -534,6 +535,9 @@ class Trainer:
         if self.peak_flops:
             out["mfu"] = achieved / self.peak_flops
         out["skipped_steps"] = float(self.skipped_steps)
+        out.update(par.comm_metrics(self.model, st, interval["steps"], interval["time"]))
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":  # under torchrun's elastic agent
+            out["elastic/restarts"] = float(restart_count())
         if self.moe_layer_ids:
             if st.distributed:
                 par.all_reduce_(self.routing.sums_LX, st)

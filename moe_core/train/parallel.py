@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +99,8 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
     if backend == "nccl" and dev.type != "cuda":
         raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10),
+        timeout = datetime.timedelta(minutes=10)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout),
                                 device_id=dev if dev.type == "cuda" else None)
     dp_size = world // ep_size
     ep_rank, dp_rank = rank % ep_size, rank // ep_size
@@ -113,6 +116,19 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
         if e == ep_rank:
             dp_group = group
     return ParallelState(world, rank, local_rank, ep_size, dp_size, ep_rank, dp_rank, ep_group, dp_group, dev, backend)
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's elastic agent, the store of this attempt: the agent's TCPStore, keys prefixed by the
+    restart count. The agent keeps one store for the whole job and workers connect to it without a prefix, so
+    a restarted group would otherwise read the dead group's keys (gloo's peer addresses: rank 1 of the new
+    group dialled the killed rank 0's old port, "Connection refused", when it got there first). None: let
+    init_process_group build its store from the environment (no agent, or one that does not share its store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"moe-lab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown_parallel(state: ParallelState) -> None:
@@ -161,6 +177,8 @@ class ExpertParallelExperts(nn.Module):
             for name, param in self.local.named_parameters():
                 param.copy_(getattr(experts, name)[first:first + self.num_local])
         self.first_expert = first
+        self.layer_id = -1  # set by apply_expert_parallel; names the layer in the communication telemetry
+        self.comm = CommStats()
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         if self.global_aux_group is not None and record.aux_loss is not None:
@@ -176,14 +194,15 @@ class ExpertParallelExperts(nn.Module):
         token_idx_A = slot_A // K
         weights_A = record.weights_TK.flatten()[slot_A].to(x_TD.dtype)
         send_counts_PEl = torch.bincount(expert_ids_A, minlength=self.num_experts).view(P, El)
-        recv_counts_PEl = torch.empty_like(send_counts_PEl)
-        dist.all_to_all_single(recv_counts_PEl, send_counts_PEl, group=self.group)  # counts first
+        comm = self.comm if self.training else CommStats()  # telemetry counts training steps only, not eval
+        recv_counts_PEl = timed_all_to_all(send_counts_PEl, [1] * P, [1] * P, self.group, comm,
+                                           self.ep_rank)  # counts first
         send_splits = send_counts_PEl.sum(1).tolist()
         recv_splits = recv_counts_PEl.sum(1).tolist()
+        comm.tokens_recv += sum(recv_splits)  # slots this rank's experts compute: the straggler view
 
         x_AD = x_TD.index_select(0, token_idx_A)
-        x_RD = dist_fn.all_to_all_single(x_AD.new_empty(sum(recv_splits), x_TD.shape[1]), x_AD,
-                                         recv_splits, send_splits, group=self.group)
+        x_RD = TimedAllToAll.apply(x_AD, recv_splits, send_splits, self.group, comm, self.ep_rank)
         # received: per source rank, slots sorted by local expert; regroup by local expert across sources
         local_ids_R = torch.repeat_interleave(
             torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device))
@@ -193,9 +212,96 @@ class ExpertParallelExperts(nn.Module):
         weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
         out_RD = torch.cat([self.local.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
         out_RD = out_RD.index_select(0, torch.argsort(perm_R))  # back to the received order
-        out_AD = dist_fn.all_to_all_single(out_RD.new_empty(len(slot_A), x_TD.shape[1]), out_RD,
-                                           send_splits, recv_splits, group=self.group)
+        out_AD = TimedAllToAll.apply(out_RD, send_splits, recv_splits, self.group, comm, self.ep_rank)
         return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+
+
+# ------------------------------------------------------------------------------------------------ telemetry
+@dataclass
+class CommStats:
+    """One MoE layer's expert-parallel traffic on this rank since the last read: all-to-all wall time (forward
+    and backward, counts included) and bytes sent to / received from the other ranks (not to itself), and the
+    expert slots this rank's experts received."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    tokens_recv: int = 0
+
+    def as_list(self) -> list[float]:
+        return [self.seconds, float(self.bytes_sent), float(self.bytes_recv), float(self.tokens_recv)]
+
+
+def timed_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, stats: CommStats,
+                     me: int) -> torch.Tensor:
+    """`all_to_all_single` (rows of ``x`` split by ``in_splits``, received by ``out_splits``), timed into
+    ``stats``. On CUDA the stream is synchronized around it, so the time is the collective's, not the launch's
+    (the next op waits for its output anyway)."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    x = x.contiguous()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    stats.seconds += time.perf_counter() - t0
+    row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row; a rank may send or receive no rows
+    stats.bytes_sent += (sum(in_splits) - in_splits[me]) * row
+    stats.bytes_recv += (sum(out_splits) - out_splits[me]) * row
+    return out
+
+
+class TimedAllToAll(torch.autograd.Function):
+    """Differentiable `timed_all_to_all`: the backward is the all-to-all with the splits swapped, as in
+    `torch.distributed.nn.functional.all_to_all_single`, and is timed into the same stats."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, stats, me):
+        ctx.args = (out_splits, in_splits, group, stats, me)
+        return timed_all_to_all(x, out_splits, in_splits, group, stats, me)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group, stats, me = ctx.args
+        return timed_all_to_all(grad, in_splits, out_splits, group, stats, me), None, None, None, None, None
+
+
+def comm_metrics(model: nn.Module, state: ParallelState, steps: int, seconds: float) -> dict[str, float]:
+    """Expert-parallel communication since the last call, per optimizer step (collective: every rank calls it).
+
+    ``comm/layer_<i>/a2a_ms`` (mean over ranks), ``comm/a2a_ms`` and ``comm/a2a_ms_max`` (all layers; mean and
+    slowest rank), ``comm/a2a_bytes_sent|recv`` (mean per rank), ``comm/rank_<r>/a2a_bytes_sent|recv|a2a_ms``,
+    ``comm/ep_rank_<j>/tokens_recv`` (slots its experts computed, mean over data-parallel replicas) and
+    ``comm/tokens_recv_imbalance`` (max / mean over EP ranks: the straggler view), ``comm/frac_step`` (the share
+    of step time spent in all-to-all, mean over ranks)."""
+    mods = [m for _, m in expert_modules(model)]
+    if not state.distributed or state.ep_size == 1 or not mods:
+        return {}
+    local_LX = torch.tensor([m.comm.as_list() for m in mods] + [[seconds, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    for m in mods:
+        m.comm = CommStats()
+    gathered = [torch.empty_like(local_LX) for _ in range(state.world_size)]
+    dist.all_gather(gathered, local_LX)
+    all_WLX = torch.stack(gathered)
+    per_WLX, step_time_W = all_WLX[:, :-1] / max(steps, 1), all_WLX[:, -1, 0]
+    out: dict[str, float] = {}
+    for j, m in enumerate(mods):
+        out[f"comm/layer_{m.layer_id}/a2a_ms"] = per_WLX[:, j, 0].mean().item() * 1e3
+    ms_W = per_WLX[..., 0].sum(1) * 1e3
+    out["comm/a2a_ms"], out["comm/a2a_ms_max"] = ms_W.mean().item(), ms_W.max().item()
+    sent_W, recv_W = per_WLX[..., 1].sum(1), per_WLX[..., 2].sum(1)
+    out["comm/a2a_bytes_sent"], out["comm/a2a_bytes_recv"] = sent_W.mean().item(), recv_W.mean().item()
+    for r in range(state.world_size):
+        out[f"comm/rank_{r}/a2a_ms"] = ms_W[r].item()
+        out[f"comm/rank_{r}/a2a_bytes_sent"], out[f"comm/rank_{r}/a2a_bytes_recv"] = sent_W[r].item(), recv_W[r].item()
+    tokens_W = per_WLX[..., 3].sum(1)
+    tokens_P = tokens_W.view(state.dp_size, state.ep_size).mean(0)  # rank = dp_rank * ep_size + ep_rank
+    for j in range(state.ep_size):
+        out[f"comm/ep_rank_{j}/tokens_recv"] = tokens_P[j].item()
+    out["comm/tokens_recv_imbalance"] = (tokens_P.max() / tokens_P.mean().clamp_min(1e-9)).item()
+    out["comm/frac_step"] = (ms_W / 1e3 * max(steps, 1) / step_time_W.clamp_min(1e-9)).mean().item()
+    return out
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -206,7 +312,7 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState, global_aux_los
     """Replace every MoE block's experts by this rank's `ExpertParallelExperts` (in place)."""
     if not state.distributed:
         return model
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         if not layer.is_moe:
             continue
         block = layer.mlp
@@ -214,6 +320,7 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState, global_aux_los
         if state.ep_size == 1 and aux_group is None:
             continue
         block.experts = ExpertParallelExperts(block.experts, state, aux_group)
+        block.experts.layer_id = i
     return model
 
 
