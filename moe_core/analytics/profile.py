@@ -214,6 +214,17 @@ class RouterProfile:
 
         return pd.DataFrame([layer.summary(self.rare_fraction) for layer in self.layers])
 
+    def _repr_html_(self) -> str:
+        """In a notebook: what was profiled, then the per-layer summary table."""
+        import html
+
+        m, d = self.model, self.dataset
+        head = (f"<p><b>Router profile</b>: {html.escape(str(m.get('model_type', 'model')))}, "
+                f"{m.get('experts_per_token')}/{m.get('num_experts')} experts per token, router "
+                f"{html.escape(str(m.get('router')))}; {d.get('tokens', 0):,} tokens in {d.get('sequences', 0):,} "
+                f"sequences; {len(self.layers)} MoE layers</p>")
+        return head + self.summary().to_html(index=False, float_format=lambda v: f"{v:.4g}")
+
     def load_matrix_LE(self) -> np.ndarray:
         """Share of each layer's kept slots per expert, [MoE layers, E]."""
         return np.stack([layer.share_E for layer in self.layers]) if self.layers else np.zeros((0, 0))
