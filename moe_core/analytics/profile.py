@@ -567,10 +567,17 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    from moe_core.progress import Progress
+
+    total = profile_config.max_batches
+    if hasattr(batches, "__len__"):
+        total = len(batches) if total is None else min(total, len(batches))
+    bar = Progress(total, "profile", unit="batch")
     try:
         for n, batch in enumerate(batches):
             if profile_config.max_batches is not None and n >= profile_config.max_batches:
                 break
+            bar.update(1)
             input_ids_BS, domains_BS = _split_batch(batch)
             if input_ids_BS.dim() == 1:
                 input_ids_BS = input_ids_BS[None]
@@ -578,6 +585,7 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
             out = model(input_ids_BS.to(device), output_routing=True, use_cache=False)
             collector.update(input_ids_BS, out.routing, domains_BS)
     finally:
+        bar.close()
         model.train(was_training)
     if collector.sequences == 0:
         raise ProfileError("no batch was given: the evaluation set is empty")
