@@ -140,10 +140,11 @@ class Progress:
         elapsed = time.perf_counter() - self._t0
         return (self.n - self._start) / elapsed if elapsed > 0 else 0.0
 
-    def line(self) -> str:
-        """The plain-text state: ``desc: n/total unit (pct) rate, ETA postfix``."""
+    def line(self, head: str | None = None) -> str:
+        """The plain-text state: ``desc: n/total unit (pct) rate, ETA postfix`` (``head`` replaces the part
+        before the percentage)."""
         rate = self.rate()
-        parts = [f"{self.desc}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}"]
+        parts = [head or (f"{self.desc}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}")]
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         parts.append(f"{rate:.3g} {self.unit}/s" if rate >= 0.1 or rate == 0 else f"{1 / rate:.3g} s/{self.unit}")
@@ -156,18 +157,24 @@ class Progress:
             text += " " + " ".join(f"{k}={v}" for k, v in self.postfix.items())
         return text
 
-    def _print_line(self) -> None:
+    def _print_line(self, head: str | None = None) -> None:
         self._lines_printed += 1
-        print(self.line(), file=self.stream, flush=True)
+        self._last_line = time.perf_counter()
+        print(self.line(head), file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def print_line(self, head: str | None = None) -> None:
+        """In ``lines`` mode, print the state now (a caller that decides when, e.g. at each logging step)."""
+        if self.mode == "lines":
+            self._print_line(head)
+
+    def close(self, final_line: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.mode == "lines" and self.n > self._start and (
+        elif final_line and self.mode == "lines" and self.n > self._start and (
                 self._lines_printed or time.perf_counter() - self._t0 >= min(self.every_s, 2.0)):
             self._print_line()  # the final state; a job done in a blink prints nothing
 

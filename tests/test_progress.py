@@ -98,3 +98,17 @@ def test_finetune_progress_callback_follows_trainer_steps():
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("finetune: 1/4 step") and lines[-1].startswith("finetune: 4/4 step")
     assert "loss=1.5 lr=0.0001" in lines[-1]
+
+
+def test_training_lines_one_per_logging_step_with_eta():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=4, mode="lines", stream=stream)
+    for step in range(1, 5):
+        sink.on_step(step)
+        if step % 2 == 0:
+            sink.log(step, {"loss": 3.0 / step, "lr": 1e-3, "tokens_per_s": 500.0})
+    sink.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines  # on_step alone prints nothing off a terminal; close adds no duplicate
+    assert re.match(r"step 2/4 \(50%\) [\d.e+]+ step/s, ETA \d+s loss=1\.5 lr=0\.001 tok/s=500$", lines[0]), lines[0]
+    assert lines[1].startswith("step 4/4 (100%)") and "ETA" not in lines[1]

@@ -105,19 +105,20 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 class ConsoleSink:
     """The training progress display (`moe_core.progress.Progress`): one bar that moves every step, with rate,
-    ETA and the last logged metrics as its postfix; plain lines (rate, ETA, metrics) when not on a terminal,
-    a widget in a notebook. The trainer calls `on_step` after every optimizer step and `log` at logging steps."""
+    ETA and the last logged metrics as its postfix; when not on a terminal, one plain line per logging step
+    (``step 40/150 (27%) 1.52 step/s, ETA 1m12s loss=3.2 ...``); a widget in a notebook. The trainer calls
+    `on_step` after every optimizer step and `log` at logging steps."""
 
     SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
     SHORT = {"tokens_per_s": "tok/s", "grad_norm": "gnorm"}
 
     def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None,
-                 desc: str = "train", every_s: float = 10.0) -> None:
+                 desc: str = "train") -> None:
         from moe_core.progress import Progress
 
         self.total = total_steps
         self.progress = Progress(total_steps, desc, unit="step", mode=mode, initial=start_step, stream=stream,
-                                 every_s=every_s)
+                                 every_s=math.inf)  # lines: one per logging step (log.every decides)
         self.mode = self.progress.mode
 
     def on_step(self, step: int) -> None:
@@ -129,9 +130,10 @@ class ConsoleSink:
             shown["tok/s"] = f"{shown['tok/s']:.0f}"
         self.progress.set_postfix(**shown)
         self.progress.advance_to(step)
+        self.progress.print_line(f"step {step}/{self.total}")
 
     def close(self) -> None:
-        self.progress.close()
+        self.progress.close(final_line=False)  # the last logging step printed it
 
 
 # ------------------------------------------------------------------------------------------------ routing
