@@ -78,7 +78,8 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 else {"promoted": False, "reason": registry.PENDING_REASON}
     summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
                "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
-               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"], "summary_metrics": headline,
+               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"],
+               "summary_metrics": headline,
                **pending_summary()}
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary
