@@ -9,7 +9,7 @@ from pydantic import Field
 from flows.common import out_dir_for
 from flows.params import EvaluateParams
 from tasks import evaluate as ev
-from tasks.stages import flow_record, pending_summary
+from tasks.stages import flow_record, pending_summary, record_summary
 
 
 class EvaluateFlowParams(EvaluateParams):
@@ -31,8 +31,10 @@ def evaluate(params: EvaluateFlowParams) -> dict:
                                     params.vocab_pieces)
         cost = ev.cost_report(params.model_dir, params.events, str(out / "analysis"), params.device_name,
                               _seq_len(params.data_dir), run_id)
-    return {"metrics": result["metrics"], "profile_dir": profile["profile_dir"], **cost, "mlflow_run_id": run_id,
-            **pending_summary()}
+        headline = record_summary(run_id, result, profile, cost)  # the flow's run compares in the runs table
+    return {"metrics": result["metrics"], "summary_metrics": headline, "profile_dir": profile["profile_dir"],
+            "run_id": cost["run_id"], "usd_per_million_tokens": cost["usd_per_million_tokens"],
+            "mlflow_run_id": run_id, **pending_summary()}
 
 
 def _seq_len(data_dir: str) -> int:

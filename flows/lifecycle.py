@@ -14,7 +14,7 @@ from tasks import data, registry, train
 from tasks import evaluate as ev
 from tasks import optimize as opt
 from tasks.finetune import finetune_model
-from tasks.stages import flow_record, pending_summary
+from tasks.stages import flow_record, pending_summary, record_summary
 
 DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -30,7 +30,8 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
         config = with_data(t, data_dir)
 
-        model = train.pretrain(config, str(out / "pretrain"), run_id, p.nproc, p.subprocess)
+        model = train.pretrain(config, str(out / "pretrain"), run_id, p.nproc, p.subprocess,
+                               log_checkpoint=p.log_checkpoint)
         models = {"moe": model["export_dir"]}
         if p.baseline:
             dense = config.model_copy(update={"model": config.model.model_copy(update={"baseline": p.baseline})})
@@ -40,11 +41,13 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
 
         evaluation = ev.evaluate_model(models, data_dir, str(out / "eval"), p.evaluate.splits, p.evaluate.batch_size,
                                        p.evaluate.max_batches, run_id)
-        ev.profile_router(model["export_dir"], data_dir, str(out / "analysis"), "validation", p.evaluate.batch_size,
-                          p.evaluate.profile_batches, p.evaluate.plots, run_id, p.evaluate.vocab_pieces)
-        ev.cost_report(model["export_dir"], str(out / "pretrain" / "metrics.jsonl"), str(out / "analysis"),
-                       p.evaluate.device_name, config.data.seq_len, run_id)
+        routing = ev.profile_router(model["export_dir"], data_dir, str(out / "analysis"), "validation",
+                                    p.evaluate.batch_size, p.evaluate.profile_batches, p.evaluate.plots, run_id,
+                                    p.evaluate.vocab_pieces)
+        cost = ev.cost_report(model["export_dir"], str(out / "pretrain" / "metrics.jsonl"), str(out / "analysis"),
+                              p.evaluate.device_name, config.data.seq_len, run_id)
 
+        first_evaluation = evaluation
         if p.finetune.enabled:
             model = finetune_model(p.finetune.config, model["export_dir"], str(out / "finetune"), run_id)
             evaluation = ev.evaluate_model({"finetuned": model["export_dir"]}, data_dir, str(out / "eval-finetuned"),
@@ -52,14 +55,19 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                                            stage="evaluate_finetuned")
 
         refusal = registry.check_model(model["export_dir"], evaluation, run_id)  # NaN weights or metrics
+        bench = None
         if p.optimize is not None and refusal is None:
             quantized = opt.quantize_model(model["export_dir"], str(out / "quantized"), p.optimize.quantize_bits,
                                            p.optimize.quantize_method, p.optimize.group_size, run_id, data_dir)
             variants = {"pytorch": model["export_dir"], "quantized": quantized}
             if p.optimize.onnx:
                 variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)
-            opt.benchmark(variants, data_dir, p.optimize.benchmark_batches, str(out / "benchmark"), run_id)
+            # the evaluation's batches: one perplexity per model and split in the run
+            bench = opt.benchmark(variants, data_dir, p.evaluate.max_batches, str(out / "benchmark"), run_id,
+                                  batch_size=p.evaluate.batch_size)
 
+        headline = record_summary(run_id, first_evaluation, routing, cost, bench,  # compares in the runs table
+                                  finetuned=evaluation if p.finetune.enabled else None)
         version, decision = None, {"promoted": False, "reason": f"not registered: {refusal}"}
         if refusal is None:
             gate = {"metric": p.promotion.metric, "margin": p.promotion.margin,
@@ -71,6 +79,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
                "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
                "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"],
+               "summary_metrics": headline,
                **pending_summary()}
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary

@@ -8,7 +8,7 @@ from pydantic import Field
 from flows.common import out_dir_for
 from flows.params import OptimizeParams
 from tasks import optimize as opt
-from tasks.stages import flow_record, pending_summary
+from tasks.stages import flow_record, pending_summary, record_summary
 
 
 class OptimizeFlowParams(OptimizeParams):
@@ -27,5 +27,6 @@ def optimize(params: OptimizeFlowParams) -> dict:
         if params.onnx:
             variants["onnx"] = opt.export_onnx_model(params.model_dir, str(out / "onnx"), run_id)
         bench = opt.benchmark(variants, params.data_dir, params.benchmark_batches, str(out), run_id)
+        record_summary(run_id, bench)  # the flow's run compares in the runs table
     return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id,
             **pending_summary()}

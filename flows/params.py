@@ -30,7 +30,7 @@ def tiny_train_config(**fields) -> TrainConfig:
     base = {"model": {"preset": "switch-tiny"}, "steps": 12, "batch_size": 4,
             "data": {"max_documents": 60, "seq_len": 32, "vocab_size": 384},
             "checkpoint": {"every": 6}, "log": {"every": 3, "progress": "off"},
-            "eval": {"batches": 2}, "optim": {"warmup_steps": 2}}
+            "eval": {"batches": 2, "every": 6}, "optim": {"warmup_steps": 2}}
     return TrainConfig.build(_merge(base, fields))
 
 
@@ -38,8 +38,8 @@ def small_train_config(**fields) -> TrainConfig:
     """The README's run: a few minutes on 2 CPU cores, a model that visibly learns."""
     base = {"model": {"preset": "switch-small"}, "steps": 150, "batch_size": 8,
             "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
-            "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "lines"},
-            "eval": {"batches": 8}, "optim": {"warmup_steps": 10}}
+            "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "auto"},
+            "eval": {"batches": 8, "every": 25}, "optim": {"warmup_steps": 10}}
     return TrainConfig.build(_merge(base, fields))
 
 
@@ -71,6 +71,8 @@ class PretrainParams(_Params):
                                                       "local cluster")
     out_dir: str | None = Field(None, description="default: <MOE_LAB_HOME>/runs/<flow run name>")
     log_model: bool = True
+    log_checkpoint: bool = Field(False, description="also upload the last checkpoint (weights and optimizer "
+                                                    "state, ~3x the model) to MLflow; it stays on disk anyway")
 
 
 class EvaluateParams(_Params):
@@ -89,7 +91,8 @@ class OptimizeParams(_Params):
     quantize_method: Literal["rtn", "gptq", "awq"] = "rtn"  # gptq/awq calibrate on the prepared data
     group_size: int = Field(32, ge=2)
     onnx: bool = True
-    benchmark_batches: int = Field(2, ge=1)
+    benchmark_batches: int = Field(2, ge=1, description="unused by the lifecycle, which benchmarks on the "
+                                   "evaluation's batches (one perplexity per model and split)")
 
 
 class FinetuneParams(_Params):
@@ -116,6 +119,8 @@ class LifecycleParams(_Params):
     baseline: Literal["active", "total"] | None = Field(None, description="also train this dense baseline")
     nproc: int = Field(1, ge=1)
     subprocess: bool = False
+    log_checkpoint: bool = Field(False, description="also upload the last checkpoint (weights and optimizer "
+                                                    "state, ~3x the model) to MLflow; it stays on disk anyway")
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     finetune: FinetuneParams = Field(default_factory=FinetuneParams)
     optimize: OptimizeParams | None = Field(default_factory=OptimizeParams, description="null skips the stage")

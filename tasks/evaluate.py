@@ -93,15 +93,20 @@ def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batc
                    for k, v in row.items() if k != "layer"}
         metrics["router.dead_experts"] = sum(len(row) for row in summary["dead_experts"])
         tracking.log_metrics(run_id, metrics)
+        health = {"router.dead_experts": metrics["router.dead_experts"],  # over the layers: the runs table
+                  "router.max_over_mean": float(summary["max_over_mean"].max()),
+                  "router.drop_rate": float(summary["drop_rate"].mean()),
+                  "router.normalized_entropy": float(summary["normalized_entropy"].mean())}
         tracking.log_artifacts(run_id, out / "profile", "routing_profile")
         if plots:
-            from moe_core.analytics.plots import render_all
+            from moe_core.analytics.plots import portable_copies, render_all
 
-            render_all(profile, out / "plots", model=model, tokenizer=tokenizer)
-            tracking.log_artifacts(run_id, out / "plots", "plots")
+            render_all(profile, out / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
+            # MLflow serves each artifact alone: pages that load plotly.js from its CDN, PNGs beside them
+            tracking.log_artifacts(run_id, portable_copies(out / "plots", out / "plots-mlflow"), "plots")
         create_markdown_artifact(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])),
                                  key="router-profile", description="router profile, one row per MoE layer")
-    return {"run_id": run_id, "profile_dir": str(out / "profile")}
+    return {"run_id": run_id, "profile_dir": str(out / "profile"), "metrics": health}
 
 
 @task(name="cost-report", retries=1, retry_delay_seconds=2)
@@ -126,7 +131,9 @@ def cost_report(model_dir: str, events: str | None, out_dir: str, device_name: s
         tracking.log_artifacts(run_id, out / "cost.md", "cost")
         tracking.log_artifacts(run_id, out / "cost.json", "cost")
         create_markdown_artifact(report.to_markdown(), key="cost", description=f"cost per token on {device}")
-    return {"run_id": run_id, "usd_per_million_tokens": report.usd_per_million_tokens}
+    return {"run_id": run_id, "usd_per_million_tokens": report.usd_per_million_tokens,
+            "metrics": {"cost.usd_per_million_tokens": report.usd_per_million_tokens,
+                        "cost.tokens_per_s": throughput.tokens_per_s}}
 
 
 def _is_number(text: str) -> bool:

@@ -80,3 +80,16 @@ def pending_summary() -> dict:
         return {}
     return {"mlflow_pending": str(journal), "mlflow_offline": pending.offline_reason() or "MLflow failed mid-run",
             "sync_command": f"moe-lab sync {journal.parent}"}
+
+
+def record_summary(run_id: str, *results: dict | None, **prefixed: dict | None) -> dict[str, float]:
+    """The headline figures of a flow's stages (each result's ``metrics``; those passed by keyword under
+    ``<keyword>.``) on the flow's own run, so flow runs compare side by side in MLflow's runs table; returns
+    what was recorded."""
+    merged: dict[str, float] = {}
+    for result in results:
+        merged.update((result or {}).get("metrics", {}))
+    for prefix, result in prefixed.items():
+        merged.update({f"{prefix}.{k}": v for k, v in (result or {}).get("metrics", {}).items()})
+    tracking.log_metrics(run_id, merged)
+    return merged

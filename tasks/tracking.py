@@ -39,6 +39,9 @@ from tasks import pending, settings
 from tasks.storelock import store_lock
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+# MLflow 3's UI opens an experiment of kind "genai_development" (or one it infers as such) on its traces page;
+# this kind opens it on the runs table. Tag and value as mlflow/server/js (ExperimentKind) spells them.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 RUN_FILE = "mlflow_run.json"  # beside metrics.jsonl: which MLflow run the events belong to
 PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # skips MLflow's slow inference
 
@@ -72,11 +75,13 @@ def experiment_id(name: str | None = None) -> str:
     c, name = client(), name or settings.experiment_name()
     found = c.get_experiment_by_name(name)
     if found is not None:
+        if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # made by an earlier moe-lab: open on its runs too
+            c.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     local = tracking_uri().startswith(("sqlite:", "file:")) or "://" not in tracking_uri()
     location = (settings.artifact_root() / name).as_uri() if local else None
     try:
-        return c.create_experiment(name, artifact_location=location)
+        return c.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # created meanwhile by another process
         return c.get_experiment_by_name(name).experiment_id
 
@@ -200,6 +205,31 @@ def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_
     for i in range(0, len(items), 100):
         c.log_batch(run_id, params=items[i:i + 100])
     c.log_dict(run_id, data, artifact_file)
+
+
+def architecture_params(model_config) -> dict[str, str]:
+    """What the runs table needs to tell models apart: experts, top-k, widths, layers, router, parameters."""
+    from moe_core.config import parameter_counts
+
+    c = model_config
+    counts = parameter_counts(c)
+    moe = bool(c.num_experts)
+    return {k: str(v) for k, v in {
+        "arch.num_experts": c.num_experts if moe else 0, "arch.top_k": c.num_experts_per_tok if moe else 0,
+        "arch.shared_experts": c.num_shared_experts if moe else 0, "arch.hidden_size": c.hidden_size,
+        "arch.expert_intermediate_size": c.expert_intermediate_size if moe else c.intermediate_size,
+        "arch.num_layers": c.num_hidden_layers, "arch.moe_layers": len(c.moe_layer_ids),
+        "arch.router": f"{c.router}/{c.router_score}" if moe else "dense", "arch.vocab_size": c.vocab_size,
+        "arch.params_total": counts["total"], "arch.params_active": counts["active"],
+    }.items()}
+
+
+def log_architecture(run_id: str, model_config) -> None:
+    """The model's architecture as ``arch.*`` params (and ``config/architecture.json``)."""
+    params = architecture_params(model_config)
+    artifact_file = "config/architecture.json"
+    _send("log_params", run_id, {"params": params, "data": params, "artifact_file": artifact_file},
+          lambda: _log_params_now(run_id, params, params, artifact_file))
 
 
 # ------------------------------------------------------------------------------------------------ metrics

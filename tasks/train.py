@@ -12,8 +12,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
+from moe_core.config import MoEConfig
 from moe_core.train import TrainConfig, read_jsonl
-from moe_core.train.checkpoint import latest_checkpoint, read_trainer_state
+from moe_core.train.checkpoint import TRAINER_STATE, latest_checkpoint, read_trainer_state
 from tasks import tracking
 from tasks.process import run_group
 from tasks.stages import stage_run
@@ -22,8 +23,13 @@ from tasks.stages import stage_run
 @task(name="pretrain", retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc: int = 1,
              subprocess: bool = False, log_model: bool = True, stage: str = "pretrain",
-             max_restarts: int = 0, launcher: str = "torchrun", ray_address: str | None = None) -> dict:
-    """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids."""
+             max_restarts: int = 0, launcher: str = "torchrun", ray_address: str | None = None,
+             log_checkpoint: bool = False) -> dict:
+    """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids.
+
+    MLflow gets the model once (``log_model``: the transformers flavor the registry serves) and the last
+    checkpoint's configs and trainer state; its weights and optimizer state (about 3x the model) only with
+    ``log_checkpoint`` (they stay in ``out_dir/checkpoints`` for resuming either way)."""
     out = Path(out_dir)
     resume = latest_checkpoint(out / "checkpoints") is not None
     with stage_run(stage, parent_run_id) as run_id:
@@ -45,7 +51,14 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
         summary = _summary(out)
         tracking.log_metrics(run_id, {f"final.{k}": v for k, v in summary.items()}, summary["step"])
         tracking.set_tags(run_id, {"moe_lab.resumed": resume, "moe_lab.out_dir": str(out)})
-        tracking.log_artifacts(run_id, latest_checkpoint(out / "checkpoints"), "checkpoint")
+        ckpt = latest_checkpoint(out / "checkpoints")
+        tracking.log_architecture(run_id, MoEConfig.from_pretrained(ckpt))
+        if log_checkpoint:
+            tracking.log_artifacts(run_id, ckpt, "checkpoint")
+        else:  # what the run was (configs, step, RNG-free trainer state), not another copy of the weights
+            for name in (TRAINER_STATE, "train_config.json", "config.json"):
+                if (ckpt / name).is_file():
+                    tracking.log_artifacts(run_id, ckpt / name, "checkpoint")
         models = tracking.log_model(run_id, out / "final") if log_model else {}
     return {**summary, "run_id": run_id, "out_dir": str(out), "export_dir": str(out / "final"),
             "model_uri": models.get("transformers") or models.get("files")}

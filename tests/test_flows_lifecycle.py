@@ -56,7 +56,21 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert "routing_profile/profile.json" in artifact_paths(client, stages["profile"], "routing_profile")
     plots = artifact_paths(client, stages["profile"], "plots")
     assert {"plots/expert_load.png", "plots/token_routing.png", "plots/routing_flow.html"} <= set(plots), plots
-    assert "checkpoint" in artifact_paths(client, pretrain)
+    checkpoint = artifact_paths(client, pretrain, "checkpoint")  # what the run was, not the weights again
+    assert "checkpoint/trainer_state.json" in checkpoint, checkpoint
+    assert not any(p.endswith((".safetensors", ".pt")) for p in checkpoint), checkpoint  # no optimizer state
+    assert pretrain.data.params["arch.num_experts"] == "8" and "arch.params_active" in pretrain.data.params
+    assert len(client.get_metric_history(pretrain.info.run_id, "val_loss")) >= 2  # a curve, not one point
+    for name in ("eval.validation_ppl", "eval.test_ppl", "eval.validation_bpb", "baseline.dense-active.validation_ppl",
+                 "cost.usd_per_million_tokens", "router.dead_experts", "bench.quantized.ppl_drift"):
+        assert name in parent.data.metrics, name  # the parent run compares in the runs table
+    # one perplexity per model and split: the benchmark scores the evaluation's batches
+    assert parent.data.metrics["bench.pytorch.perplexity"] == pytest.approx(parent.data.metrics["eval.validation_ppl"],
+                                                                           rel=1e-5)
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    html = client.download_artifacts(stages["profile"].info.run_id, "plots/routing_flow.html")
+    assert 'src="plotly.min.js"' not in open(html).read() and "plots/plotly.min.js" not in plots
     models = client.search_logged_models([parent.info.experiment_id])
     flavors = {m.name for m in models if m.source_run_id in (pretrain.info.run_id, stages["export_onnx"].info.run_id)}
     assert {"transformers", "onnx"} <= flavors and "pytorch" not in flavors  # nothing pickled

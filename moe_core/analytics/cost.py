@@ -293,6 +293,9 @@ class CostReport:
         out["training"] = self.training.to_dict() if self.training else None
         return out
 
+    def _repr_markdown_(self) -> str:  # a notebook shows the table
+        return self.to_markdown()
+
     def to_markdown(self) -> str:
         f = self.flops
         gf = _flops_text

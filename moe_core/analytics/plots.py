@@ -8,8 +8,11 @@ of each.
 - specialization (per layer, each expert's kept slots by token class, and by domain when known);
 - token-to-expert heatmap over a piece of text (router probabilities per token, kept slots marked).
 
-Each function returns ``{"png": Path, "html": Path}``. HTML files load ``plotly.min.js`` from the same
-directory (``include_plotlyjs="directory"``, written once), so they open offline. PNGs are drawn on a bare
+Each function returns a `Plot`: the matplotlib figure (``.figure``) and the plotly one (``.interactive``),
+shown inline in a notebook; given ``out_dir`` it also writes ``<name>.png`` and ``<name>.html`` there
+(``plot["png"]``, ``plot["html"]``). HTML files load ``plotly.min.js`` from the same directory
+(``include_plotlyjs="directory"``, written once), so they open offline; `portable_copies` makes versions for
+viewers that serve each file alone (MLflow's artifact viewer). PNGs are drawn on a bare
 `matplotlib.figure.Figure` (Agg canvas): no pyplot global state, no display needed.
 
 Legend: L = MoE layers, E = experts, C = token classes, T = tokens of the text.
@@ -17,6 +20,8 @@ Legend: L = MoE layers, E = experts, C = token classes, T = tokens of the text.
 
 from __future__ import annotations
 
+import io
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +43,79 @@ def _write_html(fig, path: Path) -> Path:
     return path
 
 
-def _out(out_dir: str | Path, name: str) -> tuple[Path, Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir / f"{name}.png", out_dir / f"{name}.html"
+class Plot(Mapping):
+    """One picture: ``figure`` (matplotlib, static) and ``interactive`` (plotly). Displays inline in a
+    notebook (the PNG; ``plot.interactive`` for the zoomable one). As a mapping: the files written
+    (``plot["png"]``, ``plot["html"]``), empty until `save`."""
+
+    def __init__(self, name: str, figure, interactive) -> None:
+        self.name, self.figure, self.interactive = name, figure, interactive
+        self.files: dict[str, Path] = {}
+
+    def save(self, out_dir: str | Path) -> Plot:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        png, html = out_dir / f"{self.name}.png", out_dir / f"{self.name}.html"
+        self.figure.savefig(png)
+        self.files = {"png": png, "html": _write_html(self.interactive, html)}
+        return self
+
+    def png_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png")
+        return buffer.getvalue()
+
+    def _repr_png_(self) -> bytes:
+        return self.png_bytes()
+
+    def __getitem__(self, key: str) -> Path:
+        return self.files[key]
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __repr__(self) -> str:
+        return f"Plot({self.name!r}, files={ {k: str(v) for k, v in self.files.items()} })"
+
+
+def _finish(name: str, figure, interactive, out_dir: str | Path | None) -> Plot:
+    plot = Plot(name, figure, interactive)
+    return plot.save(out_dir) if out_dir is not None else plot
+
+
+def portable_copies(plots_dir: str | Path, dest: str | Path) -> Path:
+    """Copies of ``plots_dir``'s pictures that render where each file is served alone: MLflow's artifact
+    viewer loads an HTML artifact as a blob, where the relative ``plotly.min.js`` never loads (a blank page).
+    The HTML copies load plotly.js from its CDN instead (the pinned version, with its integrity hash; 10 KB
+    per page rather than a 4.8 MB inlined copy; interactive when the viewer's browser is online), and the PNG
+    beside each shows the same picture offline. Returns ``dest``."""
+    import re
+    import shutil
+
+    plots_dir, dest = Path(plots_dir), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    cdn_tag = _cdn_script_tag()
+    for path in sorted(plots_dir.iterdir()):
+        if path.suffix == ".png":
+            shutil.copyfile(path, dest / path.name)
+        elif path.suffix == ".html":
+            text = re.sub(r'<script charset="utf-8" src="plotly\.min\.js">', cdn_tag, path.read_text())
+            (dest / path.name).write_text(text)
+    return dest
+
+
+def _cdn_script_tag() -> str:
+    """The ``<script ...>`` opening tag plotly writes for ``include_plotlyjs="cdn"`` (version and hash of the
+    installed plotly.js)."""
+    import re
+
+    import plotly.graph_objects as go
+
+    html = go.Figure().to_html(include_plotlyjs="cdn", full_html=False)
+    return re.search(r"<script[^>]*src=\"https://[^>]*>", html).group(0)
 
 
 def _layer_labels(profile: RouterProfile) -> list[str]:
@@ -49,11 +123,10 @@ def _layer_labels(profile: RouterProfile) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ load
-def plot_expert_load(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+def plot_expert_load(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
     """Heatmap of each expert's share of its layer's kept slots (1/E is perfect balance)."""
     import plotly.graph_objects as go
 
-    png, html = _out(out_dir, "expert_load")
     share_LE = profile.load_matrix_LE()
     L, E = share_LE.shape
     labels = _layer_labels(profile)
@@ -68,13 +141,12 @@ def plot_expert_load(profile: RouterProfile, out_dir: str | Path) -> dict[str, P
                 ax.text(j, i, f"{share_LE[i, j]:.2f}", ha="center", va="center", fontsize=7,
                         color="white" if share_LE[i, j] < share_LE.max() * 0.6 else "black")
     fig.colorbar(image, ax=ax, label="share")
-    fig.savefig(png)
     hover = [[f"{labels[i]}, expert {j}<br>share {share_LE[i, j]:.4f}<br>slots {profile.layers[i].kept_E[j]}"
               for j in range(E)] for i in range(L)]
     pfig = go.Figure(go.Heatmap(z=share_LE, x=list(range(E)), y=labels, colorscale="Viridis", text=hover,
                                 hoverinfo="text", colorbar={"title": "share"}))
     pfig.update_layout(title="Expert load (share of kept slots)", xaxis_title="expert", yaxis_title="MoE layer")
-    return {"png": png, "html": _write_html(pfig, html)}
+    return _finish("expert_load", fig, pfig, out_dir)
 
 
 # ------------------------------------------------------------------------------------------------ co-activation
@@ -83,11 +155,10 @@ def coactivation_fraction(profile: RouterProfile) -> list[np.ndarray]:
     return [x.coactivation_EE / max(x.tokens, 1) for x in profile.layers]
 
 
-def plot_coactivation(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+def plot_coactivation(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    png, html = _out(out_dir, "coactivation")
     mats = coactivation_fraction(profile)
     labels = _layer_labels(profile)
     n = len(mats)
@@ -104,7 +175,6 @@ def plot_coactivation(profile: RouterProfile, out_dir: str | Path) -> dict[str, 
         ax.set(title=labels[k], xlabel="expert j", ylabel="expert i")
     fig.suptitle("Co-activation: fraction of tokens routed to both experts")
     fig.colorbar(image, ax=axes, label="fraction of tokens")
-    fig.savefig(png)
     pfig = make_subplots(rows=rows, cols=cols, subplot_titles=labels)
     for k, mat in enumerate(mats):
         pfig.add_trace(go.Heatmap(z=mat, coloraxis="coloraxis",
@@ -112,15 +182,14 @@ def plot_coactivation(profile: RouterProfile, out_dir: str | Path) -> dict[str, 
                        row=k // cols + 1, col=k % cols + 1)
     pfig.update_layout(title="Co-activation (fraction of tokens routed to both experts)",
                        coloraxis={"colorscale": "Magma"})
-    return {"png": png, "html": _write_html(pfig, html)}
+    return _finish("coactivation", fig, pfig, out_dir)
 
 
 # ------------------------------------------------------------------------------------------------ flow
-def plot_routing_flow(profile: RouterProfile, out_dir: str | Path, min_share: float = 0.0) -> dict[str, Path]:
+def plot_routing_flow(profile: RouterProfile, out_dir: str | Path | None = None, min_share: float = 0.0) -> Plot:
     """Top-1 routing flow between consecutive MoE layers; links under ``min_share`` of tokens are hidden."""
     import plotly.graph_objects as go
 
-    png, html = _out(out_dir, "routing_flow")
     layers = profile.layers
     E = max((x.num_experts for x in layers), default=0)
     node_index = {}
@@ -158,7 +227,6 @@ def plot_routing_flow(profile: RouterProfile, out_dir: str | Path, min_share: fl
     ax.set(xticks=range(len(layers)), xticklabels=_layer_labels(profile), yticks=range(E), ylabel="expert",
            title="Routing flow: top-1 expert in layer l -> top-1 expert in layer l+1 (width ~ tokens)")
     ax.invert_yaxis()
-    fig.savefig(png)
     link_colors = [_rgba(colors[[k for k, v in node_index.items() if v == s][0][1]], 0.45) for s in sources]
     pfig = go.Figure(go.Sankey(
         arrangement="fixed",
@@ -166,7 +234,7 @@ def plot_routing_flow(profile: RouterProfile, out_dir: str | Path, min_share: fl
         link={"source": sources, "target": targets, "value": values, "color": link_colors},
     ))
     pfig.update_layout(title="Routing flow (top-1 expert, consecutive MoE layers)")
-    return {"png": png, "html": _write_html(pfig, html)}
+    return _finish("routing_flow", fig, pfig, out_dir)
 
 
 def _palette(n: int) -> list[tuple[float, float, float, float]]:
@@ -182,13 +250,12 @@ def _rgba(color, alpha: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ specialization
-def plot_specialization(profile: RouterProfile, out_dir: str | Path) -> dict[str, Path]:
+def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
     """Per layer, each expert's kept slots split by token class (and by domain): stacked shares, with the
     mutual information I(expert; class) in the title. Without class or domain data the chart says so."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    png, html = _out(out_dir, "specialization")
     panels = []  # (title, names, counts_EC)
     for x in profile.layers:
         if profile.class_names:
@@ -227,14 +294,13 @@ def plot_specialization(profile: RouterProfile, out_dir: str | Path) -> dict[str
         if k < cols:  # one legend per column, outside the bars
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.suptitle("Expert specialization")
-    fig.savefig(png)
     pfig.update_layout(barmode="stack", title="Expert specialization (share of each expert's slots)")
-    return {"png": png, "html": _write_html(pfig, html)}
+    return _finish("specialization", fig, pfig, out_dir)
 
 
 # ------------------------------------------------------------------------------------------------ token routing
 @torch.no_grad()
-def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str | Path, tokenizer=None,
+def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str | Path | None = None, tokenizer=None,
                        max_tokens: int = 64) -> dict[str, Path]:
     """Router probabilities of each token of a short text, per MoE layer (rows: experts, columns: tokens);
     kept slots are outlined. Give a project-owned text (e.g. a `moe_core.eval.prompts` prompt), not
@@ -242,7 +308,6 @@ def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    png, html = _out(out_dir, "token_routing")
     ids_T = torch.as_tensor(token_ids, dtype=torch.long).flatten()[:max_tokens]
     device = next(model.parameters()).device
     was_training = model.training
@@ -276,10 +341,9 @@ def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str 
         pfig.add_trace(go.Heatmap(z=probs_ET, x=positions, y=list(range(E)), coloraxis="coloraxis",
                                   hovertemplate="token %{x}, expert %{y}: p=%{z:.3f}<extra></extra>"),
                        row=row, col=1)
-    fig.savefig(png)
     pfig.update_layout(title="Token-to-expert routing", coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
                        height=260 * L + 120)
-    return {"png": png, "html": _write_html(pfig, html)}
+    return _finish("token_routing", fig, pfig, out_dir)
 
 
 def _rect(t: int, e: int):
@@ -288,9 +352,9 @@ def _rect(t: int, e: int):
     return Rectangle((t - 0.5, e - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.0)
 
 
-def render_all(profile: RouterProfile, out_dir: str | Path, model=None, token_ids=None,
-               tokenizer=None) -> dict[str, dict[str, Path]]:
-    """Every picture of ``profile`` into ``out_dir``; the token heatmap too when a model is given, over
+def render_all(profile: RouterProfile, out_dir: str | Path | None = None, model=None, token_ids=None,
+               tokenizer=None) -> dict[str, Plot]:
+    """Every picture of ``profile`` (written into ``out_dir`` when given); the token heatmap too when a model is given, over
     ``token_ids`` or else the first project prompt encoded with ``tokenizer``."""
     out = {
         "expert_load": plot_expert_load(profile, out_dir),

@@ -214,6 +214,17 @@ class RouterProfile:
 
         return pd.DataFrame([layer.summary(self.rare_fraction) for layer in self.layers])
 
+    def _repr_html_(self) -> str:
+        """In a notebook: what was profiled, then the per-layer summary table."""
+        import html
+
+        m, d = self.model, self.dataset
+        head = (f"<p><b>Router profile</b>: {html.escape(str(m.get('model_type', 'model')))}, "
+                f"{m.get('experts_per_token')}/{m.get('num_experts')} experts per token, router "
+                f"{html.escape(str(m.get('router')))}; {d.get('tokens', 0):,} tokens in {d.get('sequences', 0):,} "
+                f"sequences; {len(self.layers)} MoE layers</p>")
+        return head + self.summary().to_html(index=False, float_format=lambda v: f"{v:.4g}")
+
     def load_matrix_LE(self) -> np.ndarray:
         """Share of each layer's kept slots per expert, [MoE layers, E]."""
         return np.stack([layer.share_E for layer in self.layers]) if self.layers else np.zeros((0, 0))
@@ -556,10 +567,17 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    from moe_core.progress import Progress
+
+    total = profile_config.max_batches
+    if hasattr(batches, "__len__"):
+        total = len(batches) if total is None else min(total, len(batches))
+    bar = Progress(total, "profile", unit="batch")
     try:
         for n, batch in enumerate(batches):
             if profile_config.max_batches is not None and n >= profile_config.max_batches:
                 break
+            bar.update(1)
             input_ids_BS, domains_BS = _split_batch(batch)
             if input_ids_BS.dim() == 1:
                 input_ids_BS = input_ids_BS[None]
@@ -567,6 +585,7 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
             out = model(input_ids_BS.to(device), output_routing=True, use_cache=False)
             collector.update(input_ids_BS, out.routing, domains_BS)
     finally:
+        bar.close()
         model.train(was_training)
     if collector.sequences == 0:
         raise ProfileError("no batch was given: the evaluation set is empty")

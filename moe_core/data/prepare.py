@@ -260,6 +260,15 @@ def tokenize_documents(config: PrepareConfig, tokenizer: Any, texts: list[str], 
 
 
 def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -> None:
+    from moe_core.progress import Progress
+
+    with Progress(6, "prepare data", unit="stage") as bar:
+        _build_stages(config, tmp, fingerprint, source_fp, bar)
+        bar.advance_to(6)
+
+
+def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str, bar) -> None:
+    bar.stage("load")
     loaded = load_source(config.source, kind=config.kind, text_column=config.text_column,
                          domain_column=config.domain_column, hub_config=config.hub_config, split=config.split,
                          max_documents=config.max_documents, max_line_bytes=config.max_line_bytes,
@@ -269,14 +278,17 @@ def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -
         raise DataError(f"{loaded.spec.name}: every document is empty; nothing to prepare")
     report = None
     if config.validate:
+        bar.stage("validate")
         records = loaded.dataset if config.kind == "instruction" else [{"text": t} for t in texts]
         report = validate(records, config.kind, config.validation, source=loaded.spec.name)
         report.raise_for_failure()
+    bar.stage("split")
     split_ids, split_counts = assign_splits(config, texts)
     counts.update(split_counts)
 
     from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
+    bar.stage("tokenizer")
     if config.tokenizer is None:
         tokenizer = train_tokenizer((t for t, s in zip(texts, split_ids) if s == 0), config.vocab_size)
     else:
@@ -291,8 +303,10 @@ def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -
     if len(domain_names) > 255:
         raise DataError(f"{loaded.spec.name}: {len(domain_names)} domains; at most 255 fit the uint8 domain ids")
     domain_index = {d: i for i, d in enumerate(domain_names)}
+    bar.stage("tokenize")
     per_split = tokenize_documents(config, tokenizer, texts, [domain_index[d] for d in domains], split_ids)
 
+    bar.stage("write")
     splits = {}
     for name, (tokens, doms, n_docs) in per_split.items():
         entry = write_split_shards(tmp, name, tokens, doms, config.seq_len, dtype, config.blocks_per_shard)

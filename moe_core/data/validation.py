@@ -304,7 +304,14 @@ def validate(
     Returns the result whether it passed or not; call ``result.raise_for_failure()`` to stop on failure."""
     if kind not in SUITES:
         raise DataError(f"unknown data kind {kind!r}; choose one of {tuple(SUITES)}")
-    cfg = config or ValidationConfig()
+    from moe_core.progress import Progress
+
+    with Progress(3, "validate data", unit="stage") as bar:  # GX's own bars are off (see _context)
+        return _validate(records, kind, config or ValidationConfig(), text_column, source, bar)
+
+
+def _validate(records: Any, kind: str, cfg: ValidationConfig, text_column: str, source: str, bar) -> ValidationResult:
+    bar.stage("columns")
     total = len(records)
     indices = None
     if cfg.sample_rows is not None and cfg.sample_rows < total:
@@ -324,6 +331,7 @@ def validate(
 
     import great_expectations as gx
 
+    bar.stage(f"{len(checks)} expectations")
     context = _context()
     batch = (context.data_sources.add_pandas("records").add_dataframe_asset("rows")
              .add_batch_definition_whole_dataframe("all"))
@@ -335,6 +343,7 @@ def validate(
     definition = context.validation_definitions.add(gx.ValidationDefinition(name=SUITES[kind], data=batch, suite=suite))
     run = definition.run(batch_parameters={"dataframe": frame}, result_format={"result_format": "COMPLETE"})
 
+    bar.stage("report")
     outcomes: list[tuple[int, ExpectationOutcome]] = []
     hashes = frame["hash"]
     duplicated = frame.index[hashes.duplicated(keep="first").to_numpy()].tolist()
@@ -360,6 +369,7 @@ def validate(
             error=error,
         )))
     ordered = [o for _, o in sorted(outcomes, key=lambda p: p[0])]
+    bar.advance_to(3)
     return ValidationResult(SUITES[kind], kind, source, all(o.success for o in ordered), total, len(frame),
                             ordered, cfg.max_listed_rows)
 

@@ -49,6 +49,10 @@ class ByteLossResult:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "bits_per_byte": self.bits_per_byte, "bits_per_token": self.bits_per_token}
 
+    def _repr_markdown_(self) -> str:  # a notebook shows one readable line
+        return (f"**{self.bits_per_byte:.4f} bits per byte** ({self.bits_per_token:.3f} bits/token) over "
+                f"{self.bytes:,} bytes, {self.tokens:,} tokens (text sha256 {self.text_sha256[:12]})")
+
 
 def text_fingerprint(texts: Sequence[str]) -> str:
     """sha256 over the texts (each length-prefixed, so ["ab", "c"] and ["a", "bc"] differ)."""

@@ -43,18 +43,29 @@ class LossResult:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "perplexity": self.perplexity, "bits_per_token": self.bits_per_token}
 
+    def _repr_markdown_(self) -> str:  # a notebook shows one readable line
+        return (f"**{self.split}**: perplexity {self.perplexity:.4g}, loss {self.loss:.4f} nats/token "
+                f"({self.bits_per_token:.3f} bits/token) over {self.tokens:,} predicted tokens in "
+                f"{self.sequences:,} sequences")
+
 
 @torch.no_grad()
 def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: int | None = None,
                   ignore_index: int = -100) -> LossResult:
     """Token-weighted mean loss of ``model`` over ``batches`` (LongTensor [B, S], or (ids, domains) pairs),
-    in eval mode (restored afterwards): no router statistics move."""
-    device = next(model.parameters()).device
+    in eval mode (restored afterwards): no router statistics move.
+
+    The one perplexity of the project: ``moe_core.inference.evaluate.perplexity`` (the benchmark of model
+    variants, ONNX Runtime included) scores through this function too, so the same model on the same batches
+    gets the same number in every stage."""
+    torch_module = isinstance(model, torch.nn.Module)
+    device = next(model.parameters()).device if torch_module else torch.device("cpu")
     vocab_size = model.config.vocab_size
     total_nats = 0.0
     tokens = sequences = 0
-    was_training = model.training
-    model.eval()
+    was_training = getattr(model, "training", False)
+    if torch_module:
+        model.eval()
     try:
         for n, batch in enumerate(batches):
             if max_batches is not None and n >= max_batches:
@@ -66,7 +77,10 @@ def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: in
             if ids_BS.numel() and int(ids_BS.max()) >= vocab_size:
                 raise EvaluationError(f"token id {int(ids_BS.max())} >= the model's vocab_size {vocab_size}: "
                                       "the data was prepared with another tokenizer")
-            logits_BSV = model(ids_BS, use_cache=False).logits
+            if torch_module:
+                logits_BSV = model(ids_BS, use_cache=False).logits
+            else:  # an optimum ORTModelForCausalLM: keyword inputs, an explicit mask
+                logits_BSV = torch.as_tensor(model(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS)).logits)
             targets_N = ids_BS[:, 1:].reshape(-1)
             nats = F.cross_entropy(logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1]), targets_N,
                                    ignore_index=ignore_index, reduction="sum")
@@ -74,7 +88,8 @@ def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: in
             tokens += int((targets_N != ignore_index).sum())
             sequences += ids_BS.shape[0]
     finally:
-        model.train(was_training)
+        if torch_module:
+            model.train(was_training)
     if tokens == 0:
         raise EvaluationError(f"split {split!r}: no token to predict (empty split, or sequences of length 1)")
     return LossResult(split=split, loss=total_nats / tokens, tokens=tokens, sequences=sequences)

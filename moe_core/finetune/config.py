@@ -118,6 +118,12 @@ class LogSection(_Section):
     every: int = Field(1, ge=1)
     routing: bool = True  # per-layer routing statistics (expert load, entropy) in the metrics
     per_expert: bool = False  # per-expert token fractions too
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a terminal, lines otherwise
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _off(cls, value):
+        return "off" if value is False else value  # `progress: off` in a YAML file
 
 
 class ExportSection(_Section):

@@ -122,6 +122,38 @@ class SinkCallback(TrainerCallback):
             sink.log(state.global_step, metrics)
 
 
+class ProgressCallback(TrainerCallback):
+    """The fine-tuning progress display (`moe_core.progress.Progress`, as pre-training has): one bar that
+    moves every optimizer step, with rate, ETA and the last logged loss, learning rate and gradient norm.
+    Replaces the Trainer's own tqdm bar (``disable_tqdm=True`` in `trainer_args`)."""
+
+    SHOWN = {"loss": "loss", "learning_rate": "lr", "grad_norm": "gnorm", "rewards/margins": "margin"}
+
+    def __init__(self, mode: str = "auto", desc: str = "finetune", stream=None) -> None:
+        self.mode, self.desc, self.stream = mode, desc, stream
+        self.progress = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from moe_core.progress import Progress
+
+        self.progress = Progress(state.max_steps or None, self.desc, unit="step", mode=self.mode,
+                                 initial=state.global_step, stream=self.stream)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.advance_to(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.progress is not None:
+            self.progress.set_postfix(**{short: float(logs[key]) for key, short in self.SHOWN.items()
+                                         if isinstance((logs or {}).get(key), int | float)})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+
 class FiniteStepGuard(TrainerCallback):
     """Skips optimizer steps whose loss or gradient is not finite (as `moe_core.train.loop` does): just before
     the optimizer step, every gradient of a bad step is dropped (AdamW leaves a parameter without a gradient, and

@@ -211,6 +211,7 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
         MoEDPOTrainer,
         MoESFTTrainer,
         MoEStepCallback,
+        ProgressCallback,
         SinkCallback,
         TaskCollator,
         dpo_dataset,
@@ -273,6 +274,8 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     jsonl = JsonlSink(out_dir / "metrics.jsonl")
     guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
     callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard)]
+    if config.log.progress != "off":
+        callbacks.append(ProgressCallback(config.log.progress))
     args = trainer_args(config, out_dir / "trainer")
     common = dict(args=args, processing_class=tokenizer, callbacks=callbacks, plan=plan,
                   log_routing=config.log.routing, per_expert=config.log.per_expert)

@@ -3,34 +3,23 @@ here (quantization drift, pruning, offloading), and a side-by-side table of mode
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from moe_core.errors import MoELabError
 
 
-@torch.no_grad()
 def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
-    """``exp`` of the mean next-token cross-entropy over every predicted token of ``batches`` ([B, S] ids).
+    """``exp`` of the mean next-token cross-entropy over every predicted token of ``batches`` ([B, S] ids):
+    `moe_core.eval.perplexity.evaluate_loss`, the one perplexity (so a benchmark on the evaluation's batches
+    repeats the evaluation's number). Works for our model, a quantized one, or an optimum
+    `ORTModelForCausalLM`."""
+    from moe_core.eval.perplexity import evaluate_loss
 
-    Works for anything called as ``model(input_ids=..., attention_mask=...)`` returning ``.logits``: our
-    model, a transformers model, or an optimum `ORTModelForCausalLM`."""
-    total_nll, total_tokens = 0.0, 0
-    for input_ids_BS in batches:
-        logits_BSV = model(input_ids=input_ids_BS, attention_mask=torch.ones_like(input_ids_BS)).logits
-        logits_BSV = torch.as_tensor(logits_BSV).float()
-        nll = F.cross_entropy(logits_BSV[:, :-1].reshape(-1, logits_BSV.shape[-1]),
-                              input_ids_BS[:, 1:].reshape(-1), reduction="sum")
-        total_nll += nll.item()
-        total_tokens += input_ids_BS[:, 1:].numel()
-    if total_tokens == 0:
-        raise ValueError("perplexity: no tokens to score (give batches of at least 2 tokens per row)")
-    return math.exp(total_nll / total_tokens)
+    return evaluate_loss(model, batches, split="benchmark").perplexity
 
 
 def calibration_batches(data_dir: str | Path, batches: int = 16, batch_size: int = 8,
@@ -74,22 +63,33 @@ def load_variant(kind: str, path: str | Path):
     return MoEForCausalLM.from_pretrained(path).eval()
 
 
-def compare_variants(variants: dict[str, str | Path], data_dir: str | Path, batches: int,
+def compare_variants(variants: dict[str, str | Path], data_dir: str | Path, batches: int | None,
                      batch_size: int = 4) -> list[dict[str, float | str]]:
     """Quality, speed and size of each variant (``{"pytorch" | "quantized" | "onnx": directory}``) on the
-    same validation batches; the first variant is the reference for the perplexity drift."""
+    same validation batches (the first ``batches`` of ``batch_size`` sequences, as `evaluate_splits` takes
+    them: with the evaluation's batch size and count, the pytorch row repeats its validation perplexity);
+    the first variant is the reference for the perplexity drift."""
     from moe_core.eval.batches import split_batches
 
     data = list(split_batches(data_dir, "validation", batch_size, batches))
     tokens = sum(b.numel() for b in data)
+    from moe_core.progress import Progress
+
     rows: list[dict[str, float | str]] = []
-    for kind, path in variants.items():
-        model = load_variant(kind, path)
-        start = time.perf_counter()
-        ppl = perplexity(model, data)
-        seconds = time.perf_counter() - start
-        size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-        rows.append({"variant": kind, "perplexity": ppl, "tokens_per_s": tokens / seconds, "size_mb": size / 2**20})
+    with Progress(len(variants), "benchmark", unit="variant") as bar:
+        for kind, path in variants.items():
+            bar.set_postfix(variant=kind)
+            rows.append(_benchmark_variant(kind, path, data, tokens))
+            bar.update(1)
     for row in rows:
         row["ppl_drift"] = drift(row["perplexity"], rows[0]["perplexity"])
     return rows
+
+
+def _benchmark_variant(kind: str, path, data: list, tokens: int) -> dict[str, float | str]:
+    model = load_variant(kind, path)
+    start = time.perf_counter()
+    ppl = perplexity(model, data)
+    seconds = time.perf_counter() - start
+    size = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    return {"variant": kind, "perplexity": ppl, "tokens_per_s": tokens / seconds, "size_mb": size / 2**20}

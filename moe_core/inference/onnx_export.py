@@ -142,9 +142,13 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     onnx_config = config_cls(model.config, task=task, use_past=with_past, use_past_in_inputs=with_past)
     out_dir = Path(out_dir)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
+    from moe_core.progress import Progress
+
+    bar = Progress(2 if validate and with_past else 1, "export onnx", unit="stage")
     with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
         with torch.no_grad(), _library_is_transformers():
             try:
+                bar.stage("trace and check (optimum)")
                 onnx_export_from_model(model, tmp, opset=opset, task=task, do_validation=validate, atol=atol)
             finally:
                 # optimum's patcher "restores" forward by assigning the bound method to the instance; an instance
@@ -152,7 +156,10 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
                 if "forward" in model.__dict__:
                     del model.forward
         if validate and with_past:
+            bar.stage("validate every expert at several shapes")
             validate_export(model, tmp, atol=atol)
+    bar.advance_to(bar.total)
+    bar.close()
     return out_dir
 
 

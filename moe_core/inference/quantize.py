@@ -464,10 +464,14 @@ def _calibrated_codes(model, modules, config: QuantConfig, calibration, report: 
     seen = _collect_expert_inputs(model, modules, calibration)
     quantize_expert = _gptq_expert if config.method == "gptq" else _awq_expert
     codes: dict[str, dict] = {}
+    from moe_core.progress import Progress
+
+    bar = Progress(sum(m.num_experts for _, m in modules), f"quantize ({config.method})", unit="expert")
     for name, module in modules:
         x_ND, probs_NE, hit_NE = seen[name]["x"], seen[name]["probs"], seen[name]["hit"]
         counts, forced, alphas, per_expert = [], [], [], []
         for e in range(module.num_experts):
+            bar.update(1, layer=name.split(".experts")[0].removeprefix("model."))
             idx = hit_NE[:, e].nonzero().flatten()
             extra = 0
             if idx.numel() < config.min_tokens:  # force-route the tokens the router likes best for e
@@ -489,6 +493,7 @@ def _calibrated_codes(model, modules, config: QuantConfig, calibration, report: 
             report.awq_alpha[name] = alphas
         codes[name] = {p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert)))
                        for p in per_expert[0]}
+    bar.close()
     if report.experts_rtn_fallback:
         report.notes.append(f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
                             f"{config.min_tokens} calibration tokens even with force-routing and were rounded "

@@ -475,6 +475,9 @@ class Trainer:
                 if stats["finite"]:
                     interval["sums"] += [stats[k] for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")] + [1]
                 interval["steps"] += 1
+                for sink in self.sinks:  # the progress bar moves every step, not only at logging steps
+                    if hasattr(sink, "on_step"):
+                        sink.on_step(self.step)
                 last_step = self.step == c.steps
                 metrics: dict[str, float] = {}
                 if c.eval.every and self.step % c.eval.every == 0 or last_step:

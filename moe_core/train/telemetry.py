@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -105,37 +104,36 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 class ConsoleSink:
-    """Progress bar (tqdm) with rate and ETA on a terminal; one plain line per logging step otherwise."""
+    """The training progress display (`moe_core.progress.Progress`): one bar that moves every step, with rate,
+    ETA and the last logged metrics as its postfix; when not on a terminal, one plain line per logging step
+    (``step 40/150 (27%) 1.52 step/s, ETA 1m12s loss=3.2 ...``); a widget in a notebook. The trainer calls
+    `on_step` after every optimizer step and `log` at logging steps."""
 
-    SHOWN = ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
+    SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
+    SHORT = {"tokens_per_s": "tok/s", "grad_norm": "gnorm"}
 
-    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None) -> None:
-        self.stream = stream or sys.stderr
-        if mode == "auto":
-            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
-        self.mode = mode
+    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None,
+                 desc: str = "train") -> None:
+        from moe_core.progress import Progress
+
         self.total = total_steps
-        self._bar = None
-        self._last = start_step
-        if mode == "bar":
-            from tqdm import tqdm
+        self.progress = Progress(total_steps, desc, unit="step", mode=mode, initial=start_step, stream=stream,
+                                 every_s=math.inf)  # lines: one per logging step (log.every decides)
+        self.mode = self.progress.mode
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream, dynamic_ncols=True)
+    def on_step(self, step: int) -> None:
+        self.progress.advance_to(step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        shown = {k: metrics[k] for k in self.SHOWN if k in metrics}
-        if self._bar is not None:
-            self._bar.update(step - self._last)
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
-        elif self.mode == "lines":
-            text = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
-            print(f"step {step}/{self.total} {text}", file=self.stream, flush=True)
-        self._last = step
+        shown = {self.SHORT.get(k, k): metrics[k] for k in self.SHOWN if k in metrics}
+        if "tok/s" in shown:
+            shown["tok/s"] = f"{shown['tok/s']:.0f}"
+        self.progress.set_postfix(**shown)
+        self.progress.advance_to(step)
+        self.progress.print_line(f"step {step}/{self.total}")
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self.progress.close(final_line=False)  # the last logging step printed it
 
 
 # ------------------------------------------------------------------------------------------------ routing
