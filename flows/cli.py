@@ -22,8 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 FLOWS = {  # command name -> (module, flow function, params class)
     "lifecycle": ("flows.lifecycle", "lifecycle", "flows.params:LifecycleParams"),
     "pretrain": ("flows.pretrain", "pretrain", "flows.params:PretrainParams"),
@@ -79,6 +77,8 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
     """The flow's typed parameters from a file, the size preset and ``key=value`` overrides; bad input
     raises `FlowParamsError` naming the file or the ``--set`` item (the CLI prints it and exits 2)."""
     import importlib
+
+    from pydantic import ValidationError
 
     from flows.params import FlowParamsError, small_train_config, tiny_train_config
 

@@ -1,5 +1,7 @@
-"""`moe-lab`: the command line. Each area adds its own subcommands through an ``add_cli(subparsers)``
-function in its module; heavy imports happen inside the handlers so ``moe-lab --help`` stays fast."""
+"""`moe-lab`: the command line. The dispatcher knows every command's name and one-line help (COMMANDS) and
+imports only the module of the command that was asked for, so ``moe-lab --help`` and argument errors answer
+in well under a second; each module adds its commands through an ``add_cli(subparsers)`` function and imports
+torch, transformers, Prefect or MLflow inside its handlers."""
 
 from __future__ import annotations
 
@@ -7,19 +9,60 @@ import argparse
 import importlib
 import sys
 
-from moe_core.errors import MoELabError
+from moe_core.errors import MoELabError, did_you_mean
 
-# modules that contribute subcommands; each defines add_cli(subparsers)
-COMMAND_MODULES = (
-    "moe_core.convert",
-    "moe_core.data.cli",
-    "moe_core.train.cli",
-    "moe_core.analytics.cli",
-    "moe_core.inference.cli",
-    "flows.cli",
-    "moe_core.finetune.cli",
-    "dashboard.cli",
-)
+# command -> (module whose add_cli(subparsers) adds it, one-line help shown by `moe-lab --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("moe_core.data.cli", "validate and prepare training data (tokenizer + packed shards)"),
+    "train": ("moe_core.train.cli", "pretrain a model (MoE or dense baseline), one process or many"),
+    "finetune": ("moe_core.finetune.cli", "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)"),
+    "eval": ("moe_core.analytics.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
+    "analyze": ("moe_core.analytics.cli", "router profile, pictures and cost report"),
+    "generate": ("moe_core.inference.cli", "generate text from a model, streamed"),
+    "export": ("moe_core.inference.cli", "export a model for deployment (ONNX, GGUF)"),
+    "quantize": ("moe_core.inference.cli", "int8/int4 weight-only experts, or ONNX Runtime dynamic int8"),
+    "prune": ("moe_core.inference.cli", "drop (or merge) low-ranked experts: routed slots or REAP saliency"),
+    "convert": ("moe_core.convert_cli", "exact conversion to and from Hugging Face MoE checkpoints"),
+    "run": ("flows.cli", "run a Prefect flow (lifecycle, pretrain, validate-data, evaluate, optimize, finetune)"),
+    "ui": ("flows.cli", "open the MLflow UI (or Prefect's) on 127.0.0.1"),
+    "sync": ("flows.cli", "upload what a flow or training run kept while MLflow was unreachable"),
+    "deploy": ("flows.cli", "register the nightly and on-demand deployments with a Prefect server"),
+    "serve": ("flows.cli", "serve the deployments from this process (schedules run here)"),
+    "dashboard": ("dashboard.cli", "live web dashboard: training, routing, compare, inference"),
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the examples in a description as written and shows each option's default, when it has one
+    worth showing (not None, False or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or not action.help:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every moe-lab (sub)parser: defaults shown in help, and an epilog that may be computed only when help
+    is printed (``epilog_factory``), so listing presets or config fields costs nothing when no one asks."""
+
+    def __init__(self, *args, epilog_factory=None, **kwargs):
+        if kwargs.get("formatter_class") in (None, argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+        self.epilog_factory = epilog_factory
+
+    def format_help(self) -> str:
+        if self.epilog_factory is not None:
+            self.epilog = self.epilog_factory()
+        return super().format_help()
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            options = [o for action in self._actions for o in action.option_strings]
+            unknown = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            message += "".join(did_you_mean(a, options) for a in unknown[:1])
+        super().error(message)
 
 
 def add_router_module_option(parser: argparse.ArgumentParser) -> None:
@@ -45,16 +88,28 @@ def allow_router_modules(modules: list[str]) -> None:
     os.environ[ROUTER_MODULES_ENV] = ",".join(dict.fromkeys(known + list(modules)))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-lab", description="Open MoE Trainer Lab")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_cli(sub)
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser for ``command`` (only its module is imported), or, with None, the top-level one that lists
+    every command from COMMANDS without importing any."""
+    parser = Parser(prog="moe-lab", description="Open MoE Trainer Lab: train, analyze, optimize and ship "
+                                                "Mixture-of-Experts language models.",
+                    epilog="`moe-lab COMMAND --help` shows a command's options and examples.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    if command in COMMANDS:
+        importlib.import_module(COMMANDS[command][0]).add_cli(sub)
+    else:
+        for name, (_, help_line) in COMMANDS.items():
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command is not None and command not in COMMANDS:
+        build_parser().error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
+                             f"(choose from {', '.join(COMMANDS)})")
+    args = build_parser(command).parse_args(argv)
     try:
         if getattr(args, "router_modules", None):
             allow_router_modules(args.router_modules)
