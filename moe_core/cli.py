@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moe_core.errors import MoELabError, did_you_mean
@@ -110,15 +111,31 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
                              f"(choose from {', '.join(COMMANDS)})")
     args = build_parser(command).parse_args(argv)
+    out = getattr(args, "out", None)
+    out_existed = out is None or os.path.lexists(out)
+    code = 1
     try:
         if getattr(args, "router_modules", None):
             allow_router_modules(args.router_modules)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except (MoELabError, ValueError, FileNotFoundError) as err:
         print(f"moe-lab {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    finally:
+        if code != 0 and not out_existed:
+            _remove_if_empty(out)
+    return code
+
+
+def _remove_if_empty(path) -> None:
+    """A command that failed on its input leaves no empty output directory behind (one it created itself;
+    anything with files in it stays, for the user to look at)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ ARCH_CHOICES = ("mixtral", "olmoe", "qwen2_moe")
 
 
 def _cli_from_hf(args: argparse.Namespace) -> int:
+    from moe_core.paths import require_model_source
+
+    require_model_source(args.source, "convert from-hf")  # before importing torch and the model
     from moe_core.convert import convert_from_hf
 
     out = convert_from_hf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision)
@@ -23,10 +26,11 @@ def _cli_from_hf(args: argparse.Namespace) -> int:
 
 
 def _cli_to_hf(args: argparse.Namespace) -> int:
-    from moe_core.convert import convert_to_hf
-    from moe_core.paths import require_model_dir
+    from moe_core.paths import require_local
 
-    require_model_dir(args.source, "convert to-hf")
+    require_local(args.source, "convert to-hf")  # before importing torch and the model
+    from moe_core.convert import convert_to_hf
+
     out = convert_to_hf(args.source, args.out, architecture=args.arch, overwrite=args.overwrite)
     print(f"wrote Hugging Face checkpoint to {out}")
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from moe_core.cli import add_router_module_option
 from moe_core.errors import MoELabError
+from moe_core.paths import existing_path, require_local
 
 
 def add_cli(subparsers) -> None:
@@ -26,7 +27,7 @@ def add_cli(subparsers) -> None:
                                description="Evaluate a model: loss and perplexity on prepared splits, a table "
                                            "against other models (dense baselines), generations, lm-eval tasks.")
     _model_args(ev)
-    ev.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    ev.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
     ev.add_argument("--splits", default="validation,test", help="comma-separated splits (default: %(default)s)")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--max-batches", type=int, default=None, help="per split (default: all)")
@@ -46,7 +47,7 @@ def add_cli(subparsers) -> None:
                                description="Profile the router on an evaluation split (saved as a versioned "
                                            "profile), draw the pictures and write the cost report.")
     _model_args(an)
-    an.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    an.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
     an.add_argument("--split", default="validation")
     an.add_argument("--batch-size", type=int, default=8)
     an.add_argument("--max-batches", type=int, default=16)
@@ -74,9 +75,9 @@ def add_cli(subparsers) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", help="model directory, or a training output directory")
+    group.add_argument("--model", type=existing_path("model"), help="model directory, or a training output directory")
     group.add_argument("--preset", help="a config preset with random weights (pipeline smoke test)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the data's)")
+    p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"), help="tokenizer directory (default: the data's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 
@@ -153,7 +154,7 @@ def run_eval(args) -> int:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
                 raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
-            other = load_model(args, path=path)
+            other = load_model(args, path=str(require_local(path, f"--compare {name}")))
             other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
             rows.append(model_row(name, other.config, other_results))
             del other

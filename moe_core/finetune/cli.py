@@ -40,7 +40,11 @@ def resolve_config(args):
 
 
 def run_finetune(args) -> int:
+    from moe_core.paths import require_model_source
+
     config = resolve_config(args)  # fail fast on a bad config, before loading anything
+    if config.model.path:
+        require_model_source(config.model.path, "model.path")
     from moe_core.finetune.run import finetune
 
     result = finetune(config, args.out, overwrite=args.overwrite)
