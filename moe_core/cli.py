@@ -44,19 +44,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class Parser(argparse.ArgumentParser):
-    """Every moe-lab (sub)parser: defaults shown in help, and an epilog that may be computed only when help
-    is printed (``epilog_factory``), so listing presets or config fields costs nothing when no one asks."""
+    """Every moe-lab (sub)parser: defaults shown in help, "did you mean" for a mistyped option."""
 
-    def __init__(self, *args, epilog_factory=None, **kwargs):
+    def __init__(self, *args, **kwargs):
         if kwargs.get("formatter_class") in (None, argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter):
             kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
-        self.epilog_factory = epilog_factory
-
-    def format_help(self) -> str:
-        if self.epilog_factory is not None:
-            self.epilog = self.epilog_factory()
-        return super().format_help()
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
@@ -72,6 +65,36 @@ def add_router_module_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-module", dest="router_modules", action="append", default=[], metavar="MODULE",
                         help="import this module of your own routers (repeatable); a model's config.json naming "
                              "a router never imports code by itself")
+
+
+def preset_help(what: str = "model preset") -> str:
+    """``--preset`` help that lists the presets (plain data: no torch import)."""
+    from moe_core.presets import FAMILIES, SIZES
+
+    return (f"{what}, <family>-<size>: families {', '.join(FAMILIES)}; sizes {', '.join(SIZES)} "
+            "(e.g. switch-tiny, mixtral-small)")
+
+
+class _ConfigHelp(argparse.Action):
+    """``--help-config``: print the config fields ``--set`` takes, with type, default and help, and exit."""
+
+    def __init__(self, option_strings, dest, config_class, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.config_class = config_class
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from moe_core.configfile import format_config_fields
+
+        config_class, title = self.config_class(namespace)
+        print(format_config_fields(config_class, title))
+        parser.exit()
+
+
+def add_config_help(parser: argparse.ArgumentParser, config_class) -> None:
+    """``--help-config`` on a command whose ``--set`` takes config fields; ``config_class(namespace)`` returns
+    ``(pydantic class, title)`` and is called (imports and all) only when the option is given."""
+    parser.add_argument("--help-config", action=_ConfigHelp, config_class=config_class,
+                        help="list every config field --set takes (type, default, help) and exit")
 
 
 def allow_router_modules(modules: list[str]) -> None:

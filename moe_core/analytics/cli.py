@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moe_core.cli import add_router_module_option
+from moe_core.cli import add_router_module_option, preset_help
 from moe_core.errors import MoELabError
 from moe_core.paths import existing_path, require_local
 
@@ -76,7 +76,7 @@ def add_cli(subparsers) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--model", type=existing_path("model"), help="model directory, or a training output directory")
-    group.add_argument("--preset", help="a config preset with random weights (pipeline smoke test)")
+    group.add_argument("--preset", help=preset_help("a config preset with random weights (pipeline smoke test)"))
     p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"), help="tokenizer directory (default: the data's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
