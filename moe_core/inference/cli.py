@@ -83,8 +83,13 @@ def _generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed, compile=args.compile)
     report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout,
-                          events_dir=args.events, expert_cache=args.expert_cache)
-    print(json.dumps(report), file=sys.stderr)
+                          events_dir=args.events, expert_cache=args.expert_cache, json_lines=args.json)
+    if args.json:
+        print(json.dumps(report), file=sys.stderr)
+    else:
+        figures = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool))
+        print(f"moe-lab generate: {figures}", file=sys.stderr)
     return 0
 
 
@@ -135,7 +140,10 @@ def add_cli(subparsers) -> None:
     prune.set_defaults(func=_prune)
     add_router_module_option(prune)
 
-    generate = subparsers.add_parser("generate", help="batched generation with streamed output")
+    generate = subparsers.add_parser("generate", help="generate text from a model, streamed",
+                                     description="Generate text from a checkpoint and its tokenizer: the first "
+                                                 "prompt's completion is streamed as it is decoded, the others "
+                                                 "follow; --json gives JSON lines for programs.")
     generate.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory with a tokenizer")
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", type=existing_path("prompts file"), help="one prompt per line")
@@ -144,7 +152,10 @@ def add_cli(subparsers) -> None:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--no-stream", action="store_true")
+    generate.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
+    generate.add_argument("--json", action="store_true",
+                          help="JSON lines for programs (streamed pieces, then one completion per prompt; the "
+                               "figures as JSON on stderr) instead of text")
     generate.add_argument("--compile", action="store_true",
                           help="torch.compile prefill and decode (slow first batch, faster decoding)")
     generate.add_argument("--expert-cache", type=int, default=None, metavar="N",
