@@ -77,7 +77,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--model", type=existing_path("model"), help="model directory, or a training output directory")
     group.add_argument("--preset", help=preset_help("a config preset with random weights (pipeline smoke test)"))
-    p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"), help="tokenizer directory (default: the data's)")
+    p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"),
+                   help="tokenizer directory (default: the model directory's own, else the data's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 
@@ -87,6 +88,8 @@ def resolve_model_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "config.json").is_file():
         return path
+    if (path / "final" / "config.json").is_file():  # a training output directory: its exported model
+        return path / "final"
     ckpts = path / "checkpoints"
     if ckpts.is_dir():
         found = sorted((p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_")
@@ -114,10 +117,18 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
 
 
 def _tokenizer(args, required: bool):
-    source = args.tokenizer or args.data
+    """--tokenizer, else the model directory's own (a trained model's final/ holds the tokenizer it was
+    trained with), else the prepared data's."""
+    source = args.tokenizer
+    if source is None and args.model:
+        model_dir = resolve_model_dir(args.model)
+        if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+            source = model_dir
+    source = source or args.data
     if source is None:
         if required:
-            raise MoELabError("a tokenizer is needed: pass --tokenizer DIR or --data DIR (prepared data)")
+            raise MoELabError("a tokenizer is needed: the model directory holds none; pass --tokenizer DIR or "
+                              "--data DIR (prepared data)")
         return None
     from moe_core.data.tokenizer import load_tokenizer
 

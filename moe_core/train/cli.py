@@ -112,6 +112,8 @@ def run_train(args) -> int:
         stopped = f" (stopped by {result.stopped_by})" if result.stopped_by else ""
         print(f"moe-lab train: step {result.step}{stopped}, {result.tokens} tokens, loss {loss}{val}; "
               f"skipped {result.skipped_steps} steps; {where}", flush=True)
+        if result.data_dir is not None:
+            print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
     return 0
 
 
