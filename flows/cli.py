@@ -210,6 +210,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
+    if plots := _plots_dir(result):
+        print(f"  plots             {plots}  (router load, token-to-expert, flow, specialization: PNG and HTML)")
     print(f"  Prefect           {where['prefect']}")
     print(f"  dashboard         moe-lab dashboard --runs {where['home']}/runs  (training, routing, compare)")
     metrics = result.get("metrics") or {}
@@ -220,6 +222,14 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     if result.get("mlflow_pending"):
         print(f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
               f"                    upload them once MLflow is back: {result['sync_command']}")
+
+
+def _plots_dir(result: dict) -> Path | None:
+    """Where the flow drew its router pictures: <out_dir>/analysis/plots (lifecycle), or beside the profile."""
+    candidates = [Path(result["out_dir"]) / "analysis" / "plots"] if result.get("out_dir") else []
+    if result.get("profile_dir"):
+        candidates.append(Path(result["profile_dir"]).parent / "plots")
+    return next((c for c in candidates if c.is_dir()), None)
 
 
 def run_ui(args) -> int:

@@ -73,6 +73,8 @@ def test_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
         code = main(argv)
         captured = capsys.readouterr()
         assert code == 0, f"{command}\n-> moe-lab {shlex.join(argv)}\n{captured.err[-2000:]}"
+        if argv[0] == "train" and "data.path=runs/data" in argv:
+            assert "data (with its tokenizer) in runs/data" in captured.out  # TrainResult.data_dir, printed
         if argv[0] == "eval":
             assert "dense" in captured.out  # the comparison table names the dense baseline
     assert (tmp_path / "runs/a/final/tokenizer.json").is_file()

@@ -48,6 +48,7 @@ from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
+from moe_core.quiet import quiet_tracer_warnings
 from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     out_dir = Path(out_dir)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
     with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
-        with torch.no_grad(), _library_is_transformers():
+        with torch.no_grad(), _library_is_transformers(), quiet_tracer_warnings():
             try:
                 onnx_export_from_model(model, tmp, opset=opset, task=task, do_validation=validate, atol=atol)
             finally:
