@@ -112,27 +112,33 @@ def allow_router_modules(modules: list[str]) -> None:
     os.environ[ROUTER_MODULES_ENV] = ",".join(dict.fromkeys(known + list(modules)))
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser for ``command`` (only its module is imported), or, with None, the top-level one that lists
-    every command from COMMANDS without importing any."""
+def build_parser(command: str | None = None, *, listing_only: bool = False) -> argparse.ArgumentParser:
+    """The parser with ``command`` (only its module imported), or with every command (all modules imported:
+    for programs and tests), or with ``listing_only`` the top-level one that lists every command from
+    COMMANDS without importing any (what ``moe-lab --help`` uses)."""
     parser = Parser(prog="moe-lab", description="Open MoE Trainer Lab: train, analyze, optimize and ship "
                                                 "Mixture-of-Experts language models.",
                     epilog="`moe-lab COMMAND --help` shows a command's options and examples.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
-    if command in COMMANDS:
-        importlib.import_module(COMMANDS[command][0]).add_cli(sub)
-    else:
+    if listing_only:
         for name, (_, help_line) in COMMANDS.items():
             sub.add_parser(name, help=help_line, add_help=False)
+        return parser
+    modules = [COMMANDS[command][0]] if command in COMMANDS else list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(module).add_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
-    if command is not None and command not in COMMANDS:
-        build_parser().error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
-                             f"(choose from {', '.join(COMMANDS)})")
+    if command not in COMMANDS:
+        parser = build_parser(listing_only=True)
+        if command is not None:
+            parser.error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
+                         f"(choose from {', '.join(COMMANDS)})")
+        parser.parse_args(argv)  # --help, or the usage error for a missing command
     args = build_parser(command).parse_args(argv)
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.lexists(out)
