@@ -11,16 +11,20 @@ import warnings
 
 @contextlib.contextmanager
 def quiet_loggers(*names: str, level: int = logging.ERROR):
-    """Raise these loggers to ``level`` for the duration of the block, then restore them."""
+    """Drop these loggers' records below ``level`` for the duration of the block. A filter rather than
+    setLevel: a library that creates its logger inside the block (DeepSpeed on import) sets the level itself."""
     loggers = [logging.getLogger(name) for name in names]
-    before = [logger.level for logger in loggers]
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= level
+
     for logger in loggers:
-        logger.setLevel(level)
+        logger.addFilter(keep)
     try:
         yield
     finally:
-        for logger, old in zip(loggers, before, strict=True):
-            logger.setLevel(old)
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 @contextlib.contextmanager

@@ -19,9 +19,13 @@ def test_quiet_loggers_is_scoped(caplog):
             logger.warning("The model card could not be retrieved from the hub")
             logging.getLogger("moe_core.train").warning("a real warning")
         logger.warning("after the call")
+        with quiet_loggers("DeepSpeed"):
+            created = logging.getLogger("DeepSpeed")
+            created.setLevel(logging.WARNING)  # what DeepSpeed does when it is imported inside the block
+            created.warning("Setting accelerator to CPU")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["a real warning", "after the call"]
-    assert logger.level == logging.NOTSET
+    assert logger.level == logging.NOTSET and not logger.filters
 
 
 def test_tracer_warnings_silenced_only_inside():
