@@ -36,7 +36,7 @@ def test_tracer_warnings_silenced_only_inside():
         warnings.simplefilter("always")
         with quiet_tracer_warnings():
             torch.jit.trace(branchy, torch.ones(2))
-            warnings.warn("a real warning", UserWarning)
+            warnings.warn("a real warning", UserWarning, stacklevel=1)
         torch.jit.trace(branchy, torch.ones(2))
     kinds = [w.category.__name__ for w in caught]
     assert kinds.count("UserWarning") == 1 and kinds.count("TracerWarning") >= 1
