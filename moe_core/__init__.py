@@ -15,7 +15,7 @@ import importlib
 # import runs this file, and importing torch + transformers here would make `moe-lab --help` (and every
 # argument error) take 10+ seconds. Only these few names are lazy; submodules import normally.
 _EXPORTS = {
-    "PRESETS": "moe_core.config", "MoEConfig": "moe_core.config", "dense_baseline": "moe_core.config",
+    "PRESETS": "moe_core.presets", "MoEConfig": "moe_core.config", "dense_baseline": "moe_core.config",
     "get_config": "moe_core.config", "parameter_counts": "moe_core.config",
     "MoEForCausalLM": "moe_core.model", "MoEModel": "moe_core.model",
     "ROUTERS": "moe_core.routing", "Router": "moe_core.routing", "RoutingRecord": "moe_core.routing",
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'moe_core' has no attribute {name!r}")
-    if name in ("MoEConfig", "PRESETS", "get_config"):
+    if name in ("MoEConfig", "get_config", "dense_baseline", "parameter_counts"):
         importlib.import_module("moe_core.model")  # a config is only useful with the Auto classes registered
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
