@@ -52,11 +52,21 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):
-            options = [o for action in self._actions for o in action.option_strings]
+        if message.startswith("unrecognized arguments:"):  # reported by the top parser: look in the commands too
+            options = _option_strings(self)
             unknown = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
             message += "".join(did_you_mean(a, options) for a in unknown[:1])
         super().error(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    options = []
+    for action in parser._actions:
+        options += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                options += _option_strings(child)
+    return options
 
 
 def add_router_module_option(parser: argparse.ArgumentParser) -> None:

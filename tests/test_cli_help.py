@@ -113,6 +113,10 @@ def test_typos_get_did_you_mean(capsys):
         cli.main(["trian"])
     assert "did you mean 'train'" in capsys.readouterr().err
 
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--out", "unused", "--sett", "steps=1"])
+    assert "did you mean '--set'" in capsys.readouterr().err
+
 
 NOT_FOUND_CASES = [
     ["generate", "runs/nope"],
