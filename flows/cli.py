@@ -1,6 +1,6 @@
 """`moe-lab run | ui | sync | deploy | serve`: the orchestration commands.
 
-    moe-lab run lifecycle                          # the whole lifecycle, small preset, a few minutes on a CPU
+    moe-lab run lifecycle                          # the whole lifecycle, small preset: ~2.5 min on 2 idle CPU cores
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
     moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
+from moe_core.cli import add_config_help
 
 FLOWS = {  # command name -> (module, flow function, params class)
     "lifecycle": ("flows.lifecycle", "lifecycle", "flows.params:LifecycleParams"),
@@ -37,17 +37,22 @@ FLOWS = {  # command name -> (module, flow function, params class)
 def add_cli(subparsers) -> None:
     run = subparsers.add_parser("run", help="run a Prefect flow (lifecycle, pretrain, validate-data, ...)",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("flow", choices=sorted(FLOWS))
+    run.add_argument("flow", choices=sorted(FLOWS), help="the flow to run (its parameters: FLOW --help-config)")
     run.add_argument("--params", help="YAML/JSON file with the flow's parameters")
     run.add_argument("--size", choices=["tiny", "small"], default="small",
                      help="training preset for lifecycle/pretrain: tiny (seconds, CI) or small (minutes)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a parameter, e.g. --set train.steps=300 --set baseline=active")
+                     help="override a parameter, e.g. --set train.steps=300 --set baseline=active "
+                          "(all parameters: moe-lab run FLOW --help-config)")
+    add_config_help(run, _params_class)
     run.add_argument("--dashboard", action="store_true",
                      help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL")
     run.set_defaults(func=run_flow)
 
-    ui = subparsers.add_parser("ui", help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)")
+    ui = subparsers.add_parser("ui", help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)",
+                               description="Open the MLflow UI on the lab's tracking store (MLFLOW_TRACKING_URI, "
+                                           "or the SQLite store under $MOE_LAB_HOME) on http://HOST:PORT; with "
+                                           "--prefect, start the Prefect server and its UI instead. Ctrl-C stops it.")
     ui.add_argument("--port", type=int, default=None, help="default: 5000 (MLflow), 4200 (Prefect)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--prefect", action="store_true", help="start the Prefect server and UI instead")
@@ -60,12 +65,34 @@ def add_cli(subparsers) -> None:
     sync.add_argument("--all", action="store_true", help="upload every event, not only those after the outage")
     sync.set_defaults(func=run_sync)
 
-    deploy = subparsers.add_parser("deploy", help="register the nightly and on-demand deployments with Prefect")
+    deploy = subparsers.add_parser("deploy", help="register the nightly and on-demand deployments with Prefect",
+                                   description="Register the nightly retraining and the on-demand deployments "
+                                               "with the Prefect server at PREFECT_API_URL, on a process work "
+                                               "pool; a worker (prefect worker start --pool POOL) runs them. "
+                                               "See deployments/README.md.")
     deploy.add_argument("--work-pool", default=None, help="process work pool (default: moe-lab-process)")
     deploy.set_defaults(func=run_deploy)
 
-    serve = subparsers.add_parser("serve", help="serve the deployments from this process (schedules run here)")
+    serve = subparsers.add_parser("serve", help="serve the deployments from this process (schedules run here)",
+                                  description="Serve the nightly and on-demand deployments from this process: "
+                                              "no work pool or worker needed; scheduled and triggered runs "
+                                              "execute here until Ctrl-C. See deployments/README.md.")
     serve.set_defaults(func=run_serve)
+
+
+def _params_class(namespace):
+    import importlib
+
+    flow = getattr(namespace, "flow", None)
+    if flow not in FLOWS:
+        raise SystemExit("moe-lab run: name the flow first: moe-lab run FLOW --help-config "
+                         f"(FLOW: {', '.join(sorted(FLOWS))})")
+    module, _, cls_name = FLOWS[flow][2].partition(":")
+    title = f"moe-lab run {flow} --set KEY=VALUE (fields of {module}.{cls_name}; --params takes the same in YAML"
+    if flow in ("lifecycle", "pretrain"):
+        title += "; train.* defaults shown are the class's, --size tiny|small sets the training preset"
+    title += "):"
+    return getattr(importlib.import_module(module), cls_name), title
 
 
 def _settings():
@@ -80,7 +107,10 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
     raises `FlowParamsError` naming the file or the ``--set`` item (the CLI prints it and exits 2)."""
     import importlib
 
+    from pydantic import ValidationError
+
     from flows.params import FlowParamsError, small_train_config, tiny_train_config
+    from moe_core.configfile import describe_errors
 
     module, _, cls_name = FLOWS[flow][2].partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
@@ -93,8 +123,8 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
         return cls.model_validate(data)
     except ValidationError as err:
         where = " and ".join(filter(None, [params_file, "--set" if overrides else None])) or "defaults"
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}" for e in err.errors())
-        raise FlowParamsError(f"moe-lab run {flow} parameters ({where}): {problems}") from None
+        raise FlowParamsError(f"moe-lab run {flow} parameters ({where}): {describe_errors(cls, err)}; "
+                              f"see moe-lab run {flow} --help-config") from None
 
 
 def _read_params_file(path: str) -> dict:
@@ -180,6 +210,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
+    if plots := _plots_dir(result):
+        print(f"  plots             {plots}  (router load, token-to-expert, flow, specialization: PNG and HTML)")
     print(f"  Prefect           {where['prefect']}")
     print(f"  dashboard         moe-lab dashboard --runs {where['home']}/runs  (training, routing, compare)")
     metrics = result.get("metrics") or {}
@@ -190,6 +222,14 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     if result.get("mlflow_pending"):
         print(f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
               f"                    upload them once MLflow is back: {result['sync_command']}")
+
+
+def _plots_dir(result: dict) -> Path | None:
+    """Where the flow drew its router pictures: <out_dir>/analysis/plots (lifecycle), or beside the profile."""
+    candidates = [Path(result["out_dir"]) / "analysis" / "plots"] if result.get("out_dir") else []
+    if result.get("profile_dir"):
+        candidates.append(Path(result["profile_dir"]).parent / "plots")
+    return next((c for c in candidates if c.is_dir()), None)
 
 
 def run_ui(args) -> int:

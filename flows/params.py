@@ -35,7 +35,7 @@ def tiny_train_config(**fields) -> TrainConfig:
 
 
 def small_train_config(**fields) -> TrainConfig:
-    """The README's run: a few minutes on 2 CPU cores, a model that visibly learns."""
+    """The README's run: about 2.5 minutes on 2 idle CPU cores (2m33s measured), a model that visibly learns."""
     base = {"model": {"preset": "switch-small"}, "steps": 150, "batch_size": 8,
             "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
             "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "auto"},

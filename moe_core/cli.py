@@ -1,25 +1,72 @@
-"""`moe-lab`: the command line. Each area adds its own subcommands through an ``add_cli(subparsers)``
-function in its module; heavy imports happen inside the handlers so ``moe-lab --help`` stays fast."""
+"""`moe-lab`: the command line. The dispatcher knows every command's name and one-line help (COMMANDS) and
+imports only the module of the command that was asked for, so ``moe-lab --help`` and argument errors answer
+in well under a second; each module adds its commands through an ``add_cli(subparsers)`` function and imports
+torch, transformers, Prefect or MLflow inside its handlers."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from moe_core.errors import MoELabError
+from moe_core.errors import MoELabError, did_you_mean
 
-# modules that contribute subcommands; each defines add_cli(subparsers)
-COMMAND_MODULES = (
-    "moe_core.convert",
-    "moe_core.data.cli",
-    "moe_core.train.cli",
-    "moe_core.analytics.cli",
-    "moe_core.inference.cli",
-    "flows.cli",
-    "moe_core.finetune.cli",
-    "dashboard.cli",
-)
+# command -> (module whose add_cli(subparsers) adds it, one-line help shown by `moe-lab --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "data": ("moe_core.data.cli", "validate and prepare training data (tokenizer + packed shards)"),
+    "train": ("moe_core.train.cli", "pretrain a model (MoE or dense baseline), one process or many"),
+    "finetune": ("moe_core.finetune.cli", "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)"),
+    "eval": ("moe_core.analytics.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
+    "analyze": ("moe_core.analytics.cli", "router profile, pictures and cost report"),
+    "generate": ("moe_core.inference.cli", "generate text from a model, streamed"),
+    "export": ("moe_core.inference.cli", "export a model for deployment (ONNX, GGUF)"),
+    "quantize": ("moe_core.inference.cli", "int8/int4 weight-only experts, or ONNX Runtime dynamic int8"),
+    "prune": ("moe_core.inference.cli", "drop (or merge) low-ranked experts: routed slots or REAP saliency"),
+    "convert": ("moe_core.convert_cli", "exact conversion to and from Hugging Face MoE checkpoints"),
+    "run": ("flows.cli", "run a Prefect flow (lifecycle, pretrain, validate-data, evaluate, optimize, finetune)"),
+    "ui": ("flows.cli", "open the MLflow UI (or Prefect's) on 127.0.0.1"),
+    "sync": ("flows.cli", "upload what a flow or training run kept while MLflow was unreachable"),
+    "deploy": ("flows.cli", "register the nightly and on-demand deployments with a Prefect server"),
+    "serve": ("flows.cli", "serve the deployments from this process (schedules run here)"),
+    "dashboard": ("dashboard.cli", "live web dashboard: training, routing, compare, inference"),
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the examples in a description as written and shows each option's default, when it has one
+    worth showing (not None, False or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], argparse.SUPPRESS) or not action.help:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every moe-lab (sub)parser: defaults shown in help, "did you mean" for a mistyped option."""
+
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("formatter_class") in (None, argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):  # reported by the top parser: look in the commands too
+            options = _option_strings(self)
+            unknown = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            message += "".join(did_you_mean(a, options) for a in unknown[:1])
+        super().error(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    options = []
+    for action in parser._actions:
+        options += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                options += _option_strings(child)
+    return options
 
 
 def add_router_module_option(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +75,36 @@ def add_router_module_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-module", dest="router_modules", action="append", default=[], metavar="MODULE",
                         help="import this module of your own routers (repeatable); a model's config.json naming "
                              "a router never imports code by itself")
+
+
+def preset_help(what: str = "model preset") -> str:
+    """``--preset`` help that lists the presets (plain data: no torch import)."""
+    from moe_core.presets import FAMILIES, SIZES
+
+    return (f"{what}, <family>-<size>: families {', '.join(FAMILIES)}; sizes {', '.join(SIZES)} "
+            "(e.g. switch-tiny, mixtral-small)")
+
+
+class _ConfigHelp(argparse.Action):
+    """``--help-config``: print the config fields ``--set`` takes, with type, default and help, and exit."""
+
+    def __init__(self, option_strings, dest, config_class, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.config_class = config_class
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from moe_core.configfile import format_config_fields
+
+        config_class, title = self.config_class(namespace)
+        print(format_config_fields(config_class, title))
+        parser.exit()
+
+
+def add_config_help(parser: argparse.ArgumentParser, config_class) -> None:
+    """``--help-config`` on a command whose ``--set`` takes config fields; ``config_class(namespace)`` returns
+    ``(pydantic class, title)`` and is called (imports and all) only when the option is given."""
+    parser.add_argument("--help-config", action=_ConfigHelp, config_class=config_class,
+                        help="list every config field --set takes (type, default, help) and exit")
 
 
 def allow_router_modules(modules: list[str]) -> None:
@@ -45,25 +122,59 @@ def allow_router_modules(modules: list[str]) -> None:
     os.environ[ROUTER_MODULES_ENV] = ",".join(dict.fromkeys(known + list(modules)))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-lab", description="Open MoE Trainer Lab")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_cli(sub)
+def build_parser(command: str | None = None, *, listing_only: bool = False) -> argparse.ArgumentParser:
+    """The parser with ``command`` (only its module imported), or with every command (all modules imported:
+    for programs and tests), or with ``listing_only`` the top-level one that lists every command from
+    COMMANDS without importing any (what ``moe-lab --help`` uses)."""
+    parser = Parser(prog="moe-lab", description="Open MoE Trainer Lab: train, analyze, optimize and ship "
+                                                "Mixture-of-Experts language models.",
+                    epilog="`moe-lab COMMAND --help` shows a command's options and examples.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    if listing_only:
+        for name, (_, help_line) in COMMANDS.items():
+            sub.add_parser(name, help=help_line, add_help=False)
+        return parser
+    modules = [COMMANDS[command][0]] if command in COMMANDS else list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(module).add_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command not in COMMANDS:
+        parser = build_parser(listing_only=True)
+        if command is not None:
+            parser.error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
+                         f"(choose from {', '.join(COMMANDS)})")
+        parser.parse_args(argv)  # --help, or the usage error for a missing command
+    args = build_parser(command).parse_args(argv)
+    out = getattr(args, "out", None)
+    out_existed = out is None or os.path.lexists(out)
+    code = 1
     try:
         if getattr(args, "router_modules", None):
             allow_router_modules(args.router_modules)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except (MoELabError, ValueError, FileNotFoundError) as err:
         print(f"moe-lab {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    finally:
+        if code != 0 and not out_existed:
+            _remove_if_empty(out)
+    return code
+
+
+def _remove_if_empty(path) -> None:
+    """A command that failed on its input leaves no empty output directory behind (one it created itself;
+    anything with files in it stays, for the user to look at)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -43,6 +43,80 @@ def parse_value(raw: str) -> Any:
     return value
 
 
+def describe_errors(model_cls, err: ValidationError) -> str:
+    """A pydantic error as one line per problem, ``where: what``: an unknown field with the closest field of
+    its section ("did you mean"), a missing one as "required field missing", never pydantic's URLs."""
+    problems = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<top>"
+        if e.get("type") == "extra_forbidden":
+            problems.append(f"{where}: unknown field{_closest_field(model_cls, e['loc'])}")
+        elif e.get("type") == "missing":
+            problems.append(f"{where}: required field missing")
+        else:
+            problems.append(f"{where}: {e['msg']}")
+    return "; ".join(problems)
+
+
+def _closest_field(model_cls, loc: tuple) -> str:
+    model, *parents, leaf = (model_cls, *loc)
+    for part in parents:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = getattr(field, "annotation", None)
+    return did_you_mean(str(leaf), getattr(model, "model_fields", {}))
+
+
+def config_fields(model_cls, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``(dotted name, type, default, help)`` for every leaf field of a pydantic config class, nested
+    sections flattened (what ``--set`` takes). The help is the field's description, else the comment
+    written after it in the class body."""
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    comments = _field_comments(model_cls)
+    rows = []
+    for name, field in model_cls.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += config_fields(annotation, prefix=f"{key}.")
+            continue
+        if field.is_required():
+            default = "required"
+        else:
+            value = field.get_default(call_default_factory=True)
+            default = "none" if value is None or value is PydanticUndefined else json.dumps(value, default=str)
+        type_name = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+        type_name = type_name or str(annotation).replace("typing.", "")
+        rows.append((key, type_name, default, field.description or comments.get(name, "")))
+    return rows
+
+
+def _field_comments(model_cls) -> dict[str, str]:
+    import inspect
+    import re
+
+    comments = {}
+    for cls in reversed(model_cls.__mro__):
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        for match in re.finditer(r"^    (\w+)\s*:[^\n#]*#\s*(.+)$", source, re.MULTILINE):
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def format_config_fields(model_cls, title: str) -> str:
+    """The text ``--help-config`` prints: one field a line, name, type, default and help."""
+    rows = config_fields(model_cls)
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [title, ""]
+    for key, type_name, default, help_text in rows:
+        lines.append(f"  {key:<{width}}{type_name} = {default}" + (f"    # {help_text}" if help_text else ""))
+    return "\n".join(lines)
+
+
 class ConfigFile:
     error_cls: ClassVar[type[MoELabError]] = MoELabError
     config_name: ClassVar[str] = "config"  # used in messages: "training config", "fine-tuning config"
@@ -54,20 +128,7 @@ class ConfigFile:
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<top>'}: {e['msg']}{cls._hint(e)}"
-                                 for e in err.errors())
-            raise cls.error_cls(f"{where or cls.config_name}: {problems}") from None
-
-    @classmethod
-    def _hint(cls, error: dict) -> str:
-        """For an unknown field: the closest field of the section it was given in."""
-        if error.get("type") != "extra_forbidden":
-            return ""
-        model, *parents, leaf = (cls, *error["loc"])
-        for part in parents:
-            field = getattr(model, "model_fields", {}).get(part)
-            model = getattr(field, "annotation", None)
-        return did_you_mean(str(leaf), getattr(model, "model_fields", {}))
+            raise cls.error_cls(f"{where or cls.config_name}: {describe_errors(cls, err)}") from None
 
     @classmethod
     def load(cls, path: str | Path):
@@ -100,7 +161,7 @@ class ConfigFile:
                     node[part] = {}
                 node = node[part]
             if leaf not in node and not free_form:
-                hint = f"; see `moe-lab {self.command} --help`" if self.command else ""
+                hint = f"; see `moe-lab {self.command} --help-config`" if self.command else ""
                 raise self.error_cls(f"--set {item!r}: unknown field {key!r}{did_you_mean(leaf, node)}{hint}")
             try:
                 node[leaf] = parse_value(raw)

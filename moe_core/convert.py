@@ -52,7 +52,6 @@ place); tokenizer and generation files next to the source are copied along.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -588,37 +587,3 @@ def convert_to_hf(source: str | os.PathLike, out_dir: str | os.PathLike, archite
                   overwrite: bool = False) -> Path:
     """Our checkpoint directory written as a HF checkpoint, tokenizer files included."""
     return to_hf(load_ours(source), out_dir, architecture, tokenizer_dir=source, overwrite=overwrite)
-
-
-# ================================================================================================ CLI
-def _cli_from_hf(args: argparse.Namespace) -> int:
-    out = convert_from_hf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision)
-    print(f"wrote moe_lab checkpoint to {out}")
-    return 0
-
-
-def _cli_to_hf(args: argparse.Namespace) -> int:
-    out = convert_to_hf(args.source, args.out, architecture=args.arch, overwrite=args.overwrite)
-    print(f"wrote Hugging Face checkpoint to {out}")
-    return 0
-
-
-def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser("convert", help="exact conversion to and from Hugging Face MoE checkpoints",
-                                   description="Exact conversion between moe_lab checkpoints and Hugging Face "
-                                               "Mixtral, OLMoE and Qwen2-MoE checkpoints.")
-    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    from_parser = sub.add_parser("from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint")
-    from_parser.add_argument("source", help="HF checkpoint directory or hub id")
-    from_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
-    from_parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own dtype")
-    from_parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    from_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    from_parser.set_defaults(func=_cli_from_hf)
-    to_parser = sub.add_parser("to-hf", help="moe_lab checkpoint -> Mixtral / OLMoE / Qwen2-MoE checkpoint")
-    to_parser.add_argument("source", help="moe_lab checkpoint directory (save_pretrained)")
-    to_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
-    to_parser.add_argument("--arch", choices=sorted(ARCHITECTURES),
-                           help="target architecture; default: the one the model was converted from")
-    to_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    to_parser.set_defaults(func=_cli_to_hf)

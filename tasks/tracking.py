@@ -30,6 +30,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -300,9 +301,11 @@ def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
     rows = [{"split": name, **{k: float(v) for k, v in split.items() if isinstance(v, int | float)}}
             for name, split in manifest.get("splits", {}).items()]
-    dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=str(Path(data_dir).resolve()),
-                                      name=f"{manifest['source']['name']}@{manifest['fingerprint'][:12]}",
-                                      digest=manifest["fingerprint"][:36])
+    with warnings.catch_warnings():  # MLflow registers its local-artifact source twice, then warns it is ambiguous
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=str(Path(data_dir).resolve()),
+                                          name=f"{manifest['source']['name']}@{manifest['fingerprint'][:12]}",
+                                          digest=manifest["fingerprint"][:36])
     client().log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
                                                        tags=[InputTag("mlflow.data.context", context)])])
 
@@ -336,9 +339,10 @@ def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
     from moe_core.data.tokenizer import load_tokenizer
+    from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
 
     model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with _in_run(run_id):
+    with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
         info = mlflow.transformers.log_model({"model": model, "tokenizer": load_tokenizer(model_dir)},
                                              name="transformers", task="text-generation",
                                              pip_requirements=PIP_REQUIREMENTS)

@@ -18,7 +18,7 @@ def test_generate_writes_inference_events_the_dashboard_serves(tmp_path, capsys)
     events = tmp_path / "runs" / "serving"
     assert main(["generate", str(tmp_path / "model"), "--prompt", "secret prompt one", "--prompt", "a cat",
                  "--max-new-tokens", "6", "--batch-size", "2", "--expert-cache", "3", "--events", str(events),
-                 "--no-stream"]) == 0
+                 "--no-stream", "--json"]) == 0
     report = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     rows = read_jsonl(events / "inference.jsonl")
     assert rows[-1]["tokens"] == report["new_tokens"] == 12

@@ -107,7 +107,7 @@ def test_model_folder_config_never_runs_planted_code(planted, capsys):
 def test_allowed_router_module_works(planted, capsys, monkeypatch):
     model_dir, marker = planted("mymod")
     assert main(["generate", str(model_dir), "--prompt", "ab", "--max-new-tokens", "2", "--no-stream",
-                 "--router-module", "mymod"]) == 0
+                 "--router-module", "mymod", "--json"]) == 0
     assert marker.exists()
     assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["new_tokens"] == 2
     assert os.environ[ROUTER_MODULES_ENV] == "mymod"  # torchrun workers and flows inherit the permission

@@ -104,12 +104,20 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
     assert report["fraction_quantized"] > 0.5
 
     assert main(["generate", str(tmp_path / "q4"), "--prompt", "hello", "--prompt", "a cat",
-                 "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+                 "--max-new-tokens", "5", "--batch-size", "2", "--json"]) == 0
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.strip().splitlines()]
     assert sum(1 for line in lines if "text" in line) == 10  # 2 prompts x 5 tokens, streamed
     assert [line["prompt"] for line in lines if line.get("done")] == [0, 1]
     assert json.loads(captured.err.strip().splitlines()[-1])["new_tokens"] == 10
+    completions = [line["completion"] for line in lines if line.get("done")]
+
+    # for people: text, the first prompt streamed, each prompt followed by its completion; no JSON
+    assert main(["generate", str(tmp_path / "q4"), "--prompt", "hello", "--prompt", "a cat",
+                 "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("hello") and captured.out.endswith(f"\n\na cat{completions[1]}\n")
+    assert "{" not in captured.err and "new_tokens 10" in captured.err
 
     assert main(["generate", str(tmp_path / "model")]) == 2
     assert "no prompts" in capsys.readouterr().err

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moe_core.cli import add_router_module_option
+from moe_core.cli import add_router_module_option, preset_help
 from moe_core.errors import MoELabError
+from moe_core.paths import existing_path, require_local
 
 
 def add_cli(subparsers) -> None:
@@ -26,7 +27,7 @@ def add_cli(subparsers) -> None:
                                description="Evaluate a model: loss and perplexity on prepared splits, a table "
                                            "against other models (dense baselines), generations, lm-eval tasks.")
     _model_args(ev)
-    ev.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    ev.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
     ev.add_argument("--splits", default="validation,test", help="comma-separated splits (default: %(default)s)")
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--max-batches", type=int, default=None, help="per split (default: all)")
@@ -46,7 +47,7 @@ def add_cli(subparsers) -> None:
                                description="Profile the router on an evaluation split (saved as a versioned "
                                            "profile), draw the pictures and write the cost report.")
     _model_args(an)
-    an.add_argument("--data", help="prepared-data directory (moe-lab data prepare)")
+    an.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
     an.add_argument("--split", default="validation")
     an.add_argument("--batch-size", type=int, default=8)
     an.add_argument("--max-batches", type=int, default=16)
@@ -74,9 +75,10 @@ def add_cli(subparsers) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", help="model directory, or a training output directory")
-    group.add_argument("--preset", help="a config preset with random weights (pipeline smoke test)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the data's)")
+    group.add_argument("--model", type=existing_path("model"), help="model directory, or a training output directory")
+    group.add_argument("--preset", help=preset_help("a config preset with random weights (pipeline smoke test)"))
+    p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"),
+                   help="tokenizer directory (default: the model directory's own, else the data's)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 
@@ -86,6 +88,8 @@ def resolve_model_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "config.json").is_file():
         return path
+    if (path / "final" / "config.json").is_file():  # a training output directory: its exported model
+        return path / "final"
     ckpts = path / "checkpoints"
     if ckpts.is_dir():
         found = sorted((p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_")
@@ -113,10 +117,18 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
 
 
 def _tokenizer(args, required: bool):
-    source = args.tokenizer or args.data
+    """--tokenizer, else the model directory's own (a trained model's final/ holds the tokenizer it was
+    trained with), else the prepared data's."""
+    source = args.tokenizer
+    if source is None and args.model:
+        model_dir = resolve_model_dir(args.model)
+        if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+            source = model_dir
+    source = source or args.data
     if source is None:
         if required:
-            raise MoELabError("a tokenizer is needed: pass --tokenizer DIR or --data DIR (prepared data)")
+            raise MoELabError("a tokenizer is needed: the model directory holds none; pass --tokenizer DIR or "
+                              "--data DIR (prepared data)")
         return None
     from moe_core.data.tokenizer import load_tokenizer
 
@@ -153,7 +165,7 @@ def run_eval(args) -> int:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
                 raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
-            other = load_model(args, path=path)
+            other = load_model(args, path=str(require_local(path, f"--compare {name}")))
             other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
             rows.append(model_row(name, other.config, other_results))
             del other

@@ -15,11 +15,14 @@ Legend: S = sequence, V = vocabulary, N = continuation tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from moe_core.errors import MoELabError
 
 try:
     from lm_eval import utils as lm_utils
@@ -154,7 +157,14 @@ def run_tasks(lm: MoELabLM, tasks: Sequence[str], include_path: str | None = Non
     from lm_eval.tasks import TaskManager
 
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                          task_manager=task_manager, random_seed=seed, numpy_random_seed=seed,
-                          torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
+    try:
+        out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                              task_manager=task_manager, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
+    except (OSError, ConnectionError) as err:  # requests', huggingface_hub's and datasets' offline errors
+        offline = " (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") or \
+            os.environ.get("HF_DATASETS_OFFLINE") else ""
+        raise MoELabError(f"lm-eval tasks {','.join(tasks)}: their data could not be loaded from the Hugging Face "
+                          f"hub{offline} ({type(err).__name__}); run where the hub is reachable, or give local "
+                          "YAML tasks with --include-path") from None
     return out["results"] if out else {}

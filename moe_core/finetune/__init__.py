@@ -13,19 +13,21 @@ SFT/DPO trainers with the MoE losses), `report` (trainable-parameter report), `e
 `run` (finetune), `cli`.
 """
 
-from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
+import importlib
+
+# Resolved on first use (PEP 562), not on import: `moe-lab finetune --help` imports this package through
+# moe_core.finetune.cli and must not pay for pydantic, TRL and transformers it does not need.
+_EXPORTS = {
+    "FinetuneConfig": "config", "FinetuneDivergedError": "config", "FinetuneError": "config",
+    "finetune": "run", "FinetuneResult": "run", "load_base_model": "run", "load_finetuned": "run",
+    "trainable_parameter_report": "report", "TrainableReport": "report",
+}
 
 
-def __getattr__(name: str):  # the trainers import TRL and transformers: only when asked for
-    if name in ("finetune", "FinetuneResult", "load_base_model", "load_finetuned"):
-        from moe_core.finetune import run
-
-        return getattr(run, name)
-    if name in ("trainable_parameter_report", "TrainableReport"):
-        from moe_core.finetune import report
-
-        return getattr(report, name)
-    raise AttributeError(f"module 'moe_core.finetune' has no attribute {name!r}")
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'moe_core.finetune' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"moe_core.finetune.{_EXPORTS[name]}"), name)
 
 
 __all__ = ["FinetuneConfig", "FinetuneDivergedError", "FinetuneError", "FinetuneResult", "TrainableReport", "finetune", "load_base_model",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_core.cli import add_router_module_option
+from moe_core.cli import add_config_help, add_router_module_option
 
 
 def add_cli(subparsers) -> None:
@@ -19,12 +19,21 @@ def add_cli(subparsers) -> None:
     p.add_argument("--model", help="base model: our checkpoint or a HF Mixtral/OLMoE/Qwen2-MoE dir (sets model.path)")
     p.add_argument("--data", help="training data source (sets data.source)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set lora.experts=esft --set steps=100")
+                   help="override a config field, e.g. --set lora.experts=esft --set steps=100 (all fields: "
+                        "--help-config)")
+    add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the outputs of an earlier fine-tune in --out (once this one succeeded)")
     p.set_defaults(func=run_finetune)
     add_router_module_option(p)
+
+
+def _config_class(namespace):
+    from moe_core.finetune.config import FinetuneConfig
+
+    return FinetuneConfig, ("moe-lab finetune --set KEY=VALUE (fields of moe_core.finetune.FinetuneConfig; "
+                            "--config takes the same in YAML):")
 
 
 def resolve_config(args):
@@ -40,7 +49,11 @@ def resolve_config(args):
 
 
 def run_finetune(args) -> int:
+    from moe_core.paths import require_model_source
+
     config = resolve_config(args)  # fail fast on a bad config, before loading anything
+    if config.model.path:
+        require_model_source(config.model.path, "model.path")
     from moe_core.finetune.run import finetune
 
     result = finetune(config, args.out, overwrite=args.overwrite)

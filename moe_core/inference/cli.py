@@ -9,6 +9,7 @@ import json
 import sys
 
 from moe_core.cli import add_router_module_option
+from moe_core.paths import existing_path
 
 
 def _export_onnx(args: argparse.Namespace) -> int:
@@ -82,8 +83,13 @@ def _generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed, compile=args.compile)
     report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout,
-                          events_dir=args.events, expert_cache=args.expert_cache)
-    print(json.dumps(report), file=sys.stderr)
+                          events_dir=args.events, expert_cache=args.expert_cache, json_lines=args.json)
+    if args.json:
+        print(json.dumps(report), file=sys.stderr)
+    else:
+        figures = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool))
+        print(f"moe-lab generate: {figures}", file=sys.stderr)
     return 0
 
 
@@ -91,7 +97,7 @@ def add_cli(subparsers) -> None:
     export = subparsers.add_parser("export", help="export a model for deployment")
     export_sub = export.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
     onnx = export_sub.add_parser("onnx", help="ONNX through optimum-onnx, with a KV cache (runs in ONNX Runtime)")
-    onnx.add_argument("model_dir", help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory")
+    onnx.add_argument("model_dir", type=existing_path("model"), help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory")
     onnx.add_argument("--out", required=True)
     onnx.add_argument("--opset", type=int, default=17)
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
@@ -99,16 +105,16 @@ def add_cli(subparsers) -> None:
     add_router_module_option(onnx)
     gguf = export_sub.add_parser("gguf", help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
                                               "(moe-lab convert to-hf --arch mixtral)")
-    gguf.add_argument("hf_dir", help="a Hugging Face Mixtral checkpoint with tokenizer.json")
+    gguf.add_argument("hf_dir", type=existing_path("model"), help="a Hugging Face Mixtral checkpoint with tokenizer.json")
     gguf.add_argument("--out", required=True, help="the .gguf file to write")
     gguf.set_defaults(func=_export_gguf)
 
     quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
-    quantize.add_argument("model_dir", help="checkpoint directory (or an exported ONNX directory for ort-int8)")
+    quantize.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory (or an exported ONNX directory for ort-int8)")
     quantize.add_argument("--out", required=True)
     quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "ort-int8", "optimum-gptq"],
                           help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)")
-    quantize.add_argument("--data", default=None,
+    quantize.add_argument("--data", default=None, type=existing_path("data"),
                           help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq")
     quantize.add_argument("--calib-batches", type=int, default=16, help="calibration batches from --data")
     quantize.add_argument("--calib-batch-size", type=int, default=8)
@@ -120,11 +126,11 @@ def add_cli(subparsers) -> None:
     add_router_module_option(quantize)
 
     prune = subparsers.add_parser("prune", help="drop (or merge) low-ranked experts: routed slots or REAP saliency")
-    prune.add_argument("model_dir")
-    prune.add_argument("--profile", default=None, help="a RouterProfile directory (moe-lab analyze): slot counts")
+    prune.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory")
+    prune.add_argument("--profile", default=None, type=existing_path("profile"), help="a RouterProfile directory (moe-lab analyze): slot counts")
     prune.add_argument("--criterion", default="frequency", choices=["frequency", "reap"],
                        help="rank experts by routed slots, or by REAP's router-weighted output norm (needs --data)")
-    prune.add_argument("--data", default=None, help="prepared-data directory whose train split calibrates the ranking")
+    prune.add_argument("--data", default=None, type=existing_path("data"), help="prepared-data directory whose train split calibrates the ranking")
     prune.add_argument("--calib-batches", type=int, default=16)
     prune.add_argument("--calib-batch-size", type=int, default=8)
     prune.add_argument("--out", required=True)
@@ -134,16 +140,22 @@ def add_cli(subparsers) -> None:
     prune.set_defaults(func=_prune)
     add_router_module_option(prune)
 
-    generate = subparsers.add_parser("generate", help="batched generation with streamed output")
-    generate.add_argument("model_dir", help="checkpoint directory with a tokenizer")
+    generate = subparsers.add_parser("generate", help="generate text from a model, streamed",
+                                     description="Generate text from a checkpoint and its tokenizer: the first "
+                                                 "prompt's completion is streamed as it is decoded, the others "
+                                                 "follow; --json gives JSON lines for programs.")
+    generate.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory with a tokenizer")
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    generate.add_argument("--prompts-file", help="one prompt per line")
+    generate.add_argument("--prompts-file", type=existing_path("prompts file"), help="one prompt per line")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--batch-size", type=int, default=8)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--no-stream", action="store_true")
+    generate.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
+    generate.add_argument("--json", action="store_true",
+                          help="JSON lines for programs (streamed pieces, then one completion per prompt; the "
+                               "figures as JSON on stderr) instead of text")
     generate.add_argument("--compile", action="store_true",
                           help="torch.compile prefill and decode (slow first batch, faster decoding)")
     generate.add_argument("--expert-cache", type=int, default=None, metavar="N",

@@ -163,10 +163,13 @@ def _steps(model, compile: bool):
 
 
 def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None,
-                 events_dir=None, expert_cache: int | None = None) -> dict:
+                 events_dir=None, expert_cache: int | None = None, json_lines: bool = True) -> dict:
     """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream.
     ``expert_cache``: keep only this many experts in memory (offloaded to a temporary directory);
-    ``events_dir``: write live figures there for the dashboard (`monitor.InferenceMonitor`)."""
+    ``events_dir``: write live figures there for the dashboard (`monitor.InferenceMonitor`);
+    ``json_lines``: JSON lines (``{"prompt": i, "text": piece}`` while streaming, then one ``completion`` line
+    per prompt) for programs; False writes text for people: the first prompt's completion streamed as it is
+    decoded, each prompt followed by its completion."""
     import contextlib
     import json
     import sys
@@ -215,14 +218,29 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
         def emit(i: int, token: int, text: str | None) -> None:
             if monitor is not None:
                 monitor.on_token(i, token, None)  # counts only: the text never reaches the event file
-            if stream:
+            if stream and json_lines:
                 out.write(json.dumps({"prompt": i, "text": text}) + "\n")
                 out.flush()
+            elif stream and i == 0 and text:  # people read one stream at a time: the first prompt's, live
+                out.write(text)
+                out.flush()
 
+        if config.compile:
+            print("moe-lab generate: compiling prefill and decode (torch.compile); the first batch is slow",
+                  file=sys.stderr, flush=True)
+        if stream and not json_lines:
+            out.write(prompts[0])
+            out.flush()
         result = batch_generate(model, prompts, config, tokenizer=tokenizer,
                                 on_token=emit if (stream or monitor) else None)
         if cache is not None:
             result.report["expert_cache"] = cache.stats.to_dict()
     for i, text in enumerate(result.texts or []):
-        out.write(json.dumps({"prompt": i, "completion": text, "done": True}) + "\n")
+        if json_lines:
+            out.write(json.dumps({"prompt": i, "completion": text, "done": True}) + "\n")
+        elif i == 0 and stream:
+            out.write("\n")
+        else:
+            out.write(("\n" if i else "") + prompts[i] + text + "\n")
+    out.flush()
     return result.report

@@ -48,6 +48,7 @@ from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
+from moe_core.quiet import quiet_tracer_warnings
 from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
 
     bar = Progress(2 if validate and with_past else 1, "export onnx", unit="stage")
     with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
-        with torch.no_grad(), _library_is_transformers():
+        with torch.no_grad(), _library_is_transformers(), quiet_tracer_warnings():
             try:
                 bar.stage("trace and check (optimum)")
                 onnx_export_from_model(model, tmp, opset=opset, task=task, do_validation=validate, atol=atol)

@@ -15,20 +15,22 @@ the latest checkpoint. Modules: `config` (TrainConfig), `loop` (Trainer, train),
 parallelism), `checkpoint`, `telemetry` (metrics sinks, routing statistics), `flops`, `batches`, `cli`.
 """
 
-from moe_core.train.config import TrainConfig, TrainConfigError
-from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, read_jsonl
+import importlib
+
+# Resolved on first use (PEP 562), not on import: `moe-lab train --help` imports this package through
+# moe_core.train.cli and must not pay for pydantic, torch and torch.distributed it does not need.
+_EXPORTS = {
+    "TrainConfig": "config", "TrainConfigError": "config",
+    "ConsoleSink": "telemetry", "JsonlSink": "telemetry", "MetricsSink": "telemetry", "read_jsonl": "telemetry",
+    "train": "loop", "Trainer": "loop", "TrainResult": "loop", "TrainingDivergedError": "loop",
+    "export_checkpoint": "checkpoint",
+}
 
 
-def __getattr__(name: str):  # the loop imports the model and torch.distributed: only when asked for
-    if name in ("train", "Trainer", "TrainResult", "TrainingDivergedError"):
-        from moe_core.train import loop
-
-        return getattr(loop, name)
-    if name == "export_checkpoint":
-        from moe_core.train.checkpoint import export_checkpoint
-
-        return export_checkpoint
-    raise AttributeError(f"module 'moe_core.train' has no attribute {name!r}")
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'moe_core.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"moe_core.train.{_EXPORTS[name]}"), name)
 
 
 __all__ = ["ConsoleSink", "JsonlSink", "MetricsSink", "TrainConfig", "TrainConfigError", "TrainResult",

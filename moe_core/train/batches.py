@@ -93,6 +93,22 @@ def stack_blocks(dataset, indices: list[int]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(dataset[i]).long() for i in indices])
 
 
+def adopt_data_seq_len(config):
+    """With ``data.path`` (data someone prepared) and ``data.seq_len`` left at its default, train on the
+    data's own block length: `moe-lab data prepare` writes 256-token blocks by default, and asking the user
+    to repeat that number is friction, not safety. An explicitly different seq_len still fails in
+    `open_datasets`, naming both."""
+    data = config.data
+    default = type(data).model_fields["seq_len"].default
+    if data.path is None or data.seq_len != default or not (Path(data.path) / "manifest.json").is_file():
+        return config
+    from moe_core.data.shards import read_manifest
+
+    seq_len = int(read_manifest(data.path)["seq_len"])
+    return config if seq_len == data.seq_len else config.model_copy(
+        update={"data": data.model_copy(update={"seq_len": seq_len})})
+
+
 def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait) -> tuple:
     """(train, val or None, data_dir or None, tokenizer vocab size or None). `wait` is a barrier: rank 0
     prepares the data, the others reuse it."""

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe_core.cli import add_router_module_option
+from moe_core.cli import add_config_help, add_router_module_option, preset_help
 from moe_core.train import launch
 from moe_core.train.launch import LaunchSpec
 
@@ -32,9 +32,11 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("train", help="pretrain a model (MoE or dense baseline), one process or many",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML/JSON training config (fields of moe_core.train.TrainConfig)")
-    p.add_argument("--preset", help="model preset, e.g. switch-tiny, mixtral-small (sets model.preset)")
+    p.add_argument("--preset", help=preset_help("model preset (sets model.preset)"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set steps=200 --set model.overrides.num_experts=4")
+                   help="override a config field, e.g. --set steps=200 --set model.overrides.num_experts=4 "
+                        "(all fields: --help-config)")
+    add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--dashboard", action="store_true",
@@ -60,6 +62,12 @@ def add_cli(subparsers) -> None:
     s.add_argument("--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)")
     p.set_defaults(func=run_train)
     add_router_module_option(p)
+
+
+def _config_class(namespace):
+    from moe_core.train.config import TrainConfig
+
+    return TrainConfig, "moe-lab train --set KEY=VALUE (fields of moe_core.train.TrainConfig; --config takes the same in YAML):"
 
 
 def resolve_config(args):
@@ -154,6 +162,8 @@ def run_train(args) -> int:
         stopped = f" (stopped by {result.stopped_by})" if result.stopped_by else ""
         print(f"moe-lab train: step {result.step}{stopped}, {result.tokens} tokens, loss {loss}{val}; "
               f"skipped {result.skipped_steps} steps; {where}", flush=True)
+        if result.data_dir is not None:
+            print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
     return 0
 
 

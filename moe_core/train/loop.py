@@ -45,7 +45,7 @@ from moe_core.routing import GlobalBatchBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
-from moe_core.train.batches import GlobalBatches, open_datasets, rank_slice, stack_blocks
+from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token, peak_flops
 from moe_core.train.launch import restart_count
@@ -73,6 +73,7 @@ class TrainResult:
     metrics_path: Path
     stopped_by: str | None = None  # "SIGTERM" when asked to stop early
     history: list[dict] = field(default_factory=list)  # the logged metrics (rank 0)
+    data_dir: Path | None = None  # the prepared data trained on (with its tokenizer/); None for synthetic data
 
 
 def train(config: TrainConfig, out_dir: str | Path, resume: bool = False,
@@ -140,7 +141,7 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, config: TrainConfig, out_dir: str | Path, resume: bool = False,
                  sinks: list[MetricsSink] | None = None) -> None:
-        self.config = config
+        self.config = config = adopt_data_seq_len(config)
         self.out_dir = Path(out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         self.extra_sinks = list(sinks or [])
@@ -550,7 +551,7 @@ class Trainer:
 
     def _result(self, loss, history, export_dir=None, stopped_by=None) -> TrainResult:
         return TrainResult(self.out_dir, self.step, self.tokens, loss, self.last_val_loss, self.skipped_steps,
-                           self.last_checkpoint, export_dir, self.metrics_path, stopped_by, history)
+                           self.last_checkpoint, export_dir, self.metrics_path, stopped_by, history, self.data_dir)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -1,0 +1,56 @@
+"""`moe-lab convert from-hf | to-hf`: the command line of moe_core.convert (which imports torch and the
+model, so it is imported only when a conversion runs).
+
+    moe-lab convert from-hf mistralai/Mixtral-8x7B-v0.1 --out runs/mixtral
+    moe-lab convert to-hf runs/a/final --arch mixtral --out runs/a/hf
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# the keys of moe_core.convert.DTYPES and ARCHITECTURES (tests/test_cli_help.py holds them equal)
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+ARCH_CHOICES = ("mixtral", "olmoe", "qwen2_moe")
+
+
+def _cli_from_hf(args: argparse.Namespace) -> int:
+    from moe_core.paths import require_model_source
+
+    require_model_source(args.source, "convert from-hf")  # before importing torch and the model
+    from moe_core.convert import convert_from_hf
+
+    out = convert_from_hf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision)
+    print(f"wrote moe_lab checkpoint to {out}")
+    return 0
+
+
+def _cli_to_hf(args: argparse.Namespace) -> int:
+    from moe_core.paths import require_local
+
+    require_local(args.source, "convert to-hf")  # before importing torch and the model
+    from moe_core.convert import convert_to_hf
+
+    out = convert_to_hf(args.source, args.out, architecture=args.arch, overwrite=args.overwrite)
+    print(f"wrote Hugging Face checkpoint to {out}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="exact conversion to and from Hugging Face MoE checkpoints",
+                                   description=__doc__)
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    from_parser = sub.add_parser("from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint")
+    from_parser.add_argument("source", help="HF checkpoint directory or hub id")
+    from_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    from_parser.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: the checkpoint's own dtype")
+    from_parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    from_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    from_parser.set_defaults(func=_cli_from_hf)
+    to_parser = sub.add_parser("to-hf", help="moe_lab checkpoint -> Mixtral / OLMoE / Qwen2-MoE checkpoint")
+    to_parser.add_argument("source", help="moe_lab checkpoint directory (save_pretrained)")
+    to_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    to_parser.add_argument("--arch", choices=ARCH_CHOICES,
+                           help="target architecture; default: the one the model was converted from")
+    to_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    to_parser.set_defaults(func=_cli_to_hf)

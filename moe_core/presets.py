@@ -1,0 +1,54 @@
+"""Named model presets ``<family>-<size>``: plain data, importable without torch or transformers (the CLI
+lists them in its help). `moe_core.config.get_config` builds an `MoEConfig` from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SIZES: dict[str, dict[str, int]] = {
+    # hidden, layers, heads, kv heads, vocab, context
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=512, max_position_embeddings=256),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  vocab_size=8000, max_position_embeddings=1024),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def family_settings(name: str, hidden: int) -> dict[str, Any]:
+    """Architecture choices of each family; widths scale with the hidden size."""
+    if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
+        # Embeddings N(0, 1) as in T5, which Switch builds on (mesh-tf; transformers' SwitchTransformers
+        # `_init_weights`), not 0.02: with 0.02, the few Adam steps of warm-up write one direction shared by
+        # all tokens that outgrows the token embeddings, the router input becomes 85-99% that common part
+        # (measured at step 10 of the lifecycle run), its logits a per-expert offset for the whole batch, and
+        # top-1 sends most of a batch to one expert: 20-60% of slots dropped at capacity 1.25 (issue 17).
+        # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
+        # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
+        # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
+        return dict(num_experts=8, num_experts_per_tok=1, ffn_activation="gelu", expert_intermediate_size=4 * hidden,
+                    intermediate_size=4 * hidden, router="switch", capacity_factor=1.25, eval_capacity_factor=2.0,
+                    norm_topk_prob=False, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+                    router_jitter=0.01, embedding_init_std=1.0, router_loss_reduction="sum")
+    if name == "mixtral":  # Jiang et al. 2024: top-2 of 8 SwiGLU experts, top-k weights renormalized
+        return dict(num_experts=8, num_experts_per_tok=2, ffn_activation="swiglu",
+                    expert_intermediate_size=2 * hidden, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=True, router_aux_loss_coef=0.02, router_z_loss_coef=0.0)
+    if name == "olmoe":  # Muennighoff et al. 2024: 64 fine-grained experts, top-8, qk-norm, no renormalization
+        return dict(num_experts=64, num_experts_per_tok=8, ffn_activation="swiglu",
+                    expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=False, qk_norm=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
+    if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
+        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004
+        return dict(num_experts=16, num_experts_per_tok=4, ffn_activation="swiglu",
+                    expert_intermediate_size=hidden // 2, intermediate_size=4 * hidden, router="topk",
+                    norm_topk_prob=False, num_shared_experts=1, shared_expert_intermediate_size=2 * hidden,
+                    shared_expert_gate=True, attention_bias=True, router_aux_loss_coef=0.004)
+    if name == "dense":
+        return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
+    raise KeyError(name)
+
+
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "dense")
+PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

@@ -1,0 +1,44 @@
+"""Silence, for one call, the library notices a normal run always triggers and a user cannot act on, so the
+console shows only what matters (real warnings stay visible: filters match by logger or message, scoped to
+the call, and restored after it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str, level: int = logging.ERROR):
+    """Drop these loggers' records below ``level`` for the duration of the block. A filter rather than
+    setLevel: a library that creates its logger inside the block (DeepSpeed on import) sets the level itself."""
+    loggers = [logging.getLogger(name) for name in names]
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= level
+
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+
+
+@contextlib.contextmanager
+def quiet_tracer_warnings():
+    """``torch.jit.TracerWarning`` during an ONNX export: the exporter traces Python branches on tensor values
+    (the KV cache's "is it empty", the mask check) and warns about each, while the export is validated
+    against PyTorch at several shapes right after (`moe_core.inference.onnx_export.validate_export`)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        yield
+
+
+# what MLflow's transformers flavor logs on every model of ours: the hub model card and license it cannot find
+# for a local directory, the pipeline's "Device set to use cpu", DeepSpeed's accelerator probe (imported on the way)
+MLFLOW_TRANSFORMERS_NOISE = ("mlflow.transformers", "transformers.pipelines.base", "DeepSpeed")
