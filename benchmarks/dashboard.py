@@ -53,11 +53,18 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 def train_config(args, steps: int) -> TrainConfig:
-    return TrainConfig.build({
-        "model": {"preset": args.preset}, "steps": steps, "batch_size": args.batch,
-        "data": {"source": "synthetic", "seq_len": args.seq, "synthetic_blocks": 256},
-        "optim": {"warmup_steps": 2}, "log": {"every": 1, "progress": "off"},
-        "checkpoint": {"every": 10**9, "export": False}, "eval": {"every": 0, "batches": 1}})
+    return TrainConfig.build(
+        {
+            "model": {"preset": args.preset},
+            "steps": steps,
+            "batch_size": args.batch,
+            "data": {"source": "synthetic", "seq_len": args.seq, "synthetic_blocks": 256},
+            "optim": {"warmup_steps": 2},
+            "log": {"every": 1, "progress": "off"},
+            "checkpoint": {"every": 10**9, "export": False},
+            "eval": {"every": 0, "batches": 1},
+        }
+    )
 
 
 def run_training(args, out: Path, steps: int) -> list[dict]:
@@ -137,29 +144,51 @@ def synthetic_run(out: Path, steps: int, every: int, layers: int = 24, experts: 
     chunk = 2000
     with open(out / SIDECAR, "wb") as f, open(out / "metrics.jsonl", "wb") as m:
         for start in range(0, len(logged), chunk):
-            steps_N = logged[start:start + chunk]
+            steps_N = logged[start : start + chunk]
             n = len(steps_N)
             logits_NLE = rng.normal(size=(n, layers, experts)).astype(np.float32)
             shares_NLE = np.exp(logits_NLE) / np.exp(logits_NLE).sum(-1, keepdims=True)
-            stats_NLS = np.stack([rng.uniform(0, 0.05, (n, layers)), rng.uniform(4, 4.8, (n, layers)),
-                                  shares_NLE.max(-1) * experts], -1).astype(np.float32)
+            stats_NLS = np.stack(
+                [
+                    rng.uniform(0, 0.05, (n, layers)),
+                    rng.uniform(4, 4.8, (n, layers)),
+                    shares_NLE.max(-1) * experts,
+                ],
+                -1,
+            ).astype(np.float32)
             rows = np.zeros((n, width), np.float32)
             rows[:, 0], rows[:, 1] = steps_N, steps_N * 4096
             rows[:, 2:] = np.concatenate([shares_NLE, stats_NLS], -1).reshape(n, -1)
             f.write(rows.tobytes())
             lines = []
             for i, step in enumerate(steps_N.tolist()):
-                row = {"step": step, "time": 1.7e9 + step, "loss": 3 + 1 / (1 + step / 1000), "lm_loss": 3.0,
-                       "aux_loss": 0.01, "z_loss": 0.001, "grad_norm": 1.0, "lr": 3e-4, "tokens_per_s": 1e5,
-                       "step_time_s": 0.04, "tokens": step * 4096.0, "flops_per_token": 1e9, "mfu": 0.4,
-                       "tflops_per_device": 100.0, "skipped_steps": 0.0}
+                row = {
+                    "step": step,
+                    "time": 1.7e9 + step,
+                    "loss": 3 + 1 / (1 + step / 1000),
+                    "lm_loss": 3.0,
+                    "aux_loss": 0.01,
+                    "z_loss": 0.001,
+                    "grad_norm": 1.0,
+                    "lr": 3e-4,
+                    "tokens_per_s": 1e5,
+                    "step_time_s": 0.04,
+                    "tokens": step * 4096.0,
+                    "flops_per_token": 1e9,
+                    "mfu": 0.4,
+                    "tflops_per_device": 100.0,
+                    "skipped_steps": 0.0,
+                }
                 for li in layer_ids:
                     for s, key in enumerate(LAYER_STATS):
                         row[f"moe/layer_{li}/{key}"] = float(stats_NLS[i, li, s])
                 lines.append(orjson.dumps(row))
             m.write(b"\n".join(lines) + b"\n")
-    return {"rows": len(logged), "load_log_mb": (out / SIDECAR).stat().st_size / 2**20,
-            "events_mb": (out / "metrics.jsonl").stat().st_size / 2**20}
+    return {
+        "rows": len(logged),
+        "load_log_mb": (out / SIDECAR).stat().st_size / 2**20,
+        "events_mb": (out / "metrics.jsonl").stat().st_size / 2**20,
+    }
 
 
 def load_time(args, workdir: Path, browser) -> dict:
@@ -172,11 +201,19 @@ def load_time(args, workdir: Path, browser) -> dict:
         rid = run_id(url, "long-run")
         t0 = time.perf_counter()
         summary = json.load(urllib.request.urlopen(f"{url}api/runs/{rid}"))
-        urllib.request.urlopen(f"{url}api/runs/{rid}/scalars?keys=loss,lm_loss,aux_loss,z_loss,lr,grad_norm,"
-                               "tokens_per_s,mfu,skipped_steps,val_loss,step_time_s,tokens&points=2000").read()
+        urllib.request.urlopen(
+            f"{url}api/runs/{rid}/scalars?keys=loss,lm_loss,aux_loss,z_loss,lr,grad_norm,"
+            "tokens_per_s,mfu,skipped_steps,val_loss,step_time_s,tokens&points=2000"
+        ).read()
         with ThreadPoolExecutor(6) as pool:  # a browser opens about 6 connections per host
-            list(pool.map(lambda layer: urllib.request.urlopen(
-                f"{url}api/runs/{rid}/routing?layer={layer}&points=600&encoding=u16").read(), summary["layers"]))
+            list(
+                pool.map(
+                    lambda layer: urllib.request.urlopen(
+                        f"{url}api/runs/{rid}/routing?layer={layer}&points=600&encoding=u16"
+                    ).read(),
+                    summary["layers"],
+                )
+            )
         out["server_s"] = time.perf_counter() - t0
     finally:
         proc.terminate()
@@ -188,14 +225,18 @@ def load_time(args, workdir: Path, browser) -> dict:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         t0 = time.perf_counter()
         page.goto(f"{url}#/routing/{rid}")
-        page.wait_for_function("document.querySelectorAll('.heatmap[data-title*=\"expert load\"]').length === 24 && "
-                               "[...document.querySelectorAll('.heatmap[data-title*=\"expert load\"]')]"
-                               ".every(e => +e.dataset.columns > 0)", timeout=120000)
+        page.wait_for_function(
+            "document.querySelectorAll('.heatmap[data-title*=\"expert load\"]').length === 24 && "
+            "[...document.querySelectorAll('.heatmap[data-title*=\"expert load\"]')]"
+            ".every(e => +e.dataset.columns > 0)",
+            timeout=120000,
+        )
         out["browser_routing_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         page.goto(f"{url}#/run/{rid}")
-        page.wait_for_function("+document.querySelector('.chart[data-title=\"loss\"]')?.dataset.points > 0",
-                               timeout=120000)
+        page.wait_for_function(
+            "+document.querySelector('.chart[data-title=\"loss\"]')?.dataset.points > 0", timeout=120000
+        )
         out["browser_run_s"] = time.perf_counter() - t0
         page.close()
     finally:
@@ -230,23 +271,40 @@ def main() -> None:
         browser.close()
     lat = np.array(latencies)
     result = {
-        "benchmark": "dashboard", "preset": args.preset, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-        "rounds": args.rounds, "threads": args.threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "latency_rows": int(lat.size), "latency_p50_s": float(np.percentile(lat, 50)),
-        "latency_p95_s": float(np.percentile(lat, 95)), "latency_max_s": float(lat.max()),
-        "tokens_per_s_plain": statistics.median(plain), "tokens_per_s_watched": statistics.median(watched),
+        "benchmark": "dashboard",
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "latency_rows": int(lat.size),
+        "latency_p50_s": float(np.percentile(lat, 50)),
+        "latency_p95_s": float(np.percentile(lat, 95)),
+        "latency_max_s": float(lat.max()),
+        "tokens_per_s_plain": statistics.median(plain),
+        "tokens_per_s_watched": statistics.median(watched),
         "throughput_cost": 1 - statistics.median(watched) / statistics.median(plain),
-        "load_steps": args.load_steps, "load_log_every": args.load_log_every, **{f"load_{k}": v for k, v in load.items()},
+        "load_steps": args.load_steps,
+        "load_log_every": args.load_log_every,
+        **{f"load_{k}": v for k, v in load.items()},
     }
-    print(f"latency write->browser: p50 {result['latency_p50_s'] * 1000:.0f} ms, p95 {result['latency_p95_s'] * 1000:.0f} ms "
-          f"over {lat.size} rows (target p95 < 1 s)")
-    print(f"training tokens/s: plain {result['tokens_per_s_plain']:.0f}, with dashboard {result['tokens_per_s_watched']:.0f}"
-          f" -> cost {100 * result['throughput_cost']:.1f}% (target < 2%); rounds: {[round(x) for x in plain]} vs "
-          f"{[round(x) for x in watched]}")
-    print(f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
-          f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
-          f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
-          f"(target < 2 s)")
+    print(
+        f"latency write->browser: p50 {result['latency_p50_s'] * 1000:.0f} ms, p95 {result['latency_p95_s'] * 1000:.0f} ms "
+        f"over {lat.size} rows (target p95 < 1 s)"
+    )
+    print(
+        f"training tokens/s: plain {result['tokens_per_s_plain']:.0f}, with dashboard {result['tokens_per_s_watched']:.0f}"
+        f" -> cost {100 * result['throughput_cost']:.1f}% (target < 2%); rounds: {[round(x) for x in plain]} vs "
+        f"{[round(x) for x in watched]}"
+    )
+    print(
+        f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
+        f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
+        f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
+        f"(target < 2 s)"
+    )
     print(json.dumps(result))
 
 

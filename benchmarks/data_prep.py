@@ -51,7 +51,9 @@ def run_map(config, tokenizer, texts, domain_ids):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--max-documents", type=int, default=400, help="0 = the whole corpus")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -69,8 +71,10 @@ def main() -> None:
     tokenizer = train_tokenizer(texts, args.vocab_size)
     train_s = time.perf_counter() - t0
     n_bytes = sum(len(t.encode()) for t in texts)
-    print(f"corpus: {len(docs)} documents, {n_bytes / 1e6:.2f} MB, built in {corpus_s:.1f}s; "
-          f"tokenizer (vocab {args.vocab_size}) trained in {train_s:.1f}s")
+    print(
+        f"corpus: {len(docs)} documents, {n_bytes / 1e6:.2f} MB, built in {corpus_s:.1f}s; "
+        f"tokenizer (vocab {args.vocab_size}) trained in {train_s:.1f}s"
+    )
 
     variants = {"direct": lambda: run_direct(tokenizer, texts, domain_ids, args.seq_len)}
     for n in args.procs:
@@ -86,17 +90,30 @@ def main() -> None:
     assert len(set(n_tokens.values())) == 1, f"variants disagree on the token count: {n_tokens}"
     tokens = n_tokens["direct"]
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    print(f"{tokens} tokens ({n_bytes / tokens:.2f} bytes/token), median of {args.rounds} rounds, "
-          f"{os.cpu_count()} CPU cores")
+    print(
+        f"{tokens} tokens ({n_bytes / tokens:.2f} bytes/token), median of {args.rounds} rounds, "
+        f"{os.cpu_count()} CPU cores"
+    )
     for name, value in tps.items():
         print(f"  {name:8s} {value / 1e6:7.3f} M tokens/s   x{value / tps['direct']:.2f} of direct")
-    print(json.dumps({
-        "benchmark": "data_prep", "documents": len(docs), "bytes": n_bytes, "tokens": tokens,
-        "vocab_size": args.vocab_size, "seq_len": args.seq_len, "rounds": args.rounds,
-        "tokens_per_s": {k: round(v) for k, v in tps.items()},
-        "ratio_vs_direct": {k: round(v / tps["direct"], 3) for k, v in tps.items()},
-        "tokenizer_train_s": round(train_s, 2), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "data_prep",
+                "documents": len(docs),
+                "bytes": n_bytes,
+                "tokens": tokens,
+                "vocab_size": args.vocab_size,
+                "seq_len": args.seq_len,
+                "rounds": args.rounds,
+                "tokens_per_s": {k: round(v) for k, v in tps.items()},
+                "ratio_vs_direct": {k: round(v / tps["direct"], 3) for k, v in tps.items()},
+                "tokenizer_train_s": round(train_s, 2),
+                "cpu_count": os.cpu_count(),
+                "python": platform.python_version(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ from moe_core import MoEForCausalLM, dense_baseline, get_config, parameter_count
 from moe_core.configfile import parse_value
 
 
-def markov_corpus(vocab: int, sequences: int, seq: int, seed: int = 0, fanout: int = 4,
-                  active: int = 256) -> torch.Tensor:
+def markov_corpus(
+    vocab: int, sequences: int, seq: int, seed: int = 0, fanout: int = 4, active: int = 256
+) -> torch.Tensor:
     """Token ids from a fixed random chain over `active` of the ids, each with `fanout` possible successors
     (small enough to be learned in a minute: the perplexity floor is `fanout`)."""
     g = torch.Generator().manual_seed(1234)  # the chain is fixed; `seed` draws the sequences
@@ -68,7 +69,7 @@ def train_briefly(model, steps: int, vocab: int, batch: int = 8, seq: int = 64) 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for i in range(steps):
-        x = data[i * batch:(i + 1) * batch]
+        x = data[i * batch : (i + 1) * batch]
         loss = model(x, labels=x, use_cache=False).loss
         loss.backward()
         opt.step()
@@ -96,10 +97,17 @@ def prune_sweep(moe, calibration, valid) -> list[dict]:
             for merge in (False, True) if keep < E else (False,):
                 config = PruneConfig(keep_experts=keep, merge_similar=merge, criterion=criterion)
                 pruned, report = prune_experts(moe, usage, config, saliency)
-                rows.append({"experts": keep, "criterion": criterion, "merge": merge, "params": report.params_after,
-                             "size": round(report.params_after / report.params_before, 3),
-                             "usage_kept": round(min(report.usage_share_kept.values()), 3),
-                             "perplexity": round(perplexity(pruned, valid), 3)})
+                rows.append(
+                    {
+                        "experts": keep,
+                        "criterion": criterion,
+                        "merge": merge,
+                        "params": report.params_after,
+                        "size": round(report.params_after / report.params_before, 3),
+                        "usage_kept": round(min(report.usage_share_kept.values()), 3),
+                        "perplexity": round(perplexity(pruned, valid), 3),
+                    }
+                )
     return rows
 
 
@@ -113,8 +121,11 @@ def quantized_models(moe, calibration, bits: int = 4, group_size: int = 32) -> d
     for method in ("rtn", "gptq", "awq"):
         model = copy.deepcopy(moe).eval()
         t0 = time.perf_counter()
-        report = quantize_experts(model, QuantConfig(bits=bits, group_size=group_size, method=method),
-                                  calibration if method != "rtn" else None)
+        report = quantize_experts(
+            model,
+            QuantConfig(bits=bits, group_size=group_size, method=method),
+            calibration if method != "rtn" else None,
+        )
         out[f"moe-int{bits}-{method}"] = (model, report, time.perf_counter() - t0)
     return out
 
@@ -131,11 +142,13 @@ def torch_runner(model, prompt, steps):
                 out = model(nxt, past_key_values=cache, use_cache=True)
                 cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
             return prefill, (time.perf_counter() - t0) / steps
+
     return run
 
 
 def compiled_runner(steps_fns, prompt, steps):
     """Prefill seconds and seconds per decode step (each step decodes one token for every row of ``prompt``)."""
+
     def run():
         t0 = time.perf_counter()
         logits, cache = steps_fns.prefill(prompt)
@@ -146,6 +159,7 @@ def compiled_runner(steps_fns, prompt, steps):
             logits, cache = steps_fns.decode(nxt, cache)
             nxt = logits.argmax(-1, keepdim=True)
         return prefill, (time.perf_counter() - t0) / steps
+
     return run
 
 
@@ -159,17 +173,27 @@ def ort_runner(ort_model, prompt, steps):
         t0 = time.perf_counter()
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-            out = ort_model(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            out = ort_model(
+                input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True
+            )
             nxt = out.logits[:, -1:].argmax(-1)
         return prefill, (time.perf_counter() - t0) / steps
+
     return run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="olmoe-small")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="config overrides, e.g. hidden_size=512 expert_intermediate_size=1024")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. hidden_size=512 expert_intermediate_size=1024",
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=7)
@@ -178,13 +202,25 @@ def main() -> None:
     parser.add_argument("--onnx", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--cpp-wrapper", action="store_true",
-                        help="compile the static-cache steps with inductor's C++ wrapper (slower to compile)")
-    parser.add_argument("--batches", type=int, nargs="*", default=[8, 32],
-                        help="batched compiled static-cache decode beside batch 1 (--compile)")
+    parser.add_argument(
+        "--cpp-wrapper",
+        action="store_true",
+        help="compile the static-cache steps with inductor's C++ wrapper (slower to compile)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=[8, 32],
+        help="batched compiled static-cache decode beside batch 1 (--compile)",
+    )
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--quant", action=argparse.BooleanOptionalAction, default=True,
-                        help="int4 experts by RTN, GPTQ and AWQ: perplexity drift, size, eager decode speed")
+    parser.add_argument(
+        "--quant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int4 experts by RTN, GPTQ and AWQ: perplexity drift, size, eager decode speed",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -214,8 +250,14 @@ def main() -> None:
         "dense-total": torch_runner(dense_total, prompt, args.steps),
         "dense-active": torch_runner(dense_active, prompt, args.steps),
     }
-    figures: dict = {"preset": args.preset, "overrides": overrides, "threads": args.threads,
-                     "train_steps": args.train_steps, "train_s": round(train_s, 1), "cpp_wrapper": args.cpp_wrapper}
+    figures: dict = {
+        "preset": args.preset,
+        "overrides": overrides,
+        "threads": args.threads,
+        "train_steps": args.train_steps,
+        "train_s": round(train_s, 1),
+        "cpp_wrapper": args.cpp_wrapper,
+    }
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
     batch_of: dict[str, int] = {}  # runs decoding more than one sequence a step
@@ -228,13 +270,20 @@ def main() -> None:
             for name, model in (("moe", moe), ("dense-total", dense_total), ("dense-active", dense_active)):
                 compiled = compile_steps(model)
                 t0 = time.perf_counter()
-                compiled_runner(compiled, prompt, 2)()  # compile prefill and decode (and the dynamic recompile)
+                compiled_runner(
+                    compiled, prompt, 2
+                )()  # compile prefill and decode (and the dynamic recompile)
                 compiled_runner(compiled, prompt, 2)()
                 figures["compile_s"][name] = round(time.perf_counter() - t0, 1)
                 runners[f"{name}-compiled"] = compiled_runner(compiled, prompt, args.steps)
                 # the static KV cache: eager prefill (as batch_generate), compiled decode, one cache per batch
-                static = compile_steps(model, cache="static", max_cache_len=max_len, compile_prefill=False,
-                                       cpp_wrapper=args.cpp_wrapper)
+                static = compile_steps(
+                    model,
+                    cache="static",
+                    max_cache_len=max_len,
+                    compile_prefill=False,
+                    cpp_wrapper=args.cpp_wrapper,
+                )
                 t0 = time.perf_counter()
                 for batch in [1] + ([] if name == "dense-active" else args.batches):
                     rows = markov_corpus(config.vocab_size, batch, args.prompt_len, seed=7)
@@ -273,10 +322,13 @@ def main() -> None:
                 ppl[name] = perplexity(model, valid)
                 runners[name] = torch_runner(model, prompt, args.steps)
                 figures["quant"][name] = {
-                    "bytes": report.bytes_after, "size": round(report.bytes_after / fp32_bytes, 3),
+                    "bytes": report.bytes_after,
+                    "size": round(report.bytes_after / fp32_bytes, 3),
                     "experts_quantized": report.experts_quantized,
-                    "rtn_fallback": len(report.experts_rtn_fallback), "quantize_s": round(seconds, 1),
-                    "forced_tokens": sum(sum(v) for v in report.forced_tokens.values())}
+                    "rtn_fallback": len(report.experts_rtn_fallback),
+                    "quantize_s": round(seconds, 1),
+                    "forced_tokens": sum(sum(v) for v in report.forced_tokens.values()),
+                }
         if args.cache:
             from moe_core.inference.expert_cache import offload_experts
 
@@ -285,8 +337,9 @@ def main() -> None:
             for pct in (25, 50, 100):
                 m = MoEForCausalLM(config).eval()
                 m.load_state_dict(moe.state_dict())
-                caches[pct] = offload_experts(m, workdir / "experts", capacity=max(1, total_experts * pct // 100),
-                                              write=pct == 25)
+                caches[pct] = offload_experts(
+                    m, workdir / "experts", capacity=max(1, total_experts * pct // 100), write=pct == 25
+                )
                 runners[f"cache-{pct}"] = torch_runner(m, prompt, args.steps)
 
         prefill = {name: [] for name in runners}
@@ -304,67 +357,108 @@ def main() -> None:
     bound = decode_bytes(dense_baseline(config, "total")) / decode_bytes(config)
 
     def best(prefix: str) -> str:
-        return max((n for n in tps if n in (prefix, f"{prefix}-compiled", f"{prefix}-compiled-static",
-                                             f"{prefix}-eager")), key=tps.get)
+        return max(
+            (
+                n
+                for n in tps
+                if n in (prefix, f"{prefix}-compiled", f"{prefix}-compiled-static", f"{prefix}-eager")
+            ),
+            key=tps.get,
+        )
 
     moe_best, total_best, active_best = best("moe"), best("dense-total"), best("dense-active")
     ratio_total = tps[moe_best] / tps[total_best]
-    print(f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
-          f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)")
+    print(
+        f"{args.preset}: {platform.processor() or platform.machine()}, {args.threads} thread(s), "
+        f"batch 1, prompt {args.prompt_len}, {args.steps} decode steps x {args.rounds} rounds (medians)"
+    )
     print(f"{'run':<30}{'decode tok/s':>14}{'ms/token':>10}{'prefill ms':>12}{'vs dense-total':>16}")
     for name in runners:
         if name in batch_of:
             continue
-        print(f"{name:<30}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
-              f"{tps[name] / tps[total_best]:>15.2f}x")
-    print(f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
-          f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it")
-    figures.update({
-        "bound": round(bound, 3), "moe_vs_dense_total": round(ratio_total, 3),
-        "fraction_of_bound": round(ratio_total / bound, 3), "moe_run": moe_best, "dense_total_run": total_best,
-        "moe_vs_dense_active": round(tps[moe_best] / tps[active_best], 3),
-        "eager_moe_vs_dense_total": round(tps["moe-eager"] / tps["dense-total"], 3),
-        "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
-        "prefill_ms": {k: round(v, 2) for k, v in prefill_ms.items()},
-        "perplexity": {k: round(v, 3) for k, v in ppl.items()},
-    })
+        print(
+            f"{name:<30}{tps[name]:>14.1f}{1e3 / tps[name]:>10.2f}{prefill_ms[name]:>12.1f}"
+            f"{tps[name] / tps[total_best]:>15.2f}x"
+        )
+    print(
+        f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
+        f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it"
+    )
+    figures.update(
+        {
+            "bound": round(bound, 3),
+            "moe_vs_dense_total": round(ratio_total, 3),
+            "fraction_of_bound": round(ratio_total / bound, 3),
+            "moe_run": moe_best,
+            "dense_total_run": total_best,
+            "moe_vs_dense_active": round(tps[moe_best] / tps[active_best], 3),
+            "eager_moe_vs_dense_total": round(tps["moe-eager"] / tps["dense-total"], 3),
+            "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
+            "prefill_ms": {k: round(v, 2) for k, v in prefill_ms.items()},
+            "perplexity": {k: round(v, 3) for k, v in ppl.items()},
+        }
+    )
     if args.compile:
         figures["compiled_moe_vs_dense_total"] = round(tps["moe-compiled"] / tps["dense-total-compiled"], 3)
         figures["static_moe_vs_dense_total"] = round(
-            tps["moe-compiled-static"] / tps["dense-total-compiled-static"], 3)
+            tps["moe-compiled-static"] / tps["dense-total-compiled-static"], 3
+        )
         figures["static_fraction_of_bound"] = round(figures["static_moe_vs_dense_total"] / bound, 3)
         figures["batched"] = {}
-        print(f"{'batch':>6}{'moe tok/s':>12}{'dense-total tok/s':>19}{'moe / dense-total':>19}   (compiled, static cache)")
+        print(
+            f"{'batch':>6}{'moe tok/s':>12}{'dense-total tok/s':>19}{'moe / dense-total':>19}   (compiled, static cache)"
+        )
         for batch in [1] + args.batches:
             suffix = "" if batch == 1 else f"@b{batch}"
-            moe_tps, dense_tps = tps[f"moe-compiled-static{suffix}"], tps[f"dense-total-compiled-static{suffix}"]
-            figures["batched"][batch] = {"moe_tok_s": round(moe_tps, 1), "dense_total_tok_s": round(dense_tps, 1),
-                                         "ratio": round(moe_tps / dense_tps, 3)}
+            moe_tps, dense_tps = (
+                tps[f"moe-compiled-static{suffix}"],
+                tps[f"dense-total-compiled-static{suffix}"],
+            )
+            figures["batched"][batch] = {
+                "moe_tok_s": round(moe_tps, 1),
+                "dense_total_tok_s": round(dense_tps, 1),
+                "ratio": round(moe_tps / dense_tps, 3),
+            }
             print(f"{batch:>6}{moe_tps:>12.1f}{dense_tps:>19.1f}{moe_tps / dense_tps:>18.2f}x")
     if args.onnx:
         figures["onnx_int8_vs_fp32"] = round(tps["moe-onnx-int8"] / tps["moe-onnx-fp32"], 3)
         figures["onnx_int8_ppl_drift"] = round(drift(ppl["moe-onnx-int8"], ppl["moe-onnx-fp32"]), 4)
-        print(f"ONNX int8 / fp32 decode: {figures['onnx_int8_vs_fp32']:.2f}x; perplexity "
-              f"{ppl['moe-onnx-fp32']:.2f} -> {ppl['moe-onnx-int8']:.2f} ({100 * figures['onnx_int8_ppl_drift']:+.2f}%)")
+        print(
+            f"ONNX int8 / fp32 decode: {figures['onnx_int8_vs_fp32']:.2f}x; perplexity "
+            f"{ppl['moe-onnx-fp32']:.2f} -> {ppl['moe-onnx-int8']:.2f} ({100 * figures['onnx_int8_ppl_drift']:+.2f}%)"
+        )
     if args.quant:
-        print(f"{'int4 experts':<18}{'perplexity':>12}{'drift vs fp32':>15}{'size':>7}{'decode tok/s':>14}"
-              f"{'rtn fallbacks':>15}")
+        print(
+            f"{'int4 experts':<18}{'perplexity':>12}{'drift vs fp32':>15}{'size':>7}{'decode tok/s':>14}"
+            f"{'rtn fallbacks':>15}"
+        )
         for name, row in figures["quant"].items():
             row["perplexity_drift"] = round(drift(ppl[name], ppl["moe-eager"]), 4)
-            print(f"{name:<18}{ppl[name]:>12.3f}{100 * row['perplexity_drift']:>14.2f}%{row['size']:>7.2f}"
-                  f"{tps[name]:>14.1f}{row['rtn_fallback']:>15}")
+            print(
+                f"{name:<18}{ppl[name]:>12.3f}{100 * row['perplexity_drift']:>14.2f}%{row['size']:>7.2f}"
+                f"{tps[name]:>14.1f}{row['rtn_fallback']:>15}"
+            )
     if args.prune:
         disable_fast_decode(moe)
-        figures["prune"] = prune_sweep(moe, list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8)), valid)
-        print(f"{'experts':>8}{'criterion':>11}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}"
-              f"{'perplexity':>12}{'drift':>8}")
+        figures["prune"] = prune_sweep(
+            moe, list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8)), valid
+        )
+        print(
+            f"{'experts':>8}{'criterion':>11}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}"
+            f"{'perplexity':>12}{'drift':>8}"
+        )
         for row in figures["prune"]:
             row["drift"] = round(drift(row["perplexity"], ppl["moe-eager"]), 4)
-            print(f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}"
-                  f"{row['size']:>7.2f}{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>7.2f}%")
+            print(
+                f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}"
+                f"{row['size']:>7.2f}{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>7.2f}%"
+            )
     if args.cache:
         figures["cache_hit_rate"] = {pct: round(c.stats.hit_rate, 3) for pct, c in caches.items()}
-        print("expert cache hit rate: " + ", ".join(f"{p}%: {r:.2f}" for p, r in figures["cache_hit_rate"].items()))
+        print(
+            "expert cache hit rate: "
+            + ", ".join(f"{p}%: {r:.2f}" for p, r in figures["cache_hit_rate"].items())
+        )
     print(json.dumps(figures))
 
 

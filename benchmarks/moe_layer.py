@@ -27,8 +27,14 @@ from moe_core.model import FeedForward, MoEBlock
 
 def build(args):
     config = get_config(
-        "mixtral-tiny", hidden_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        expert_intermediate_size=args.ffn, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+        "mixtral-tiny",
+        hidden_size=args.hidden,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        expert_intermediate_size=args.ffn,
+        router_aux_loss_coef=0.0,
+        router_z_loss_coef=0.0,
+    )
     torch.manual_seed(0)
     ours = MoEBlock(config)
     for p in ours.parameters():
@@ -37,9 +43,14 @@ def build(args):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    hf = MixtralSparseMoeBlock(MixtralConfig(
-        hidden_size=args.hidden, intermediate_size=args.ffn, num_local_experts=args.experts,
-        num_experts_per_tok=args.top_k))
+    hf = MixtralSparseMoeBlock(
+        MixtralConfig(
+            hidden_size=args.hidden,
+            intermediate_size=args.ffn,
+            num_local_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+        )
+    )
     with torch.no_grad():
         hf.gate.weight.copy_(ours.router.gate.weight)
         for e, expert in enumerate(hf.experts):
@@ -51,7 +62,9 @@ def build(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
@@ -98,14 +111,19 @@ def main() -> None:
     tokens = args.batch * args.seq
     median = {name: statistics.median(ts) for name, ts in times.items()}
     floor = median["dense-active"]
-    print(f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} tokens={tokens} "
-          f"hidden={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}")
+    print(
+        f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} tokens={tokens} "
+        f"hidden={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}"
+    )
     print(f"{'layer':<20}{'fwd+bwd ms':>12}{'tokens/s':>12}{'x dense-active':>16}")
     for name, t in median.items():
         print(f"{name:<20}{t * 1e3:>12.2f}{tokens / t:>12.0f}{t / floor:>16.3f}")
     result = {
-        "benchmark": "moe_layer", "device": str(device), "cpu": platform.processor() or platform.machine(),
-        "dtype": args.dtype, "tokens": tokens,
+        "benchmark": "moe_layer",
+        "device": str(device),
+        "cpu": platform.processor() or platform.machine(),
+        "dtype": args.dtype,
+        "tokens": tokens,
         "tokens_per_s": {name: round(tokens / t, 1) for name, t in median.items()},
         "ratio_vs_dense_active": {name: round(t / floor, 4) for name, t in median.items()},
         "ours_vs_hf": round(median[f"ours-{args.impls.split(',')[0]}"] / median["hf-mixtral"], 4),

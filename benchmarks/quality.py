@@ -52,17 +52,48 @@ ARMS: dict[str, tuple[str, dict, str | None, dict]] = {
     "dense-active": ("switch-small", {}, "active", {}),
     "dense-total": ("switch-small", {}, "total", {}),
     "dropless": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None, {}),
-    "expert-choice": ("mixtral-small", {"router": "expert_choice", "capacity_factor": 2.0,
-                                        "eval_capacity_factor": 2.0}, None, {}),
+    "expert-choice": (
+        "mixtral-small",
+        {"router": "expert_choice", "capacity_factor": 2.0, "eval_capacity_factor": 2.0},
+        None,
+        {},
+    ),
     "no-balance": ("mixtral-small", {"router_aux_loss_coef": 0.0}, None, {}),
-    "aux-free": ("mixtral-small", {"router": "aux_free", "router_score": "sigmoid", "router_aux_loss_coef": 0.0,
-                                   "router_bias_update_rate": 1e-3}, None, {}),
-    "fine": ("mixtral-small", {"num_experts": 32, "num_experts_per_tok": 8, "expert_intermediate_size": 128,
-                               "norm_topk_prob": False, "router_aux_loss_coef": 0.01}, None, {}),
-    "micro-batch": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None,
-                    {"grad_accum": 4, "balance_scope": "micro_batch"}),
-    "global-batch": ("mixtral-small", {"router_aux_loss_coef": 0.01}, None,
-                     {"grad_accum": 4, "balance_scope": "global_batch"}),
+    "aux-free": (
+        "mixtral-small",
+        {
+            "router": "aux_free",
+            "router_score": "sigmoid",
+            "router_aux_loss_coef": 0.0,
+            "router_bias_update_rate": 1e-3,
+        },
+        None,
+        {},
+    ),
+    "fine": (
+        "mixtral-small",
+        {
+            "num_experts": 32,
+            "num_experts_per_tok": 8,
+            "expert_intermediate_size": 128,
+            "norm_topk_prob": False,
+            "router_aux_loss_coef": 0.01,
+        },
+        None,
+        {},
+    ),
+    "micro-batch": (
+        "mixtral-small",
+        {"router_aux_loss_coef": 0.01},
+        None,
+        {"grad_accum": 4, "balance_scope": "micro_batch"},
+    ),
+    "global-batch": (
+        "mixtral-small",
+        {"router_aux_loss_coef": 0.01},
+        None,
+        {"grad_accum": 4, "balance_scope": "global_batch"},
+    ),
 }
 # the comparison with the smallest gap gets every seed; the others the first (budget: ~1 hour on 2 cores)
 SEEDED = ("switch", "dense-active")
@@ -99,7 +130,9 @@ def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
     fields = {
         "model": {"preset": preset, "overrides": overrides, "baseline": baseline},
         "data": {"source": source, "seq_len": args.seq, "max_documents": args.max_documents},
-        "steps": args.steps, "batch_size": args.batch, "seed": seed,
+        "steps": args.steps,
+        "batch_size": args.batch,
+        "seed": seed,
         "optim": {"warmup_steps": max(1, args.steps // 15)},
         "eval": {"every": 0, "batches": args.eval_batches},
         "log": {"every": max(1, args.steps // 10), "progress": "off"},
@@ -120,8 +153,12 @@ def routing_health(history: list[dict], steps: int) -> dict[str, float]:
     drops = [statistics.mean(v for k, v in h.items() if k.endswith("/drop_rate")) for h in late]
     worst = [max(v for k, v in h.items() if k.endswith("/max_over_mean_load")) for h in late]
     dead = sum(1 for k, v in late[-1].items() if k.endswith("_frac") and v == 0.0)
-    return {"drop_rate": statistics.mean(drops), "max_over_mean": statistics.mean(worst),
-            "lb_loss": statistics.mean(h["aux_loss"] for h in late), "dead_experts": dead}
+    return {
+        "drop_rate": statistics.mean(drops),
+        "max_over_mean": statistics.mean(worst),
+        "lb_loss": statistics.mean(h["aux_loss"] for h in late),
+        "dead_experts": dead,
+    }
 
 
 def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
@@ -130,13 +167,20 @@ def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
     t0 = time.perf_counter()
     try:
         result = trainer.run()
-        row = {"arm": arm, "seed": seed, "val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss),
-               "tokens": result.tokens, **routing_health(result.history, config.steps)}
+        row = {
+            "arm": arm,
+            "seed": seed,
+            "val_loss": result.val_loss,
+            "val_ppl": math.exp(result.val_loss),
+            "tokens": result.tokens,
+            **routing_health(result.history, config.steps),
+        }
         counts = parameter_counts(trainer.model_config)
         row.update(params_active=counts["active"], params_total=counts["total"])
         if trainer.model_config.num_experts:
-            profile = profile_split(trainer.model, trainer.data_dir, "validation", batch_size=8,
-                                    max_batches=args.eval_batches)
+            profile = profile_split(
+                trainer.model, trainer.data_dir, "validation", batch_size=8, max_batches=args.eval_batches
+            )
             row["mi_domain_bits"] = statistics.mean(layer.mi_domain_bits for layer in profile.layers)
     finally:
         trainer.close()
@@ -161,19 +205,31 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a few minutes: 40 steps, 1 seed")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
-    parser.add_argument("--seeds", default=None, help="comma-separated (default 0,1 full, 0 quick); arms other "
-                        f"than {', '.join(SEEDED)} run the first seed only unless --all-seeds")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated (default 0,1 full, 0 quick); arms other "
+        f"than {', '.join(SEEDED)} run the first seed only unless --all-seeds",
+    )
     parser.add_argument("--all-seeds", action="store_true")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300 full, 40 quick)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default 300 full, 40 quick)"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--max-documents", type=int, default=None, help="default 2000 full, 400 quick")
     parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--data", default="builtin", help="a local text corpus: a file, a directory of "
-                        ".txt/.jsonl/.parquet files, or a datasets.save_to_disk copy (e.g. WikiText-103)")
+    parser.add_argument(
+        "--data",
+        default="builtin",
+        help="a local text corpus: a file, a directory of "
+        ".txt/.jsonl/.parquet files, or a datasets.save_to_disk copy (e.g. WikiText-103)",
+    )
     parser.add_argument("--cache", default=None, help="prepared-data cache directory (default: the usual)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -197,20 +253,29 @@ def main() -> None:
                     continue
                 row = run_arm(arm, args, seed, source, Path(tmp))
                 rows.append(row)
-                print(f"  {arm} seed {seed}: val ppl {row['val_ppl']:.2f} ({row['wall_s']:.0f} s)", flush=True)
+                print(
+                    f"  {arm} seed {seed}: val ppl {row['val_ppl']:.2f} ({row['wall_s']:.0f} s)", flush=True
+                )
     table = summarize(rows)
     tokens = rows[0]["tokens"]
-    print(f"\n{len(seeds)} seed(s), {tokens:,} training tokens per arm ({args.steps} steps x {args.batch} x "
-          f"{args.seq}), data {args.data}, {torch.get_num_threads()} thread(s)")
-    print(f"{'arm':<14}{'val ppl':>10}{'sd':>7}{'drop':>8}{'max/mean':>10}{'LB loss':>9}{'dead':>6}"
-          f"{'MI dom':>8}{'active M':>10}{'total M':>9}")
+    print(
+        f"\n{len(seeds)} seed(s), {tokens:,} training tokens per arm ({args.steps} steps x {args.batch} x "
+        f"{args.seq}), data {args.data}, {torch.get_num_threads()} thread(s)"
+    )
+    print(
+        f"{'arm':<14}{'val ppl':>10}{'sd':>7}{'drop':>8}{'max/mean':>10}{'LB loss':>9}{'dead':>6}"
+        f"{'MI dom':>8}{'active M':>10}{'total M':>9}"
+    )
+
     def cell(r, key, fmt, width):
         return f"{r[key]:>{width}{fmt}}" if key in r else f"{'-':>{width}}"
 
     for arm, r in table.items():
-        print(f"{arm:<14}{r['val_ppl']:>10.2f}{cell(r, 'val_ppl_sd', '.2f', 7)}{cell(r, 'drop_rate', '.3f', 8)}"
-              f"{cell(r, 'max_over_mean', '.2f', 10)}{cell(r, 'lb_loss', '.3f', 9)}{cell(r, 'dead_experts', '.0f', 6)}"
-              f"{cell(r, 'mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}")
+        print(
+            f"{arm:<14}{r['val_ppl']:>10.2f}{cell(r, 'val_ppl_sd', '.2f', 7)}{cell(r, 'drop_rate', '.3f', 8)}"
+            f"{cell(r, 'max_over_mean', '.2f', 10)}{cell(r, 'lb_loss', '.3f', 9)}{cell(r, 'dead_experts', '.0f', 6)}"
+            f"{cell(r, 'mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}"
+        )
     verdicts = {}
     for a, b, claim in DIRECTIONS:
         if a in table and b in table:
@@ -227,14 +292,28 @@ def main() -> None:
     if "switch" in table and "dense-active" in table:
         gain = 1 - table["switch"]["val_ppl"] / table["dense-active"]["val_ppl"]
         print(f"switch vs dense-active: {100 * gain:.1f}% lower perplexity (target >= 5%)")
-    print(json.dumps({
-        "benchmark": "quality", "quick": args.quick, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-        "tokens": tokens, "seeds": seeds, "data": args.data, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(),
-        "arms": {arm: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-                 for arm, r in table.items()},
-        "directions": verdicts,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "quality",
+                "quick": args.quick,
+                "steps": args.steps,
+                "batch": args.batch,
+                "seq": args.seq,
+                "tokens": tokens,
+                "seeds": seeds,
+                "data": args.data,
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "machine": platform.machine(),
+                "arms": {
+                    arm: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                    for arm, r in table.items()
+                },
+                "directions": verdicts,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,22 +42,33 @@ from moe_core.train.loop import Trainer
 
 
 def config_for(args, baseline: str | None, steps: int, source: str) -> TrainConfig:
-    return TrainConfig.build({
-        "model": {"preset": args.preset, "baseline": baseline},
-        "data": {"source": source, "seq_len": args.seq, "max_documents": args.max_documents,
-                 "synthetic_blocks": max(64, args.batch * 4)},
-        "steps": steps, "batch_size": args.batch, "precision": args.precision, "device": args.device,
-        "optim": {"lr": args.lr, "warmup_steps": max(1, steps // 10)},
-        "eval": {"every": 0, "batches": args.eval_batches},
-        "log": {"every": max(1, steps // 5), "progress": "off"},
-        "checkpoint": {"every": 10**9, "export": False},
-    })
+    return TrainConfig.build(
+        {
+            "model": {"preset": args.preset, "baseline": baseline},
+            "data": {
+                "source": source,
+                "seq_len": args.seq,
+                "max_documents": args.max_documents,
+                "synthetic_blocks": max(64, args.batch * 4),
+            },
+            "steps": steps,
+            "batch_size": args.batch,
+            "precision": args.precision,
+            "device": args.device,
+            "optim": {"lr": args.lr, "warmup_steps": max(1, steps // 10)},
+            "eval": {"every": 0, "batches": args.eval_batches},
+            "log": {"every": max(1, steps // 5), "progress": "off"},
+            "checkpoint": {"every": 10**9, "export": False},
+        }
+    )
 
 
 def step_times(args, workdir: Path) -> dict[str, dict]:
     variants = {"moe": None, "dense-active": "active", "dense-total": "total"}
-    trainers = {name: Trainer(config_for(args, b, 10**6, "synthetic"), workdir / f"speed-{name}")
-                for name, b in variants.items()}
+    trainers = {
+        name: Trainer(config_for(args, b, 10**6, "synthetic"), workdir / f"speed-{name}")
+        for name, b in variants.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for trainer in trainers.values():
         for _ in range(args.warmup):
@@ -73,8 +84,12 @@ def step_times(args, workdir: Path) -> dict[str, dict]:
     for name, trainer in trainers.items():
         counts = parameter_counts(trainer.model_config)
         median = statistics.median(times[name])
-        out[name] = {"step_s": median, "tokens_per_s": args.batch * args.seq / median,
-                     "params_total": counts["total"], "params_active": counts["active"]}
+        out[name] = {
+            "step_s": median,
+            "tokens_per_s": args.batch * args.seq / median,
+            "params_total": counts["total"],
+            "params_active": counts["active"],
+        }
         trainer.close()
     return out
 
@@ -87,8 +102,13 @@ def quality(args, workdir: Path) -> dict[str, dict]:
         t0 = time.perf_counter()
         result = trainer.run()
         trainer.close()
-        out[name] = {"val_loss": result.val_loss, "val_ppl": math.exp(result.val_loss),
-                     "train_loss": result.loss, "tokens": result.tokens, "wall_s": time.perf_counter() - t0}
+        out[name] = {
+            "val_loss": result.val_loss,
+            "val_ppl": math.exp(result.val_loss),
+            "train_loss": result.loss,
+            "tokens": result.tokens,
+            "wall_s": time.perf_counter() - t0,
+        }
     return out
 
 
@@ -98,21 +118,48 @@ def ep_scaling(args, workdir: Path) -> dict[int, dict]:
     for n in args.ep_scaling:
         run = workdir / f"ep{n}"
         steps = args.warmup + args.rounds
-        sets = [f"steps={steps}", f"batch_size={args.batch}", f"data.seq_len={args.seq}", "data.source=synthetic",
-                f"data.synthetic_blocks={max(64, args.batch * 4)}", f"precision={args.precision}",
-                f"device={args.device}", "log.every=1", "log.progress=off", "checkpoint.every=1000000000",
-                "checkpoint.export=false", "eval.batches=1", f"parallel.ep_size={n}"]
-        cmd = [sys.executable, "-m", "moe_core.cli", "train", "--out", str(run), "--preset", args.preset,
-               "--nproc", str(n), *[a for item in sets for a in ("--set", item)]]
+        sets = [
+            f"steps={steps}",
+            f"batch_size={args.batch}",
+            f"data.seq_len={args.seq}",
+            "data.source=synthetic",
+            f"data.synthetic_blocks={max(64, args.batch * 4)}",
+            f"precision={args.precision}",
+            f"device={args.device}",
+            "log.every=1",
+            "log.progress=off",
+            "checkpoint.every=1000000000",
+            "checkpoint.export=false",
+            "eval.batches=1",
+            f"parallel.ep_size={n}",
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_core.cli",
+            "train",
+            "--out",
+            str(run),
+            "--preset",
+            args.preset,
+            "--nproc",
+            str(n),
+            *[a for item in sets for a in ("--set", item)],
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads or 1)}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"ep{n} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        rows = [r for r in read_jsonl(run / "metrics.jsonl") if "step_time_s" in r][args.warmup:]
+        rows = [r for r in read_jsonl(run / "metrics.jsonl") if "step_time_s" in r][args.warmup :]
         step_s = statistics.median(r["step_time_s"] for r in rows)
         row = {"step_s": step_s, "tokens_per_s": args.batch * args.seq / step_s}
-        for key in ("comm/a2a_ms", "comm/a2a_ms_max", "comm/a2a_bytes_sent", "comm/frac_step",
-                    "comm/tokens_recv_imbalance"):
+        for key in (
+            "comm/a2a_ms",
+            "comm/a2a_ms_max",
+            "comm/a2a_bytes_sent",
+            "comm/frac_step",
+            "comm/tokens_recv_imbalance",
+        ):
             if key in rows[0]:
                 row[key] = statistics.median(r[key] for r in rows)
         out[n] = row
@@ -121,23 +168,42 @@ def ep_scaling(args, workdir: Path) -> dict[int, dict]:
 
 def print_ep_scaling(args, scaling: dict[int, dict]) -> None:
     base = scaling[min(scaling)]["tokens_per_s"]
-    print(f"EP scaling, {args.preset}: global batch {args.batch} x seq {args.seq}, {args.precision} on "
-          f"{args.device}, {args.threads or 1} thread(s) per process, median of {args.rounds} steps")
-    print(f"{'procs':>5}{'step ms':>10}{'tokens/s':>11}{'speedup':>9}{'a2a ms':>9}{'a2a KiB/rank':>14}"
-          f"{'comm frac':>11}{'imbalance':>11}")
+    print(
+        f"EP scaling, {args.preset}: global batch {args.batch} x seq {args.seq}, {args.precision} on "
+        f"{args.device}, {args.threads or 1} thread(s) per process, median of {args.rounds} steps"
+    )
+    print(
+        f"{'procs':>5}{'step ms':>10}{'tokens/s':>11}{'speedup':>9}{'a2a ms':>9}{'a2a KiB/rank':>14}"
+        f"{'comm frac':>11}{'imbalance':>11}"
+    )
     for n, row in scaling.items():
-        print(f"{n:>5}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>11.0f}{row['tokens_per_s'] / base:>9.2f}"
-              f"{row.get('comm/a2a_ms', 0):>9.1f}{row.get('comm/a2a_bytes_sent', 0) / 1024:>14.1f}"
-              f"{row.get('comm/frac_step', 0):>11.2f}{row.get('comm/tokens_recv_imbalance', 1):>11.2f}")
-    print(json.dumps({"benchmark": "train_step_ep_scaling", "preset": args.preset, "batch": args.batch,
-                      "seq": args.seq, "precision": args.precision, "device": args.device,
-                      "threads_per_process": args.threads or 1, "torch": torch.__version__,
-                      "cpus": os.cpu_count(), "results": {str(n): {k: round(v, 4) for k, v in row.items()}
-                                                          for n, row in scaling.items()}}))
+        print(
+            f"{n:>5}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>11.0f}{row['tokens_per_s'] / base:>9.2f}"
+            f"{row.get('comm/a2a_ms', 0):>9.1f}{row.get('comm/a2a_bytes_sent', 0) / 1024:>14.1f}"
+            f"{row.get('comm/frac_step', 0):>11.2f}{row.get('comm/tokens_recv_imbalance', 1):>11.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_step_ep_scaling",
+                "preset": args.preset,
+                "batch": args.batch,
+                "seq": args.seq,
+                "precision": args.precision,
+                "device": args.device,
+                "threads_per_process": args.threads or 1,
+                "torch": torch.__version__,
+                "cpus": os.cpu_count(),
+                "results": {str(n): {k: round(v, 4) for k, v in row.items()} for n, row in scaling.items()},
+            }
+        )
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="switch-small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
@@ -150,8 +216,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-documents", type=int, default=2000, help="of the built-in corpus")
     parser.add_argument("--eval-batches", type=int, default=32)
-    parser.add_argument("--ep-scaling", type=lambda s: [int(n) for n in s.split(",")], default=None,
-                        metavar="1,2,4", help="only the EP scaling runs, with these process counts")
+    parser.add_argument(
+        "--ep-scaling",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=None,
+        metavar="1,2,4",
+        help="only the EP scaling runs, with these process counts",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,32 +235,50 @@ def main() -> None:
         speed = step_times(args, Path(tmp))
         qual = quality(args, Path(tmp)) if args.quality_steps > 0 else {}
 
-    print(f"{args.preset}: batch {args.batch} x seq {args.seq}, {args.precision} on {args.device}, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved steps")
-    print(f"{'variant':<14}{'step ms':>10}{'tokens/s':>12}{'x dense-active':>16}{'active M':>10}{'total M':>10}")
+    print(
+        f"{args.preset}: batch {args.batch} x seq {args.seq}, {args.precision} on {args.device}, "
+        f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved steps"
+    )
+    print(
+        f"{'variant':<14}{'step ms':>10}{'tokens/s':>12}{'x dense-active':>16}{'active M':>10}{'total M':>10}"
+    )
     base = speed["dense-active"]["step_s"]
     for name, row in speed.items():
-        print(f"{name:<14}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}{row['step_s'] / base:>16.2f}"
-              f"{row['params_active'] / 1e6:>10.2f}{row['params_total'] / 1e6:>10.2f}")
+        print(
+            f"{name:<14}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}{row['step_s'] / base:>16.2f}"
+            f"{row['params_active'] / 1e6:>10.2f}{row['params_total'] / 1e6:>10.2f}"
+        )
     if qual:
         print(f"\nquality after {qual['moe']['tokens']} tokens on the built-in corpus:")
         for name, row in qual.items():
-            print(f"{name:<14} val loss {row['val_loss']:.4f}  val ppl {row['val_ppl']:.2f}  ({row['wall_s']:.0f} s)")
+            print(
+                f"{name:<14} val loss {row['val_loss']:.4f}  val ppl {row['val_ppl']:.2f}  ({row['wall_s']:.0f} s)"
+            )
     figures = {
-        "benchmark": "train_step", "preset": args.preset, "batch": args.batch, "seq": args.seq,
-        "precision": args.precision, "device": args.device, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(),
+        "benchmark": "train_step",
+        "preset": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "precision": args.precision,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
         "step_ms": {k: round(v["step_s"] * 1e3, 2) for k, v in speed.items()},
         "tokens_per_s": {k: round(v["tokens_per_s"], 1) for k, v in speed.items()},
         "moe_over_dense_active": round(speed["moe"]["step_s"] / base, 3),
         "moe_over_dense_total": round(speed["moe"]["step_s"] / speed["dense-total"]["step_s"], 3),
     }
     if qual:
-        figures.update({
-            "quality_tokens": qual["moe"]["tokens"],
-            "val_ppl": {k: round(v["val_ppl"], 3) for k, v in qual.items()},
-            "val_ppl_moe_over_dense_active": round(qual["moe"]["val_ppl"] / qual["dense-active"]["val_ppl"], 4),
-        })
+        figures.update(
+            {
+                "quality_tokens": qual["moe"]["tokens"],
+                "val_ppl": {k: round(v["val_ppl"], 3) for k, v in qual.items()},
+                "val_ppl_moe_over_dense_active": round(
+                    qual["moe"]["val_ppl"] / qual["dense-active"]["val_ppl"], 4
+                ),
+            }
+        )
     print(json.dumps(figures))
 
 

@@ -57,20 +57,35 @@ def specialization(run: RunData) -> dict | None:
         diag = np.diag(co)[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
             co_given = co / diag  # P(j used | i used)
-        layers.append({
-            "layer": layer.layer_id, "experts": layer.num_experts, "tokens": layer.tokens,
-            "share": _clean(layer.share_E), "mi_class_bits": _num(layer.mi_class_bits),
-            "mi_domain_bits": _num(layer.mi_domain_bits), "drop_rate": _num(layer.drop_rate),
-            "normalized_entropy": _num(layer.normalized_entropy), "dead_experts": layer.dead_experts(),
-            "class_share": _rows_normalized(layer.class_counts_EC),
-            "domain_share": _rows_normalized(layer.domain_counts_EM),
-            "coactivation": [_clean(r) for r in co_given],
-        })
-    flows = [{"from_layer": f.from_layer, "to_layer": f.to_layer, "top1": _rows_normalized(f.top1_EF)}
-             for f in profile.flows]
-    return {"classes": list(profile.class_names), "domains": list(profile.domain_names),
-            "dataset": {k: v for k, v in profile.dataset.items() if isinstance(v, int | float) or k == "fingerprint"},
-            "layers": layers, "flows": flows}
+        layers.append(
+            {
+                "layer": layer.layer_id,
+                "experts": layer.num_experts,
+                "tokens": layer.tokens,
+                "share": _clean(layer.share_E),
+                "mi_class_bits": _num(layer.mi_class_bits),
+                "mi_domain_bits": _num(layer.mi_domain_bits),
+                "drop_rate": _num(layer.drop_rate),
+                "normalized_entropy": _num(layer.normalized_entropy),
+                "dead_experts": layer.dead_experts(),
+                "class_share": _rows_normalized(layer.class_counts_EC),
+                "domain_share": _rows_normalized(layer.domain_counts_EM),
+                "coactivation": [_clean(r) for r in co_given],
+            }
+        )
+    flows = [
+        {"from_layer": f.from_layer, "to_layer": f.to_layer, "top1": _rows_normalized(f.top1_EF)}
+        for f in profile.flows
+    ]
+    return {
+        "classes": list(profile.class_names),
+        "domains": list(profile.domain_names),
+        "dataset": {
+            k: v for k, v in profile.dataset.items() if isinstance(v, int | float) or k == "fingerprint"
+        },
+        "layers": layers,
+        "flows": flows,
+    }
 
 
 def cost(run: RunData) -> dict | None:
@@ -101,6 +116,9 @@ def _numbers(data, keep_strings=()):
                 out[k] = _numbers(v, keep_strings)
         return out
     if isinstance(data, list):
-        return [_num(v) if isinstance(v, int | float) and not isinstance(v, bool) else _numbers(v, keep_strings)
-                for v in data if not isinstance(v, str)]
+        return [
+            _num(v) if isinstance(v, int | float) and not isinstance(v, bool) else _numbers(v, keep_strings)
+            for v in data
+            if not isinstance(v, str)
+        ]
     return data

@@ -31,14 +31,29 @@ class DashboardError(MoELabError):
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("dashboard", help="live web dashboard: training, routing, compare, inference",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", action="append", default=[], metavar="DIR",
-                   help="a runs root (repeatable); default $MOE_LAB_HOME/runs")
-    p.add_argument("--mlflow", default=None, metavar="URI", help="also list this MLflow tracking store's runs")
+    p = subparsers.add_parser(
+        "dashboard",
+        help="live web dashboard: training, routing, compare, inference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--runs",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a runs root (repeatable); default $MOE_LAB_HOME/runs",
+    )
+    p.add_argument(
+        "--mlflow", default=None, metavar="URI", help="also list this MLflow tracking store's runs"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)")
-    p.add_argument("--token", default=None, help="required on a non-local --host; default $MOE_LAB_DASHBOARD_TOKEN")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free)"
+    )
+    p.add_argument(
+        "--token", default=None, help="required on a non-local --host; default $MOE_LAB_DASHBOARD_TOKEN"
+    )
     p.set_defaults(func=run_dashboard)
 
 
@@ -53,8 +68,9 @@ def resolve_token(host: str, token: str | None) -> str | None:
 
     token = token or os.environ.get(TOKEN_ENV) or None
     if host not in LOCAL_HOSTS and not token:
-        raise DashboardError(f"--host {host} exposes the dashboard beyond this machine: pass --token SECRET "
-                             f"or set {TOKEN_ENV}")
+        raise DashboardError(
+            f"--host {host} exposes the dashboard beyond this machine: pass --token SECRET or set {TOKEN_ENV}"
+        )
     return token
 
 
@@ -78,13 +94,20 @@ def run_dashboard(args) -> int:
     roots = args.runs or default_roots()
     port = args.port or free_port(args.host)
     app = create_app(roots, token=token, mlflow_uri=args.mlflow)
-    print(f"moe-lab dashboard: {dashboard_url(args.host, port, token)} (runs: {', '.join(roots)})", flush=True)
+    print(
+        f"moe-lab dashboard: {dashboard_url(args.host, port, token)} (runs: {', '.join(roots)})", flush=True
+    )
     uvicorn.run(app, host=args.host, port=port, log_level="warning")
     return 0
 
 
-def start_beside(roots: list[str | Path], host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, wait_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+def start_beside(
+    roots: list[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    wait_s: float = 90.0,
+) -> tuple[subprocess.Popen, str]:
     """Start the dashboard in a child process (beside a training run or a flow); returns it and its URL once
     it answers. The caller terminates it (or leaves it running for the user)."""
     token = resolve_token(host, token)
@@ -100,10 +123,13 @@ def start_beside(roots: list[str | Path], host: str = "127.0.0.1", port: int = 0
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise DashboardError(f"the dashboard exited with code {proc.returncode} before answering on {url}")
+            raise DashboardError(
+                f"the dashboard exited with code {proc.returncode} before answering on {url}"
+            )
         try:
-            req = urllib.request.Request(url.split("?")[0] + "api/runs",
-                                         headers={"Authorization": f"Bearer {token}"} if token else {})
+            req = urllib.request.Request(
+                url.split("?")[0] + "api/runs", headers={"Authorization": f"Bearer {token}"} if token else {}
+            )
             with urllib.request.urlopen(req, timeout=2):
                 return proc, url
         except OSError:

@@ -141,10 +141,14 @@ class RunData:
         self.lock = threading.Lock()
         self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
         # per-layer keys (moe/...) are read from the binary load log: never parsed into memory twice
-        self.tail = EventTail(path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root,
-                              skip_prefixes=("moe/",))
-        self.rank_tails = [EventTail(p, root, ("moe/",)) for p in sorted(path.glob("metrics.rank*.jsonl"))
-                           if _inside(p, root)]
+        self.tail = EventTail(
+            path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root, skip_prefixes=("moe/",)
+        )
+        self.rank_tails = [
+            EventTail(p, root, ("moe/",))
+            for p in sorted(path.glob("metrics.rank*.jsonl"))
+            if _inside(p, root)
+        ]
         self._sidecar_rows = 0
         self._steps = np.zeros(0, dtype=np.float64)
 
@@ -166,7 +170,9 @@ class RunData:
         if n != self._sidecar_rows:  # read only the new rows' step column
             with self.lock:
                 if n > self._sidecar_rows:
-                    self._steps = np.concatenate([self._steps, np.asarray(rows[self._sidecar_rows:, 0], np.float64)])
+                    self._steps = np.concatenate(
+                        [self._steps, np.asarray(rows[self._sidecar_rows :, 0], np.float64)]
+                    )
                 else:
                     self._steps = np.asarray(rows[:, 0], np.float64)
                 self._sidecar_rows = n
@@ -205,21 +211,35 @@ class RunData:
         self.refresh()
         header, rows, steps = self.sidecar()
         last_step = self.tail.columns.get("tokens", Column()).steps[-1:] or [None]
-        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(),
-                "last_step": last_step[0], "rows": self.tail.rows, "metrics": sorted(self.tail.columns),
-                "layers": header["layers"] if header else [], "experts": header["experts"] if header else 0,
-                "has_bias": bool(header and "bias" in header["per_layer"]),
-                "routing_rows": 0 if rows is None else int(rows.shape[0]),
-                "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
-                "ranks": len(self.rank_tails) or 1}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "kind": self.kind,
+            "live": self.is_live(),
+            "last_step": last_step[0],
+            "rows": self.tail.rows,
+            "metrics": sorted(self.tail.columns),
+            "layers": header["layers"] if header else [],
+            "experts": header["experts"] if header else 0,
+            "has_bias": bool(header and "bias" in header["per_layer"]),
+            "routing_rows": 0 if rows is None else int(rows.shape[0]),
+            "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
+            "ranks": len(self.rank_tails) or 1,
+        }
 
     def listing(self) -> dict:
         try:
             mtime = self.tail.path.stat().st_mtime
         except FileNotFoundError:
             mtime = 0.0
-        return {"id": self.id, "name": self.name, "kind": self.kind, "live": self.is_live(), "mtime": mtime,
-                "root": str(self.root)}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "kind": self.kind,
+            "live": self.is_live(),
+            "mtime": mtime,
+            "root": str(self.root),
+        }
 
 
 def _inside(path: Path, root: Path) -> bool:

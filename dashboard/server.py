@@ -42,8 +42,12 @@ MAX_POINTS = 4000
 MAX_BACKLOG = 1000  # load-log rows a new stream sends at once; older ones come from /routing
 
 
-def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: str | None = None,
-               poll_seconds: float = POLL_SECONDS) -> FastAPI:
+def create_app(
+    roots: list[str | Path],
+    token: str | None = None,
+    mlflow_uri: str | None = None,
+    poll_seconds: float = POLL_SECONDS,
+) -> FastAPI:
     registry = RunRegistry(roots)
     app = FastAPI(title="moe-lab dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
@@ -51,11 +55,17 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
     @app.middleware("http")
     async def require_token(request: Request, call_next):
         if token:
-            given = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-                     or request.query_params.get("token") or request.cookies.get("moe_lab_token") or "")
+            given = (
+                request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                or request.query_params.get("token")
+                or request.cookies.get("moe_lab_token")
+                or ""
+            )
             if not hmac.compare_digest(given.encode(), token.encode()):
-                return JSONResponse({"detail": "a dashboard token is required (?token=... or Authorization: "
-                                               "Bearer ...)"}, status_code=401)
+                return JSONResponse(
+                    {"detail": "a dashboard token is required (?token=... or Authorization: Bearer ...)"},
+                    status_code=401,
+                )
         response = await call_next(request)
         if token and request.query_params.get("token"):
             response.set_cookie("moe_lab_token", token, httponly=True, samesite="strict")
@@ -88,8 +98,14 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         return {"checkpoints": run_or_404(rid).checkpoints()}
 
     @app.get("/api/runs/{rid}/scalars")
-    def scalars(rid: str, keys: str = "loss", points: int = Query(1000, ge=2, le=MAX_POINTS),
-                start: float | None = None, end: float | None = None, x: str = "step"):
+    def scalars(
+        rid: str,
+        keys: str = "loss",
+        points: int = Query(1000, ge=2, le=MAX_POINTS),
+        start: float | None = None,
+        end: float | None = None,
+        x: str = "step",
+    ):
         run = run_or_404(rid)
         run.refresh()
         out = {}
@@ -101,15 +117,22 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
             steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
             keep = _in_range(steps, start, end)
             series = downsample_series(steps[keep], values[keep], points)
-            if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
+            if (
+                x == "tokens" and tokens is not None
+            ):  # align by tokens seen: map steps through the tokens column
                 series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
             out[key] = series
         return FastJSON({"run": rid, "x": x, "series": out})
 
     @app.get("/api/runs/{rid}/routing")
-    def routing(rid: str, layer: int = 0, points: int = Query(600, ge=2, le=MAX_POINTS),
-                start: float | None = None, end: float | None = None,
-                encoding: str = Query("json", pattern="^(json|u16)$")):
+    def routing(
+        rid: str,
+        layer: int = 0,
+        points: int = Query(600, ge=2, le=MAX_POINTS),
+        start: float | None = None,
+        end: float | None = None,
+        encoding: str = Query("json", pattern="^(json|u16)$"),
+    ):
         run = run_or_404(rid)
         header, rows, steps = run.sidecar()
         if header is None:
@@ -119,12 +142,18 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
         li = header["layers"].index(layer)
         base, cols = 2 + li * header["per_layer_floats"], header["per_layer"]
         lo, hi = _row_range(steps, start, end)
-        block = rows[lo:hi, base: base + header["per_layer_floats"]]
+        block = rows[lo:hi, base : base + header["per_layer_floats"]]
         edges, means = downsample_rows(block, points)
         E = header["experts"]
         means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
-        out = {"run": rid, "layer": layer, "experts": E, "rows": int(hi - lo),
-               "steps": steps[lo:hi][edges] if len(edges) else [], "frac": means[:, :E]}
+        out = {
+            "run": rid,
+            "layer": layer,
+            "experts": E,
+            "rows": int(hi - lo),
+            "steps": steps[lo:hi][edges] if len(edges) else [],
+            "frac": means[:, :E],
+        }
         if encoding == "u16":  # the heatmap as 2 bytes a cell instead of ~12 characters of JSON
             out["frac"] = _u16(means[:, :E])
         for name in LAYER_STATS:
@@ -142,7 +171,7 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
             return {"run": rid, "step": None, "layers": header["layers"] if header else [], "frac": []}
         E, width = header["experts"], header["per_layer_floats"]
         last = np.array(rows[-1], dtype=np.float32)
-        frac_LE = np.stack([last[2 + i * width: 2 + i * width + E] for i in range(len(header["layers"]))])
+        frac_LE = np.stack([last[2 + i * width : 2 + i * width + E] for i in range(len(header["layers"]))])
         return FastJSON({"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac_LE})
 
     # ------------------------------------------------------------------ analysis
@@ -154,9 +183,11 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
     def cost(rid: str):
         run = run_or_404(rid)
         run.refresh()
-        latest = {k: run.tail.columns[k].values[-1] for k in ("flops_per_token", "tokens_per_s", "mfu",
-                                                              "tflops_per_device", "tokens")
-                  if k in run.tail.columns and run.tail.columns[k].values}
+        latest = {
+            k: run.tail.columns[k].values[-1]
+            for k in ("flops_per_token", "tokens_per_s", "mfu", "tflops_per_device", "tokens")
+            if k in run.tail.columns and run.tail.columns[k].values
+        }
         return {"run": rid, "report": analysis.cost(run), "training": latest}
 
     # ------------------------------------------------------------------ live
@@ -185,24 +216,55 @@ def create_app(roots: list[str | Path], token: str | None = None, mlflow_uri: st
                         b0, b1 = header["per_layer"].get("bias", (None, None))
                         for r in range(sent_rows, n):
                             row = np.asarray(loads[r], dtype=np.float64)
-                            routing.append({"step": float(row[0]), "frac": [
-                                _clean(row[2 + i * width: 2 + i * width + E]) for i in range(len(header["layers"]))],
-                                **{name: _clean([row[2 + i * width + header["per_layer"][name]]
-                                                 for i in range(len(header["layers"]))]) for name in LAYER_STATS},
-                                **({"bias": [_clean(row[2 + i * width + b0: 2 + i * width + b1])
-                                             for i in range(len(header["layers"]))]} if b0 is not None else {})})
+                            routing.append(
+                                {
+                                    "step": float(row[0]),
+                                    "frac": [
+                                        _clean(row[2 + i * width : 2 + i * width + E])
+                                        for i in range(len(header["layers"]))
+                                    ],
+                                    **{
+                                        name: _clean(
+                                            [
+                                                row[2 + i * width + header["per_layer"][name]]
+                                                for i in range(len(header["layers"]))
+                                            ]
+                                        )
+                                        for name in LAYER_STATS
+                                    },
+                                    **(
+                                        {
+                                            "bias": [
+                                                _clean(row[2 + i * width + b0 : 2 + i * width + b1])
+                                                for i in range(len(header["layers"]))
+                                            ]
+                                        }
+                                        if b0 is not None
+                                        else {}
+                                    ),
+                                }
+                            )
                         sent_rows = n
                 if payload or routing:
-                    data = json.dumps({"rows": payload, "routing": routing,
-                                       "alerts": sorted(run.tail.alerts.values(), key=lambda a: a["first_step"])},
-                                      allow_nan=False, default=str)
+                    data = json.dumps(
+                        {
+                            "rows": payload,
+                            "routing": routing,
+                            "alerts": sorted(run.tail.alerts.values(), key=lambda a: a["first_step"]),
+                        },
+                        allow_nan=False,
+                        default=str,
+                    )
                     yield f"event: update\ndata: {data}\n\n"
                 else:
                     yield ": keep-alive\n\n"
                 await asyncio.sleep(poll_seconds)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
 
     # ------------------------------------------------------------------ the app
     @app.get("/")
@@ -232,8 +294,13 @@ U16_NULL = 65535  # u16 encoding: shares in [0, 1] as round(share * 65534); 6553
 def _u16(shares: np.ndarray) -> dict:
     """``[rows, E]`` shares as little-endian uint16, base64: what the browser's heatmap needs, 1/65534 steps."""
     q = np.where(np.isfinite(shares), np.round(np.clip(shares, 0.0, 1.0) * (U16_NULL - 1)), U16_NULL)
-    return {"encoding": "u16", "shape": list(shares.shape), "scale": U16_NULL - 1, "null": U16_NULL,
-            "data": base64.b64encode(q.astype("<u2").tobytes()).decode()}
+    return {
+        "encoding": "u16",
+        "shape": list(shares.shape),
+        "scale": U16_NULL - 1,
+        "null": U16_NULL,
+        "data": base64.b64encode(q.astype("<u2").tobytes()).decode(),
+    }
 
 
 def _contiguous(obj):
@@ -247,9 +314,13 @@ def _static_file(rel: str) -> Response:
     allowed = {p.relative_to(STATIC).as_posix(): p for p in STATIC.rglob("*") if p.is_file()}
     path = allowed.get(rel)
     if path is None:
-        raise HTTPException(404, "not found" if rel != "index.html" else
-                            "the dashboard's built app is missing (dashboard/static); run npm run build in "
-                            "dashboard/web")
+        raise HTTPException(
+            404,
+            "not found"
+            if rel != "index.html"
+            else "the dashboard's built app is missing (dashboard/static); run npm run build in "
+            "dashboard/web",
+        )
     return FileResponse(path)
 
 

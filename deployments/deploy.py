@@ -49,8 +49,11 @@ def serve() -> None:
     for name, (entrypoint, cron, params) in DEPLOYMENTS.items():
         params = _nightly_params() if name == "nightly-retrain" else params
         schedules = [Cron(cron, timezone=TIMEZONE)] if cron else None
-        runners.append(_flow(entrypoint).to_deployment(name=name, schedules=schedules, parameters=params,
-                                                       tags=["moe-lab"]))
+        runners.append(
+            _flow(entrypoint).to_deployment(
+                name=name, schedules=schedules, parameters=params, tags=["moe-lab"]
+            )
+        )
     prefect_serve(*runners)
 
 
@@ -73,8 +76,15 @@ def deploy(work_pool: str | None = None) -> list[str]:
     for name, (entrypoint, cron, params) in DEPLOYMENTS.items():
         params = _nightly_params() if name == "nightly-retrain" else params
         remote = prefect_flow.from_source(str(REPO_ROOT), entrypoint)
-        remote.deploy(name=name, work_pool_name=pool, schedules=[Cron(cron, timezone=TIMEZONE)] if cron else None,
-                      parameters=params, tags=["moe-lab"], build=False, push=False)
+        remote.deploy(
+            name=name,
+            work_pool_name=pool,
+            schedules=[Cron(cron, timezone=TIMEZONE)] if cron else None,
+            parameters=params,
+            tags=["moe-lab"],
+            build=False,
+            push=False,
+        )
         names.append(f"{remote.name}/{name}")
     return names
 

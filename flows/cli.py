@@ -35,48 +35,85 @@ FLOWS = {  # command name -> (module, flow function, params class)
 
 
 def add_cli(subparsers) -> None:
-    run = subparsers.add_parser("run", help="run a Prefect flow (lifecycle, pretrain, validate-data, ...)",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("flow", choices=sorted(FLOWS), help="the flow to run (its parameters: FLOW --help-config)")
+    run = subparsers.add_parser(
+        "run",
+        help="run a Prefect flow (lifecycle, pretrain, validate-data, ...)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument(
+        "flow", choices=sorted(FLOWS), help="the flow to run (its parameters: FLOW --help-config)"
+    )
     run.add_argument("--params", help="YAML/JSON file with the flow's parameters")
-    run.add_argument("--size", choices=["tiny", "small"], default="small",
-                     help="training preset for lifecycle/pretrain: tiny (seconds, CI) or small (minutes)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a parameter, e.g. --set train.steps=300 --set baseline=active "
-                          "(all parameters: moe-lab run FLOW --help-config)")
+    run.add_argument(
+        "--size",
+        choices=["tiny", "small"],
+        default="small",
+        help="training preset for lifecycle/pretrain: tiny (seconds, CI) or small (minutes)",
+    )
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a parameter, e.g. --set train.steps=300 --set baseline=active "
+        "(all parameters: moe-lab run FLOW --help-config)",
+    )
     add_config_help(run, _params_class)
-    run.add_argument("--dashboard", action="store_true",
-                     help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL")
+    run.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL",
+    )
     run.set_defaults(func=run_flow)
 
-    ui = subparsers.add_parser("ui", help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)",
-                               description="Open the MLflow UI on the lab's tracking store (MLFLOW_TRACKING_URI, "
-                                           "or the SQLite store under $MOE_LAB_HOME) on http://HOST:PORT; with "
-                                           "--prefect, start the Prefect server and its UI instead. Ctrl-C stops it.")
+    ui = subparsers.add_parser(
+        "ui",
+        help="the MLflow UI on 127.0.0.1 (or Prefect's with --prefect)",
+        description="Open the MLflow UI on the lab's tracking store (MLFLOW_TRACKING_URI, "
+        "or the SQLite store under $MOE_LAB_HOME) on http://HOST:PORT; with "
+        "--prefect, start the Prefect server and its UI instead. Ctrl-C stops it.",
+    )
     ui.add_argument("--port", type=int, default=None, help="default: 5000 (MLflow), 4200 (Prefect)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--prefect", action="store_true", help="start the Prefect server and UI instead")
     ui.set_defaults(func=run_ui)
 
-    sync = subparsers.add_parser("sync", help="upload what a flow or training run kept while MLflow was unreachable")
-    sync.add_argument("run_dir", help="a flow's output directory (holds mlflow_pending.jsonl) or a training "
-                                      "output directory (holds metrics.jsonl)")
-    sync.add_argument("--run-id", default=None, help="MLflow run to upload into (default: the one it was recording to)")
-    sync.add_argument("--all", action="store_true", help="upload every event, not only those after the outage")
+    sync = subparsers.add_parser(
+        "sync", help="upload what a flow or training run kept while MLflow was unreachable"
+    )
+    sync.add_argument(
+        "run_dir",
+        help="a flow's output directory (holds mlflow_pending.jsonl) or a training "
+        "output directory (holds metrics.jsonl)",
+    )
+    sync.add_argument(
+        "--run-id", default=None, help="MLflow run to upload into (default: the one it was recording to)"
+    )
+    sync.add_argument(
+        "--all", action="store_true", help="upload every event, not only those after the outage"
+    )
     sync.set_defaults(func=run_sync)
 
-    deploy = subparsers.add_parser("deploy", help="register the nightly and on-demand deployments with Prefect",
-                                   description="Register the nightly retraining and the on-demand deployments "
-                                               "with the Prefect server at PREFECT_API_URL, on a process work "
-                                               "pool; a worker (prefect worker start --pool POOL) runs them. "
-                                               "See deployments/README.md.")
+    deploy = subparsers.add_parser(
+        "deploy",
+        help="register the nightly and on-demand deployments with Prefect",
+        description="Register the nightly retraining and the on-demand deployments "
+        "with the Prefect server at PREFECT_API_URL, on a process work "
+        "pool; a worker (prefect worker start --pool POOL) runs them. "
+        "See deployments/README.md.",
+    )
     deploy.add_argument("--work-pool", default=None, help="process work pool (default: moe-lab-process)")
     deploy.set_defaults(func=run_deploy)
 
-    serve = subparsers.add_parser("serve", help="serve the deployments from this process (schedules run here)",
-                                  description="Serve the nightly and on-demand deployments from this process: "
-                                              "no work pool or worker needed; scheduled and triggered runs "
-                                              "execute here until Ctrl-C. See deployments/README.md.")
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve the deployments from this process (schedules run here)",
+        description="Serve the nightly and on-demand deployments from this process: "
+        "no work pool or worker needed; scheduled and triggered runs "
+        "execute here until Ctrl-C. See deployments/README.md.",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -85,10 +122,14 @@ def _params_class(namespace):
 
     flow = getattr(namespace, "flow", None)
     if flow not in FLOWS:
-        raise SystemExit("moe-lab run: name the flow first: moe-lab run FLOW --help-config "
-                         f"(FLOW: {', '.join(sorted(FLOWS))})")
+        raise SystemExit(
+            "moe-lab run: name the flow first: moe-lab run FLOW --help-config "
+            f"(FLOW: {', '.join(sorted(FLOWS))})"
+        )
     module, _, cls_name = FLOWS[flow][2].partition(":")
-    title = f"moe-lab run {flow} --set KEY=VALUE (fields of {module}.{cls_name}; --params takes the same in YAML"
+    title = (
+        f"moe-lab run {flow} --set KEY=VALUE (fields of {module}.{cls_name}; --params takes the same in YAML"
+    )
     if flow in ("lifecycle", "pretrain"):
         title += "; train.* defaults shown are the class's, --size tiny|small sets the training preset"
     title += "):"
@@ -116,15 +157,19 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
     cls = getattr(importlib.import_module(module), cls_name)
     data = _read_params_file(params_file) if params_file else {}
     if flow in ("lifecycle", "pretrain") and "train" not in data:
-        data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(mode="json")
+        data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(
+            mode="json"
+        )
     for item in overrides:
         _apply_override(data, item)
     try:
         return cls.model_validate(data)
     except ValidationError as err:
         where = " and ".join(filter(None, [params_file, "--set" if overrides else None])) or "defaults"
-        raise FlowParamsError(f"moe-lab run {flow} parameters ({where}): {describe_errors(cls, err)}; "
-                              f"see moe-lab run {flow} --help-config") from None
+        raise FlowParamsError(
+            f"moe-lab run {flow} parameters ({where}): {describe_errors(cls, err)}; "
+            f"see moe-lab run {flow} --help-config"
+        ) from None
 
 
 def _read_params_file(path: str) -> dict:
@@ -144,8 +189,9 @@ def _read_params_file(path: str) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise FlowParamsError(f"--params {path}: expected a mapping of parameters at the top level, "
-                              f"got {type(data).__name__}")
+        raise FlowParamsError(
+            f"--params {path}: expected a mapping of parameters at the top level, got {type(data).__name__}"
+        )
     return data
 
 
@@ -162,9 +208,11 @@ def _apply_override(data: dict, item: str) -> None:
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            section = ".".join(parts[:depth + 1])
-            raise FlowParamsError(f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
-                                  f"{key} cannot be set; set {section}=VALUE instead")
+            section = ".".join(parts[: depth + 1])
+            raise FlowParamsError(
+                f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
+                f"{key} cannot be set; set {section}=VALUE instead"
+            )
         node = child
     try:
         node[parts[-1]] = parse_value(raw)
@@ -204,14 +252,18 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
         print(f"  MLflow run        {tracking.run_url(run_id)}  (tracking: {where['mlflow']}; `moe-lab ui`)")
     if result.get("version"):
         state = "champion" if result.get("promoted") else "candidate (champion kept)"
-        print(f"  registered model  models:/{result['model_name']}/{result['version']} -> {state} ({result['reason']})")
+        print(
+            f"  registered model  models:/{result['model_name']}/{result['version']} -> {state} ({result['reason']})"
+        )
     elif "version" in result:
         print(f"  registered model  none: {result['reason']}")
     for key in ("out_dir", "export_dir", "data_dir"):
         if result.get(key):
             print(f"  {key.replace('_', ' '):<17} {result[key]}")
     if plots := _plots_dir(result):
-        print(f"  plots             {plots}  (router load, token-to-expert, flow, specialization: PNG and HTML)")
+        print(
+            f"  plots             {plots}  (router load, token-to-expert, flow, specialization: PNG and HTML)"
+        )
     print(f"  Prefect           {where['prefect']}")
     print(f"  dashboard         moe-lab dashboard --runs {where['home']}/runs  (training, routing, compare)")
     metrics = result.get("metrics") or {}
@@ -220,8 +272,10 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     if "eval.validation_bpb" in metrics:
         print(f"  bits per byte     {metrics['eval.validation_bpb']:.4f}")
     if result.get("mlflow_pending"):
-        print(f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
-              f"                    upload them once MLflow is back: {result['sync_command']}")
+        print(
+            f"  MLflow pending    {result['mlflow_offline']}: the records wait in {result['mlflow_pending']};\n"
+            f"                    upload them once MLflow is back: {result['sync_command']}"
+        )
 
 
 def _plots_dir(result: dict) -> Path | None:
@@ -236,11 +290,22 @@ def run_ui(args) -> int:
     settings = _settings()
     if args.prefect:
         env = {**os.environ, "PREFECT_SERVER_API_HOST": args.host}
-        return subprocess.call(["prefect", "server", "start", "--host", args.host, "--port", str(args.port or 4200)],
-                               env=env)
+        return subprocess.call(
+            ["prefect", "server", "start", "--host", args.host, "--port", str(args.port or 4200)], env=env
+        )
     uri = os.environ["MLFLOW_TRACKING_URI"]
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-           "--port", str(args.port or 5000)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port or 5000),
+    ]
     if uri.startswith("sqlite:"):
         cmd += ["--default-artifact-root", settings.artifact_root().as_uri()]
     print(f"MLflow UI on http://{args.host}:{args.port or 5000} ({uri}); Ctrl-C stops it", flush=True)

@@ -22,8 +22,9 @@ def out_dir_for(flow_name: str, requested: str | None) -> Path:
 
 def prepare_config_for(train: TrainConfig, validation: ValidationConfig | None = None) -> PrepareConfig:
     """The preparation `moe_core.train` would do for ``train.data`` (same fields as its own data cache)."""
-    return train.data.prepare_config(train.model.build_config().vocab_size,
-                                     validation=validation or ValidationConfig())
+    return train.data.prepare_config(
+        train.model.build_config().vocab_size, validation=validation or ValidationConfig()
+    )
 
 
 def data_dir_for(config: PrepareConfig) -> str:
@@ -48,6 +49,10 @@ def link_dashboard(flow_name: str) -> str | None:
     if url:
         from prefect.artifacts import create_link_artifact
 
-        create_link_artifact(url, link_text="live dashboard", key=f"{flow_name}-dashboard",
-                             description="moe-lab dashboard: training, routing, compare")
+        create_link_artifact(
+            url,
+            link_text="live dashboard",
+            key=f"{flow_name}-dashboard",
+            description="moe-lab dashboard: training, routing, compare",
+        )
     return url

@@ -24,17 +24,44 @@ class EvaluateFlowParams(EvaluateParams):
 def evaluate(params: EvaluateFlowParams) -> dict:
     out = out_dir_for("evaluate", params.out_dir)
     with flow_record("evaluate", params, out_dir=out) as run_id:
-        result = ev.evaluate_model({"model": params.model_dir, **params.baselines}, params.data_dir,
-                                   str(out / "eval"), params.splits, params.batch_size, params.max_batches, run_id)
-        profile = ev.profile_router(params.model_dir, params.data_dir, str(out / "analysis"), "validation",
-                                    params.batch_size, params.profile_batches, params.plots, run_id,
-                                    params.vocab_pieces)
-        cost = ev.cost_report(params.model_dir, params.events, str(out / "analysis"), params.device_name,
-                              _seq_len(params.data_dir), run_id)
+        result = ev.evaluate_model(
+            {"model": params.model_dir, **params.baselines},
+            params.data_dir,
+            str(out / "eval"),
+            params.splits,
+            params.batch_size,
+            params.max_batches,
+            run_id,
+        )
+        profile = ev.profile_router(
+            params.model_dir,
+            params.data_dir,
+            str(out / "analysis"),
+            "validation",
+            params.batch_size,
+            params.profile_batches,
+            params.plots,
+            run_id,
+            params.vocab_pieces,
+        )
+        cost = ev.cost_report(
+            params.model_dir,
+            params.events,
+            str(out / "analysis"),
+            params.device_name,
+            _seq_len(params.data_dir),
+            run_id,
+        )
         headline = record_summary(run_id, result, profile, cost)  # the flow's run compares in the runs table
-    return {"metrics": result["metrics"], "summary_metrics": headline, "profile_dir": profile["profile_dir"],
-            "run_id": cost["run_id"], "usd_per_million_tokens": cost["usd_per_million_tokens"],
-            "mlflow_run_id": run_id, **pending_summary()}
+    return {
+        "metrics": result["metrics"],
+        "summary_metrics": headline,
+        "profile_dir": profile["profile_dir"],
+        "run_id": cost["run_id"],
+        "usd_per_million_tokens": cost["usd_per_million_tokens"],
+        "mlflow_run_id": run_id,
+        **pending_summary(),
+    }
 
 
 def _seq_len(data_dir: str) -> int:

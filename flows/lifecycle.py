@@ -25,68 +25,150 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     link_dashboard("lifecycle")
     p, t = params, params.train
     with flow_record("lifecycle", params, out_dir=out) as run_id:
-        data.validate_data(t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id)
+        data.validate_data(
+            t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id
+        )
         prepare_cfg = prepare_config_for(t, p.validation)
         data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
         config = with_data(t, data_dir)
 
-        model = train.pretrain(config, str(out / "pretrain"), run_id, p.nproc, p.subprocess,
-                               log_checkpoint=p.log_checkpoint)
+        model = train.pretrain(
+            config, str(out / "pretrain"), run_id, p.nproc, p.subprocess, log_checkpoint=p.log_checkpoint
+        )
         models = {"moe": model["export_dir"]}
         if p.baseline:
-            dense = config.model_copy(update={"model": config.model.model_copy(update={"baseline": p.baseline})})
-            baseline = train.pretrain(dense, str(out / f"dense-{p.baseline}"), run_id, p.nproc, p.subprocess,
-                                      log_model=False, stage=f"pretrain_dense_{p.baseline}")
+            dense = config.model_copy(
+                update={"model": config.model.model_copy(update={"baseline": p.baseline})}
+            )
+            baseline = train.pretrain(
+                dense,
+                str(out / f"dense-{p.baseline}"),
+                run_id,
+                p.nproc,
+                p.subprocess,
+                log_model=False,
+                stage=f"pretrain_dense_{p.baseline}",
+            )
             models[f"dense-{p.baseline}"] = baseline["export_dir"]
 
-        evaluation = ev.evaluate_model(models, data_dir, str(out / "eval"), p.evaluate.splits, p.evaluate.batch_size,
-                                       p.evaluate.max_batches, run_id)
-        routing = ev.profile_router(model["export_dir"], data_dir, str(out / "analysis"), "validation",
-                                    p.evaluate.batch_size, p.evaluate.profile_batches, p.evaluate.plots, run_id,
-                                    p.evaluate.vocab_pieces)
-        cost = ev.cost_report(model["export_dir"], str(out / "pretrain" / "metrics.jsonl"), str(out / "analysis"),
-                              p.evaluate.device_name, config.data.seq_len, run_id)
+        evaluation = ev.evaluate_model(
+            models,
+            data_dir,
+            str(out / "eval"),
+            p.evaluate.splits,
+            p.evaluate.batch_size,
+            p.evaluate.max_batches,
+            run_id,
+        )
+        routing = ev.profile_router(
+            model["export_dir"],
+            data_dir,
+            str(out / "analysis"),
+            "validation",
+            p.evaluate.batch_size,
+            p.evaluate.profile_batches,
+            p.evaluate.plots,
+            run_id,
+            p.evaluate.vocab_pieces,
+        )
+        cost = ev.cost_report(
+            model["export_dir"],
+            str(out / "pretrain" / "metrics.jsonl"),
+            str(out / "analysis"),
+            p.evaluate.device_name,
+            config.data.seq_len,
+            run_id,
+        )
 
         first_evaluation = evaluation
         if p.finetune.enabled:
             model = finetune_model(p.finetune.config, model["export_dir"], str(out / "finetune"), run_id)
-            evaluation = ev.evaluate_model({"finetuned": model["export_dir"]}, data_dir, str(out / "eval-finetuned"),
-                                           p.evaluate.splits, p.evaluate.batch_size, p.evaluate.max_batches, run_id,
-                                           stage="evaluate_finetuned")
+            evaluation = ev.evaluate_model(
+                {"finetuned": model["export_dir"]},
+                data_dir,
+                str(out / "eval-finetuned"),
+                p.evaluate.splits,
+                p.evaluate.batch_size,
+                p.evaluate.max_batches,
+                run_id,
+                stage="evaluate_finetuned",
+            )
 
         refusal = registry.check_model(model["export_dir"], evaluation, run_id)  # NaN weights or metrics
         bench = None
         if p.optimize is not None and refusal is None:
-            quantized = opt.quantize_model(model["export_dir"], str(out / "quantized"), p.optimize.quantize_bits,
-                                           p.optimize.quantize_method, p.optimize.group_size, run_id, data_dir)
+            quantized = opt.quantize_model(
+                model["export_dir"],
+                str(out / "quantized"),
+                p.optimize.quantize_bits,
+                p.optimize.quantize_method,
+                p.optimize.group_size,
+                run_id,
+                data_dir,
+            )
             variants = {"pytorch": model["export_dir"], "quantized": quantized}
             if p.optimize.onnx:
                 variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)
             # the evaluation's batches: one perplexity per model and split in the run
-            bench = opt.benchmark(variants, data_dir, p.evaluate.max_batches, str(out / "benchmark"), run_id,
-                                  batch_size=p.evaluate.batch_size)
+            bench = opt.benchmark(
+                variants,
+                data_dir,
+                p.evaluate.max_batches,
+                str(out / "benchmark"),
+                run_id,
+                batch_size=p.evaluate.batch_size,
+            )
 
-        headline = record_summary(run_id, first_evaluation, routing, cost, bench,  # compares in the runs table
-                                  finetuned=evaluation if p.finetune.enabled else None)
+        headline = record_summary(
+            run_id,
+            first_evaluation,
+            routing,
+            cost,
+            bench,  # compares in the runs table
+            finetuned=evaluation if p.finetune.enabled else None,
+        )
         version, decision = None, {"promoted": False, "reason": f"not registered: {refusal}"}
         if refusal is None:
-            gate = {"metric": p.promotion.metric, "margin": p.promotion.margin,
-                    "higher_is_better": p.promotion.higher_is_better}
-            version = registry.register_model(model["model_uri"], model["export_dir"], p.promotion.model_name,
-                                              evaluation, run_id, model["run_id"], gate)
-            decision = registry.promote(p.promotion.model_name, version, **gate, parent_run_id=run_id) if version \
+            gate = {
+                "metric": p.promotion.metric,
+                "margin": p.promotion.margin,
+                "higher_is_better": p.promotion.higher_is_better,
+            }
+            version = registry.register_model(
+                model["model_uri"],
+                model["export_dir"],
+                p.promotion.model_name,
+                evaluation,
+                run_id,
+                model["run_id"],
+                gate,
+            )
+            decision = (
+                registry.promote(p.promotion.model_name, version, **gate, parent_run_id=run_id)
+                if version
                 else {"promoted": False, "reason": registry.PENDING_REASON}
-    summary = {"mlflow_run_id": run_id, "model_name": p.promotion.model_name, "version": version,
-               "promoted": decision["promoted"], "reason": decision["reason"], "out_dir": str(out),
-               "data_dir": data_dir, "export_dir": model["export_dir"], "metrics": evaluation["metrics"],
-               "summary_metrics": headline,
-               **pending_summary()}
+            )
+    summary = {
+        "mlflow_run_id": run_id,
+        "model_name": p.promotion.model_name,
+        "version": version,
+        "promoted": decision["promoted"],
+        "reason": decision["reason"],
+        "out_dir": str(out),
+        "data_dir": data_dir,
+        "export_dir": model["export_dir"],
+        "metrics": evaluation["metrics"],
+        "summary_metrics": headline,
+        **pending_summary(),
+    }
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary
 
 
 def _summary_markdown(s: dict) -> str:
-    return (f"## Lifecycle run\n\n| | |\n|---|---|\n| MLflow run | `{s['mlflow_run_id']}` |\n"
-            f"| registered model | `{s['model_name']}` version {s['version'] or '(none)'} |\n"
-            f"| promotion | {'promoted to champion' if s['promoted'] else 'kept the champion'}: {s['reason']} |\n"
-            f"| files | `{s['out_dir']}` |\n| model | `{s['export_dir']}` |\n")
+    return (
+        f"## Lifecycle run\n\n| | |\n|---|---|\n| MLflow run | `{s['mlflow_run_id']}` |\n"
+        f"| registered model | `{s['model_name']}` version {s['version'] or '(none)'} |\n"
+        f"| promotion | {'promoted to champion' if s['promoted'] else 'kept the champion'}: {s['reason']} |\n"
+        f"| files | `{s['out_dir']}` |\n| model | `{s['export_dir']}` |\n"
+    )

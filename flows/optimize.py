@@ -21,12 +21,18 @@ class OptimizeFlowParams(OptimizeParams):
 def optimize(params: OptimizeFlowParams) -> dict:
     out = out_dir_for("optimize", params.out_dir)
     with flow_record("optimize", params, out_dir=out) as run_id:
-        quantized = opt.quantize_model(params.model_dir, str(out / "quantized"), params.quantize_bits,
-                                       params.quantize_method, params.group_size, run_id, params.data_dir)
+        quantized = opt.quantize_model(
+            params.model_dir,
+            str(out / "quantized"),
+            params.quantize_bits,
+            params.quantize_method,
+            params.group_size,
+            run_id,
+            params.data_dir,
+        )
         variants = {"pytorch": params.model_dir, "quantized": quantized}
         if params.onnx:
             variants["onnx"] = opt.export_onnx_model(params.model_dir, str(out / "onnx"), run_id)
         bench = opt.benchmark(variants, params.data_dir, params.benchmark_batches, str(out), run_id)
         record_summary(run_id, bench)  # the flow's run compares in the runs table
-    return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id,
-            **pending_summary()}
+    return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id, **pending_summary()}

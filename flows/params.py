@@ -27,26 +27,40 @@ class _Params(BaseModel):
 
 def tiny_train_config(**fields) -> TrainConfig:
     """CI size: seconds of data preparation and training on a CPU."""
-    base = {"model": {"preset": "switch-tiny"}, "steps": 12, "batch_size": 4,
-            "data": {"max_documents": 60, "seq_len": 32, "vocab_size": 384},
-            "checkpoint": {"every": 6}, "log": {"every": 3, "progress": "off"},
-            "eval": {"batches": 2, "every": 6}, "optim": {"warmup_steps": 2}}
+    base = {
+        "model": {"preset": "switch-tiny"},
+        "steps": 12,
+        "batch_size": 4,
+        "data": {"max_documents": 60, "seq_len": 32, "vocab_size": 384},
+        "checkpoint": {"every": 6},
+        "log": {"every": 3, "progress": "off"},
+        "eval": {"batches": 2, "every": 6},
+        "optim": {"warmup_steps": 2},
+    }
     return TrainConfig.build(_merge(base, fields))
 
 
 def small_train_config(**fields) -> TrainConfig:
     """The README's run: about 2.5 minutes on 2 idle CPU cores (2m33s measured), a model that visibly learns."""
-    base = {"model": {"preset": "switch-small"}, "steps": 150, "batch_size": 8,
-            "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
-            "checkpoint": {"every": 50}, "log": {"every": 10, "progress": "auto"},
-            "eval": {"batches": 8, "every": 25}, "optim": {"warmup_steps": 10}}
+    base = {
+        "model": {"preset": "switch-small"},
+        "steps": 150,
+        "batch_size": 8,
+        "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
+        "checkpoint": {"every": 50},
+        "log": {"every": 10, "progress": "auto"},
+        "eval": {"batches": 8, "every": 25},
+        "optim": {"warmup_steps": 10},
+    }
     return TrainConfig.build(_merge(base, fields))
 
 
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 
@@ -59,20 +73,35 @@ class ValidateParams(_Params):
 
 class PretrainParams(_Params):
     train: TrainConfig = Field(default_factory=tiny_train_config)
-    nproc: int = Field(1, ge=1, description="processes (torchrun) on this node; 1 trains in the flow's process "
-                                            "unless `subprocess` is set")
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="processes (torchrun) on this node; 1 trains in the flow's process "
+        "unless `subprocess` is set",
+    )
     subprocess: bool = Field(False, description="train in a child process group (killed with the flow run)")
-    max_restarts: int = Field(2, ge=0, description="process groups: torchrun's elastic agent restarts the group "
-                                                   "this many times when a rank dies (it resumes from the last "
-                                                   "checkpoint); recorded in MLflow as elastic/restarts")
-    launcher: Literal["torchrun", "ray"] = Field("torchrun", description="process groups: torchrun on this "
-                                                 "worker's machine, or Ray Train on the cluster at ray_address")
-    ray_address: str | None = Field(None, description="Ray cluster address (launcher=ray); None: $RAY_ADDRESS or a "
-                                                      "local cluster")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description="process groups: torchrun's elastic agent restarts the group "
+        "this many times when a rank dies (it resumes from the last "
+        "checkpoint); recorded in MLflow as elastic/restarts",
+    )
+    launcher: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="process groups: torchrun on this "
+        "worker's machine, or Ray Train on the cluster at ray_address",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster address (launcher=ray); None: $RAY_ADDRESS or a local cluster"
+    )
     out_dir: str | None = Field(None, description="default: <MOE_LAB_HOME>/runs/<flow run name>")
     log_model: bool = True
-    log_checkpoint: bool = Field(False, description="also upload the last checkpoint (weights and optimizer "
-                                                    "state, ~3x the model) to MLflow; it stays on disk anyway")
+    log_checkpoint: bool = Field(
+        False,
+        description="also upload the last checkpoint (weights and optimizer "
+        "state, ~3x the model) to MLflow; it stays on disk anyway",
+    )
 
 
 class EvaluateParams(_Params):
@@ -81,8 +110,11 @@ class EvaluateParams(_Params):
     max_batches: int | None = Field(8, ge=1)
     profile_batches: int = Field(8, ge=1)
     plots: bool = True
-    vocab_pieces: bool = Field(False, description="record the router profile's top tokens as vocabulary "
-                                                  "pieces (strings) too, not only ids and counts")
+    vocab_pieces: bool = Field(
+        False,
+        description="record the router profile's top tokens as vocabulary "
+        "pieces (strings) too, not only ids and counts",
+    )
     device_name: str | None = Field(None, description="device to price (default: this machine's)")
 
 
@@ -91,8 +123,12 @@ class OptimizeParams(_Params):
     quantize_method: Literal["rtn", "gptq", "awq"] = "rtn"  # gptq/awq calibrate on the prepared data
     group_size: int = Field(32, ge=2)
     onnx: bool = True
-    benchmark_batches: int = Field(2, ge=1, description="unused by the lifecycle, which benchmarks on the "
-                                   "evaluation's batches (one perplexity per model and split)")
+    benchmark_batches: int = Field(
+        2,
+        ge=1,
+        description="unused by the lifecycle, which benchmarks on the "
+        "evaluation's batches (one perplexity per model and split)",
+    )
 
 
 class FinetuneParams(_Params):
@@ -102,12 +138,19 @@ class FinetuneParams(_Params):
 
 class PromotionParams(_Params):
     model_name: str = "moe-lab-lm"
-    metric: str = Field("eval.validation_bpb", description="an evaluation metric of the candidate's run; "
-                        "bits per byte (*_bpb) compares models with different tokenizers, per-token metrics "
-                        "(loss, ppl) only models with the same tokenizer")
+    metric: str = Field(
+        "eval.validation_bpb",
+        description="an evaluation metric of the candidate's run; "
+        "bits per byte (*_bpb) compares models with different tokenizers, per-token metrics "
+        "(loss, ppl) only models with the same tokenizer",
+    )
     higher_is_better: bool = False
-    margin: float = Field(0.0, ge=0, description="relative improvement over the champion needed to promote, "
-                                                 "e.g. 0.02 = 2% fewer bits per byte")
+    margin: float = Field(
+        0.0,
+        ge=0,
+        description="relative improvement over the champion needed to promote, "
+        "e.g. 0.02 = 2% fewer bits per byte",
+    )
 
 
 class LifecycleParams(_Params):
@@ -119,10 +162,15 @@ class LifecycleParams(_Params):
     baseline: Literal["active", "total"] | None = Field(None, description="also train this dense baseline")
     nproc: int = Field(1, ge=1)
     subprocess: bool = False
-    log_checkpoint: bool = Field(False, description="also upload the last checkpoint (weights and optimizer "
-                                                    "state, ~3x the model) to MLflow; it stays on disk anyway")
+    log_checkpoint: bool = Field(
+        False,
+        description="also upload the last checkpoint (weights and optimizer "
+        "state, ~3x the model) to MLflow; it stays on disk anyway",
+    )
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     finetune: FinetuneParams = Field(default_factory=FinetuneParams)
-    optimize: OptimizeParams | None = Field(default_factory=OptimizeParams, description="null skips the stage")
+    optimize: OptimizeParams | None = Field(
+        default_factory=OptimizeParams, description="null skips the stage"
+    )
     promotion: PromotionParams = Field(default_factory=PromotionParams)
     out_dir: str | None = None

@@ -22,7 +22,16 @@ def pretrain(params: PretrainParams = DEFAULTS) -> dict:
         if config.data.source != "synthetic" and config.data.path is None:
             prepare_cfg = prepare_config_for(config)
             config = with_data(config, data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id))
-        result = train.pretrain(config, str(out), run_id, params.nproc, params.subprocess, params.log_model,
-                                max_restarts=params.max_restarts, launcher=params.launcher,
-                                ray_address=params.ray_address, log_checkpoint=params.log_checkpoint)
+        result = train.pretrain(
+            config,
+            str(out),
+            run_id,
+            params.nproc,
+            params.subprocess,
+            params.log_model,
+            max_restarts=params.max_restarts,
+            launcher=params.launcher,
+            ray_address=params.ray_address,
+            log_checkpoint=params.log_checkpoint,
+        )
     return {**result, "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}

@@ -16,6 +16,7 @@ DEFAULTS = ValidateParams()  # what the Prefect form shows; flows never modify t
 def validate_data(params: ValidateParams = DEFAULTS) -> dict:
     out = out_dir_for("validate", None)
     with flow_record("validate_data", params, out_dir=out) as run_id:
-        report = data.validate_data(params.source, params.kind, params.validation, params.max_documents,
-                                    str(out), run_id)
+        report = data.validate_data(
+            params.source, params.kind, params.validation, params.max_documents, str(out), run_id
+        )
     return {**report, "mlflow_run_id": run_id, **pending_summary()}

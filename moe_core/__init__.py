@@ -15,10 +15,16 @@ import importlib
 # import runs this file, and importing torch + transformers here would make `moe-lab --help` (and every
 # argument error) take 10+ seconds. Only these few names are lazy; submodules import normally.
 _EXPORTS = {
-    "PRESETS": "moe_core.presets", "MoEConfig": "moe_core.config", "dense_baseline": "moe_core.config",
-    "get_config": "moe_core.config", "parameter_counts": "moe_core.config",
-    "MoEForCausalLM": "moe_core.model", "MoEModel": "moe_core.model",
-    "ROUTERS": "moe_core.routing", "Router": "moe_core.routing", "RoutingRecord": "moe_core.routing",
+    "PRESETS": "moe_core.presets",
+    "MoEConfig": "moe_core.config",
+    "dense_baseline": "moe_core.config",
+    "get_config": "moe_core.config",
+    "parameter_counts": "moe_core.config",
+    "MoEForCausalLM": "moe_core.model",
+    "MoEModel": "moe_core.model",
+    "ROUTERS": "moe_core.routing",
+    "Router": "moe_core.routing",
+    "RoutingRecord": "moe_core.routing",
     "register_router": "moe_core.routing",
 }
 

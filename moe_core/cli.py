@@ -16,7 +16,10 @@ from moe_core.errors import MoELabError, did_you_mean
 COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("moe_core.data.cli", "validate and prepare training data (tokenizer + packed shards)"),
     "train": ("moe_core.train.cli", "pretrain a model (MoE or dense baseline), one process or many"),
-    "finetune": ("moe_core.finetune.cli", "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)"),
+    "finetune": (
+        "moe_core.finetune.cli",
+        "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
+    ),
     "eval": ("moe_core.analytics.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
     "analyze": ("moe_core.analytics.cli", "router profile, pictures and cost report"),
     "generate": ("moe_core.inference.cli", "generate text from a model, streamed"),
@@ -24,7 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("moe_core.inference.cli", "int8/int4 weight-only experts, or ONNX Runtime dynamic int8"),
     "prune": ("moe_core.inference.cli", "drop (or merge) low-ranked experts: routed slots or REAP saliency"),
     "convert": ("moe_core.convert_cli", "exact conversion to and from Hugging Face MoE checkpoints"),
-    "run": ("flows.cli", "run a Prefect flow (lifecycle, pretrain, validate-data, evaluate, optimize, finetune)"),
+    "run": (
+        "flows.cli",
+        "run a Prefect flow (lifecycle, pretrain, validate-data, evaluate, optimize, finetune)",
+    ),
     "ui": ("flows.cli", "open the MLflow UI (or Prefect's) on 127.0.0.1"),
     "sync": ("flows.cli", "upload what a flow or training run kept while MLflow was unreachable"),
     "deploy": ("flows.cli", "register the nightly and on-demand deployments with a Prefect server"),
@@ -47,12 +53,18 @@ class Parser(argparse.ArgumentParser):
     """Every moe-lab (sub)parser: defaults shown in help, "did you mean" for a mistyped option."""
 
     def __init__(self, *args, **kwargs):
-        if kwargs.get("formatter_class") in (None, argparse.HelpFormatter, argparse.RawDescriptionHelpFormatter):
+        if kwargs.get("formatter_class") in (
+            None,
+            argparse.HelpFormatter,
+            argparse.RawDescriptionHelpFormatter,
+        ):
             kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):  # reported by the top parser: look in the commands too
+        if message.startswith(
+            "unrecognized arguments:"
+        ):  # reported by the top parser: look in the commands too
             options = _option_strings(self)
             unknown = [a.split("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
             message += "".join(did_you_mean(a, options) for a in unknown[:1])
@@ -72,17 +84,25 @@ def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
 def add_router_module_option(parser: argparse.ArgumentParser) -> None:
     """``--router-module MODULE`` for commands that build or load models: the only way (besides the
     MOE_LAB_ROUTER_MODULES variable and the ``moe_lab.routers`` entry points) a router's code gets imported."""
-    parser.add_argument("--router-module", dest="router_modules", action="append", default=[], metavar="MODULE",
-                        help="import this module of your own routers (repeatable); a model's config.json naming "
-                             "a router never imports code by itself")
+    parser.add_argument(
+        "--router-module",
+        dest="router_modules",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import this module of your own routers (repeatable); a model's config.json naming "
+        "a router never imports code by itself",
+    )
 
 
 def preset_help(what: str = "model preset") -> str:
     """``--preset`` help that lists the presets (plain data: no torch import)."""
     from moe_core.presets import FAMILIES, SIZES
 
-    return (f"{what}, <family>-<size>: families {', '.join(FAMILIES)}; sizes {', '.join(SIZES)} "
-            "(e.g. switch-tiny, mixtral-small)")
+    return (
+        f"{what}, <family>-<size>: families {', '.join(FAMILIES)}; sizes {', '.join(SIZES)} "
+        "(e.g. switch-tiny, mixtral-small)"
+    )
 
 
 class _ConfigHelp(argparse.Action):
@@ -103,8 +123,12 @@ class _ConfigHelp(argparse.Action):
 def add_config_help(parser: argparse.ArgumentParser, config_class) -> None:
     """``--help-config`` on a command whose ``--set`` takes config fields; ``config_class(namespace)`` returns
     ``(pydantic class, title)`` and is called (imports and all) only when the option is given."""
-    parser.add_argument("--help-config", action=_ConfigHelp, config_class=config_class,
-                        help="list every config field --set takes (type, default, help) and exit")
+    parser.add_argument(
+        "--help-config",
+        action=_ConfigHelp,
+        config_class=config_class,
+        help="list every config field --set takes (type, default, help) and exit",
+    )
 
 
 def allow_router_modules(modules: list[str]) -> None:
@@ -126,15 +150,22 @@ def build_parser(command: str | None = None, *, listing_only: bool = False) -> a
     """The parser with ``command`` (only its module imported), or with every command (all modules imported:
     for programs and tests), or with ``listing_only`` the top-level one that lists every command from
     COMMANDS without importing any (what ``moe-lab --help`` uses)."""
-    parser = Parser(prog="moe-lab", description="Open MoE Trainer Lab: train, analyze, optimize and ship "
-                                                "Mixture-of-Experts language models.",
-                    epilog="`moe-lab COMMAND --help` shows a command's options and examples.")
+    parser = Parser(
+        prog="moe-lab",
+        description="Open MoE Trainer Lab: train, analyze, optimize and ship "
+        "Mixture-of-Experts language models.",
+        epilog="`moe-lab COMMAND --help` shows a command's options and examples.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     if listing_only:
         for name, (_, help_line) in COMMANDS.items():
             sub.add_parser(name, help=help_line, add_help=False)
         return parser
-    modules = [COMMANDS[command][0]] if command in COMMANDS else list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+    modules = (
+        [COMMANDS[command][0]]
+        if command in COMMANDS
+        else list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+    )
     for module in modules:
         importlib.import_module(module).add_cli(sub)
     return parser
@@ -146,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         parser = build_parser(listing_only=True)
         if command is not None:
-            parser.error(f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
-                         f"(choose from {', '.join(COMMANDS)})")
+            parser.error(
+                f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
+                f"(choose from {', '.join(COMMANDS)})"
+            )
         parser.parse_args(argv)  # --help, or the usage error for a missing command
     args = build_parser(command).parse_args(argv)
     out = getattr(args, "out", None)

@@ -111,7 +111,9 @@ class MoEConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.num_key_value_heads = (
+            num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        )
         self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
@@ -129,7 +131,9 @@ class MoEConfig(PretrainedConfig):
         self.dense_layers = list(dense_layers or [])
         self.num_shared_experts = num_shared_experts
         self.shared_expert_intermediate_size = (
-            shared_expert_intermediate_size if shared_expert_intermediate_size is not None else expert_intermediate_size
+            shared_expert_intermediate_size
+            if shared_expert_intermediate_size is not None
+            else expert_intermediate_size
         )
         self.shared_expert_gate = shared_expert_gate
         self.router = router
@@ -168,8 +172,11 @@ class MoEConfig(PretrainedConfig):
         unknown = {k: v for k, v in config_dict.items() if k not in fields}
         if unknown:
             hints = "".join(did_you_mean(k, fields) for k in unknown)
-            logger.warning("MoEConfig: unknown field(s) %s in a saved config are kept but unused%s",
-                           sorted(unknown), hints)
+            logger.warning(
+                "MoEConfig: unknown field(s) %s in a saved config are kept but unused%s",
+                sorted(unknown),
+                hints,
+            )
         result = super().from_dict({k: v for k, v in config_dict.items() if k in fields}, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
         for key, value in unknown.items():
@@ -216,7 +223,12 @@ class MoEConfig(PretrainedConfig):
             value = getattr(self, field)
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise bad(field, "must be a positive number, or None for dropless routing")
-        for field in ("router_jitter", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+        for field in (
+            "router_jitter",
+            "router_aux_loss_coef",
+            "router_z_loss_coef",
+            "router_bias_update_rate",
+        ):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
         from moe_core.routing import resolve_router  # late import: routing imports nothing from here
@@ -251,8 +263,18 @@ def model_fields() -> frozenset[str]:
     hf = set(inspect.signature(PretrainedConfig.__init__).parameters) - {"self", "kwargs"}
     hf |= set(PretrainedConfig().to_dict()) | set(PretrainedConfig._get_global_generation_defaults())
     # popped by PretrainedConfig.__init__ / from_dict (configuration_utils.py)
-    hf |= {"torch_dtype", "name_or_path", "_commit_hash", "attn_implementation", "gradient_checkpointing",
-           "num_labels", "tf_legacy_loss", "use_bfloat16", "transformers_version", "model_type"}
+    hf |= {
+        "torch_dtype",
+        "name_or_path",
+        "_commit_hash",
+        "attn_implementation",
+        "gradient_checkpointing",
+        "num_labels",
+        "tf_legacy_loss",
+        "use_bfloat16",
+        "transformers_version",
+        "model_type",
+    }
     return frozenset(own | hf)
 
 
@@ -261,8 +283,10 @@ def check_model_fields(keys, where: str = "MoEConfig") -> None:
     fields = model_fields()
     for key in keys:
         if key not in fields:
-            raise ValueError(f"{where}: unknown field {key!r}{did_you_mean(key, fields)} (model fields are the "
-                             "parameters of moe_core.config.MoEConfig)")
+            raise ValueError(
+                f"{where}: unknown field {key!r}{did_you_mean(key, fields)} (model fields are the "
+                "parameters of moe_core.config.MoEConfig)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- presets
@@ -273,8 +297,9 @@ def get_config(preset: str, **overrides: Any) -> MoEConfig:
     """Build the config of a named preset, e.g. ``get_config("mixtral-tiny", num_experts=16)``."""
     family, _, size = preset.partition("-")
     if family not in FAMILIES or size not in SIZES:
-        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; choose one of: "
-                         f"{', '.join(PRESETS)}")
+        raise ValueError(
+            f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; choose one of: {', '.join(PRESETS)}"
+        )
     kwargs = {**SIZES[size], **family_settings(family, SIZES[size]["hidden_size"]), **overrides}
     return MoEConfig(**kwargs)
 
@@ -292,7 +317,10 @@ def dense_baseline(config: MoEConfig, match: str = "active") -> MoEConfig:
     if match not in ("active", "total"):
         raise ValueError(f"dense_baseline: match={match!r}; choose 'active' or 'total'")
     routed = config.num_experts_per_tok if match == "active" else config.num_experts
-    width = routed * config.expert_intermediate_size + config.num_shared_experts * config.shared_expert_intermediate_size
+    width = (
+        routed * config.expert_intermediate_size
+        + config.num_shared_experts * config.shared_expert_intermediate_size
+    )
     data = config.to_dict()
     for key in ("model_type", "transformers_version", "architectures", "hf_origin"):
         data.pop(key, None)

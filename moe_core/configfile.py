@@ -85,7 +85,9 @@ def config_fields(model_cls, prefix: str = "") -> list[tuple[str, str, str, str]
             default = "required"
         else:
             value = field.get_default(call_default_factory=True)
-            default = "none" if value is None or value is PydanticUndefined else json.dumps(value, default=str)
+            default = (
+                "none" if value is None or value is PydanticUndefined else json.dumps(value, default=str)
+            )
         type_name = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
         type_name = type_name or str(annotation).replace("typing.", "")
         rows.append((key, type_name, default, field.description or comments.get(name, "")))

@@ -88,19 +88,37 @@ class HFArchitecture:
 ARCHITECTURES: dict[str, HFArchitecture] = {
     "mixtral": HFArchitecture("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
     "olmoe": HFArchitecture("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen2_moe": HFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": HFArchitecture(
+        "qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")
+    ),
 }
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files that make a converted directory usable beyond the weights: tokenizers, chat templates, generation defaults.
 COMPANION_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *COMPANION_FILES]
 # Config keys that describe a file, not the architecture; never carried in hf_origin.
-_VOLATILE_KEYS = ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "model_type", "architectures")
+_VOLATILE_KEYS = (
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "model_type",
+    "architectures",
+)
 _SILU = ("silu", "swish")  # the same function in transformers' ACT2FN
 
 
@@ -131,8 +149,11 @@ def resolve_source(path_or_hub_id: str | os.PathLike, revision: str | None = Non
     # read at call time (huggingface_hub reads it once, at import)
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
-                                      local_files_only=offline))
+        return Path(
+            snapshot_download(
+                repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=offline
+            )
+        )
     except Exception as err:  # offline, not found, gated, no network: all end here
         hint = " (HF_HUB_OFFLINE is set: only the local cache is searched)" if offline else ""
         raise ConversionError(
@@ -152,20 +173,25 @@ class CheckpointReader:
         self.directory = directory
         self._open: dict[Path, Any] = {}
         self.file_of: dict[str, Path] = {}
-        for index_name, single_name in (("model.safetensors.index.json", "model.safetensors"),
-                                        ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        for index_name, single_name in (
+            ("model.safetensors.index.json", "model.safetensors"),
+            ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+        ):
             if (directory / index_name).is_file():
                 weight_map = json.loads((directory / index_name).read_text())["weight_map"]
                 self.file_of = {name: directory / file for name, file in weight_map.items()}
                 break
             if (directory / single_name).is_file():
-                self.file_of = {name: directory / single_name for name in self._shard(directory / single_name).keys()}
+                self.file_of = {
+                    name: directory / single_name for name in self._shard(directory / single_name).keys()
+                }
                 break
         else:
             raise ConversionError(
                 f"{directory}: no weights found; expected model.safetensors, model.safetensors.index.json, "
                 f"pytorch_model.bin or pytorch_model.bin.index.json (hub ids fetch safetensors only, never "
-                f"pickled files)")
+                f"pickled files)"
+            )
 
     def _shard(self, file: Path):
         if file not in self._open:
@@ -193,7 +219,9 @@ class CheckpointReader:
         shard = self._shard(self.file_of[name])
         if hasattr(shard, "get_slice"):
             stored = shard.get_slice(name).get_dtype()
-            return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[stored]
+            return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[
+                stored
+            ]
         return shard[name].dtype
 
 
@@ -207,9 +235,13 @@ def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]
     raw = json.loads(file.read_text())
     model_type = raw.get("model_type")
     if model_type == MoEConfig.model_type:
-        raise ConversionError(f"{directory} is already a moe_lab checkpoint; load it with MoEForCausalLM.from_pretrained")
+        raise ConversionError(
+            f"{directory} is already a moe_lab checkpoint; load it with MoEForCausalLM.from_pretrained"
+        )
     if model_type not in ARCHITECTURES:
-        raise ConversionError(f"{directory}: model_type {model_type!r} is not supported; supported: {SUPPORTED}")
+        raise ConversionError(
+            f"{directory}: model_type {model_type!r} is not supported; supported: {SUPPORTED}"
+        )
     arch = ARCHITECTURES[model_type]
     return arch, CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items() if k != "model_type"}), raw
 
@@ -218,9 +250,13 @@ def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]
 def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     reasons = []
     if hf.hidden_act not in _SILU:
-        reasons.append(f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu), so only 'silu' converts")
+        reasons.append(
+            f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu), so only 'silu' converts"
+        )
     if getattr(hf, "rope_scaling", None):
-        reasons.append(f"rope_scaling={hf.rope_scaling!r}: our RoPE is unscaled; only rope_scaling=None converts")
+        reasons.append(
+            f"rope_scaling={hf.rope_scaling!r}: our RoPE is unscaled; only rope_scaling=None converts"
+        )
     if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
         reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
     if arch.model_type == "mixtral" and hf.sliding_window is not None:
@@ -228,7 +264,9 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     if arch.model_type == "qwen2_moe" and hf.use_sliding_window:
         reasons.append("use_sliding_window=True: our attention is full causal attention")
     if arch.model_type == "olmoe" and hf.attention_bias:
-        reasons.append("attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for")
+        reasons.append(
+            "attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for"
+        )
     return reasons
 
 
@@ -236,42 +274,77 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
     """Our config for a transformers config of `arch`; refuses what our model cannot express exactly."""
     reasons = _refusals_from_hf(arch, hf)
     if reasons:
-        raise ConversionError(f"cannot convert this {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons))
+        raise ConversionError(
+            f"cannot convert this {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons)
+        )
     K = hf.num_experts_per_tok
     common = dict(
-        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-        max_position_embeddings=hf.max_position_embeddings, rope_theta=hf.rope_theta, rms_norm_eps=hf.rms_norm_eps,
-        attention_dropout=hf.attention_dropout, initializer_range=hf.initializer_range, use_cache=hf.use_cache,
-        tie_word_embeddings=hf.tie_word_embeddings, pad_token_id=hf.pad_token_id, bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id, ffn_activation="swiglu", num_experts_per_tok=K, router="topk",
-        router_score="softmax", router_topk_order="softmax_then_topk", capacity_factor=None,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=hf.rope_theta,
+        rms_norm_eps=hf.rms_norm_eps,
+        attention_dropout=hf.attention_dropout,
+        initializer_range=hf.initializer_range,
+        use_cache=hf.use_cache,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        pad_token_id=hf.pad_token_id,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        ffn_activation="swiglu",
+        num_experts_per_tok=K,
+        router="topk",
+        router_score="softmax",
+        router_topk_order="softmax_then_topk",
+        capacity_factor=None,
         router_aux_loss_coef=K * hf.router_aux_loss_coef,  # HF's loss is K times ours (module docstring)
         router_z_loss_coef=0.0,
     )
     if arch.model_type == "mixtral":
         if hf.router_jitter_noise:
-            logger.warning("router_jitter_noise=%s: HF Mixtral also multiplies the experts' input by the noise in "
-                           "training; ours jitters the router input only (no effect in eval)", hf.router_jitter_noise)
-        specific = dict(num_experts=hf.num_local_experts, expert_intermediate_size=hf.intermediate_size,
-                        intermediate_size=hf.intermediate_size, head_dim=hf.head_dim, norm_topk_prob=True,
-                        router_jitter=hf.router_jitter_noise)
+            logger.warning(
+                "router_jitter_noise=%s: HF Mixtral also multiplies the experts' input by the noise in "
+                "training; ours jitters the router input only (no effect in eval)",
+                hf.router_jitter_noise,
+            )
+        specific = dict(
+            num_experts=hf.num_local_experts,
+            expert_intermediate_size=hf.intermediate_size,
+            intermediate_size=hf.intermediate_size,
+            head_dim=hf.head_dim,
+            norm_topk_prob=True,
+            router_jitter=hf.router_jitter_noise,
+        )
     elif arch.model_type == "olmoe":
-        specific = dict(num_experts=hf.num_experts, expert_intermediate_size=hf.intermediate_size,
-                        intermediate_size=hf.intermediate_size, qk_norm=True, clip_qkv=hf.clip_qkv,
-                        norm_topk_prob=hf.norm_topk_prob)
+        specific = dict(
+            num_experts=hf.num_experts,
+            expert_intermediate_size=hf.intermediate_size,
+            intermediate_size=hf.intermediate_size,
+            qk_norm=True,
+            clip_qkv=hf.clip_qkv,
+            norm_topk_prob=hf.norm_topk_prob,
+        )
     else:
-        specific = dict(num_experts=hf.num_experts, expert_intermediate_size=hf.moe_intermediate_size,
-                        intermediate_size=hf.intermediate_size, num_shared_experts=1,
-                        shared_expert_intermediate_size=hf.shared_expert_intermediate_size, shared_expert_gate=True,
-                        moe_every_n=hf.decoder_sparse_step, dense_layers=list(hf.mlp_only_layers),
-                        attention_bias=hf.qkv_bias, norm_topk_prob=hf.norm_topk_prob,
-                        head_dim=getattr(hf, "head_dim", None))
+        specific = dict(
+            num_experts=hf.num_experts,
+            expert_intermediate_size=hf.moe_intermediate_size,
+            intermediate_size=hf.intermediate_size,
+            num_shared_experts=1,
+            shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+            shared_expert_gate=True,
+            moe_every_n=hf.decoder_sparse_step,
+            dense_layers=list(hf.mlp_only_layers),
+            attention_bias=hf.qkv_bias,
+            norm_topk_prob=hf.norm_topk_prob,
+            head_dim=getattr(hf, "head_dim", None),
+        )
     config = MoEConfig(**common, **specific)
     raw = hf.to_dict() if raw is None else raw
     mapped = hf_config_fields(arch, config)
-    extra = {k: v for k, v in raw.items()
-             if k not in _VOLATILE_KEYS and not (k in mapped and mapped[k] == v)}
+    extra = {k: v for k, v in raw.items() if k not in _VOLATILE_KEYS and not (k in mapped and mapped[k] == v)}
     config.hf_origin = {"architecture": arch.class_name, "model_type": arch.model_type, "config": extra}
     return config
 
@@ -287,29 +360,45 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
         if config.router_score != "softmax":
             reasons.append(f"router_score={config.router_score!r}: {name} scores experts with a softmax")
         if config.capacity_factor is not None or config.eval_capacity_factor is not None:
-            reasons.append(f"capacity_factor={config.capacity_factor}, eval_capacity_factor="
-                           f"{config.eval_capacity_factor}: {name} is dropless; set both to None")
+            reasons.append(
+                f"capacity_factor={config.capacity_factor}, eval_capacity_factor="
+                f"{config.eval_capacity_factor}: {name} is dropless; set both to None"
+            )
         if arch.model_type == "mixtral" and not _renormalized(config):
-            reasons.append(f"norm_topk_prob=False (router {config.router!r}): Mixtral always renormalizes top-k")
+            reasons.append(
+                f"norm_topk_prob=False (router {config.router!r}): Mixtral always renormalizes top-k"
+            )
         if arch.model_type != "qwen2_moe" and config.moe_layer_ids != list(range(config.num_hidden_layers)):
-            reasons.append(f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "
-                           f"every {name} layer is an MoE layer; use qwen2_moe")
+            reasons.append(
+                f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "
+                f"every {name} layer is an MoE layer; use qwen2_moe"
+            )
         if arch.model_type != "qwen2_moe" and config.num_shared_experts:
             reasons.append(f"num_shared_experts={config.num_shared_experts}: {name} has no shared experts")
         if arch.model_type == "qwen2_moe" and not (config.num_shared_experts and config.shared_expert_gate):
-            reasons.append("Qwen2-MoE has one sigmoid-gated shared expert in every MoE layer: needs "
-                           "num_shared_experts >= 1 and shared_expert_gate=True (use mixtral or olmoe otherwise)")
+            reasons.append(
+                "Qwen2-MoE has one sigmoid-gated shared expert in every MoE layer: needs "
+                "num_shared_experts >= 1 and shared_expert_gate=True (use mixtral or olmoe otherwise)"
+            )
     if config.ffn_activation != "swiglu":
         reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
     if config.qk_norm != (arch.model_type == "olmoe"):
-        reasons.append(f"qk_norm={config.qk_norm}: " + ("OLMoE always normalizes q and k" if arch.model_type == "olmoe"
-                                                          else f"{name} has no q/k norm; use olmoe"))
+        reasons.append(
+            f"qk_norm={config.qk_norm}: "
+            + (
+                "OLMoE always normalizes q and k"
+                if arch.model_type == "olmoe"
+                else f"{name} has no q/k norm; use olmoe"
+            )
+        )
     if config.clip_qkv is not None and arch.model_type != "olmoe":
         reasons.append(f"clip_qkv={config.clip_qkv}: {name} does not clip q/k/v; use olmoe")
     if config.attention_bias and arch.model_type != "qwen2_moe":
         reasons.append(f"attention_bias=True: {name} has no q/k/v bias; use qwen2_moe")
     if arch.model_type != "mixtral" and config.head_dim * config.num_attention_heads != config.hidden_size:
-        reasons.append(f"head_dim={config.head_dim}: {name} needs head_dim * num_attention_heads == hidden_size")
+        reasons.append(
+            f"head_dim={config.head_dim}: {name} needs head_dim * num_attention_heads == hidden_size"
+        )
     return reasons
 
 
@@ -325,29 +414,56 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
     """The HF config fields that our config determines (the rest come from `hf_origin` or HF defaults)."""
     K = config.num_experts_per_tok
     fields = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta,
-        rms_norm_eps=config.rms_norm_eps, attention_dropout=config.attention_dropout,
-        initializer_range=config.initializer_range, use_cache=config.use_cache,
-        tie_word_embeddings=config.tie_word_embeddings, pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, hidden_act="silu",
-        num_experts_per_tok=K, router_aux_loss_coef=config.router_aux_loss_coef / K,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        attention_dropout=config.attention_dropout,
+        initializer_range=config.initializer_range,
+        use_cache=config.use_cache,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        hidden_act="silu",
+        num_experts_per_tok=K,
+        router_aux_loss_coef=config.router_aux_loss_coef / K,
     )
     if arch.model_type == "mixtral":
-        fields.update(num_local_experts=config.num_experts, intermediate_size=config.expert_intermediate_size,
-                      head_dim=config.head_dim, router_jitter_noise=config.router_jitter, sliding_window=None)
+        fields.update(
+            num_local_experts=config.num_experts,
+            intermediate_size=config.expert_intermediate_size,
+            head_dim=config.head_dim,
+            router_jitter_noise=config.router_jitter,
+            sliding_window=None,
+        )
     elif arch.model_type == "olmoe":
-        fields.update(num_experts=config.num_experts, intermediate_size=config.expert_intermediate_size,
-                      clip_qkv=config.clip_qkv, norm_topk_prob=_renormalized(config), attention_bias=False,
-                      rope_scaling=None)
+        fields.update(
+            num_experts=config.num_experts,
+            intermediate_size=config.expert_intermediate_size,
+            clip_qkv=config.clip_qkv,
+            norm_topk_prob=_renormalized(config),
+            attention_bias=False,
+            rope_scaling=None,
+        )
     else:
-        fields.update(num_experts=config.num_experts, moe_intermediate_size=config.expert_intermediate_size,
-                      intermediate_size=config.intermediate_size,
-                      shared_expert_intermediate_size=config.num_shared_experts * config.shared_expert_intermediate_size,
-                      decoder_sparse_step=config.moe_every_n, mlp_only_layers=list(config.dense_layers),
-                      qkv_bias=config.attention_bias, norm_topk_prob=_renormalized(config),
-                      use_sliding_window=False, rope_scaling=None)
+        fields.update(
+            num_experts=config.num_experts,
+            moe_intermediate_size=config.expert_intermediate_size,
+            intermediate_size=config.intermediate_size,
+            shared_expert_intermediate_size=config.num_shared_experts
+            * config.shared_expert_intermediate_size,
+            decoder_sparse_step=config.moe_every_n,
+            mlp_only_layers=list(config.dense_layers),
+            qkv_bias=config.attention_bias,
+            norm_topk_prob=_renormalized(config),
+            use_sliding_window=False,
+            rope_scaling=None,
+        )
     return fields
 
 
@@ -368,16 +484,27 @@ def config_to_hf(config: MoEConfig, arch: HFArchitecture):
 
     reasons = refusals_to_hf(config, arch)
     if reasons:
-        raise ConversionError(f"cannot write this model as {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons))
+        raise ConversionError(
+            f"cannot write this model as {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons)
+        )
     if config.router_z_loss_coef > 0:
-        logger.warning("router_z_loss_coef=%s is not carried: %s has no router z-loss (logits are unaffected)",
-                       config.router_z_loss_coef, arch.class_name)
+        logger.warning(
+            "router_z_loss_coef=%s is not carried: %s has no router z-loss (logits are unaffected)",
+            config.router_z_loss_coef,
+            arch.class_name,
+        )
     if config.router_jitter > 0 and arch.model_type != "mixtral":
-        logger.warning("router_jitter=%s is not carried: %s has no router jitter (logits are unaffected)",
-                       config.router_jitter, arch.class_name)
+        logger.warning(
+            "router_jitter=%s is not carried: %s has no router jitter (logits are unaffected)",
+            config.router_jitter,
+            arch.class_name,
+        )
     elif config.router_jitter > 0:
-        logger.warning("router_jitter=%s becomes router_jitter_noise: in training HF Mixtral also multiplies the "
-                       "experts' input by the noise, ours the router input only", config.router_jitter)
+        logger.warning(
+            "router_jitter=%s becomes router_jitter_noise: in training HF Mixtral also multiplies the "
+            "experts' input by the noise, ours the router input only",
+            config.router_jitter,
+        )
     fields = hf_config_fields(arch, config)
     origin = config.hf_origin or {}
     if origin.get("model_type") == arch.model_type:
@@ -406,8 +533,12 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
             moe = f"{p}.{arch.moe_module}"
             plan.append((f"{p}.mlp.router.gate.weight", (f"{moe}.gate.weight",)))
             for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), arch.expert_weights):
-                plan.append((f"{p}.mlp.experts.{ours}",
-                             tuple(f"{moe}.experts.{j}.{theirs}.weight" for j in range(config.num_experts))))
+                plan.append(
+                    (
+                        f"{p}.mlp.experts.{ours}",
+                        tuple(f"{moe}.experts.{j}.{theirs}.weight" for j in range(config.num_experts)),
+                    )
+                )
             if config.num_shared_experts:
                 same += [f"{p}.mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
                 if config.shared_expert_gate:
@@ -430,17 +561,21 @@ def _our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
         raise ConversionError(
             f"internal: the conversion plan and MoEForCausalLM disagree (unplanned: "
             f"{sorted(set(tensors) - planned)[:5]}, missing: {sorted(planned - set(tensors))[:5]}); "
-            f"moe_core/convert.py needs updating for this model")
+            f"moe_core/convert.py needs updating for this model"
+        )
     return tensors
 
 
 def _source_dtype(reader: CheckpointReader) -> torch.dtype:
-    name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in reader.file_of else min(reader.file_of)
+    name = (
+        "model.embed_tokens.weight" if "model.embed_tokens.weight" in reader.file_of else min(reader.file_of)
+    )
     return reader.dtype(name)
 
 
-def from_hf(path_or_hub_id: str | os.PathLike, dtype: torch.dtype | str | None = None,
-            revision: str | None = None) -> MoEForCausalLM:
+def from_hf(
+    path_or_hub_id: str | os.PathLike, dtype: torch.dtype | str | None = None, revision: str | None = None
+) -> MoEForCausalLM:
     """Our model from a Hugging Face Mixtral, OLMoE or Qwen2-MoE checkpoint (a directory or a hub id).
 
     The weights are streamed tensor by tensor from the checkpoint into our model (the HF model is never built),
@@ -465,14 +600,20 @@ def from_hf(path_or_hub_id: str | os.PathLike, dtype: torch.dtype | str | None =
     available = reader.names()
     missing = [n for _, names in plan for n in names if n not in available]
     if missing:
-        raise ConversionError(f"{directory}: {len(missing)} weights the config implies are missing, e.g. "
-                              f"{missing[:3]}; is the checkpoint complete and its config right?")
+        raise ConversionError(
+            f"{directory}: {len(missing)} weights the config implies are missing, e.g. "
+            f"{missing[:3]}; is the checkpoint complete and its config right?"
+        )
     used = {n for _, names in plan for n in names}
-    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding is the truth
+    ignorable = (
+        {"lm_head.weight"} if config.tie_word_embeddings else set()
+    )  # tied: the embedding is the truth
     unused = sorted(n for n in available - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise ConversionError(f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
-                              f"{unused[:3]}; refusing to drop them silently")
+        raise ConversionError(
+            f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
+            f"{unused[:3]}; refusing to drop them silently"
+        )
     with torch.no_grad():
         for ours, names in plan:
             target = tensors[ours]
@@ -480,14 +621,18 @@ def from_hf(path_or_hub_id: str | os.PathLike, dtype: torch.dtype | str | None =
             for slot, name in zip(slices, names):
                 source = reader.get(name)
                 if source.shape != slot.shape:
-                    raise ConversionError(f"{directory}: {name} has shape {tuple(source.shape)}, the config "
-                                          f"implies {tuple(slot.shape)} for {ours}")
+                    raise ConversionError(
+                        f"{directory}: {name} has shape {tuple(source.shape)}, the config "
+                        f"implies {tuple(slot.shape)} for {ours}"
+                    )
                 slot.copy_(source)
     model.config.dtype = dtype
     return model.eval()
 
 
-def _write_safetensors(directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int) -> None:
+def _write_safetensors(
+    directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> None:
     """Write named tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``."""
     from safetensors.torch import save_file
 
@@ -502,10 +647,15 @@ def _write_safetensors(directory: Path, tensors: list[tuple[str, torch.Tensor]],
         size += nbytes
     weight_map = {}
     for k, shard in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        file = (
+            "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         # clone: the per-expert slices of one stacked tensor share storage, which safetensors refuses
-        save_file({name: t.detach().clone().contiguous() for name, t in shard}, str(directory / file),
-                  metadata={"format": "pt"})
+        save_file(
+            {name: t.detach().clone().contiguous() for name, t in shard},
+            str(directory / file),
+            metadata={"format": "pt"},
+        )
         weight_map.update(dict.fromkeys((name for name, _ in shard), file))
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -513,9 +663,15 @@ def _write_safetensors(directory: Path, tensors: list[tuple[str, torch.Tensor]],
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def to_hf(model: MoEForCausalLM, out_dir: str | os.PathLike, architecture: str | None = None, *,
-          tokenizer_dir: str | os.PathLike | None = None, overwrite: bool = False,
-          max_shard_size: int = 5 * 2**30) -> Path:
+def to_hf(
+    model: MoEForCausalLM,
+    out_dir: str | os.PathLike,
+    architecture: str | None = None,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    max_shard_size: int = 5 * 2**30,
+) -> Path:
     """Write `model` as a Hugging Face checkpoint loadable with ``AutoModelForCausalLM.from_pretrained``.
 
     `architecture` (``mixtral``, ``olmoe``, ``qwen2_moe``) defaults to the one the model was converted from; a
@@ -526,14 +682,19 @@ def to_hf(model: MoEForCausalLM, out_dir: str | os.PathLike, architecture: str |
     origin = config.hf_origin or {}
     name = architecture or origin.get("model_type")
     if name is None:
-        raise ConversionError(f"this model was not converted from Hugging Face, so name the target "
-                              f"architecture; supported: {SUPPORTED}")
+        raise ConversionError(
+            f"this model was not converted from Hugging Face, so name the target "
+            f"architecture; supported: {SUPPORTED}"
+        )
     arch = get_architecture(name)
     hf_config = config_to_hf(config, arch)
     plan = weight_plan(config, arch)
     ours = _our_tensors(model, plan)
-    tensors = [(hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
-               for our_name, names in plan for j, hf_name in enumerate(names)]
+    tensors = [
+        (hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
+        for our_name, names in plan
+        for j, hf_name in enumerate(names)
+    ]
     hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         _write_safetensors(tmp, tensors, max_shard_size)
@@ -557,8 +718,13 @@ def copy_companion_files(source: str | os.PathLike, destination: Path) -> list[s
     return copied
 
 
-def convert_from_hf(source: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    overwrite: bool = False, revision: str | None = None) -> Path:
+def convert_from_hf(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+    revision: str | None = None,
+) -> Path:
     """A HF checkpoint (directory or hub id) written as our checkpoint, tokenizer files included."""
     directory = resolve_source(source, revision)
     model = from_hf(directory, dtype=dtype)
@@ -576,14 +742,20 @@ def load_ours(source: str | os.PathLike) -> MoEForCausalLM:
         raise ConversionError(f"{directory}: no config.json; give a directory written by save_pretrained")
     model_type = json.loads(file.read_text()).get("model_type")
     if model_type in ARCHITECTURES:
-        raise ConversionError(f"{directory} is a Hugging Face {model_type} checkpoint already; "
-                              f"use from_hf / `moe-lab convert from-hf` to bring it in")
+        raise ConversionError(
+            f"{directory} is a Hugging Face {model_type} checkpoint already; "
+            f"use from_hf / `moe-lab convert from-hf` to bring it in"
+        )
     if model_type != MoEConfig.model_type:
         raise ConversionError(f"{directory}: model_type {model_type!r} is not a moe_lab checkpoint")
     return MoEForCausalLM.from_pretrained(directory, dtype="auto").eval()
 
 
-def convert_to_hf(source: str | os.PathLike, out_dir: str | os.PathLike, architecture: str | None = None,
-                  overwrite: bool = False) -> Path:
+def convert_to_hf(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    architecture: str | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Our checkpoint directory written as a HF checkpoint, tokenizer files included."""
     return to_hf(load_ours(source), out_dir, architecture, tokenizer_dir=source, overwrite=overwrite)

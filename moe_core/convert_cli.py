@@ -20,7 +20,9 @@ def _cli_from_hf(args: argparse.Namespace) -> int:
     require_model_source(args.source, "convert from-hf")  # before importing torch and the model
     from moe_core.convert import convert_from_hf
 
-    out = convert_from_hf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision)
+    out = convert_from_hf(
+        args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, revision=args.revision
+    )
     print(f"wrote moe_lab checkpoint to {out}")
     return 0
 
@@ -37,10 +39,13 @@ def _cli_to_hf(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser("convert", help="exact conversion to and from Hugging Face MoE checkpoints",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "convert", help="exact conversion to and from Hugging Face MoE checkpoints", description=__doc__
+    )
     sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    from_parser = sub.add_parser("from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint")
+    from_parser = sub.add_parser(
+        "from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint"
+    )
     from_parser.add_argument("source", help="HF checkpoint directory or hub id")
     from_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     from_parser.add_argument("--dtype", choices=DTYPE_CHOICES, help="default: the checkpoint's own dtype")
@@ -50,7 +55,10 @@ def add_cli(subparsers) -> None:
     to_parser = sub.add_parser("to-hf", help="moe_lab checkpoint -> Mixtral / OLMoE / Qwen2-MoE checkpoint")
     to_parser.add_argument("source", help="moe_lab checkpoint directory (save_pretrained)")
     to_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
-    to_parser.add_argument("--arch", choices=ARCH_CHOICES,
-                           help="target architecture; default: the one the model was converted from")
+    to_parser.add_argument(
+        "--arch",
+        choices=ARCH_CHOICES,
+        help="target architecture; default: the one the model was converted from",
+    )
     to_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     to_parser.set_defaults(func=_cli_to_hf)

@@ -54,7 +54,9 @@ def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, impl: str = "auto"):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, impl: str = "auto"
+    ):
         super().__init__()
         self.num_experts, self.activation, self.impl = num_experts, activation, impl
         E, D, F_ = num_experts, hidden_size, intermediate_size
@@ -99,8 +101,9 @@ class GroupedExperts(nn.Module):
             return self.forward_gather(x_TD, record)
         if impl in ("sorted", "grouped_mm"):
             return self.forward_sorted(x_TD, record, grouped=impl == "grouped_mm")
-        raise ValueError(f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm, static "
-                         "or gather")
+        raise ValueError(
+            f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm, static or gather"
+        )
 
     # -------------------------------------------------------------------------------- slow reference
     def forward_reference(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
@@ -115,7 +118,9 @@ class GroupedExperts(nn.Module):
         return y_TD
 
     # -------------------------------------------------------------------------------- fast paths
-    def forward_sorted(self, x_TD: torch.Tensor, record: RoutingRecord, grouped: bool = False) -> torch.Tensor:
+    def forward_sorted(
+        self, x_TD: torch.Tensor, record: RoutingRecord, grouped: bool = False
+    ) -> torch.Tensor:
         T, K = record.expert_ids_TK.shape
         kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
         expert_ids_A = record.expert_ids_TK.flatten()[kept_A]
@@ -133,8 +138,9 @@ class GroupedExperts(nn.Module):
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
         counts = counts_E.tolist()
-        for e, x_ND, t_N, w_N in zip(range(self.num_experts), x_AD.split(counts), token_idx_A.split(counts),
-                                     weights_A.split(counts)):
+        for e, x_ND, t_N, w_N in zip(
+            range(self.num_experts), x_AD.split(counts), token_idx_A.split(counts), weights_A.split(counts)
+        ):
             if counts[e]:
                 y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights) * w_N[:, None])
         return y_TD
@@ -176,8 +182,10 @@ class GroupedExperts(nn.Module):
         ids_TK = record.expert_ids_TK
         gathered = ids_TK.numel() * up[0].numel()
         if gathered > 2**28 and not torch.compiler.is_compiling():
-            raise ValueError(f"expert_impl='gather' would materialize {gathered:,} weights for {ids_TK.shape[0]} "
-                             "tokens outside torch.compile; it is for compiled decoding: use 'auto' here")
+            raise ValueError(
+                f"expert_impl='gather' would materialize {gathered:,} weights for {ids_TK.shape[0]} "
+                "tokens outside torch.compile; it is for compiled decoding: use 'auto' here"
+            )
         x_T11D = x_TD[:, None, None, :]
         h_up_TKF = (x_T11D * up[ids_TK]).sum(-1)
         h_gate_TKF = (x_T11D * gate[ids_TK]).sum(-1) if gate is not None else None

@@ -55,8 +55,10 @@ def disk_full_error(path: str | os.PathLike, needed: int | None) -> DiskFullErro
     except OSError:
         free = "unknown"
     need = f"about {_human(needed)}" if needed else "more space"
-    return DiskFullError(f"no space left on the device writing {path}: it needs {need}, {free} is free there; "
-                         f"free some space (or point the output elsewhere) and run again")
+    return DiskFullError(
+        f"no space left on the device writing {path}: it needs {need}, {free} is free there; "
+        f"free some space (or point the output elsewhere) and run again"
+    )
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -171,7 +173,8 @@ class OutputLock:
                 os.close(fd)
                 raise OutputLockedError(
                     f"{self.out_dir} is in use by another {self.what} ({self._describe(holder)}; lock file "
-                    f"{self.path}); wait for it to finish, stop it, or choose another output directory")
+                    f"{self.path}); wait for it to finish, stop it, or choose another output directory"
+                )
             try:  # the holder may have removed the file between our open and flock: lock the file that is there
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -180,10 +183,22 @@ class OutputLock:
                 os.close(fd)
                 continue
             previous = self._read(fd)
-            if previous.get("pid") and (previous.get("pid"), previous.get("host")) != (os.getpid(), _this_host()):
-                print(f"moe-lab: taking over the lock on {self.out_dir} left by a {self.what} that is gone "
-                      f"({self._describe(previous)})", file=sys.stderr, flush=True)
-            info = {"pid": os.getpid(), "host": _this_host(), "started": time.time(), "command": " ".join(sys.argv)}
+            if previous.get("pid") and (previous.get("pid"), previous.get("host")) != (
+                os.getpid(),
+                _this_host(),
+            ):
+                print(
+                    f"moe-lab: taking over the lock on {self.out_dir} left by a {self.what} that is gone "
+                    f"({self._describe(previous)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            info = {
+                "pid": os.getpid(),
+                "host": _this_host(),
+                "started": time.time(),
+                "command": " ".join(sys.argv),
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
             self._fd = fd
@@ -272,7 +287,6 @@ def clean_abandoned_temporaries(out: Path) -> list[Path]:
     return removed
 
 
-
 def replace_path(src: Path, dst: Path) -> None:
     """Move ``src`` to ``dst``, replacing what is there; a directory in the way is renamed aside first (rename
     cannot replace a non-empty directory, nor put a directory over a link) and removed after, so ``dst`` is never
@@ -285,9 +299,11 @@ def replace_path(src: Path, dst: Path) -> None:
     else:
         os.replace(src, dst)
 
+
 @contextmanager
-def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False,
-                     error_cls: type[MoELabError] = MoELabError) -> Iterator[Path]:
+def atomic_directory(
+    out_dir: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Iterator[Path]:
     """Yield a temporary directory next to ``out_dir``, renamed into place only when the block succeeds.
 
     A non-empty ``out_dir`` is refused (with ``error_cls``) unless ``overwrite``; then it is replaced only
@@ -299,7 +315,9 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False,
     if out.exists() and not out.is_dir():
         raise error_cls(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise error_cls(f"{out} is not empty; choose another output directory or pass overwrite=True (--overwrite)")
+        raise error_cls(
+            f"{out} is not empty; choose another output directory or pass overwrite=True (--overwrite)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_abandoned_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -326,15 +344,22 @@ def previous_outputs(out_dir: str | os.PathLike, patterns: tuple[str, ...]) -> l
     return sorted(str(p.relative_to(out)) for pattern in patterns for p in out.glob(pattern))
 
 
-def refuse_previous_outputs(out_dir: str | os.PathLike, patterns: tuple[str, ...], hint: str, what: str = "outputs",
-                            error_cls: type[MoELabError] = MoELabError) -> None:
+def refuse_previous_outputs(
+    out_dir: str | os.PathLike,
+    patterns: tuple[str, ...],
+    hint: str,
+    what: str = "outputs",
+    error_cls: type[MoELabError] = MoELabError,
+) -> None:
     """The rule every run command follows (train, finetune): an output directory holding an earlier run's outputs
     is not written into unless the user said how (``hint``: --resume for training, --overwrite for fine-tuning)."""
     found = previous_outputs(out_dir, patterns)
     if found:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-        raise error_cls(f"{out_dir} already holds {what} of an earlier run ({shown}); {hint}, or choose "
-                        f"another output directory")
+        raise error_cls(
+            f"{out_dir} already holds {what} of an earlier run ({shown}); {hint}, or choose "
+            f"another output directory"
+        )
 
 
 @contextmanager

@@ -86,7 +86,9 @@ class FeedForward(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
         self.activation = activation
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False) if activation == "swiglu" else None
+        self.gate_proj = (
+            nn.Linear(hidden_size, intermediate_size, bias=False) if activation == "swiglu" else None
+        )
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
@@ -101,7 +103,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.clip_qkv = config.clip_qkv
         self.dropout = config.attention_dropout
         D, Hd = config.hidden_size, config.head_dim
@@ -127,13 +132,17 @@ class Attention(nn.Module):
         v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
         if past_key_values is not None:
-            k_BGSHd, v_BGSHd = past_key_values.update(k_BGSHd, v_BGSHd, self.layer_idx, {"cache_position": cache_position})
+            k_BGSHd, v_BGSHd = past_key_values.update(
+                k_BGSHd, v_BGSHd, self.layer_idx, {"cache_position": cache_position}
+            )
         if self.num_kv_heads != self.num_heads:  # GQA: each kv head serves H/G query heads
             repeat = self.num_heads // self.num_kv_heads
             k_BGSHd = k_BGSHd.repeat_interleave(repeat, dim=1)
             v_BGSHd = v_BGSHd.repeat_interleave(repeat, dim=1)
         out_BHSHd = F.scaled_dot_product_attention(
-            q_BHSHd, k_BGSHd, v_BGSHd,
+            q_BHSHd,
+            k_BGSHd,
+            v_BGSHd,
             attn_mask=mask_BqL,
             is_causal=mask_BqL is None and S > 1,
             dropout_p=self.dropout if self.training else 0.0,
@@ -149,8 +158,12 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.router = build_router(config)
         self.experts = GroupedExperts(
-            config.num_experts, config.hidden_size, config.expert_intermediate_size, config.ffn_activation,
-            config.expert_impl)
+            config.num_experts,
+            config.hidden_size,
+            config.expert_intermediate_size,
+            config.ffn_activation,
+            config.expert_impl,
+        )
         self.shared_expert = None
         self.shared_expert_gate = None
         if config.num_shared_experts > 0:  # shared experts fused into one wide FFN (DeepSeekMoE)
@@ -159,7 +172,9 @@ class MoEBlock(nn.Module):
             if config.shared_expert_gate:  # Qwen2-MoE: sigmoid(w . x) scales the shared expert
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, expert_impl: str | None = None) -> tuple[torch.Tensor, RoutingRecord]:
+    def forward(
+        self, x_BSD: torch.Tensor, expert_impl: str | None = None
+    ) -> tuple[torch.Tensor, RoutingRecord]:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         record = self.router(x_TD)
@@ -186,7 +201,9 @@ class DecoderLayer(nn.Module):
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.ffn_activation)
 
     def forward(self, h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl=None):
-        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos_sin, mask_BqL, past_key_values, cache_position)
+        h_BSD = h_BSD + self.self_attn(
+            self.input_layernorm(h_BSD), cos_sin, mask_BqL, past_key_values, cache_position
+        )
         x_BSD = self.post_attention_layernorm(h_BSD)
         if self.is_moe:
             y_BSD, record = self.mlp(x_BSD, expert_impl)
@@ -203,8 +220,12 @@ def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_
     """
     if attention_mask_BL is None and query_len == key_len:
         return None
-    if (attention_mask_BL is not None and query_len == key_len and not torch.compiler.is_compiling()
-            and bool(attention_mask_BL.all())):  # (a compiled graph cannot branch on data: it keeps the mask)
+    if (
+        attention_mask_BL is not None
+        and query_len == key_len
+        and not torch.compiler.is_compiling()
+        and bool(attention_mask_BL.all())
+    ):  # (a compiled graph cannot branch on data: it keeps the mask)
         return None
     key_pos_L = torch.arange(key_len, device=cache_position_S.device)
     allowed_BqL = (key_pos_L[None, :] <= cache_position_S[:, None])[None, None]
@@ -247,7 +268,9 @@ class MoEPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 module.bias.data.zero_()
         elif isinstance(module, nn.Embedding):
-            embedding_std = getattr(self.config, "embedding_init_std", None)  # (configs saved before it existed)
+            embedding_std = getattr(
+                self.config, "embedding_init_std", None
+            )  # (configs saved before it existed)
             module.weight.data.normal_(0.0, embedding_std or std)
         elif isinstance(module, GroupedExperts):
             for p in module.parameters(recurse=False):
@@ -266,8 +289,17 @@ class MoEModel(MoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cache_position=None, expert_impl=None):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        cache_position=None,
+        expert_impl=None,
+    ):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MoEModel.forward: give exactly one of input_ids or inputs_embeds")
         h_BSD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -291,8 +323,9 @@ class MoEModel(MoEPreTrainedModel):
         records: list[RoutingRecord] = []
         for layer in self.layers:
             if checkpointing:  # non-reentrant, so the router's aux losses keep their gradient
-                h_BSD, record = checkpoint(layer, h_BSD, cos_sin, mask_BqL, None, cache_position, expert_impl,
-                                           use_reentrant=False)
+                h_BSD, record = checkpoint(
+                    layer, h_BSD, cos_sin, mask_BqL, None, cache_position, expert_impl, use_reentrant=False
+                )
             else:
                 h_BSD, record = layer(h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl)
             if record is not None:
@@ -343,8 +376,15 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> MoECausalLMOutput:
         h_BSD, past_key_values, records = self.model(
-            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, cache_position,
-            expert_impl)
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            inputs_embeds,
+            use_cache,
+            cache_position,
+            expert_impl,
+        )
         h_keep = h_BSD[:, -logits_to_keep:] if logits_to_keep else h_BSD
         logits_BSV = self.lm_head(h_keep)
 

@@ -35,8 +35,13 @@ def require_local(path: str | os.PathLike, what: str = "model") -> Path:
 def looks_local(name: str) -> bool:
     """A name meant as a local path rather than a hub id ``owner/name``: starts with ``.``, ``/`` or ``~``,
     has no or several slashes, or its first part is an existing local directory (``runs/a``)."""
-    return (name.startswith((".", "/", "~")) or name.count("/") != 1 or os.sep != "/" and os.sep in name
-            or Path(name.split("/")[0]).is_dir())
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") != 1
+        or os.sep != "/"
+        and os.sep in name
+        or Path(name.split("/")[0]).is_dir()
+    )
 
 
 def require_model_source(name: str | os.PathLike, what: str = "model") -> None:
@@ -52,14 +57,18 @@ def require_model_source(name: str | os.PathLike, what: str = "model") -> None:
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
     if hub_offline():
-        raise PathNotFoundError(f"{what} {name}: not a local directory, and HF_HUB_OFFLINE is set and the hub "
-                                "cache holds no copy; download it where the hub is reachable")
+        raise PathNotFoundError(
+            f"{what} {name}: not a local directory, and HF_HUB_OFFLINE is set and the hub "
+            "cache holds no copy; download it where the hub is reachable"
+        )
     try:  # one request, so an unreachable hub is one line now rather than retries and a traceback later
         HfApi().model_info(name, timeout=5)
     except Exception as err:  # no network, no such repo, gated: all end here
-        raise PathNotFoundError(f"{what} {name}: not a local directory, and the hub did not give it "
-                                f"({type(err).__name__}); pass a local directory, or retry where the hub is "
-                                "reachable") from None
+        raise PathNotFoundError(
+            f"{what} {name}: not a local directory, and the hub did not give it "
+            f"({type(err).__name__}); pass a local directory, or retry where the hub is "
+            "reachable"
+        ) from None
 
 
 def existing_path(what: str):

@@ -76,8 +76,17 @@ class Progress:
     (or leaving the ``with`` block) draws the last state. Cheap when ``mode="off"``.
     """
 
-    def __init__(self, total: int | None, desc: str, *, unit: str = "step", mode: str = "auto", initial: int = 0,
-                 stream=None, every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        total: int | None,
+        desc: str,
+        *,
+        unit: str = "step",
+        mode: str = "auto",
+        initial: int = 0,
+        stream=None,
+        every_s: float = 10.0,
+    ) -> None:
         self.total, self.desc, self.unit = total, desc, unit
         self.stream = stream or sys.stderr
         self.mode = resolve_mode(mode, self.stream)
@@ -144,10 +153,14 @@ class Progress:
         """The plain-text state: ``desc: n/total unit (pct) rate, ETA postfix`` (``head`` replaces the part
         before the percentage)."""
         rate = self.rate()
-        parts = [head or (f"{self.desc}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}")]
+        parts = [
+            head or (f"{self.desc}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}")
+        ]
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
-        parts.append(f"{rate:.3g} {self.unit}/s" if rate >= 0.1 or rate == 0 else f"{1 / rate:.3g} s/{self.unit}")
+        parts.append(
+            f"{rate:.3g} {self.unit}/s" if rate >= 0.1 or rate == 0 else f"{1 / rate:.3g} s/{self.unit}"
+        )
         if self.total and rate > 0 and self.n < self.total:
             parts[-1] += f", ETA {format_seconds((self.total - self.n) / rate)}"
         elif self.total and self.n >= self.total:
@@ -174,8 +187,12 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif final_line and self.mode == "lines" and self.n > self._start and (
-                self._lines_printed or time.perf_counter() - self._t0 >= min(self.every_s, 2.0)):
+        elif (
+            final_line
+            and self.mode == "lines"
+            and self.n > self._start
+            and (self._lines_printed or time.perf_counter() - self._t0 >= min(self.every_s, 2.0))
+        ):
             self._print_line()  # the final state; a job done in a blink prints nothing
 
     def __enter__(self) -> Progress:
@@ -185,8 +202,16 @@ class Progress:
         self.close()
 
 
-def progress(iterable: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it", mode: str = "auto",
-             stream=None, every_s: float = 10.0) -> Iterator[T]:
+def progress(
+    iterable: Iterable[T],
+    desc: str,
+    *,
+    total: int | None = None,
+    unit: str = "it",
+    mode: str = "auto",
+    stream=None,
+    every_s: float = 10.0,
+) -> Iterator[T]:
     """Iterate over ``iterable`` with a `Progress` display (``total`` defaults to ``len(iterable)``)."""
     if total is None:
         try:

@@ -150,14 +150,18 @@ def _allowed_from_environment() -> list[str]:
 
 def _not_allowed(name: str, module_name: str | None) -> RouterNotAllowedError:
     example = module_name or "mypkg.routers"
-    where = (f"its module {module_name!r} is not imported and was not allowed" if module_name
-             else "no allowed module registers it")
+    where = (
+        f"its module {module_name!r} is not imported and was not allowed"
+        if module_name
+        else "no allowed module registers it"
+    )
     return RouterNotAllowedError(
         f"unknown router {name!r}: {where} (a config, e.g. a model folder's config.json, never imports code by "
         f"itself). Registered: {sorted(ROUTERS)}. To use a router of your own, allow the module that defines it: "
         f"`--router-module {example}` on the command line, {ROUTER_MODULES_ENV}={example} in the environment, "
         f"an entry point in group {ROUTER_ENTRY_POINT_GROUP!r}, or moe_core.routing.allow_router_module("
-        f"{example!r}) in Python")
+        f"{example!r}) in Python"
+    )
 
 
 def resolve_router(name: str) -> type[Router]:
@@ -172,7 +176,9 @@ def resolve_router(name: str) -> type[Router]:
     if name in ROUTERS:
         return ROUTERS[name]
     entry_points = _router_entry_points()
-    if name in entry_points:  # an installed package declared this router: loading it is what the user installed
+    if (
+        name in entry_points
+    ):  # an installed package declared this router: loading it is what the user installed
         cls = entry_points[name].load()
         module_name = None
     elif "." in name or ":" in name:
@@ -185,8 +191,9 @@ def resolve_router(name: str) -> type[Router]:
             raise _not_allowed(name, module_name)
         cls = vars(module).get(attr)  # not getattr: a module-level __getattr__ could import or run code
         if cls is None:
-            raise RouterNotAllowedError(f"router {name!r}: module {module_name!r} defines no {attr!r}; "
-                                        f"registered: {sorted(ROUTERS)}")
+            raise RouterNotAllowedError(
+                f"router {name!r}: module {module_name!r} defines no {attr!r}; registered: {sorted(ROUTERS)}"
+            )
     else:
         raise _not_allowed(name, None)
     if not (isinstance(cls, type) and issubclass(cls, Router)):
@@ -201,8 +208,9 @@ def slot_counts(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(expert_ids_TK.flatten(), minlength=num_experts)
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor,
-                        slot_fraction_E: torch.Tensor | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, slot_fraction_E: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch Transformer eq. 4, ``E * sum_e f_e * P_e``; 1.0 under perfectly uniform routing.
 
     ``f_e`` (no gradient) is the fraction of this batch's slots routed to e, or ``slot_fraction_E`` when
@@ -251,8 +259,10 @@ class GlobalBatchBalance:
         """Each record's aux loss, recomputed with the global ``f`` where ``standard[i]`` says its router uses
         the standard Switch loss (aux-loss-free and expert-choice routers keep theirs)."""
         f_LE = self.observe(records)
-        return [load_balancing_loss(r.probs_TE, r.expert_ids_TK, f_LE[i]) if standard[i] else r.aux_loss
-                for i, r in enumerate(records)]
+        return [
+            load_balancing_loss(r.probs_TE, r.expert_ids_TK, f_LE[i]) if standard[i] else r.aux_loss
+            for i, r in enumerate(records)
+        ]
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -260,8 +270,9 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
-def capacity_for(capacity_factor: float | None, num_tokens: int | torch.Tensor, slots_per_token: int,
-                 num_experts: int) -> int | torch.Tensor | None:
+def capacity_for(
+    capacity_factor: float | None, num_tokens: int | torch.Tensor, slots_per_token: int, num_experts: int
+) -> int | torch.Tensor | None:
     """Tokens each expert may take, ``ceil(capacity_factor * T * K / E)`` and at least 1 (GShard, Switch).
 
     Under the TorchScript tracer (ONNX export) ``T = logits_TE.shape[0]`` is a 0-dim tensor; the capacity is
@@ -349,7 +360,9 @@ class Router(nn.Module):
         tokens_per_expert_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
         losses_needed = self.training or torch.is_grad_enabled()
         if not losses_needed:
-            aux_loss = None  # both losses or neither (a router's own aux loss, e.g. expert choice's zero, too)
+            aux_loss = (
+                None  # both losses or neither (a router's own aux loss, e.g. expert choice's zero, too)
+            )
         elif aux_loss is None:
             aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
         return RoutingRecord(
@@ -425,11 +438,15 @@ class ExpertChoiceRouter(Router):
         factor = self.active_capacity_factor or float(self.top_k)
         capacity = min(T, capacity_for(factor, T, 1, E))
         weights_EC, token_ids_EC = probs_TE.t().topk(capacity, dim=-1)
-        weights_ET = torch.zeros(E, T, dtype=probs_TE.dtype, device=probs_TE.device).scatter(1, token_ids_EC, weights_EC)
+        weights_ET = torch.zeros(E, T, dtype=probs_TE.dtype, device=probs_TE.device).scatter(
+            1, token_ids_EC, weights_EC
+        )
         chosen_ET = torch.zeros(E, T, dtype=torch.bool, device=probs_TE.device).scatter(1, token_ids_EC, True)
         expert_ids_TK = torch.arange(E, device=probs_TE.device).expand(T, E)
         zero = logits_TE.new_zeros(())  # balanced by construction: no load-balancing loss
-        return self.record(logits_TE, probs_TE, expert_ids_TK, weights_ET.t(), ~chosen_ET.t(), capacity, aux_loss=zero)
+        return self.record(
+            logits_TE, probs_TE, expert_ids_TK, weights_ET.t(), ~chosen_ET.t(), capacity, aux_loss=zero
+        )
 
 
 @register_router("aux_free")

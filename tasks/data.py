@@ -23,8 +23,14 @@ def _not_a_validation_failure(task, task_run, state) -> bool:
 
 
 @task(name="validate-data", retries=2, retry_delay_seconds=2, retry_condition_fn=_not_a_validation_failure)
-def validate_data(source: str, kind: str, config: ValidationConfig, max_documents: int | None,
-                  out_dir: str, parent_run_id: str | None) -> dict:
+def validate_data(
+    source: str,
+    kind: str,
+    config: ValidationConfig,
+    max_documents: int | None,
+    out_dir: str,
+    parent_run_id: str | None,
+) -> dict:
     """Run the kind's suite; the report goes to ``out_dir``, MLflow and Prefect. Raises `DataValidationError`
     (the stage's MLflow run marked FAILED) when the data fails it."""
     with stage_run("validate_data", parent_run_id) as run_id:
@@ -34,13 +40,23 @@ def validate_data(source: str, kind: str, config: ValidationConfig, max_document
         (out / "validation.md").write_text(result.to_markdown())
         (out / "validation.json").write_text(json.dumps(result.to_dict(), indent=1))
         tracking.log_config(run_id, config, prefix="validation")
-        tracking.log_metrics(run_id, {"validation.passed": float(result.success), "validation.rows_checked":
-                                      result.rows_checked, "validation.failed_expectations": len(result.failed)})
+        tracking.log_metrics(
+            run_id,
+            {
+                "validation.passed": float(result.success),
+                "validation.rows_checked": result.rows_checked,
+                "validation.failed_expectations": len(result.failed),
+            },
+        )
         tracking.log_artifacts(run_id, out / "validation.md", "validation")
         tracking.log_artifacts(run_id, out / "validation.json", "validation")
-        tracking.set_tags(run_id, {"validation.status": "passed" if result.success else "failed",
-                                   "validation.suite": result.suite})
-        create_markdown_artifact(result.to_markdown(), key="data-validation", description=result.summary() or "passed")
+        tracking.set_tags(
+            run_id,
+            {"validation.status": "passed" if result.success else "failed", "validation.suite": result.suite},
+        )
+        create_markdown_artifact(
+            result.to_markdown(), key="data-validation", description=result.summary() or "passed"
+        )
         result.raise_for_failure()
     return {"passed": result.success, "report": str(out / "validation.md"), "run_id": run_id}
 
@@ -53,8 +69,14 @@ def _prepare_cache_key(context, parameters) -> str:
     return f"prepare-{config_fingerprint(config, source_fp)[:32]}-{'present' if present else 'absent'}"
 
 
-@task(name="prepare-data", retries=2, retry_delay_seconds=2, cache_key_fn=_prepare_cache_key,
-      persist_result=True, result_serializer="json")  # the cached path as JSON: Prefect's default is a pickle
+@task(
+    name="prepare-data",
+    retries=2,
+    retry_delay_seconds=2,
+    cache_key_fn=_prepare_cache_key,
+    persist_result=True,
+    result_serializer="json",
+)  # the cached path as JSON: Prefect's default is a pickle
 def prepare_data(config: PrepareConfig, out_dir: str, parent_run_id: str | None) -> str:
     """Tokenize and pack into ``out_dir`` (reused when it already holds the same data); returns the path."""
     with stage_run("prepare_data", parent_run_id) as run_id:

@@ -31,8 +31,16 @@ def _tokenizer(model_dir: str, data_dir: str):
 
 
 @task(name="evaluate-model", retries=1, retry_delay_seconds=2)
-def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: list[str], batch_size: int,
-                   max_batches: int | None, parent_run_id: str | None, stage: str = "evaluate") -> dict:
+def evaluate_model(
+    models: dict[str, str],
+    data_dir: str,
+    out_dir: str,
+    splits: list[str],
+    batch_size: int,
+    max_batches: int | None,
+    parent_run_id: str | None,
+    stage: str = "evaluate",
+) -> dict:
     """Loss and perplexity per split of each model (the first is the candidate, the others baselines), and
     bits per byte on the raw validation text with each model's own tokenizer (comparable across
     tokenizers). Returns the metrics, which text and tokenizer the candidate was judged on, and the names of
@@ -56,8 +64,12 @@ def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: 
                 metrics.update({f"{prefix}.{split}_loss": r.loss, f"{prefix}.{split}_ppl": r.perplexity})
             metrics[f"{prefix}.validation_bpb"] = per_byte.bits_per_byte
             if i == 0:
-                judged_on = {"eval.text_sha256": per_byte.text_sha256, "eval.text_bytes": str(per_byte.bytes),
-                             "eval.tokenizer_sha256": tokenizer_hash(tokenizer), "eval.model_dir": str(model_dir)}
+                judged_on = {
+                    "eval.text_sha256": per_byte.text_sha256,
+                    "eval.text_bytes": str(per_byte.bytes),
+                    "eval.tokenizer_sha256": tokenizer_hash(tokenizer),
+                    "eval.model_dir": str(model_dir),
+                }
         nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         table = comparison_table(rows, reference=next(iter(models)))
         out = Path(out_dir)
@@ -68,14 +80,26 @@ def evaluate_model(models: dict[str, str], data_dir: str, out_dir: str, splits: 
         tracking.set_tags(run_id, {**judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
         tracking.log_artifacts(run_id, out / "comparison.md", "evaluation")
         tracking.log_artifacts(run_id, out / "eval.json", "evaluation")
-        create_table_artifact(json.loads(table.to_json(orient="records")), key="evaluation",
-                              description="loss and perplexity per split (ratios against the first model)")
+        create_table_artifact(
+            json.loads(table.to_json(orient="records")),
+            key="evaluation",
+            description="loss and perplexity per split (ratios against the first model)",
+        )
     return {"run_id": run_id, "metrics": metrics, "judged_on": judged_on, "nonfinite": nonfinite}
 
 
 @task(name="profile-router", retries=1, retry_delay_seconds=2)
-def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batch_size: int, max_batches: int,
-                   plots: bool, parent_run_id: str | None, vocab_pieces: bool = False) -> dict:
+def profile_router(
+    model_dir: str,
+    data_dir: str,
+    out_dir: str,
+    split: str,
+    batch_size: int,
+    max_batches: int,
+    plots: bool,
+    parent_run_id: str | None,
+    vocab_pieces: bool = False,
+) -> dict:
     """The router profile on a split (versioned directory), its plots, and per-layer summary metrics.
     Top tokens per expert are recorded as ids and counts; their vocabulary pieces only with ``vocab_pieces``."""
     from moe_core.analytics.profile import ProfileConfig, profile_split
@@ -84,19 +108,32 @@ def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batc
 
     with stage_run("profile", parent_run_id) as run_id:
         model, tokenizer = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer")
-        profile = profile_split(model, data_dir, split, batch_size, max_batches,
-                                profile_config=ProfileConfig(include_vocab_pieces=vocab_pieces), tokenizer=tokenizer)
+        profile = profile_split(
+            model,
+            data_dir,
+            split,
+            batch_size,
+            max_batches,
+            profile_config=ProfileConfig(include_vocab_pieces=vocab_pieces),
+            tokenizer=tokenizer,
+        )
         out = Path(out_dir)
         profile.to_dir(out / "profile")
         summary = profile.summary()
-        metrics = {f"router.layer_{row['layer']}.{k}": v for row in summary.to_dict("records")
-                   for k, v in row.items() if k != "layer"}
+        metrics = {
+            f"router.layer_{row['layer']}.{k}": v
+            for row in summary.to_dict("records")
+            for k, v in row.items()
+            if k != "layer"
+        }
         metrics["router.dead_experts"] = sum(len(row) for row in summary["dead_experts"])
         tracking.log_metrics(run_id, metrics)
-        health = {"router.dead_experts": metrics["router.dead_experts"],  # over the layers: the runs table
-                  "router.max_over_mean": float(summary["max_over_mean"].max()),
-                  "router.drop_rate": float(summary["drop_rate"].mean()),
-                  "router.normalized_entropy": float(summary["normalized_entropy"].mean())}
+        health = {
+            "router.dead_experts": metrics["router.dead_experts"],  # over the layers: the runs table
+            "router.max_over_mean": float(summary["max_over_mean"].max()),
+            "router.drop_rate": float(summary["drop_rate"].mean()),
+            "router.normalized_entropy": float(summary["normalized_entropy"].mean()),
+        }
         tracking.log_artifacts(run_id, out / "profile", "routing_profile")
         if plots:
             from moe_core.analytics.plots import portable_copies, render_all
@@ -104,14 +141,23 @@ def profile_router(model_dir: str, data_dir: str, out_dir: str, split: str, batc
             render_all(profile, out / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
             # MLflow serves each artifact alone: pages that load plotly.js from its CDN, PNGs beside them
             tracking.log_artifacts(run_id, portable_copies(out / "plots", out / "plots-mlflow"), "plots")
-        create_markdown_artifact(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])),
-                                 key="router-profile", description="router profile, one row per MoE layer")
+        create_markdown_artifact(
+            to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])),
+            key="router-profile",
+            description="router profile, one row per MoE layer",
+        )
     return {"run_id": run_id, "profile_dir": str(out / "profile"), "metrics": health}
 
 
 @task(name="cost-report", retries=1, retry_delay_seconds=2)
-def cost_report(model_dir: str, events: str | None, out_dir: str, device_name: str | None, seq_len: int,
-                parent_run_id: str | None) -> dict:
+def cost_report(
+    model_dir: str,
+    events: str | None,
+    out_dir: str,
+    device_name: str | None,
+    seq_len: int,
+    parent_run_id: str | None,
+) -> dict:
     """Forward throughput here and what a token costs, with the training cost to date from its event file."""
     from moe_core.analytics.cost import cost_report as build_report
     from moe_core.analytics.cost import measure_throughput, usage_from_events
@@ -131,9 +177,14 @@ def cost_report(model_dir: str, events: str | None, out_dir: str, device_name: s
         tracking.log_artifacts(run_id, out / "cost.md", "cost")
         tracking.log_artifacts(run_id, out / "cost.json", "cost")
         create_markdown_artifact(report.to_markdown(), key="cost", description=f"cost per token on {device}")
-    return {"run_id": run_id, "usd_per_million_tokens": report.usd_per_million_tokens,
-            "metrics": {"cost.usd_per_million_tokens": report.usd_per_million_tokens,
-                        "cost.tokens_per_s": throughput.tokens_per_s}}
+    return {
+        "run_id": run_id,
+        "usd_per_million_tokens": report.usd_per_million_tokens,
+        "metrics": {
+            "cost.usd_per_million_tokens": report.usd_per_million_tokens,
+            "cost.tokens_per_s": throughput.tokens_per_s,
+        },
+    }
 
 
 def _is_number(text: str) -> bool:

@@ -14,7 +14,9 @@ from tasks.stages import stage_run
 
 
 @task(name="finetune", retries=1, retry_delay_seconds=3, cache_policy=NO_CACHE)
-def finetune_model(config: FinetuneConfig, base_model_dir: str, out_dir: str, parent_run_id: str | None) -> dict:
+def finetune_model(
+    config: FinetuneConfig, base_model_dir: str, out_dir: str, parent_run_id: str | None
+) -> dict:
     """Fine-tune ``base_model_dir`` (unless ``config.model.path`` names another base) into ``out_dir``."""
     from moe_core.finetune import finetune
 
@@ -23,12 +25,20 @@ def finetune_model(config: FinetuneConfig, base_model_dir: str, out_dir: str, pa
     with stage_run("finetune", parent_run_id) as run_id:
         tracking.log_config(run_id, config, prefix="finetune")
         result = finetune(config, out_dir, sinks=[tracking.MlflowSink(run_id, out_dir)])
-        tracking.log_metrics(run_id, {"final.loss": result.final_loss,
-                                      "trainable_params": result.report.trainable_params,
-                                      "total_params": result.report.total_params})
+        tracking.log_metrics(
+            run_id,
+            {
+                "final.loss": result.final_loss,
+                "trainable_params": result.report.trainable_params,
+                "total_params": result.report.total_params,
+            },
+        )
         if result.adapter_dir is not None:
             tracking.log_artifacts(run_id, result.adapter_dir, "adapter")
         model_dir = result.merged_dir or Path(out_dir) / "merged"
         models = tracking.log_model(run_id, model_dir)
-    return {"run_id": run_id, "export_dir": str(model_dir),
-            "model_uri": models.get("transformers") or models.get("files")}
+    return {
+        "run_id": run_id,
+        "export_dir": str(model_dir),
+        "model_uri": models.get("transformers") or models.get("files"),
+    }

@@ -14,13 +14,22 @@ from tasks.stages import stage_run
 
 
 @task(name="quantize-experts", retries=1, retry_delay_seconds=2)
-def quantize_model(model_dir: str, out_dir: str, bits: int, method: str, group_size: int,
-                   parent_run_id: str | None, data_dir: str | None = None) -> str:
+def quantize_model(
+    model_dir: str,
+    out_dir: str,
+    bits: int,
+    method: str,
+    group_size: int,
+    parent_run_id: str | None,
+    data_dir: str | None = None,
+) -> str:
     from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 
     with stage_run("quantize", parent_run_id) as run_id:
         config = QuantConfig(bits=bits, method=method, group_size=group_size)
-        report = quantize_checkpoint(model_dir, out_dir, config, data_dir=data_dir)  # gptq/awq calibrate on it
+        report = quantize_checkpoint(
+            model_dir, out_dir, config, data_dir=data_dir
+        )  # gptq/awq calibrate on it
         tracking.log_config(run_id, config, prefix="quant")
         tracking.log_metrics(run_id, {f"quant.{k}": v for k, v in report.to_dict().items()})
         tracking.log_artifacts(run_id, out_dir, "quantized_model")
@@ -38,8 +47,14 @@ def export_onnx_model(model_dir: str, out_dir: str, parent_run_id: str | None) -
 
 
 @task(name="benchmark", retries=1, retry_delay_seconds=2)
-def benchmark(variants: dict[str, str], data_dir: str, batches: int | None, out_dir: str, parent_run_id: str | None,
-              batch_size: int = 4) -> dict:
+def benchmark(
+    variants: dict[str, str],
+    data_dir: str,
+    batches: int | None,
+    out_dir: str,
+    parent_run_id: str | None,
+    batch_size: int = 4,
+) -> dict:
     """``variants``: ``{"pytorch" | "quantized" | "onnx": directory}``; the first is the reference. Given the
     evaluation's ``batches`` and ``batch_size``, the pytorch row's perplexity is the evaluation's."""
     from moe_core.inference.evaluate import compare_variants
@@ -47,10 +62,14 @@ def benchmark(variants: dict[str, str], data_dir: str, batches: int | None, out_
     with stage_run("benchmark", parent_run_id) as run_id:
         rows = compare_variants(variants, data_dir, batches, batch_size)
         for row in rows:
-            tracking.log_metrics(run_id, {f"bench.{row['variant']}.{k}": v for k, v in row.items() if k != "variant"})
+            tracking.log_metrics(
+                run_id, {f"bench.{row['variant']}.{k}": v for k, v in row.items() if k != "variant"}
+            )
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "benchmark.json").write_text(json.dumps(rows, indent=1) + "\n")
         tracking.log_artifacts(run_id, Path(out_dir) / "benchmark.json", "benchmark")
-        create_table_artifact(rows, key="benchmark", description="quality and speed per model variant (validation)")
+        create_table_artifact(
+            rows, key="benchmark", description="quality and speed per model variant (validation)"
+        )
     metrics = {f"bench.{row['variant']}.{k}": v for row in rows for k, v in row.items() if k != "variant"}
     return {"run_id": run_id, "rows": rows, "metrics": metrics}

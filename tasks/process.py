@@ -59,8 +59,14 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def run_group(cmd: list[str], out_dir: Path, on_poll: Callable[[], None] = lambda: None,
-              first_attempt: bool = True, poll_s: float = 1.0, env: dict | None = None) -> None:
+def run_group(
+    cmd: list[str],
+    out_dir: Path,
+    on_poll: Callable[[], None] = lambda: None,
+    first_attempt: bool = True,
+    poll_s: float = 1.0,
+    env: dict | None = None,
+) -> None:
     """Run ``cmd`` in a new session; call ``on_poll`` every ``poll_s`` (e.g. to forward telemetry). Raises
     `TrainingProcessDied` on a non-zero exit; stops the whole group if anything interrupts the wait."""
     chaos = int(os.environ.get(CHAOS_ENV, "0") or 0) if first_attempt else 0
@@ -78,5 +84,7 @@ def run_group(cmd: list[str], out_dir: Path, on_poll: Callable[[], None] = lambd
         if proc.poll() is None:
             stop_group(proc)
     if proc.returncode != 0:
-        raise TrainingProcessDied(f"training process {' '.join(cmd[:6])} ... exited with {proc.returncode}; "
-                                  f"the last checkpoint is step {checkpoint_step(out_dir)} in {out_dir}")
+        raise TrainingProcessDied(
+            f"training process {' '.join(cmd[:6])} ... exited with {proc.returncode}; "
+            f"the last checkpoint is step {checkpoint_step(out_dir)} in {out_dir}"
+        )

@@ -25,8 +25,10 @@ from tasks.storelock import store_lock
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 TEXT_TAG, TOKENIZER_TAG = "eval.text_sha256", "eval.tokenizer_sha256"
-PENDING_REASON = ("pending: MLflow is unreachable; `moe-lab sync` on the flow's directory registers the model "
-                  "and runs the promotion gate")
+PENDING_REASON = (
+    "pending: MLflow is unreachable; `moe-lab sync` on the flow's directory registers the model "
+    "and runs the promotion gate"
+)
 
 
 class UnregistrableModel(MoELabError):
@@ -53,14 +55,22 @@ def check_model(model_dir: str, evaluation: dict, parent_run_id: str | None) -> 
     if refusal is not None:
         if parent_run_id:
             tracking.set_tags(parent_run_id, {"registry.decision": "refused", "registry.reason": refusal})
-        create_markdown_artifact(f"## Registry\n\n**not registered**: {refusal}\n", key="registry",
-                                 description=refusal)
+        create_markdown_artifact(
+            f"## Registry\n\n**not registered**: {refusal}\n", key="registry", description=refusal
+        )
     return refusal
 
 
 @task(name="register-model", retries=2, retry_delay_seconds=2)
-def register_model(model_uri: str | None, model_dir: str, name: str, evaluation: dict, parent_run_id: str | None,
-                   model_run_id: str | None = None, gate_settings: dict | None = None) -> str | None:
+def register_model(
+    model_uri: str | None,
+    model_dir: str,
+    name: str,
+    evaluation: dict,
+    parent_run_id: str | None,
+    model_run_id: str | None = None,
+    gate_settings: dict | None = None,
+) -> str | None:
     """A new version of ``name`` from ``model_uri`` (the model in ``model_dir``, logged by run
     ``model_run_id``), tagged with its evaluation: metrics, and the text and tokenizer it was judged on.
     Refuses (`UnregistrableModel`) a model that `check_model` would refuse. While MLflow is unreachable
@@ -69,9 +79,18 @@ def register_model(model_uri: str | None, model_dir: str, name: str, evaluation:
     refusal = registration_refusal(model_dir, evaluation)
     if refusal is not None:
         raise UnregistrableModel(f"{model_dir}: {refusal}")
-    tags = {"moe_lab.lifecycle_run_id": parent_run_id or "", **evaluation.get("judged_on", {}),
-            **{f"metric.{k}": f"{v:.6g}" for k, v in evaluation["metrics"].items()}}
-    later = {"model_uri": model_uri, "model_run": model_run_id, "name": name, "tags": tags, "gate": gate_settings}
+    tags = {
+        "moe_lab.lifecycle_run_id": parent_run_id or "",
+        **evaluation.get("judged_on", {}),
+        **{f"metric.{k}": f"{v:.6g}" for k, v in evaluation["metrics"].items()},
+    }
+    later = {
+        "model_uri": model_uri,
+        "model_run": model_run_id,
+        "name": name,
+        "tags": tags,
+        "gate": gate_settings,
+    }
     if pending.offline_reason() is not None or pending.is_local(parent_run_id) or model_uri is None:
         if model_uri is None and pending.offline_reason() is None:
             raise UnregistrableModel(f"{model_dir}: no model was logged to MLflow, nothing to register")
@@ -91,12 +110,16 @@ def register_model(model_uri: str | None, model_dir: str, name: str, evaluation:
 def record_registration(name: str, version: str, parent_run_id: str | None) -> str:
     tracking.set_alias(name, CANDIDATE, version)
     if parent_run_id:
-        tracking.set_tags(parent_run_id, {"registry.decision": "registered", "registry.model": name,
-                                          "registry.version": version})
+        tracking.set_tags(
+            parent_run_id,
+            {"registry.decision": "registered", "registry.model": name, "registry.version": version},
+        )
     return version
 
 
-def decide(candidate: float | None, champion: float | None, margin: float, higher_is_better: bool) -> tuple[bool, str]:
+def decide(
+    candidate: float | None, champion: float | None, margin: float, higher_is_better: bool
+) -> tuple[bool, str]:
     """(promote?, why). Relative margin: lower-is-better needs candidate <= champion * (1 - margin)."""
     if candidate is None or not math.isfinite(candidate):
         return False, f"the candidate has no finite value for the promotion metric ({candidate})"
@@ -106,21 +129,29 @@ def decide(candidate: float | None, champion: float | None, margin: float, highe
     better = candidate >= target if higher_is_better else candidate <= target
     relation = ">=" if higher_is_better else "<="
     verdict = "beats" if better else "does not beat"
-    return better, f"candidate {candidate:.6g} {verdict} champion {champion:.6g} by margin {margin:g} (needs {relation} {target:.6g})"
+    return (
+        better,
+        f"candidate {candidate:.6g} {verdict} champion {champion:.6g} by margin {margin:g} (needs {relation} {target:.6g})",
+    )
 
 
 def incomparable(candidate_tags: dict[str, str], champion_tags: dict[str, str], metric: str) -> str | None:
     """Why the two versions' ``metric`` values cannot be compared, or None when they can."""
+
     def differs(tag: str) -> bool:
         return not candidate_tags.get(tag) or candidate_tags.get(tag) != champion_tags.get(tag)
 
     if differs(TEXT_TAG):
-        return (f"not comparable: the champion was evaluated on other text ({TEXT_TAG} "
-                f"{champion_tags.get(TEXT_TAG, 'missing')[:12]} vs {candidate_tags.get(TEXT_TAG, 'missing')[:12]}); "
-                "evaluate both on the same data")
+        return (
+            f"not comparable: the champion was evaluated on other text ({TEXT_TAG} "
+            f"{champion_tags.get(TEXT_TAG, 'missing')[:12]} vs {candidate_tags.get(TEXT_TAG, 'missing')[:12]}); "
+            "evaluate both on the same data"
+        )
     if not metric.endswith("_bpb") and differs(TOKENIZER_TAG):
-        return (f"not comparable: {metric} is per token and the tokenizers differ; "
-                "promote on a per-byte metric (eval.validation_bpb)")
+        return (
+            f"not comparable: {metric} is per token and the tokenizers differ; "
+            "promote on a per-byte metric (eval.validation_bpb)"
+        )
     return None
 
 
@@ -139,15 +170,23 @@ def gate(name: str, version: str, metric: str, margin: float, higher_is_better: 
             promoted, reason = decide(candidate_value, champion_value, margin, higher_is_better)
         if promoted:
             tracking.set_alias(name, CHAMPION, version)
-        tracking.set_version_tags(name, version, {"promotion.decision": "promoted" if promoted else "kept_champion",
-                                                  "promotion.reason": reason})
-    return {"promoted": promoted, "reason": reason, "version": version,
-            "champion": version if promoted else (str(champion.version) if champion else None)}
+        tracking.set_version_tags(
+            name,
+            version,
+            {"promotion.decision": "promoted" if promoted else "kept_champion", "promotion.reason": reason},
+        )
+    return {
+        "promoted": promoted,
+        "reason": reason,
+        "version": version,
+        "champion": version if promoted else (str(champion.version) if champion else None),
+    }
 
 
 @task(name="promotion-gate", retries=2, retry_delay_seconds=2)
-def promote(name: str, version: str, metric: str, margin: float, higher_is_better: bool,
-            parent_run_id: str | None) -> dict:
+def promote(
+    name: str, version: str, metric: str, margin: float, higher_is_better: bool, parent_run_id: str | None
+) -> dict:
     """Move ``champion`` to ``version`` when it wins; otherwise keep the champion. The decision and its
     reason are recorded on the version, on the lifecycle's MLflow run and as a Prefect artifact."""
     try:
@@ -158,22 +197,36 @@ def promote(name: str, version: str, metric: str, margin: float, higher_is_bette
         if (offline := pending.offline_reason() or tracking.probe()) is None:
             raise
         pending.go_offline(offline)
-        pending.record("promote", parent_run_id, name=name, version=version,
-                       gate={"metric": metric, "margin": margin, "higher_is_better": higher_is_better})
-        return {"promoted": False, "version": version, "champion": None,
-                "reason": PENDING_REASON}
+        pending.record(
+            "promote",
+            parent_run_id,
+            name=name,
+            version=version,
+            gate={"metric": metric, "margin": margin, "higher_is_better": higher_is_better},
+        )
+        return {"promoted": False, "version": version, "champion": None, "reason": PENDING_REASON}
     record_decision(decision, parent_run_id)
     promoted, reason = decision["promoted"], decision["reason"]
-    create_markdown_artifact(f"## Promotion gate: {name} v{version}\n\n**{'promoted' if promoted else 'kept champion'}**"
-                             f": {reason}\n", key="promotion", description=reason)
+    create_markdown_artifact(
+        f"## Promotion gate: {name} v{version}\n\n**{'promoted' if promoted else 'kept champion'}**"
+        f": {reason}\n",
+        key="promotion",
+        description=reason,
+    )
     return decision
 
 
 def record_decision(decision: dict, parent_run_id: str | None) -> None:
     promoted, reason = decision["promoted"], decision["reason"]
     if parent_run_id:
-        tracking.set_tags(parent_run_id, {"promotion.decision": "promoted" if promoted else "kept_champion",
-                                          "promotion.reason": reason, "registry.champion": decision["champion"]})
+        tracking.set_tags(
+            parent_run_id,
+            {
+                "promotion.decision": "promoted" if promoted else "kept_champion",
+                "promotion.reason": reason,
+                "registry.champion": decision["champion"],
+            },
+        )
 
 
 def _metric(tags: dict[str, str], metric: str) -> float | None:

@@ -60,6 +60,7 @@ def describe() -> dict[str, str]:
     """Where things go, for the messages the CLI prints."""
     return {
         "home": str(lab_home()),
-        "prefect": os.environ.get("PREFECT_API_URL") or f"ephemeral (PREFECT_HOME={os.environ.get('PREFECT_HOME')})",
+        "prefect": os.environ.get("PREFECT_API_URL")
+        or f"ephemeral (PREFECT_HOME={os.environ.get('PREFECT_HOME')})",
         "mlflow": os.environ.get("MLFLOW_TRACKING_URI", ""),
     }

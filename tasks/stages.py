@@ -14,9 +14,13 @@ def prefect_tags() -> dict[str, str]:
     """Prefect ids of the current flow run, task run and deployment (empty outside a run)."""
     from prefect.runtime import deployment, flow_run, task_run
 
-    tags = {"prefect.flow_run_id": flow_run.id, "prefect.flow_run_name": flow_run.name,
-            "prefect.flow_name": flow_run.flow_name, "prefect.deployment_id": deployment.id,
-            "prefect.deployment_name": deployment.name}
+    tags = {
+        "prefect.flow_run_id": flow_run.id,
+        "prefect.flow_run_name": flow_run.name,
+        "prefect.flow_name": flow_run.flow_name,
+        "prefect.deployment_id": deployment.id,
+        "prefect.deployment_name": deployment.name,
+    }
     if task_run.id:
         tags.update({"prefect.task_run_id": task_run.id, "prefect.attempt": str(task_run.run_count)})
     return {k: str(v) for k, v in tags.items() if v}
@@ -43,8 +47,9 @@ def link_to_run(run_id: str, key: str, description: str) -> None:
     the run waits for MLflow (it has no address yet)."""
     if pending.offline_reason() is not None or pending.is_local(run_id):
         return
-    create_link_artifact(tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key,
-                         description=description)
+    create_link_artifact(
+        tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key, description=description
+    )
 
 
 @contextmanager
@@ -78,8 +83,11 @@ def pending_summary() -> dict:
     journal = pending.pending_journal()
     if journal is None:
         return {}
-    return {"mlflow_pending": str(journal), "mlflow_offline": pending.offline_reason() or "MLflow failed mid-run",
-            "sync_command": f"moe-lab sync {journal.parent}"}
+    return {
+        "mlflow_pending": str(journal),
+        "mlflow_offline": pending.offline_reason() or "MLflow failed mid-run",
+        "sync_command": f"moe-lab sync {journal.parent}",
+    }
 
 
 def record_summary(run_id: str, *results: dict | None, **prefixed: dict | None) -> dict[str, float]:

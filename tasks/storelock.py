@@ -25,7 +25,11 @@ def lock_path(tracking_uri: str) -> Path:
     """The lock file of the store at ``tracking_uri``."""
     parsed = urlparse(tracking_uri)
     if parsed.scheme == "sqlite":
-        db = Path(tracking_uri[len("sqlite:///"):]) if tracking_uri.startswith("sqlite:///") else Path(parsed.path)
+        db = (
+            Path(tracking_uri[len("sqlite:///") :])
+            if tracking_uri.startswith("sqlite:///")
+            else Path(parsed.path)
+        )
         return db.with_name(db.name + ".lock")
     if parsed.scheme in ("", "file"):
         return Path(parsed.path or tracking_uri) / ".moe_lab.lock"
@@ -43,8 +47,11 @@ def store_lock(tracking_uri: str, purpose: str) -> Iterator[None]:
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
-            print(f"moe-lab: waiting for the MLflow store lock {path} ({purpose}; held by {holder})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"moe-lab: waiting for the MLflow store lock {path} ({purpose}; held by {holder})",
+                file=sys.stderr,
+                flush=True,
+            )
             fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()

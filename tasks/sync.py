@@ -60,12 +60,19 @@ def _sync(directory: Path, run_id: str | None, everything: bool) -> dict[str, An
             events[str(run_dir)] = tracking.sync_events(run_dir, target, everything)[1]
     if not journal.is_file() and not run_files:
         if not (directory / "metrics.jsonl").is_file():
-            raise SyncError(f"{directory}: no {pending.JOURNAL}, {tracking.RUN_FILE} or metrics.jsonl here; "
-                            "pass a flow's or a training run's output directory")
+            raise SyncError(
+                f"{directory}: no {pending.JOURNAL}, {tracking.RUN_FILE} or metrics.jsonl here; "
+                "pass a flow's or a training run's output directory"
+            )
         run_id, events[str(directory)] = tracking.sync_events(directory, run_id, everything)
         state["runs"][str(directory)] = run_id
-    return {"operations_replayed": replayed, "operations_done": state["done"], "runs": state["runs"],
-            "events_uploaded": events, "notes": notes}
+    return {
+        "operations_replayed": replayed,
+        "operations_done": state["done"],
+        "runs": state["runs"],
+        "events_uploaded": events,
+        "notes": notes,
+    }
 
 
 def _replay(entry: dict[str, Any], state: dict[str, Any]) -> str | None:
@@ -78,8 +85,9 @@ def _replay(entry: dict[str, Any], state: dict[str, Any]) -> str | None:
         model_uri = entry["model_uri"] or models.get("transformers") or models.get("files")
         if model_uri is None:
             return f"register {entry['name']}: the model was never logged; not registered"
-        version = registry.record_registration(entry["name"], tracking.register(model_uri, entry["name"],
-                                                                                entry["tags"]), parent)
+        version = registry.record_registration(
+            entry["name"], tracking.register(model_uri, entry["name"], entry["tags"]), parent
+        )
     else:
         version = entry["version"]
     if entry.get("gate"):

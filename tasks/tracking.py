@@ -82,7 +82,9 @@ def experiment_id(name: str | None = None) -> str:
     local = tracking_uri().startswith(("sqlite:", "file:")) or "://" not in tracking_uri()
     location = (settings.artifact_root() / name).as_uri() if local else None
     try:
-        return c.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        return c.create_experiment(
+            name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
     except Exception:  # created meanwhile by another process
         return c.get_experiment_by_name(name).experiment_id
 
@@ -104,7 +106,9 @@ def probe(uri: str | None = None, timeout: float = 3.0) -> str | None:
     return None
 
 
-def _send(op: str, run_id: str | None, payload: dict[str, Any], call: Callable[[], Any], pending_result: Any = None):
+def _send(
+    op: str, run_id: str | None, payload: dict[str, Any], call: Callable[[], Any], pending_result: Any = None
+):
     """``call()`` MLflow, or keep ``op`` in the pending manifest when MLflow is (or just became) unreachable.
     An error while the server answers is a real error and is raised."""
     if not pending.deferral_allowed():
@@ -126,8 +130,12 @@ def warn_offline(reason: str) -> None:
     import sys
 
     where = pending.journal_path()
-    print(f"moe-lab: {reason}; going on without it. Records are kept in {where}; upload them with "
-          f"`moe-lab sync {where.parent}` once MLflow is back.", file=sys.stderr, flush=True)
+    print(
+        f"moe-lab: {reason}; going on without it. Records are kept in {where}; upload them with "
+        f"`moe-lab sync {where.parent}` once MLflow is back.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def start_run(name: str, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
@@ -137,9 +145,13 @@ def start_run(name: str, parent_run_id: str | None = None, tags: Mapping[str, st
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     local = pending.new_local_id()  # used only if the run has to wait for MLflow (or its parent does)
-    return _send("start_run", parent_run_id, {"local": local, "name": name, "tags": all_tags},
-                 lambda: client().create_run(experiment_id(), tags=all_tags, run_name=name).info.run_id,
-                 pending_result=local)
+    return _send(
+        "start_run",
+        parent_run_id,
+        {"local": local, "name": name, "tags": all_tags},
+        lambda: client().create_run(experiment_id(), tags=all_tags, run_name=name).info.run_id,
+        pending_result=local,
+    )
 
 
 def end_run(run_id: str, status: str = "FINISHED", reason: str | None = None) -> None:
@@ -194,8 +206,12 @@ def log_config(run_id: str, config: Any, prefix: str = "") -> None:
     params = flatten(config, prefix)
     data = config.model_dump(mode="json") if hasattr(config, "model_dump") else flatten(config)
     artifact_file = f"config/{prefix or 'config'}.json"
-    _send("log_params", run_id, {"params": params, "data": data, "artifact_file": artifact_file},
-          lambda: _log_params_now(run_id, params, data, artifact_file))
+    _send(
+        "log_params",
+        run_id,
+        {"params": params, "data": data, "artifact_file": artifact_file},
+        lambda: _log_params_now(run_id, params, data, artifact_file),
+    )
 
 
 def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_file: str) -> None:
@@ -204,7 +220,7 @@ def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_
     c = client()
     items = [Param(k, v) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
-        c.log_batch(run_id, params=items[i:i + 100])
+        c.log_batch(run_id, params=items[i : i + 100])
     c.log_dict(run_id, data, artifact_file)
 
 
@@ -215,22 +231,34 @@ def architecture_params(model_config) -> dict[str, str]:
     c = model_config
     counts = parameter_counts(c)
     moe = bool(c.num_experts)
-    return {k: str(v) for k, v in {
-        "arch.num_experts": c.num_experts if moe else 0, "arch.top_k": c.num_experts_per_tok if moe else 0,
-        "arch.shared_experts": c.num_shared_experts if moe else 0, "arch.hidden_size": c.hidden_size,
-        "arch.expert_intermediate_size": c.expert_intermediate_size if moe else c.intermediate_size,
-        "arch.num_layers": c.num_hidden_layers, "arch.moe_layers": len(c.moe_layer_ids),
-        "arch.router": f"{c.router}/{c.router_score}" if moe else "dense", "arch.vocab_size": c.vocab_size,
-        "arch.params_total": counts["total"], "arch.params_active": counts["active"],
-    }.items()}
+    return {
+        k: str(v)
+        for k, v in {
+            "arch.num_experts": c.num_experts if moe else 0,
+            "arch.top_k": c.num_experts_per_tok if moe else 0,
+            "arch.shared_experts": c.num_shared_experts if moe else 0,
+            "arch.hidden_size": c.hidden_size,
+            "arch.expert_intermediate_size": c.expert_intermediate_size if moe else c.intermediate_size,
+            "arch.num_layers": c.num_hidden_layers,
+            "arch.moe_layers": len(c.moe_layer_ids),
+            "arch.router": f"{c.router}/{c.router_score}" if moe else "dense",
+            "arch.vocab_size": c.vocab_size,
+            "arch.params_total": counts["total"],
+            "arch.params_active": counts["active"],
+        }.items()
+    }
 
 
 def log_architecture(run_id: str, model_config) -> None:
     """The model's architecture as ``arch.*`` params (and ``config/architecture.json``)."""
     params = architecture_params(model_config)
     artifact_file = "config/architecture.json"
-    _send("log_params", run_id, {"params": params, "data": params, "artifact_file": artifact_file},
-          lambda: _log_params_now(run_id, params, params, artifact_file))
+    _send(
+        "log_params",
+        run_id,
+        {"params": params, "data": params, "artifact_file": artifact_file},
+        lambda: _log_params_now(run_id, params, params, artifact_file),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -244,27 +272,39 @@ def _finite(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def log_metrics(run_id: str, metrics: Mapping[str, Any], step: int | None = None,
-                timestamp_ms: int | None = None, mlflow_client=None) -> int:
+def log_metrics(
+    run_id: str,
+    metrics: Mapping[str, Any],
+    step: int | None = None,
+    timestamp_ms: int | None = None,
+    mlflow_client=None,
+) -> int:
     """Numbers only (other values are skipped); returns how many were logged (or kept pending)."""
     values = _finite(metrics)
     ts = timestamp_ms or int(time.time() * 1000)
-    if mlflow_client is not None:  # the telemetry sink: its own offline handling, events stay in metrics.jsonl
+    if (
+        mlflow_client is not None
+    ):  # the telemetry sink: its own offline handling, events stay in metrics.jsonl
         return send_metrics(run_id, values, step, ts, mlflow_client)
-    _send("log_metrics", run_id, {"metrics": values, "step": step, "timestamp_ms": ts},
-          lambda: send_metrics(run_id, values, step, ts))
+    _send(
+        "log_metrics",
+        run_id,
+        {"metrics": values, "step": step, "timestamp_ms": ts},
+        lambda: send_metrics(run_id, values, step, ts),
+    )
     return len(values)
 
 
-def send_metrics(run_id: str, values: Mapping[str, float], step: int | None, timestamp_ms: int,
-                 mlflow_client=None) -> int:
+def send_metrics(
+    run_id: str, values: Mapping[str, float], step: int | None, timestamp_ms: int, mlflow_client=None
+) -> int:
     """Straight to MLflow (raises when it fails): the telemetry sink, the event follower and sync."""
     from mlflow.entities import Metric
 
     batch = [Metric(k, v, timestamp_ms, step or 0) for k, v in _finite(values).items()]
     c = mlflow_client or client()
     for i in range(0, len(batch), 1000):
-        c.log_batch(run_id, metrics=batch[i:i + 1000])
+        c.log_batch(run_id, metrics=batch[i : i + 1000])
     return len(batch)
 
 
@@ -283,14 +323,22 @@ def log_artifacts(run_id: str, local_path: str | Path, artifact_path: str | None
 
 
 def log_text(run_id: str, text: str, artifact_file: str) -> None:
-    _send("log_text", run_id, {"text": text, "artifact_file": artifact_file},
-          lambda: client().log_text(run_id, text, artifact_file))
+    _send(
+        "log_text",
+        run_id,
+        {"text": text, "artifact_file": artifact_file},
+        lambda: client().log_text(run_id, text, artifact_file),
+    )
 
 
 def log_dataset(run_id: str, data_dir: str | Path, context: str = "training") -> None:
     """Record a prepared-data directory with `mlflow.data`: per-split counts and the fingerprint, no text."""
-    _send("log_dataset", run_id, {"data_dir": str(Path(data_dir).resolve()), "context": context},
-          lambda: _log_dataset_now(run_id, data_dir, context))
+    _send(
+        "log_dataset",
+        run_id,
+        {"data_dir": str(Path(data_dir).resolve()), "context": context},
+        lambda: _log_dataset_now(run_id, data_dir, context),
+    )
 
 
 def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
@@ -299,15 +347,26 @@ def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
     from mlflow.entities import DatasetInput, InputTag
 
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-    rows = [{"split": name, **{k: float(v) for k, v in split.items() if isinstance(v, int | float)}}
-            for name, split in manifest.get("splits", {}).items()]
-    with warnings.catch_warnings():  # MLflow registers its local-artifact source twice, then warns it is ambiguous
-        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
-        dataset = mlflow.data.from_pandas(pd.DataFrame(rows), source=str(Path(data_dir).resolve()),
-                                          name=f"{manifest['source']['name']}@{manifest['fingerprint'][:12]}",
-                                          digest=manifest["fingerprint"][:36])
-    client().log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(),
-                                                       tags=[InputTag("mlflow.data.context", context)])])
+    rows = [
+        {"split": name, **{k: float(v) for k, v in split.items() if isinstance(v, int | float)}}
+        for name, split in manifest.get("splits", {}).items()
+    ]
+    with (
+        warnings.catch_warnings()
+    ):  # MLflow registers its local-artifact source twice, then warns it is ambiguous
+        warnings.filterwarnings(
+            "ignore", message="The specified dataset source can be interpreted in multiple ways"
+        )
+        dataset = mlflow.data.from_pandas(
+            pd.DataFrame(rows),
+            source=str(Path(data_dir).resolve()),
+            name=f"{manifest['source']['name']}@{manifest['fingerprint'][:12]}",
+            digest=manifest["fingerprint"][:36],
+        )
+    client().log_inputs(
+        run_id,
+        datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])],
+    )
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -324,8 +383,13 @@ def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
     A directory without a tokenizer is logged as plain files under ``model`` (``{"files": runs:/...}``).
     No pickled flavor is logged (MLflow's PyTorch flavor would be one). The run is finished afterwards
     (MLflow's log_model needs it active). While MLflow is unreachable: ``{}``, and the model is pending."""
-    return _send("log_model", run_id, {"model_dir": str(Path(model_dir).resolve())},
-                 lambda: _log_model_now(run_id, model_dir), pending_result={})
+    return _send(
+        "log_model",
+        run_id,
+        {"model_dir": str(Path(model_dir).resolve())},
+        lambda: _log_model_now(run_id, model_dir),
+        pending_result={},
+    )
 
 
 def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
@@ -343,15 +407,22 @@ def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
 
     model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
-        info = mlflow.transformers.log_model({"model": model, "tokenizer": load_tokenizer(model_dir)},
-                                             name="transformers", task="text-generation",
-                                             pip_requirements=PIP_REQUIREMENTS)
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": load_tokenizer(model_dir)},
+            name="transformers",
+            task="text-generation",
+            pip_requirements=PIP_REQUIREMENTS,
+        )
     return {"transformers": info.model_uri}
 
 
 def log_onnx_model(run_id: str, onnx_file: str | Path) -> str | None:
-    return _send("log_onnx_model", run_id, {"onnx_file": str(Path(onnx_file).resolve())},
-                 lambda: _log_onnx_model_now(run_id, onnx_file))
+    return _send(
+        "log_onnx_model",
+        run_id,
+        {"onnx_file": str(Path(onnx_file).resolve())},
+        lambda: _log_onnx_model_now(run_id, onnx_file),
+    )
 
 
 def _log_onnx_model_now(run_id: str, onnx_file: str | Path) -> str:
@@ -359,7 +430,9 @@ def _log_onnx_model_now(run_id: str, onnx_file: str | Path) -> str:
     import onnx
 
     with _in_run(run_id):
-        info = mlflow.onnx.log_model(onnx.load(str(onnx_file)), name="onnx", pip_requirements=["onnx", "onnxruntime"])
+        info = mlflow.onnx.log_model(
+            onnx.load(str(onnx_file)), name="onnx", pip_requirements=["onnx", "onnxruntime"]
+        )
     return info.model_uri
 
 
@@ -379,7 +452,7 @@ def register(model_uri: str, name: str, tags: Mapping[str, Any] | None = None) -
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    run_id = model_uri[len("runs:/"):].split("/")[0]
+    run_id = model_uri[len("runs:/") :].split("/")[0]
     return str(c.create_model_version(name, model_uri, run_id, tags=tags).version)
 
 
@@ -422,7 +495,9 @@ def replay(entry: Mapping[str, Any], state: dict[str, Any]) -> str | None:
         tags = {**entry["tags"], "moe_lab.synced": "true"}
         if "mlflow.parentRunId" in tags:
             tags["mlflow.parentRunId"] = real(tags["mlflow.parentRunId"])
-        runs[entry["local"]] = client().create_run(experiment_id(), tags=tags, run_name=entry["name"]).info.run_id
+        runs[entry["local"]] = (
+            client().create_run(experiment_id(), tags=tags, run_name=entry["name"]).info.run_id
+        )
     elif op == "log_params":
         _log_params_now(run, entry["params"], entry["data"], entry["artifact_file"])
     elif op == "log_metrics":
@@ -435,11 +510,15 @@ def replay(entry: Mapping[str, Any], state: dict[str, Any]) -> str | None:
     elif op == "log_text":
         client().log_text(run, entry["text"], entry["artifact_file"])
     elif op in ("log_artifacts", "log_dataset", "log_model", "log_onnx_model"):
-        path = Path(entry.get("path") or entry.get("data_dir") or entry.get("model_dir") or entry["onnx_file"])
+        path = Path(
+            entry.get("path") or entry.get("data_dir") or entry.get("model_dir") or entry["onnx_file"]
+        )
         if not path.exists():
             return f"{op}: {path} no longer exists; not uploaded"
         if op == "log_artifacts":
-            (client().log_artifacts if path.is_dir() else client().log_artifact)(run, str(path), entry["artifact_path"])
+            (client().log_artifacts if path.is_dir() else client().log_artifact)(
+                run, str(path), entry["artifact_path"]
+            )
         elif op == "log_dataset":
             _log_dataset_now(run, path, entry["context"])
         elif op == "log_model":
@@ -460,10 +539,20 @@ def list_runs(uri: str | None = None, max_results: int = 200) -> list[dict]:
     found = c.get_experiment_by_name(settings.experiment_name())
     if found is None:
         return []
-    runs = c.search_runs([found.experiment_id], max_results=max_results, order_by=["attribute.start_time DESC"])
-    return [{"run_id": r.info.run_id, "name": r.info.run_name, "status": r.info.status,
-             "start_time": r.info.start_time, "metrics": _finite(r.data.metrics),
-             "parent": r.data.tags.get("mlflow.parentRunId")} for r in runs]
+    runs = c.search_runs(
+        [found.experiment_id], max_results=max_results, order_by=["attribute.start_time DESC"]
+    )
+    return [
+        {
+            "run_id": r.info.run_id,
+            "name": r.info.run_name,
+            "status": r.info.status,
+            "start_time": r.info.start_time,
+            "metrics": _finite(r.data.metrics),
+            "parent": r.data.tags.get("mlflow.parentRunId"),
+        }
+        for r in runs
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ telemetry
@@ -474,7 +563,9 @@ class MlflowSink:
     ``offline_from_step`` into ``<run_dir>/mlflow_run.json``, and ``moe-lab sync`` uploads the events from
     that step on. Training never waits on MLflow; `close` waits at most ``close_timeout`` seconds."""
 
-    def __init__(self, run_id: str, run_dir: str | Path, mlflow_client=None, close_timeout: float = 30.0) -> None:
+    def __init__(
+        self, run_id: str, run_dir: str | Path, mlflow_client=None, close_timeout: float = 30.0
+    ) -> None:
         self.run_id, self.run_dir = run_id, Path(run_dir)
         self.offline_from_step: int | None = None
         self.error: str | None = None
@@ -499,7 +590,9 @@ class MlflowSink:
             try:
                 send_metrics(self.run_id, metrics, step, ts, mlflow_client=self._client)
             except Exception as err:  # noqa: BLE001 - any failure: keep training, events stay in the JSONL
-                self._go_offline(step, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                self._go_offline(
+                    step, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                )
                 if self._client is None and (reason := probe()) is not None:
                     pending.go_offline(reason)  # the flow's next records go straight to its pending manifest
 
@@ -530,21 +623,30 @@ class EventFollower:
     def __init__(self, run_id: str, run_dir: str | Path) -> None:
         self.run_id, self.run_dir = run_id, Path(run_dir)
         self.events = self.run_dir / "metrics.jsonl"
-        self.offset = self.events.stat().st_size if self.events.is_file() else 0  # earlier attempts: already sent
+        self.offset = (
+            self.events.stat().st_size if self.events.is_file() else 0
+        )  # earlier attempts: already sent
         # a resume rewrites the file without the rows past its checkpoint (JsonlSink): steps up to here are sent
-        self.last_step = max((int(r.get("step", -1)) for r in read_jsonl(self.events)), default=-1) \
-            if self.events.is_file() else -1
+        self.last_step = (
+            max((int(r.get("step", -1)) for r in read_jsonl(self.events)), default=-1)
+            if self.events.is_file()
+            else -1
+        )
         self.skip_upto = self.last_step  # rows up to this step are sent already
         self.offline_from_step: int | None = None
         write_run_file(self.run_dir, run_id)
         if pending.offline_reason() is not None or pending.is_local(run_id):
             self.offline_from_step = 0
-            write_run_file(self.run_dir, run_id, offline_from_step=0, error=pending.offline_reason() or "pending")
+            write_run_file(
+                self.run_dir, run_id, offline_from_step=0, error=pending.offline_reason() or "pending"
+            )
 
     def poll(self) -> None:
         if self.offline_from_step is not None or not self.events.is_file():
             return
-        if self.events.stat().st_size < self.offset:  # rewritten shorter by a resume: read again, skip sent steps
+        if (
+            self.events.stat().st_size < self.offset
+        ):  # rewritten shorter by a resume: read again, skip sent steps
             self.offset, self.skip_upto = 0, self.last_step
         with self.events.open("rb") as f:
             f.seek(self.offset)
@@ -552,7 +654,7 @@ class EventFollower:
         if self.offset and chunk and not chunk.startswith(b"{"):  # shrunk and regrown between two polls
             self.offset, self.skip_upto = 0, self.last_step
             return self.poll()
-        for line in chunk[:chunk.rfind(b"\n") + 1].splitlines(keepends=True):
+        for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):
             try:
                 row = json.loads(line) if line.strip() else None
             except ValueError:  # a damaged line: the JSONL reader skips it too
@@ -561,12 +663,20 @@ class EventFollower:
                 row = None
             if row is not None:
                 try:
-                    send_metrics(self.run_id, {k: v for k, v in row.items() if k not in ("step", "time")},
-                                 row.get("step"), int(row.get("time", time.time()) * 1000))
+                    send_metrics(
+                        self.run_id,
+                        {k: v for k, v in row.items() if k not in ("step", "time")},
+                        row.get("step"),
+                        int(row.get("time", time.time()) * 1000),
+                    )
                 except Exception as err:  # noqa: BLE001 - MLflow down: training goes on
                     self.offline_from_step = int(row.get("step", 0))
-                    write_run_file(self.run_dir, self.run_id, offline_from_step=self.offline_from_step,
-                                   error=f"{type(err).__name__}")
+                    write_run_file(
+                        self.run_dir,
+                        self.run_id,
+                        offline_from_step=self.offline_from_step,
+                        error=f"{type(err).__name__}",
+                    )
                     return
                 self.last_step = int(row.get("step", self.last_step))
             self.offset += len(line)
@@ -581,7 +691,9 @@ def sync_events(run_dir: str | Path, run_id: str | None = None, everything: bool
     run_dir = Path(run_dir)
     events = run_dir / "metrics.jsonl"
     if not events.is_file():
-        raise FileNotFoundError(f"{events} not found; pass a training output directory (it holds metrics.jsonl)")
+        raise FileNotFoundError(
+            f"{events} not found; pass a training output directory (it holds metrics.jsonl)"
+        )
     info = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).is_file() else {}
     recorded = info.get("run_id")
     run_id = run_id or (None if pending.is_local(recorded) else recorded)
@@ -598,8 +710,12 @@ def sync_events(run_dir: str | Path, run_id: str | None = None, everything: bool
     if after is not None:
         for row in read_jsonl(events):
             if "step" in row and int(row["step"]) > after:
-                send_metrics(run_id, {k: v for k, v in row.items() if k not in ("step", "time")}, row["step"],
-                             int(row.get("time", time.time()) * 1000))
+                send_metrics(
+                    run_id,
+                    {k: v for k, v in row.items() if k not in ("step", "time")},
+                    row["step"],
+                    int(row.get("time", time.time()) * 1000),
+                )
                 uploaded += 1
                 last = max(int(row["step"]), last if last is not None else -1)
     extra = {k: v for k, v in info.items() if k not in ("run_id", "tracking_uri")}

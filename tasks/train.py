@@ -21,10 +21,19 @@ from tasks.stages import stage_run
 
 
 @task(name="pretrain", retries=2, retry_delay_seconds=3, cache_policy=NO_CACHE)
-def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc: int = 1,
-             subprocess: bool = False, log_model: bool = True, stage: str = "pretrain",
-             max_restarts: int = 0, launcher: str = "torchrun", ray_address: str | None = None,
-             log_checkpoint: bool = False) -> dict:
+def pretrain(
+    config: TrainConfig,
+    out_dir: str,
+    parent_run_id: str | None,
+    nproc: int = 1,
+    subprocess: bool = False,
+    log_model: bool = True,
+    stage: str = "pretrain",
+    max_restarts: int = 0,
+    launcher: str = "torchrun",
+    ray_address: str | None = None,
+    log_checkpoint: bool = False,
+) -> dict:
     """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids.
 
     MLflow gets the model once (``log_model``: the transformers flavor the registry serves) and the last
@@ -60,16 +69,32 @@ def pretrain(config: TrainConfig, out_dir: str, parent_run_id: str | None, nproc
                 if (ckpt / name).is_file():
                     tracking.log_artifacts(run_id, ckpt / name, "checkpoint")
         models = tracking.log_model(run_id, out / "final") if log_model else {}
-    return {**summary, "run_id": run_id, "out_dir": str(out), "export_dir": str(out / "final"),
-            "model_uri": models.get("transformers") or models.get("files")}
+    return {
+        **summary,
+        "run_id": run_id,
+        "out_dir": str(out),
+        "export_dir": str(out / "final"),
+        "model_uri": models.get("transformers") or models.get("files"),
+    }
 
 
-def _train_in_process_group(config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool,
-                            max_restarts: int = 0) -> None:
+def _train_in_process_group(
+    config: TrainConfig, out: Path, run_id: str, nproc: int, resume: bool, max_restarts: int = 0
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config.save(out / "flow_train_config.json")
-    cmd = [sys.executable, "-m", "moe_core.cli", "train", "--config", str(out / "flow_train_config.json"),
-           "--out", str(out), "--nproc", str(nproc)] + (["--resume"] if resume else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_core.cli",
+        "train",
+        "--config",
+        str(out / "flow_train_config.json"),
+        "--out",
+        str(out),
+        "--nproc",
+        str(nproc),
+    ] + (["--resume"] if resume else [])
     if nproc > 1 and max_restarts:  # torchrun's elastic agent: a dead rank restarts the group, which resumes
         cmd += ["--max-restarts", str(max_restarts)]
     follower = tracking.EventFollower(run_id, out)
@@ -81,7 +106,12 @@ def _summary(out: Path) -> dict:
     state = read_trainer_state(latest_checkpoint(out / "checkpoints"))
     rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     last = next((r for r in reversed(rows) if "loss" in r), {})
-    summary = {"step": int(state["step"]), "tokens": int(state["tokens"]), "loss": last.get("loss"),
-               "val_loss": state.get("val_loss"), "restarts": last.get("elastic/restarts")}
+    summary = {
+        "step": int(state["step"]),
+        "tokens": int(state["tokens"]),
+        "loss": last.get("loss"),
+        "val_loss": state.get("val_loss"),
+        "restarts": last.get("elastic/restarts"),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return {k: v for k, v in summary.items() if v is not None}

@@ -35,8 +35,9 @@ def lab_env(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    with temporary_settings(updates={PREFECT_HOME: home / "prefect",
-                                     PREFECT_LOCAL_STORAGE_PATH: home / "prefect" / "storage"}):
+    with temporary_settings(
+        updates={PREFECT_HOME: home / "prefect", PREFECT_LOCAL_STORAGE_PATH: home / "prefect" / "storage"}
+    ):
         with prefect_test_harness(server_startup_timeout=120):
             yield home
     patch.undo()

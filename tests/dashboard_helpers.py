@@ -20,11 +20,18 @@ def tiny_config(steps: int, router: str = "aux_free", **log) -> TrainConfig:
     overrides = {"router": router}
     if router == "aux_free":
         overrides["router_bias_update_rate"] = 1e-3
-    return TrainConfig.build({
-        "model": {"preset": "mixtral-tiny", "overrides": overrides}, "steps": steps, "batch_size": 4,
-        "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 64},
-        "optim": {"warmup_steps": 2}, "log": {"every": 1, "progress": "off", "alerts": {"dead_steps": 2}, **log},
-        "checkpoint": {"every": 1000, "export": False}, "eval": {"batches": 1, "every": 5}})
+    return TrainConfig.build(
+        {
+            "model": {"preset": "mixtral-tiny", "overrides": overrides},
+            "steps": steps,
+            "batch_size": 4,
+            "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 64},
+            "optim": {"warmup_steps": 2},
+            "log": {"every": 1, "progress": "off", "alerts": {"dead_steps": 2}, **log},
+            "checkpoint": {"every": 1000, "export": False},
+            "eval": {"batches": 1, "every": 5},
+        }
+    )
 
 
 def starve(trainer: Trainer, layer: int = DEAD_LAYER, expert: int = DEAD_EXPERT) -> None:
@@ -80,9 +87,13 @@ def write_analysis(run_dir: Path):
     from moe_core.train.checkpoint import latest_checkpoint
 
     model = MoEForCausalLM.from_pretrained(latest_checkpoint(run_dir / "checkpoints"))
-    batches = [torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(i))
-               for i in range(2)]
-    classes_V = torch.arange(model.config.vocab_size) % len(TOKEN_CLASSES)  # synthetic ids: a fixed class each
+    batches = [
+        torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(i))
+        for i in range(2)
+    ]
+    classes_V = torch.arange(model.config.vocab_size) % len(
+        TOKEN_CLASSES
+    )  # synthetic ids: a fixed class each
     collect_profile(model, batches, token_classes_V=classes_V).to_dir(run_dir / "analysis" / "profile")
     report = cost_report(model.config, 1000.0, "cpu", seq_len=32)
     (run_dir / "analysis" / "cost.json").write_text(json.dumps(report.to_dict(), default=str))

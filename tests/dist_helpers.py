@@ -23,9 +23,20 @@ STEPS = 8
 
 
 def train_args(steps: int = STEPS, every: int = 4) -> list[str]:
-    sets = [f"steps={steps}", "batch_size=8", "log.every=1", "log.progress=lines", "data.source=synthetic",
-            "data.seq_len=32", "data.synthetic_blocks=128", f"checkpoint.every={every}", "optim.lr=1e-2",
-            "optim.warmup_steps=2", "checkpoint.export=false", "eval.batches=1"]
+    sets = [
+        f"steps={steps}",
+        "batch_size=8",
+        "log.every=1",
+        "log.progress=lines",
+        "data.source=synthetic",
+        "data.seq_len=32",
+        "data.synthetic_blocks=128",
+        f"checkpoint.every={every}",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=2",
+        "checkpoint.export=false",
+        "eval.batches=1",
+    ]
     return ["--preset", "mixtral-tiny", *[a for s in sets for a in ("--set", s)]]
 
 
@@ -49,7 +60,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_same_run(one: Path, many: Path, steps: int = STEPS, rel: float = 2e-5, weights_rel: float = 1e-4) -> None:
+def assert_same_run(
+    one: Path, many: Path, steps: int = STEPS, rel: float = 2e-5, weights_rel: float = 1e-4
+) -> None:
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(many / "metrics.jsonl")
     a, b = [r for r in a if "loss" in r], [r for r in b if "loss" in r]
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
@@ -76,6 +89,11 @@ def assert_comm_metrics(run: Path, world: int, ep_size: int, tokens_per_step: in
         slots = sum(row[f"comm/ep_rank_{j}/tokens_recv"] for j in range(ep_size))
         assert slots == pytest.approx(tokens_per_step / (world // ep_size) * k * moe_layers)
         sent = sum(row[f"comm/rank_{r}/a2a_bytes_sent"] for r in range(world))
-        assert sent == pytest.approx(sum(row[f"comm/rank_{r}/a2a_bytes_recv"] for r in range(world))) and sent > 0
+        assert (
+            sent == pytest.approx(sum(row[f"comm/rank_{r}/a2a_bytes_recv"] for r in range(world)))
+            and sent > 0
+        )
         assert 0 < row["comm/frac_step"] < 1 and row["comm/tokens_recv_imbalance"] >= 1
-        assert row["comm/a2a_ms"] == pytest.approx(sum(row[f"comm/layer_{i}/a2a_ms"] for i in config.moe_layer_ids))
+        assert row["comm/a2a_ms"] == pytest.approx(
+            sum(row[f"comm/layer_{i}/a2a_ms"] for i in config.moe_layer_ids)
+        )

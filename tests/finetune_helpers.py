@@ -17,12 +17,18 @@ def instruction_records(n: int = 16, task: bool = False) -> list[dict]:
     for i in range(n):
         color, animal = COLORS[i % 8], ANIMALS[(3 * i) % 8]
         if i % 2 == 0:
-            row = {"instruction": f"Name the color in: the {color} {animal}.", "input": "",
-                   "output": f"The color is {color}."}
+            row = {
+                "instruction": f"Name the color in: the {color} {animal}.",
+                "input": "",
+                "output": f"The color is {color}.",
+            }
             kind = "color"
         else:
-            row = {"instruction": f"Name the animal in: the {color} {animal}.", "input": "",
-                   "output": f"The animal is {animal}."}
+            row = {
+                "instruction": f"Name the animal in: the {color} {animal}.",
+                "input": "",
+                "output": f"The animal is {animal}.",
+            }
             kind = "animal"
         if task:
             row["task"] = kind
@@ -31,9 +37,14 @@ def instruction_records(n: int = 16, task: bool = False) -> list[dict]:
 
 
 def preference_records(n: int = 8) -> list[dict]:
-    return [{"prompt": f"Name the color in: the {COLORS[i % 8]} {ANIMALS[i % 8]}.",
-             "chosen": f"The color is {COLORS[i % 8]}.",
-             "rejected": f"I do not know the {ANIMALS[i % 8]}."} for i in range(n)]
+    return [
+        {
+            "prompt": f"Name the color in: the {COLORS[i % 8]} {ANIMALS[i % 8]}.",
+            "chosen": f"The color is {COLORS[i % 8]}.",
+            "rejected": f"I do not know the {ANIMALS[i % 8]}.",
+        }
+        for i in range(n)
+    ]
 
 
 def tiny_tokenizer():
@@ -45,11 +56,21 @@ def tiny_tokenizer():
     return train_tokenizer(texts, vocab_size=300, min_frequency=2)
 
 
-def tiny_model(preset: str = "mixtral-tiny", vocab_size: int = 300, seed: int = 0, **overrides) -> MoEForCausalLM:
+def tiny_model(
+    preset: str = "mixtral-tiny", vocab_size: int = 300, seed: int = 0, **overrides
+) -> MoEForCausalLM:
     torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                  num_experts=4, num_experts_per_tok=2, expert_intermediate_size=32, intermediate_size=64,
-                  max_position_embeddings=128)
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_intermediate_size=32,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
     fields.update(overrides)
     return MoEForCausalLM(get_config(preset, **fields))
 

@@ -22,15 +22,38 @@ def run(argv: list[str]) -> int:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "prepared"
-    return prepare.prepare(prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False), out)
+    return prepare.prepare(
+        prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False), out
+    )
 
 
 @pytest.mark.slow
 def test_analyze_writes_profile_plots_and_cost(data_dir, tmp_path, capsys):
     out = tmp_path / "analysis"
-    assert run(["analyze", "--preset", "mixtral-tiny", "--data", str(data_dir), "--out", str(out),
-                "--batch-size", "2", "--max-batches", "2", "--throughput-steps", "1",
-                "--train-tokens", "1000", "--train-seconds", "36"]) == 0
+    assert (
+        run(
+            [
+                "analyze",
+                "--preset",
+                "mixtral-tiny",
+                "--data",
+                str(data_dir),
+                "--out",
+                str(out),
+                "--batch-size",
+                "2",
+                "--max-batches",
+                "2",
+                "--throughput-steps",
+                "1",
+                "--train-tokens",
+                "1000",
+                "--train-seconds",
+                "36",
+            ]
+        )
+        == 0
+    )
     profile = RouterProfile.from_dir(out / "profile")
     assert profile.dataset["tokens"] == 2 * 2 * 32 and profile.dataset["split"] == "validation"
     assert profile.domain_names and "identifier" in profile.class_names
@@ -46,9 +69,29 @@ def test_analyze_writes_profile_plots_and_cost(data_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_eval_writes_table_and_generations(data_dir, tmp_path, capsys):
     out = tmp_path / "eval"
-    assert run(["eval", "--preset", "mixtral-tiny", "--data", str(data_dir), "--splits", "validation",
-                "--max-batches", "1", "--batch-size", "2", "--generate", "--max-new-tokens", "2",
-                "--out", str(out)]) == 0
+    assert (
+        run(
+            [
+                "eval",
+                "--preset",
+                "mixtral-tiny",
+                "--data",
+                str(data_dir),
+                "--splits",
+                "validation",
+                "--max-batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--generate",
+                "--max-new-tokens",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "eval.json").read_text())
     assert report["splits"]["validation"]["tokens"] == 2 * 31
     assert report["generations"] == 2 * 8  # greedy + sampled for each project prompt

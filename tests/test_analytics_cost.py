@@ -26,9 +26,22 @@ S = 16
 
 def tiny(**overrides) -> MoEConfig:
     # layer 0 dense (width 5), layer 1 MoE: 4 experts of width 3, top-2; D=8, H=2, G=1, Hd=4, V=10
-    return MoEConfig(vocab_size=10, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                     head_dim=4, intermediate_size=5, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=3,
-                     moe_every_n=2, ffn_activation="swiglu", max_position_embeddings=S, **overrides)
+    return MoEConfig(
+        vocab_size=10,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=5,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_intermediate_size=3,
+        moe_every_n=2,
+        ffn_activation="swiglu",
+        max_position_embeddings=S,
+        **overrides,
+    )
 
 
 def test_flops_by_component():
@@ -48,7 +61,9 @@ def test_flops_by_component():
 def test_training_flops_agree_with_the_trainer():
     config = tiny()
     norms = 2 * 8 * 2 + 8  # the trainer's 6N counts RMSNorm weights; ours leaves elementwise work out
-    assert train_flops.flops_per_token(config, S) == pytest.approx(flops_per_token(config, S).training_active + 6 * norms)
+    assert train_flops.flops_per_token(config, S) == pytest.approx(
+        flops_per_token(config, S).training_active + 6 * norms
+    )
 
 
 def test_money_by_hand():
@@ -76,8 +91,10 @@ def test_training_cost_to_date(tmp_path):
     assert cost.usd_per_million_tokens == pytest.approx(14.4)
     assert cost.flops == pytest.approx(1e6 * 3 * 2544)
     events = tmp_path / "metrics.jsonl"
-    events.write_text('{"step": 1, "time": 100.0, "tokens": 1000.0, "loss": 5.0}\n'
-                      '{"step": 2, "time": 160.0, "tokens": 3000.0}\n{"step": 2, "time": 161.0}\n')
+    events.write_text(
+        '{"step": 1, "time": 100.0, "tokens": 1000.0, "loss": 5.0}\n'
+        '{"step": 2, "time": 160.0, "tokens": 3000.0}\n{"step": 2, "time": 161.0}\n'
+    )
     from_events = usage_from_events(events, "cpu")
     assert (from_events.tokens, from_events.wall_seconds) == (3000, pytest.approx(61.0))
     events.write_text('{"step": 1}\n')

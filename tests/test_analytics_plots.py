@@ -15,8 +15,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
     model = fixed_model()
-    profile = collect_profile(model, [(TOKENS, DOMAINS)], token_classes_V=CLASSES_V, class_names=("c0", "c1"),
-                              domain_names=("code", "prose"))
+    profile = collect_profile(
+        model,
+        [(TOKENS, DOMAINS)],
+        token_classes_V=CLASSES_V,
+        class_names=("c0", "c1"),
+        domain_names=("code", "prose"),
+    )
     out = tmp_path_factory.mktemp("plots")
     return profile, out, render_all(profile, out, model=model, token_ids=TOKENS[0])
 
@@ -31,7 +36,10 @@ def test_every_picture_is_written(rendered):
         html = files["html"].read_text()
         assert "plotly.min.js" in html and len(html) > 1_000, name
     assert (out / "plotly.min.js").stat().st_size > 1_000_000  # written once, so the HTML opens offline
-    assert "Sankey" in paths["routing_flow"]["html"].read_text() or "sankey" in paths["routing_flow"]["html"].read_text()
+    assert (
+        "Sankey" in paths["routing_flow"]["html"].read_text()
+        or "sankey" in paths["routing_flow"]["html"].read_text()
+    )
 
 
 def test_coactivation_fraction_by_hand(rendered):

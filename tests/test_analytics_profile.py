@@ -39,10 +39,14 @@ F_, T_ = False, True
 # layer A: token 2's second slot is dropped; slot 0 always has the larger weight
 IDS_A = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
 DROP_A = torch.tensor([[F_, F_], [F_, F_], [F_, T_], [F_, F_]])
-PROBS_A = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.7, 0.0, 0.3, 0.0], [1.0, 0.0, 0.0, 0.0], [0.2, 0.1, 0.1, 0.6]])
+PROBS_A = torch.tensor(
+    [[0.5, 0.25, 0.25, 0.0], [0.7, 0.0, 0.3, 0.0], [1.0, 0.0, 0.0, 0.0], [0.2, 0.1, 0.1, 0.6]]
+)
 IDS_B = torch.tensor([[1, 0], [1, 2], [2, 3], [3, 1]])
 DROP_B = torch.zeros(4, 2, dtype=torch.bool)
-PROBS_B = torch.tensor([[0.3, 0.4, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1], [0.1, 0.1, 0.5, 0.3], [0.1, 0.3, 0.1, 0.5]])
+PROBS_B = torch.tensor(
+    [[0.3, 0.4, 0.2, 0.1], [0.1, 0.5, 0.3, 0.1], [0.1, 0.1, 0.5, 0.3], [0.1, 0.3, 0.1, 0.5]]
+)
 TOKENS = torch.tensor([[5, 6, 7, 5]])
 DOMAINS = torch.tensor([[0, 0, 1, 1]])
 CLASSES_V = torch.zeros(512, dtype=torch.long)
@@ -51,7 +55,9 @@ CLASSES_V[6] = CLASSES_V[7] = 1
 
 def fixed_model() -> MoEForCausalLM:
     torch.manual_seed(0)
-    model = MoEForCausalLM(get_config("mixtral-tiny", num_experts=4, num_experts_per_tok=2, router="test_fixed_plan"))
+    model = MoEForCausalLM(
+        get_config("mixtral-tiny", num_experts=4, num_experts_per_tok=2, router="test_fixed_plan")
+    )
     for i, router in enumerate(model.routers()):
         router.plan_index = i
     FixedPlanRouter.plans = {0: (IDS_A, PROBS_A, DROP_A), 1: (IDS_B, PROBS_B, DROP_B)}
@@ -60,9 +66,15 @@ def fixed_model() -> MoEForCausalLM:
 
 @pytest.fixture(scope="module")
 def profile() -> RouterProfile:
-    return collect_profile(fixed_model(), [(TOKENS, DOMAINS)], ProfileConfig(top_tokens=3, rare_fraction=0.6),
-                           token_classes_V=CLASSES_V, class_names=("c0", "c1"), domain_names=("code", "prose"),
-                           dataset_labels={"split": "hand"})
+    return collect_profile(
+        fixed_model(),
+        [(TOKENS, DOMAINS)],
+        ProfileConfig(top_tokens=3, rare_fraction=0.6),
+        token_classes_V=CLASSES_V,
+        class_names=("c0", "c1"),
+        domain_names=("code", "prose"),
+        dataset_labels={"split": "hand"},
+    )
 
 
 def h(*p: float) -> float:  # entropy in nats of one router distribution
@@ -124,8 +136,12 @@ def test_specialization_tables_and_mutual_information(profile):
     assert a.class_counts_EC.tolist() == [[2, 2], [1, 0], [0, 1], [1, 0]]
     assert a.domain_counts_EM.tolist() == [[2, 2], [1, 0], [1, 0], [0, 1]]
     n, pe, pc = 7, [4 / 7, 1 / 7, 1 / 7, 1 / 7], [4 / 7, 3 / 7]
-    mi = sum(c / n * math.log2(c / n / (pe[e] * pc[k]))
-             for e, row in enumerate(a.class_counts_EC.tolist()) for k, c in enumerate(row) if c)
+    mi = sum(
+        c / n * math.log2(c / n / (pe[e] * pc[k]))
+        for e, row in enumerate(a.class_counts_EC.tolist())
+        for k, c in enumerate(row)
+        if c
+    )
     assert a.mi_class_bits == pytest.approx(mi)
     assert a.mi_class_bits == pytest.approx(0.4138, abs=1e-4)  # -0.0550 + 0.0635 + 2 * 0.1153 + 0.1746
 
@@ -147,7 +163,9 @@ def test_statistics_by_hand():
 
 
 def test_accumulates_over_batches_and_fingerprints_data(profile):
-    twice = collect_profile(fixed_model(), [TOKENS, TOKENS], token_classes_V=CLASSES_V, class_names=("c0", "c1"))
+    twice = collect_profile(
+        fixed_model(), [TOKENS, TOKENS], token_classes_V=CLASSES_V, class_names=("c0", "c1")
+    )
     assert twice.layers[0].kept_E.tolist() == [8, 2, 2, 2]
     assert twice.layers[0].coactivation_EE[0, 0] == 8
     assert twice.flows[0].top1_EF[0, 1] == 4
@@ -170,8 +188,11 @@ def test_round_trip_through_files(profile, tmp_path):
 
 def test_unreadable_profiles_are_reported(profile, tmp_path):
     path = profile.to_dir(tmp_path / "p")
-    (path / "profile.json").write_text((path / "profile.json").read_text().replace(
-        f'"version": {PROFILE_VERSION}', f'"version": {PROFILE_VERSION + 1}', 1))
+    (path / "profile.json").write_text(
+        (path / "profile.json")
+        .read_text()
+        .replace(f'"version": {PROFILE_VERSION}', f'"version": {PROFILE_VERSION + 1}', 1)
+    )
     with pytest.raises(ProfileError, match="version"):
         RouterProfile.from_dir(path)
     with pytest.raises(ProfileError, match="missing"):

@@ -22,8 +22,14 @@ HEAVY = ("torch", "transformers", "pydantic", "prefect", "mlflow", "pandas")
 
 def _moe_lab(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "moe_core.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_core.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def test_help_and_argument_errors_import_nothing_heavy():
@@ -42,8 +48,13 @@ def test_help_and_argument_errors_import_nothing_heavy():
         heavy = [m for m in {HEAVY!r} if m in sys.modules]
         print("RESULT", heavy, sorted(set(codes.values())), len(codes))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     assert line == f"RESULT [] [0, 2] {2 + 2 * len(cli.COMMANDS)}", line
 
@@ -150,9 +161,17 @@ def test_missing_model_path_is_not_found_at_once(tmp_path):
             results.append([argv, code, err.getvalue()])
         print("RESULT", json.dumps(results))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
-    results = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT "):])
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+    )
+    results = json.loads(
+        [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][len("RESULT ") :]
+    )
     for argv, code, err in results:
         assert code == 2 and "runs/nope: not found" in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "o").exists()

@@ -33,30 +33,80 @@ from moe_core.routing import load_balancing_loss
 from tests.helpers import randomize_
 
 ATOL = 1e-5
-BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64)
+BASE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 HF_CASES = {
     # explicit head_dim != hidden/heads, a non-default aux coefficient
-    "mixtral": (MixtralConfig, MixtralForCausalLM,
-                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
-                     router_aux_loss_coef=0.02)),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            head_dim=16,
+            router_aux_loss_coef=0.02,
+        ),
+    ),
     # qk-norm, clip_qkv active at this weight scale, K=3 (the coefficient does not round-trip exactly in floats)
-    "olmoe": (OlmoeConfig, OlmoeForCausalLM,
-              dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48, clip_qkv=0.5, pad_token_id=0,
-                   eos_token_id=1)),
+    "olmoe": (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            intermediate_size=48,
+            clip_qkv=0.5,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
+    ),
     # dense layer in the middle (mlp_only_layers), renormalized top-k, q/k/v bias, gated shared expert
-    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                  dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                       shared_expert_intermediate_size=40, intermediate_size=56, mlp_only_layers=[1],
-                       norm_topk_prob=True)),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            intermediate_size=56,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
+    ),
     # decoder_sparse_step=2 plus mlp_only_layers, tied embeddings, no q/k/v bias
-    "qwen2_moe_sparse_step": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                              dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                   shared_expert_intermediate_size=16, intermediate_size=40, decoder_sparse_step=2,
-                                   mlp_only_layers=[3], tie_word_embeddings=True, qkv_bias=False, rope_theta=1e6)),
+    "qwen2_moe_sparse_step": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=16,
+            intermediate_size=40,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+            tie_word_embeddings=True,
+            qkv_bias=False,
+            rope_theta=1e6,
+        ),
+    ),
 }
-EXPECTED_MOE_LAYERS = {"mixtral": [True, True], "olmoe": [True, True], "qwen2_moe": [True, False, True],
-                       "qwen2_moe_sparse_step": [False, True, False, False]}
+EXPECTED_MOE_LAYERS = {
+    "mixtral": [True, True],
+    "olmoe": [True, True],
+    "qwen2_moe": [True, False, True],
+    "qwen2_moe_sparse_step": [False, True, False, False],
+}
 
 
 def logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +166,10 @@ def test_hf_to_ours_logits_match(hf_checkpoints, case):
     input_ids, attention_mask = make_inputs(hf_model.config.vocab_size)
     assert_same_logits(logits(ours, input_ids), logits(hf_model, input_ids))
     # with padding, only the positions that are real tokens are defined the same way on both sides
-    ours_masked, hf_masked = logits(ours, input_ids, attention_mask), logits(hf_model, input_ids, attention_mask)
+    ours_masked, hf_masked = (
+        logits(ours, input_ids, attention_mask),
+        logits(hf_model, input_ids, attention_mask),
+    )
     keep = attention_mask.bool()
     torch.testing.assert_close(ours_masked[keep], hf_masked[keep], atol=ATOL, rtol=0)
 
@@ -125,7 +178,9 @@ def test_hf_to_ours_logits_match(hf_checkpoints, case):
 def test_ours_to_hf_logits_match(hf_checkpoints, case, tmp_path):
     _, directory = hf_checkpoints[case]
     ours = from_hf(directory)
-    randomize_(ours, seed=7)  # weights that never came from HF: the way back must carry them, not the source's
+    randomize_(
+        ours, seed=7
+    )  # weights that never came from HF: the way back must carry them, not the source's
     to_hf(ours, tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(reloaded).__name__ == HF_CASES[case][1].__name__
@@ -144,8 +199,9 @@ def test_hf_ours_hf_round_trip_is_identical(hf_checkpoints, case, tmp_path):
     assert hf_config_dict(tmp_path / "hf") == hf_config_dict(directory)
 
 
-@pytest.mark.parametrize(("preset", "arch"), [("mixtral-tiny", "mixtral"), ("olmoe-tiny", "olmoe"),
-                                              ("shared-tiny", "qwen2_moe")])
+@pytest.mark.parametrize(
+    ("preset", "arch"), [("mixtral-tiny", "mixtral"), ("olmoe-tiny", "olmoe"), ("shared-tiny", "qwen2_moe")]
+)
 def test_native_presets_export_with_equal_logits(preset, arch, tmp_path):
     torch.manual_seed(0)
     ours = MoEForCausalLM(get_config(preset)).eval()
@@ -158,8 +214,17 @@ def test_native_presets_export_with_equal_logits(preset, arch, tmp_path):
     # and back again: the same logits and the same architecture fields
     back = from_hf(tmp_path / "hf")
     assert_same_logits(logits(back, input_ids), logits(ours, input_ids))
-    for field in ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "qk_norm", "attention_bias",
-                  "norm_topk_prob", "num_shared_experts", "shared_expert_gate", "router_aux_loss_coef"):
+    for field in (
+        "num_experts",
+        "num_experts_per_tok",
+        "expert_intermediate_size",
+        "qk_norm",
+        "attention_bias",
+        "norm_topk_prob",
+        "num_shared_experts",
+        "shared_expert_gate",
+        "router_aux_loss_coef",
+    ):
         assert getattr(back.config, field) == pytest.approx(getattr(ours.config, field)), field
 
 
@@ -189,19 +254,26 @@ def test_hf_load_balancing_loss_is_k_times_ours_and_the_coefficient_converts(hf_
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize(("config", "arch", "expected"), [
-    (get_config("mixtral-tiny", router="expert_choice"), "mixtral", ["router='expert_choice'"]),
-    (get_config("mixtral-tiny", router="aux_free"), "olmoe", ["router='aux_free'", "qk_norm=False"]),
-    (get_config("switch-tiny"), "mixtral", ["capacity_factor=1.25", "ffn_activation='gelu'", "renormalizes"]),
-    (get_config("olmoe-tiny"), "mixtral", ["qk_norm=True", "use olmoe"]),
-    (get_config("shared-tiny"), "mixtral", ["num_shared_experts=1", "attention_bias=True"]),
-    (get_config("shared-tiny"), "olmoe", ["num_shared_experts=1", "attention_bias=True"]),
-    (get_config("mixtral-tiny"), "qwen2_moe", ["shared expert"]),
-    (get_config("mixtral-tiny", moe_every_n=2), "mixtral", ["dense layers", "use qwen2_moe"]),
-    (get_config("mixtral-tiny", router_score="sigmoid"), "mixtral", ["router_score='sigmoid'"]),
-    (get_config("olmoe-tiny", head_dim=32), "olmoe", ["head_dim=32"]),
-    (get_config("dense-tiny"), "mixtral", ["num_experts=0"]),
-])
+@pytest.mark.parametrize(
+    ("config", "arch", "expected"),
+    [
+        (get_config("mixtral-tiny", router="expert_choice"), "mixtral", ["router='expert_choice'"]),
+        (get_config("mixtral-tiny", router="aux_free"), "olmoe", ["router='aux_free'", "qk_norm=False"]),
+        (
+            get_config("switch-tiny"),
+            "mixtral",
+            ["capacity_factor=1.25", "ffn_activation='gelu'", "renormalizes"],
+        ),
+        (get_config("olmoe-tiny"), "mixtral", ["qk_norm=True", "use olmoe"]),
+        (get_config("shared-tiny"), "mixtral", ["num_shared_experts=1", "attention_bias=True"]),
+        (get_config("shared-tiny"), "olmoe", ["num_shared_experts=1", "attention_bias=True"]),
+        (get_config("mixtral-tiny"), "qwen2_moe", ["shared expert"]),
+        (get_config("mixtral-tiny", moe_every_n=2), "mixtral", ["dense layers", "use qwen2_moe"]),
+        (get_config("mixtral-tiny", router_score="sigmoid"), "mixtral", ["router_score='sigmoid'"]),
+        (get_config("olmoe-tiny", head_dim=32), "olmoe", ["head_dim=32"]),
+        (get_config("dense-tiny"), "mixtral", ["num_experts=0"]),
+    ],
+)
 def test_inexpressible_configs_are_refused_with_every_reason(config, arch, expected, tmp_path):
     with pytest.raises(ConversionError) as err:
         to_hf(MoEForCausalLM(config), tmp_path / "out", architecture=arch)
@@ -217,13 +289,31 @@ def test_native_model_needs_a_named_architecture(tmp_path):
         to_hf(MoEForCausalLM(get_config("mixtral-tiny")), tmp_path / "out", architecture="deepseek_v3")
 
 
-@pytest.mark.parametrize(("config", "expected"), [
-    (MixtralConfig(**BASE, num_local_experts=4, intermediate_size=48, sliding_window=16), "sliding_window=16"),
-    (MixtralConfig(**BASE, num_local_experts=4, intermediate_size=48, hidden_act="gelu"), "hidden_act='gelu'"),
-    (OlmoeConfig(**BASE, num_experts=4, intermediate_size=48, attention_bias=True, pad_token_id=0), "o_proj"),
-    (Qwen2MoeConfig(**BASE, num_experts=4, rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    (Qwen2MoeConfig(**BASE, num_experts=4, use_sliding_window=True, sliding_window=8), "use_sliding_window"),
-])
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (
+            MixtralConfig(**BASE, num_local_experts=4, intermediate_size=48, sliding_window=16),
+            "sliding_window=16",
+        ),
+        (
+            MixtralConfig(**BASE, num_local_experts=4, intermediate_size=48, hidden_act="gelu"),
+            "hidden_act='gelu'",
+        ),
+        (
+            OlmoeConfig(**BASE, num_experts=4, intermediate_size=48, attention_bias=True, pad_token_id=0),
+            "o_proj",
+        ),
+        (
+            Qwen2MoeConfig(**BASE, num_experts=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            "rope_scaling",
+        ),
+        (
+            Qwen2MoeConfig(**BASE, num_experts=4, use_sliding_window=True, sliding_window=8),
+            "use_sliding_window",
+        ),
+    ],
+)
 def test_inexpressible_hf_sources_are_refused(config, expected, tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ConversionError, match=expected):
@@ -232,7 +322,9 @@ def test_inexpressible_hf_sources_are_refused(config, expected, tmp_path):
 
 def test_unsupported_source_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
-    with pytest.raises(ConversionError, match="'llama' is not supported; supported: mixtral.*olmoe.*qwen2_moe"):
+    with pytest.raises(
+        ConversionError, match="'llama' is not supported; supported: mixtral.*olmoe.*qwen2_moe"
+    ):
         from_hf(tmp_path)
 
 
@@ -345,7 +437,7 @@ def test_hub_id_downloads_only_config_weights_and_tokenizer(hf_checkpoints, monk
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     model = from_hf("allenai/OLMoE-tiny-test")
     assert model.config.hf_origin["model_type"] == "olmoe"
-    (repo_id, kwargs), = calls
+    ((repo_id, kwargs),) = calls
     patterns = kwargs["allow_patterns"]
     assert repo_id == "allenai/OLMoE-tiny-test"
     assert {"config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"} <= set(patterns)

@@ -50,16 +50,21 @@ def test_trainer_writes_alerts_biases_and_the_load_log(runs_root):
     rows = read_jsonl(runs_root / "auxfree-dead" / "metrics.jsonl")
     key = f"alert/dead_expert/layer_{DEAD_LAYER}/expert_{DEAD_EXPERT}"
     raised = [r["step"] for r in rows if key in r]
-    assert raised and raised[0] == 2 and raised == list(range(2, STEPS + 1))  # after dead_steps=2 logged steps
+    assert (
+        raised and raised[0] == 2 and raised == list(range(2, STEPS + 1))
+    )  # after dead_steps=2 logged steps
     assert all(f"moe/layer_0/expert_{e}_bias" in rows[-1] for e in range(8))
-    assert not any(k.startswith("alert/dead_expert") for r in read_jsonl(runs_root / "group/topk/metrics.jsonl")
-                   for k in r)
+    assert not any(
+        k.startswith("alert/dead_expert")
+        for r in read_jsonl(runs_root / "group/topk/metrics.jsonl")
+        for k in r
+    )
     header, loads = read_sidecar(runs_root / "auxfree-dead")
     assert loads.shape == (STEPS, header["row_floats"])
     assert loads[:, 0].tolist() == list(range(1, STEPS + 1))
     width, E = header["per_layer_floats"], header["experts"]
     for i in range(len(header["layers"])):
-        shares = loads[:, 2 + i * width: 2 + i * width + E]
+        shares = loads[:, 2 + i * width : 2 + i * width + E]
         np.testing.assert_allclose(shares.sum(1), 1.0, rtol=1e-5)  # shares of routed slots
     assert np.all(loads[:, 2 + DEAD_EXPERT] == 0)
     # the same numbers as the event file
@@ -73,9 +78,13 @@ def test_runs_listing_summary_config_checkpoints(client):
     assert s["kind"] == "train" and s["layers"] == [0, 1] and s["experts"] == 8 and s["has_bias"]
     assert s["last_step"] == STEPS and s["routing_rows"] == STEPS
     assert {"loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(s["metrics"])
-    assert [a["key"] for a in s["alerts"] if "dead" in a["key"]] == [f"alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"]
+    assert [a["key"] for a in s["alerts"] if "dead" in a["key"]] == [
+        f"alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"
+    ]
     assert client.get(f"/api/runs/{ids['auxfree-dead']}/config").json()["config"]["steps"] == STEPS
-    assert [c["step"] for c in client.get(f"/api/runs/{ids['auxfree-dead']}/checkpoints").json()["checkpoints"]] == [STEPS]
+    assert [
+        c["step"] for c in client.get(f"/api/runs/{ids['auxfree-dead']}/checkpoints").json()["checkpoints"]
+    ] == [STEPS]
 
 
 def test_scalars_full_and_downsampled(client, runs_root):
@@ -166,7 +175,7 @@ def test_stream_sends_each_new_row_to_every_client_once(runs_root, tmp_path):
                 threading.Event().wait(0.15)
                 f.write(lines[i][20:])
                 f.flush()
-                g.write(data[i * width: (i + 1) * width])
+                g.write(data[i * width : (i + 1) * width])
                 g.flush()
         assert all(c[2].wait(20) for c in clients), [c[0] for c in clients]
     for received, _, _ in clients:
@@ -190,11 +199,20 @@ def test_token_required_beyond_localhost(runs_root):
     assert c.get("/api/runs").status_code == 200  # the cookie set by the page carries on
 
 
-@pytest.mark.parametrize("path", [
-    "/api/runs/..%2F..%2F..%2Fetc%2Fpasswd", "/api/runs/%2Fetc%2Fpasswd/config", "/api/runs/../../etc/passwd",
-    "/api/runs/%2e%2e%2f%2e%2e/scalars", "/assets/..%2F..%2Fserver.py", "/assets/%2e%2e%2fruns.py",
-    "/assets/../../../etc/passwd", "/assets/%252e%252e%252fserver.py", "/api/runs//etc/passwd",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/runs/..%2F..%2F..%2Fetc%2Fpasswd",
+        "/api/runs/%2Fetc%2Fpasswd/config",
+        "/api/runs/../../etc/passwd",
+        "/api/runs/%2e%2e%2f%2e%2e/scalars",
+        "/assets/..%2F..%2Fserver.py",
+        "/assets/%2e%2e%2fruns.py",
+        "/assets/../../../etc/passwd",
+        "/assets/%252e%252e%252fserver.py",
+        "/api/runs//etc/passwd",
+    ],
+)
 def test_no_path_outside_the_roots_is_served(client, path):
     resp = client.get(path)
     assert resp.status_code in (401, 404, 405), (path, resp.status_code)
@@ -217,8 +235,10 @@ def test_symlinks_out_of_the_root_are_not_followed(runs_root, tmp_path):
 def test_text_in_an_event_file_is_never_served(tmp_path):
     run = tmp_path / "root" / "r"
     run.mkdir(parents=True)
-    rows = [{"step": 1, "time": 1.0, "loss": 2.0, "prompt": "SECRET PROMPT", "moe/layer_0/note": "SECRET"},
-            {"step": 2, "time": 2.0, "loss": 1.5, "sample_text": "SECRET TEXT"}]
+    rows = [
+        {"step": 1, "time": 1.0, "loss": 2.0, "prompt": "SECRET PROMPT", "moe/layer_0/note": "SECRET"},
+        {"step": 2, "time": 2.0, "loss": 1.5, "sample_text": "SECRET TEXT"},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = TestClient(create_app([tmp_path / "root"]))
     rid = c.get("/api/runs").json()["runs"][0]["id"]
@@ -242,8 +262,11 @@ def test_specialization_and_cost_from_the_runs_saved_analysis(client, runs_root)
     assert layer["share"] == pytest.approx(profile.layers[0].share_E.tolist())
     assert layer["mi_class_bits"] == pytest.approx(profile.layers[0].mi_class_bits)
     assert len(spec["classes"]) > 1 and len(layer["class_share"]) == 8
-    assert all(len(row) == len(spec["classes"]) and sum(row) == pytest.approx(1.0) for row in layer["class_share"]
-               if row[0] is not None)
+    assert all(
+        len(row) == len(spec["classes"]) and sum(row) == pytest.approx(1.0)
+        for row in layer["class_share"]
+        if row[0] is not None
+    )
     used = [e for e in range(8) if profile.layers[0].kept_E[e] > 0]
     assert all(layer["coactivation"][e][e] == 1.0 for e in used)  # P(e used | e used)
     assert spec["flows"][0]["from_layer"] == 0 and len(spec["flows"][0]["top1"]) == 8
@@ -269,7 +292,9 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
     run.mkdir(parents=True)
     monitor = RoutingMonitor(run, [0], 4, AlertThresholds())
     for step in range(1, 7):
-        monitor.observe(step, {"tokens": step * 10.0, **{f"moe/layer_0/expert_{e}_frac": 0.25 for e in range(4)}})
+        monitor.observe(
+            step, {"tokens": step * 10.0, **{f"moe/layer_0/expert_{e}_frac": 0.25 for e in range(4)}}
+        )
     monitor.close()
     with open(run / SIDECAR, "ab") as f:
         f.write(b"\0" * 7)  # torn

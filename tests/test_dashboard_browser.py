@@ -50,11 +50,15 @@ def attr(page, selector: str, name: str) -> int:
 def grows(page, selector: str, name: str, by: int = 3, timeout_ms: int = 30000) -> tuple[int, int]:
     """Wait until the element's counter attribute rises by ``by`` over its current value."""
     page.wait_for_selector(f"{selector}[{name}]", timeout=timeout_ms)
-    page.wait_for_function(f"document.querySelector('{selector}') && "
-                           f"+document.querySelector('{selector}').getAttribute('{name}') > 0", timeout=timeout_ms)
+    page.wait_for_function(
+        f"document.querySelector('{selector}') && "
+        f"+document.querySelector('{selector}').getAttribute('{name}') > 0",
+        timeout=timeout_ms,
+    )
     before = attr(page, selector, name)
-    page.wait_for_function(f"+document.querySelector('{selector}').getAttribute('{name}') >= {before + by}",
-                           timeout=timeout_ms)
+    page.wait_for_function(
+        f"+document.querySelector('{selector}').getAttribute('{name}') >= {before + by}", timeout=timeout_ms
+    )
     return before, attr(page, selector, name)
 
 
@@ -65,10 +69,17 @@ def test_live_run_in_the_browser(tmp_path):
     root = tmp_path / "runs"
     baseline = train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
     write_analysis(baseline.out_dir)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     log = (tmp_path / "live-run.log").open("w")  # a file, not a pipe: a full pipe would stall the run
-    live = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(root / "live-auxfree"), "3000"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    live = subprocess.Popen(
+        [sys.executable, "-c", LIVE_RUN, str(root / "live-auxfree"), "3000"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         with serve(create_app([root], poll_seconds=0.1)) as url, sync_playwright() as p:
             live_id = wait_for_run(url, "live-auxfree")
@@ -83,7 +94,9 @@ def test_live_run_in_the_browser(tmp_path):
             heat = '.heatmap[data-title^="layer 0: expert load"]'
             before, after = grows(page, heat, "data-columns")
             assert after >= before + 3
-            page.wait_for_selector(f'[data-alert="alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"]', timeout=30000)
+            page.wait_for_selector(
+                f'[data-alert="alert/dead_expert/layer_0/expert_{DEAD_EXPERT}"]', timeout=30000
+            )
             assert "dead expert" in page.inner_text("[data-testid=alerts]")
             page.wait_for_selector('.heatmap[data-title^="layer 0: aux-free bias"]')
             page.screenshot(path=str(shots / "routing.png"), full_page=True)
@@ -97,10 +110,13 @@ def test_live_run_in_the_browser(tmp_path):
             # Compare: the live run and the finished baseline overlaid on one chart
             page.goto(f"{url}/#/compare/{live_id},{base_id}")
             chart = '.chart[data-title="loss"]'
-            page.wait_for_function(f"+document.querySelector('{chart}')?.getAttribute('data-points') > 10",
-                                   timeout=30000)
+            page.wait_for_function(
+                f"+document.querySelector('{chart}')?.getAttribute('data-points') > 10", timeout=30000
+            )
             legend = page.locator(f"{chart} .u-legend .u-series").all_inner_texts()
-            assert any("live-auxfree" in t for t in legend) and any("baseline-topk" in t for t in legend), legend
+            assert any("live-auxfree" in t for t in legend) and any("baseline-topk" in t for t in legend), (
+                legend
+            )
             page.screenshot(path=str(shots / "compare.png"), full_page=True)
 
             # Specialization and Cost of the finished run, from its saved profile and cost report
@@ -115,7 +131,9 @@ def test_live_run_in_the_browser(tmp_path):
             assert page.inner_text("[data-testid=saving]").endswith("%")
             assert not errors, errors
             browser.close()
-        assert live.poll() is None, f"the training run ended early: {(tmp_path / 'live-run.log').read_text()[-2000:]}"
+        assert live.poll() is None, (
+            f"the training run ended early: {(tmp_path / 'live-run.log').read_text()[-2000:]}"
+        )
     finally:
         if live.poll() is None:
             live.send_signal(signal.SIGTERM)  # the trainer checkpoints and stops

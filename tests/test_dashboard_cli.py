@@ -33,13 +33,41 @@ def test_start_beside_serves_and_refuses_an_open_host_without_token(tmp_path, mo
 @pytest.mark.slow
 def test_train_with_dashboard_prints_its_url_and_stops_it(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "moe_core.cli", "train", "--out", str(out), "--preset", "mixtral-tiny", "--dashboard",
-         "--set", "steps=3", "--set", "data.source=synthetic", "--set", "data.seq_len=32", "--set", "batch_size=4",
-         "--set", "log.progress=off", "--set", "checkpoint.export=false"],
-        env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "moe_core.cli",
+            "train",
+            "--out",
+            str(out),
+            "--preset",
+            "mixtral-tiny",
+            "--dashboard",
+            "--set",
+            "steps=3",
+            "--set",
+            "data.source=synthetic",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "batch_size=4",
+            "--set",
+            "log.progress=off",
+            "--set",
+            "checkpoint.export=false",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(x for x in done.stdout.splitlines() if "live dashboard" in x)
     url = line.split("live dashboard ")[1].strip()

@@ -16,9 +16,29 @@ def test_generate_writes_inference_events_the_dashboard_serves(tmp_path, capsys)
     model.save_pretrained(tmp_path / "model")
     _char_tokenizer(128).save_pretrained(tmp_path / "model")
     events = tmp_path / "runs" / "serving"
-    assert main(["generate", str(tmp_path / "model"), "--prompt", "secret prompt one", "--prompt", "a cat",
-                 "--max-new-tokens", "6", "--batch-size", "2", "--expert-cache", "3", "--events", str(events),
-                 "--no-stream", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(tmp_path / "model"),
+                "--prompt",
+                "secret prompt one",
+                "--prompt",
+                "a cat",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "2",
+                "--expert-cache",
+                "3",
+                "--events",
+                str(events),
+                "--no-stream",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     rows = read_jsonl(events / "inference.jsonl")
     assert rows[-1]["tokens"] == report["new_tokens"] == 12
@@ -32,6 +52,7 @@ def test_generate_writes_inference_events_the_dashboard_serves(tmp_path, capsys)
     c = TestClient(create_app([tmp_path / "runs"]))
     run = c.get("/api/runs").json()["runs"][0]
     assert run["kind"] == "inference" and run["name"] == "serving"
-    series = c.get(f"/api/runs/{run['id']}/scalars?keys=tokens_per_s,cache_hit_rate,experts_resident,"
-                   "rerouted_tokens").json()["series"]
+    series = c.get(
+        f"/api/runs/{run['id']}/scalars?keys=tokens_per_s,cache_hit_rate,experts_resident,rerouted_tokens"
+    ).json()["series"]
     assert series["experts_resident"]["y"][-1] == 3 and series["cache_hit_rate"]["x"][-1] == 12

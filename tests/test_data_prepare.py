@@ -120,9 +120,16 @@ def test_local_jsonl_dedup_uint32_and_existing_tokenizer(tmp_path, prepared):
     rows = [{"body": f"local document {i} " + "words " * 40} for i in range(20)]
     rows += rows[:2]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    config = PrepareConfig(source=str(path), text_column="body", tokenizer=str(prepared / "tokenizer"), seq_len=16,
-                           dtype="uint32", val_fraction=0.0, test_fraction=0.0,
-                           validation={"max_duplicate_ratio": 0.2})
+    config = PrepareConfig(
+        source=str(path),
+        text_column="body",
+        tokenizer=str(prepared / "tokenizer"),
+        seq_len=16,
+        dtype="uint32",
+        val_fraction=0.0,
+        test_fraction=0.0,
+        validation={"max_duplicate_ratio": 0.2},
+    )
     out = prepare(config, tmp_path / "local")
     manifest = read_manifest(out)
     assert manifest["counts"]["duplicates_removed"] == 2 and manifest["splits"]["train"]["documents"] == 20
@@ -133,11 +140,27 @@ def test_local_jsonl_dedup_uint32_and_existing_tokenizer(tmp_path, prepared):
 
 def test_instruction_data_is_rendered_with_the_chat_template(tmp_path):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 5},
-                          {"role": "assistant", "content": f"answer {i} " * 5}]} for i in range(30)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i} " * 5},
+                {"role": "assistant", "content": f"answer {i} " * 5},
+            ]
+        }
+        for i in range(30)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = prepare(PrepareConfig(source=str(path), kind="instruction", vocab_size=300, seq_len=32,
-                                val_fraction=0.0, test_fraction=0.0), tmp_path / "sft")
+    out = prepare(
+        PrepareConfig(
+            source=str(path),
+            kind="instruction",
+            vocab_size=300,
+            seq_len=32,
+            val_fraction=0.0,
+            test_fraction=0.0,
+        ),
+        tmp_path / "sft",
+    )
     tok = load_tokenizer(out)
     blocks = PackedTokens(out, "train")
     flat = sum((blocks[i].tolist() for i in range(len(blocks))), [])
@@ -149,8 +172,23 @@ def test_cli_prepare(tmp_path, capsys):
     from moe_core.cli import main
 
     out = tmp_path / "cli"
-    argv = ["data", "prepare", "builtin", "--out", str(out), "--max-documents", "8", "--vocab-size", "300",
-            "--seq-len", "32", "--val-fraction", "0", "--test-fraction", "0"]
+    argv = [
+        "data",
+        "prepare",
+        "builtin",
+        "--out",
+        str(out),
+        "--max-documents",
+        "8",
+        "--vocab-size",
+        "300",
+        "--seq-len",
+        "32",
+        "--val-fraction",
+        "0",
+        "--test-fraction",
+        "0",
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["splits"]["train"]["num_blocks"] == len(PackedTokens(out, "train")) > 0

@@ -49,7 +49,9 @@ def test_two_ranks_see_every_block_exactly_once_per_epoch(num_blocks):
         union = seen[0] + seen[1]
         assert len(union) == len(set(union))  # each at most once
         assert len(union) == num_blocks - num_blocks % 2  # all of them (drop_last leaves out the odd one)
-    keep_all = [list(ResumableSampler(num_blocks, seed=7, rank=r, world_size=2, drop_last=False)) for r in range(2)]
+    keep_all = [
+        list(ResumableSampler(num_blocks, seed=7, rank=r, world_size=2, drop_last=False)) for r in range(2)
+    ]
     assert set(keep_all[0]) | set(keep_all[1]) == set(range(num_blocks))
 
 
@@ -85,7 +87,9 @@ def test_load_state_dict_rejects_other_settings():
 def test_iterate_batches_rolls_over_epochs_and_resumes_exactly():
     data = FakeBlocks(10)
     sampler = ResumableSampler(10, seed=0)
-    batches = [b[:, 0].tolist() for b in itertools.islice(iterate_batches(data, sampler, 4), 6)]  # 24 = 2.4 epochs
+    batches = [
+        b[:, 0].tolist() for b in itertools.islice(iterate_batches(data, sampler, 4), 6)
+    ]  # 24 = 2.4 epochs
     flat = sum(batches, [])
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
     assert flat[:10] != flat[10:20]

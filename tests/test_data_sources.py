@@ -84,12 +84,19 @@ def test_instruction_and_preference_sources(tmp_path):
     alpaca = tmp_path / "alpaca.jsonl"
     alpaca.write_text(json.dumps({"instruction": "Add", "input": "2 and 3", "output": "5"}) + "\n")
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    chat.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+        )
+        + "\n"
+    )
     pref = tmp_path / "pref.jsonl"
     pref.write_text(json.dumps({"prompt": "p", "chosen": "good", "rejected": "bad"}) + "\n")
     rec = load_source(str(alpaca), kind="instruction").dataset[0]
-    assert to_messages(rec) == [{"role": "user", "content": "Add\n\n2 and 3"}, {"role": "assistant", "content": "5"}]
+    assert to_messages(rec) == [
+        {"role": "user", "content": "Add\n\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ]
     rec = load_source(str(chat), kind="instruction").dataset[0]
     assert [m["role"] for m in to_messages(rec)] == ["user", "assistant"]
     assert load_source(str(pref), kind="preference").dataset[0]["chosen"] == "good"

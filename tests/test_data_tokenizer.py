@@ -47,8 +47,11 @@ def test_training_is_deterministic_and_vocab_matters(texts):
 
 def test_chat_template_matches_render_chat(texts):
     tok = train_tokenizer(texts, 300)
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     assert tok.apply_chat_template(messages, tokenize=False) == render_chat(messages)
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt == render_chat(messages[:2], add_generation_prompt=True)

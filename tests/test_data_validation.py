@@ -13,8 +13,11 @@ SECRET = "zebra-quokka-7731"  # a marker that must never appear in a report
 
 
 def outcome(result, expectation_prefix: str, column: str | None = None):
-    matches = [o for o in result.outcomes if o.check.startswith(expectation_prefix)
-               and (column is None or o.column == column)]
+    matches = [
+        o
+        for o in result.outcomes
+        if o.check.startswith(expectation_prefix) and (column is None or o.column == column)
+    ]
     assert len(matches) == 1, [o.check for o in result.outcomes]
     return matches[0]
 
@@ -70,14 +73,20 @@ def test_sample_is_deterministic_and_reports_original_indices():
     full = validate(rows, config=ValidationConfig(min_rows=180))
     assert outcome(full, "no control").row_indices == [137]
     # on a sample the row minimum is scaled by the sampled fraction, so it still speaks about the whole data
-    assert outcome(validate(rows, config=ValidationConfig(sample_rows=20, min_rows=180)), "at least 180 rows").success
-    assert not outcome(validate(rows[:100], config=ValidationConfig(sample_rows=20, min_rows=180)),
-                       "at least 180 rows").success
+    assert outcome(
+        validate(rows, config=ValidationConfig(sample_rows=20, min_rows=180)), "at least 180 rows"
+    ).success
+    assert not outcome(
+        validate(rows[:100], config=ValidationConfig(sample_rows=20, min_rows=180)), "at least 180 rows"
+    ).success
 
 
 def test_instruction_suites():
-    alpaca = [{"instruction": "Add", "input": "", "output": "5"}, {"instruction": "", "input": "", "output": "x"},
-              {"instruction": "Sub", "input": "", "output": None}]
+    alpaca = [
+        {"instruction": "Add", "input": "", "output": "5"},
+        {"instruction": "", "input": "", "output": "x"},
+        {"instruction": "Sub", "input": "", "output": None},
+    ]
     result = validate(alpaca, "instruction")
     assert outcome(result, "instruction not empty").row_indices == [1]
     assert outcome(result, "output present").row_indices == [2]
@@ -96,7 +105,10 @@ def test_instruction_suites():
 
 
 def test_preference_suite_chosen_differs_from_rejected():
-    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"}]
+    rows = [
+        {"prompt": "p", "chosen": "a", "rejected": "b"},
+        {"prompt": "q", "chosen": "same", "rejected": "same"},
+    ]
     result = validate(rows, "preference")
     assert not result.success
     assert outcome(result, "chosen differs").row_indices == [1]

@@ -41,9 +41,14 @@ def test_sigkilled_rank_restarts_group_and_resumes_bitwise(tmp_path):
     reference, elastic = tmp_path / "uninterrupted", tmp_path / "elastic"
     run_cli(reference, *train_args(STEPS, every=4), *LAYOUT)
 
-    agent = subprocess.Popen(cli(elastic, *train_args(STEPS, every=4), *LAYOUT, "--max-restarts", "1"), env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    agent = subprocess.Popen(
+        cli(elastic, *train_args(STEPS, every=4), *LAYOUT, "--max-restarts", "1"),
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, killed = time.monotonic() + 300, None
         while killed is None and time.monotonic() < deadline and agent.poll() is None:

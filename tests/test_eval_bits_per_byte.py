@@ -55,8 +55,13 @@ def test_every_token_is_predicted_once_across_windows(tokenizers):
     assert short.tokens == long.tokens
     assert short.bits_per_byte != pytest.approx(0.0)
     # one window per text, scored with the perplexity code: the same nats
-    nats = sum(evaluate_loss(model, [torch.tensor([tokenizer.eos_token_id] + tokenizer.encode(t, add_special_tokens=False))]).loss
-               * len(tokenizer.encode(t, add_special_tokens=False)) for t in text)
+    nats = sum(
+        evaluate_loss(
+            model, [torch.tensor([tokenizer.eos_token_id] + tokenizer.encode(t, add_special_tokens=False))]
+        ).loss
+        * len(tokenizer.encode(t, add_special_tokens=False))
+        for t in text
+    )
     assert long.nats == pytest.approx(nats, rel=1e-5)
     # shorter windows see less context, so the value differs a little, but counts every token once
     assert short.nats == pytest.approx(long.nats, rel=0.5)
@@ -74,8 +79,10 @@ def test_a_uniform_model_costs_log2_vocab_bits_per_token(tokenizers):
 def test_split_texts_decodes_a_prepared_split(tmp_path):
     from moe_core.data import prepare
 
-    data_dir = prepare.prepare(prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False),
-                               tmp_path / "prepared")
+    data_dir = prepare.prepare(
+        prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False),
+        tmp_path / "prepared",
+    )
     texts = split_texts(data_dir, "validation", max_blocks=2)
     assert texts and all(isinstance(t, str) and t for t in texts)
     assert "<|eos|>" not in "".join(texts)

@@ -11,7 +11,10 @@ from moe_core.data.tokenizer import train_tokenizer
 from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
 from moe_core.eval.prompts import PROMPTS
 
-TEXTS = [p.text for p in PROMPTS] * 2 + ["def add(a, b):\n    return a + b\n", "Return the sum of the numbers."]
+TEXTS = [p.text for p in PROMPTS] * 2 + [
+    "def add(a, b):\n    return a + b\n",
+    "Return the sum of the numbers.",
+]
 
 
 def tiny_tokenizer():
@@ -34,7 +37,9 @@ def test_prompt_set_is_fixed_and_covers_both_domains():
 def test_greedy_is_the_argmax_continuation(setup):
     model, tokenizer = setup
     prompt = PROMPTS[0]
-    (greedy,) = generate_samples(model, tokenizer, [prompt], GenerationConfig(max_new_tokens=6, modes=("greedy",)))
+    (greedy,) = generate_samples(
+        model, tokenizer, [prompt], GenerationConfig(max_new_tokens=6, modes=("greedy",))
+    )
     ids = tokenizer.encode(prompt.text, add_special_tokens=False)
     new = []
     model.eval()
@@ -55,7 +60,9 @@ def test_sampling_is_seeded_and_leaves_global_rng(setup, tmp_path):
     first = generate_samples(model, tokenizer, PROMPTS[:2], config)
     assert torch.equal(state, torch.get_rng_state())
     assert first == generate_samples(model, tokenizer, PROMPTS[:2], config)
-    other = generate_samples(model, tokenizer, PROMPTS[:1], GenerationConfig(max_new_tokens=5, modes=("sampled",), seed=4))
+    other = generate_samples(
+        model, tokenizer, PROMPTS[:1], GenerationConfig(max_new_tokens=5, modes=("sampled",), seed=4)
+    )
     assert other[0].completion != first[0].completion
     assert [g.seed for g in first] == [3, 4]
     path = write_generations(first, tmp_path / "gen.jsonl")

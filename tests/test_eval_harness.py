@@ -41,10 +41,11 @@ def logprob_token_by_token(lm: MoELabLM, prefix: list[int], targets: list[int]) 
 def test_loglikelihood(lm):
     tok = lm.tokenizer
     context, continuation = "def add(a, b):", "\n    return a + b"
-    (logprob, greedy), (empty_ctx, _) = lm.loglikelihood([request("loglikelihood", context, continuation),
-                                                          request("loglikelihood", "", "Return")])
+    (logprob, greedy), (empty_ctx, _) = lm.loglikelihood(
+        [request("loglikelihood", context, continuation), request("loglikelihood", "", "Return")]
+    )
     ctx = tok.encode(context, add_special_tokens=False)
-    cont = tok.encode(context + continuation, add_special_tokens=False)[len(ctx):]
+    cont = tok.encode(context + continuation, add_special_tokens=False)[len(ctx) :]
     assert logprob == pytest.approx(logprob_token_by_token(lm, ctx, cont), abs=1e-4)
     assert logprob < 0 and isinstance(greedy, bool)
     expected = logprob_token_by_token(lm, [tok.eos_token_id], tok.encode("Return", add_special_tokens=False))
@@ -81,10 +82,13 @@ def test_generate_until_is_greedy_and_stops(lm):
 @pytest.mark.slow
 def test_local_task_end_to_end(lm, tmp_path):
     data = tmp_path / "tiny_choice.jsonl"
-    rows = [{"question": "def add(a, b):\n    return a", "choices": [" + b", " - b"], "answer": 0},
-            {"question": "Return the", "choices": [" sum", " zzz"], "answer": 0}]
+    rows = [
+        {"question": "def add(a, b):\n    return a", "choices": [" + b", " - b"], "answer": 0},
+        {"question": "Return the", "choices": [" sum", " zzz"], "answer": 0},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "tiny_choice.yaml").write_text(textwrap.dedent(f"""\
+    (tmp_path / "tiny_choice.yaml").write_text(
+        textwrap.dedent(f"""\
         task: moe_lab_tiny_choice
         dataset_path: json
         dataset_kwargs:
@@ -97,7 +101,8 @@ def test_local_task_end_to_end(lm, tmp_path):
         doc_to_target: answer
         metric_list:
           - metric: acc
-        """))
+        """)
+    )
     results = run_tasks(lm, ["moe_lab_tiny_choice"], include_path=str(tmp_path))
     acc = results["moe_lab_tiny_choice"]["acc,none"]
     assert acc in (0.0, 0.5, 1.0)

@@ -64,7 +64,11 @@ def test_comparison_table_against_dense_baselines():
     moe = get_config("mixtral-tiny")
     rows = [
         model_row("moe", moe, {"validation": LossResult("validation", math.log(20.0), 100, 2)}),
-        model_row("dense-total", dense_baseline(moe, "total"), {"validation": LossResult("validation", math.log(25.0), 100, 2)}),
+        model_row(
+            "dense-total",
+            dense_baseline(moe, "total"),
+            {"validation": LossResult("validation", math.log(25.0), 100, 2)},
+        ),
     ]
     table = comparison_table(rows, reference="dense-total")
     assert list(table["validation_ppl"]) == pytest.approx([20.0, 25.0])

@@ -94,7 +94,9 @@ def test_several_top_choices_missing_reroute_to_the_best_available(tmp_path):
             y_TD = offloaded.model.layers[0].mlp.experts(x_TD, record)
     torch.testing.assert_close(y_TD, rerouted_reference(full, x_TD, record, bad), atol=1e-5, rtol=1e-5)
     assert cache.stats.unavailable == 2
-    out = offloaded.generate(torch.randint(0, 64, (1, 5)), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    out = offloaded.generate(
+        torch.randint(0, 64, (1, 5)), max_new_tokens=4, min_new_tokens=4, do_sample=False
+    )
     assert out.shape == (1, 9)
 
 
@@ -104,7 +106,9 @@ def test_all_but_one_missing_still_runs_and_none_left_fails(tmp_path):
         expert_file(tmp_path / "experts", 0, e).unlink()
     with pytest.warns(RuntimeWarning), torch.no_grad():
         y_TD = offloaded.model.layers[0].mlp.experts(x_TD, record)
-    torch.testing.assert_close(y_TD, rerouted_reference(full, x_TD, record, set(range(1, 8))), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        y_TD, rerouted_reference(full, x_TD, record, set(range(1, 8))), atol=1e-5, rtol=1e-5
+    )
     expert_file(tmp_path / "experts", 0, 0).write_bytes(b"garbage")
     cache.resident.clear()
     with pytest.warns(RuntimeWarning), pytest.raises(ExpertCacheError, match="no expert of layer 0"):

@@ -37,10 +37,14 @@ def test_report_lists_every_expert_adapter_and_the_parameter_it_adapts():
     report = trainable_parameter_report(peft_model, plan)
     report.require_expert_adapters()
     targets = {row.target for row in report.rows if row.kind == "lora_expert"}
-    assert targets == {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert targets == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")
+    }
     assert report.expert_adapters == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
     assert report.trainable_params == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert not any(row.kind in ("router", "experts", "attention") for row in report.rows)  # the base is frozen
+    assert not any(
+        row.kind in ("router", "experts", "attention") for row in report.rows
+    )  # the base is frozen
 
 
 def test_report_fails_when_expert_lora_reached_no_expert():
@@ -60,7 +64,9 @@ def test_finetune_refuses_to_start_when_expert_lora_misses_the_experts(tmp_path)
 
     config = FinetuneConfig.build({"steps": 1, "freeze": {"experts": [0, 1, 2, 3]}})
     with pytest.raises(FinetuneError, match="no expert weight got an adapter"):
-        finetune(config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(), records=instruction_records(4))
+        finetune(
+            config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(), records=instruction_records(4)
+        )
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
 
 
@@ -70,7 +76,25 @@ def test_cli_registers_finetune_and_reads_config_and_overrides(tmp_path):
 
     path = tmp_path / "ft.yaml"
     path.write_text("objective: dpo\n")
-    args = build_parser().parse_args(["finetune", "--config", str(path), "--model", "m", "--data", "d.jsonl",
-                                      "--set", "steps=7", "--out", str(tmp_path / "out")])
+    args = build_parser().parse_args(
+        [
+            "finetune",
+            "--config",
+            str(path),
+            "--model",
+            "m",
+            "--data",
+            "d.jsonl",
+            "--set",
+            "steps=7",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     config = resolve_config(args)
-    assert (config.objective, config.model.path, config.data.source, config.steps) == ("dpo", "m", "d.jsonl", 7)
+    assert (config.objective, config.model.path, config.data.source, config.steps) == (
+        "dpo",
+        "m",
+        "d.jsonl",
+        7,
+    )

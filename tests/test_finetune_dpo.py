@@ -19,10 +19,12 @@ def completion_logps(model, tokenizer, records, key: str) -> torch.Tensor:
         for r in records:
             prompt = [{"role": "user", "content": r["prompt"]}]
             prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": r[key]}], tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                prompt + [{"role": "assistant", "content": r[key]}], tokenize=True
+            )
             logp = model(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
             targets = torch.tensor(ids[1:])
-            out.append(logp.gather(-1, targets[:, None]).squeeze(-1)[len(prompt_ids) - 1:].sum())
+            out.append(logp.gather(-1, targets[:, None]).squeeze(-1)[len(prompt_ids) - 1 :].sum())
     return torch.stack(out)
 
 
@@ -32,18 +34,31 @@ def test_dpo_raises_the_reward_margin_and_keeps_the_router_losses(tmp_path):
     model = tiny_model(router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
     ref_chosen = completion_logps(model, tokenizer, records, "chosen")
     ref_rejected = completion_logps(model, tokenizer, records, "rejected")
-    config = FinetuneConfig.build({"objective": "dpo", "method": "full", "steps": 10, "batch_size": 4,
-                                   "optim": {"lr": 1e-2}, "dpo": {"beta": 0.1}, "export": {"merged": False}})
+    config = FinetuneConfig.build(
+        {
+            "objective": "dpo",
+            "method": "full",
+            "steps": 10,
+            "batch_size": 4,
+            "optim": {"lr": 1e-2},
+            "dpo": {"beta": 0.1},
+            "export": {"merged": False},
+        }
+    )
     result = finetune(config, tmp_path, model=model, tokenizer=tokenizer, records=records)
 
     beta = 0.1
-    margin = beta * ((completion_logps(result.model, tokenizer, records, "chosen") - ref_chosen)
-                     - (completion_logps(result.model, tokenizer, records, "rejected") - ref_rejected))
+    margin = beta * (
+        (completion_logps(result.model, tokenizer, records, "chosen") - ref_chosen)
+        - (completion_logps(result.model, tokenizer, records, "rejected") - ref_rejected)
+    )
     assert margin.mean() > 0.1 and (margin > 0).float().mean() >= 0.75
 
     rows = [r for r in result.metrics if "aux_loss" in r]
     assert len(rows) == 10 and all(r["aux_loss"] > 0.5 for r in rows)
     first = rows[0]  # step 1: policy == reference, so the DPO term is log 2 and the rest is the router losses
     assert first["rewards/margins"] == 0.0
-    assert first["loss"] == pytest.approx(math.log(2) + 0.05 * first["aux_loss"] + 0.01 * first["z_loss"], abs=2e-4)
+    assert first["loss"] == pytest.approx(
+        math.log(2) + 0.05 * first["aux_loss"] + 0.01 * first["z_loss"], abs=2e-4
+    )
     assert rows[-1]["rewards/margins"] > 0

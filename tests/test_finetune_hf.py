@@ -14,8 +14,16 @@ from transformers import (
 from moe_core.finetune import FinetuneConfig, finetune
 from tests.finetune_helpers import instruction_records, tiny_tokenizer
 
-BASE = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, intermediate_size=32, num_experts_per_tok=2)
+BASE = dict(
+    vocab_size=300,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    intermediate_size=32,
+    num_experts_per_tok=2,
+)
 CASES = {
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4)),
     "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=4)),
@@ -38,8 +46,15 @@ def hf_checkpoint(tmp_path, name: str):
 @pytest.mark.parametrize("name", ["mixtral", "olmoe"])
 def test_finetuned_hf_model_exports_back_and_loads_in_transformers(tmp_path, name):
     source = hf_checkpoint(tmp_path, name)
-    config = FinetuneConfig.build({"model": {"path": str(source)}, "steps": 3, "batch_size": 4,
-                                   "optim": {"lr": 5e-2}, "lora": {"r": 4, "experts": "list", "expert_ids": [1, 2]}})
+    config = FinetuneConfig.build(
+        {
+            "model": {"path": str(source)},
+            "steps": 3,
+            "batch_size": 4,
+            "optim": {"lr": 5e-2},
+            "lora": {"r": 4, "experts": "list", "expert_ids": [1, 2]},
+        }
+    )
     result = finetune(config, tmp_path / "run", records=instruction_records(8))
     assert result.hf_dir is not None and result.adapter_dir is not None and result.merged_dir is not None
     assert result.model.config.hf_origin["model_type"] == name

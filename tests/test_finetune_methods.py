@@ -20,7 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 def steps(model, n=3, lr=1e-2, weight_decay=0.1, seed=0):
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+    )
     x = torch.randint(0, 300, (4, 12))
     for _ in range(n):
         model(input_ids=x, labels=x).loss.backward()
@@ -32,8 +34,9 @@ def steps(model, n=3, lr=1e-2, weight_decay=0.1, seed=0):
 def test_lora_on_an_expert_subset_changes_only_those_experts():
     model = tiny_model()
     before = state(model)
-    config = FinetuneConfig.build({"lora": {"r": 2, "experts": "list", "expert_ids": {0: [1], 1: [0, 3]},
-                                            "attention": []}})
+    config = FinetuneConfig.build(
+        {"lora": {"r": 2, "experts": "list", "expert_ids": {0: [1], 1: [0, 3]}, "attention": []}}
+    )
     peft_model, plan = apply_method(model, config)
     x = steps(peft_model, lr=5e-2)
     with torch.no_grad():
@@ -47,7 +50,10 @@ def test_lora_on_an_expert_subset_changes_only_those_experts():
             name = f"model.layers.{layer}.mlp.experts.{proj}"
             for e in range(4):
                 same = torch.equal(after[name][e], before[name][e])
-                assert same != (e in chosen[layer]), (name, e)  # chosen experts moved, the others are bitwise equal
+                assert same != (e in chosen[layer]), (
+                    name,
+                    e,
+                )  # chosen experts moved, the others are bitwise equal
     for name in before:
         if ".mlp.experts." not in name:
             assert torch.equal(after[name], before[name]), name
@@ -88,13 +94,17 @@ def test_full_finetuning_keeps_frozen_experts_and_router_bitwise():
         opt.zero_grad()
     after = state(model)
     for layer in (0, 1):
-        assert torch.equal(after[f"model.layers.{layer}.mlp.router.gate.weight"],
-                           before[f"model.layers.{layer}.mlp.router.gate.weight"])
+        assert torch.equal(
+            after[f"model.layers.{layer}.mlp.router.gate.weight"],
+            before[f"model.layers.{layer}.mlp.router.gate.weight"],
+        )
         for proj in ("gate_proj", "up_proj", "down_proj"):
             name = f"model.layers.{layer}.mlp.experts.{proj}"
             for e in range(4):
                 assert torch.equal(after[name][e], before[name][e]) == (e in (0, 2)), (name, e)
-    assert not torch.equal(after["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        after["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_task_router_bias_routes_each_task_by_its_own_bias():

@@ -9,7 +9,9 @@ import pytest
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-README_EXAMPLE = re.compile(r"```python\n((?:(?!```).)*?from moe_core\.finetune import(?:(?!```).)*)```", re.S)
+README_EXAMPLE = re.compile(
+    r"```python\n((?:(?!```).)*?from moe_core\.finetune import(?:(?!```).)*)```", re.S
+)
 
 
 def readme_snippet() -> str:
@@ -50,9 +52,16 @@ def test_cli_finetune_from_a_config_file(tmp_path, base_and_data, capsys):
 
     base_dir, data_file = base_and_data
     config = tmp_path / "ft.yaml"
-    config.write_text(f"model: {{path: {base_dir}}}\ndata: {{source: {data_file}}}\nmethod: full\n"
-                      "freeze: {router: true}\nsteps: 2\n")
-    assert main(["finetune", "--config", str(config), "--set", "batch_size=2", "--out", str(tmp_path / "out")]) == 0
+    config.write_text(
+        f"model: {{path: {base_dir}}}\ndata: {{source: {data_file}}}\nmethod: full\n"
+        "freeze: {router: true}\nsteps: 2\n"
+    )
+    assert (
+        main(["finetune", "--config", str(config), "--set", "batch_size=2", "--out", str(tmp_path / "out")])
+        == 0
+    )
     assert "moe-lab finetune: full/sft, 2 steps" in capsys.readouterr().out
     assert (tmp_path / "out" / "merged" / "config.json").is_file()
-    assert main(["finetune", "--config", str(config), "--set", "lora.rank=2", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["finetune", "--config", str(config), "--set", "lora.rank=2", "--out", str(tmp_path / "x")]) == 2
+    )

@@ -23,17 +23,20 @@ def answer_loss(model, tokenizer, records) -> float:
     for r in records:
         prompt = [{"role": "user", "content": r["instruction"]}]
         prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        full_ids = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": r["output"]}],
-                                                 tokenize=True)
+        full_ids = tokenizer.apply_chat_template(
+            prompt + [{"role": "assistant", "content": r["output"]}], tokenize=True
+        )
         input_ids.append(torch.tensor(full_ids))
-        labels.append(torch.tensor([-100] * len(prompt_ids) + full_ids[len(prompt_ids):]))
+        labels.append(torch.tensor([-100] * len(prompt_ids) + full_ids[len(prompt_ids) :]))
     pad = torch.nn.utils.rnn.pad_sequence
     ids = pad(input_ids, batch_first=True, padding_value=tokenizer.pad_token_id)
     mask = pad([torch.ones_like(t) for t in input_ids], batch_first=True, padding_value=0)
     was = model.training
     model.eval()
     with torch.no_grad():
-        loss = model(input_ids=ids, attention_mask=mask, labels=pad(labels, batch_first=True, padding_value=-100))
+        loss = model(
+            input_ids=ids, attention_mask=mask, labels=pad(labels, batch_first=True, padding_value=-100)
+        )
     model.train(was)
     return float(loss.lm_loss)
 
@@ -42,8 +45,9 @@ def test_sft_lowers_the_loss_and_keeps_the_router_losses_in_it(tmp_path, tokeniz
     records = instruction_records(16)
     model = tiny_model(router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
     start = answer_loss(model, tokenizer, records)
-    config = FinetuneConfig.build({"method": "full", "steps": 12, "batch_size": 4, "optim": {"lr": 1e-2},
-                                   "export": {"merged": False}})
+    config = FinetuneConfig.build(
+        {"method": "full", "steps": 12, "batch_size": 4, "optim": {"lr": 1e-2}, "export": {"merged": False}}
+    )
     result = finetune(config, tmp_path, model=model, tokenizer=tokenizer, records=records)
     end = answer_loss(result.model, tokenizer, records)
     assert end < start - 1.0
@@ -69,9 +73,16 @@ def test_with_zero_coefficients_the_loss_is_the_lm_loss(tmp_path, tokenizer):
 def test_full_sft_leaves_frozen_experts_and_frozen_router_bitwise_unchanged(tmp_path, tokenizer):
     model = tiny_model(router="aux_free", router_bias_update_rate=0.05)
     before = state(model)
-    config = FinetuneConfig.build({"method": "full", "steps": 4, "batch_size": 4,
-                                   "optim": {"lr": 1e-2, "weight_decay": 0.1},
-                                   "freeze": {"router": True, "experts": {1: [0, 3]}}, "export": {"merged": False}})
+    config = FinetuneConfig.build(
+        {
+            "method": "full",
+            "steps": 4,
+            "batch_size": 4,
+            "optim": {"lr": 1e-2, "weight_decay": 0.1},
+            "freeze": {"router": True, "experts": {1: [0, 3]}},
+            "export": {"merged": False},
+        }
+    )
     result = finetune(config, tmp_path, model=model, tokenizer=tokenizer, records=instruction_records(8))
     after = state(result.model)
     for layer in (0, 1):
@@ -81,7 +92,9 @@ def test_full_sft_leaves_frozen_experts_and_frozen_router_bitwise_unchanged(tmp_
         name = f"model.layers.1.mlp.experts.{proj}"
         for e in range(4):
             assert torch.equal(after[name][e], before[name][e]) == (e in (0, 3)), (name, e)
-        assert not torch.equal(after[f"model.layers.0.mlp.experts.{proj}"], before[f"model.layers.0.mlp.experts.{proj}"])
+        assert not torch.equal(
+            after[f"model.layers.0.mlp.experts.{proj}"], before[f"model.layers.0.mlp.experts.{proj}"]
+        )
     rows = {r.name: r for r in result.report.rows}
     assert rows["model.layers.1.mlp.experts.up_proj"].experts == [1, 2]
     assert not any(r.kind == "router" for r in result.report.rows)
@@ -94,10 +107,19 @@ def test_merged_lora_equals_the_adapted_model_and_the_adapter_loads_in_peft(tmp_
 
     base = tiny_model()
     base.save_pretrained(tmp_path / "base")
-    config = FinetuneConfig.build({"steps": 3, "batch_size": 4, "optim": {"lr": 5e-2}, "lora": {"r": 4,
-                                   "experts": "list", "expert_ids": [2]}, "freeze": {"router": False},
-                                   "export": {"merged": False, "adapters": False}})
-    result = finetune(config, tmp_path / "run", model=base, tokenizer=tokenizer, records=instruction_records(8))
+    config = FinetuneConfig.build(
+        {
+            "steps": 3,
+            "batch_size": 4,
+            "optim": {"lr": 5e-2},
+            "lora": {"r": 4, "experts": "list", "expert_ids": [2]},
+            "freeze": {"router": False},
+            "export": {"merged": False, "adapters": False},
+        }
+    )
+    result = finetune(
+        config, tmp_path / "run", model=base, tokenizer=tokenizer, records=instruction_records(8)
+    )
     x = torch.randint(0, 300, (2, 10))
     peft_model = result.model.eval()
     with torch.no_grad():
@@ -106,7 +128,9 @@ def test_merged_lora_equals_the_adapted_model_and_the_adapter_loads_in_peft(tmp_
     merged = merged_model(peft_model, result.plan)
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=x).logits, adapted, atol=1e-5, rtol=1e-5)
-        reloaded = PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(tmp_path / "base"), str(adapter_dir))
+        reloaded = PeftModel.from_pretrained(
+            MoEForCausalLM.from_pretrained(tmp_path / "base"), str(adapter_dir)
+        )
         torch.testing.assert_close(reloaded.eval()(input_ids=x).logits, adapted, atol=1e-5, rtol=1e-5)
         fresh = MoEForCausalLM.from_pretrained(tmp_path / "base").eval()
         assert not torch.allclose(fresh(input_ids=x).logits, adapted, atol=1e-4)  # the adapter did something
@@ -115,9 +139,18 @@ def test_merged_lora_equals_the_adapted_model_and_the_adapter_loads_in_peft(tmp_
 def test_multitask_router_bias_trains_only_the_bias_and_is_saved_beside_the_weights(tmp_path, tokenizer):
     model = tiny_model()
     before = state(model)
-    config = FinetuneConfig.build({"method": "router_bias", "steps": 4, "batch_size": 4, "optim": {"lr": 5e-2},
-                                   "data": {"task_column": "task"}})
-    result = finetune(config, tmp_path, model=model, tokenizer=tokenizer, records=instruction_records(8, task=True))
+    config = FinetuneConfig.build(
+        {
+            "method": "router_bias",
+            "steps": 4,
+            "batch_size": 4,
+            "optim": {"lr": 5e-2},
+            "data": {"task_column": "task"},
+        }
+    )
+    result = finetune(
+        config, tmp_path, model=model, tokenizer=tokenizer, records=instruction_records(8, task=True)
+    )
     assert [r.kind for r in result.report.rows] == ["task_router_bias"]
     assert result.summary["tasks"] == {"animal": 4, "color": 4}
     after = state(result.model)

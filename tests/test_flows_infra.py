@@ -17,7 +17,10 @@ def test_compose_stack_wires_prefect_postgres_mlflow_and_a_worker():
         assert services[name]["healthcheck"]["test"], f"{name} has no healthcheck"
     assert "4200:4200" in services["prefect-server"]["ports"]
     assert "5000:5000" in services["mlflow"]["ports"]
-    assert "postgres:5432/prefect" in services["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
+    assert (
+        "postgres:5432/prefect"
+        in services["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
+    )
     assert "postgres:5432/mlflow" in services["mlflow"]["command"]
     assert "CREATE DATABASE mlflow" in (ROOT / "infra" / "postgres-init.sql").read_text()
     for name in ("prefect-server", "mlflow"):
@@ -27,7 +30,9 @@ def test_compose_stack_wires_prefect_postgres_mlflow_and_a_worker():
     assert worker["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert "--pool moe-lab-process" in worker["command"]
     assert {s: c["condition"] for s, c in worker["depends_on"].items()} == {
-        "prefect-server": "service_healthy", "mlflow": "service_healthy"}
+        "prefect-server": "service_healthy",
+        "mlflow": "service_healthy",
+    }
     assert (ROOT / worker["build"]["dockerfile"]).is_file()
     assert "--nnodes" in (ROOT / "infra" / "README.md").read_text()  # multi-node torchrun instructions
 
@@ -65,7 +70,9 @@ def test_cli_has_the_orchestration_commands_and_builds_typed_params():
     parser = build_parser()
     for argv in (["run", "lifecycle"], ["ui"], ["sync", "runs/x"], ["deploy"], ["serve"]):
         assert callable(parser.parse_args(argv).func)
-    params = build_params("lifecycle", None, "tiny", ["train.steps=7", "baseline=active", "promotion.margin=0.05"])
+    params = build_params(
+        "lifecycle", None, "tiny", ["train.steps=7", "baseline=active", "promotion.margin=0.05"]
+    )
     assert (params.train.steps, params.baseline, params.promotion.margin) == (7, "active", 0.05)
     assert params.train.data.max_documents == 60  # the tiny preset underneath
 

@@ -9,8 +9,9 @@ pytestmark = pytest.mark.slow
 
 
 def stage_runs(client, parent_id: str) -> dict:
-    runs = client.search_runs([client.get_run(parent_id).info.experiment_id],
-                              f"tags.mlflow.parentRunId = '{parent_id}'")
+    runs = client.search_runs(
+        [client.get_run(parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
+    )
     return {r.data.tags["mlflow.runName"]: r for r in runs}
 
 
@@ -37,8 +38,18 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert parent.data.params["train.steps"] == "12"
 
     stages = stage_runs(client, parent.info.run_id)
-    assert {"validate_data", "prepare_data", "pretrain", "pretrain_dense_active", "evaluate", "profile", "cost",
-            "quantize", "export_onnx", "benchmark"} <= set(stages)
+    assert {
+        "validate_data",
+        "prepare_data",
+        "pretrain",
+        "pretrain_dense_active",
+        "evaluate",
+        "profile",
+        "cost",
+        "quantize",
+        "export_onnx",
+        "benchmark",
+    } <= set(stages)
     assert all(run.info.status == "FINISHED" for run in stages.values())
 
     pretrain = stages["pretrain"]
@@ -46,7 +57,9 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert any(k.startswith("moe/layer_") for k in pretrain.data.metrics)
     assert pretrain.data.params["train.data.path"] == lifecycle_result["data_dir"]
     assert pretrain.inputs.dataset_inputs  # recorded with mlflow.data, by fingerprint
-    assert {"eval.validation_ppl", "baseline.dense-active.validation_ppl"} <= set(stages["evaluate"].data.metrics)
+    assert {"eval.validation_ppl", "baseline.dense-active.validation_ppl"} <= set(
+        stages["evaluate"].data.metrics
+    )
     assert any(k.startswith("router.layer_") for k in stages["profile"].data.metrics)
     assert "cost.usd_per_million_tokens" in stages["cost"].data.metrics
     assert "bench.quantized.ppl_drift" in stages["benchmark"].data.metrics
@@ -55,24 +68,36 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert "tokenizer" in artifact_paths(client, stages["prepare_data"])
     assert "routing_profile/profile.json" in artifact_paths(client, stages["profile"], "routing_profile")
     plots = artifact_paths(client, stages["profile"], "plots")
-    assert {"plots/expert_load.png", "plots/token_routing.png", "plots/routing_flow.html"} <= set(plots), plots
+    assert {"plots/expert_load.png", "plots/token_routing.png", "plots/routing_flow.html"} <= set(plots), (
+        plots
+    )
     checkpoint = artifact_paths(client, pretrain, "checkpoint")  # what the run was, not the weights again
     assert "checkpoint/trainer_state.json" in checkpoint, checkpoint
     assert not any(p.endswith((".safetensors", ".pt")) for p in checkpoint), checkpoint  # no optimizer state
     assert pretrain.data.params["arch.num_experts"] == "8" and "arch.params_active" in pretrain.data.params
     assert len(client.get_metric_history(pretrain.info.run_id, "val_loss")) >= 2  # a curve, not one point
-    for name in ("eval.validation_ppl", "eval.test_ppl", "eval.validation_bpb", "baseline.dense-active.validation_ppl",
-                 "cost.usd_per_million_tokens", "router.dead_experts", "bench.quantized.ppl_drift"):
+    for name in (
+        "eval.validation_ppl",
+        "eval.test_ppl",
+        "eval.validation_bpb",
+        "baseline.dense-active.validation_ppl",
+        "cost.usd_per_million_tokens",
+        "router.dead_experts",
+        "bench.quantized.ppl_drift",
+    ):
         assert name in parent.data.metrics, name  # the parent run compares in the runs table
     # one perplexity per model and split: the benchmark scores the evaluation's batches
-    assert parent.data.metrics["bench.pytorch.perplexity"] == pytest.approx(parent.data.metrics["eval.validation_ppl"],
-                                                                           rel=1e-5)
+    assert parent.data.metrics["bench.pytorch.perplexity"] == pytest.approx(
+        parent.data.metrics["eval.validation_ppl"], rel=1e-5
+    )
     experiment = client.get_experiment(parent.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     html = client.download_artifacts(stages["profile"].info.run_id, "plots/routing_flow.html")
     assert 'src="plotly.min.js"' not in open(html).read() and "plots/plotly.min.js" not in plots
     models = client.search_logged_models([parent.info.experiment_id])
-    flavors = {m.name for m in models if m.source_run_id in (pretrain.info.run_id, stages["export_onnx"].info.run_id)}
+    flavors = {
+        m.name for m in models if m.source_run_id in (pretrain.info.run_id, stages["export_onnx"].info.run_id)
+    }
     assert {"transformers", "onnx"} <= flavors and "pytorch" not in flavors  # nothing pickled
 
     for key, value in {**parent.data.params, **pretrain.data.params}.items():  # configs, never text
@@ -91,11 +116,19 @@ def test_evaluate_and_optimize_flows_on_a_trained_model(lifecycle_result, tmp_pa
     from flows.optimize import OptimizeFlowParams, optimize
 
     model, data = lifecycle_result["export_dir"], lifecycle_result["data_dir"]
-    ev = evaluate(EvaluateFlowParams(model_dir=model, data_dir=data, profile_batches=2, plots=False,
-                                     out_dir=str(tmp_path / "eval")))
-    assert ev["metrics"]["eval.validation_ppl"] == pytest.approx(lifecycle_result["metrics"]["eval.validation_ppl"])
-    opt = optimize(OptimizeFlowParams(model_dir=model, data_dir=data, onnx=False, benchmark_batches=1,
-                                      out_dir=str(tmp_path / "opt")))
+    ev = evaluate(
+        EvaluateFlowParams(
+            model_dir=model, data_dir=data, profile_batches=2, plots=False, out_dir=str(tmp_path / "eval")
+        )
+    )
+    assert ev["metrics"]["eval.validation_ppl"] == pytest.approx(
+        lifecycle_result["metrics"]["eval.validation_ppl"]
+    )
+    opt = optimize(
+        OptimizeFlowParams(
+            model_dir=model, data_dir=data, onnx=False, benchmark_batches=1, out_dir=str(tmp_path / "opt")
+        )
+    )
     assert [row["variant"] for row in opt["benchmark"]] == ["pytorch", "quantized"]
     client = MlflowClient()
     assert {"evaluate", "profile", "cost"} <= set(stage_runs(client, ev["mlflow_run_id"]))
@@ -110,15 +143,18 @@ def test_failing_validation_stops_before_training_and_shows_in_mlflow(lab_env):
     from moe_core.data import DataValidationError
     from moe_core.data.validation import ValidationConfig
 
-    params = LifecycleParams(validation=ValidationConfig(min_rows=10**6),
-                             promotion=PromotionParams(model_name="never-registered"))
+    params = LifecycleParams(
+        validation=ValidationConfig(min_rows=10**6), promotion=PromotionParams(model_name="never-registered")
+    )
     state = lifecycle(params, return_state=True)
     assert state.is_failed()
     with pytest.raises(DataValidationError):
         state.result()
     client = MlflowClient()
-    failed = client.search_runs([client.get_experiment_by_name("moe-lab").experiment_id],
-                                "tags.`moe_lab.flow` = 'lifecycle' and attributes.status = 'FAILED'")
+    failed = client.search_runs(
+        [client.get_experiment_by_name("moe-lab").experiment_id],
+        "tags.`moe_lab.flow` = 'lifecycle' and attributes.status = 'FAILED'",
+    )
     assert len(failed) == 1 and "DataValidationError" in failed[0].data.tags["failure_reason"]
     stages = stage_runs(client, failed[0].info.run_id)
     assert set(stages) == {"validate_data"}  # nothing was prepared or trained
@@ -139,10 +175,20 @@ def test_finetune_flow_on_the_pretrained_model(lifecycle_result, tmp_path):
 
     data_file = tmp_path / "sft.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(8)))
-    config = FinetuneConfig.build({"data": {"source": str(data_file), "max_length": 32}, "method": "full",
-                                   "freeze": {"router": True}, "steps": 2, "batch_size": 2})
-    result = finetune(FinetuneFlowParams(config=config, base_model_dir=lifecycle_result["export_dir"],
-                                         out_dir=str(tmp_path / "ft")))
+    config = FinetuneConfig.build(
+        {
+            "data": {"source": str(data_file), "max_length": 32},
+            "method": "full",
+            "freeze": {"router": True},
+            "steps": 2,
+            "batch_size": 2,
+        }
+    )
+    result = finetune(
+        FinetuneFlowParams(
+            config=config, base_model_dir=lifecycle_result["export_dir"], out_dir=str(tmp_path / "ft")
+        )
+    )
     client = MlflowClient()
     stages = stage_runs(client, result["mlflow_run_id"])
     assert stages["finetune"].info.status == "FINISHED"

@@ -11,10 +11,18 @@ pytestmark = pytest.mark.slow
 def _config():
     from moe_core.train import TrainConfig
 
-    return TrainConfig.build({"model": {"preset": "switch-tiny"}, "steps": 40, "batch_size": 4,
-                              "data": {"source": "synthetic", "synthetic_blocks": 64, "seq_len": 16},
-                              "checkpoint": {"every": 5}, "log": {"every": 5, "progress": "off"},
-                              "eval": {"batches": 1}, "device": "cpu"})
+    return TrainConfig.build(
+        {
+            "model": {"preset": "switch-tiny"},
+            "steps": 40,
+            "batch_size": 4,
+            "data": {"source": "synthetic", "synthetic_blocks": 64, "seq_len": 16},
+            "checkpoint": {"every": 5},
+            "log": {"every": 5, "progress": "off"},
+            "eval": {"batches": 1},
+            "device": "cpu",
+        }
+    )
 
 
 def test_killed_training_process_is_retried_and_resumes_to_identical_weights(lab_env, tmp_path, monkeypatch):
@@ -26,17 +34,25 @@ def test_killed_training_process_is_retried_and_resumes_to_identical_weights(lab
     from tasks.process import CHAOS_ENV
 
     def run(name: str) -> dict:
-        return pretrain(PretrainParams(train=_config(), subprocess=True, log_model=False, out_dir=str(tmp_path / name)))
+        return pretrain(
+            PretrainParams(train=_config(), subprocess=True, log_model=False, out_dir=str(tmp_path / name))
+        )
 
     clean = run("uninterrupted")
-    monkeypatch.setenv(CHAOS_ENV, "10")  # SIGKILL the process group once step 10 is checkpointed (1st attempt)
+    monkeypatch.setenv(
+        CHAOS_ENV, "10"
+    )  # SIGKILL the process group once step 10 is checkpointed (1st attempt)
     killed = run("killed")
     assert clean["step"] == killed["step"] == 40
 
     client = MlflowClient()
-    attempts = {r.data.tags["mlflow.runName"]: r for r in client.search_runs(
-        [client.get_run(killed["mlflow_run_id"]).info.experiment_id],
-        f"tags.mlflow.parentRunId = '{killed['mlflow_run_id']}'")}
+    attempts = {
+        r.data.tags["mlflow.runName"]: r
+        for r in client.search_runs(
+            [client.get_run(killed["mlflow_run_id"]).info.experiment_id],
+            f"tags.mlflow.parentRunId = '{killed['mlflow_run_id']}'",
+        )
+    }
     assert attempts["pretrain"].info.status == "FAILED"
     assert "exited with -9" in attempts["pretrain"].data.tags["failure_reason"]
     resumed = attempts["pretrain (attempt 2)"]

@@ -37,12 +37,21 @@ def test_promotion_gate_promotes_and_refuses(lab_env):
     client.create_registered_model(name)
 
     def new_version(ppl: float) -> str:
-        version = client.create_model_version(name, source, run_id, tags={"metric.eval.validation_ppl": str(ppl),
-                                                                          "eval.text_sha256": "same text",
-                                                                          "eval.tokenizer_sha256": "same tokenizer"})
+        version = client.create_model_version(
+            name,
+            source,
+            run_id,
+            tags={
+                "metric.eval.validation_ppl": str(ppl),
+                "eval.text_sha256": "same text",
+                "eval.tokenizer_sha256": "same tokenizer",
+            },
+        )
         return str(version.version)
 
-    gate = dict(name=name, metric="eval.validation_ppl", margin=0.02, higher_is_better=False, parent_run_id=run_id)
+    gate = dict(
+        name=name, metric="eval.validation_ppl", margin=0.02, higher_is_better=False, parent_run_id=run_id
+    )
     assert gate_flow(new_version(10.0), **gate)["promoted"] is True  # the first one becomes champion
     refused = gate_flow(new_version(9.9), **gate)  # 1% better: inside the 2% margin
     assert refused["promoted"] is False and refused["champion"] == "1"

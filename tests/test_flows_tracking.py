@@ -29,9 +29,16 @@ def test_training_goes_on_when_mlflow_is_unreachable_and_sync_uploads_later(lab_
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     unreachable = MlflowClient(tracking_uri="http://127.0.0.1:9")  # nothing listens on the discard port
     sink = tracking.MlflowSink(run_id, tmp_path, mlflow_client=unreachable, close_timeout=20)
-    config = TrainConfig.build({"model": {"preset": "switch-tiny"}, "steps": 6, "batch_size": 4,
-                                "data": {"source": "synthetic", "synthetic_blocks": 16, "seq_len": 16},
-                                "log": {"every": 2, "progress": "off"}, "checkpoint": {"export": False}})
+    config = TrainConfig.build(
+        {
+            "model": {"preset": "switch-tiny"},
+            "steps": 6,
+            "batch_size": 4,
+            "data": {"source": "synthetic", "synthetic_blocks": 16, "seq_len": 16},
+            "log": {"every": 2, "progress": "off"},
+            "checkpoint": {"export": False},
+        }
+    )
     result = train(config, tmp_path, sinks=[sink])
     assert result.step == 6  # training finished
     assert sink.offline_from_step == 2 and sink.error
@@ -53,7 +60,9 @@ def test_sync_command_creates_a_run_for_an_untracked_directory(lab_env, tmp_path
 
     from moe_core.cli import main
 
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "loss": 3.5}\n{"step": 2, "time": 2.0, "loss": 3.0}\n')
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "time": 1.0, "loss": 3.5}\n{"step": 2, "time": 2.0, "loss": 3.0}\n'
+    )
     assert main(["sync", str(tmp_path)]) == 0
     run_id = json.loads((tmp_path / "mlflow_run.json").read_text())["run_id"]
     assert [m.value for m in MlflowClient().get_metric_history(run_id, "loss")] == [3.5, 3.0]

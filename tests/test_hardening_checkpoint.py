@@ -56,7 +56,10 @@ def rewrite_manifest(ckpt: Path) -> None:
     """An attacker who edits a checkpoint can also fix its manifest: sizes and checksums match again."""
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for name in manifest["files"]:
-        manifest["files"][name] = {"bytes": (ckpt / name).stat().st_size, "sha256": ckpt_io._sha256(ckpt / name)}
+        manifest["files"][name] = {
+            "bytes": (ckpt / name).stat().st_size,
+            "sha256": ckpt_io._sha256(ckpt / name),
+        }
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -118,8 +121,9 @@ def test_old_pickle_checkpoints_are_refused_with_a_way_forward(tmp_path, eight_s
 
 # ------------------------------------------------------------------------------------------------ damage
 @pytest.mark.parametrize("damage", ["truncated_weights", "flipped_trainer_state", "weights_deleted"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_last_complete_one_exactly(tmp_path, eight_steps, damage,
-                                                                                 capfd):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_last_complete_one_exactly(
+    tmp_path, eight_steps, damage, capfd
+):
     reference, final = eight_steps
     out = copy_run(reference, tmp_path / "run")
     latest = out / "checkpoints" / "step_00000008"
@@ -163,8 +167,13 @@ def test_pruning_and_killed_writes_leave_no_step_directory_that_counts(tmp_path)
 
 # ------------------------------------------------------------------------------------------------ divergence
 def test_a_diverging_run_checkpoints_only_after_good_steps_and_names_a_good_one(tmp_path):
-    config = tiny(steps=12, optim={"lr": 1e30, "grad_clip": None, "warmup_steps": 0}, log={"every": 1},
-                  checkpoint={"every": 1, "keep_last": 20}, faults={"max_bad_steps_in_a_row": 2})
+    config = tiny(
+        steps=12,
+        optim={"lr": 1e30, "grad_clip": None, "warmup_steps": 0},
+        log={"every": 1},
+        checkpoint={"every": 1, "keep_last": 20},
+        faults={"max_bad_steps_in_a_row": 2},
+    )
     with pytest.raises(TrainingDivergedError, match="3 steps in a row") as err:
         run(config, tmp_path)
     finite_steps = {row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in row}
@@ -176,7 +185,9 @@ def test_a_diverging_run_checkpoints_only_after_good_steps_and_names_a_good_one(
         assert "resume from" in str(err.value)
     else:  # the checkpoint just before the streak holds the weights that diverged: not offered
         assert "no checkpoint before the divergence gave a finite step" in str(err.value)
-        assert not any(str(tmp_path / "checkpoints" / ckpt_io.step_dir_name(s)) in str(err.value) for s in written)
+        assert not any(
+            str(tmp_path / "checkpoints" / ckpt_io.step_dir_name(s)) in str(err.value) for s in written
+        )
 
 
 # ------------------------------------------------------------------------------------------------ full disk
@@ -205,9 +216,23 @@ def test_a_full_disk_while_checkpointing_is_one_clear_line_and_frees_the_space(t
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckpt_io, "save_file", no_space)
-    args = ["train", "--out", str(tmp_path / "run"), "--set", "steps=2", "--set", "data.source=synthetic",
-            "--set", "data.seq_len=32", "--set", "data.synthetic_blocks=64", "--set", "batch_size=4",
-            "--set", "log.progress=off"]
+    args = [
+        "train",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        "steps=2",
+        "--set",
+        "data.source=synthetic",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.synthetic_blocks=64",
+        "--set",
+        "batch_size=4",
+        "--set",
+        "log.progress=off",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no space left on the device writing" in err[0] and "needs about" in err[0]
@@ -233,11 +258,17 @@ time.sleep(60)
 
 def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(OutputLockedError, match=rf"in use by another training run \(pid {holder.pid} on host"):
+        with pytest.raises(
+            OutputLockedError, match=rf"in use by another training run \(pid {holder.pid} on host"
+        ):
             Trainer(tiny(steps=2), out)
         assert not (out / "checkpoints").exists()  # refused before writing anything
         assert main(["train", "--out", str(out), "--set", "steps=2", "--set", "data.source=synthetic"]) == 2
@@ -246,7 +277,9 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_pa
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    with OutputLock(out, "training run"):  # the kernel dropped the dead holder's lock: taken over, with a message
+    with OutputLock(
+        out, "training run"
+    ):  # the kernel dropped the dead holder's lock: taken over, with a message
         pass
     assert f"left by a training run that is gone (pid {holder.pid}" in capsys.readouterr().err
     assert not (tmp_path / ".run.lock").exists()  # released
@@ -266,14 +299,20 @@ def test_abandoned_temporaries_are_removed_and_live_ones_kept(tmp_path):
     from moe_core.data.prepare import PrepareConfig, prepare
 
     out = tmp_path / "prep"
-    subprocess.run([sys.executable, "-c", KILLED_WRITER, str(out), str(tmp_path / "data")],
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(out), str(tmp_path / "data")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     (abandoned,) = tmp_path.glob(".prep.tmp-*")
     assert list(tmp_path.glob(".data.tmp-*"))
     with atomic_directory(tmp_path / "prep") as live:  # the next writer removed the abandoned temporary
         assert not abandoned.exists()
         assert clean_abandoned_temporaries(out) == [] and live.is_dir()  # and a third leaves a live one alone
         (live / "data").write_text("x")
-    prepare(PrepareConfig(max_documents=24, vocab_size=300, seq_len=32, num_proc=1, val_fraction=0.1,
-                          test_fraction=0.1), tmp_path / "data")
+    prepare(
+        PrepareConfig(
+            max_documents=24, vocab_size=300, seq_len=32, num_proc=1, val_fraction=0.1, test_fraction=0.1
+        ),
+        tmp_path / "data",
+    )
     assert not list(tmp_path.glob(".data.tmp-*"))  # the killed preparation's leftovers went

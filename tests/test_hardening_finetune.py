@@ -23,12 +23,20 @@ def tokenizer():
 
 
 def small(**fields):
-    base = {"method": "full", "steps": 4, "batch_size": 2, "export": {"merged": True}, "log": {"routing": False}}
+    base = {
+        "method": "full",
+        "steps": 4,
+        "batch_size": 2,
+        "export": {"merged": True},
+        "log": {"routing": False},
+    }
     base.update(fields)
     return FinetuneConfig.build(base)
 
 
-@pytest.mark.parametrize("objective,steps", [("sft", 4), ("sft", 9), ("dpo", 4)])  # 9: stops at the streak limit
+@pytest.mark.parametrize(
+    "objective,steps", [("sft", 4), ("sft", 9), ("dpo", 4)]
+)  # 9: stops at the streak limit
 def test_a_diverging_fine_tune_writes_nothing_and_says_why(tmp_path, tokenizer, objective, steps):
     (tmp_path / "mlflow_run.json").write_text("{}")  # what a caller (the Prefect task) put there first
     config = small(steps=steps, objective=objective, optim={"lr": 1e30, "grad_clip": None})
@@ -53,7 +61,9 @@ def test_a_non_finite_step_is_skipped_and_counted_and_the_loss_is_true(tmp_path,
     assert result.skipped_steps == 1 and result.summary["skipped_steps"] == 1
     rows = [row for row in read_jsonl(tmp_path / "metrics.jsonl") if "train_runtime" not in row]
     assert [row.get("skipped_steps") for row in rows] == [0.0, 1.0, 1.0, 1.0]
-    assert "loss" not in rows[1]  # the skipped step has no stand-in loss (Trainer logged 0.0 or a mean before)
+    assert (
+        "loss" not in rows[1]
+    )  # the skipped step has no stand-in loss (Trainer logged 0.0 or a mean before)
     assert all(isinstance(row["loss"], float) and math.isfinite(row["loss"]) for row in rows if "loss" in row)
     assert math.isfinite(result.last_step_loss) and result.final_loss == pytest.approx(rows[-1]["loss"])
     merged = result.merged_dir / "model.safetensors"
@@ -62,19 +72,32 @@ def test_a_non_finite_step_is_skipped_and_counted_and_the_loss_is_true(tmp_path,
 
 def test_fine_tune_output_folders_follow_the_training_rules(tmp_path, tokenizer):
     config = small(steps=1)
-    first = finetune(config, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(4))
+    first = finetune(
+        config, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(4)
+    )
     assert first.merged_dir == tmp_path / "merged" and (tmp_path / "summary.json").is_file()
     assert not list(tmp_path.glob(".staging*"))
     with pytest.raises(FinetuneError, match="already holds outputs of an earlier run .*--overwrite"):
         finetune(config, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(4))
     lora = small(steps=1, method="lora")
-    finetune(lora, tmp_path, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(4),
-             overwrite=True)
+    finetune(
+        lora,
+        tmp_path,
+        model=tiny_model(),
+        tokenizer=tokenizer,
+        records=instruction_records(4),
+        overwrite=True,
+    )
     assert json.loads((tmp_path / "finetune_config.json").read_text())["method"] == "lora"
     assert (tmp_path / "adapter").is_dir()
 
     with OutputLock(tmp_path / "busy", "fine-tuning run"):  # another writer holds the folder
         with pytest.raises(OutputLockedError, match="in use by another fine-tuning run"):
-            finetune(config, tmp_path / "busy", model=tiny_model(), tokenizer=tokenizer,
-                     records=instruction_records(4))
+            finetune(
+                config,
+                tmp_path / "busy",
+                model=tiny_model(),
+                tokenizer=tokenizer,
+                records=instruction_records(4),
+            )
     assert not (tmp_path / "busy").exists()

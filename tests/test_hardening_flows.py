@@ -24,8 +24,11 @@ def data_dir(tmp_path_factory):
     from moe_core.data import prepare
 
     out = tmp_path_factory.mktemp("data") / "prepared"
-    return str(prepare.prepare(prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False),
-                               out))
+    return str(
+        prepare.prepare(
+            prepare.PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, validate=False), out
+        )
+    )
 
 
 def save_model(out: Path, tokenizer, seed: int = 0, nan: bool = False) -> str:
@@ -51,8 +54,11 @@ def models(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     own = load_tokenizer(Path(data_dir) / "tokenizer")
     other = train_tokenizer([d.text for d in builtin_corpus(30)], vocab_size=420)
-    return {"own": save_model(root / "own", own), "other": save_model(root / "other", other, seed=1),
-            "nan": save_model(root / "nan", own, nan=True)}
+    return {
+        "own": save_model(root / "own", own),
+        "other": save_model(root / "other", other, seed=1),
+        "nan": save_model(root / "nan", own, nan=True),
+    }
 
 
 def evaluate_in_flow(model_dir: str, data_dir: str, out: Path) -> dict:
@@ -71,7 +77,9 @@ def evaluate_in_flow(model_dir: str, data_dir: str, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ §2 models
-def test_bits_per_byte_is_judged_on_the_same_text_with_each_models_tokenizer(lab_env, data_dir, models, tmp_path):
+def test_bits_per_byte_is_judged_on_the_same_text_with_each_models_tokenizer(
+    lab_env, data_dir, models, tmp_path
+):
     own = evaluate_in_flow(models["own"], data_dir, tmp_path / "own")
     other = evaluate_in_flow(models["other"], data_dir, tmp_path / "other")
     assert own["judged_on"]["eval.text_sha256"] == other["judged_on"]["eval.text_sha256"]
@@ -81,7 +89,9 @@ def test_bits_per_byte_is_judged_on_the_same_text_with_each_models_tokenizer(lab
         assert result["nonfinite"] == [] and result["metrics"]["eval.validation_bpb"] > 0
 
 
-def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(lab_env, data_dir, models, tmp_path):
+def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(
+    lab_env, data_dir, models, tmp_path
+):
     from mlflow import MlflowClient
 
     from tasks.registry import UnregistrableModel, check_model, register_model, registration_refusal
@@ -116,12 +126,22 @@ def test_a_lifecycle_whose_fine_tune_diverges_registers_and_promotes_nothing(lab
 
     data_file = tmp_path / "sft.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in instruction_records(8)))
-    diverging = FinetuneConfig.build({"data": {"source": str(data_file), "max_length": 32}, "method": "full",
-                                      "optim": {"lr": 1e30, "grad_clip": None}, "steps": 3, "batch_size": 2})
-    params = LifecycleParams(finetune=FinetuneParams(enabled=True, config=diverging), optimize=None,
-                             evaluate=EvaluateParams(splits=["validation"], max_batches=2, profile_batches=1,
-                                                     plots=False),
-                             promotion=PromotionParams(model_name="diverged-lm"), out_dir=str(tmp_path / "run"))
+    diverging = FinetuneConfig.build(
+        {
+            "data": {"source": str(data_file), "max_length": 32},
+            "method": "full",
+            "optim": {"lr": 1e30, "grad_clip": None},
+            "steps": 3,
+            "batch_size": 2,
+        }
+    )
+    params = LifecycleParams(
+        finetune=FinetuneParams(enabled=True, config=diverging),
+        optimize=None,
+        evaluate=EvaluateParams(splits=["validation"], max_batches=2, profile_batches=1, plots=False),
+        promotion=PromotionParams(model_name="diverged-lm"),
+        out_dir=str(tmp_path / "run"),
+    )
     state = lifecycle(params, return_state=True)
     client = MlflowClient()
     assert client.search_model_versions("name = 'diverged-lm'") == []
@@ -150,20 +170,44 @@ def test_the_gate_refuses_to_compare_models_judged_on_other_text_or_per_token_ac
     name = "comparable-lm"
     client.create_registered_model(name)
     text_a = {"eval.text_sha256": "a" * 64, "eval.tokenizer_sha256": "t384"}
-    champion = new_version(client, name, run_id, **text_a, **{"metric.eval.validation_bpb": "2.0",
-                                                               "metric.eval.validation_ppl": "517"})
+    champion = new_version(
+        client,
+        name,
+        run_id,
+        **text_a,
+        **{"metric.eval.validation_bpb": "2.0", "metric.eval.validation_ppl": "517"},
+    )
     assert gate(name, champion, "eval.validation_bpb", 0.0, False)["promoted"] is True
 
     # the case: lower perplexity, but on other data with another tokenizer
-    other_data = new_version(client, name, run_id, **{"eval.text_sha256": "b" * 64, "eval.tokenizer_sha256": "t4000",
-                                                      "metric.eval.validation_bpb": "1.0", "metric.eval.validation_ppl": "203"})
+    other_data = new_version(
+        client,
+        name,
+        run_id,
+        **{
+            "eval.text_sha256": "b" * 64,
+            "eval.tokenizer_sha256": "t4000",
+            "metric.eval.validation_bpb": "1.0",
+            "metric.eval.validation_ppl": "203",
+        },
+    )
     for metric in ("eval.validation_bpb", "eval.validation_ppl"):
         decision = gate(name, other_data, metric, 0.0, False)
-        assert decision["promoted"] is False and decision["reason"].startswith("not comparable: the champion was "
-                                                                                 "evaluated on other text")
+        assert decision["promoted"] is False and decision["reason"].startswith(
+            "not comparable: the champion was evaluated on other text"
+        )
     # same text, another tokenizer: perplexity is not comparable, bits per byte is
-    same_text = new_version(client, name, run_id, **{**text_a, "eval.tokenizer_sha256": "t4000",
-                                                     "metric.eval.validation_bpb": "1.5", "metric.eval.validation_ppl": "600"})
+    same_text = new_version(
+        client,
+        name,
+        run_id,
+        **{
+            **text_a,
+            "eval.tokenizer_sha256": "t4000",
+            "metric.eval.validation_bpb": "1.5",
+            "metric.eval.validation_ppl": "600",
+        },
+    )
     decision = gate(name, same_text, "eval.validation_ppl", 0.0, False)
     assert decision["promoted"] is False and "per token and the tokenizers differ" in decision["reason"]
     assert str(client.get_model_version_by_alias(name, "champion").version) == champion
@@ -175,24 +219,41 @@ def test_the_gate_refuses_to_compare_models_judged_on_other_text_or_per_token_ac
 
 
 # ------------------------------------------------------------------------------------------------ §5 inputs
-def test_flows_record_router_profiles_without_vocabulary_pieces_by_default(lab_env, data_dir, models, tmp_path):
+def test_flows_record_router_profiles_without_vocabulary_pieces_by_default(
+    lab_env, data_dir, models, tmp_path
+):
     from mlflow import MlflowClient
 
     from flows.evaluate import EvaluateFlowParams, evaluate
     from moe_core import MoEForCausalLM
     from moe_core.analytics.profile import ProfileConfig, RouterProfile, profile_split
 
-    result = evaluate(EvaluateFlowParams(model_dir=models["own"], data_dir=data_dir, splits=["validation"],
-                                         max_batches=1, batch_size=2, profile_batches=1, plots=False,
-                                         out_dir=str(tmp_path / "eval")))
+    result = evaluate(
+        EvaluateFlowParams(
+            model_dir=models["own"],
+            data_dir=data_dir,
+            splits=["validation"],
+            max_batches=1,
+            batch_size=2,
+            profile_batches=1,
+            plots=False,
+            out_dir=str(tmp_path / "eval"),
+        )
+    )
     client = MlflowClient()
-    runs = client.search_runs([client.get_run(result["mlflow_run_id"]).info.experiment_id],
-                              f"tags.mlflow.parentRunId = '{result['mlflow_run_id']}'")
+    runs = client.search_runs(
+        [client.get_run(result["mlflow_run_id"]).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{result['mlflow_run_id']}'",
+    )
     profile_run = next(r for r in runs if r.data.tags["mlflow.runName"] == "profile")
-    local = client.download_artifacts(profile_run.info.run_id, "routing_profile", str(tmp_path / "downloaded"))
+    local = client.download_artifacts(
+        profile_run.info.run_id, "routing_profile", str(tmp_path / "downloaded")
+    )
     top = [t for layer in RouterProfile.from_dir(local).layers for expert in layer.top_tokens for t in expert]
     assert top and all(t.token is None for t in top)  # ids and counts only
-    assert '"token": null' in (Path(local) / "profile.json").read_text().replace('"token":null', '"token": null')
+    assert '"token": null' in (Path(local) / "profile.json").read_text().replace(
+        '"token":null', '"token": null'
+    )
 
     # the pieces are there when asked for (so the check above can fail)
     model = MoEForCausalLM.from_pretrained(models["own"]).eval()
@@ -267,8 +328,17 @@ def test_two_lifecycles_on_a_fresh_store_initialize_it_and_decide_promotion_one_
 
     home, go = tmp_path / "home", tmp_path / "go"
     ready = [tmp_path / f"ready-{i}" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(r), str(go)], env=clean_env(home), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ready]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(r), str(go)],
+            env=clean_env(home),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in ready
+    ]
     deadline = time.time() + 120
     while not all(r.exists() for r in ready) and time.time() < deadline:
         time.sleep(0.05)
@@ -309,10 +379,27 @@ class MlflowServer:
 
         log = open(self.root / "server.log", "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
-             "--workers", "1"], stdout=log, stderr=log, start_new_session=True,
-            env=clean_env(self.root / "home"))
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root / 'server.db'}",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env=clean_env(self.root / "home"),
+        )
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
@@ -357,8 +444,12 @@ def tracking_at(monkeypatch, lab_env):
 def pretrain_params(out: Path, steps: int = 12):
     from flows.params import PretrainParams, tiny_train_config
 
-    train = tiny_train_config(steps=steps, data={"source": "synthetic", "synthetic_blocks": 32, "seq_len": 16},
-                              log={"every": 2}, checkpoint={"every": steps // 2})
+    train = tiny_train_config(
+        steps=steps,
+        data={"source": "synthetic", "synthetic_blocks": 32, "seq_len": 16},
+        log={"every": 2},
+        checkpoint={"every": steps // 2},
+    )
     return PretrainParams(train=train, out_dir=str(out))
 
 
@@ -369,7 +460,9 @@ def journal_ops(out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(tracking_at, mlflow_server, tmp_path):
+def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(
+    tracking_at, mlflow_server, tmp_path
+):
     from mlflow import MlflowClient
 
     from flows.pretrain import pretrain
@@ -398,7 +491,11 @@ def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(track
     assert stage.data.tags["mlflow.parentRunId"] == flow_run.info.run_id
     assert stage.data.metrics["final.step"] == 12 and stage.data.params["train.steps"] == "12"
     history = client.get_metric_history(stage.info.run_id, "loss")
-    assert [m.step for m in history] == [e["step"] for e in read_jsonl(out / "metrics.jsonl")] == [2, 4, 6, 8, 10, 12]
+    assert (
+        [m.step for m in history]
+        == [e["step"] for e in read_jsonl(out / "metrics.jsonl")]
+        == [2, 4, 6, 8, 10, 12]
+    )
     assert {"checkpoint", "model"} <= {a.path for a in client.list_artifacts(stage.info.run_id)}
 
     second = sync(out)  # idempotent: nothing is sent twice
@@ -407,7 +504,9 @@ def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(track
 
 
 @pytest.mark.slow
-def test_mlflow_dying_mid_run_finishes_the_flow_and_sync_completes_the_runs(tracking_at, mlflow_server, tmp_path):
+def test_mlflow_dying_mid_run_finishes_the_flow_and_sync_completes_the_runs(
+    tracking_at, mlflow_server, tmp_path
+):
     import threading
 
     from mlflow import MlflowClient

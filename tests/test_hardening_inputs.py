@@ -21,7 +21,7 @@ from moe_core.train.config import TrainConfig, TrainConfigError
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 REPO = Path(__file__).resolve().parents[1]
 
-PLANTED = '''
+PLANTED = """
 from pathlib import Path
 Path({marker!r}).write_text("ran")   # the side effect: importing this module ran its code
 
@@ -34,7 +34,7 @@ class {cls}(Router):
         T, E = logits_TE.shape
         ids_TK = logits_TE.argmax(-1, keepdim=True)
         return self.record(logits_TE, logits_TE.softmax(-1), ids_TK, torch.ones_like(ids_TK, dtype=torch.float32))
-'''
+"""
 
 
 @pytest.fixture()
@@ -48,15 +48,18 @@ def planted(tmp_path, monkeypatch):
         code_dir = tmp_path / "code"
         code_dir.mkdir(exist_ok=True)
         marker = tmp_path / f"{name}.ran"
-        (code_dir / f"{name}.py").write_text(PLANTED.format(marker=str(marker), registered=registered or name,
-                                                             cls="PlantedRouter"))
+        (code_dir / f"{name}.py").write_text(
+            PLANTED.format(marker=str(marker), registered=registered or name, cls="PlantedRouter")
+        )
         monkeypatch.chdir(code_dir)
         monkeypatch.syspath_prepend(str(code_dir))
         monkeypatch.setenv(ROUTER_MODULES_ENV, "")
         names.append(name)
         model_dir = tmp_path / "model"
         torch.manual_seed(0)
-        MoEForCausalLM(get_config("mixtral-tiny", vocab_size=64, num_experts_per_tok=1)).save_pretrained(model_dir)
+        MoEForCausalLM(get_config("mixtral-tiny", vocab_size=64, num_experts_per_tok=1)).save_pretrained(
+            model_dir
+        )
         _char_tokenizer().save_pretrained(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         config["router"] = f"{name}.PlantedRouter"
@@ -106,8 +109,23 @@ def test_model_folder_config_never_runs_planted_code(planted, capsys):
 
 def test_allowed_router_module_works(planted, capsys, monkeypatch):
     model_dir, marker = planted("mymod")
-    assert main(["generate", str(model_dir), "--prompt", "ab", "--max-new-tokens", "2", "--no-stream",
-                 "--router-module", "mymod", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(model_dir),
+                "--prompt",
+                "ab",
+                "--max-new-tokens",
+                "2",
+                "--no-stream",
+                "--router-module",
+                "mymod",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert marker.exists()
     assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["new_tokens"] == 2
     assert os.environ[ROUTER_MODULES_ENV] == "mymod"  # torchrun workers and flows inherit the permission
@@ -133,14 +151,18 @@ def test_allow_router_module_refuses_non_module_names():
 
 def test_readme_registered_router_example_runs():
     readme = (REPO / "README.md").read_text()
-    match = re.search(r"```python\n(from moe_core\.routing import Router, register_router\n.*?)```", readme, re.S)
+    match = re.search(
+        r"```python\n(from moe_core\.routing import Router, register_router\n.*?)```", readme, re.S
+    )
     assert match, "README.md lost its router example"
     scope = {"torch": torch, "MoEForCausalLM": MoEForCausalLM, "get_config": get_config}
     try:
         exec(compile(textwrap.dedent(match.group(1)), "README.md", "exec"), scope)
         model = scope["model"]
         x = torch.randint(0, model.config.vocab_size, (2, 8))
-        assert model(x, output_routing=True).routing[0].expert_ids_TK[:, 0].tolist() == [t % 8 for t in range(16)]
+        assert model(x, output_routing=True).routing[0].expert_ids_TK[:, 0].tolist() == [
+            t % 8 for t in range(16)
+        ]
     finally:
         ROUTERS.pop("hash", None)
 
@@ -194,8 +216,9 @@ def test_no_copy_of_a_local_file_stays_in_any_cache(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     (src / "dup.jsonl").write_text("".join(json.dumps({"text": f"{marker} same"}) + "\n" for _ in range(40)))
-    (src / "broken.jsonl").write_text("".join(json.dumps({"text": f"{marker} {i}"}) + "\n" for i in range(3000))
-                                      + "{not json\n")
+    (src / "broken.jsonl").write_text(
+        "".join(json.dumps({"text": f"{marker} {i}"}) + "\n" for i in range(3000)) + "{not json\n"
+    )
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MOE_LAB_DATA_CACHE", str(tmp_path / "lab"))
     # datasets reads HF_HOME / HF_DATASETS_CACHE when imported; point the values it uses at tmp_path
@@ -206,7 +229,10 @@ def test_no_copy_of_a_local_file_stays_in_any_cache(tmp_path, monkeypatch):
     assert not validate_source(str(src / "dup.jsonl"), kind="text").success  # parses, fails the suite
     with pytest.raises(DataError, match="could not parse"):
         validate_source(str(src / "broken.jsonl"), kind="text")  # fails half way through the file
-    copies = [p for p in tmp_path.rglob("*") if p.is_file() and src not in p.parents
-              and marker.encode() in p.read_bytes()]
+    copies = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and src not in p.parents and marker.encode() in p.read_bytes()
+    ]
     assert not copies, f"text of a local file left in {copies}"
     assert (tmp_path / "lab" / "hf-datasets").is_dir()  # the scratch cache lived in the lab's directory

@@ -14,14 +14,18 @@ from tasks import tracking
 @pytest.fixture()
 def sent(monkeypatch):
     steps = []
-    monkeypatch.setattr(tracking, "send_metrics", lambda run_id, metrics, step=None, ts=None, **kw: steps.append(step))
+    monkeypatch.setattr(
+        tracking, "send_metrics", lambda run_id, metrics, step=None, ts=None, **kw: steps.append(step)
+    )
     return steps
 
 
 def write_rows(path, steps, torn=False):
     with path.open("a") as f:
         for step in steps:
-            f.write(json.dumps({"step": step, "time": 100.0 + step, "loss": 1.0, "tokens": 64.0 * step}) + "\n")
+            f.write(
+                json.dumps({"step": step, "time": 100.0 + step, "loss": 1.0, "tokens": 64.0 * step}) + "\n"
+            )
         if torn:
             f.write('{"step": 99, "ti')
 

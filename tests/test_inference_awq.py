@@ -83,8 +83,9 @@ def test_awq_experts_match_their_dequantized_reference_and_cover_every_expert():
                 getattr(plain, p).copy_(q.dequantized_stack(p))
         x = ids()
         for impl in ("sorted", "reference", "static"):
-            torch.testing.assert_close(model(x, expert_impl=impl).logits, ref(x, expert_impl=impl).logits,
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model(x, expert_impl=impl).logits, ref(x, expert_impl=impl).logits, atol=1e-5, rtol=1e-5
+            )
     # (AWQ minimizes each expert's own output error on its calibration inputs, tested above; end to end on
     # an untrained model with Gaussian activations it is about RTN, so no end-to-end inequality is claimed)
     grid = set(awq_alphas(config))
@@ -93,7 +94,9 @@ def test_awq_experts_match_their_dequantized_reference_and_cover_every_expert():
 
 def test_awq_rare_experts_fall_back_and_are_counted():
     model = tiny_model()
-    report = quantize_experts(model, QuantConfig(bits=4, group_size=16, method="awq", min_tokens=1000), [ids(1, 8)])
+    report = quantize_experts(
+        model, QuantConfig(bits=4, group_size=16, method="awq", min_tokens=1000), [ids(1, 8)]
+    )
     assert len(report.experts_rtn_fallback) == 2 * model.config.num_experts
     assert report.experts_quantized == 2 * model.config.num_experts
     assert "min_tokens" in report.notes[0]
@@ -119,19 +122,70 @@ def test_cli_awq_requires_data_and_calibrates_from_a_prepared_directory(tmp_path
     from moe_core.cli import main
     from moe_core.data.prepare import PrepareConfig, prepare
 
-    data = prepare(PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, num_proc=1, validate=False),
-                   tmp_path / "data")
+    data = prepare(
+        PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, num_proc=1, validate=False),
+        tmp_path / "data",
+    )
     torch.manual_seed(0)
     model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=300))
     model.save_pretrained(tmp_path / "model")
     experts = model.config.num_experts * len(model.config.moe_layer_ids)
-    assert main(["quantize", str(tmp_path / "model"), "--method", "awq", "--bits", "4",
-                 "--out", str(tmp_path / "q")]) == 2
+    assert (
+        main(
+            [
+                "quantize",
+                str(tmp_path / "model"),
+                "--method",
+                "awq",
+                "--bits",
+                "4",
+                "--out",
+                str(tmp_path / "q"),
+            ]
+        )
+        == 2
+    )
     assert "--data" in capsys.readouterr().err
-    assert main(["quantize", str(tmp_path / "model"), "--method", "awq", "--bits", "4", "--group-size", "16",
-                 "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "q")]) == 2
-    assert main(["quantize", str(tmp_path / "model"), "--method", "awq", "--bits", "4", "--group-size", "16",
-                 "--data", str(data), "--calib-batches", "2", "--out", str(tmp_path / "q")]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tmp_path / "model"),
+                "--method",
+                "awq",
+                "--bits",
+                "4",
+                "--group-size",
+                "16",
+                "--data",
+                str(tmp_path / "nowhere"),
+                "--out",
+                str(tmp_path / "q"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "quantize",
+                str(tmp_path / "model"),
+                "--method",
+                "awq",
+                "--bits",
+                "4",
+                "--group-size",
+                "16",
+                "--data",
+                str(data),
+                "--calib-batches",
+                "2",
+                "--out",
+                str(tmp_path / "q"),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["method"] == "awq" and report["experts_quantized"] == experts
     assert sum(map(sum, report["calibration_tokens"].values())) > 0

@@ -13,13 +13,16 @@ from moe_core.routing import build_router
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-@pytest.mark.parametrize("preset,T", [("mixtral-tiny", 1), ("mixtral-tiny", 5), ("olmoe-tiny", 1), ("switch-tiny", 3)])
+@pytest.mark.parametrize(
+    "preset,T", [("mixtral-tiny", 1), ("mixtral-tiny", 5), ("olmoe-tiny", 1), ("switch-tiny", 3)]
+)
 def test_decode_path_matches_reference(preset, T):
     config = get_config(preset, eval_capacity_factor=None, capacity_factor=None)
     torch.manual_seed(0)
     router = build_router(config).eval()
-    experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate_size,
-                             config.ffn_activation)
+    experts = GroupedExperts(
+        config.num_experts, config.hidden_size, config.expert_intermediate_size, config.ffn_activation
+    )
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     fast = DecodeExperts.wrap(experts)
@@ -27,13 +30,17 @@ def test_decode_path_matches_reference(preset, T):
     record = router(x_TD)
     with torch.no_grad():
         assert fast.uses_decode_path(x_TD, record, fast.resolved_impl(x_TD))
-        torch.testing.assert_close(fast(x_TD, record), experts.forward_reference(x_TD, record), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            fast(x_TD, record), experts.forward_reference(x_TD, record), atol=1e-6, rtol=1e-5
+        )
 
 
 def test_decode_path_respects_dropped_slots():
     config = get_config("mixtral-tiny")
     torch.manual_seed(0)
-    experts = GroupedExperts(config.num_experts, config.hidden_size, config.expert_intermediate_size, "swiglu")
+    experts = GroupedExperts(
+        config.num_experts, config.hidden_size, config.expert_intermediate_size, "swiglu"
+    )
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     record = build_router(config)(torch.randn(3, config.hidden_size))
@@ -41,12 +48,16 @@ def test_decode_path_respects_dropped_slots():
     record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
     x = torch.randn(3, config.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(DecodeExperts.wrap(experts)(x, record), experts.forward_reference(x, record))
+        torch.testing.assert_close(
+            DecodeExperts.wrap(experts)(x, record), experts.forward_reference(x, record)
+        )
 
 
 def test_training_and_large_batches_use_the_library_paths():
     config = get_config("mixtral-tiny")
-    experts = DecodeExperts.wrap(GroupedExperts(8, config.hidden_size, config.expert_intermediate_size, "swiglu"), 4)
+    experts = DecodeExperts.wrap(
+        GroupedExperts(8, config.hidden_size, config.expert_intermediate_size, "swiglu"), 4
+    )
     record = build_router(config)(torch.randn(8, config.hidden_size))
     assert not experts.uses_decode_path(torch.randn(8, config.hidden_size), record, "sorted")  # 16 slots > 4
     x = torch.randn(1, config.hidden_size, requires_grad=True)

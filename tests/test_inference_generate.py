@@ -32,11 +32,15 @@ def test_batched_greedy_equals_one_prompt_generate():
     model = tiny()
     ps = prompts()
     streamed: list[tuple[int, int]] = []
-    result = batch_generate(model, ps, GenerationConfig(max_new_tokens=8, batch_size=2),
-                            on_token=lambda i, t, _text: streamed.append((i, t)))
+    result = batch_generate(
+        model,
+        ps,
+        GenerationConfig(max_new_tokens=8, batch_size=2),
+        on_token=lambda i, t, _text: streamed.append((i, t)),
+    )
     for i, p in enumerate(ps):
         ref = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert result.token_ids[i] == ref[0, len(p):].tolist(), i
+        assert result.token_ids[i] == ref[0, len(p) :].tolist(), i
         assert [t for j, t in streamed if j == i] == result.token_ids[i]  # streamed as produced
     assert result.report["new_tokens"] == 40 and result.report["batches"] == 3
     assert 0 < result.report["padding_fraction"] < 0.5
@@ -60,7 +64,7 @@ def test_eos_stops_a_row_and_sampling_is_seeded():
     eos = greedy.token_ids[0][2]
     first = greedy.token_ids[0].index(eos)
     stopped = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, eos_token_id=eos))
-    assert stopped.token_ids[0] == greedy.token_ids[0][:first + 1]
+    assert stopped.token_ids[0] == greedy.token_ids[0][: first + 1]
     a = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=20, seed=5))
     b = batch_generate(model, ps, GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=20, seed=5))
     assert a.token_ids == b.token_ids
@@ -93,18 +97,63 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
     _char_tokenizer(128).save_pretrained(tmp_path / "model")
     collect_profile(model, [torch.randint(0, 128, (4, 16))]).to_dir(tmp_path / "profile")
 
-    assert main(["prune", str(tmp_path / "model"), "--profile", str(tmp_path / "profile"), "--out",
-                 str(tmp_path / "pruned"), "--keep", "4"]) == 0
+    assert (
+        main(
+            [
+                "prune",
+                str(tmp_path / "model"),
+                "--profile",
+                str(tmp_path / "profile"),
+                "--out",
+                str(tmp_path / "pruned"),
+                "--keep",
+                "4",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["experts_after"] == 4 and MoEForCausalLM.from_pretrained(tmp_path / "pruned").config.num_experts == 4
+    assert (
+        report["experts_after"] == 4
+        and MoEForCausalLM.from_pretrained(tmp_path / "pruned").config.num_experts == 4
+    )
 
-    assert main(["quantize", str(tmp_path / "model"), "--out", str(tmp_path / "q4"), "--bits", "4",
-                 "--group-size", "16"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tmp_path / "model"),
+                "--out",
+                str(tmp_path / "q4"),
+                "--bits",
+                "4",
+                "--group-size",
+                "16",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["fraction_quantized"] > 0.5
 
-    assert main(["generate", str(tmp_path / "q4"), "--prompt", "hello", "--prompt", "a cat",
-                 "--max-new-tokens", "5", "--batch-size", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(tmp_path / "q4"),
+                "--prompt",
+                "hello",
+                "--prompt",
+                "a cat",
+                "--max-new-tokens",
+                "5",
+                "--batch-size",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.strip().splitlines()]
     assert sum(1 for line in lines if "text" in line) == 10  # 2 prompts x 5 tokens, streamed
@@ -113,8 +162,23 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
     completions = [line["completion"] for line in lines if line.get("done")]
 
     # for people: text, the first prompt streamed, each prompt followed by its completion; no JSON
-    assert main(["generate", str(tmp_path / "q4"), "--prompt", "hello", "--prompt", "a cat",
-                 "--max-new-tokens", "5", "--batch-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(tmp_path / "q4"),
+                "--prompt",
+                "hello",
+                "--prompt",
+                "a cat",
+                "--max-new-tokens",
+                "5",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.startswith("hello") and captured.out.endswith(f"\n\na cat{completions[1]}\n")
     assert "{" not in captured.err and "new_tokens 10" in captured.err
@@ -177,8 +241,9 @@ def test_reduction_gemv_leaves_eager_linears_and_the_state_dict_alone():
         ref = model(x).logits
     state = {k: v.clone() for k, v in model.state_dict().items()}
     reduction_gemv(model)
-    assert isinstance(model.lm_head, ReductionLinear) and isinstance(model.model.layers[0].self_attn.q_proj,
-                                                                     ReductionLinear)
+    assert isinstance(model.lm_head, ReductionLinear) and isinstance(
+        model.model.layers[0].self_attn.q_proj, ReductionLinear
+    )
     with torch.no_grad():
         assert torch.equal(model(x).logits, ref)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

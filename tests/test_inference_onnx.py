@@ -47,7 +47,9 @@ def assert_every_expert_hit(model: MoEForCausalLM, input_ids, attention_mask) ->
         routing = model(input_ids, attention_mask=attention_mask, output_routing=True).routing
     for layer, record in zip(model.config.moe_layer_ids, routing):
         idle = (record.tokens_per_expert_E == 0).nonzero().flatten().tolist()
-        assert not idle, f"test inputs never reach experts {idle} of layer {layer}: the check would be vacuous"
+        assert not idle, (
+            f"test inputs never reach experts {idle} of layer {layer}: the check would be vacuous"
+        )
 
 
 def check_export(model: MoEForCausalLM, out_dir) -> None:
@@ -55,7 +57,9 @@ def check_export(model: MoEForCausalLM, out_dir) -> None:
     input_ids, attention_mask = inputs(model.config.vocab_size)
     assert_every_expert_hit(model, input_ids, attention_mask)
     export_onnx(model, out_dir)
-    assert expert_weights_in_graph(out_dir / "model.onnx", model.config) == expected_expert_weights(model.config)
+    assert expert_weights_in_graph(out_dir / "model.onnx", model.config) == expected_expert_weights(
+        model.config
+    )
 
     ort = load_onnx(out_dir)
     with torch.no_grad():
@@ -75,7 +79,9 @@ def test_export_moe_lab_gqa_every_expert(tmp_path):
     model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=96, num_experts=6, num_key_value_heads=1))
     randomize_(model)
     check_export(model, tmp_path / "onnx")
-    assert "forward" not in model.__dict__  # optimum's patcher leaves nothing on the model (torch.compile sees it)
+    assert (
+        "forward" not in model.__dict__
+    )  # optimum's patcher leaves nothing on the model (torch.compile sees it)
 
 
 def test_export_refuses_a_data_dependent_expert_path(tmp_path):
@@ -102,24 +108,54 @@ def test_graph_count_sees_a_missing_expert(tmp_path):
     else:
         pytest.fail("no wide expert matrix in the exported graph")
     onnx.save(graph, str(tmp_path / "cut.onnx"))
-    assert expert_weights_in_graph(tmp_path / "cut.onnx", model.config) != expected_expert_weights(model.config)
+    assert expert_weights_in_graph(tmp_path / "cut.onnx", model.config) != expected_expert_weights(
+        model.config
+    )
 
 
 HF_CASES = {
-    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
-                                                         intermediate_size=48, head_dim=16)),
-    "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48,
-                                                   clip_qkv=2.0)),
-    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-                                                            moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                                                            intermediate_size=56, mlp_only_layers=[1])),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16),
+    ),
+    "olmoe": (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48, clip_qkv=2.0),
+    ),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            intermediate_size=56,
+            mlp_only_layers=[1],
+        ),
+    ),
 }
-BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64)
+BASE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
-@pytest.mark.parametrize("arch", [
-    "mixtral", pytest.param("olmoe", marks=pytest.mark.slow), pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "mixtral",
+        pytest.param("olmoe", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+    ],
+)
 def test_export_hf_checkpoint(tmp_path, arch):
     config_cls, model_cls, extra = HF_CASES[arch]
     torch.manual_seed(0)
@@ -128,7 +164,9 @@ def test_export_hf_checkpoint(tmp_path, arch):
     hf.save_pretrained(tmp_path / "hf")
     check_export(from_hf(tmp_path / "hf"), tmp_path / "onnx")
     # the directory route (what the CLI takes) converts on the fly
-    assert main(["export", "onnx", str(tmp_path / "hf"), "--out", str(tmp_path / "cli"), "--no-validate"]) == 0
+    assert (
+        main(["export", "onnx", str(tmp_path / "hf"), "--out", str(tmp_path / "cli"), "--no-validate"]) == 0
+    )
     assert (tmp_path / "cli" / "model.onnx").is_file()
 
 

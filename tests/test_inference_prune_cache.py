@@ -51,10 +51,14 @@ def test_prune_keeps_the_most_used_and_slices_the_router():
     usage = {0: torch.tensor([5, 0, 9, 1, 7, 3, 2, 8]), 1: torch.tensor([1, 1, 1, 1, 9, 9, 9, 9])}
     pruned, report = prune_experts(model, usage, PruneConfig(keep_experts=4))
     assert report.kept == {0: [0, 2, 4, 7], 1: [4, 5, 6, 7]}
-    torch.testing.assert_close(pruned.model.layers[0].mlp.router.gate.weight,
-                               model.model.layers[0].mlp.router.gate.weight[[0, 2, 4, 7]])
-    torch.testing.assert_close(pruned.model.layers[1].mlp.experts.down_proj,
-                               model.model.layers[1].mlp.experts.down_proj[[4, 5, 6, 7]])
+    torch.testing.assert_close(
+        pruned.model.layers[0].mlp.router.gate.weight,
+        model.model.layers[0].mlp.router.gate.weight[[0, 2, 4, 7]],
+    )
+    torch.testing.assert_close(
+        pruned.model.layers[1].mlp.experts.down_proj,
+        model.model.layers[1].mlp.experts.down_proj[[4, 5, 6, 7]],
+    )
     assert report.usage_share_kept[1] == pytest.approx(36 / 40)
 
 
@@ -64,8 +68,9 @@ def test_merge_folds_dropped_experts_into_kept_ones():
     pruned, report = prune_experts(model, usage, PruneConfig(keep_experts=4, merge_similar=True))
     assert set(report.merged_into[0]) == {4, 5, 6, 7} and set(report.merged_into[0].values()) <= {0, 1, 2, 3}
     target = report.merged_into[0][4]
-    assert not torch.equal(pruned.model.layers[0].mlp.experts.up_proj[target],
-                           model.model.layers[0].mlp.experts.up_proj[target])
+    assert not torch.equal(
+        pruned.model.layers[0].mlp.experts.up_proj[target], model.model.layers[0].mlp.experts.up_proj[target]
+    )
 
 
 def test_prune_rejects_mismatched_usage():
@@ -98,8 +103,10 @@ def test_offloaded_model_equals_full_model(tmp_path, capacity, prefetch):
     with torch.no_grad():
         torch.testing.assert_close(offloaded(x).logits, full(x).logits, atol=1e-5, rtol=1e-5)
     prompt = x[:1, :5]
-    assert torch.equal(offloaded.generate(prompt, max_new_tokens=8, do_sample=False),
-                       full.generate(prompt, max_new_tokens=8, do_sample=False))
+    assert torch.equal(
+        offloaded.generate(prompt, max_new_tokens=8, do_sample=False),
+        full.generate(prompt, max_new_tokens=8, do_sample=False),
+    )
     assert len(cache.resident) <= capacity
     assert cache.stats.misses > 0
     if prefetch:  # 16 of the 16 experts fit: everything after the first loads is a hit

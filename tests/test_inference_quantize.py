@@ -53,14 +53,17 @@ def test_rtn_matches_fake_quant_reference(bits):
     x = ids()
     with torch.no_grad():
         for impl in ("sorted", "reference", "static"):
-            torch.testing.assert_close(model(x, expert_impl=impl).logits, ref(x, expert_impl=impl).logits,
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model(x, expert_impl=impl).logits, ref(x, expert_impl=impl).logits, atol=1e-5, rtol=1e-5
+            )
         drift = (model(x).logits - full(x).logits).abs().max()
     assert drift > 0  # it did quantize
     assert report.experts_quantized == 2 * model.config.num_experts
     expert_params = sum(m.numel() for n, m in full.named_parameters() if ".experts." in n)
     assert report.params_quantized == expert_params
-    assert report.fraction_quantized == pytest.approx(expert_params / sum(p.numel() for p in full.parameters()))
+    assert report.fraction_quantized == pytest.approx(
+        expert_params / sum(p.numel() for p in full.parameters())
+    )
     assert report.bytes_after < report.bytes_before * (0.5 if bits == 8 else 0.4)
 
 
@@ -93,7 +96,9 @@ def test_gptq_beats_rtn_and_covers_every_expert():
         full = [model(x).logits for x in calibration]
     rtn, gptq = copy.deepcopy(model), copy.deepcopy(model)
     quantize_experts(rtn, QuantConfig(bits=4, group_size=16))
-    report = quantize_experts(gptq, QuantConfig(bits=4, group_size=16, method="gptq", min_tokens=160), calibration)
+    report = quantize_experts(
+        gptq, QuantConfig(bits=4, group_size=16, method="gptq", min_tokens=160), calibration
+    )
     with torch.no_grad():
         err_rtn = sum((rtn(x).logits - f).pow(2).mean() for x, f in zip(calibration, full))
         err_gptq = sum((gptq(x).logits - f).pow(2).mean() for x, f in zip(calibration, full))
@@ -135,13 +140,20 @@ def test_onnx_dynamic_int8_quantizes_every_expert_matmul(tmp_path):
     graph = onnx.load(str(tmp_path / "int8" / "model_quantized.onnx"))
     ops = [n.op_type for n in graph.graph.node]
     config = model.config
-    moe_layers, E, F_, D = len(config.moe_layer_ids), config.num_experts, config.expert_intermediate_size, \
-        config.hidden_size
+    moe_layers, E, F_, D = (
+        len(config.moe_layer_ids),
+        config.num_experts,
+        config.expert_intermediate_size,
+        config.hidden_size,
+    )
     # one wide matmul per expert projection (all E experts), 4 attention projections per layer, the LM
     # head; the routers stay in float
     assert ops.count("MatMulInteger") == 3 * moe_layers + 4 * config.num_hidden_layers + 1
-    int8 = [tuple(i.dims) for i in graph.graph.initializer
-            if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)]
+    int8 = [
+        tuple(i.dims)
+        for i in graph.graph.initializer
+        if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+    ]
     assert sum(E for dims in int8 if sorted(dims) == sorted((E * F_, D))) == expected_expert_weights(config)
     router_matmuls = [n for n in graph.graph.node if n.op_type == "MatMul" and "/router/" in n.name]
     assert len(router_matmuls) == moe_layers
@@ -167,8 +179,19 @@ def test_optimum_gptq_route(tmp_path, capsys):
     if not optimum_gptq_available():
         with pytest.raises(QuantizationError, match="CUDA GPU and the gptqmodel"):
             quantize_optimum_gptq(tmp_path / "model", tmp_path / "gptq", None)
-        assert main(["quantize", str(tmp_path / "model"), "--out", str(tmp_path / "gptq"),
-                     "--method", "optimum-gptq"]) == 2
+        assert (
+            main(
+                [
+                    "quantize",
+                    str(tmp_path / "model"),
+                    "--out",
+                    str(tmp_path / "gptq"),
+                    "--method",
+                    "optimum-gptq",
+                ]
+            )
+            == 2
+        )
         assert "gptqmodel" in capsys.readouterr().err
         assert not (tmp_path / "gptq").exists()
         return

@@ -24,9 +24,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 def slow_saliency(model, batches) -> dict[int, torch.Tensor]:
     """Token by token, slot by slot: g_e(x) * ||down_e(silu(gate_e x) * up_e x)||, averaged per expert."""
     inputs: dict[int, list] = {i: [] for i in model.config.moe_layer_ids}
-    hooks = [model.model.layers[i].mlp.experts.register_forward_hook(
-        lambda m, args, out, i=i: inputs[i].append((args[0].detach(), args[1])))
-        for i in model.config.moe_layer_ids]
+    hooks = [
+        model.model.layers[i].mlp.experts.register_forward_hook(
+            lambda m, args, out, i=i: inputs[i].append((args[0].detach(), args[1]))
+        )
+        for i in model.config.moe_layer_ids
+    ]
     with torch.no_grad():
         for x in batches:
             model(input_ids=x, use_cache=False)
@@ -80,8 +83,9 @@ def test_reap_keeps_the_most_salient_experts_where_frequency_would_not():
     assert report.criterion == "reap" and pruned.config.num_experts == keep
     # the pruned model's kept experts are the original ones
     kept = report.kept[layer]
-    torch.testing.assert_close(pruned.model.layers[layer].mlp.experts.up_proj,
-                               model.model.layers[layer].mlp.experts.up_proj[kept])
+    torch.testing.assert_close(
+        pruned.model.layers[layer].mlp.experts.up_proj, model.model.layers[layer].mlp.experts.up_proj[kept]
+    )
     with pytest.raises(PruneError, match="saliency"):
         prune_experts(model, usage, PruneConfig(keep_experts=keep, criterion="reap"))
 
@@ -92,11 +96,43 @@ def test_cli_reap_needs_data(tmp_path, capsys):
 
     model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=300))
     model.save_pretrained(tmp_path / "model")
-    assert main(["prune", str(tmp_path / "model"), "--criterion", "reap", "--keep", "4",
-                 "--out", str(tmp_path / "p")]) == 2
+    assert (
+        main(
+            [
+                "prune",
+                str(tmp_path / "model"),
+                "--criterion",
+                "reap",
+                "--keep",
+                "4",
+                "--out",
+                str(tmp_path / "p"),
+            ]
+        )
+        == 2
+    )
     assert "--data" in capsys.readouterr().err
-    data = prepare(PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, num_proc=1, validate=False),
-                   tmp_path / "data")
-    assert main(["prune", str(tmp_path / "model"), "--criterion", "reap", "--keep", "4", "--data", str(data),
-                 "--calib-batches", "2", "--out", str(tmp_path / "p")]) == 0
+    data = prepare(
+        PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, num_proc=1, validate=False),
+        tmp_path / "data",
+    )
+    assert (
+        main(
+            [
+                "prune",
+                str(tmp_path / "model"),
+                "--criterion",
+                "reap",
+                "--keep",
+                "4",
+                "--data",
+                str(data),
+                "--calib-batches",
+                "2",
+                "--out",
+                str(tmp_path / "p"),
+            ]
+        )
+        == 0
+    )
     assert MoEForCausalLM.from_pretrained(tmp_path / "p").config.num_experts == 4

@@ -38,18 +38,35 @@ def test_static_cache_equals_dynamic_cache_with_left_padding():
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     static = StaticCache(config=model.config, max_cache_len=L)
     full_mask = torch.cat([mask, torch.ones(B, L - S, dtype=torch.long)], dim=1)
-    out_s = model(x, attention_mask=full_mask, position_ids=positions, past_key_values=static,
-                  cache_position=torch.arange(S), use_cache=True)
-    out_d = model(x, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache(config=model.config),
-                  use_cache=True)
+    out_s = model(
+        x,
+        attention_mask=full_mask,
+        position_ids=positions,
+        past_key_values=static,
+        cache_position=torch.arange(S),
+        use_cache=True,
+    )
+    out_d = model(
+        x,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(config=model.config),
+        use_cache=True,
+    )
     keep = mask.bool()
     torch.testing.assert_close(out_s.logits[keep], out_d.logits[keep], atol=1e-5, rtol=1e-5)
     dyn = out_d.past_key_values
     for t in range(3):
         nxt = out_s.logits[:, -1:].argmax(-1)
         pos = positions[:, -1:] + 1 + t
-        out_s = model(nxt, attention_mask=full_mask, position_ids=pos, past_key_values=static,
-                      cache_position=torch.tensor([S + t]), use_cache=True)
+        out_s = model(
+            nxt,
+            attention_mask=full_mask,
+            position_ids=pos,
+            past_key_values=static,
+            cache_position=torch.tensor([S + t]),
+            use_cache=True,
+        )
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
         out_d = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=dyn, use_cache=True)
         dyn = out_d.past_key_values

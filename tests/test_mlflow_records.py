@@ -46,10 +46,14 @@ def test_experiment_opens_on_runs_and_runs_carry_the_architecture(sqlite_store):
     tracking.log_architecture(run, config)
     params = MlflowClient().get_run(run).data.params
     counts = parameter_counts(config)
-    assert params["arch.num_experts"] == str(config.num_experts) and params["arch.top_k"] == str(config.num_experts_per_tok)
+    assert params["arch.num_experts"] == str(config.num_experts) and params["arch.top_k"] == str(
+        config.num_experts_per_tok
+    )
     assert params["arch.hidden_size"] == str(config.hidden_size)
     assert params["arch.num_layers"] == str(config.num_hidden_layers)
-    assert params["arch.params_total"] == str(counts["total"]) and params["arch.params_active"] == str(counts["active"])
+    assert params["arch.params_total"] == str(counts["total"]) and params["arch.params_active"] == str(
+        counts["active"]
+    )
     assert int(params["arch.params_active"]) < int(params["arch.params_total"])
     assert params["arch.router"].startswith(config.router)
 
@@ -73,7 +77,9 @@ def test_mlflow_plot_copies_have_no_relative_script_and_stay_small(tmp_path):
     assert not (copies / "plotly.min.js").exists()
     html = (copies / "expert_load.html").read_text()
     sources = re.findall(r'<script[^>]*\ssrc="([^"]+)"', html)
-    assert sources and all(s.startswith("https://") for s in sources), sources  # MLflow serves no sibling files
+    assert sources and all(s.startswith("https://") for s in sources), (
+        sources
+    )  # MLflow serves no sibling files
     assert len(html.encode()) < 200_000  # not the 4.8 MB plotly.js inlined
     assert (copies / "expert_load.png").read_bytes() == saved["png"].read_bytes()
 
@@ -85,13 +91,16 @@ def test_benchmark_and_evaluation_give_one_perplexity(tmp_path):
     from moe_core.eval.perplexity import evaluate_splits
     from moe_core.inference.evaluate import compare_variants, perplexity
 
-    data = prepare.prepare(prepare.PrepareConfig(max_documents=30, vocab_size=300, seq_len=32, validate=False),
-                           tmp_path / "data")
+    data = prepare.prepare(
+        prepare.PrepareConfig(max_documents=30, vocab_size=300, seq_len=32, validate=False), tmp_path / "data"
+    )
     torch.manual_seed(0)
     model = MoEForCausalLM(get_config("switch-tiny", vocab_size=300, capacity_factor=1.0)).eval()
     model.save_pretrained(tmp_path / "model")
     evaluated = evaluate_splits(model, data, ["validation"], batch_size=3, max_batches=2)["validation"]
-    assert perplexity(model, split_batches(data, "validation", 3, 2)) == pytest.approx(evaluated.perplexity, rel=1e-6)
+    assert perplexity(model, split_batches(data, "validation", 3, 2)) == pytest.approx(
+        evaluated.perplexity, rel=1e-6
+    )
     rows = compare_variants({"pytorch": str(tmp_path / "model")}, data, batches=2, batch_size=3)
     assert rows[0]["perplexity"] == pytest.approx(evaluated.perplexity, rel=1e-5)
 

@@ -69,7 +69,9 @@ def test_dropped_tokens_pass_through_the_residual_only():
 
 @pytest.mark.parametrize("num_experts,k", [(8, 2), (32, 4), (128, 8)])
 def test_8_to_128_experts_work(num_experts, k):
-    config = get_config("olmoe-tiny", num_experts=num_experts, num_experts_per_tok=k, expert_intermediate_size=16)
+    config = get_config(
+        "olmoe-tiny", num_experts=num_experts, num_experts_per_tok=k, expert_intermediate_size=16
+    )
     model = MoEForCausalLM(config)
     x = torch.randint(0, config.vocab_size, (2, 12))
     out = model(x, labels=x, output_routing=True)
@@ -96,8 +98,9 @@ def test_every_tiny_preset_trains_one_step_and_counts_its_parameters(preset):
     if config.num_experts:
         assert out.aux_loss is not None and out.z_loss is not None
         layers = len(config.moe_layer_ids) if config.router_loss_reduction == "sum" else 1  # Switch: summed
-        expected = out.lm_loss + layers * (config.router_aux_loss_coef * out.aux_loss
-                                           + config.router_z_loss_coef * out.z_loss)
+        expected = out.lm_loss + layers * (
+            config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+        )
         torch.testing.assert_close(out.loss, expected)
     else:
         assert out.aux_loss is None and torch.equal(out.loss, out.lm_loss)
@@ -167,7 +170,7 @@ def test_incremental_decoding_logits_equal_full_forward():
     steps = [out.logits]
     cache = out.past_key_values
     for t in range(8, 12):
-        out = model(x[:, t: t + 1], past_key_values=cache, use_cache=True)
+        out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -238,8 +241,11 @@ def test_peft_lora_reaches_attention_and_every_expert_weight():
     model = MoEForCausalLM(config).eval()
     x = torch.randint(0, config.vocab_size, (2, 8))
     base_logits = model(x).logits
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                      target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"])
+    lora = LoraConfig(
+        r=4,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_proj", "experts.up_proj", "experts.down_proj"],
+    )
     peft_model = get_peft_model(model, lora)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert any("q_proj.lora_A" in n for n in trainable)

@@ -26,12 +26,32 @@ def one_process(tmp_path_factory):
 
 def run_two_nodes(out, nproc_per_node: int, ep_size: int) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [subprocess.Popen(cli(out, *train_args(), "--set", f"parallel.ep_size={ep_size}", "--nnodes", "2",
-                                   "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--rdzv-id", "mn-test",
-                                   "--nproc-per-node", str(nproc_per_node)),
-                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-              for node in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            cli(
+                out,
+                *train_args(),
+                "--set",
+                f"parallel.ep_size={ep_size}",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "mn-test",
+                "--nproc-per-node",
+                str(nproc_per_node),
+            ),
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         logs = [agent.communicate(timeout=500)[0] for agent in agents]
     finally:
@@ -49,7 +69,10 @@ def test_experts_sharded_over_two_nodes_match_one_process(tmp_path, one_process)
     assert_same_run(one_process, tmp_path / "ep2")
     assert_comm_metrics(tmp_path / "ep2", world=2, ep_size=2)
     ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000008"
-    assert {p.name for p in ckpt.glob("experts-*")} == {"experts-ep0-of-2.safetensors", "experts-ep1-of-2.safetensors"}
+    assert {p.name for p in ckpt.glob("experts-*")} == {
+        "experts-ep0-of-2.safetensors",
+        "experts-ep1-of-2.safetensors",
+    }
 
 
 @pytest.mark.slow

@@ -14,8 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_there_are_tutorials():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"01_train_and_compare_with_dense", "02_inside_the_router", "03_finetune_hf_moe_with_expert_lora",
-            "04_optimize_and_export"} <= names, names
+    assert {
+        "01_train_and_compare_with_dense",
+        "02_inside_the_router",
+        "03_finetune_hf_moe_with_expert_lora",
+        "04_optimize_and_export",
+    } <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -41,7 +45,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()  # raises CellExecutionError naming the cell and the traceback
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     errors = [o for o in outputs if o.output_type == "error"]

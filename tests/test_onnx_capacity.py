@@ -19,7 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 def switch_model(**overrides) -> MoEForCausalLM:
     torch.manual_seed(0)
     # eval capacity 1.0: capacity = ceil(T / E), so any imbalance drops tokens
-    model = MoEForCausalLM(get_config("switch-tiny", vocab_size=96, eval_capacity_factor=1.0, **overrides)).eval()
+    model = MoEForCausalLM(
+        get_config("switch-tiny", vocab_size=96, eval_capacity_factor=1.0, **overrides)
+    ).eval()
     randomize_(model)
     return model
 
@@ -79,7 +81,9 @@ def test_stock_ort_class_loads_exports_with_as_many_kv_heads_as_heads(tmp_path):
     gqa = switch_model()  # switch-tiny: 4 heads, 2 KV heads
     export_onnx(gqa, tmp_path / "gqa", validate=False)
     with pytest.raises(Exception, match="past_key_values"):
-        ORTModelForCausalLM.from_pretrained(tmp_path / "gqa")(input_ids=prompt, attention_mask=torch.ones_like(prompt))
+        ORTModelForCausalLM.from_pretrained(tmp_path / "gqa")(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt)
+        )
     got = load_onnx(tmp_path / "gqa").generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(got, gqa.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False))
 

@@ -23,7 +23,9 @@ def test_lines_off_a_terminal_carry_rate_eta_and_postfix():
     assert bar.mode == "lines"
     bar.update(3, loss=3.14159, lr=3e-4)
     first = stream.getvalue().splitlines()[0]
-    assert re.match(r"train: 3/10 step \(30%\) [\d.e+]+ step/s, ETA \d+s loss=3\.142 lr=0\.0003$", first), first
+    assert re.match(r"train: 3/10 step \(30%\) [\d.e+]+ step/s, ETA \d+s loss=3\.142 lr=0\.0003$", first), (
+        first
+    )
     bar.update(7)
     bar.close()
     last = stream.getvalue().splitlines()[-1]
@@ -72,10 +74,17 @@ def test_training_bar_moves_every_step_between_logging_steps(tmp_path, monkeypat
         original(self, step)
 
     monkeypatch.setattr(ConsoleSink, "on_step", spy)
-    config = TrainConfig.build({"model": {"preset": "switch-tiny"}, "steps": 5, "batch_size": 2,
-                                "data": {"source": "synthetic", "seq_len": 16, "synthetic_blocks": 32},
-                                "log": {"every": 5, "progress": "lines"}, "eval": {"batches": 1},
-                                "checkpoint": {"every": 5, "export": False}})
+    config = TrainConfig.build(
+        {
+            "model": {"preset": "switch-tiny"},
+            "steps": 5,
+            "batch_size": 2,
+            "data": {"source": "synthetic", "seq_len": 16, "synthetic_blocks": 32},
+            "log": {"every": 5, "progress": "lines"},
+            "eval": {"batches": 1},
+            "checkpoint": {"every": 5, "export": False},
+        }
+    )
     train(config, tmp_path / "run")
     assert seen == [1, 2, 3, 4, 5]
 
@@ -110,5 +119,7 @@ def test_training_lines_one_per_logging_step_with_eta():
     sink.close()
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2, lines  # on_step alone prints nothing off a terminal; close adds no duplicate
-    assert re.match(r"step 2/4 \(50%\) [\d.e+]+ step/s, ETA \d+s loss=1\.5 lr=0\.001 tok/s=500$", lines[0]), lines[0]
+    assert re.match(r"step 2/4 \(50%\) [\d.e+]+ step/s, ETA \d+s loss=1\.5 lr=0\.001 tok/s=500$", lines[0]), (
+        lines[0]
+    )
     assert lines[1].startswith("step 4/4 (100%)") and "ETA" not in lines[1]

@@ -10,11 +10,20 @@ from tests.dist_helpers import STEPS, assert_comm_metrics, assert_same_run
 
 
 def config(**parallel) -> TrainConfig:
-    return TrainConfig.build({
-        "model": {"preset": "mixtral-tiny"}, "steps": STEPS, "batch_size": 8, "device": "cpu",
-        "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 128},
-        "optim": {"lr": 1e-2, "warmup_steps": 2}, "log": {"every": 1, "progress": "off"},
-        "checkpoint": {"every": 4, "export": False}, "eval": {"batches": 1}, "parallel": parallel})
+    return TrainConfig.build(
+        {
+            "model": {"preset": "mixtral-tiny"},
+            "steps": STEPS,
+            "batch_size": 8,
+            "device": "cpu",
+            "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 128},
+            "optim": {"lr": 1e-2, "warmup_steps": 2},
+            "log": {"every": 1, "progress": "off"},
+            "checkpoint": {"every": 4, "export": False},
+            "eval": {"batches": 1},
+            "parallel": parallel,
+        }
+    )
 
 
 @pytest.mark.slow

@@ -19,13 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # what the test does not run, and why
 SKIP = (
     ("moe-lab run ", "the lifecycle flow: tests/test_flows*.py run it on the tiny size"),
-    ("moe-lab dashboard", "a server"), ("--dashboard", "a server"), ("moe-lab ui", "a server"),
+    ("moe-lab dashboard", "a server"),
+    ("--dashboard", "a server"),
+    ("moe-lab ui", "a server"),
     ("--nproc", "torchrun: tests/test_train_parallel*.py"),
-    ("runs/b", "the dashboard block's own run"), ("--events runs/serving", "the dashboard block"),
+    ("runs/b", "the dashboard block's own run"),
+    ("--events runs/serving", "the dashboard block"),
 )
 # make the README's settings tiny, keep the command structure
-SUBSTITUTE = ((r"-small\b", "-tiny"), (r"--max-documents 200", "--max-documents 40"),
-              (r" --compile\b", ""))  # torch.compile on CPU builds C++ for minutes: tests/test_inference_* cover it
+SUBSTITUTE = (
+    (r"-small\b", "-tiny"),
+    (r"--max-documents 200", "--max-documents 40"),
+    (r" --compile\b", ""),
+)  # torch.compile on CPU builds C++ for minutes: tests/test_inference_* cover it
 STEPS = "steps=3"
 
 
@@ -54,9 +60,19 @@ def tiny(command: str) -> list[str]:
 def test_readme_lists_the_connected_sequence():
     commands = readme_commands()
     names = [" ".join(shlex.split(c)[1:3]) for c in commands]
-    for expected in ("data prepare", "train --preset", "finetune --config", "eval --model", "analyze --model",
-                     "export onnx", "quantize runs/a/final", "prune runs/a/final", "generate runs/a/final",
-                     "convert to-hf", "export gguf"):
+    for expected in (
+        "data prepare",
+        "train --preset",
+        "finetune --config",
+        "eval --model",
+        "analyze --model",
+        "export onnx",
+        "quantize runs/a/final",
+        "prune runs/a/final",
+        "generate runs/a/final",
+        "convert to-hf",
+        "export gguf",
+    ):
         assert any(n.startswith(expected) for n in names), expected
     # every referenced example file ships with the repository
     for path in re.findall(r"examples/[\w./-]+", (ROOT / "README.md").read_text()):

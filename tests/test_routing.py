@@ -87,8 +87,10 @@ def test_switch_router_top1_with_capacity_and_eval_capacity():
     assert record.capacity == math.ceil(1.25 * 64 / 8)
     router.eval()
     assert router(torch.randn(64, 64)).capacity == math.ceil(2.0 * 64 / 8)  # eval_capacity_factor
-    torch.testing.assert_close(record.weights_TK[~record.dropped_TK],
-                               record.probs_TE.gather(-1, record.expert_ids_TK)[~record.dropped_TK])
+    torch.testing.assert_close(
+        record.weights_TK[~record.dropped_TK],
+        record.probs_TE.gather(-1, record.expert_ids_TK)[~record.dropped_TK],
+    )
     with pytest.raises(ValueError, match="routes each token to 1 expert"):
         get_config("switch-tiny", num_experts_per_tok=2)
 
@@ -127,8 +129,13 @@ def test_z_loss_matches_hand_value():
 
 
 def test_aux_free_bias_moves_load_toward_uniform_and_never_in_eval():
-    config = get_config("mixtral-tiny", router="aux_free", router_score="sigmoid", router_bias_update_rate=0.02,
-                        router_aux_loss_coef=0.0)
+    config = get_config(
+        "mixtral-tiny",
+        router="aux_free",
+        router_score="sigmoid",
+        router_bias_update_rate=0.02,
+        router_aux_loss_coef=0.0,
+    )
     torch.manual_seed(0)
     router = build_router(config)
     with torch.no_grad():  # a router that strongly prefers expert 0 and 1
@@ -222,8 +229,13 @@ def test_the_documented_custom_router_example_works():
 def test_router_from_dotted_path():
     assert resolve_router("moe_core.routing.ExpertChoiceRouter") is ROUTERS["expert_choice"]
     assert resolve_router("moe_core.routing:SwitchRouter") is ROUTERS["switch"]
-    config = MoEConfig(hidden_size=32, num_attention_heads=4, num_experts=4, num_experts_per_tok=1,
-                       router="moe_core.routing.SwitchRouter")
+    config = MoEConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=1,
+        router="moe_core.routing.SwitchRouter",
+    )
     assert type(build_router(config)).__name__ == "SwitchRouter"
 
 

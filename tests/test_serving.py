@@ -39,11 +39,16 @@ def _rope_interleaved(x_SHd, base):
 
 def llama_cpp_reference(reader, ids):
     """Logits of a llama-architecture MoE from GGUF tensors, as llama.cpp's graph computes them (fp64)."""
-    T = {t.name: np.asarray(t.data, dtype=np.float64).reshape([int(n) for n in reversed(t.shape)])
-         for t in reader.tensors}
+    T = {
+        t.name: np.asarray(t.data, dtype=np.float64).reshape([int(n) for n in reversed(t.shape)])
+        for t in reader.tensors
+    }
     n_layer, n_head = _field(reader, "llama.block_count"), _field(reader, "llama.attention.head_count")
     n_kv, k_used = _field(reader, "llama.attention.head_count_kv"), _field(reader, "llama.expert_used_count")
-    eps, base = _field(reader, "llama.attention.layer_norm_rms_epsilon"), _field(reader, "llama.rope.freq_base")
+    eps, base = (
+        _field(reader, "llama.attention.layer_norm_rms_epsilon"),
+        _field(reader, "llama.rope.freq_base"),
+    )
     x = T["token_embd.weight"][ids]
     S, D = x.shape
     hd = D // n_head
@@ -95,7 +100,10 @@ def test_lab_checkpoint_to_gguf_matches_llama_cpp_layout_and_logits(tmp_path, ca
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
     train_tokenizer(texts, vocab_size=300, min_frequency=1).save_pretrained(tmp_path / "lab")
 
-    assert main(["convert", "to-hf", str(tmp_path / "lab"), "--arch", "mixtral", "--out", str(tmp_path / "hf")]) == 0
+    assert (
+        main(["convert", "to-hf", str(tmp_path / "lab"), "--arch", "mixtral", "--out", str(tmp_path / "hf")])
+        == 0
+    )
     assert main(["export", "gguf", str(tmp_path / "hf"), "--out", str(tmp_path / "model.gguf")]) == 0
     capsys.readouterr()
 
@@ -116,22 +124,33 @@ def test_lab_checkpoint_to_gguf_matches_llama_cpp_layout_and_logits(tmp_path, ca
         expected["output.weight"] = (cfg.vocab_size, D)
     for i in range(cfg.num_hidden_layers):
         b = f"blk.{i}."
-        expected.update({
-            b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,),
-            b + "attn_q.weight": (cfg.num_attention_heads * cfg.head_dim, D),
-            b + "attn_k.weight": (cfg.num_key_value_heads * cfg.head_dim, D),
-            b + "attn_v.weight": (cfg.num_key_value_heads * cfg.head_dim, D),
-            b + "attn_output.weight": (D, cfg.num_attention_heads * cfg.head_dim),
-            b + "ffn_gate_inp.weight": (E, D),
-            b + "ffn_gate_exps.weight": (E, F_, D), b + "ffn_up_exps.weight": (E, F_, D),
-            b + "ffn_down_exps.weight": (E, D, F_)})
+        expected.update(
+            {
+                b + "attn_norm.weight": (D,),
+                b + "ffn_norm.weight": (D,),
+                b + "attn_q.weight": (cfg.num_attention_heads * cfg.head_dim, D),
+                b + "attn_k.weight": (cfg.num_key_value_heads * cfg.head_dim, D),
+                b + "attn_v.weight": (cfg.num_key_value_heads * cfg.head_dim, D),
+                b + "attn_output.weight": (D, cfg.num_attention_heads * cfg.head_dim),
+                b + "ffn_gate_inp.weight": (E, D),
+                b + "ffn_gate_exps.weight": (E, F_, D),
+                b + "ffn_up_exps.weight": (E, F_, D),
+                b + "ffn_down_exps.weight": (E, D, F_),
+            }
+        )
     assert shapes == expected
-    layer0 = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors if t.name.startswith("blk.0.")}
+    layer0 = {
+        t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors if t.name.startswith("blk.0.")
+    }
     q = layer0["blk.0.attn_q.weight"].reshape(expected["blk.0.attn_q.weight"])
-    torch.testing.assert_close(unpermute_rope_rows(q, cfg.num_attention_heads),
-                               model.model.layers[0].self_attn.q_proj.weight.detach())
-    torch.testing.assert_close(layer0["blk.0.ffn_gate_exps.weight"].reshape(E, F_, D),
-                               model.model.layers[0].mlp.experts.gate_proj.detach())
+    torch.testing.assert_close(
+        unpermute_rope_rows(q, cfg.num_attention_heads),
+        model.model.layers[0].self_attn.q_proj.weight.detach(),
+    )
+    torch.testing.assert_close(
+        layer0["blk.0.ffn_gate_exps.weight"].reshape(E, F_, D),
+        model.model.layers[0].mlp.experts.gate_proj.detach(),
+    )
 
     ids = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -18,8 +18,18 @@ from moe_core.train import read_jsonl
 from moe_core.train.checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
-SYNTHETIC = ["--set", "data.source=synthetic", "--set", "data.seq_len=32", "--set", "data.synthetic_blocks=128",
-             "--set", "batch_size=4", "--set", "log.progress=lines"]
+SYNTHETIC = [
+    "--set",
+    "data.source=synthetic",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.synthetic_blocks=128",
+    "--set",
+    "batch_size=4",
+    "--set",
+    "log.progress=lines",
+]
 
 
 def env(**extra):
@@ -50,7 +60,9 @@ def test_cli_trains_resumes_and_refuses_to_overwrite(tmp_path, capsys):
 
 def _run_until_step(cmd, step, sig, **popen):
     """Start `cmd`, wait for its log line of `step`, send `sig`; return (returncode, output)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), **popen)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), **popen
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -70,7 +82,9 @@ def test_sigkill_at_a_random_step_then_resume_is_bitwise_identical(tmp_path):
     assert code == -signal.SIGKILL, output[-2000:]
     assert list_checkpoints(tmp_path / "killed" / "checkpoints"), "no checkpoint survived the kill"
     assert not (tmp_path / "killed" / "final").exists()
-    subprocess.run(cli("--out", str(tmp_path / "killed"), "--resume"), env=env(), check=True, capture_output=True)
+    subprocess.run(
+        cli("--out", str(tmp_path / "killed"), "--resume"), env=env(), check=True, capture_output=True
+    )
     full = load_file(tmp_path / "full" / "final" / "model.safetensors")
     resumed = load_file(tmp_path / "killed" / "final" / "model.safetensors")
     assert full.keys() == resumed.keys()
@@ -104,8 +118,14 @@ def example_code() -> str:
 def test_readme_example_trains_a_tiny_switch_model_on_the_builtin_corpus(tmp_path):
     code = example_code()
     assert len([line for line in code.splitlines() if line.strip()]) < 10
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env=env(MOE_LAB_DATA_CACHE=str(tmp_path / "cache")))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env(MOE_LAB_DATA_CACHE=str(tmp_path / "cache")),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
     rows = read_jsonl(run / "metrics.jsonl")

@@ -19,8 +19,16 @@ def test_defaults_train_a_tiny_switch_model_on_the_builtin_corpus():
 
 def test_overrides_are_typed_and_nested():
     config = TrainConfig().with_overrides(
-        ["optim.lr=1e-3", "steps=7", "parallel.ep_size=2", "model.overrides.num_experts=4", "log.progress=off",
-         "optim.grad_clip=null", "model.baseline=active"])
+        [
+            "optim.lr=1e-3",
+            "steps=7",
+            "parallel.ep_size=2",
+            "model.overrides.num_experts=4",
+            "log.progress=off",
+            "optim.grad_clip=null",
+            "model.baseline=active",
+        ]
+    )
     assert config.optim.lr == pytest.approx(1e-3) and isinstance(config.optim.lr, float)
     assert config.steps == 7 and config.parallel.ep_size == 2 and config.log.progress == "off"
     assert config.optim.grad_clip is None
@@ -29,14 +37,20 @@ def test_overrides_are_typed_and_nested():
     assert model.intermediate_size == get_config("switch-tiny").expert_intermediate_size
 
 
-@pytest.mark.parametrize("item, fragment", [
-    ("optim.lrr=1", "unknown field 'optim.lrr'"),
-    ("steps=-1", "steps"),
-    ("precision=fp8", "precision"),
-    ("nokey", "expected key=value"),
-    ("optim.betas=[0.9,", "'optim.betas=[0.9,': the value is not valid YAML"),  # malformed YAML: no traceback
-    ("model.overrides.num_experts={a: ", "the value is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "item, fragment",
+    [
+        ("optim.lrr=1", "unknown field 'optim.lrr'"),
+        ("steps=-1", "steps"),
+        ("precision=fp8", "precision"),
+        ("nokey", "expected key=value"),
+        (
+            "optim.betas=[0.9,",
+            "'optim.betas=[0.9,': the value is not valid YAML",
+        ),  # malformed YAML: no traceback
+        ("model.overrides.num_experts={a: ", "the value is not valid YAML"),
+    ],
+)
 def test_bad_overrides_name_the_field(item, fragment):
     with pytest.raises(TrainConfigError, match=re.escape(fragment)):
         TrainConfig().with_overrides([item])
@@ -75,9 +89,15 @@ def test_schedules():
     assert cosine(0) == pytest.approx(0.1) and cosine(9) == pytest.approx(1.0)
     assert cosine(10) == pytest.approx(1.0) and cosine(100) == pytest.approx(0.1)
     assert cosine(55) == pytest.approx(0.55)  # halfway through the cosine
-    wsd = lr_lambda(TrainConfig(steps=100, optim={"schedule": "wsd", "warmup_steps": 10, "decay_fraction": 0.2,
-                                                  "min_lr_ratio": 0.0}))
-    assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(89) == pytest.approx(0.5) and wsd(99) == pytest.approx(0.0)
+    wsd = lr_lambda(
+        TrainConfig(
+            steps=100,
+            optim={"schedule": "wsd", "warmup_steps": 10, "decay_fraction": 0.2, "min_lr_ratio": 0.0},
+        )
+    )
+    assert (
+        wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(89) == pytest.approx(0.5) and wsd(99) == pytest.approx(0.0)
+    )
 
 
 def test_flops_per_token_counts_active_parameters_and_attention():
@@ -99,14 +119,38 @@ def test_nproc_launches_torchrun_with_single_or_multi_node_rendezvous():
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
-    args = parser.parse_args(["train", "--out", "runs/x", "--preset", "mixtral-tiny", "--set", "steps=3",
-                              "--nproc", "2", "--resume"])
+    args = parser.parse_args(
+        [
+            "train",
+            "--out",
+            "runs/x",
+            "--preset",
+            "mixtral-tiny",
+            "--set",
+            "steps=3",
+            "--nproc",
+            "2",
+            "--resume",
+        ]
+    )
     cmd = torchrun_command(args, worker_argv(args))
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     # the workers train with the same settings; they do not launch again
-    assert cmd[5:] == ["-m", "moe_core.cli", "train", "--out", "runs/x", "--preset", "mixtral-tiny",
-                       "--set", "steps=3", "--resume"]
-    args = parser.parse_args(["train", "--out", "o", "--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "h0:29400"])
+    assert cmd[5:] == [
+        "-m",
+        "moe_core.cli",
+        "train",
+        "--out",
+        "runs/x",
+        "--preset",
+        "mixtral-tiny",
+        "--set",
+        "steps=3",
+        "--resume",
+    ]
+    args = parser.parse_args(
+        ["train", "--out", "o", "--nproc", "8", "--nnodes", "2", "--rdzv-endpoint", "h0:29400"]
+    )
     cmd = torchrun_command(args, worker_argv(args))
     assert "--nnodes=2" in cmd and "--rdzv-endpoint=h0:29400" in cmd and "--rdzv-backend=c10d" in cmd
     args = parser.parse_args(["train", "--out", "o", "--nproc", "8", "--nnodes", "2"])

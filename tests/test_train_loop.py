@@ -20,10 +20,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny(preset="switch-tiny", **fields):
-    base = {"model": {"preset": preset}, "steps": 8, "batch_size": 4,
-            "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 128},
-            "optim": {"warmup_steps": 2}, "log": {"every": 2, "progress": "off"},
-            "checkpoint": {"every": 4, "keep_last": 10}, "eval": {"batches": 2}}
+    base = {
+        "model": {"preset": preset},
+        "steps": 8,
+        "batch_size": 4,
+        "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 128},
+        "optim": {"warmup_steps": 2},
+        "log": {"every": 2, "progress": "off"},
+        "checkpoint": {"every": 4, "keep_last": 10},
+        "eval": {"batches": 2},
+    }
     for key, value in fields.items():
         if isinstance(value, dict):
             base[key] = {**base.get(key, {}), **value}
@@ -56,7 +62,8 @@ def test_resume_from_a_checkpoint_is_bitwise_identical_and_seeded_runs_repeat(tm
     assert_bitwise_equal(final_weights(full), final_weights(resumed))
     logged = {row["step"]: row["loss"] for row in read_jsonl(full.metrics_path)}
     assert {row["step"]: row["loss"] for row in read_jsonl(resumed.metrics_path)} == {
-        s: v for s, v in logged.items() if s > 4}
+        s: v for s, v in logged.items() if s > 4
+    }
 
     with pytest.raises(Exception, match="already holds checkpoints"):
         train(config, tmp_path / "full")  # never silently restart over an existing run
@@ -71,8 +78,18 @@ def test_training_lowers_the_loss_and_telemetry_is_complete(tmp_path):
     assert result.val_loss is not None and result.val_loss < math.log(512)
     E = get_config("switch-tiny").num_experts
     for row in rows:
-        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
-                    "flops_per_token", "tflops_per_device", "skipped_steps"):
+        for key in (
+            "loss",
+            "lm_loss",
+            "aux_loss",
+            "z_loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "flops_per_token",
+            "tflops_per_device",
+            "skipped_steps",
+        ):
             assert key in row and math.isfinite(row[key]), key
         for layer in get_config("switch-tiny").moe_layer_ids:
             prefix = f"moe/layer_{layer}/"
@@ -172,8 +189,13 @@ def test_out_of_memory_names_the_batch_settings(tmp_path, monkeypatch):
 
 
 def test_aux_loss_free_bias_moves_in_training_and_not_in_evaluation(tmp_path):
-    config = tiny("mixtral-tiny", steps=4, model={"overrides": {"router": "aux_free", "router_bias_update_rate": 0.01,
-                                                               "router_aux_loss_coef": 0.0}})
+    config = tiny(
+        "mixtral-tiny",
+        steps=4,
+        model={
+            "overrides": {"router": "aux_free", "router_bias_update_rate": 0.01, "router_aux_loss_coef": 0.0}
+        },
+    )
     trainer = Trainer(config, tmp_path)
     trainer.run()
     biases = [r.expert_bias.clone() for r in trainer.model.routers()]
@@ -200,7 +222,9 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     # dropless routing and no aux loss: per-micro-batch statistics would otherwise differ in principle
     model = {"preset": "mixtral-tiny", "overrides": {"router_aux_loss_coef": 0.0}}
     whole = train(tiny(steps=6, batch_size=8, model=model, log={"every": 1}), tmp_path / "whole")
-    accum = train(tiny(steps=6, batch_size=8, grad_accum=4, model=model, log={"every": 1}), tmp_path / "accum")
+    accum = train(
+        tiny(steps=6, batch_size=8, grad_accum=4, model=model, log={"every": 1}), tmp_path / "accum"
+    )
     a = [r["loss"] for r in read_jsonl(whole.metrics_path)]
     b = [r["loss"] for r in read_jsonl(accum.metrics_path)]
     assert a == pytest.approx(b, rel=1e-5)
@@ -210,11 +234,13 @@ def test_activation_checkpointing_and_bf16(tmp_path):
     plain = train(tiny(steps=4, log={"every": 1}), tmp_path / "plain")
     ckpt = train(tiny(steps=4, log={"every": 1}, activation_checkpointing=True), tmp_path / "ckpt")
     assert [r["loss"] for r in read_jsonl(plain.metrics_path)] == pytest.approx(
-        [r["loss"] for r in read_jsonl(ckpt.metrics_path)], rel=1e-6)
+        [r["loss"] for r in read_jsonl(ckpt.metrics_path)], rel=1e-6
+    )
     bf16 = train(tiny(steps=4, log={"every": 1}, precision="bf16"), tmp_path / "bf16")
     losses = [r["loss"] for r in read_jsonl(bf16.metrics_path)]
     assert all(math.isfinite(x) for x in losses) and losses[0] == pytest.approx(
-        read_jsonl(plain.metrics_path)[0]["loss"], rel=2e-2)
+        read_jsonl(plain.metrics_path)[0]["loss"], rel=2e-2
+    )
 
 
 def test_fp16_needs_cuda(tmp_path):

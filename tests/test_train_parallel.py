@@ -25,16 +25,41 @@ from moe_core.train import read_jsonl
 from moe_core.train.checkpoint import gather_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
-ARGS = ["--preset", "mixtral-tiny", "--set", "steps=20", "--set", "batch_size=8", "--set", "log.every=1",
-        "--set", "log.progress=lines", "--set", "data.source=synthetic", "--set", "data.seq_len=32",
-        "--set", "data.synthetic_blocks=256", "--set", "checkpoint.every=10", "--set", "optim.lr=1e-2",
-        "--set", "optim.warmup_steps=2"]
+ARGS = [
+    "--preset",
+    "mixtral-tiny",
+    "--set",
+    "steps=20",
+    "--set",
+    "batch_size=8",
+    "--set",
+    "log.every=1",
+    "--set",
+    "log.progress=lines",
+    "--set",
+    "data.source=synthetic",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.synthetic_blocks=256",
+    "--set",
+    "checkpoint.every=10",
+    "--set",
+    "optim.lr=1e-2",
+    "--set",
+    "optim.warmup_steps=2",
+]
 
 
 def run_cli(out: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "moe_core.cli", "train", "--out", str(out), *ARGS, *extra],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_core.cli", "train", "--out", str(out), *ARGS, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
@@ -71,7 +96,10 @@ def test_two_process_expert_parallel_run_matches_one_process(tmp_path, one_proce
     assert_same_trajectory(one_process, tmp_path / "ep2")
     # each process wrote its expert shard; the export gathered them into one Hugging Face checkpoint
     ckpt = tmp_path / "ep2" / "checkpoints" / "step_00000020"
-    assert {p.name for p in ckpt.glob("experts-*")} == {"experts-ep0-of-2.safetensors", "experts-ep1-of-2.safetensors"}
+    assert {p.name for p in ckpt.glob("experts-*")} == {
+        "experts-ep0-of-2.safetensors",
+        "experts-ep1-of-2.safetensors",
+    }
 
 
 @pytest.mark.slow
@@ -88,4 +116,7 @@ def test_four_process_expert_by_data_parallel_run_matches_one_process(tmp_path, 
     run_cli(tmp_path / "ep2dp2", "--nproc", "4", "--set", "parallel.ep_size=2")
     assert_same_trajectory(one_process, tmp_path / "ep2dp2")
     ckpt = tmp_path / "ep2dp2" / "checkpoints" / "step_00000020"
-    assert {p.name for p in ckpt.glob("experts-*")} == {"experts-ep0-of-2.safetensors", "experts-ep1-of-2.safetensors"}
+    assert {p.name for p in ckpt.glob("experts-*")} == {
+        "experts-ep0-of-2.safetensors",
+        "experts-ep1-of-2.safetensors",
+    }

@@ -41,8 +41,10 @@ def test_global_batch_f_accumulates_over_micro_batches_and_resets():
         f_big = counts_big / counts_big.sum()
         torch.testing.assert_close(r2.aux_loss, load_balancing_loss(r2.probs_TE, r2.expert_ids_TK, f_big))
     # the micro-batches really were unbalanced differently: the global scope changes the loss
-    assert any(not torch.allclose(r2.aux_loss, load_balancing_loss(r2.probs_TE, r2.expert_ids_TK))
-               for r2 in second.routing)
+    assert any(
+        not torch.allclose(r2.aux_loss, load_balancing_loss(r2.probs_TE, r2.expert_ids_TK))
+        for r2 in second.routing
+    )
     model.load_balance.reset()
     assert model.load_balance.counts_LE is None
 
@@ -82,22 +84,33 @@ def corpus_cache(tmp_path_factory):
 def _switch_config(cache, steps, **overrides) -> TrainConfig:
     """switch-tiny on the built-in corpus: natural text, whose Zipfian unigram the model learns first (that
     is what filled the router input with one shared direction under the old defaults)."""
-    return TrainConfig.build({
-        "model": {"preset": "switch-tiny", "overrides": overrides}, "steps": steps, "batch_size": 8, "seed": 0,
-        "data": {"max_documents": 200, "seq_len": 64, "vocab_size": 384, "cache_dir": str(cache)},
-        "optim": {"warmup_steps": 5, "lr": 3e-3}, "log": {"every": 10, "progress": "off"},
-        "checkpoint": {"every": 10**6, "export": False}, "eval": {"batches": 2}})
+    return TrainConfig.build(
+        {
+            "model": {"preset": "switch-tiny", "overrides": overrides},
+            "steps": steps,
+            "batch_size": 8,
+            "seed": 0,
+            "data": {"max_documents": 200, "seq_len": 64, "vocab_size": 384, "cache_dir": str(cache)},
+            "optim": {"warmup_steps": 5, "lr": 3e-3},
+            "log": {"every": 10, "progress": "off"},
+            "checkpoint": {"every": 10**6, "export": False},
+            "eval": {"batches": 2},
+        }
+    )
 
 
 def test_router_input_stays_token_specific_early_in_training(tmp_path, corpus_cache, one_thread):
     """The root cause of issue 17: with embeddings at N(0, 0.02) the first router's input was ~90% one
     direction shared by every token after 10 steps (so its logits were one offset per expert for the whole
     batch); with Switch's N(0, 1) embeddings it stays mostly token-specific."""
+
     def common_mode_after(steps, **overrides):
         trainer = Trainer(_switch_config(corpus_cache, 40, **overrides), tmp_path / f"run-{len(overrides)}")
         try:
             seen = {}
-            trainer.model.routers()[0].register_forward_pre_hook(lambda mod, inp: seen.update(x=inp[0].detach()))
+            trainer.model.routers()[0].register_forward_pre_hook(
+                lambda mod, inp: seen.update(x=inp[0].detach())
+            )
             for _ in range(steps):
                 trainer.train_step()
             trainer.model.eval()
@@ -143,11 +156,17 @@ def _two_rank_worker(rank: int, init_file: str, result_file: str) -> None:
         x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
         model.load_balance = GlobalBatchBalance(torch.distributed.group.WORLD)
         model.load_balance.reset()
-        out = model(x[rank:rank + 1], labels=x[rank:rank + 1], output_routing=True)
+        out = model(x[rank : rank + 1], labels=x[rank : rank + 1], output_routing=True)
         if rank == 0:
-            torch.save({"counts": model.load_balance.counts_LE, "aux": [r.aux_loss.detach() for r in out.routing],
-                        "probs": [r.probs_TE.detach() for r in out.routing],
-                        "ids": [r.expert_ids_TK for r in out.routing]}, result_file)
+            torch.save(
+                {
+                    "counts": model.load_balance.counts_LE,
+                    "aux": [r.aux_loss.detach() for r in out.routing],
+                    "probs": [r.probs_TE.detach() for r in out.routing],
+                    "ids": [r.expert_ids_TK for r in out.routing],
+                },
+                result_file,
+            )
     finally:
         torch.distributed.destroy_process_group()
 
@@ -155,8 +174,9 @@ def _two_rank_worker(rank: int, init_file: str, result_file: str) -> None:
 @pytest.mark.slow
 def test_global_batch_sums_counts_over_data_parallel_ranks(tmp_path):
     """Two gloo processes, one sequence each: f_e is the two-sequence batch's, as on one process."""
-    torch.multiprocessing.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path / "rank0.pt")),
-                                nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        _two_rank_worker, args=(str(tmp_path / "init"), str(tmp_path / "rank0.pt")), nprocs=2, join=True
+    )
     got = torch.load(tmp_path / "rank0.pt", weights_only=True)
     model = _model(capacity_factor=None)
     x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))

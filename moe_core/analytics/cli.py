@@ -23,16 +23,28 @@ from moe_core.paths import existing_path, require_local
 
 
 def add_cli(subparsers) -> None:
-    ev = subparsers.add_parser("eval", help="loss/perplexity per split, comparison table, generations, lm-eval",
-                               description="Evaluate a model: loss and perplexity on prepared splits, a table "
-                                           "against other models (dense baselines), generations, lm-eval tasks.")
+    ev = subparsers.add_parser(
+        "eval",
+        help="loss/perplexity per split, comparison table, generations, lm-eval",
+        description="Evaluate a model: loss and perplexity on prepared splits, a table "
+        "against other models (dense baselines), generations, lm-eval tasks.",
+    )
     _model_args(ev)
-    ev.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
-    ev.add_argument("--splits", default="validation,test", help="comma-separated splits (default: %(default)s)")
+    ev.add_argument(
+        "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
+    )
+    ev.add_argument(
+        "--splits", default="validation,test", help="comma-separated splits (default: %(default)s)"
+    )
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--max-batches", type=int, default=None, help="per split (default: all)")
-    ev.add_argument("--compare", action="append", default=[], metavar="NAME=PATH",
-                    help="another model to put in the table, e.g. dense=runs/dense-total (repeatable)")
+    ev.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another model to put in the table, e.g. dense=runs/dense-total (repeatable)",
+    )
     ev.add_argument("--generate", action="store_true", help="greedy + sampled generations for the prompt set")
     ev.add_argument("--max-new-tokens", type=int, default=48)
     ev.add_argument("--seed", type=int, default=0)
@@ -43,23 +55,36 @@ def add_cli(subparsers) -> None:
     ev.set_defaults(func=run_eval)
     add_router_module_option(ev)
 
-    an = subparsers.add_parser("analyze", help="router profile, pictures and cost report",
-                               description="Profile the router on an evaluation split (saved as a versioned "
-                                           "profile), draw the pictures and write the cost report.")
+    an = subparsers.add_parser(
+        "analyze",
+        help="router profile, pictures and cost report",
+        description="Profile the router on an evaluation split (saved as a versioned "
+        "profile), draw the pictures and write the cost report.",
+    )
     _model_args(an)
-    an.add_argument("--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)")
+    an.add_argument(
+        "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
+    )
     an.add_argument("--split", default="validation")
     an.add_argument("--batch-size", type=int, default=8)
     an.add_argument("--max-batches", type=int, default=16)
     an.add_argument("--out", required=True, help="output directory: profile/, plots/, cost.json, cost.md")
     an.add_argument("--top-tokens", type=int, default=10)
-    an.add_argument("--vocab-pieces", action="store_true",
-                    help="write each top token's vocabulary piece (string) beside its id and count")
+    an.add_argument(
+        "--vocab-pieces",
+        action="store_true",
+        help="write each top token's vocabulary piece (string) beside its id and count",
+    )
     an.add_argument("--rare-fraction", type=float, default=0.1)
     an.add_argument("--no-plots", action="store_true")
-    an.add_argument("--text", default=None, help="text for the token-to-expert heatmap (default: a project prompt)")
-    an.add_argument("--device-name", default=None,
-                    help="device to price (default: this machine's, e.g. 'cpu' or the CUDA device name)")
+    an.add_argument(
+        "--text", default=None, help="text for the token-to-expert heatmap (default: a project prompt)"
+    )
+    an.add_argument(
+        "--device-name",
+        default=None,
+        help="device to price (default: this machine's, e.g. 'cpu' or the CUDA device name)",
+    )
     an.add_argument("--price-table", default=None, help='JSON {"device": usd_per_hour} over the defaults')
     an.add_argument("--throughput-batch", type=int, default=4)
     an.add_argument("--throughput-seq", type=int, default=None, help="default: the data's seq_len or 256")
@@ -67,7 +92,9 @@ def add_cli(subparsers) -> None:
     an.add_argument("--events", default=None, help="training JSONL event file, for the training cost to date")
     an.add_argument("--train-tokens", type=int, default=None)
     an.add_argument("--train-seconds", type=float, default=None)
-    an.add_argument("--train-device", default=None, help="device the training ran on (default: --device-name)")
+    an.add_argument(
+        "--train-device", default=None, help="device the training ran on (default: --device-name)"
+    )
     an.add_argument("--train-devices", type=int, default=1)
     an.set_defaults(func=run_analyze)
     add_router_module_option(an)
@@ -75,10 +102,18 @@ def add_cli(subparsers) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", type=existing_path("model"), help="model directory, or a training output directory")
-    group.add_argument("--preset", help=preset_help("a config preset with random weights (pipeline smoke test)"))
-    p.add_argument("--tokenizer", default=None, type=existing_path("tokenizer"),
-                   help="tokenizer directory (default: the model directory's own, else the data's)")
+    group.add_argument(
+        "--model", type=existing_path("model"), help="model directory, or a training output directory"
+    )
+    group.add_argument(
+        "--preset", help=preset_help("a config preset with random weights (pipeline smoke test)")
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        type=existing_path("tokenizer"),
+        help="tokenizer directory (default: the model directory's own, else the data's)",
+    )
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 
@@ -92,12 +127,20 @@ def resolve_model_dir(path: str | Path) -> Path:
         return path / "final"
     ckpts = path / "checkpoints"
     if ckpts.is_dir():
-        found = sorted((p for p in ckpts.iterdir() if p.is_dir() and p.name.startswith("step_")
-                        and (p / "config.json").is_file()), key=lambda p: p.name)
+        found = sorted(
+            (
+                p
+                for p in ckpts.iterdir()
+                if p.is_dir() and p.name.startswith("step_") and (p / "config.json").is_file()
+            ),
+            key=lambda p: p.name,
+        )
         if found:
             return found[-1]
-    raise MoELabError(f"{path}: no config.json and no checkpoints/step_* inside; pass a model directory "
-                      "(save_pretrained or an exported checkpoint) or a training output directory")
+    raise MoELabError(
+        f"{path}: no config.json and no checkpoints/step_* inside; pass a model directory "
+        "(save_pretrained or an exported checkpoint) or a training output directory"
+    )
 
 
 def load_model(args, path: str | None = None, vocab_size: int | None = None):
@@ -127,8 +170,10 @@ def _tokenizer(args, required: bool):
     source = source or args.data
     if source is None:
         if required:
-            raise MoELabError("a tokenizer is needed: the model directory holds none; pass --tokenizer DIR or "
-                              "--data DIR (prepared data)")
+            raise MoELabError(
+                "a tokenizer is needed: the model directory holds none; pass --tokenizer DIR or "
+                "--data DIR (prepared data)"
+            )
         return None
     from moe_core.data.tokenizer import load_tokenizer
 
@@ -181,8 +226,9 @@ def run_eval(args) -> int:
     if args.generate:
         from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
 
-        generations = generate_samples(model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens,
-                                                                                  seed=args.seed))
+        generations = generate_samples(
+            model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+        )
         report["generations"] = len(generations)
         if out:
             write_generations(generations, out / "generations.jsonl")
@@ -195,8 +241,9 @@ def run_eval(args) -> int:
         except ImportError as err:
             raise MoELabError(str(err)) from None
         limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-        report["lm_eval"] = run_tasks(MoELabLM(model, tokenizer), args.tasks.split(","), args.include_path, limit,
-                                      seed=args.seed)
+        report["lm_eval"] = run_tasks(
+            MoELabLM(model, tokenizer), args.tasks.split(","), args.include_path, limit, seed=args.seed
+        )
         print(json.dumps(report["lm_eval"], indent=2, default=str))
     if out:
         _write(out / "eval.json", json.dumps(report, indent=2, default=str) + "\n")
@@ -220,14 +267,26 @@ def run_analyze(args) -> int:
     from moe_core.eval.perplexity import to_markdown
 
     if not args.data:
-        raise MoELabError("moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)")
+        raise MoELabError(
+            "moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)"
+        )
 
     out = Path(args.out)
     model = load_model(args, vocab_size=_data_vocab(args))
     tokenizer = _tokenizer(args, required=False)
-    profile = profile_split(model, args.data, args.split, args.batch_size, args.max_batches,
-                            ProfileConfig(top_tokens=args.top_tokens, rare_fraction=args.rare_fraction,
-                                          include_vocab_pieces=args.vocab_pieces), tokenizer)
+    profile = profile_split(
+        model,
+        args.data,
+        args.split,
+        args.batch_size,
+        args.max_batches,
+        ProfileConfig(
+            top_tokens=args.top_tokens,
+            rare_fraction=args.rare_fraction,
+            include_vocab_pieces=args.vocab_pieces,
+        ),
+        tokenizer,
+    )
     profile.to_dir(out / "profile")
     summary = profile.summary()
     print(to_markdown(summary.drop(columns=["dead_experts", "rare_experts"])))
@@ -248,8 +307,12 @@ def run_analyze(args) -> int:
         training = usage_from_events(args.events, train_device, args.train_devices)
     elif args.train_tokens is not None and args.train_seconds is not None:
         training = TrainingUsage(args.train_tokens, args.train_seconds, train_device, args.train_devices)
-    drop_rate = float(sum(x.dropped_slots for x in profile.layers) / max(sum(x.slots for x in profile.layers), 1))
-    report = cost_report(model.config, throughput.tokens_per_s, device_name, seq_len, prices, drop_rate, training)
+    drop_rate = float(
+        sum(x.dropped_slots for x in profile.layers) / max(sum(x.slots for x in profile.layers), 1)
+    )
+    report = cost_report(
+        model.config, throughput.tokens_per_s, device_name, seq_len, prices, drop_rate, training
+    )
     cost = {**report.to_dict(), "throughput": vars(throughput)}
     _write(out / "cost.json", json.dumps(cost, indent=2, default=str) + "\n")
     _write(out / "cost.md", report.to_markdown() + "\n")

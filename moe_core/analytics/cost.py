@@ -75,8 +75,10 @@ class PriceTable:
         for name in sorted(table, key=len, reverse=True):  # "NVIDIA H100 80GB HBM3" -> "h100"
             if name in key:
                 return float(table[name])
-        raise CostError(f"no price for device {device!r}; known: {sorted(table)}. Add it to the price table "
-                        "(PriceTable(usd_per_hour={...}) or --price-table prices.json)")
+        raise CostError(
+            f"no price for device {device!r}; known: {sorted(table)}. Add it to the price table "
+            "(PriceTable(usd_per_hour={...}) or --price-table prices.json)"
+        )
 
     @classmethod
     def from_file(cls, path: str | Path, merge_defaults: bool = True) -> PriceTable:
@@ -84,8 +86,10 @@ class PriceTable:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as err:
-            raise CostError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); expected "
-                            '{"device": usd_per_hour, ...}') from None
+            raise CostError(
+                f"{path}: not valid JSON ({err.msg} at line {err.lineno}); expected "
+                '{"device": usd_per_hour, ...}'
+            ) from None
         if not isinstance(data, dict):
             raise CostError(f'{path}: expected a JSON object {{"device": usd_per_hour, ...}}')
         base = dict(DEFAULT_USD_PER_HOUR) if merge_defaults else {}
@@ -118,22 +122,39 @@ class FlopsBreakdown:
 
     @property
     def forward_active(self) -> float:
-        return (self.attention + self.dense_ffn + self.router + self.experts_active + self.shared_experts
-                + self.lm_head)
+        return (
+            self.attention
+            + self.dense_ffn
+            + self.router
+            + self.experts_active
+            + self.shared_experts
+            + self.lm_head
+        )
 
     @property
     def forward_total(self) -> float:
-        return (self.attention + self.dense_ffn + self.router + self.experts_total + self.shared_experts
-                + self.lm_head)
+        return (
+            self.attention
+            + self.dense_ffn
+            + self.router
+            + self.experts_total
+            + self.shared_experts
+            + self.lm_head
+        )
 
     @property
     def training_active(self) -> float:
         return 3.0 * self.forward_active
 
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "attention": self.attention, "experts": self.experts,
-                "forward_active": self.forward_active, "forward_total": self.forward_total,
-                "training_active": self.training_active}
+        return {
+            **asdict(self),
+            "attention": self.attention,
+            "experts": self.experts,
+            "forward_active": self.forward_active,
+            "forward_total": self.forward_total,
+            "training_active": self.training_active,
+        }
 
 
 def _ffn_matrix_params(config: MoEConfig, width: int) -> int:
@@ -151,7 +172,9 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
     expert = _ffn_matrix_params(config, config.expert_intermediate_size) if moe_layers else 0
     shared = 0
     if moe_layers and config.num_shared_experts:
-        shared = config.num_shared_experts * _ffn_matrix_params(config, config.shared_expert_intermediate_size)
+        shared = config.num_shared_experts * _ffn_matrix_params(
+            config, config.shared_expert_intermediate_size
+        )
         shared += D if config.shared_expert_gate else 0
     return FlopsBreakdown(
         attention_proj=2.0 * D * Hd * (2 * H + 2 * G) * L,
@@ -178,8 +201,9 @@ class Throughput:
 
 
 @torch.no_grad()
-def measure_throughput(model, batch_size: int = 4, seq_len: int = 128, steps: int = 5, warmup: int = 1,
-                       seed: int = 0) -> Throughput:
+def measure_throughput(
+    model, batch_size: int = 4, seq_len: int = 128, steps: int = 5, warmup: int = 1, seed: int = 0
+) -> Throughput:
     """Forward-pass tokens per second on random token ids, in eval mode (no router state moves).
 
     A measurement, not a benchmark: run it on an otherwise idle device; the mode is restored afterwards.
@@ -231,8 +255,10 @@ class TrainingUsage:
 
     def __post_init__(self) -> None:
         if self.tokens < 0 or self.wall_seconds < 0 or self.num_devices < 1:
-            raise ValueError(f"TrainingUsage{(self.tokens, self.wall_seconds, self.num_devices)}: tokens and "
-                             "wall_seconds must be >= 0, num_devices >= 1")
+            raise ValueError(
+                f"TrainingUsage{(self.tokens, self.wall_seconds, self.num_devices)}: tokens and "
+                "wall_seconds must be >= 0, num_devices >= 1"
+            )
 
 
 def usage_from_events(path: str | Path, device: str, num_devices: int = 1) -> TrainingUsage:
@@ -244,8 +270,10 @@ def usage_from_events(path: str | Path, device: str, num_devices: int = 1) -> Tr
     times = [float(r["time"]) for r in rows if isinstance(r.get("time"), (int, float))]
     tokens = [float(r["tokens"]) for r in rows if isinstance(r.get("tokens"), (int, float))]
     if not times or not tokens:
-        raise CostError(f"{path}: no rows with both 'time' and 'tokens'; pass tokens and seconds by hand "
-                        "(--train-tokens, --train-seconds)")
+        raise CostError(
+            f"{path}: no rows with both 'time' and 'tokens'; pass tokens and seconds by hand "
+            "(--train-tokens, --train-seconds)"
+        )
     return TrainingUsage(int(max(tokens)), max(times) - min(times), device, num_devices)
 
 
@@ -262,8 +290,9 @@ class TrainingCost:
         return {**asdict(self.usage), **{k: v for k, v in asdict(self).items() if k != "usage"}}
 
 
-def training_cost(usage: TrainingUsage, config: MoEConfig, seq_len: int,
-                  prices: PriceTable | None = None) -> TrainingCost:
+def training_cost(
+    usage: TrainingUsage, config: MoEConfig, seq_len: int, prices: PriceTable | None = None
+) -> TrainingCost:
     prices = prices or PriceTable()
     usd_per_hour = prices.price(usage.device)
     device_hours = usage.wall_seconds / 3600.0 * usage.num_devices
@@ -300,7 +329,8 @@ class CostReport:
         f = self.flops
         gf = _flops_text
         rows = [
-            ("device", self.device), ("USD per device-hour", f"{self.usd_per_hour:.2f}"),
+            ("device", self.device),
+            ("USD per device-hour", f"{self.usd_per_hour:.2f}"),
             ("throughput, tokens/s (forward)", f"{self.tokens_per_s:,.0f}"),
             ("forward FLOPs/token, active", gf(f.forward_active)),
             ("forward FLOPs/token, total (all experts)", gf(f.forward_total)),
@@ -313,14 +343,21 @@ class CostReport:
         if self.usd_per_million_expert_activations is not None:
             rows.append(("USD per 1M expert activations", f"{self.usd_per_million_expert_activations:.4f}"))
         if self.flop_saving is not None:
-            rows += [("dense-equal-total FLOPs/token", gf(self.dense_total_flops_per_token)),
-                     ("dense-equal-total USD per 1M tokens (same MFU)",
-                      f"{self.dense_total_usd_per_million_tokens:.4f}"),
-                     ("saving vs dense-equal-total", f"{100 * self.flop_saving:.1f}%")]
+            rows += [
+                ("dense-equal-total FLOPs/token", gf(self.dense_total_flops_per_token)),
+                (
+                    "dense-equal-total USD per 1M tokens (same MFU)",
+                    f"{self.dense_total_usd_per_million_tokens:.4f}",
+                ),
+                ("saving vs dense-equal-total", f"{100 * self.flop_saving:.1f}%"),
+            ]
         if self.training is not None:
             t = self.training
-            rows += [("training tokens to date", f"{t.usage.tokens:,}"),
-                     ("training device-hours", f"{t.device_hours:.3f}"), ("training cost, USD", f"{t.usd:.2f}")]
+            rows += [
+                ("training tokens to date", f"{t.usage.tokens:,}"),
+                ("training device-hours", f"{t.device_hours:.3f}"),
+                ("training cost, USD", f"{t.usd:.2f}"),
+            ]
         lines = ["| quantity | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
         return "\n".join(lines)
 
@@ -332,9 +369,15 @@ def _flops_text(value: float) -> str:
     return f"{value:.0f} FLOP"
 
 
-def cost_report(config: MoEConfig, tokens_per_s: float, device: str, seq_len: int | None = None,
-                prices: PriceTable | None = None, drop_rate: float = 0.0,
-                training: TrainingUsage | None = None) -> CostReport:
+def cost_report(
+    config: MoEConfig,
+    tokens_per_s: float,
+    device: str,
+    seq_len: int | None = None,
+    prices: PriceTable | None = None,
+    drop_rate: float = 0.0,
+    training: TrainingUsage | None = None,
+) -> CostReport:
     """What a token costs on ``device`` at the measured forward throughput ``tokens_per_s``.
 
     ``drop_rate`` (from a router profile) lowers the expert activations per token: dropped slots cost no
@@ -356,7 +399,16 @@ def cost_report(config: MoEConfig, tokens_per_s: float, device: str, seq_len: in
         saving = 1.0 - flops.forward_active / dense_flops
         dense_cost = per_million * dense_flops / flops.forward_active
     train = training_cost(training, config, seq_len, prices) if training is not None else None
-    return CostReport(device=device, usd_per_hour=usd_per_hour, tokens_per_s=tokens_per_s, flops=flops,
-                      usd_per_million_tokens=per_million, expert_activations_per_token=activations,
-                      usd_per_million_expert_activations=per_activation, dense_total_flops_per_token=dense_flops,
-                      flop_saving=saving, dense_total_usd_per_million_tokens=dense_cost, training=train)
+    return CostReport(
+        device=device,
+        usd_per_hour=usd_per_hour,
+        tokens_per_s=tokens_per_s,
+        flops=flops,
+        usd_per_million_tokens=per_million,
+        expert_activations_per_token=activations,
+        usd_per_million_expert_activations=per_activation,
+        dense_total_flops_per_token=dense_flops,
+        flop_saving=saving,
+        dense_total_usd_per_million_tokens=dense_cost,
+        training=train,
+    )

@@ -133,19 +133,48 @@ def plot_expert_load(profile: RouterProfile, out_dir: str | Path | None = None) 
     fig = _figure(max(5.0, 0.45 * E + 2.5), max(2.5, 0.5 * L + 1.5))
     ax = fig.add_subplot()
     image = ax.imshow(share_LE, aspect="auto", cmap="viridis", vmin=0.0)
-    ax.set(xlabel="expert", ylabel="MoE layer", xticks=range(E), yticks=range(L), yticklabels=labels,
-           title=f"Expert load (share of kept slots; uniform = {1 / E:.3f})")
+    ax.set(
+        xlabel="expert",
+        ylabel="MoE layer",
+        xticks=range(E),
+        yticks=range(L),
+        yticklabels=labels,
+        title=f"Expert load (share of kept slots; uniform = {1 / E:.3f})",
+    )
     if L * E <= 256:
         for i in range(L):
             for j in range(E):
-                ax.text(j, i, f"{share_LE[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if share_LE[i, j] < share_LE.max() * 0.6 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{share_LE[i, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if share_LE[i, j] < share_LE.max() * 0.6 else "black",
+                )
     fig.colorbar(image, ax=ax, label="share")
-    hover = [[f"{labels[i]}, expert {j}<br>share {share_LE[i, j]:.4f}<br>slots {profile.layers[i].kept_E[j]}"
-              for j in range(E)] for i in range(L)]
-    pfig = go.Figure(go.Heatmap(z=share_LE, x=list(range(E)), y=labels, colorscale="Viridis", text=hover,
-                                hoverinfo="text", colorbar={"title": "share"}))
-    pfig.update_layout(title="Expert load (share of kept slots)", xaxis_title="expert", yaxis_title="MoE layer")
+    hover = [
+        [
+            f"{labels[i]}, expert {j}<br>share {share_LE[i, j]:.4f}<br>slots {profile.layers[i].kept_E[j]}"
+            for j in range(E)
+        ]
+        for i in range(L)
+    ]
+    pfig = go.Figure(
+        go.Heatmap(
+            z=share_LE,
+            x=list(range(E)),
+            y=labels,
+            colorscale="Viridis",
+            text=hover,
+            hoverinfo="text",
+            colorbar={"title": "share"},
+        )
+    )
+    pfig.update_layout(
+        title="Expert load (share of kept slots)", xaxis_title="expert", yaxis_title="MoE layer"
+    )
     return _finish("expert_load", fig, pfig, out_dir)
 
 
@@ -177,16 +206,23 @@ def plot_coactivation(profile: RouterProfile, out_dir: str | Path | None = None)
     fig.colorbar(image, ax=axes, label="fraction of tokens")
     pfig = make_subplots(rows=rows, cols=cols, subplot_titles=labels)
     for k, mat in enumerate(mats):
-        pfig.add_trace(go.Heatmap(z=mat, coloraxis="coloraxis",
-                                  hovertemplate="expert %{y} & %{x}: %{z:.4f}<extra></extra>"),
-                       row=k // cols + 1, col=k % cols + 1)
-    pfig.update_layout(title="Co-activation (fraction of tokens routed to both experts)",
-                       coloraxis={"colorscale": "Magma"})
+        pfig.add_trace(
+            go.Heatmap(
+                z=mat, coloraxis="coloraxis", hovertemplate="expert %{y} & %{x}: %{z:.4f}<extra></extra>"
+            ),
+            row=k // cols + 1,
+            col=k % cols + 1,
+        )
+    pfig.update_layout(
+        title="Co-activation (fraction of tokens routed to both experts)", coloraxis={"colorscale": "Magma"}
+    )
     return _finish("coactivation", fig, pfig, out_dir)
 
 
 # ------------------------------------------------------------------------------------------------ flow
-def plot_routing_flow(profile: RouterProfile, out_dir: str | Path | None = None, min_share: float = 0.0) -> Plot:
+def plot_routing_flow(
+    profile: RouterProfile, out_dir: str | Path | None = None, min_share: float = 0.0
+) -> Plot:
     """Top-1 routing flow between consecutive MoE layers; links under ``min_share`` of tokens are hidden."""
     import plotly.graph_objects as go
 
@@ -219,20 +255,40 @@ def plot_routing_flow(profile: RouterProfile, out_dir: str | Path | None = None,
         for i, j in zip(*np.nonzero(f.top1_EF)):
             if f.top1_EF[i, j] / total < min_share:
                 continue
-            ax.plot([li, li + 1], [i, j], color=colors[int(i)], alpha=0.55,
-                    linewidth=0.5 + 7.5 * f.top1_EF[i, j] / widest, solid_capstyle="butt")
+            ax.plot(
+                [li, li + 1],
+                [i, j],
+                color=colors[int(i)],
+                alpha=0.55,
+                linewidth=0.5 + 7.5 * f.top1_EF[i, j] / widest,
+                solid_capstyle="butt",
+            )
     for li, x in enumerate(layers):
-        ax.scatter([li] * x.num_experts, range(x.num_experts), s=30 + 400 * x.share_E, c=colors[:x.num_experts],
-                   edgecolors="black", linewidths=0.5, zorder=3)
-    ax.set(xticks=range(len(layers)), xticklabels=_layer_labels(profile), yticks=range(E), ylabel="expert",
-           title="Routing flow: top-1 expert in layer l -> top-1 expert in layer l+1 (width ~ tokens)")
+        ax.scatter(
+            [li] * x.num_experts,
+            range(x.num_experts),
+            s=30 + 400 * x.share_E,
+            c=colors[: x.num_experts],
+            edgecolors="black",
+            linewidths=0.5,
+            zorder=3,
+        )
+    ax.set(
+        xticks=range(len(layers)),
+        xticklabels=_layer_labels(profile),
+        yticks=range(E),
+        ylabel="expert",
+        title="Routing flow: top-1 expert in layer l -> top-1 expert in layer l+1 (width ~ tokens)",
+    )
     ax.invert_yaxis()
     link_colors = [_rgba(colors[[k for k, v in node_index.items() if v == s][0][1]], 0.45) for s in sources]
-    pfig = go.Figure(go.Sankey(
-        arrangement="fixed",
-        node={"label": labels, "x": node_x, "y": node_y, "pad": 8, "thickness": 14},
-        link={"source": sources, "target": targets, "value": values, "color": link_colors},
-    ))
+    pfig = go.Figure(
+        go.Sankey(
+            arrangement="fixed",
+            node={"label": labels, "x": node_x, "y": node_y, "pad": 8, "thickness": 14},
+            link={"source": sources, "target": targets, "value": values, "color": link_colors},
+        )
+    )
     pfig.update_layout(title="Routing flow (top-1 expert, consecutive MoE layers)")
     return _finish("routing_flow", fig, pfig, out_dir)
 
@@ -259,11 +315,21 @@ def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = Non
     panels = []  # (title, names, counts_EC)
     for x in profile.layers:
         if profile.class_names:
-            panels.append((f"layer {x.layer_id}: token class, I = {x.mi_class_bits:.3f} bits",
-                           profile.class_names, x.class_counts_EC))
+            panels.append(
+                (
+                    f"layer {x.layer_id}: token class, I = {x.mi_class_bits:.3f} bits",
+                    profile.class_names,
+                    x.class_counts_EC,
+                )
+            )
         if profile.domain_names:
-            panels.append((f"layer {x.layer_id}: domain, I = {x.mi_domain_bits:.3f} bits",
-                           profile.domain_names, x.domain_counts_EM))
+            panels.append(
+                (
+                    f"layer {x.layer_id}: domain, I = {x.mi_domain_bits:.3f} bits",
+                    profile.domain_names,
+                    x.domain_counts_EM,
+                )
+            )
     n = max(len(panels), 1)
     cols = 2 if profile.class_names and profile.domain_names else 1
     rows = -(-n // cols)
@@ -283,14 +349,28 @@ def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = Non
         bottom = np.zeros(share_EC.shape[0])
         for c, name in enumerate(names):
             ax.bar(range(share_EC.shape[0]), share_EC[:, c], bottom=bottom, color=colors[c], label=name)
-            pfig.add_trace(go.Bar(x=list(range(share_EC.shape[0])), y=share_EC[:, c], name=name,
-                                  marker_color=_rgba(colors[c], 1.0), legendgroup=name, showlegend=k < cols,
-                                  customdata=counts_EC[:, c],
-                                  hovertemplate=f"expert %{{x}}, {name}: %{{y:.3f}} (%{{customdata}} slots)"
-                                                "<extra></extra>"),
-                           row=k // cols + 1, col=k % cols + 1)
+            pfig.add_trace(
+                go.Bar(
+                    x=list(range(share_EC.shape[0])),
+                    y=share_EC[:, c],
+                    name=name,
+                    marker_color=_rgba(colors[c], 1.0),
+                    legendgroup=name,
+                    showlegend=k < cols,
+                    customdata=counts_EC[:, c],
+                    hovertemplate=f"expert %{{x}}, {name}: %{{y:.3f}} (%{{customdata}} slots)<extra></extra>",
+                ),
+                row=k // cols + 1,
+                col=k % cols + 1,
+            )
             bottom += share_EC[:, c]
-        ax.set(title=title, xlabel="expert", ylabel="share of slots", ylim=(0, 1), xticks=range(share_EC.shape[0]))
+        ax.set(
+            title=title,
+            xlabel="expert",
+            ylabel="share of slots",
+            ylim=(0, 1),
+            xticks=range(share_EC.shape[0]),
+        )
         if k < cols:  # one legend per column, outside the bars
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.suptitle("Expert specialization")
@@ -300,8 +380,13 @@ def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = Non
 
 # ------------------------------------------------------------------------------------------------ token routing
 @torch.no_grad()
-def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str | Path | None = None, tokenizer=None,
-                       max_tokens: int = 64) -> dict[str, Path]:
+def plot_token_routing(
+    model,
+    token_ids: list[int] | torch.Tensor,
+    out_dir: str | Path | None = None,
+    tokenizer=None,
+    max_tokens: int = 64,
+) -> dict[str, Path]:
     """Router probabilities of each token of a short text, per MoE layer (rows: experts, columns: tokens);
     kept slots are outlined. Give a project-owned text (e.g. a `moe_core.eval.prompts` prompt), not
     training data: the tokens are drawn as labels."""
@@ -316,7 +401,9 @@ def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str 
         routing = model(ids_T[None].to(device), output_routing=True, use_cache=False).routing
     finally:
         model.train(was_training)
-    tokens = ([tokenizer.decode([int(t)]) for t in ids_T] if tokenizer is not None else [str(int(t)) for t in ids_T])
+    tokens = (
+        [tokenizer.decode([int(t)]) for t in ids_T] if tokenizer is not None else [str(int(t)) for t in ids_T]
+    )
     tokens = [t.replace("\n", "\\n").replace("\t", "\\t") or "\u2205" for t in tokens]
     T = len(tokens)
     layer_ids = list(model.config.moe_layer_ids)
@@ -335,14 +422,28 @@ def plot_token_routing(model, token_ids: list[int] | torch.Tensor, out_dir: str 
         for t, k in zip(*torch.nonzero(kept_TK, as_tuple=True)):
             e = int(record.expert_ids_TK[t, k])
             ax.add_patch(_rect(int(t), e))
-        ax.set(title=f"layer {layer_id}: router probability (outlined: kept slots)", ylabel="expert",
-               yticks=range(E))
+        ax.set(
+            title=f"layer {layer_id}: router probability (outlined: kept slots)",
+            ylabel="expert",
+            yticks=range(E),
+        )
         ax.set_xticks(range(T), tokens, rotation=90, fontsize=7, fontfamily="monospace")
-        pfig.add_trace(go.Heatmap(z=probs_ET, x=positions, y=list(range(E)), coloraxis="coloraxis",
-                                  hovertemplate="token %{x}, expert %{y}: p=%{z:.3f}<extra></extra>"),
-                       row=row, col=1)
-    pfig.update_layout(title="Token-to-expert routing", coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
-                       height=260 * L + 120)
+        pfig.add_trace(
+            go.Heatmap(
+                z=probs_ET,
+                x=positions,
+                y=list(range(E)),
+                coloraxis="coloraxis",
+                hovertemplate="token %{x}, expert %{y}: p=%{z:.3f}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+    pfig.update_layout(
+        title="Token-to-expert routing",
+        coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
+        height=260 * L + 120,
+    )
     return _finish("token_routing", fig, pfig, out_dir)
 
 
@@ -352,8 +453,9 @@ def _rect(t: int, e: int):
     return Rectangle((t - 0.5, e - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.0)
 
 
-def render_all(profile: RouterProfile, out_dir: str | Path | None = None, model=None, token_ids=None,
-               tokenizer=None) -> dict[str, Plot]:
+def render_all(
+    profile: RouterProfile, out_dir: str | Path | None = None, model=None, token_ids=None, tokenizer=None
+) -> dict[str, Plot]:
     """Every picture of ``profile`` (written into ``out_dir`` when given); the token heatmap too when a model is given, over
     ``token_ids`` or else the first project prompt encoded with ``tokenizer``."""
     out = {

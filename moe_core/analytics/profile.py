@@ -57,8 +57,13 @@ from moe_core.routing import RoutingRecord
 
 PROFILE_VERSION = 1
 PROFILE_FILES = (
-    "profile.json", "experts.parquet", "coactivation.parquet", "flow.parquet", "expert_classes.parquet",
-    "expert_domains.parquet", "top_tokens.parquet",
+    "profile.json",
+    "experts.parquet",
+    "coactivation.parquet",
+    "flow.parquet",
+    "expert_classes.parquet",
+    "expert_domains.parquet",
+    "top_tokens.parquet",
 )
 
 
@@ -168,14 +173,21 @@ class LayerProfile:
 
     def summary(self, rare_fraction: float) -> dict[str, Any]:
         return {
-            "layer": self.layer_id, "tokens": self.tokens, "cv": self.cv, "max_over_mean": self.max_over_mean,
-            "drop_rate": self.drop_rate, "dropped_token_rate": self.dropped_token_rate,
-            "entropy": self.entropy, "normalized_entropy": self.normalized_entropy,
-            "confidence": self.confidence, "mi_class_bits": self.mi_class_bits,
+            "layer": self.layer_id,
+            "tokens": self.tokens,
+            "cv": self.cv,
+            "max_over_mean": self.max_over_mean,
+            "drop_rate": self.drop_rate,
+            "dropped_token_rate": self.dropped_token_rate,
+            "entropy": self.entropy,
+            "normalized_entropy": self.normalized_entropy,
+            "confidence": self.confidence,
+            "mi_class_bits": self.mi_class_bits,
             "class_entropy_bits": stats.entropy_bits(self.class_counts_EC.sum(0)),
             "mi_domain_bits": self.mi_domain_bits,
             "domain_entropy_bits": stats.entropy_bits(self.domain_counts_EM.sum(0)),
-            "dead_experts": self.dead_experts(), "rare_experts": self.rare_experts(rare_fraction),
+            "dead_experts": self.dead_experts(),
+            "rare_experts": self.rare_experts(rare_fraction),
         }
 
 
@@ -206,7 +218,9 @@ class RouterProfile:
         for layer in self.layers:
             if layer.layer_id == layer_id:
                 return layer
-        raise KeyError(f"no MoE layer {layer_id} in this profile; MoE layers: {[x.layer_id for x in self.layers]}")
+        raise KeyError(
+            f"no MoE layer {layer_id} in this profile; MoE layers: {[x.layer_id for x in self.layers]}"
+        )
 
     def summary(self):
         """One row per MoE layer (pandas DataFrame): balance, drops, entropy, confidence, specialization."""
@@ -219,10 +233,12 @@ class RouterProfile:
         import html
 
         m, d = self.model, self.dataset
-        head = (f"<p><b>Router profile</b>: {html.escape(str(m.get('model_type', 'model')))}, "
-                f"{m.get('experts_per_token')}/{m.get('num_experts')} experts per token, router "
-                f"{html.escape(str(m.get('router')))}; {d.get('tokens', 0):,} tokens in {d.get('sequences', 0):,} "
-                f"sequences; {len(self.layers)} MoE layers</p>")
+        head = (
+            f"<p><b>Router profile</b>: {html.escape(str(m.get('model_type', 'model')))}, "
+            f"{m.get('experts_per_token')}/{m.get('num_experts')} experts per token, router "
+            f"{html.escape(str(m.get('router')))}; {d.get('tokens', 0):,} tokens in {d.get('sequences', 0):,} "
+            f"sequences; {len(self.layers)} MoE layers</p>"
+        )
         return head + self.summary().to_html(index=False, float_format=lambda v: f"{v:.4g}")
 
     def load_matrix_LE(self) -> np.ndarray:
@@ -243,7 +259,9 @@ class RouterProfile:
         with atomic_directory(path, overwrite=True, error_cls=ProfileError) as tmp:
             (tmp / "profile.json").write_text(json.dumps(self._json(), indent=2, allow_nan=False) + "\n")
             for name, rows in self._tables().items():
-                pd.DataFrame(rows["rows"], columns=rows["columns"]).to_parquet(tmp / f"{name}.parquet", index=False)
+                pd.DataFrame(rows["rows"], columns=rows["columns"]).to_parquet(
+                    tmp / f"{name}.parquet", index=False
+                )
         return path
 
     @classmethod
@@ -253,35 +271,58 @@ class RouterProfile:
         path = Path(path)
         missing = [name for name in PROFILE_FILES if not (path / name).is_file()]
         if missing:
-            raise ProfileError(f"{path}: not a router profile directory, missing {missing}; "
-                               "write one with RouterProfile.to_dir or `moe-lab analyze`")
+            raise ProfileError(
+                f"{path}: not a router profile directory, missing {missing}; "
+                "write one with RouterProfile.to_dir or `moe-lab analyze`"
+            )
         meta = json.loads((path / "profile.json").read_text())
         version = meta.get("version")
         if not isinstance(version, int) or version > PROFILE_VERSION:
-            raise ProfileError(f"{path}/profile.json: version {version!r} is not readable by this code "
-                               f"(reads up to {PROFILE_VERSION}); upgrade open-moe-trainer-lab")
-        tables = {name: pd.read_parquet(path / f"{name}.parquet") for name in
-                  ("experts", "coactivation", "flow", "expert_classes", "expert_domains", "top_tokens")}
+            raise ProfileError(
+                f"{path}/profile.json: version {version!r} is not readable by this code "
+                f"(reads up to {PROFILE_VERSION}); upgrade open-moe-trainer-lab"
+            )
+        tables = {
+            name: pd.read_parquet(path / f"{name}.parquet")
+            for name in ("experts", "coactivation", "flow", "expert_classes", "expert_domains", "top_tokens")
+        }
         class_names, domain_names = tuple(meta["class_names"]), tuple(meta["domain_names"])
         layers = []
         for info in meta["layers"]:
             lid, E = info["layer_id"], info["num_experts"]
             experts = tables["experts"][tables["experts"].layer == lid].sort_values("expert")
             top_rows = tables["top_tokens"][tables["top_tokens"].layer == lid].sort_values(["expert", "rank"])
-            top_tokens = [[TopToken(int(r.token_id), int(r.count), None if pd.isna(r.token) else str(r.token))
-                           for r in top_rows[top_rows.expert == e].itertuples()] for e in range(E)]
-            layers.append(LayerProfile(
-                layer_id=lid, num_experts=E, slots_per_token=info["slots_per_token"], tokens=info["tokens"],
-                kept_E=np.array(experts.kept, dtype=np.int64), routed_E=np.array(experts.routed, dtype=np.int64),
-                dropped_slots=info["dropped_slots"], dropped_tokens=info["dropped_tokens"],
-                entropy_sum=info["entropy_sum"], confidence_sum=info["confidence_sum"],
-                coactivation_EE=_matrix(tables["coactivation"], lid, "expert_i", "expert_j", "tokens", E, range(E)),
-                class_counts_EC=_matrix(tables["expert_classes"], lid, "expert", "token_class", "slots", E,
-                                        class_names),
-                domain_counts_EM=_matrix(tables["expert_domains"], lid, "expert", "domain", "slots", E,
-                                         domain_names),
-                top_tokens=top_tokens,
-            ))
+            top_tokens = [
+                [
+                    TopToken(int(r.token_id), int(r.count), None if pd.isna(r.token) else str(r.token))
+                    for r in top_rows[top_rows.expert == e].itertuples()
+                ]
+                for e in range(E)
+            ]
+            layers.append(
+                LayerProfile(
+                    layer_id=lid,
+                    num_experts=E,
+                    slots_per_token=info["slots_per_token"],
+                    tokens=info["tokens"],
+                    kept_E=np.array(experts.kept, dtype=np.int64),
+                    routed_E=np.array(experts.routed, dtype=np.int64),
+                    dropped_slots=info["dropped_slots"],
+                    dropped_tokens=info["dropped_tokens"],
+                    entropy_sum=info["entropy_sum"],
+                    confidence_sum=info["confidence_sum"],
+                    coactivation_EE=_matrix(
+                        tables["coactivation"], lid, "expert_i", "expert_j", "tokens", E, range(E)
+                    ),
+                    class_counts_EC=_matrix(
+                        tables["expert_classes"], lid, "expert", "token_class", "slots", E, class_names
+                    ),
+                    domain_counts_EM=_matrix(
+                        tables["expert_domains"], lid, "expert", "domain", "slots", E, domain_names
+                    ),
+                    top_tokens=top_tokens,
+                )
+            )
         flows = []
         flow = tables["flow"]
         for info in meta["flows"]:
@@ -291,9 +332,16 @@ class RouterProfile:
             top1[rows.from_expert.to_numpy(), rows.to_expert.to_numpy()] = rows.top1.to_numpy()
             pairs[rows.from_expert.to_numpy(), rows.to_expert.to_numpy()] = rows.pairs.to_numpy()
             flows.append(FlowProfile(info["from_layer"], info["to_layer"], top1, pairs))
-        return cls(model=meta["model"], dataset=meta["dataset"], class_names=class_names,
-                   domain_names=domain_names, rare_fraction=meta["rare_fraction"], layers=layers, flows=flows,
-                   version=version)
+        return cls(
+            model=meta["model"],
+            dataset=meta["dataset"],
+            class_names=class_names,
+            domain_names=domain_names,
+            rare_fraction=meta["rare_fraction"],
+            layers=layers,
+            flows=flows,
+            version=version,
+        )
 
     def _json(self) -> dict[str, Any]:
         return {
@@ -305,17 +353,29 @@ class RouterProfile:
             "rare_fraction": self.rare_fraction,
             "layers": [
                 {
-                    "layer_id": x.layer_id, "num_experts": x.num_experts, "slots_per_token": x.slots_per_token,
-                    "tokens": x.tokens, "dropped_slots": x.dropped_slots, "dropped_tokens": x.dropped_tokens,
-                    "entropy_sum": x.entropy_sum, "confidence_sum": x.confidence_sum,
+                    "layer_id": x.layer_id,
+                    "num_experts": x.num_experts,
+                    "slots_per_token": x.slots_per_token,
+                    "tokens": x.tokens,
+                    "dropped_slots": x.dropped_slots,
+                    "dropped_tokens": x.dropped_tokens,
+                    "entropy_sum": x.entropy_sum,
+                    "confidence_sum": x.confidence_sum,
                     # derived, for readers of the JSON alone; recomputed from the counts when loaded
                     "summary": _json_safe(x.summary(self.rare_fraction)),
                     "top_tokens": [[t.__dict__ for t in expert] for expert in x.top_tokens],
                 }
                 for x in self.layers
             ],
-            "flows": [{"from_layer": f.from_layer, "to_layer": f.to_layer, "from_experts": f.top1_EF.shape[0],
-                       "to_experts": f.top1_EF.shape[1]} for f in self.flows],
+            "flows": [
+                {
+                    "from_layer": f.from_layer,
+                    "to_layer": f.to_layer,
+                    "from_experts": f.top1_EF.shape[0],
+                    "to_experts": f.top1_EF.shape[1],
+                }
+                for f in self.flows
+            ],
         }
 
     def _tables(self) -> dict[str, dict[str, Any]]:
@@ -325,25 +385,36 @@ class RouterProfile:
             for e in range(x.num_experts):
                 experts.append((x.layer_id, e, int(x.kept_E[e]), int(x.routed_E[e]), float(share_E[e])))
                 coact.extend((x.layer_id, e, j, int(x.coactivation_EE[e, j])) for j in range(x.num_experts))
-                classes.extend((x.layer_id, e, name, int(x.class_counts_EC[e, c]))
-                               for c, name in enumerate(self.class_names))
-                domains.extend((x.layer_id, e, name, int(x.domain_counts_EM[e, m]))
-                               for m, name in enumerate(self.domain_names))
+                classes.extend(
+                    (x.layer_id, e, name, int(x.class_counts_EC[e, c]))
+                    for c, name in enumerate(self.class_names)
+                )
+                domains.extend(
+                    (x.layer_id, e, name, int(x.domain_counts_EM[e, m]))
+                    for m, name in enumerate(self.domain_names)
+                )
                 if e < len(x.top_tokens):
-                    top.extend((x.layer_id, e, rank, t.token_id, t.count, t.token)
-                               for rank, t in enumerate(x.top_tokens[e]))
+                    top.extend(
+                        (x.layer_id, e, rank, t.token_id, t.count, t.token)
+                        for rank, t in enumerate(x.top_tokens[e])
+                    )
         for f in self.flows:
             E, F_ = f.top1_EF.shape
-            flow.extend((f.from_layer, f.to_layer, i, j, int(f.top1_EF[i, j]), int(f.pairs_EF[i, j]))
-                        for i in range(E) for j in range(F_))
+            flow.extend(
+                (f.from_layer, f.to_layer, i, j, int(f.top1_EF[i, j]), int(f.pairs_EF[i, j]))
+                for i in range(E)
+                for j in range(F_)
+            )
         return {
             "experts": {"columns": ["layer", "expert", "kept", "routed", "share"], "rows": experts},
             "coactivation": {"columns": ["layer", "expert_i", "expert_j", "tokens"], "rows": coact},
             "expert_classes": {"columns": ["layer", "expert", "token_class", "slots"], "rows": classes},
             "expert_domains": {"columns": ["layer", "expert", "domain", "slots"], "rows": domains},
             "top_tokens": {"columns": ["layer", "expert", "rank", "token_id", "count", "token"], "rows": top},
-            "flow": {"columns": ["from_layer", "to_layer", "from_expert", "to_expert", "top1", "pairs"],
-                     "rows": flow},
+            "flow": {
+                "columns": ["from_layer", "to_layer", "from_expert", "to_expert", "top1", "pairs"],
+                "rows": flow,
+            },
         }
 
 
@@ -370,9 +441,16 @@ def _as_comparable(profile: RouterProfile) -> tuple:
     def arrays(obj) -> tuple:
         return tuple((k, v.tolist() if isinstance(v, np.ndarray) else v) for k, v in vars(obj).items())
 
-    return (profile.version, json.dumps(profile.model, sort_keys=True), json.dumps(profile.dataset, sort_keys=True),
-            tuple(profile.class_names), tuple(profile.domain_names), profile.rare_fraction,
-            tuple(arrays(x) for x in profile.layers), tuple(arrays(f) for f in profile.flows))
+    return (
+        profile.version,
+        json.dumps(profile.model, sort_keys=True),
+        json.dumps(profile.dataset, sort_keys=True),
+        tuple(profile.class_names),
+        tuple(profile.domain_names),
+        profile.rare_fraction,
+        tuple(arrays(x) for x in profile.layers),
+        tuple(arrays(f) for f in profile.flows),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ collection
@@ -385,11 +463,16 @@ def config_hash(config) -> str:
 
 def model_info(config) -> dict[str, Any]:
     return {
-        "config_hash": config_hash(config), "model_type": getattr(config, "model_type", None),
-        "num_experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
-        "router": config.router, "capacity_factor": config.capacity_factor,
-        "eval_capacity_factor": config.eval_capacity_factor, "num_hidden_layers": config.num_hidden_layers,
-        "moe_layer_ids": list(config.moe_layer_ids), "vocab_size": config.vocab_size,
+        "config_hash": config_hash(config),
+        "model_type": getattr(config, "model_type", None),
+        "num_experts": config.num_experts,
+        "experts_per_token": config.num_experts_per_tok,
+        "router": config.router,
+        "capacity_factor": config.capacity_factor,
+        "eval_capacity_factor": config.eval_capacity_factor,
+        "num_hidden_layers": config.num_hidden_layers,
+        "moe_layer_ids": list(config.moe_layer_ids),
+        "vocab_size": config.vocab_size,
     }
 
 
@@ -416,19 +499,30 @@ class ProfileCollector:
     ``domain_names``: names of the domain ids passed to `update`; empty skips domain statistics.
     """
 
-    def __init__(self, config, profile_config: ProfileConfig | None = None, *,
-                 token_classes_V: np.ndarray | torch.Tensor | None = None,
-                 class_names: Sequence[str] = TOKEN_CLASSES, domain_names: Sequence[str] = (),
-                 tokenizer=None) -> None:
+    def __init__(
+        self,
+        config,
+        profile_config: ProfileConfig | None = None,
+        *,
+        token_classes_V: np.ndarray | torch.Tensor | None = None,
+        class_names: Sequence[str] = TOKEN_CLASSES,
+        domain_names: Sequence[str] = (),
+        tokenizer=None,
+    ) -> None:
         if config.num_experts == 0 or not config.moe_layer_ids:
             raise ProfileError("the model has no MoE layer (num_experts=0): there is no router to profile")
         self.config = config
         self.profile_config = profile_config or ProfileConfig()
         self.tokenizer = tokenizer
         self.class_names = tuple(class_names) if token_classes_V is not None else ()
-        self.token_classes_V = None if token_classes_V is None else torch.as_tensor(token_classes_V, dtype=torch.int64)
-        if self.token_classes_V is not None and self.token_classes_V.numel() and (
-                self.token_classes_V.min() < 0 or self.token_classes_V.max() >= len(self.class_names)):
+        self.token_classes_V = (
+            None if token_classes_V is None else torch.as_tensor(token_classes_V, dtype=torch.int64)
+        )
+        if (
+            self.token_classes_V is not None
+            and self.token_classes_V.numel()
+            and (self.token_classes_V.min() < 0 or self.token_classes_V.max() >= len(self.class_names))
+        ):
             raise ProfileError(f"token_classes_V holds class ids outside 0..{len(self.class_names) - 1}")
         self.domain_names = tuple(domain_names)
         self.layer_ids = list(config.moe_layer_ids)
@@ -440,12 +534,18 @@ class ProfileCollector:
         self.sequences = 0
 
     @torch.no_grad()
-    def update(self, input_ids_BS: torch.Tensor, routing: Sequence[RoutingRecord],
-               domains_BS: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        input_ids_BS: torch.Tensor,
+        routing: Sequence[RoutingRecord],
+        domains_BS: torch.Tensor | None = None,
+    ) -> None:
         """Add one forward's records (one per MoE layer, in layer order) for the tokens ``input_ids_BS``."""
         if len(routing) != len(self.layer_ids):
-            raise ProfileError(f"got {len(routing)} routing records for {len(self.layer_ids)} MoE layers "
-                               f"{self.layer_ids}; call the model with output_routing=True")
+            raise ProfileError(
+                f"got {len(routing)} routing records for {len(self.layer_ids)} MoE layers "
+                f"{self.layer_ids}; call the model with output_routing=True"
+            )
         ids_T = input_ids_BS.reshape(-1).to("cpu", torch.int64)
         T = ids_T.numel()
         self._hash.update(str(tuple(input_ids_BS.shape)).encode())
@@ -455,20 +555,25 @@ class ProfileCollector:
         domain_T = None
         if self.domain_names:
             if domains_BS is None:
-                raise ProfileError("domain_names were given but this batch has no domain ids; pass domains_BS")
+                raise ProfileError(
+                    "domain_names were given but this batch has no domain ids; pass domains_BS"
+                )
             domain_T = domains_BS.reshape(-1).to("cpu", torch.int64)
             if domain_T.numel() != T:
                 raise ProfileError(f"domain ids have {domain_T.numel()} entries for {T} tokens")
             if domain_T.min() < 0 or domain_T.max() >= len(self.domain_names):
-                raise ProfileError(f"domain ids outside 0..{len(self.domain_names) - 1} ({self.domain_names})")
+                raise ProfileError(
+                    f"domain ids outside 0..{len(self.domain_names) - 1} ({self.domain_names})"
+                )
 
         previous = None
         for i, (acc, record) in enumerate(zip(self.layers, routing)):
             ids_TK = record.expert_ids_TK.detach().to("cpu", torch.int64)
             kept_TK = ~record.dropped_TK.detach().cpu()
             if ids_TK.shape[0] != T:
-                raise ProfileError(f"MoE layer {self.layer_ids[i]}: record has {ids_TK.shape[0]} tokens, "
-                                   f"the batch {T}")
+                raise ProfileError(
+                    f"MoE layer {self.layer_ids[i]}: record has {ids_TK.shape[0]} tokens, the batch {T}"
+                )
             E, K = acc.E, ids_TK.shape[1]
             acc.K = K
             acc.tokens += T
@@ -480,14 +585,18 @@ class ProfileCollector:
             probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp_min(1e-30)
             acc.entropy_sum += float(torch.special.entr(probs_TE).sum())
             acc.confidence_sum += float(probs_TE.max(-1).values.sum())
-            multihot_TE = torch.zeros(T, E, dtype=torch.float64).scatter_add_(1, ids_TK, kept_TK.double()).clamp_(max=1)
+            multihot_TE = (
+                torch.zeros(T, E, dtype=torch.float64).scatter_add_(1, ids_TK, kept_TK.double()).clamp_(max=1)
+            )
             acc.coactivation_EE += multihot_TE.t() @ multihot_TE
             slot_expert = ids_TK[kept_TK]  # kept slots, flattened in (token, slot) order
             slot_token = torch.arange(T)[:, None].expand(T, K)[kept_TK]
             if class_T is not None:
                 acc.class_EC += torch.bincount(slot_expert * acc.C + class_T[slot_token], minlength=E * acc.C)
             if domain_T is not None:
-                acc.domain_EM += torch.bincount(slot_expert * acc.M + domain_T[slot_token], minlength=E * acc.M)
+                acc.domain_EM += torch.bincount(
+                    slot_expert * acc.M + domain_T[slot_token], minlength=E * acc.M
+                )
             if acc.token_EV is not None:
                 if ids_T.numel() and int(ids_T.max()) >= acc.V:
                     raise ProfileError(f"token id {int(ids_T.max())} >= vocab_size {acc.V}")
@@ -499,8 +608,9 @@ class ProfileCollector:
             if previous is not None:
                 prev_primary_T, prev_multihot_TE = previous
                 both = (prev_primary_T >= 0) & (primary_T >= 0)
-                self.flow_top1[i - 1] += torch.bincount(prev_primary_T[both] * E + primary_T[both],
-                                                        minlength=E * E).view(E, E)
+                self.flow_top1[i - 1] += torch.bincount(
+                    prev_primary_T[both] * E + primary_T[both], minlength=E * E
+                ).view(E, E)
                 self.flow_pairs[i - 1] += prev_multihot_TE.t() @ multihot_TE
             previous = (primary_T, multihot_TE)
 
@@ -521,23 +631,43 @@ class ProfileCollector:
                     decode = self.tokenizer is not None and self.profile_config.include_vocab_pieces
                     strings = (self.tokenizer.decode([int(t)]) for t in order) if decode else (None,) * n
                     top_tokens.append([TopToken(int(t), int(counts_V[t]), s) for t, s in zip(order, strings)])
-            layers.append(LayerProfile(
-                layer_id=layer_id, num_experts=acc.E, slots_per_token=acc.K, tokens=acc.tokens,
-                kept_E=acc.kept_E.numpy().copy(), routed_E=acc.routed_E.numpy().copy(),
-                dropped_slots=acc.dropped_slots, dropped_tokens=acc.dropped_tokens,
-                entropy_sum=acc.entropy_sum, confidence_sum=acc.confidence_sum,
-                coactivation_EE=acc.coactivation_EE.round().to(torch.int64).numpy(),
-                class_counts_EC=acc.class_EC.view(acc.E, acc.C).numpy().copy(),
-                domain_counts_EM=acc.domain_EM.view(acc.E, acc.M).numpy().copy(),
-                top_tokens=top_tokens,
-            ))
-        flows = [FlowProfile(a, b, top1.numpy().copy(), pairs.round().to(torch.int64).numpy())
-                 for a, b, top1, pairs in zip(self.layer_ids, self.layer_ids[1:], self.flow_top1, self.flow_pairs)]
-        dataset = {"fingerprint": self._hash.hexdigest(), "tokens": self.layers[0].tokens,
-                   "sequences": self.sequences, **(dataset_labels or {})}
-        return RouterProfile(model=model_info(self.config), dataset=dataset, class_names=self.class_names,
-                             domain_names=self.domain_names, rare_fraction=self.profile_config.rare_fraction,
-                             layers=layers, flows=flows)
+            layers.append(
+                LayerProfile(
+                    layer_id=layer_id,
+                    num_experts=acc.E,
+                    slots_per_token=acc.K,
+                    tokens=acc.tokens,
+                    kept_E=acc.kept_E.numpy().copy(),
+                    routed_E=acc.routed_E.numpy().copy(),
+                    dropped_slots=acc.dropped_slots,
+                    dropped_tokens=acc.dropped_tokens,
+                    entropy_sum=acc.entropy_sum,
+                    confidence_sum=acc.confidence_sum,
+                    coactivation_EE=acc.coactivation_EE.round().to(torch.int64).numpy(),
+                    class_counts_EC=acc.class_EC.view(acc.E, acc.C).numpy().copy(),
+                    domain_counts_EM=acc.domain_EM.view(acc.E, acc.M).numpy().copy(),
+                    top_tokens=top_tokens,
+                )
+            )
+        flows = [
+            FlowProfile(a, b, top1.numpy().copy(), pairs.round().to(torch.int64).numpy())
+            for a, b, top1, pairs in zip(self.layer_ids, self.layer_ids[1:], self.flow_top1, self.flow_pairs)
+        ]
+        dataset = {
+            "fingerprint": self._hash.hexdigest(),
+            "tokens": self.layers[0].tokens,
+            "sequences": self.sequences,
+            **(dataset_labels or {}),
+        }
+        return RouterProfile(
+            model=model_info(self.config),
+            dataset=dataset,
+            class_names=self.class_names,
+            domain_names=self.domain_names,
+            rare_fraction=self.profile_config.rare_fraction,
+            layers=layers,
+            flows=flows,
+        )
 
 
 def _split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -547,23 +677,38 @@ def _split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         return batch[0], batch[1]
     if isinstance(batch, dict):
         return batch["input_ids"], batch.get("domains")
-    raise ProfileError(f"a batch must be a LongTensor [B, S], a (input_ids, domains) pair or a dict; "
-                       f"got {type(batch).__name__}")
+    raise ProfileError(
+        f"a batch must be a LongTensor [B, S], a (input_ids, domains) pair or a dict; "
+        f"got {type(batch).__name__}"
+    )
 
 
 @torch.no_grad()
-def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | None = None, *,
-                    token_classes_V: np.ndarray | torch.Tensor | None = None,
-                    class_names: Sequence[str] = TOKEN_CLASSES, domain_names: Sequence[str] = (),
-                    tokenizer=None, dataset_labels: dict[str, Any] | None = None) -> RouterProfile:
+def collect_profile(
+    model,
+    batches: Iterable,
+    profile_config: ProfileConfig | None = None,
+    *,
+    token_classes_V: np.ndarray | torch.Tensor | None = None,
+    class_names: Sequence[str] = TOKEN_CLASSES,
+    domain_names: Sequence[str] = (),
+    tokenizer=None,
+    dataset_labels: dict[str, Any] | None = None,
+) -> RouterProfile:
     """Run ``model`` in eval mode over ``batches`` and return its `RouterProfile`.
 
     A batch is a LongTensor ``[B, S]`` of token ids, a ``(input_ids_BS, domains_BS)`` pair, or a dict with
     ``input_ids`` and optionally ``domains``. The model's train/eval mode is restored afterwards.
     """
     profile_config = profile_config or ProfileConfig()
-    collector = ProfileCollector(model.config, profile_config, token_classes_V=token_classes_V,
-                                 class_names=class_names, domain_names=domain_names, tokenizer=tokenizer)
+    collector = ProfileCollector(
+        model.config,
+        profile_config,
+        token_classes_V=token_classes_V,
+        class_names=class_names,
+        domain_names=domain_names,
+        tokenizer=tokenizer,
+    )
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -592,9 +737,15 @@ def collect_profile(model, batches: Iterable, profile_config: ProfileConfig | No
     return collector.result(dataset_labels)
 
 
-def profile_split(model, data_dir: str | Path, split: str = "validation", batch_size: int = 8,
-                  max_batches: int | None = None, profile_config: ProfileConfig | None = None,
-                  tokenizer=None) -> RouterProfile:
+def profile_split(
+    model,
+    data_dir: str | Path,
+    split: str = "validation",
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    profile_config: ProfileConfig | None = None,
+    tokenizer=None,
+) -> RouterProfile:
     """The router profile of ``model`` on one split of a prepared-data directory (``moe-lab data prepare``):
     token classes from the data's tokenizer (or ``tokenizer``), domains from its manifest."""
     from moe_core.analytics.token_classes import token_class_table
@@ -606,11 +757,20 @@ def profile_split(model, data_dir: str | Path, split: str = "validation", batch_
     if tokenizer is None and (Path(data_dir) / "tokenizer").is_dir():
         tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
     classes_V = token_class_table(tokenizer, model.config.vocab_size) if tokenizer is not None else None
-    batches = split_batches(data_dir, split, batch_size, max_batches, with_domains=True,
-                            verify=False)  # PackedTokens above checked the shards
+    batches = split_batches(
+        data_dir, split, batch_size, max_batches, with_domains=True, verify=False
+    )  # PackedTokens above checked the shards
     return collect_profile(
-        model, batches, profile_config, token_classes_V=classes_V, class_names=TOKEN_CLASSES,
-        domain_names=data.domain_names, tokenizer=tokenizer,
-        dataset_labels={"data_dir": str(data_dir), "split": split,
-                        "data_manifest_tokenizer_hash": data.manifest["tokenizer"]["hash"]},
+        model,
+        batches,
+        profile_config,
+        token_classes_V=classes_V,
+        class_names=TOKEN_CLASSES,
+        domain_names=data.domain_names,
+        tokenizer=tokenizer,
+        dataset_labels={
+            "data_dir": str(data_dir),
+            "split": split,
+            "data_manifest_tokenizer_hash": data.manifest["tokenizer"]["hash"],
+        },
     )

@@ -22,10 +22,18 @@ import re
 import numpy as np
 
 TOKEN_CLASSES: tuple[str, ...] = (
-    "identifier", "keyword", "number", "punctuation", "whitespace", "prose_word", "other",
+    "identifier",
+    "keyword",
+    "number",
+    "punctuation",
+    "whitespace",
+    "prose_word",
+    "other",
 )
 
-_NUMBER = re.compile(r"(?:\d[\d_]*\.?[\d_]*(?:[eE][+-]?\d+)?|\.\d[\d_]*|0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+)[jJ]?")
+_NUMBER = re.compile(
+    r"(?:\d[\d_]*\.?[\d_]*(?:[eE][+-]?\d+)?|\.\d[\d_]*|0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+)[jJ]?"
+)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _WORD = re.compile(r"[A-Za-z][a-z]*(?:'[a-z]+)?|[A-Z]+")
 _CAMEL = re.compile(r"[a-z][A-Z]")

@@ -1,7 +1,7 @@
 """`moe-lab data validate|prepare`: heavy imports (datasets, great_expectations) happen in the handlers.
 
-    moe-lab data validate data/train.jsonl --kind text          # prints the report; exit 0 pass, 1 fail
-    moe-lab data prepare builtin --out runs/data --max-documents 200 --vocab-size 2000
+moe-lab data validate data/train.jsonl --kind text          # prints the report; exit 0 pass, 1 fail
+moe-lab data prepare builtin --out runs/data --max-documents 200 --vocab-size 2000
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hub-config", default=None, help="hub dataset config, e.g. wikitext-103-raw-v1")
     p.add_argument("--split", default="train", help="hub dataset split to read (default: train)")
     p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
-    p.add_argument("--txt-sample-by", default="paragraph", choices=("paragraph", "line", "document"),
-                   help=".txt files: what one document is (default: paragraph)")
-    p.add_argument("--sample-rows", type=int, default=None,
-                   help="validate a deterministic sample of this many rows (default: all rows)")
+    p.add_argument(
+        "--txt-sample-by",
+        default="paragraph",
+        choices=("paragraph", "line", "document"),
+        help=".txt files: what one document is (default: paragraph)",
+    )
+    p.add_argument(
+        "--sample-rows",
+        type=int,
+        default=None,
+        help="validate a deterministic sample of this many rows (default: all rows)",
+    )
     p.add_argument("--max-duplicate-ratio", type=float, default=0.1, help="exact-duplicate ratio bound")
     p.add_argument("--min-rows", type=int, default=1, help="fewest rows the data must have")
 
@@ -30,12 +38,16 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="validate and prepare training data")
     sub = data.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
 
-    v = sub.add_parser("validate", help="run the great-expectations suite of a data kind and print the report")
+    v = sub.add_parser(
+        "validate", help="run the great-expectations suite of a data kind and print the report"
+    )
     v.add_argument("source", help="'builtin', a file, directory or glob, or a hub id (hf:owner/name)")
     v.add_argument("--kind", default="text", choices=("text", "instruction", "preference"))
     _source_args(v)
     v.add_argument("--report", type=Path, default=None, help="also write the markdown report here")
-    v.add_argument("--json", dest="json_out", type=Path, default=None, help="also write the result as JSON here")
+    v.add_argument(
+        "--json", dest="json_out", type=Path, default=None, help="also write the result as JSON here"
+    )
     v.set_defaults(func=_validate)
 
     p = sub.add_parser("prepare", help="validate, tokenize and pack a source into token shards")
@@ -45,7 +57,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     _source_args(p)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--tokenizer", default=None, help="existing tokenizer (directory or hub id); default: train one")
+    p.add_argument(
+        "--tokenizer", default=None, help="existing tokenizer (directory or hub id); default: train one"
+    )
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--test-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -59,17 +73,27 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 def _validation_config(args: argparse.Namespace, seed: int = 0):  # -> ValidationConfig
     from moe_core.data.validation import ValidationConfig
 
-    return ValidationConfig(sample_rows=args.sample_rows, max_duplicate_ratio=args.max_duplicate_ratio,
-                            min_rows=args.min_rows, seed=seed)
+    return ValidationConfig(
+        sample_rows=args.sample_rows,
+        max_duplicate_ratio=args.max_duplicate_ratio,
+        min_rows=args.min_rows,
+        seed=seed,
+    )
 
 
 def _validate(args: argparse.Namespace) -> int:
     from moe_core.data.validation import validate_source
 
     result = validate_source(
-        args.source, kind=args.kind, config=_validation_config(args), text_column=args.text_column,
-        domain_column=args.domain_column, hub_config=args.hub_config, split=args.split,
-        max_documents=args.max_documents, txt_sample_by=args.txt_sample_by,
+        args.source,
+        kind=args.kind,
+        config=_validation_config(args),
+        text_column=args.text_column,
+        domain_column=args.domain_column,
+        hub_config=args.hub_config,
+        split=args.split,
+        max_documents=args.max_documents,
+        txt_sample_by=args.txt_sample_by,
     )
     report = result.to_markdown()
     print(report)
@@ -86,11 +110,23 @@ def _prepare(args: argparse.Namespace) -> int:
     from moe_core.data.shards import read_manifest
 
     config = PrepareConfig(
-        source=args.source, kind=args.kind, text_column=args.text_column, domain_column=args.domain_column,
-        hub_config=args.hub_config, split=args.split, seq_len=args.seq_len, vocab_size=args.vocab_size,
-        tokenizer=args.tokenizer, val_fraction=args.val_fraction, test_fraction=args.test_fraction,
-        seed=args.seed, max_documents=args.max_documents, num_proc=args.num_proc, dtype=args.dtype,
-        validate=not args.no_validate, validation=_validation_config(args, args.seed),
+        source=args.source,
+        kind=args.kind,
+        text_column=args.text_column,
+        domain_column=args.domain_column,
+        hub_config=args.hub_config,
+        split=args.split,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
+        seed=args.seed,
+        max_documents=args.max_documents,
+        num_proc=args.num_proc,
+        dtype=args.dtype,
+        validate=not args.no_validate,
+        validation=_validation_config(args, args.seed),
         txt_sample_by=args.txt_sample_by,
     )
     try:
@@ -99,8 +135,21 @@ def _prepare(args: argparse.Namespace) -> int:
         print(err.result.to_markdown())
         raise
     manifest = read_manifest(out)
-    splits = {name: {k: s[k] for k in ("documents", "num_blocks", "num_tokens")} for name, s in manifest["splits"].items()}
-    print(json.dumps({"out": str(out), "tokenizer_hash": manifest["tokenizer"]["hash"][:16],
-                      "vocab_size": manifest["tokenizer"]["vocab_size"], "dtype": manifest["dtype"],
-                      "counts": manifest["counts"], "splits": splits}), file=sys.stdout)
+    splits = {
+        name: {k: s[k] for k in ("documents", "num_blocks", "num_tokens")}
+        for name, s in manifest["splits"].items()
+    }
+    print(
+        json.dumps(
+            {
+                "out": str(out),
+                "tokenizer_hash": manifest["tokenizer"]["hash"][:16],
+                "vocab_size": manifest["tokenizer"]["vocab_size"],
+                "dtype": manifest["dtype"],
+                "counts": manifest["counts"],
+                "splits": splits,
+            }
+        ),
+        file=sys.stdout,
+    )
     return 0

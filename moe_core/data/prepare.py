@@ -66,7 +66,9 @@ class PrepareConfig:
     source: str = "builtin"  # "builtin", a local file/dir/glob, or a hub id (hf:owner/name)
     kind: str = "text"  # "text" or "instruction" (rendered with the chat template)
     text_column: str = "text"
-    domain_column: str | None = None  # a column of domain labels; default: the source's own ("text" for files)
+    domain_column: str | None = (
+        None  # a column of domain labels; default: the source's own ("text" for files)
+    )
     hub_config: str | None = None  # e.g. "wikitext-103-raw-v1"
     split: str = "train"  # the hub split to read
     seq_len: int = 256  # tokens per packed block
@@ -83,7 +85,9 @@ class PrepareConfig:
     validate: bool = True
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-    txt_sample_by: str = "paragraph"  # .txt documents: "paragraph" (blank-line separated), "line" or "document"
+    txt_sample_by: str = (
+        "paragraph"  # .txt documents: "paragraph" (blank-line separated), "line" or "document"
+    )
     min_eval_bytes_per_block: int = 8  # see assign_splits
 
     def __post_init__(self) -> None:
@@ -94,8 +98,11 @@ class PrepareConfig:
             return ValueError(f"PrepareConfig.{name}={getattr(self, name)!r}: {msg}")
 
         if self.kind not in ("text", "instruction"):
-            raise bad("kind", "prepare packs 'text' or 'instruction' data; preference pairs are read with "
-                              "moe_core.data.sources.load_source(..., kind='preference')")
+            raise bad(
+                "kind",
+                "prepare packs 'text' or 'instruction' data; preference pairs are read with "
+                "moe_core.data.sources.load_source(..., kind='preference')",
+            )
         for name in ("seq_len", "vocab_size", "num_proc", "blocks_per_shard", "max_line_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise bad(name, "must be a positive integer")
@@ -120,8 +127,11 @@ class PrepareConfig:
 def config_fingerprint(config: PrepareConfig, source_fp: str, tokenizer_fp: str | None = None) -> str:
     data = config.to_dict()
     data.pop("num_proc")  # does not change the output
-    blob = json.dumps({"format": FORMAT_VERSION, "config": data, "source": source_fp, "tokenizer": tokenizer_fp},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"format": FORMAT_VERSION, "config": data, "source": source_fp, "tokenizer": tokenizer_fp},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -130,8 +140,9 @@ def _tokenizer_fingerprint(name: str | None) -> str | None:
         return None
     path = Path(name)
     if path.is_dir():  # hash the files, so an edited tokenizer directory is noticed
-        return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)}" for p in sorted(path.rglob("*"))
-                                      if p.is_file()).encode()).hexdigest()
+        return hashlib.sha256(
+            "".join(f"{p.name}:{sha256_file(p)}" for p in sorted(path.rglob("*")) if p.is_file()).encode()
+        ).hexdigest()
     return f"hub:{name}"
 
 
@@ -156,10 +167,14 @@ def prepare(config: PrepareConfig, out_dir: str | Path, overwrite: bool = False)
             verify_prepared(out)
             return out
         if not same and not overwrite:
-            raise DataError(f"{out}: holds data prepared from other inputs (config or source changed); pass "
-                            "overwrite=True (--overwrite) to replace it, or choose another directory")
+            raise DataError(
+                f"{out}: holds data prepared from other inputs (config or source changed); pass "
+                "overwrite=True (--overwrite) to replace it, or choose another directory"
+            )
     elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise DataError(f"{out}: exists and is not a prepared-data directory; choose an empty or new directory")
+        raise DataError(
+            f"{out}: exists and is not a prepared-data directory; choose an empty or new directory"
+        )
 
     with atomic_directory(out, overwrite=True, error_cls=DataError) as tmp:  # refusals were decided above
         _build(config, tmp, fingerprint, source_fp)
@@ -193,7 +208,10 @@ def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], d
     boundary (by u) until it has them, as long as train keeps more than half of the documents."""
     digests = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
     u = [int.from_bytes(d[:8], "big") / 2**64 for d in digests]
-    split = [2 if x < config.test_fraction else 1 if x < config.test_fraction + config.val_fraction else 0 for x in u]
+    split = [
+        2 if x < config.test_fraction else 1 if x < config.test_fraction + config.val_fraction else 0
+        for x in u
+    ]
     seen: set[bytes] = set()
     for i, d in enumerate(digests):
         if d in seen:
@@ -223,8 +241,9 @@ def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], d
     return split, counts
 
 
-def tokenize_documents(config: PrepareConfig, tokenizer: Any, texts: list[str], domain_ids: list[int],
-              split_ids: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+def tokenize_documents(
+    config: PrepareConfig, tokenizer: Any, texts: list[str], domain_ids: list[int], split_ids: list[int]
+) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
     """Per split: (tokens 1-D int64, domain id per token uint8, documents), documents joined by EOS."""
     import datasets
 
@@ -240,8 +259,14 @@ def tokenize_documents(config: PrepareConfig, tokenizer: Any, texts: list[str], 
     if config.num_proc > 1:  # worker processes: keep the Rust tokenizer single-threaded in each
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _quiet_datasets():
-        ds = ds.map(encode, batched=True, batch_size=256, num_proc=config.num_proc if config.num_proc > 1 else None,
-                    remove_columns=["text"], desc="tokenize")
+        ds = ds.map(
+            encode,
+            batched=True,
+            batch_size=256,
+            num_proc=config.num_proc if config.num_proc > 1 else None,
+            remove_columns=["text"],
+            desc="tokenize",
+        )
     column = ds.data.column("input_ids").combine_chunks()
     offsets = column.offsets.to_numpy()
     values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -269,10 +294,17 @@ def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -
 
 def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str, bar) -> None:
     bar.stage("load")
-    loaded = load_source(config.source, kind=config.kind, text_column=config.text_column,
-                         domain_column=config.domain_column, hub_config=config.hub_config, split=config.split,
-                         max_documents=config.max_documents, max_line_bytes=config.max_line_bytes,
-                         txt_sample_by=config.txt_sample_by)
+    loaded = load_source(
+        config.source,
+        kind=config.kind,
+        text_column=config.text_column,
+        domain_column=config.domain_column,
+        hub_config=config.hub_config,
+        split=config.split,
+        max_documents=config.max_documents,
+        max_line_bytes=config.max_line_bytes,
+        txt_sample_by=config.txt_sample_by,
+    )
     texts, domains, counts = _documents(config, loaded)
     if not texts:
         raise DataError(f"{loaded.spec.name}: every document is empty; nothing to prepare")
@@ -297,11 +329,15 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
     vocab = len(tokenizer)
     dtype = config.dtype if config.dtype != "auto" else ("uint16" if vocab <= 2**16 else "uint32")
     if dtype == "uint16" and vocab > 2**16:
-        raise DataError(f"dtype uint16 cannot hold token ids of a {vocab}-token vocabulary; use uint32 or auto")
+        raise DataError(
+            f"dtype uint16 cannot hold token ids of a {vocab}-token vocabulary; use uint32 or auto"
+        )
 
     domain_names = sorted(set(domains))
     if len(domain_names) > 255:
-        raise DataError(f"{loaded.spec.name}: {len(domain_names)} domains; at most 255 fit the uint8 domain ids")
+        raise DataError(
+            f"{loaded.spec.name}: {len(domain_names)} domains; at most 255 fit the uint8 domain ids"
+        )
     domain_index = {d: i for i, d in enumerate(domain_names)}
     bar.stage("tokenize")
     per_split = tokenize_documents(config, tokenizer, texts, [domain_index[d] for d in domains], split_ids)
@@ -312,8 +348,10 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
         entry = write_split_shards(tmp, name, tokens, doms, config.seq_len, dtype, config.blocks_per_shard)
         splits[name] = {"documents": n_docs, **entry}
     if splits["train"]["num_blocks"] == 0:
-        raise DataError(f"{loaded.spec.name}: the train split has {len(per_split['train'][0])} tokens, fewer than "
-                        f"one block of seq_len={config.seq_len}; use more documents or a shorter seq_len")
+        raise DataError(
+            f"{loaded.spec.name}: the train split has {len(per_split['train'][0])} tokens, fewer than "
+            f"one block of seq_len={config.seq_len}; use more documents or a shorter seq_len"
+        )
     if report is not None:
         (tmp / "validation.md").write_text(report.to_markdown())
         (tmp / "validation.json").write_text(json.dumps(report.to_dict(), indent=1))
@@ -337,8 +375,9 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
         },
         "counts": {**counts, "documents_kept": sum(1 for s in split_ids if s >= 0)},
         "splits": splits,
-        "validation": None if report is None else {"suite": report.suite, "success": report.success,
-                                                   "rows_checked": report.rows_checked},
+        "validation": None
+        if report is None
+        else {"suite": report.suite, "success": report.success, "rows_checked": report.rows_checked},
         "versions": {"python": platform.python_version(), **_versions()},
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -349,8 +388,11 @@ def _versions() -> dict[str, str]:
     import tokenizers
     import transformers
 
-    return {"datasets": datasets.__version__, "tokenizers": tokenizers.__version__,
-            "transformers": transformers.__version__}
+    return {
+        "datasets": datasets.__version__,
+        "tokenizers": tokenizers.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 __all__ = ["KINDS", "SPLITS", "PrepareConfig", "assign_splits", "config_fingerprint", "prepare"]

@@ -22,15 +22,26 @@ import torch
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
-    def __init__(self, num_blocks: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
         if num_blocks <= 0:
-            raise ValueError(f"ResumableSampler: num_blocks={num_blocks} must be positive (is the split empty?)")
+            raise ValueError(
+                f"ResumableSampler: num_blocks={num_blocks} must be positive (is the split empty?)"
+            )
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"ResumableSampler: rank={rank} must be in [0, world_size={world_size})")
         if drop_last and num_blocks < world_size:
-            raise ValueError(f"ResumableSampler: {num_blocks} blocks cannot give each of {world_size} ranks one "
-                             "with drop_last=True; use drop_last=False or more data")
+            raise ValueError(
+                f"ResumableSampler: {num_blocks} blocks cannot give each of {world_size} ranks one "
+                "with drop_last=True; use drop_last=False or more data"
+            )
         self.num_blocks = num_blocks
         self.seed = seed
         self.rank = rank
@@ -82,33 +93,47 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             yield index
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_blocks": self.num_blocks,
-                "rank": self.rank, "world_size": self.world_size, "shuffle": self.shuffle,
-                "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_blocks": self.num_blocks,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "num_blocks", "world_size", "shuffle", "drop_last"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"ResumableSampler.load_state_dict: saved {key}={state[key]!r} but this sampler has "
-                                 f"{getattr(self, key)!r}; resume with the same data and settings "
-                                 "(changing world_size mid-epoch is not supported: resume at an epoch boundary)")
+                raise ValueError(
+                    f"ResumableSampler.load_state_dict: saved {key}={state[key]!r} but this sampler has "
+                    f"{getattr(self, key)!r}; resume with the same data and settings "
+                    "(changing world_size mid-epoch is not supported: resume at an epoch boundary)"
+                )
         position = int(state["position"])
         if not 0 <= position <= self.num_samples:
-            raise ValueError(f"ResumableSampler.load_state_dict: position={position} outside [0, {self.num_samples}]")
+            raise ValueError(
+                f"ResumableSampler.load_state_dict: position={position} outside [0, {self.num_samples}]"
+            )
         self.epoch = int(state["epoch"])
         self.position = position
 
 
-def iterate_batches(dataset: Any, sampler: ResumableSampler, batch_size: int,
-                    with_domains: bool = False) -> Iterator[Any]:
+def iterate_batches(
+    dataset: Any, sampler: ResumableSampler, batch_size: int, with_domains: bool = False
+) -> Iterator[Any]:
     """Endless LongTensor [batch_size, seq_len] batches in the sampler's order, rolling over epochs (a batch
     may span the boundary). The sampler's state after each yield resumes at the next batch. With
     `with_domains` it yields (tokens, per-token domain ids) pairs."""
     if batch_size <= 0:
         raise ValueError(f"iterate_batches: batch_size={batch_size} must be positive")
     if len(dataset) != sampler.num_blocks:
-        raise ValueError(f"iterate_batches: the sampler covers {sampler.num_blocks} blocks but the dataset has "
-                         f"{len(dataset)}; build the sampler with num_blocks=len(dataset)")
+        raise ValueError(
+            f"iterate_batches: the sampler covers {sampler.num_blocks} blocks but the dataset has "
+            f"{len(dataset)}; build the sampler with num_blocks=len(dataset)"
+        )
     while True:
         indices: list[int] = []
         while len(indices) < batch_size:

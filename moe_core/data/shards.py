@@ -41,21 +41,32 @@ def sha256_file(path: Path) -> str:
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise DataError(f"{data_dir}: no {MANIFEST}; this is not a prepared-data directory. "
-                        "Run `moe-lab data prepare SOURCE --out DIR` first")
+        raise DataError(
+            f"{data_dir}: no {MANIFEST}; this is not a prepared-data directory. "
+            "Run `moe-lab data prepare SOURCE --out DIR` first"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: broken manifest ({err.__class__.__name__}); re-run `moe-lab data prepare` "
-                        "with --overwrite") from None
+        raise DataError(
+            f"{path}: broken manifest ({err.__class__.__name__}); re-run `moe-lab data prepare` "
+            "with --overwrite"
+        ) from None
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}; "
-                        "re-run `moe-lab data prepare` with --overwrite")
+        raise DataError(
+            f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}; "
+            "re-run `moe-lab data prepare` with --overwrite"
+        )
     return manifest
 
 
 def write_split_shards(
-    out_dir: Path, split: str, tokens: np.ndarray, domains: np.ndarray, seq_len: int, dtype: str,
+    out_dir: Path,
+    split: str,
+    tokens: np.ndarray,
+    domains: np.ndarray,
+    seq_len: int,
+    dtype: str,
     blocks_per_shard: int,
 ) -> dict[str, Any]:
     """Pack `tokens` (1-D, documents already joined with EOS) into [blocks, seq_len] shards; the tail that
@@ -74,8 +85,12 @@ def write_split_shards(
             entry[name] = rel
             entry["sha256"][name] = sha256_file(out_dir / rel)
         shards.append(entry)
-    return {"num_blocks": n_blocks, "num_tokens": n_blocks * seq_len, "dropped_tail_tokens": len(tokens) - n_blocks * seq_len,
-            "shards": shards}
+    return {
+        "num_blocks": n_blocks,
+        "num_tokens": n_blocks * seq_len,
+        "dropped_tail_tokens": len(tokens) - n_blocks * seq_len,
+        "shards": shards,
+    }
 
 
 def verify_prepared(data_dir: str | Path, splits: list[str] | None = None) -> dict[str, Any]:
@@ -89,8 +104,10 @@ def verify_prepared(data_dir: str | Path, splits: list[str] | None = None) -> di
         if not path.is_file():
             raise DataError(f"{path}: missing tokenizer file; {redo}")
         if sha256_file(path) != digest:
-            raise DataError(f"{path}: checksum mismatch with the manifest (tokenizer {manifest['tokenizer']['hash'][:12]}); "
-                            f"{redo}")
+            raise DataError(
+                f"{path}: checksum mismatch with the manifest (tokenizer {manifest['tokenizer']['hash'][:12]}); "
+                f"{redo}"
+            )
     for split in splits if splits is not None else list(manifest["splits"]):
         if split not in manifest["splits"]:
             raise DataError(f"{data_dir}: no split {split!r}; prepared splits: {list(manifest['splits'])}")
@@ -112,7 +129,9 @@ class PackedTokens(torch.utils.data.Dataset):
         self.data_dir = Path(data_dir)
         self.manifest = verify_prepared(self.data_dir, [split]) if verify else read_manifest(self.data_dir)
         if split not in self.manifest["splits"]:
-            raise DataError(f"{self.data_dir}: no split {split!r}; prepared splits: {list(self.manifest['splits'])}")
+            raise DataError(
+                f"{self.data_dir}: no split {split!r}; prepared splits: {list(self.manifest['splits'])}"
+            )
         self.split = split
         self.seq_len: int = int(self.manifest["seq_len"])
         self.vocab_size: int = int(self.manifest["tokenizer"]["vocab_size"])
@@ -121,17 +140,24 @@ class PackedTokens(torch.utils.data.Dataset):
         self._tokens: list[np.ndarray] = []
         self._domains: list[np.ndarray] = []
         for shard in self.manifest["splits"][split]["shards"]:
-            for kind, arrays, dtype in (("tokens", self._tokens, self.manifest["dtype"]), ("domains", self._domains, "uint8")):
+            for kind, arrays, dtype in (
+                ("tokens", self._tokens, self.manifest["dtype"]),
+                ("domains", self._domains, "uint8"),
+            ):
                 path = self.data_dir / shard[kind]
                 try:
                     array = np.load(path, mmap_mode="r")
                 except (OSError, ValueError) as err:
-                    raise DataError(f"{path}: unreadable shard ({err.__class__.__name__}); re-run "
-                                    "`moe-lab data prepare` with --overwrite") from None
+                    raise DataError(
+                        f"{path}: unreadable shard ({err.__class__.__name__}); re-run "
+                        "`moe-lab data prepare` with --overwrite"
+                    ) from None
                 if array.shape != (shard["num_blocks"], self.seq_len) or array.dtype != np.dtype(dtype):
-                    raise DataError(f"{path}: shape {array.shape} {array.dtype}, manifest says "
-                                    f"({shard['num_blocks']}, {self.seq_len}) {dtype}; re-run "
-                                    "`moe-lab data prepare` with --overwrite")
+                    raise DataError(
+                        f"{path}: shape {array.shape} {array.dtype}, manifest says "
+                        f"({shard['num_blocks']}, {self.seq_len}) {dtype}; re-run "
+                        "`moe-lab data prepare` with --overwrite"
+                    )
                 arrays.append(array)
         self._starts = np.cumsum([0] + [len(a) for a in self._tokens])
 

@@ -53,8 +53,11 @@ KINDS: tuple[str, ...] = ("text", "instruction", "preference")
 
 # file suffix -> `datasets` packaged builder
 FORMATS: dict[str, str] = {
-    ".txt": "text", ".text": "text", ".md": "text",
-    ".jsonl": "json", ".json": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
     ".parquet": "parquet",
     ".csv": "csv",
 }
@@ -75,8 +78,17 @@ class Document:
 
 
 # ---------------------------------------------------------------------------------------------- built-in
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",
-              "ensurepip", "__phello__"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "encodings",
+    "ensurepip",
+    "__phello__",
+}
 _PRAGMA = re.compile(r"^#!|coding[:=]|^#\s*(noqa|type:|pragma|fmt:)")
 
 
@@ -100,11 +112,17 @@ def split_python_source(source: str) -> tuple[str, str]:
     drop: set[int] = set()  # 1-based lines that belong to prose only
     prose: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) or not node.body:
+        if (
+            not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            or not node.body
+        ):
             continue
         first = node.body[0]
-        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)):
+        if not (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
             continue
         prose.append((first.lineno, inspect.cleandoc(first.value.value)))
         if isinstance(node, ast.Module) or first.lineno != node.lineno:  # `def f(): "doc"` keeps its line
@@ -135,8 +153,11 @@ def split_python_source(source: str) -> tuple[str, str]:
         block_end = row
     if block:
         prose.append((block_start, "\n".join(block).strip()))
-    code_lines = [line[: cut[i]].rstrip() if i in cut else line
-                  for i, line in enumerate(lines, start=1) if i not in drop]
+    code_lines = [
+        line[: cut[i]].rstrip() if i in cut else line
+        for i, line in enumerate(lines, start=1)
+        if i not in drop
+    ]
     code = re.sub(r"\n{3,}", "\n\n", "\n".join(code_lines)).strip("\n")
     prose_text = "\n\n".join(text for _, text in sorted(prose, key=lambda p: p[0]) if text)
     return code, prose_text
@@ -206,22 +227,30 @@ def parse_source(source: str) -> SourceSpec:
             raise DataError(f"{source}: the glob matches no files; check the pattern")
         what = f"glob {source}"
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FORMATS
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.suffix.lower() in FORMATS
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise DataError(f"{source}: the directory holds no files of a supported format ({supported})")
         what = f"directory {source}"
     elif path.is_file():
         files, what = [path], str(path)
     elif path.suffix.lower() in FORMATS or "/" not in source.strip("/") or not _HUB_ID.match(source):
-        raise DataError(f"{source}: no such file or directory; pass an existing path, 'builtin', "
-                        "or a hub dataset id as hf:owner/name")
+        raise DataError(
+            f"{source}: no such file or directory; pass an existing path, 'builtin', "
+            "or a hub dataset id as hf:owner/name"
+        )
     else:
         return SourceSpec("hub", source)
     unknown = [p for p in files if p.suffix.lower() not in FORMATS]
     if unknown:
-        raise DataError(f"{unknown[0]}: unknown format {unknown[0].suffix or '(no suffix)'!r}; "
-                        f"supported: {supported}")
+        raise DataError(
+            f"{unknown[0]}: unknown format {unknown[0].suffix or '(no suffix)'!r}; supported: {supported}"
+        )
     builders = sorted({FORMATS[p.suffix.lower()] for p in files})
     if len(builders) > 1:
         raise DataError(f"{what}: mixes formats {builders}; put one format per source")
@@ -248,22 +277,28 @@ def check_file(path: Path, builder: str, max_line_bytes: int = DEFAULT_MAX_LINE_
         while chunk := f.read(1 << 20):
             nul = chunk.find(b"\0")
             if nul >= 0:
-                raise DataError(f"{path}: binary file (NUL byte at byte offset {offset + nul}); "
-                                "only UTF-8 text is accepted for this format")
+                raise DataError(
+                    f"{path}: binary file (NUL byte at byte offset {offset + nul}); "
+                    "only UTF-8 text is accepted for this format"
+                )
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as err:
                 pos = max(err.start, 0)
                 at_line = line + chunk.count(b"\n", 0, pos) + 1
-                raise DataError(f"{path}: invalid UTF-8 at byte offset {offset + pos} (line {at_line}); "
-                                "re-encode the file as UTF-8") from None
+                raise DataError(
+                    f"{path}: invalid UTF-8 at byte offset {offset + pos} (line {at_line}); "
+                    "re-encode the file as UTF-8"
+                ) from None
             parts = chunk.split(b"\n")
             lengths = [current + len(parts[0])] + [len(p) for p in parts[1:]]
             longest = max(lengths)
             if longest > max_line_bytes:
                 at = lengths.index(longest)
-                raise DataError(f"{path}: line {line + at + 1} is over {max_line_bytes} bytes "
-                                f"(max_line_bytes); split it into several lines/documents or raise the limit")
+                raise DataError(
+                    f"{path}: line {line + at + 1} is over {max_line_bytes} bytes "
+                    f"(max_line_bytes); split it into several lines/documents or raise the limit"
+                )
             current = lengths[-1]
             nonspace = nonspace or bool(chunk.strip())
             line += len(parts) - 1
@@ -271,8 +306,10 @@ def check_file(path: Path, builder: str, max_line_bytes: int = DEFAULT_MAX_LINE_
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
-            raise DataError(f"{path}: invalid UTF-8 (truncated sequence at the end of the file); "
-                            "re-encode the file as UTF-8") from None
+            raise DataError(
+                f"{path}: invalid UTF-8 (truncated sequence at the end of the file); "
+                "re-encode the file as UTF-8"
+            ) from None
     if not nonspace:
         raise DataError(f"{path}: empty file (whitespace only); remove it or point the source elsewhere")
 
@@ -335,8 +372,14 @@ def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> A
 
     def load(files: list[Path]) -> Any:
         # keep_in_memory: the rows are read into memory, so the scratch cache can go once loading ends
-        return datasets.load_dataset(spec.builder, data_files=[str(p) for p in files], split="train",
-                                     cache_dir=cache_dir, keep_in_memory=True, **kwargs)
+        return datasets.load_dataset(
+            spec.builder,
+            data_files=[str(p) for p in files],
+            split="train",
+            cache_dir=cache_dir,
+            keep_in_memory=True,
+            **kwargs,
+        )
 
     try:
         with _quiet_datasets():
@@ -354,10 +397,14 @@ def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> A
         cause = err.__cause__ or err
         first = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
         if len(spec.files) > 1 and culprit == spec.files[0]:
-            raise DataError(f"{spec.location}: the files load one by one but not together ({first}); "
-                            "make their columns and types agree") from None
-        raise DataError(f"{culprit}: could not parse as {spec.builder} ({type(cause).__name__}: {first}); "
-                        "fix the file or its suffix") from None
+            raise DataError(
+                f"{spec.location}: the files load one by one but not together ({first}); "
+                "make their columns and types agree"
+            ) from None
+        raise DataError(
+            f"{culprit}: could not parse as {spec.builder} ({type(cause).__name__}: {first}); "
+            "fix the file or its suffix"
+        ) from None
     # the name of the file each row came from (never its content)
     names: list[str] = []
     if len(spec.files) == 1:
@@ -393,14 +440,16 @@ def _load_hub(spec: SourceSpec, hub_config: str | None, split: str, max_document
     # "train[:N]" lets `datasets` read only the first N rows where the builder supports it
     selected = split if max_documents is None or "[" in split else f"{split}[:{max_documents}]"
     try:
-        return datasets.load_dataset(spec.location, hub_config, split=selected,
-                                     cache_dir=str(lab_data_dir() / "hf-datasets"))
+        return datasets.load_dataset(
+            spec.location, hub_config, split=selected, cache_dir=str(lab_data_dir() / "hf-datasets")
+        )
     except Exception as err:
         msg = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         raise DataError(
             f"hub dataset {spec.location!r} (config {hub_config!r}, split {split!r}) could not be loaded: "
             f"{type(err).__name__}: {msg}. Without network access use local files or the built-in corpus "
-            "(source 'builtin')") from None
+            "(source 'builtin')"
+        ) from None
 
 
 def _require_columns(ds: Any, spec: SourceSpec, columns: list[str], hint: str) -> None:
@@ -435,10 +484,19 @@ def load_source(
         if kind != "text":
             raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
         docs = builtin_corpus(max_documents)
-        ds = datasets.Dataset.from_dict({"text": [d.text for d in docs], "domain": [d.domain for d in docs],
-                                         "source": [d.source for d in docs]})
+        ds = datasets.Dataset.from_dict(
+            {
+                "text": [d.text for d in docs],
+                "domain": [d.domain for d in docs],
+                "source": [d.source for d in docs],
+            }
+        )
         return LoadedSource(ds, spec, fingerprint)
-    ds = _load_local(spec, max_line_bytes, txt_sample_by) if spec.type == "local" else _load_hub(spec, hub_config, split, max_documents)
+    ds = (
+        _load_local(spec, max_line_bytes, txt_sample_by)
+        if spec.type == "local"
+        else _load_hub(spec, hub_config, split, max_documents)
+    )
     if "source" not in ds.column_names:
         ds = ds.add_column("source", [spec.location] * len(ds))
     if max_documents is not None:
@@ -454,11 +512,19 @@ def load_source(
         ds = datasets.Dataset.from_dict({"text": texts, "domain": domains, "source": ds["source"]})
     elif kind == "instruction":
         if "messages" not in ds.column_names:
-            _require_columns(ds, spec, ["instruction", "output"],
-                             "Instruction data needs a chat `messages` column or alpaca `instruction`/`output`.")
+            _require_columns(
+                ds,
+                spec,
+                ["instruction", "output"],
+                "Instruction data needs a chat `messages` column or alpaca `instruction`/`output`.",
+            )
     else:
-        _require_columns(ds, spec, ["prompt", "chosen", "rejected"],
-                         "Preference data needs `prompt`, `chosen` and `rejected` columns.")
+        _require_columns(
+            ds,
+            spec,
+            ["prompt", "chosen", "rejected"],
+            "Preference data needs `prompt`, `chosen` and `rejected` columns.",
+        )
     return LoadedSource(ds, spec, fingerprint)
 
 
@@ -467,11 +533,16 @@ def to_messages(record: dict[str, Any]) -> list[dict[str, str]]:
     """An instruction record (chat ``messages`` or alpaca ``instruction``/``input``/``output``) as a list of
     ``{"role", "content"}`` turns."""
     if record.get("messages") is not None:
-        return [{"role": str(m.get("role")), "content": str(m.get("content") or "")} for m in record["messages"]]
+        return [
+            {"role": str(m.get("role")), "content": str(m.get("content") or "")} for m in record["messages"]
+        ]
     prompt = str(record.get("instruction") or "")
     if record.get("input"):
         prompt = f"{prompt}\n\n{record['input']}"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record.get("output") or "")}]
+    return [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": str(record.get("output") or "")},
+    ]
 
 
 def canonical_json(value: Any) -> str:

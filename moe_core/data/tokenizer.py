@@ -37,8 +37,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size={vocab_size} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} "
-                         "special tokens); raise it")
+        raise ValueError(
+            f"vocab_size={vocab_size} is below {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} "
+            "special tokens); raise it"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -51,8 +53,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS), clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -70,11 +76,15 @@ def load_tokenizer(path_or_id: str | Path) -> Any:
         tok = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(path_or_id))
     except Exception as err:
         msg = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise DataError(f"tokenizer {str(path_or_id)!r} could not be loaded ({type(err).__name__}: {msg}); pass a "
-                        "tokenizer directory, a prepared-data directory, or a reachable hub id") from None
+        raise DataError(
+            f"tokenizer {str(path_or_id)!r} could not be loaded ({type(err).__name__}: {msg}); pass a "
+            "tokenizer directory, a prepared-data directory, or a reachable hub id"
+        ) from None
     if tok.eos_token_id is None:
-        raise DataError(f"tokenizer {str(path_or_id)!r} has no EOS token; packing separates documents with EOS, "
-                        "so pick a tokenizer that defines one")
+        raise DataError(
+            f"tokenizer {str(path_or_id)!r} has no EOS token; packing separates documents with EOS, "
+            "so pick a tokenizer that defines one"
+        )
     return tok
 
 

@@ -105,8 +105,13 @@ class ValidationResult:
     def summary(self) -> str:
         parts = []
         for o in self.failed:
-            detail = (f"{o.unexpected_count} row(s)" if o.unexpected_count else
-                      f"observed {o.observed_value}" if o.observed_value is not None else o.error or "failed")
+            detail = (
+                f"{o.unexpected_count} row(s)"
+                if o.unexpected_count
+                else f"observed {o.observed_value}"
+                if o.observed_value is not None
+                else o.error or "failed"
+            )
             parts.append(f"{o.check} [{o.expectation}]: {detail}")
         return "; ".join(parts)
 
@@ -124,8 +129,10 @@ class ValidationResult:
             "|---|---|---|---|---|---|",
         ]
         for o in self.outcomes:
-            rows = ", ".join(f"{i}:{h}" for i, h in zip(o.row_indices[: self.max_listed_rows],
-                                                         o.row_hashes[: self.max_listed_rows]))
+            rows = ", ".join(
+                f"{i}:{h}"
+                for i, h in zip(o.row_indices[: self.max_listed_rows], o.row_hashes[: self.max_listed_rows])
+            )
             if len(o.row_indices) > self.max_listed_rows:
                 rows += f", ... ({len(o.row_indices) - self.max_listed_rows} more)"
             observed = "" if o.observed_value is None else f"{o.observed_value:.4g}"
@@ -139,7 +146,9 @@ class ValidationResult:
             raise DataValidationError(
                 f"{self.source}: data validation suite {self.suite} failed: {self.summary()}. "
                 "Offending rows are listed by index and hash in the report; fix the data or relax "
-                "the ValidationConfig bounds.", self)
+                "the ValidationConfig bounds.",
+                self,
+            )
 
 
 # ---------------------------------------------------------------------------------------------- frames
@@ -183,11 +192,13 @@ def _text_frame(cols: dict[str, list[Any]], text_column: str) -> Any:
     if text_column not in cols:
         raise DataError(f"text data has no column {text_column!r} (found {sorted(cols)}); pass text_column")
     texts = [_as_str(t) for t in cols[text_column]]
-    return pd.DataFrame({
-        "text": texts,
-        "hash": [row_hash(t) if t is not None else "null" for t in texts],
-        "n_words": [len(t.split()) if t else 0 for t in texts],
-    })
+    return pd.DataFrame(
+        {
+            "text": texts,
+            "hash": [row_hash(t) if t is not None else "null" for t in texts],
+            "n_words": [len(t.split()) if t else 0 for t in texts],
+        }
+    )
 
 
 def _instruction_frame(cols: dict[str, list[Any]]) -> tuple[Any, str]:
@@ -201,18 +212,40 @@ def _instruction_frame(cols: dict[str, list[Any]]) -> tuple[Any, str]:
         for messages in cols["messages"]:
             turns = messages if isinstance(messages, list) else []
             ok = all(isinstance(m, dict) for m in turns)
-            roles.append("|".join(str(m.get("role")) for m in turns) if ok and turns else "<none>" if ok else "<invalid>")
+            roles.append(
+                "|".join(str(m.get("role")) for m in turns)
+                if ok and turns
+                else "<none>"
+                if ok
+                else "<invalid>"
+            )
             n_turns.append(len(turns) if ok else 0)
-            min_content.append(min((len(str(m.get("content") or "").strip()) for m in turns), default=0) if ok else 0)
+            min_content.append(
+                min((len(str(m.get("content") or "").strip()) for m in turns), default=0) if ok else 0
+            )
             has_assistant.append(ok and any(m.get("role") == "assistant" for m in turns))
-        frame = pd.DataFrame({"roles": roles, "n_turns": n_turns, "min_content_chars": min_content,
-                              "has_assistant_turn": has_assistant, "hash": hashes})
+        frame = pd.DataFrame(
+            {
+                "roles": roles,
+                "n_turns": n_turns,
+                "min_content_chars": min_content,
+                "has_assistant_turn": has_assistant,
+                "hash": hashes,
+            }
+        )
         return frame, "chat"
     if "instruction" not in cols or "output" not in cols:
-        raise DataError(f"instruction data needs a chat `messages` column or alpaca `instruction` and `output` "
-                        f"columns; found {sorted(cols)}")
-    frame = pd.DataFrame({"instruction": [_as_str(v) for v in cols["instruction"]],
-                          "output": [_as_str(v) for v in cols["output"]], "hash": hashes})
+        raise DataError(
+            f"instruction data needs a chat `messages` column or alpaca `instruction` and `output` "
+            f"columns; found {sorted(cols)}"
+        )
+    frame = pd.DataFrame(
+        {
+            "instruction": [_as_str(v) for v in cols["instruction"]],
+            "output": [_as_str(v) for v in cols["output"]],
+            "hash": hashes,
+        }
+    )
     return frame, "alpaca"
 
 
@@ -224,7 +257,9 @@ def _preference_frame(cols: dict[str, list[Any]]) -> Any:
         raise DataError(f"preference data is missing column(s) {missing}; found {sorted(cols)}")
     frame = pd.DataFrame({c: [_as_str(v) for v in cols[c]] for c in ("prompt", "chosen", "rejected")})
     frame["chosen_equals_rejected"] = frame["chosen"] == frame["rejected"]
-    frame["hash"] = [row_hash([p, c, r]) for p, c, r in zip(frame["prompt"], frame["chosen"], frame["rejected"])]
+    frame["hash"] = [
+        row_hash([p, c, r]) for p, c, r in zip(frame["prompt"], frame["chosen"], frame["rejected"])
+    ]
     return frame
 
 
@@ -235,41 +270,79 @@ def _checks(kind: str, variant: str, cfg: ValidationConfig, scale: float) -> lis
 
     E = gx.expectations
     min_rows = math.ceil(cfg.min_rows * scale)
-    dup = [(f"exact-duplicate ratio <= {cfg.max_duplicate_ratio:g}",
-            E.ExpectColumnProportionOfUniqueValuesToBeBetween(column="hash", min_value=1.0 - cfg.max_duplicate_ratio))]
+    dup = [
+        (
+            f"exact-duplicate ratio <= {cfg.max_duplicate_ratio:g}",
+            E.ExpectColumnProportionOfUniqueValuesToBeBetween(
+                column="hash", min_value=1.0 - cfg.max_duplicate_ratio
+            ),
+        )
+    ]
     rows = [(f"at least {cfg.min_rows} rows", E.ExpectTableRowCountToBeBetween(min_value=min_rows))]
 
     def present(col: str) -> list[tuple[str, Any]]:
-        return [(f"{col} present (not null)", E.ExpectColumnValuesToNotBeNull(column=col)),
-                (f"{col} not empty", E.ExpectColumnValuesToMatchRegex(column=col, regex=r"\S"))]
+        return [
+            (f"{col} present (not null)", E.ExpectColumnValuesToNotBeNull(column=col)),
+            (f"{col} not empty", E.ExpectColumnValuesToMatchRegex(column=col, regex=r"\S")),
+        ]
 
     if kind == "text":
         return [
             *present("text"),
-            (f"text length {cfg.min_chars}..{cfg.max_chars} chars",
-             E.ExpectColumnValueLengthsToBeBetween(column="text", min_value=cfg.min_chars, max_value=cfg.max_chars)),
-            ("no invalid UTF-8 (U+FFFD, lone surrogates)", E.ExpectColumnValuesToNotMatchRegex(column="text", regex=INVALID_UTF8)),
-            ("no control characters", E.ExpectColumnValuesToNotMatchRegex(column="text", regex=CONTROL_CHARS)),
-            *dup, *rows,
-            (f"at least {cfg.min_tokens} whitespace tokens",
-             E.ExpectColumnSumToBeBetween(column="n_words", min_value=math.ceil(cfg.min_tokens * scale))),
+            (
+                f"text length {cfg.min_chars}..{cfg.max_chars} chars",
+                E.ExpectColumnValueLengthsToBeBetween(
+                    column="text", min_value=cfg.min_chars, max_value=cfg.max_chars
+                ),
+            ),
+            (
+                "no invalid UTF-8 (U+FFFD, lone surrogates)",
+                E.ExpectColumnValuesToNotMatchRegex(column="text", regex=INVALID_UTF8),
+            ),
+            (
+                "no control characters",
+                E.ExpectColumnValuesToNotMatchRegex(column="text", regex=CONTROL_CHARS),
+            ),
+            *dup,
+            *rows,
+            (
+                f"at least {cfg.min_tokens} whitespace tokens",
+                E.ExpectColumnSumToBeBetween(column="n_words", min_value=math.ceil(cfg.min_tokens * scale)),
+            ),
         ]
     if kind == "instruction" and variant == "chat":
         role_re = "|".join(re.escape(r) for r in cfg.roles)
         return [
             ("at least one turn", E.ExpectColumnValuesToBeBetween(column="n_turns", min_value=1)),
-            (f"roles in {{{', '.join(cfg.roles)}}}",
-             E.ExpectColumnValuesToMatchRegex(column="roles", regex=rf"^(?:{role_re})(?:\|(?:{role_re}))*$")),
-            ("every turn has content", E.ExpectColumnValuesToBeBetween(column="min_content_chars", min_value=1)),
-            ("has an assistant turn", E.ExpectColumnValuesToBeInSet(column="has_assistant_turn", value_set=[True])),
-            *dup, *rows,
+            (
+                f"roles in {{{', '.join(cfg.roles)}}}",
+                E.ExpectColumnValuesToMatchRegex(
+                    column="roles", regex=rf"^(?:{role_re})(?:\|(?:{role_re}))*$"
+                ),
+            ),
+            (
+                "every turn has content",
+                E.ExpectColumnValuesToBeBetween(column="min_content_chars", min_value=1),
+            ),
+            (
+                "has an assistant turn",
+                E.ExpectColumnValuesToBeInSet(column="has_assistant_turn", value_set=[True]),
+            ),
+            *dup,
+            *rows,
         ]
     if kind == "instruction":
         return [*present("instruction"), *present("output"), *dup, *rows]
     return [
-        *present("prompt"), *present("chosen"), *present("rejected"),
-        ("chosen differs from rejected", E.ExpectColumnValuesToBeInSet(column="chosen_equals_rejected", value_set=[False])),
-        *dup, *rows,
+        *present("prompt"),
+        *present("chosen"),
+        *present("rejected"),
+        (
+            "chosen differs from rejected",
+            E.ExpectColumnValuesToBeInSet(column="chosen_equals_rejected", value_set=[False]),
+        ),
+        *dup,
+        *rows,
     ]
 
 
@@ -282,8 +355,11 @@ def _context() -> Any:
         ProgressBarsConfig,
     )
 
-    config = DataContextConfig(store_backend_defaults=InMemoryStoreBackendDefaults(), analytics_enabled=False,
-                               progress_bars=ProgressBarsConfig(globally=False))
+    config = DataContextConfig(
+        store_backend_defaults=InMemoryStoreBackendDefaults(),
+        analytics_enabled=False,
+        progress_bars=ProgressBarsConfig(globally=False),
+    )
     return gx.get_context(mode="ephemeral", project_config=config)
 
 
@@ -310,7 +386,9 @@ def validate(
         return _validate(records, kind, config or ValidationConfig(), text_column, source, bar)
 
 
-def _validate(records: Any, kind: str, cfg: ValidationConfig, text_column: str, source: str, bar) -> ValidationResult:
+def _validate(
+    records: Any, kind: str, cfg: ValidationConfig, text_column: str, source: str, bar
+) -> ValidationResult:
     bar.stage("columns")
     total = len(records)
     indices = None
@@ -333,14 +411,19 @@ def _validate(records: Any, kind: str, cfg: ValidationConfig, text_column: str, 
 
     bar.stage(f"{len(checks)} expectations")
     context = _context()
-    batch = (context.data_sources.add_pandas("records").add_dataframe_asset("rows")
-             .add_batch_definition_whole_dataframe("all"))
+    batch = (
+        context.data_sources.add_pandas("records")
+        .add_dataframe_asset("rows")
+        .add_batch_definition_whole_dataframe("all")
+    )
     suite = gx.ExpectationSuite(name=SUITES[kind])
     for i, (label, expectation) in enumerate(checks):
         expectation.meta = {"check": label, "order": i}
         suite.add_expectation(expectation)
     suite = context.suites.add(suite)
-    definition = context.validation_definitions.add(gx.ValidationDefinition(name=SUITES[kind], data=batch, suite=suite))
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name=SUITES[kind], data=batch, suite=suite)
+    )
     run = definition.run(batch_parameters={"dataframe": frame}, result_format={"result_format": "COMPLETE"})
 
     bar.stage("report")
@@ -357,21 +440,36 @@ def _validate(records: Any, kind: str, cfg: ValidationConfig, text_column: str, 
         error = None
         if er.exception_info and er.exception_info.get("raised_exception"):
             error = str(er.exception_info.get("exception_message", "error")).splitlines()[0][:200]
-        outcomes.append((int(meta.get("order", len(outcomes))), ExpectationOutcome(
-            check=str(meta.get("check", cfg_e.type)),
-            expectation=cfg_e.type,
-            column=cfg_e.kwargs.get("column"),
-            success=bool(er.success),
-            unexpected_count=res.get("unexpected_count") if "unexpected_count" in res else (len(rows) or None),
-            observed_value=_number(res.get("observed_value")),
-            row_indices=rows,
-            row_hashes=[str(hashes.loc[i]) for i in rows],
-            error=error,
-        )))
+        outcomes.append(
+            (
+                int(meta.get("order", len(outcomes))),
+                ExpectationOutcome(
+                    check=str(meta.get("check", cfg_e.type)),
+                    expectation=cfg_e.type,
+                    column=cfg_e.kwargs.get("column"),
+                    success=bool(er.success),
+                    unexpected_count=res.get("unexpected_count")
+                    if "unexpected_count" in res
+                    else (len(rows) or None),
+                    observed_value=_number(res.get("observed_value")),
+                    row_indices=rows,
+                    row_hashes=[str(hashes.loc[i]) for i in rows],
+                    error=error,
+                ),
+            )
+        )
     ordered = [o for _, o in sorted(outcomes, key=lambda p: p[0])]
     bar.advance_to(3)
-    return ValidationResult(SUITES[kind], kind, source, all(o.success for o in ordered), total, len(frame),
-                            ordered, cfg.max_listed_rows)
+    return ValidationResult(
+        SUITES[kind],
+        kind,
+        source,
+        all(o.success for o in ordered),
+        total,
+        len(frame),
+        ordered,
+        cfg.max_listed_rows,
+    )
 
 
 def validate_source(

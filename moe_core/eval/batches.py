@@ -12,9 +12,14 @@ from pathlib import Path
 import torch
 
 
-def split_batches(data_dir: str | Path, split: str, batch_size: int = 8, max_batches: int | None = None,
-                  with_domains: bool = False, verify: bool = True
-                  ) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+def split_batches(
+    data_dir: str | Path,
+    split: str,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    with_domains: bool = False,
+    verify: bool = True,
+) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """Yield LongTensor ``[B, S]`` batches of a split (``(ids_BS, domains_BS)`` with ``with_domains``).
 
     Reads `moe_core.data.shards.PackedTokens`; the last batch may be smaller.

@@ -50,8 +50,10 @@ class ByteLossResult:
         return {**asdict(self), "bits_per_byte": self.bits_per_byte, "bits_per_token": self.bits_per_token}
 
     def _repr_markdown_(self) -> str:  # a notebook shows one readable line
-        return (f"**{self.bits_per_byte:.4f} bits per byte** ({self.bits_per_token:.3f} bits/token) over "
-                f"{self.bytes:,} bytes, {self.tokens:,} tokens (text sha256 {self.text_sha256[:12]})")
+        return (
+            f"**{self.bits_per_byte:.4f} bits per byte** ({self.bits_per_token:.3f} bits/token) over "
+            f"{self.bytes:,} bytes, {self.tokens:,} tokens (text sha256 {self.text_sha256[:12]})"
+        )
 
 
 def text_fingerprint(texts: Sequence[str]) -> str:
@@ -88,13 +90,16 @@ def split_texts(data_dir: str | Path, split: str = "validation", max_blocks: int
 
 
 @torch.no_grad()
-def evaluate_bits_per_byte(model, tokenizer, texts: Sequence[str], window: int | None = None,
-                           batch_size: int = 8) -> ByteLossResult:
+def evaluate_bits_per_byte(
+    model, tokenizer, texts: Sequence[str], window: int | None = None, batch_size: int = 8
+) -> ByteLossResult:
     """Negative log-likelihood of ``texts`` under ``model``, tokenized with ``tokenizer`` (the model's own),
     per UTF-8 byte. ``window``: tokens per forward (default: the model's ``max_position_embeddings``)."""
     start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
     if start is None:
-        raise EvaluationError("bits per byte needs a tokenizer with an EOS or BOS token to start each text from")
+        raise EvaluationError(
+            "bits per byte needs a tokenizer with an EOS or BOS token to start each text from"
+        )
     window = window or model.config.max_position_embeddings
     if window < 2:
         raise EvaluationError(f"window={window}: needs at least 2 tokens (one of context, one to predict)")
@@ -105,7 +110,7 @@ def evaluate_bits_per_byte(model, tokenizer, texts: Sequence[str], window: int |
     for text in texts:
         ids = [start] + tokenizer.encode(text, add_special_tokens=False)
         # windows overlap by one token: the last token of one is the (unpredicted) first of the next
-        windows += [ids[i:i + window] for i in range(0, len(ids) - 1, window - 1)]
+        windows += [ids[i : i + window] for i in range(0, len(ids) - 1, window - 1)]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -118,13 +123,20 @@ def evaluate_bits_per_byte(model, tokenizer, texts: Sequence[str], window: int |
     try:
         for same in by_length.values():
             for b in range(0, len(same), batch_size):
-                ids_BS = torch.tensor(same[b:b + batch_size], dtype=torch.long, device=device)
+                ids_BS = torch.tensor(same[b : b + batch_size], dtype=torch.long, device=device)
                 if int(ids_BS.max()) >= model.config.vocab_size:
-                    raise EvaluationError(f"token id {int(ids_BS.max())} >= the model's vocab_size "
-                                          f"{model.config.vocab_size}: pass the model's own tokenizer")
+                    raise EvaluationError(
+                        f"token id {int(ids_BS.max())} >= the model's vocab_size "
+                        f"{model.config.vocab_size}: pass the model's own tokenizer"
+                    )
                 logits_BSV = model(ids_BS, use_cache=False).logits.float()
-                nats += float(F.cross_entropy(logits_BSV[:, :-1].reshape(-1, logits_BSV.shape[-1]),
-                                              ids_BS[:, 1:].reshape(-1), reduction="sum"))
+                nats += float(
+                    F.cross_entropy(
+                        logits_BSV[:, :-1].reshape(-1, logits_BSV.shape[-1]),
+                        ids_BS[:, 1:].reshape(-1),
+                        reduction="sum",
+                    )
+                )
                 tokens += ids_BS[:, 1:].numel()
     finally:
         model.train(was_training)

@@ -50,8 +50,9 @@ class Generation:
 
 
 @torch.no_grad()
-def generate_samples(model, tokenizer, prompts: Sequence[Prompt] = PROMPTS,
-                     config: GenerationConfig | None = None) -> list[Generation]:
+def generate_samples(
+    model, tokenizer, prompts: Sequence[Prompt] = PROMPTS, config: GenerationConfig | None = None
+) -> list[Generation]:
     """One generation per prompt and mode; the model's train/eval mode is restored afterwards."""
     config = config or GenerationConfig()
     device = next(model.parameters()).device
@@ -65,8 +66,13 @@ def generate_samples(model, tokenizer, prompts: Sequence[Prompt] = PROMPTS,
             ids_1S = torch.tensor([tokenizer.encode(prompt.text, add_special_tokens=False)], device=device)
             for mode in config.modes:
                 sampled = mode == "sampled"
-                kwargs = dict(max_new_tokens=config.max_new_tokens, do_sample=sampled, eos_token_id=eos,
-                              pad_token_id=pad, attention_mask=torch.ones_like(ids_1S))
+                kwargs = dict(
+                    max_new_tokens=config.max_new_tokens,
+                    do_sample=sampled,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    attention_mask=torch.ones_like(ids_1S),
+                )
                 if sampled:
                     kwargs.update(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
                 else:  # neutral values, so generation_config does not warn about unused sampling settings
@@ -74,10 +80,18 @@ def generate_samples(model, tokenizer, prompts: Sequence[Prompt] = PROMPTS,
                 devices = [device] if device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(config.seed + i)
-                    seq = model.generate(ids_1S, **kwargs)[0, ids_1S.shape[1]:]
-                out.append(Generation(prompt.name, prompt.domain, mode, prompt.text,
-                                      tokenizer.decode(seq, skip_special_tokens=True), int(seq.numel()),
-                                      config.seed + i if sampled else None))
+                    seq = model.generate(ids_1S, **kwargs)[0, ids_1S.shape[1] :]
+                out.append(
+                    Generation(
+                        prompt.name,
+                        prompt.domain,
+                        mode,
+                        prompt.text,
+                        tokenizer.decode(seq, skip_special_tokens=True),
+                        int(seq.numel()),
+                        config.seed + i if sampled else None,
+                    )
+                )
     finally:
         model.train(was_training)
     return out

@@ -44,8 +44,9 @@ class MoELabLM(LM):
         eos = tokenizer.eos_token_id
         self.prefix_token_id = eos if eos is not None else tokenizer.bos_token_id
         if self.prefix_token_id is None:
-            raise ValueError("MoELabLM: the tokenizer has neither EOS nor BOS; lm-eval needs one to prefix "
-                             "empty contexts")
+            raise ValueError(
+                "MoELabLM: the tokenizer has neither EOS nor BOS; lm-eval needs one to prefix empty contexts"
+            )
 
     # ------------------------------------------------------------------ tokens
     def tok_encode(self, text: str) -> list[int]:
@@ -60,14 +61,14 @@ class MoELabLM(LM):
             context = context[:-n_spaces]
         whole = self.tok_encode(context + continuation)
         context_enc = self.tok_encode(context)
-        return context_enc, whole[len(context_enc):]
+        return context_enc, whole[len(context_enc) :]
 
     @torch.no_grad()
     def _score(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
         """Sum of log p(continuation | context) and whether greedy decoding would produce it."""
         if not continuation_enc:
             return 0.0, True
-        ids = (context_enc + continuation_enc)[-(self.max_length + 1):][:-1]
+        ids = (context_enc + continuation_enc)[-(self.max_length + 1) :][:-1]
         ids_1S = torch.tensor([ids], device=self._device)
         logits_SV = self.model(ids_1S, use_cache=False).logits[0].float()
         n = len(continuation_enc)
@@ -94,8 +95,11 @@ class MoELabLM(LM):
             for request in requests:
                 (text,) = request.args
                 windows = lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
                 total = sum(self._score(*lm_utils.make_disjoint_window(w))[0] for w in windows)
                 self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
                 out.append(total)
@@ -116,16 +120,20 @@ class MoELabLM(LM):
                 if temperature == 0.0:
                     do_sample = False
                 context_enc = self.tok_encode(context) or [self.prefix_token_id]
-                context_enc = context_enc[-max(self.max_length - max_new, 1):]
+                context_enc = context_enc[-max(self.max_length - max_new, 1) :]
                 ids_1S = torch.tensor([context_enc], device=self._device)
-                kwargs = dict(max_new_tokens=max_new, do_sample=do_sample, attention_mask=torch.ones_like(ids_1S),
-                              eos_token_id=self.tokenizer.eos_token_id,
-                              pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+                kwargs = dict(
+                    max_new_tokens=max_new,
+                    do_sample=do_sample,
+                    attention_mask=torch.ones_like(ids_1S),
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                )
                 if do_sample:
                     kwargs["temperature"] = temperature
                 else:
                     kwargs.update(temperature=None, top_k=None, top_p=None)
-                new_S = self.model.generate(ids_1S, **kwargs)[0, len(context_enc):]
+                new_S = self.model.generate(ids_1S, **kwargs)[0, len(context_enc) :]
                 text = self.tokenizer.decode(new_S, skip_special_tokens=True)
                 for stop in until:
                     if stop:
@@ -149,8 +157,14 @@ class _eval_mode:
         self.model.train(self.was_training)
 
 
-def run_tasks(lm: MoELabLM, tasks: Sequence[str], include_path: str | None = None, limit: int | float | None = None,
-              num_fewshot: int | None = None, seed: int = 0) -> dict[str, Any]:
+def run_tasks(
+    lm: MoELabLM,
+    tasks: Sequence[str],
+    include_path: str | None = None,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` on ``tasks`` (names, or names of YAML tasks under ``include_path``);
     returns its ``results`` dict (task -> metric -> value)."""
     from lm_eval import simple_evaluate
@@ -158,13 +172,27 @@ def run_tasks(lm: MoELabLM, tasks: Sequence[str], include_path: str | None = Non
 
     task_manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     try:
-        out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                              task_manager=task_manager, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
+        out = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=task_manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            log_samples=False,
+        )
     except (OSError, ConnectionError) as err:  # requests', huggingface_hub's and datasets' offline errors
-        offline = " (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") or \
-            os.environ.get("HF_DATASETS_OFFLINE") else ""
-        raise MoELabError(f"lm-eval tasks {','.join(tasks)}: their data could not be loaded from the Hugging Face "
-                          f"hub{offline} ({type(err).__name__}); run where the hub is reachable, or give local "
-                          "YAML tasks with --include-path") from None
+        offline = (
+            " (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
+            if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
+            else ""
+        )
+        raise MoELabError(
+            f"lm-eval tasks {','.join(tasks)}: their data could not be loaded from the Hugging Face "
+            f"hub{offline} ({type(err).__name__}); run where the hub is reachable, or give local "
+            "YAML tasks with --include-path"
+        ) from None
     return out["results"] if out else {}

@@ -44,14 +44,17 @@ class LossResult:
         return {**asdict(self), "perplexity": self.perplexity, "bits_per_token": self.bits_per_token}
 
     def _repr_markdown_(self) -> str:  # a notebook shows one readable line
-        return (f"**{self.split}**: perplexity {self.perplexity:.4g}, loss {self.loss:.4f} nats/token "
-                f"({self.bits_per_token:.3f} bits/token) over {self.tokens:,} predicted tokens in "
-                f"{self.sequences:,} sequences")
+        return (
+            f"**{self.split}**: perplexity {self.perplexity:.4g}, loss {self.loss:.4f} nats/token "
+            f"({self.bits_per_token:.3f} bits/token) over {self.tokens:,} predicted tokens in "
+            f"{self.sequences:,} sequences"
+        )
 
 
 @torch.no_grad()
-def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: int | None = None,
-                  ignore_index: int = -100) -> LossResult:
+def evaluate_loss(
+    model, batches: Iterable, split: str = "eval", max_batches: int | None = None, ignore_index: int = -100
+) -> LossResult:
     """Token-weighted mean loss of ``model`` over ``batches`` (LongTensor [B, S], or (ids, domains) pairs),
     in eval mode (restored afterwards): no router statistics move.
 
@@ -75,15 +78,23 @@ def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: in
             if ids_BS.dim() == 1:
                 ids_BS = ids_BS[None]
             if ids_BS.numel() and int(ids_BS.max()) >= vocab_size:
-                raise EvaluationError(f"token id {int(ids_BS.max())} >= the model's vocab_size {vocab_size}: "
-                                      "the data was prepared with another tokenizer")
+                raise EvaluationError(
+                    f"token id {int(ids_BS.max())} >= the model's vocab_size {vocab_size}: "
+                    "the data was prepared with another tokenizer"
+                )
             if torch_module:
                 logits_BSV = model(ids_BS, use_cache=False).logits
             else:  # an optimum ORTModelForCausalLM: keyword inputs, an explicit mask
-                logits_BSV = torch.as_tensor(model(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS)).logits)
+                logits_BSV = torch.as_tensor(
+                    model(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS)).logits
+                )
             targets_N = ids_BS[:, 1:].reshape(-1)
-            nats = F.cross_entropy(logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1]), targets_N,
-                                   ignore_index=ignore_index, reduction="sum")
+            nats = F.cross_entropy(
+                logits_BSV[:, :-1].float().reshape(-1, logits_BSV.shape[-1]),
+                targets_N,
+                ignore_index=ignore_index,
+                reduction="sum",
+            )
             total_nats += float(nats)
             tokens += int((targets_N != ignore_index).sum())
             sequences += ids_BS.shape[0]
@@ -95,16 +106,25 @@ def evaluate_loss(model, batches: Iterable, split: str = "eval", max_batches: in
     return LossResult(split=split, loss=total_nats / tokens, tokens=tokens, sequences=sequences)
 
 
-def evaluate_splits(model, data_dir: str | Path, splits: Sequence[str] = ("validation", "test"),
-                    batch_size: int = 8, max_batches: int | None = None) -> dict[str, LossResult]:
+def evaluate_splits(
+    model,
+    data_dir: str | Path,
+    splits: Sequence[str] = ("validation", "test"),
+    batch_size: int = 8,
+    max_batches: int | None = None,
+) -> dict[str, LossResult]:
     """`evaluate_loss` on each split of a prepared-data directory (first blocks, in order)."""
     from moe_core.eval.batches import split_batches
 
-    return {split: evaluate_loss(model, split_batches(data_dir, split, batch_size, max_batches), split=split)
-            for split in splits}
+    return {
+        split: evaluate_loss(model, split_batches(data_dir, split, batch_size, max_batches), split=split)
+        for split in splits
+    }
 
 
-def model_row(name: str, config, results: Mapping[str, LossResult], seq_len: int | None = None) -> dict[str, Any]:
+def model_row(
+    name: str, config, results: Mapping[str, LossResult], seq_len: int | None = None
+) -> dict[str, Any]:
     """One row of a comparison table: sizes and FLOPs from the config, loss and perplexity per split."""
     from moe_core.analytics.cost import flops_per_token
     from moe_core.config import parameter_counts
@@ -112,8 +132,10 @@ def model_row(name: str, config, results: Mapping[str, LossResult], seq_len: int
     counts = parameter_counts(config)
     flops = flops_per_token(config, seq_len or config.max_position_embeddings)
     row: dict[str, Any] = {
-        "model": name, "experts": f"{config.num_experts_per_tok}/{config.num_experts}" if config.num_experts else "dense",
-        "params_total": counts["total"], "params_active": counts["active"],
+        "model": name,
+        "experts": f"{config.num_experts_per_tok}/{config.num_experts}" if config.num_experts else "dense",
+        "params_total": counts["total"],
+        "params_active": counts["active"],
         "gflops_per_token": flops.forward_active / 1e9,
     }
     for split, result in results.items():
@@ -139,6 +161,7 @@ def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = 
 
 def to_markdown(df, floatfmt: str = ".4g") -> str:
     """A GitHub markdown table (no `tabulate` dependency)."""
+
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return format(v, floatfmt)
@@ -148,6 +171,8 @@ def to_markdown(df, floatfmt: str = ".4g") -> str:
 
     header = "| " + " | ".join(map(str, df.columns)) + " |"
     rule = "|" + "|".join("---" for _ in df.columns) + "|"
-    body = ["| " + " | ".join(cell(v.item() if hasattr(v, "item") else v) for v in row) + " |"
-            for row in df.itertuples(index=False)]
+    body = [
+        "| " + " | ".join(cell(v.item() if hasattr(v, "item") else v) for v in row) + " |"
+        for row in df.itertuples(index=False)
+    ]
     return "\n".join([header, rule, *body])

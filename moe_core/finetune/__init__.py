@@ -18,9 +18,15 @@ import importlib
 # Resolved on first use (PEP 562), not on import: `moe-lab finetune --help` imports this package through
 # moe_core.finetune.cli and must not pay for pydantic, TRL and transformers it does not need.
 _EXPORTS = {
-    "FinetuneConfig": "config", "FinetuneDivergedError": "config", "FinetuneError": "config",
-    "finetune": "run", "FinetuneResult": "run", "load_base_model": "run", "load_finetuned": "run",
-    "trainable_parameter_report": "report", "TrainableReport": "report",
+    "FinetuneConfig": "config",
+    "FinetuneDivergedError": "config",
+    "FinetuneError": "config",
+    "finetune": "run",
+    "FinetuneResult": "run",
+    "load_base_model": "run",
+    "load_finetuned": "run",
+    "trainable_parameter_report": "report",
+    "TrainableReport": "report",
 }
 
 
@@ -30,5 +36,14 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f"moe_core.finetune.{_EXPORTS[name]}"), name)
 
 
-__all__ = ["FinetuneConfig", "FinetuneDivergedError", "FinetuneError", "FinetuneResult", "TrainableReport", "finetune", "load_base_model",
-           "load_finetuned", "trainable_parameter_report"]
+__all__ = [
+    "FinetuneConfig",
+    "FinetuneDivergedError",
+    "FinetuneError",
+    "FinetuneResult",
+    "TrainableReport",
+    "finetune",
+    "load_base_model",
+    "load_finetuned",
+    "trainable_parameter_report",
+]

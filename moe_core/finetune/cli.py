@@ -1,8 +1,8 @@
 """`moe-lab finetune`: fine-tune from a config file and ``--set key=value`` overrides.
 
-    moe-lab finetune --config finetune.yaml --out runs/ft
-    moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
-    moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+moe-lab finetune --config finetune.yaml --out runs/ft
+moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
+moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
 """
 
 from __future__ import annotations
@@ -13,18 +13,37 @@ from moe_core.cli import add_config_help, add_router_module_option
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("finetune", help="fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML/JSON fine-tuning config (fields of moe_core.finetune.FinetuneConfig)")
-    p.add_argument("--model", help="base model: our checkpoint or a HF Mixtral/OLMoE/Qwen2-MoE dir (sets model.path)")
+    p = subparsers.add_parser(
+        "finetune",
+        help="fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", help="YAML/JSON fine-tuning config (fields of moe_core.finetune.FinetuneConfig)"
+    )
+    p.add_argument(
+        "--model", help="base model: our checkpoint or a HF Mixtral/OLMoE/Qwen2-MoE dir (sets model.path)"
+    )
     p.add_argument("--data", help="training data source (sets data.source)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set lora.experts=esft --set steps=100 (all fields: "
-                        "--help-config)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set lora.experts=esft --set steps=100 (all fields: "
+        "--help-config)",
+    )
     add_config_help(p, _config_class)
-    p.add_argument("--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the outputs of an earlier fine-tune in --out (once this one succeeded)")
+    p.add_argument(
+        "--out", required=True, help="output directory (adapter, merged, hf, metrics.jsonl, report)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the outputs of an earlier fine-tune in --out (once this one succeeded)",
+    )
     p.set_defaults(func=run_finetune)
     add_router_module_option(p)
 
@@ -32,8 +51,10 @@ def add_cli(subparsers) -> None:
 def _config_class(namespace):
     from moe_core.finetune.config import FinetuneConfig
 
-    return FinetuneConfig, ("moe-lab finetune --set KEY=VALUE (fields of moe_core.finetune.FinetuneConfig; "
-                            "--config takes the same in YAML):")
+    return FinetuneConfig, (
+        "moe-lab finetune --set KEY=VALUE (fields of moe_core.finetune.FinetuneConfig; "
+        "--config takes the same in YAML):"
+    )
 
 
 def resolve_config(args):
@@ -58,8 +79,13 @@ def run_finetune(args) -> int:
 
     result = finetune(config, args.out, overwrite=args.overwrite)
     loss = f"{result.last_step_loss:.4f}" if result.last_step_loss is not None else "n/a"
-    outputs = ", ".join(str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None)
-    print(f"moe-lab finetune: {config.method}/{config.objective}, {config.steps} steps, final loss {loss}, "
-          f"skipped {result.skipped_steps} steps, {result.report.trainable_params:,} trainable parameters; "
-          f"{outputs or args.out}", flush=True)
+    outputs = ", ".join(
+        str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None
+    )
+    print(
+        f"moe-lab finetune: {config.method}/{config.objective}, {config.steps} steps, final loss {loss}, "
+        f"skipped {result.skipped_steps} steps, {result.report.trainable_params:,} trainable parameters; "
+        f"{outputs or args.out}",
+        flush=True,
+    )
     return 0

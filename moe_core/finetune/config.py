@@ -55,7 +55,9 @@ class ModelSection(_Section):
     # our checkpoint directory (config.json with model_type "moe_lab"), a Hugging Face Mixtral / OLMoE / Qwen2-MoE
     # directory or hub id (converted exactly with moe_core.convert.from_hf; exported back as that architecture)
     path: str | None = None
-    tokenizer: str | None = None  # a tokenizer directory or prepared-data directory; default: the model's directory
+    tokenizer: str | None = (
+        None  # a tokenizer directory or prepared-data directory; default: the model's directory
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
@@ -81,7 +83,9 @@ class LoraSection(_Section):
     # ESFT (Wang et al. 2024, "Let the Expert Stick to His Last"): per layer, take experts by descending share of
     # the task's routed tokens until their cumulative share reaches esft_share (the paper's threshold p)
     esft_share: float = Field(0.2, gt=0, le=1)
-    esft_score: Literal["token", "gate"] = "token"  # ESFT-Token (share of routed slots) or ESFT-Gate (mean score)
+    esft_score: Literal["token", "gate"] = (
+        "token"  # ESFT-Token (share of routed slots) or ESFT-Gate (mean score)
+    )
     esft_max_experts: int | None = Field(None, ge=1)  # cap per layer
     esft_examples: int = Field(64, ge=1)  # examples of the training set the routing profile is taken on
     shared_expert: bool = False  # also an adapter on the always-on shared expert (Qwen2-MoE / DeepSeekMoE)
@@ -98,7 +102,9 @@ class FreezeSection(_Section):
 
 
 class RoutingSection(_Section):
-    task_bias: bool = False  # a learned per-task, per-layer bias on the router logits (needs data.task_column)
+    task_bias: bool = (
+        False  # a learned per-task, per-layer bias on the router logits (needs data.task_column)
+    )
 
 
 class DpoSection(_Section):
@@ -176,16 +182,27 @@ class FinetuneConfig(_Section, ConfigFile):
             raise ValueError("lora.expert_ids is set but lora.experts is not 'list'; set lora.experts: list")
         needs_tasks = self.method == "router_bias" or self.routing.task_bias
         if needs_tasks and not self.data.task_column:
-            raise ValueError("a task-conditioned router bias needs data.task_column (the column naming each "
-                             "example's task)")
+            raise ValueError(
+                "a task-conditioned router bias needs data.task_column (the column naming each "
+                "example's task)"
+            )
         if self.gradient_checkpointing and needs_tasks:
-            raise ValueError("gradient_checkpointing does not work with the task-conditioned router bias (the "
-                             "recomputed forward has no task ids); set gradient_checkpointing=false")
+            raise ValueError(
+                "gradient_checkpointing does not work with the task-conditioned router bias (the "
+                "recomputed forward has no task ids); set gradient_checkpointing=false"
+            )
         if self.objective == "dpo" and needs_tasks:
-            raise ValueError("the task-conditioned router bias is not supported with objective=dpo yet; "
-                             "use objective=sft or routing.task_bias=false")
-        if self.method == "lora" and not self.lora.attention and self.lora.experts == "none" \
-                and not self.lora.shared_expert and not self.lora.dense_ffn:
+            raise ValueError(
+                "the task-conditioned router bias is not supported with objective=dpo yet; "
+                "use objective=sft or routing.task_bias=false"
+            )
+        if (
+            self.method == "lora"
+            and not self.lora.attention
+            and self.lora.experts == "none"
+            and not self.lora.shared_expert
+            and not self.lora.dense_ffn
+        ):
             raise ValueError("lora: no target at all (attention=[], experts='none'); pick at least one")
         return self
 
@@ -201,4 +218,3 @@ class FinetuneConfig(_Section, ConfigFile):
     @property
     def uses_task_bias(self) -> bool:
         return self.method == "router_bias" or self.routing.task_bias
-

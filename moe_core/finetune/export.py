@@ -1,13 +1,13 @@
 """Fine-tuning outputs: the adapter alone (PEFT format), merged weights, and the Hugging Face architecture.
 
-    <out>/adapter/   adapter_config.json + adapter_model.safetensors: PEFT loads it onto the base model
-                     (``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base), "<out>/adapter")``);
-                     moe_expert_selection.json lists the experts with a non-zero adapter per layer
-    <out>/merged/    our format (config.json + model.safetensors + tokenizer), adapter folded into the weights
-    <out>/hf/        the architecture the model came from (Mixtral / OLMoE / Qwen2-MoE) via moe_core.convert.to_hf,
-                     loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
-    task_router_bias.{safetensors,json} beside each, when trained: no HF architecture has a per-task bias, so it
-                     stays a separate file (`TaskRouterBias.load(dir).attach(model)`)
+<out>/adapter/   adapter_config.json + adapter_model.safetensors: PEFT loads it onto the base model
+                 (``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base), "<out>/adapter")``);
+                 moe_expert_selection.json lists the experts with a non-zero adapter per layer
+<out>/merged/    our format (config.json + model.safetensors + tokenizer), adapter folded into the weights
+<out>/hf/        the architecture the model came from (Mixtral / OLMoE / Qwen2-MoE) via moe_core.convert.to_hf,
+                 loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
+task_router_bias.{safetensors,json} beside each, when trained: no HF architecture has a per-task bias, so it
+                 stays a separate file (`TaskRouterBias.load(dir).attach(model)`)
 """
 
 from __future__ import annotations
@@ -26,15 +26,24 @@ def is_peft(model) -> bool:
 def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None) -> Path:
     """The PEFT adapter alone (LoRA factors, plus a trained router copy when the router trained)."""
     if not is_peft(model):
-        raise FinetuneError("save_adapter: the model has no PEFT adapter (method is not 'lora'); export merged "
-                            "weights instead")
+        raise FinetuneError(
+            "save_adapter: the model has no PEFT adapter (method is not 'lora'); export merged "
+            "weights instead"
+        )
     out_dir = Path(out_dir)
     model.save_pretrained(str(out_dir))
     if plan is not None:
-        (out_dir / "moe_expert_selection.json").write_text(json.dumps(
-            {"expert_adapters": {str(k): v for k, v in plan.expert_selection.items()},
-             "frozen_experts": {str(k): v for k, v in plan.frozen_experts.items()},
-             "router_trained": plan.train_router}, indent=2) + "\n")
+        (out_dir / "moe_expert_selection.json").write_text(
+            json.dumps(
+                {
+                    "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()},
+                    "frozen_experts": {str(k): v for k, v in plan.frozen_experts.items()},
+                    "router_trained": plan.train_router,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         if plan.task_bias is not None:
             plan.task_bias.save(out_dir)
     return out_dir
@@ -72,8 +81,10 @@ def save_hf(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | None 
 
     base = unwrap(model)
     if not base.config.hf_origin:
-        raise FinetuneError("save_hf: the model did not come from a Hugging Face architecture (config.hf_origin "
-                            "is empty); use moe_core.convert.to_hf(model, dir, architecture=...) to pick one")
+        raise FinetuneError(
+            "save_hf: the model did not come from a Hugging Face architecture (config.hf_origin "
+            "is empty); use moe_core.convert.to_hf(model, dir, architecture=...) to pick one"
+        )
     out_dir = Path(to_hf(base, out_dir, overwrite=True))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))

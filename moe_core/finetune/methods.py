@@ -51,8 +51,9 @@ def layer_of(name: str) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ expert ids
-def resolve_expert_ids(spec: list[int] | dict[int, list[int]] | None, model_config,
-                       field_name: str = "lora.expert_ids") -> dict[int, list[int]]:
+def resolve_expert_ids(
+    spec: list[int] | dict[int, list[int]] | None, model_config, field_name: str = "lora.expert_ids"
+) -> dict[int, list[int]]:
     """A per-MoE-layer selection from a list (the same experts everywhere) or a ``{layer: [experts]}`` dict."""
     moe_layers = model_config.moe_layer_ids
     E = model_config.num_experts
@@ -61,10 +62,14 @@ def resolve_expert_ids(spec: list[int] | dict[int, list[int]] | None, model_conf
     per_layer = {layer: list(spec) for layer in moe_layers} if isinstance(spec, list) else dict(spec)
     for layer, ids in per_layer.items():
         if layer not in moe_layers:
-            raise FinetuneError(f"{field_name}: layer {layer} is not an MoE layer; MoE layers are {moe_layers}")
+            raise FinetuneError(
+                f"{field_name}: layer {layer} is not an MoE layer; MoE layers are {moe_layers}"
+            )
         bad = [e for e in ids if not 0 <= e < E]
         if bad:
-            raise FinetuneError(f"{field_name}: layer {layer} names experts {bad}; the model has experts 0..{E - 1}")
+            raise FinetuneError(
+                f"{field_name}: layer {layer} names experts {bad}; the model has experts 0..{E - 1}"
+            )
     return {layer: sorted(set(ids)) for layer, ids in sorted(per_layer.items())}
 
 
@@ -80,8 +85,12 @@ class RoutingUsage:
     tokens: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer_ids": self.layer_ids, "tokens": self.tokens, "slots": self.slots_LE.tolist(),
-                "scores": self.scores_LE.tolist()}
+        return {
+            "layer_ids": self.layer_ids,
+            "tokens": self.tokens,
+            "slots": self.slots_LE.tolist(),
+            "scores": self.scores_LE.tolist(),
+        }
 
 
 @torch.no_grad()
@@ -100,8 +109,11 @@ def routing_usage(model, batches: Iterable[dict[str, torch.Tensor]]) -> RoutingU
         for batch in batches:
             input_ids = batch["input_ids"]
             mask_BS = batch.get("attention_mask")
-            keep_T = (mask_BS.reshape(-1).bool() if mask_BS is not None
-                      else torch.ones(input_ids.numel(), dtype=torch.bool))
+            keep_T = (
+                mask_BS.reshape(-1).bool()
+                if mask_BS is not None
+                else torch.ones(input_ids.numel(), dtype=torch.bool)
+            )
             out = base(input_ids=input_ids, attention_mask=mask_BS, use_cache=False, output_routing=True)
             tokens += int(keep_T.sum())
             for i, record in enumerate(out.routing):
@@ -112,13 +124,19 @@ def routing_usage(model, batches: Iterable[dict[str, torch.Tensor]]) -> RoutingU
     finally:
         model.train(was_training)
     if tokens == 0:
-        raise FinetuneError("ESFT: the routing profile saw no tokens; give training data with at least one example")
+        raise FinetuneError(
+            "ESFT: the routing profile saw no tokens; give training data with at least one example"
+        )
     return RoutingUsage(list(config.moe_layer_ids), slots_LE, scores_LE, tokens)
 
 
-def select_esft_experts(usage: RoutingUsage, share: float, score: str = "token",
-                        max_experts: int | None = None, exclude: dict[int, list[int]] | None = None
-                        ) -> dict[int, list[int]]:
+def select_esft_experts(
+    usage: RoutingUsage,
+    share: float,
+    score: str = "token",
+    max_experts: int | None = None,
+    exclude: dict[int, list[int]] | None = None,
+) -> dict[int, list[int]]:
     """ESFT selection (Wang et al. 2024): per layer, experts by descending relevance until their cumulative share of
     the relevance reaches ``share``. ``score="token"``: relevance is the share of routed slots (ESFT-Token);
     ``"gate"``: the mean router score (ESFT-Gate). Experts in ``exclude`` (frozen ones) are never selected."""
@@ -180,8 +198,9 @@ class ExpertLoraMask:
         self._handles.clear()
 
 
-def lora_targets(config: FinetuneConfig, model_config, expert_selection: dict[int, list[int]] | None
-                 ) -> tuple[str | None, list[str], list[str]]:
+def lora_targets(
+    config: FinetuneConfig, model_config, expert_selection: dict[int, list[int]] | None
+) -> tuple[str | None, list[str], list[str]]:
     """(``target_modules`` regex, ``target_parameters``, ``modules_to_save``) for PEFT's LoraConfig."""
     lora = config.lora
     patterns = []
@@ -192,11 +211,17 @@ def lora_targets(config: FinetuneConfig, model_config, expert_selection: dict[in
     if lora.dense_ffn:
         dense = [i for i in range(model_config.num_hidden_layers) if not model_config.is_moe_layer(i)]
         if dense:
-            patterns.append(rf"model\.layers\.({'|'.join(map(str, dense))})\.mlp\.(gate_proj|up_proj|down_proj)")
+            patterns.append(
+                rf"model\.layers\.({'|'.join(map(str, dense))})\.mlp\.(gate_proj|up_proj|down_proj)"
+            )
     target_modules = "|".join(f"(?:{p})" for p in patterns) or None
     projs = EXPERT_PROJS if model_config.ffn_activation == "swiglu" else ("up_proj", "down_proj")
-    target_parameters = [f"model.layers.{layer}.mlp.experts.{proj}"
-                         for layer, ids in sorted((expert_selection or {}).items()) if ids for proj in projs]
+    target_parameters = [
+        f"model.layers.{layer}.mlp.experts.{proj}"
+        for layer, ids in sorted((expert_selection or {}).items())
+        if ids
+        for proj in projs
+    ]
     modules_to_save = ["router.gate"] if config.train_router else []
     return target_modules, target_parameters, modules_to_save
 
@@ -207,12 +232,18 @@ def apply_lora(model, config: FinetuneConfig, expert_selection: dict[int, list[i
 
     target_modules, target_parameters, modules_to_save = lora_targets(config, model.config, expert_selection)
     if target_modules is None and not target_parameters:
-        raise FinetuneError("lora: nothing to adapt (no attention projection and no selected expert); check "
-                            "lora.attention, lora.experts and freeze.experts")
+        raise FinetuneError(
+            "lora: nothing to adapt (no attention projection and no selected expert); check "
+            "lora.attention, lora.experts and freeze.experts"
+        )
     peft_config = LoraConfig(
-        r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=0.0, bias="none",
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=0.0,
+        bias="none",
         target_modules=target_modules if target_modules is not None else [],
-        target_parameters=target_parameters or None, modules_to_save=modules_to_save or None,
+        target_parameters=target_parameters or None,
+        modules_to_save=modules_to_save or None,
     )
     peft_model = get_peft_model(model, peft_config)
     mask = None
@@ -283,9 +314,13 @@ class TaskRouterBias(nn.Module):
         base = unwrap(model)
         routers = base.routers()
         if len(routers) != len(self.layer_ids):
-            raise FinetuneError(f"task router bias for {len(self.layer_ids)} MoE layers, model has {len(routers)}")
+            raise FinetuneError(
+                f"task router bias for {len(self.layer_ids)} MoE layers, model has {len(routers)}"
+            )
         for i, router in enumerate(routers):
-            self._handles.append(router.register_forward_hook(lambda m, args, rec, i=i: self._reroute(i, m, rec)))
+            self._handles.append(
+                router.register_forward_hook(lambda m, args, rec, i=i: self._reroute(i, m, rec))
+            )
         base.add_module("task_router_bias", self)  # so the optimizer sees the bias
         return self
 
@@ -310,8 +345,10 @@ class TaskRouterBias(nn.Module):
             return record
         T, B = record.logits_TE.shape[0], self._task_ids_B.shape[0]
         if T % B:
-            raise FinetuneError(f"task router bias: {T} routed tokens do not split over {B} task ids; pass one "
-                                "task id per sequence of the batch")
+            raise FinetuneError(
+                f"task router bias: {T} routed tokens do not split over {B} task ids; pass one "
+                "task id per sequence of the batch"
+            )
         bias_TE = self.bias_LNE[i].index_select(0, self._task_ids_B.to(self.bias_LNE.device))
         bias_TE = bias_TE.repeat_interleave(T // B, dim=0).float()
         return router.route(record.logits_TE + bias_TE)
@@ -322,8 +359,9 @@ class TaskRouterBias(nn.Module):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file({"bias_LNE": self.bias_LNE.detach().cpu().contiguous()}, str(out_dir / self.FILE))
-        (out_dir / self.META).write_text(json.dumps({"layer_ids": self.layer_ids, "tasks": self.task_names},
-                                                    indent=2) + "\n")
+        (out_dir / self.META).write_text(
+            json.dumps({"layer_ids": self.layer_ids, "tasks": self.task_names}, indent=2) + "\n"
+        )
 
     @classmethod
     def load(cls, directory: str | Path) -> TaskRouterBias:
@@ -331,7 +369,9 @@ class TaskRouterBias(nn.Module):
 
         directory = Path(directory)
         if not (directory / cls.META).is_file():
-            raise FinetuneError(f"{directory}: no {cls.META}; pass the directory a fine-tuning run saved it in")
+            raise FinetuneError(
+                f"{directory}: no {cls.META}; pass the directory a fine-tuning run saved it in"
+            )
         meta = json.loads((directory / cls.META).read_text())
         bias_LNE = load_file(str(directory / cls.FILE))["bias_LNE"]
         module = cls(meta["layer_ids"], meta["tasks"], bias_LNE.shape[-1])
@@ -360,8 +400,13 @@ class MethodPlan:
     task_bias: TaskRouterBias | None = None
 
 
-def apply_method(model, config: FinetuneConfig, *, expert_selection: dict[int, list[int]] | None = None,
-                 task_names: list[str] | None = None):
+def apply_method(
+    model,
+    config: FinetuneConfig,
+    *,
+    expert_selection: dict[int, list[int]] | None = None,
+    task_names: list[str] | None = None,
+):
     """Freeze, wrap and attach what ``config`` asks for. Returns ``(model_to_train, MethodPlan)``; for LoRA the
     first is a PEFT model. ``expert_selection`` is the LoRA expert subset (None: from the config; ESFT needs it
     given, see `select_esft_experts`)."""
@@ -377,19 +422,26 @@ def apply_method(model, config: FinetuneConfig, *, expert_selection: dict[int, l
             selection = resolve_expert_ids(config.lora.expert_ids, mc)
         else:
             if expert_selection is None:
-                raise FinetuneError("lora.experts='esft' needs the selection from a routing profile of the task's "
-                                    "data; compute it with routing_usage + select_esft_experts (finetune() does)")
+                raise FinetuneError(
+                    "lora.experts='esft' needs the selection from a routing profile of the task's "
+                    "data; compute it with routing_usage + select_esft_experts (finetune() does)"
+                )
             selection = expert_selection
-        selection = {layer: [e for e in ids if e not in frozen.get(layer, [])] for layer, ids in selection.items()}
+        selection = {
+            layer: [e for e in ids if e not in frozen.get(layer, [])] for layer, ids in selection.items()
+        }
         plan.expert_selection = {layer: ids for layer, ids in selection.items() if ids}
         model, plan.lora_mask = apply_lora(model, config, plan.expert_selection)
     elif config.method == "full":
+
         def trainable(name: str) -> bool:
             if ".mlp.router." in name:
                 return config.train_router
             if config.freeze.shared_expert and ".mlp.shared_expert" in name:
                 return False
-            if config.freeze.embeddings and (name.startswith("model.embed_tokens") or name.startswith("lm_head")):
+            if config.freeze.embeddings and (
+                name.startswith("model.embed_tokens") or name.startswith("lm_head")
+            ):
                 return False
             return True
 

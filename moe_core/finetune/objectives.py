@@ -47,8 +47,10 @@ def _messages(record: dict[str, Any], index: int) -> list[dict[str, str]]:
 
     messages = to_messages(record)
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
-        raise FinetuneError(f"instruction example {index}: the last turn must be the assistant's answer "
-                            f"(got roles {[m['role'] for m in messages]}); fix or drop that row")
+        raise FinetuneError(
+            f"instruction example {index}: the last turn must be the assistant's answer "
+            f"(got roles {[m['role'] for m in messages]}); fix or drop that row"
+        )
     return messages
 
 
@@ -57,7 +59,9 @@ def task_names_of(records, task_column: str | None) -> list[str]:
         return []
     columns = getattr(records, "column_names", None) or (list(records[0]) if len(records) else [])
     if task_column not in columns:
-        raise FinetuneError(f"data.task_column={task_column!r} is not a column of the data (columns: {columns})")
+        raise FinetuneError(
+            f"data.task_column={task_column!r} is not a column of the data (columns: {columns})"
+        )
     return sorted({str(r[task_column]) for r in records})
 
 
@@ -87,10 +91,16 @@ def dpo_dataset(records):
     for i, record in enumerate(records):
         prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
         if any(v is None or (isinstance(v, str) and not v) for v in (prompt, chosen, rejected)):
-            raise FinetuneError(f"preference example {i}: empty prompt, chosen or rejected; fix or drop that row")
-        rows["prompt"].append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt))
+            raise FinetuneError(
+                f"preference example {i}: empty prompt, chosen or rejected; fix or drop that row"
+            )
+        rows["prompt"].append(
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
         for key, value in (("chosen", chosen), ("rejected", rejected)):
-            rows[key].append([{"role": "assistant", "content": value}] if isinstance(value, str) else list(value))
+            rows[key].append(
+                [{"role": "assistant", "content": value}] if isinstance(value, str) else list(value)
+            )
     return datasets.Dataset.from_dict(rows)
 
 
@@ -116,8 +126,11 @@ class SinkCallback(TrainerCallback):
         self.sinks = list(sinks)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = {k: float(v) for k, v in (logs or {}).items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        metrics = {
+            k: float(v)
+            for k, v in (logs or {}).items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         for sink in self.sinks:
             sink.log(state.global_step, metrics)
 
@@ -136,8 +149,14 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         from moe_core.progress import Progress
 
-        self.progress = Progress(state.max_steps or None, self.desc, unit="step", mode=self.mode,
-                                 initial=state.global_step, stream=self.stream)
+        self.progress = Progress(
+            state.max_steps or None,
+            self.desc,
+            unit="step",
+            mode=self.mode,
+            initial=state.global_step,
+            stream=self.stream,
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.progress is not None:
@@ -145,8 +164,13 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.progress is not None:
-            self.progress.set_postfix(**{short: float(logs[key]) for key, short in self.SHOWN.items()
-                                         if isinstance((logs or {}).get(key), int | float)})
+            self.progress.set_postfix(
+                **{
+                    short: float(logs[key])
+                    for key, short in self.SHOWN.items()
+                    if isinstance((logs or {}).get(key), int | float)
+                }
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.progress is not None:
@@ -166,7 +190,9 @@ class FiniteStepGuard(TrainerCallback):
         self.skipped_steps = 0
         self.bad_in_row = 0
         self.last_step_skipped = False
-        self.last_step_loss: float | None = None  # the loss of the last optimizer step (NaN when it was skipped)
+        self.last_step_loss: float | None = (
+            None  # the loss of the last optimizer step (NaN when it was skipped)
+        )
         self.interval: list[float] = []  # finite step losses since the last log
 
     def observe(self, loss: torch.Tensor) -> None:
@@ -192,7 +218,8 @@ class FiniteStepGuard(TrainerCallback):
             raise FinetuneDivergedError(
                 f"step {state.global_step + 1}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
                 f"(last loss {step_loss}); stopped, nothing written. Lower optim.lr, keep optim.grad_clip on, or "
-                f"use method=lora")
+                f"use method=lora"
+            )
 
     def interval_metrics(self) -> dict[str, float]:
         """``loss`` (mean over the finite steps since the last call; absent if none) and ``skipped_steps``."""
@@ -230,7 +257,9 @@ class _MoEMetrics:
     _guard: FiniteStepGuard | None = None
 
     def _setup_moe(self, plan: MethodPlan | None, log_routing: bool, per_expert: bool) -> None:
-        self._guard = next((c for c in self.callback_handler.callbacks if isinstance(c, FiniteStepGuard)), None)
+        self._guard = next(
+            (c for c in self.callback_handler.callbacks if isinstance(c, FiniteStepGuard)), None
+        )
         base = unwrap(self.model)
         self._base = base
         self._plan = plan
@@ -238,8 +267,9 @@ class _MoEMetrics:
         cfg = base.config
         self.moe_aux_coef = float(cfg.router_aux_loss_coef) if cfg.num_experts else 0.0
         self.moe_z_coef = float(cfg.router_z_loss_coef) if cfg.num_experts else 0.0
-        self._routing = (RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts)
-                         if log_routing and cfg.num_experts else None)
+        self._routing = (
+            RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts) if log_routing and cfg.num_experts else None
+        )
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
@@ -267,7 +297,9 @@ class _MoEMetrics:
             self._routing.add(out.routing)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._guard is not None and "loss" in logs:  # Trainer's loss stands in for NaN steps: ours does not
+        if (
+            self._guard is not None and "loss" in logs
+        ):  # Trainer's loss stands in for NaN steps: ours does not
             del logs["loss"]
             logs.update(self._guard.interval_metrics())
             if "grad_norm" in logs and not math.isfinite(logs["grad_norm"]):
@@ -283,7 +315,11 @@ class _MoEMetrics:
 def _config_kept(model):
     """TRL writes ``output_router_logits`` and ``router_aux_loss_coef`` into the model config; keep ours as is."""
     config = unwrap(model).config
-    saved = {k: config.__dict__[k] for k in ("output_router_logits", "router_aux_loss_coef") if k in config.__dict__}
+    saved = {
+        k: config.__dict__[k]
+        for k in ("output_router_logits", "router_aux_loss_coef")
+        if k in config.__dict__
+    }
     try:
         yield
     finally:
@@ -307,8 +343,15 @@ def _trl_dpo():
 class MoESFTTrainer(_MoEMetrics, _trl_sft()):
     """TRL's SFTTrainer with our model's own loss (LM + router losses); see the module docstring."""
 
-    def __init__(self, model, *args, plan: MethodPlan | None = None, log_routing: bool = True,
-                 per_expert: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        model,
+        *args,
+        plan: MethodPlan | None = None,
+        log_routing: bool = True,
+        per_expert: bool = False,
+        **kwargs,
+    ) -> None:
         with _config_kept(model):
             super().__init__(model, *args, **kwargs)
         unwrap(self.model).__dict__.pop("forward", None)  # undo TRL's fused-head patch: our forward and loss
@@ -318,8 +361,13 @@ class MoESFTTrainer(_MoEMetrics, _trl_sft()):
         mode = "train" if self.model.training else "eval"
         task_ids = inputs.pop("task_ids", None)
         with self._task_context(task_ids):
-            out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                        labels=inputs["labels"], use_cache=False, output_routing=self._routing is not None)
+            out = model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs.get("attention_mask"),
+                labels=inputs["labels"],
+                use_cache=False,
+                output_routing=self._routing is not None,
+            )
         loss = out.loss
         self._observe(out, mode)
         with torch.no_grad():
@@ -329,7 +377,9 @@ class MoESFTTrainer(_MoEMetrics, _trl_sft()):
             n = int(mask.sum())
             self._metrics[mode]["mean_token_accuracy"].append(correct.sum().item() / max(n, 1))
             if mode == "train":
-                self._total_train_tokens += int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else n
+                self._total_train_tokens += (
+                    int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else n
+                )
                 self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, out) if return_outputs else loss
 
@@ -356,16 +406,29 @@ def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwarg
         is_top1 = (logits_BSV.argmax(-1) == labels_BS) & mask
     if torch.is_grad_enabled():  # the policy forward; the reference forward runs under no_grad
         self._moe_router_out = out
-    return FusedCausalLMOutput(loss=-log_probs.sum() / mask.sum().clamp(min=1), log_probs=log_probs,
-                               entropy=entropy, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
-                               aux_loss=out.aux_loss)
+    return FusedCausalLMOutput(
+        loss=-log_probs.sum() / mask.sum().clamp(min=1),
+        log_probs=log_probs,
+        entropy=entropy,
+        mean_logits=mean_logits,
+        is_top1=is_top1,
+        label_mask=mask,
+        aux_loss=out.aux_loss,
+    )
 
 
 class MoEDPOTrainer(_MoEMetrics, _trl_dpo()):
     """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
 
-    def __init__(self, model, *args, plan: MethodPlan | None = None, log_routing: bool = True,
-                 per_expert: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        model,
+        *args,
+        plan: MethodPlan | None = None,
+        log_routing: bool = True,
+        per_expert: bool = False,
+        **kwargs,
+    ) -> None:
         with _config_kept(model):
             super().__init__(model, *args, **kwargs)
         self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
@@ -403,14 +466,29 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
     """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations, no
     checkpoints (the export writes the outputs)."""
     common = dict(
-        output_dir=str(out_dir), max_steps=config.steps, per_device_train_batch_size=config.batch_size,
-        gradient_accumulation_steps=config.grad_accum, learning_rate=config.optim.lr,
-        weight_decay=config.optim.weight_decay, warmup_steps=config.optim.warmup_steps,
-        lr_scheduler_type="constant_with_warmup" if config.optim.schedule == "constant" else config.optim.schedule, max_grad_norm=config.optim.grad_clip or 0.0,
-        logging_steps=config.log.every, logging_first_step=True, save_strategy="no", report_to="none",
-        seed=config.seed, data_seed=config.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-        dataloader_num_workers=0, bf16=config.model.dtype == "bfloat16" and torch.cuda.is_available(),
-        max_length=config.data.max_length, remove_unused_columns=False,
+        output_dir=str(out_dir),
+        max_steps=config.steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.optim.lr,
+        weight_decay=config.optim.weight_decay,
+        warmup_steps=config.optim.warmup_steps,
+        lr_scheduler_type="constant_with_warmup"
+        if config.optim.schedule == "constant"
+        else config.optim.schedule,
+        max_grad_norm=config.optim.grad_clip or 0.0,
+        logging_steps=config.log.every,
+        logging_first_step=True,
+        save_strategy="no",
+        report_to="none",
+        seed=config.seed,
+        data_seed=config.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=config.model.dtype == "bfloat16" and torch.cuda.is_available(),
+        max_length=config.data.max_length,
+        remove_unused_columns=False,
         logging_nan_inf_filter=False,  # FiniteStepGuard skips and counts bad steps; no stand-in losses
         gradient_checkpointing=config.gradient_checkpointing,
     )
@@ -421,5 +499,6 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
     from trl import DPOConfig
 
-    return DPOConfig(beta=config.dpo.beta, loss_type=[config.dpo.loss_type], precompute_ref_log_probs=False,
-                     **common)
+    return DPOConfig(
+        beta=config.dpo.beta, loss_type=[config.dpo.loss_type], precompute_ref_log_probs=False, **common
+    )

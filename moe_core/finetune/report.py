@@ -36,7 +36,9 @@ class TrainableReport:
     total_params: int
     trainable_params: int
     by_kind: dict[str, int] = field(default_factory=dict)
-    expert_adapters: dict[int, list[int]] = field(default_factory=dict)  # layer -> experts with a LoRA adapter
+    expert_adapters: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # layer -> experts with a LoRA adapter
 
     def require_expert_adapters(self) -> None:
         """Raise when no routed-expert weight got a LoRA adapter."""
@@ -44,25 +46,34 @@ class TrainableReport:
             raise FinetuneError(
                 "expert LoRA was asked for but no expert weight got an adapter (no trainable "
                 "'mlp.experts.*lora_*' tensor); check lora.experts / lora.expert_ids / freeze.experts, and that the "
-                "model's experts are stacked parameters mlp.experts.{gate_proj,up_proj,down_proj}")
+                "model's experts are stacked parameters mlp.experts.{gate_proj,up_proj,down_proj}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"total_params": self.total_params, "trainable_params": self.trainable_params,
-                "trainable_fraction": self.trainable_params / max(self.total_params, 1), "by_kind": self.by_kind,
-                "expert_adapters": {str(k): v for k, v in self.expert_adapters.items()},
-                "tensors": [asdict(row) for row in self.rows]}
+        return {
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "trainable_fraction": self.trainable_params / max(self.total_params, 1),
+            "by_kind": self.by_kind,
+            "expert_adapters": {str(k): v for k, v in self.expert_adapters.items()},
+            "tensors": [asdict(row) for row in self.rows],
+        }
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def to_text(self, max_rows: int = 40) -> str:
-        lines = [f"trainable {self.trainable_params:,} of {self.total_params:,} parameters "
-                 f"({100 * self.trainable_params / max(self.total_params, 1):.3f}%)"]
+        lines = [
+            f"trainable {self.trainable_params:,} of {self.total_params:,} parameters "
+            f"({100 * self.trainable_params / max(self.total_params, 1):.3f}%)"
+        ]
         lines += [f"  {kind:<18} {n:>12,}" for kind, n in sorted(self.by_kind.items())]
         for row in self.rows[:max_rows]:
             experts = f" experts={row.experts}" if row.experts is not None else ""
             target = f" adapts {row.target}" if row.target else ""
-            lines.append(f"  {row.name} {tuple(row.shape)} {row.trainable_numel:,}/{row.numel:,}{target}{experts}")
+            lines.append(
+                f"  {row.name} {tuple(row.shape)} {row.trainable_numel:,}/{row.numel:,}{target}{experts}"
+            )
         if len(self.rows) > max_rows:
             lines.append(f"  ... {len(self.rows) - max_rows} more tensors (see trainable_parameters.json)")
         return "\n".join(lines)
@@ -92,7 +103,7 @@ def _kind(name: str) -> str:
 def _clean(name: str) -> str:
     for prefix in ("base_model.model.",):
         if name.startswith(prefix):
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
     return name
 
 
@@ -121,15 +132,26 @@ def trainable_parameter_report(model, plan: MethodPlan | None = None) -> Trainab
         trainable_numel = param.numel()
         if kind in ("experts", "lora_expert") and num_experts:
             if kind == "lora_expert":
-                experts = (plan.expert_selection.get(layer, []) if plan is not None
-                           else list(range(num_experts)))
+                experts = (
+                    plan.expert_selection.get(layer, []) if plan is not None else list(range(num_experts))
+                )
             else:
                 frozen = plan.frozen_experts.get(layer, []) if plan is not None else []
                 experts = [e for e in range(num_experts) if e not in frozen]
             trainable_numel = param.numel() * len(experts) // num_experts
         owner = name.split(".lora_")[0] if ".lora_" in name else None
-        rows.append(TensorRow(name, list(param.shape), param.numel(), trainable_numel, kind, layer, experts,
-                              wrapped.get(owner)))
+        rows.append(
+            TensorRow(
+                name,
+                list(param.shape),
+                param.numel(),
+                trainable_numel,
+                kind,
+                layer,
+                experts,
+                wrapped.get(owner),
+            )
+        )
     by_kind: dict[str, int] = {}
     for row in rows:
         by_kind[row.kind] = by_kind.get(row.kind, 0) + row.trainable_numel

@@ -66,8 +66,17 @@ class FinetuneResult:
 
 
 # what a fine-tune writes into its output directory (an earlier run's are refused unless overwrite)
-OUTPUTS = ("finetune_config.json", "trainable_parameters.json", "esft_selection.json", "metrics.jsonl",
-           "summary.json", "adapter", "merged", "hf", "trainer")
+OUTPUTS = (
+    "finetune_config.json",
+    "trainable_parameters.json",
+    "esft_selection.json",
+    "metrics.jsonl",
+    "summary.json",
+    "adapter",
+    "merged",
+    "hf",
+    "trainer",
+)
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -80,24 +89,32 @@ def load_base_model(path: str, dtype: str = "float32"):
     directory = resolve_source(path)
     config_file = Path(directory) / "config.json"
     if not config_file.is_file():
-        raise FinetuneError(f"model.path={path!r}: no config.json in {directory}; pass a checkpoint directory")
+        raise FinetuneError(
+            f"model.path={path!r}: no config.json in {directory}; pass a checkpoint directory"
+        )
     model_type = json.loads(config_file.read_text()).get("model_type")
     torch_dtype = getattr(torch, dtype)
     if model_type == MoEConfig.model_type:
         return MoEForCausalLM.from_pretrained(directory, dtype=torch_dtype)
     if model_type in ARCHITECTURES:
         return from_hf(directory, dtype=torch_dtype)
-    raise FinetuneError(f"model.path={path!r}: model_type {model_type!r} is neither a moe_lab checkpoint nor one of "
-                        f"the convertible architectures {sorted(ARCHITECTURES)}")
+    raise FinetuneError(
+        f"model.path={path!r}: model_type {model_type!r} is neither a moe_lab checkpoint nor one of "
+        f"the convertible architectures {sorted(ARCHITECTURES)}"
+    )
 
 
 def prepare_tokenizer(tokenizer, model_config):
     if getattr(tokenizer, "chat_template", None) is None:
-        raise FinetuneError("the tokenizer has no chat template; SFT/DPO data is framed with it. Use a tokenizer "
-                            "from moe_core.data.tokenizer (it has one) or set tokenizer.chat_template")
+        raise FinetuneError(
+            "the tokenizer has no chat template; SFT/DPO data is framed with it. Use a tokenizer "
+            "from moe_core.data.tokenizer (it has one) or set tokenizer.chat_template"
+        )
     if len(tokenizer) > model_config.vocab_size:
-        raise FinetuneError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                            f"{model_config.vocab_size}; use the model's own tokenizer")
+        raise FinetuneError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{model_config.vocab_size}; use the model's own tokenizer"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -109,8 +126,13 @@ def load_records(config: FinetuneConfig):
     if not config.data.source:
         raise FinetuneError("data.source is not set; give an instruction (SFT) or preference (DPO) file")
     kind = "instruction" if config.objective == "sft" else "preference"
-    loaded = load_source(config.data.source, kind=kind, hub_config=config.data.hub_config, split=config.data.split,
-                         max_documents=config.data.max_examples)
+    loaded = load_source(
+        config.data.source,
+        kind=kind,
+        hub_config=config.data.hub_config,
+        split=config.data.split,
+        max_documents=config.data.max_examples,
+    )
     if config.data.validate_data:
         from moe_core.data.validation import validate
 
@@ -155,20 +177,37 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
     batches = []
     n = min(config.lora.esft_examples, len(records))
     for start in range(0, n, config.batch_size):
-        texts = [tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
-                 for i in range(start, min(start + config.batch_size, n))]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                        max_length=config.data.max_length, add_special_tokens=False)
+        texts = [
+            tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
+            for i in range(start, min(start + config.batch_size, n))
+        ]
+        enc = tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=config.data.max_length,
+            add_special_tokens=False,
+        )
         batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     usage = routing_usage(model, batches)
-    selection = select_esft_experts(usage, config.lora.esft_share, config.lora.esft_score,
-                                    config.lora.esft_max_experts, exclude=frozen)
+    selection = select_esft_experts(
+        usage, config.lora.esft_share, config.lora.esft_score, config.lora.esft_max_experts, exclude=frozen
+    )
     return usage, selection
 
 
 # ------------------------------------------------------------------------------------------------ run
-def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokenizer=None, records=None,
-             sinks=(), overwrite: bool = False) -> FinetuneResult:
+def finetune(
+    config: FinetuneConfig,
+    out_dir: str | Path,
+    *,
+    model=None,
+    tokenizer=None,
+    records=None,
+    sinks=(),
+    overwrite: bool = False,
+) -> FinetuneResult:
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
     ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
@@ -180,8 +219,9 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
     out_dir = Path(out_dir)
     with OutputLock(out_dir, "fine-tuning run"):
         if not overwrite:
-            refuse_previous_outputs(out_dir, OUTPUTS, "pass --overwrite (overwrite=True) to replace them",
-                                    error_cls=FinetuneError)
+            refuse_previous_outputs(
+                out_dir, OUTPUTS, "pass --overwrite (overwrite=True) to replace them", error_cls=FinetuneError
+            )
         with staged_outputs(out_dir, replace=OUTPUTS if overwrite else ()) as stage:
             result = _finetune(config, stage, model=model, tokenizer=tokenizer, records=records, sinks=sinks)
     for name in ("adapter_dir", "merged_dir", "hf_dir"):  # where the outputs are now
@@ -193,11 +233,16 @@ def finetune(config: FinetuneConfig, out_dir: str | Path, *, model=None, tokeniz
 
 def check_finite_weights(model, where: str) -> None:
     """Refuse weights that are not finite (a diverged run) before anything is written."""
-    bad = [name for name, tensor in model.state_dict().items()
-           if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    bad = [
+        name
+        for name, tensor in model.state_dict().items()
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()
+    ]
     if bad:
-        raise FinetuneDivergedError(f"{where}: {len(bad)} tensors hold non-finite values (first: {bad[0]}); nothing "
-                                    f"written. Lower optim.lr, keep optim.grad_clip on, or use method=lora")
+        raise FinetuneDivergedError(
+            f"{where}: {len(bad)} tensors hold non-finite values (first: {bad[0]}); nothing "
+            f"written. Lower optim.lr, keep optim.grad_clip on, or use method=lora"
+        )
 
 
 def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks) -> FinetuneResult:
@@ -231,7 +276,9 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     if tokenizer is None:
         source = config.model.tokenizer or config.model.path
         if not source:
-            raise FinetuneError("no tokenizer: set model.tokenizer (or model.path to a directory holding one)")
+            raise FinetuneError(
+                "no tokenizer: set model.tokenizer (or model.path to a directory holding one)"
+            )
         tokenizer = load_tokenizer(source)
     tokenizer = prepare_tokenizer(tokenizer, model.config)
     if records is None:
@@ -252,15 +299,28 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen policy at step 0
 
     selection = None
-    summary: dict[str, Any] = {"examples": len(records), "data_sha256": _records_hash(records),
-                               "tasks": {name: sum(1 for r in records if str(r[config.data.task_column]) == name)
-                                         for name in task_names}}
+    summary: dict[str, Any] = {
+        "examples": len(records),
+        "data_sha256": _records_hash(records),
+        "tasks": {
+            name: sum(1 for r in records if str(r[config.data.task_column]) == name) for name in task_names
+        },
+    }
     if config.method == "lora" and config.lora.experts == "esft" and model.config.num_experts:
         frozen = resolve_expert_ids(config.freeze.experts, model.config, "freeze.experts")
         usage, selection = esft_selection(model, tokenizer, records, config, frozen)
-        (out_dir / "esft_selection.json").write_text(json.dumps(
-            {"usage": usage.to_dict(), "selection": {str(k): v for k, v in selection.items()},
-             "share": config.lora.esft_share, "score": config.lora.esft_score}, indent=2) + "\n")
+        (out_dir / "esft_selection.json").write_text(
+            json.dumps(
+                {
+                    "usage": usage.to_dict(),
+                    "selection": {str(k): v for k, v in selection.items()},
+                    "share": config.lora.esft_share,
+                    "score": config.lora.esft_score,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     train_model, plan = apply_method(model, config, expert_selection=selection, task_names=task_names)
     report = trainable_parameter_report(train_model, plan)
@@ -277,8 +337,14 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     if config.log.progress != "off":
         callbacks.append(ProgressCallback(config.log.progress))
     args = trainer_args(config, out_dir / "trainer")
-    common = dict(args=args, processing_class=tokenizer, callbacks=callbacks, plan=plan,
-                  log_routing=config.log.routing, per_expert=config.log.per_expert)
+    common = dict(
+        args=args,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        plan=plan,
+        log_routing=config.log.routing,
+        per_expert=config.log.per_expert,
+    )
     try:
         with _quiet_datasets():
             if config.objective == "sft":
@@ -287,8 +353,9 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
                 if config.data.task_column:
                     trainer.data_collator = TaskCollator(trainer.data_collator)
             else:
-                trainer = MoEDPOTrainer(train_model, ref_model=ref_model, train_dataset=dpo_dataset(records),
-                                        **common)
+                trainer = MoEDPOTrainer(
+                    train_model, ref_model=ref_model, train_dataset=dpo_dataset(records), **common
+                )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
         trainer.train()
     finally:
@@ -297,11 +364,20 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
         raise FinetuneDivergedError(
             f"the last {guard.bad_in_row} step(s) had a non-finite loss or gradient ({guard.skipped_steps} of "
-            f"{config.steps} skipped); nothing written. Lower optim.lr, keep optim.grad_clip on, or use method=lora")
+            f"{config.steps} skipped); nothing written. Lower optim.lr, keep optim.grad_clip on, or use method=lora"
+        )
     check_finite_weights(train_model, "fine-tuned model")
 
-    result = FinetuneResult(out_dir, train_model, plan, report, metrics, summary=summary,
-                            skipped_steps=guard.skipped_steps, last_step_loss=guard.last_step_loss)
+    result = FinetuneResult(
+        out_dir,
+        train_model,
+        plan,
+        report,
+        metrics,
+        summary=summary,
+        skipped_steps=guard.skipped_steps,
+        last_step_loss=guard.last_step_loss,
+    )
     if config.method == "lora" and config.export.adapters:
         result.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
     want_hf = config.export.hf if config.export.hf is not None else bool(model.config.hf_origin)
@@ -317,10 +393,15 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
         if bias is not None:
             bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
     final = [row for row in metrics if "loss" in row]
-    summary.update({"steps": config.steps, "skipped_steps": guard.skipped_steps,
-                    "trainable_params": report.trainable_params,
-                    "final_metrics": final[-1] if final else {},
-                    "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()}})
+    summary.update(
+        {
+            "steps": config.steps,
+            "skipped_steps": guard.skipped_steps,
+            "trainable_params": report.trainable_params,
+            "final_metrics": final[-1] if final else {},
+            "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()},
+        }
+    )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return result
 

@@ -18,14 +18,24 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "enable_fast_decode": "fast_decode", "disable_fast_decode": "fast_decode", "DecodeExperts": "fast_decode",
-    "export_onnx": "onnx_export", "load_onnx": "onnx_export",
-    "quantize_experts": "quantize", "QuantConfig": "quantize", "quantize_onnx_dynamic": "quantize",
-    "prune_experts": "prune", "PruneConfig": "prune", "collect_saliency": "prune",
+    "enable_fast_decode": "fast_decode",
+    "disable_fast_decode": "fast_decode",
+    "DecodeExperts": "fast_decode",
+    "export_onnx": "onnx_export",
+    "load_onnx": "onnx_export",
+    "quantize_experts": "quantize",
+    "QuantConfig": "quantize",
+    "quantize_onnx_dynamic": "quantize",
+    "prune_experts": "prune",
+    "PruneConfig": "prune",
+    "collect_saliency": "prune",
     "export_gguf": "gguf_export",
-    "ExpertCache": "expert_cache", "offload_experts": "expert_cache",
-    "batch_generate": "generate", "GenerationConfig": "generate",
-    "compile_steps": "compile", "export_program": "compile",
+    "ExpertCache": "expert_cache",
+    "offload_experts": "expert_cache",
+    "batch_generate": "generate",
+    "GenerationConfig": "generate",
+    "compile_steps": "compile",
+    "export_program": "compile",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -41,9 +41,17 @@ def _quantize(args: argparse.Namespace) -> int:
         from moe_core.inference.quantize import quantize_optimum_gptq
 
         # without --data, quantize_optimum_gptq says what is missing (the GPU backend first, then the data)
-        calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
-        out = quantize_optimum_gptq(args.model_dir, args.out, calibration, bits=args.bits,
-                                    group_size=args.group_size, architecture=args.hf_architecture)
+        calibration = (
+            calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+        )
+        out = quantize_optimum_gptq(
+            args.model_dir,
+            args.out,
+            calibration,
+            bits=args.bits,
+            group_size=args.group_size,
+            architecture=args.hf_architecture,
+        )
         print(f"wrote {out}")
         return 0
     from moe_core.inference.evaluate import calibration_batches
@@ -53,8 +61,10 @@ def _quantize(args: argparse.Namespace) -> int:
     calibration = None
     if args.method in ("gptq", "awq"):
         if not args.data:
-            raise QuantizationError(f"--method {args.method} calibrates on real text: pass --data DIR "
-                                    "(a prepared-data directory, moe-lab data prepare)")
+            raise QuantizationError(
+                f"--method {args.method} calibrates on real text: pass --data DIR "
+                "(a prepared-data directory, moe-lab data prepare)"
+            )
         calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
     report = quantize_checkpoint(args.model_dir, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
@@ -65,9 +75,12 @@ def _prune(args: argparse.Namespace) -> int:
     from moe_core.inference.evaluate import calibration_batches
     from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
-    config = PruneConfig(keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge,
-                         criterion=args.criterion)
-    calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+    config = PruneConfig(
+        keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge, criterion=args.criterion
+    )
+    calibration = (
+        calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
+    )
     report = prune_checkpoint(args.model_dir, args.profile, args.out, config, calibration)
     print(json.dumps(report.to_dict()))
     return 0
@@ -80,15 +93,32 @@ def _generate(args: argparse.Namespace) -> int:
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as fh:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                              temperature=args.temperature, top_k=args.top_k, seed=args.seed, compile=args.compile)
-    report = generate_cli(args.model_dir, prompts, config, stream=not args.no_stream, out=sys.stdout,
-                          events_dir=args.events, expert_cache=args.expert_cache, json_lines=args.json)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        compile=args.compile,
+    )
+    report = generate_cli(
+        args.model_dir,
+        prompts,
+        config,
+        stream=not args.no_stream,
+        out=sys.stdout,
+        events_dir=args.events,
+        expert_cache=args.expert_cache,
+        json_lines=args.json,
+    )
     if args.json:
         print(json.dumps(report), file=sys.stderr)
     else:
-        figures = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool))
+        figures = ", ".join(
+            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in report.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        )
         print(f"moe-lab generate: {figures}", file=sys.stderr)
     return 0
 
@@ -96,55 +126,109 @@ def _generate(args: argparse.Namespace) -> int:
 def add_cli(subparsers) -> None:
     export = subparsers.add_parser("export", help="export a model for deployment")
     export_sub = export.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
-    onnx = export_sub.add_parser("onnx", help="ONNX through optimum-onnx, with a KV cache (runs in ONNX Runtime)")
-    onnx.add_argument("model_dir", type=existing_path("model"), help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory")
+    onnx = export_sub.add_parser(
+        "onnx", help="ONNX through optimum-onnx, with a KV cache (runs in ONNX Runtime)"
+    )
+    onnx.add_argument(
+        "model_dir",
+        type=existing_path("model"),
+        help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory",
+    )
     onnx.add_argument("--out", required=True)
     onnx.add_argument("--opset", type=int, default=17)
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
     onnx.set_defaults(func=_export_onnx)
     add_router_module_option(onnx)
-    gguf = export_sub.add_parser("gguf", help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
-                                              "(moe-lab convert to-hf --arch mixtral)")
-    gguf.add_argument("hf_dir", type=existing_path("model"), help="a Hugging Face Mixtral checkpoint with tokenizer.json")
+    gguf = export_sub.add_parser(
+        "gguf",
+        help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
+        "(moe-lab convert to-hf --arch mixtral)",
+    )
+    gguf.add_argument(
+        "hf_dir", type=existing_path("model"), help="a Hugging Face Mixtral checkpoint with tokenizer.json"
+    )
     gguf.add_argument("--out", required=True, help="the .gguf file to write")
     gguf.set_defaults(func=_export_gguf)
 
-    quantize = subparsers.add_parser("quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8")
-    quantize.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory (or an exported ONNX directory for ort-int8)")
+    quantize = subparsers.add_parser(
+        "quantize", help="int8/int4 weight-only experts, or ONNX Runtime dynamic int8"
+    )
+    quantize.add_argument(
+        "model_dir",
+        type=existing_path("model"),
+        help="checkpoint directory (or an exported ONNX directory for ort-int8)",
+    )
     quantize.add_argument("--out", required=True)
-    quantize.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "ort-int8", "optimum-gptq"],
-                          help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)")
-    quantize.add_argument("--data", default=None, type=existing_path("data"),
-                          help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq")
+    quantize.add_argument(
+        "--method",
+        default="rtn",
+        choices=["rtn", "gptq", "awq", "ort-int8", "optimum-gptq"],
+        help="optimum-gptq: optimum's GPTQQuantizer on the HF architecture (CUDA + gptqmodel)",
+    )
+    quantize.add_argument(
+        "--data",
+        default=None,
+        type=existing_path("data"),
+        help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq",
+    )
     quantize.add_argument("--calib-batches", type=int, default=16, help="calibration batches from --data")
     quantize.add_argument("--calib-batch-size", type=int, default=8)
     quantize.add_argument("--bits", type=int, default=8, choices=[4, 8])
     quantize.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dim")
-    quantize.add_argument("--hf-architecture", choices=["mixtral", "olmoe", "qwen2_moe"], default=None,
-                          help="optimum-gptq: the HF architecture to quantize through (default: the model's origin)")
+    quantize.add_argument(
+        "--hf-architecture",
+        choices=["mixtral", "olmoe", "qwen2_moe"],
+        default=None,
+        help="optimum-gptq: the HF architecture to quantize through (default: the model's origin)",
+    )
     quantize.set_defaults(func=_quantize)
     add_router_module_option(quantize)
 
-    prune = subparsers.add_parser("prune", help="drop (or merge) low-ranked experts: routed slots or REAP saliency")
+    prune = subparsers.add_parser(
+        "prune", help="drop (or merge) low-ranked experts: routed slots or REAP saliency"
+    )
     prune.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory")
-    prune.add_argument("--profile", default=None, type=existing_path("profile"), help="a RouterProfile directory (moe-lab analyze): slot counts")
-    prune.add_argument("--criterion", default="frequency", choices=["frequency", "reap"],
-                       help="rank experts by routed slots, or by REAP's router-weighted output norm (needs --data)")
-    prune.add_argument("--data", default=None, type=existing_path("data"), help="prepared-data directory whose train split calibrates the ranking")
+    prune.add_argument(
+        "--profile",
+        default=None,
+        type=existing_path("profile"),
+        help="a RouterProfile directory (moe-lab analyze): slot counts",
+    )
+    prune.add_argument(
+        "--criterion",
+        default="frequency",
+        choices=["frequency", "reap"],
+        help="rank experts by routed slots, or by REAP's router-weighted output norm (needs --data)",
+    )
+    prune.add_argument(
+        "--data",
+        default=None,
+        type=existing_path("data"),
+        help="prepared-data directory whose train split calibrates the ranking",
+    )
     prune.add_argument("--calib-batches", type=int, default=16)
     prune.add_argument("--calib-batch-size", type=int, default=8)
     prune.add_argument("--out", required=True)
-    prune.add_argument("--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)")
+    prune.add_argument(
+        "--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)"
+    )
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")
-    prune.add_argument("--merge", action="store_true", help="merge each dropped expert into its most similar kept one")
+    prune.add_argument(
+        "--merge", action="store_true", help="merge each dropped expert into its most similar kept one"
+    )
     prune.set_defaults(func=_prune)
     add_router_module_option(prune)
 
-    generate = subparsers.add_parser("generate", help="generate text from a model, streamed",
-                                     description="Generate text from a checkpoint and its tokenizer: the first "
-                                                 "prompt's completion is streamed as it is decoded, the others "
-                                                 "follow; --json gives JSON lines for programs.")
-    generate.add_argument("model_dir", type=existing_path("model"), help="checkpoint directory with a tokenizer")
+    generate = subparsers.add_parser(
+        "generate",
+        help="generate text from a model, streamed",
+        description="Generate text from a checkpoint and its tokenizer: the first "
+        "prompt's completion is streamed as it is decoded, the others "
+        "follow; --json gives JSON lines for programs.",
+    )
+    generate.add_argument(
+        "model_dir", type=existing_path("model"), help="checkpoint directory with a tokenizer"
+    )
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", type=existing_path("prompts file"), help="one prompt per line")
     generate.add_argument("--max-new-tokens", type=int, default=64)
@@ -153,15 +237,30 @@ def add_cli(subparsers) -> None:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--no-stream", action="store_true", help="print each completion when it is done")
-    generate.add_argument("--json", action="store_true",
-                          help="JSON lines for programs (streamed pieces, then one completion per prompt; the "
-                               "figures as JSON on stderr) instead of text")
-    generate.add_argument("--compile", action="store_true",
-                          help="torch.compile prefill and decode (slow first batch, faster decoding)")
-    generate.add_argument("--expert-cache", type=int, default=None, metavar="N",
-                          help="keep only N experts in memory (the rest offloaded to disk, LRU)")
-    generate.add_argument("--events", default=None, metavar="DIR",
-                          help="write live figures (tokens/s, cache hit rate, ...) to DIR/inference.jsonl for "
-                               "moe-lab dashboard (numbers only)")
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON lines for programs (streamed pieces, then one completion per prompt; the "
+        "figures as JSON on stderr) instead of text",
+    )
+    generate.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile prefill and decode (slow first batch, faster decoding)",
+    )
+    generate.add_argument(
+        "--expert-cache",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep only N experts in memory (the rest offloaded to disk, LRU)",
+    )
+    generate.add_argument(
+        "--events",
+        default=None,
+        metavar="DIR",
+        help="write live figures (tokens/s, cache hit rate, ...) to DIR/inference.jsonl for "
+        "moe-lab dashboard (numbers only)",
+    )
     generate.set_defaults(func=_generate)
     add_router_module_option(generate)

@@ -28,6 +28,7 @@ returns only the logits: no cache object is unpacked or rebuilt per step. The st
 reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
 `StaticDecodeState`.
 """
+
 from __future__ import annotations
 
 import types
@@ -93,12 +94,20 @@ def _step_fn(model: nn.Module, expert_impl: str | None):
     its recompile budget per code object, so every step of every `compile_steps` call gets its own."""
 
     def step(input_ids_BS, past_key_values=None, attention_mask_BL=None, position_ids_BS=None):
-        out = model(input_ids=input_ids_BS, past_key_values=past_key_values, attention_mask=attention_mask_BL,
-                    position_ids=position_ids_BS, use_cache=True, logits_to_keep=1, expert_impl=expert_impl)
+        out = model(
+            input_ids=input_ids_BS,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask_BL,
+            position_ids=position_ids_BS,
+            use_cache=True,
+            logits_to_keep=1,
+            expert_impl=expert_impl,
+        )
         return out.logits[:, -1], out.past_key_values
 
-    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
-                              step.__closure__)
+    return types.FunctionType(
+        step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
+    )
 
 
 def _contiguous_cache(cache):
@@ -120,6 +129,7 @@ class CompiledSteps:
 class StaticDecodeState:
     """What a static-cache step passes to the next: the preallocated cache, the tokens written so far, and
     the full-length [B, L] attention mask (None when nothing is padded)."""
+
     cache: StaticCache
     length: int
     attention_mask_BL: torch.Tensor | None = None
@@ -129,20 +139,33 @@ def _static_step_fn(model: nn.Module, expert_impl: str | None):
     """A step on a `StaticCache` that returns only the last logits (the cache is updated in place)."""
 
     def step(input_ids_BS, cache, cache_position_S, attention_mask_BL=None, position_ids_BS=None):
-        out = model(input_ids=input_ids_BS, past_key_values=cache, attention_mask=attention_mask_BL,
-                    position_ids=position_ids_BS, cache_position=cache_position_S, use_cache=True,
-                    logits_to_keep=1, expert_impl=expert_impl)
+        out = model(
+            input_ids=input_ids_BS,
+            past_key_values=cache,
+            attention_mask=attention_mask_BL,
+            position_ids=position_ids_BS,
+            cache_position=cache_position_S,
+            use_cache=True,
+            logits_to_keep=1,
+            expert_impl=expert_impl,
+        )
         return out.logits[:, -1]
 
-    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
-                              step.__closure__)
+    return types.FunctionType(
+        step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
+    )
 
 
 class _StaticCacheSteps:
     """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots."""
 
     def __init__(self, model: nn.Module, prefill, decode, max_cache_len: int) -> None:
-        self.model, self.prefill_fn, self.decode_fn, self.max_cache_len = model, prefill, decode, max_cache_len
+        self.model, self.prefill_fn, self.decode_fn, self.max_cache_len = (
+            model,
+            prefill,
+            decode,
+            max_cache_len,
+        )
         self.cache: StaticCache | None = None
         self.positions = torch.arange(max_cache_len)
 
@@ -151,7 +174,9 @@ class _StaticCacheSteps:
         if self.cache is None or self.cache.layers[0].max_batch_size != batch:
             self.cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
             dtype = next(self.model.parameters()).dtype
-            self.cache.early_initialization(batch, config.num_key_value_heads, config.head_dim, dtype, like.device)
+            self.cache.early_initialization(
+                batch, config.num_key_value_heads, config.head_dim, dtype, like.device
+            )
         else:
             self.cache.reset()
         return self.cache
@@ -159,8 +184,10 @@ class _StaticCacheSteps:
     def prefill(self, input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         B, S = input_ids_BS.shape
         if S >= self.max_cache_len:
-            raise CompileError(f"prompt of {S} tokens does not fit a static cache of max_cache_len="
-                               f"{self.max_cache_len} (room for the decoded tokens too); raise max_cache_len")
+            raise CompileError(
+                f"prompt of {S} tokens does not fit a static cache of max_cache_len="
+                f"{self.max_cache_len} (room for the decoded tokens too); raise max_cache_len"
+            )
         cache = self._cache_for(B, input_ids_BS)
         mask_BL = None
         if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
@@ -175,16 +202,31 @@ class _StaticCacheSteps:
         if state.length >= self.max_cache_len:
             raise CompileError(f"the static cache is full ({self.max_cache_len} tokens); raise max_cache_len")
         with torch.no_grad(), traceable_sdpa():
-            logits = self.decode_fn(input_ids_BS, state.cache, self.positions[state.length:state.length + 1],
-                                    state.attention_mask_BL, position_ids_BS)
+            logits = self.decode_fn(
+                input_ids_BS,
+                state.cache,
+                self.positions[state.length : state.length + 1],
+                state.attention_mask_BL,
+                position_ids_BS,
+            )
         state.length += 1
         return logits, state
 
 
-def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None = None,
-                  prefill_impl: str = "static", decode_impl: str = "gather", gemv: str = "reduction",
-                  backend: str = "inductor", compile_prefill: bool = True, cache: str = "dynamic",
-                  max_cache_len: int | None = None, cpp_wrapper: bool = False) -> CompiledSteps:
+def compile_steps(
+    model: nn.Module,
+    *,
+    fullgraph: bool = True,
+    mode: str | None = None,
+    prefill_impl: str = "static",
+    decode_impl: str = "gather",
+    gemv: str = "reduction",
+    backend: str = "inductor",
+    compile_prefill: bool = True,
+    cache: str = "dynamic",
+    max_cache_len: int | None = None,
+    cpp_wrapper: bool = False,
+) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
@@ -211,16 +253,35 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
         if compile_prefill:
-            static_prefill = torch.compile(static_prefill, fullgraph=fullgraph, dynamic=True, mode=mode,
-                                           backend=backend, options=options)
-        static_decode = torch.compile(_static_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True,
-                                      mode=mode, backend=backend, options=options)
+            static_prefill = torch.compile(
+                static_prefill, fullgraph=fullgraph, dynamic=True, mode=mode, backend=backend, options=options
+            )
+        static_decode = torch.compile(
+            _static_step_fn(model, decode_impl),
+            fullgraph=fullgraph,
+            dynamic=True,
+            mode=mode,
+            backend=backend,
+            options=options,
+        )
         steps = _StaticCacheSteps(model, static_prefill, static_decode, max_cache_len)
         return CompiledSteps(steps.prefill, steps.decode)
-    prefill = torch.compile(_step_fn(model, prefill_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
-                            backend=backend, options=options)
-    decode = torch.compile(_step_fn(model, decode_impl), fullgraph=fullgraph, dynamic=True, mode=mode,
-                           backend=backend, options=options)
+    prefill = torch.compile(
+        _step_fn(model, prefill_impl),
+        fullgraph=fullgraph,
+        dynamic=True,
+        mode=mode,
+        backend=backend,
+        options=options,
+    )
+    decode = torch.compile(
+        _step_fn(model, decode_impl),
+        fullgraph=fullgraph,
+        dynamic=True,
+        mode=mode,
+        backend=backend,
+        options=options,
+    )
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
@@ -228,7 +289,9 @@ def compile_steps(model: nn.Module, *, fullgraph: bool = True, mode: str | None 
 
     def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
         with torch.no_grad(), traceable_sdpa():
-            return decode(input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS)
+            return decode(
+                input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS
+            )
 
     return CompiledSteps(run_prefill if compile_prefill else eager_steps(model).prefill, run_decode)
 
@@ -269,5 +332,7 @@ def export_program(model: nn.Module, example_input_ids: torch.Tensor, *, dynamic
         with torch.no_grad(), traceable_sdpa():
             return export(_Forward(model), (example_input_ids,), dynamic_shapes=dynamic_shapes)
     except Exception as err:  # surface the exporter's reason with what to try
-        raise CompileError(f"torch.export failed on the static expert path: {type(err).__name__}: "
-                           f"{str(err).splitlines()[0] if str(err) else ''}; try dynamic_seq=False") from err
+        raise CompileError(
+            f"torch.export failed on the static expert path: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}; try dynamic_seq=False"
+        ) from err

@@ -22,8 +22,9 @@ def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
     return evaluate_loss(model, batches, split="benchmark").perplexity
 
 
-def calibration_batches(data_dir: str | Path, batches: int = 16, batch_size: int = 8,
-                        split: str = "train") -> list[torch.Tensor]:
+def calibration_batches(
+    data_dir: str | Path, batches: int = 16, batch_size: int = 8, split: str = "train"
+) -> list[torch.Tensor]:
     """The first ``batches`` batches [B, S] of a prepared-data directory's ``split``: the calibration data of
     GPTQ / AWQ quantization and of REAP pruning (``--data DIR``)."""
     from moe_core.data.shards import PackedTokens
@@ -31,7 +32,9 @@ def calibration_batches(data_dir: str | Path, batches: int = 16, batch_size: int
 
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise MoELabError(f"--data {data_dir}: not a directory; give a prepared-data directory (moe-lab data prepare)")
+        raise MoELabError(
+            f"--data {data_dir}: not a directory; give a prepared-data directory (moe-lab data prepare)"
+        )
     try:
         PackedTokens(data_dir, split, verify=False)
     except MoELabError as err:
@@ -63,8 +66,9 @@ def load_variant(kind: str, path: str | Path):
     return MoEForCausalLM.from_pretrained(path).eval()
 
 
-def compare_variants(variants: dict[str, str | Path], data_dir: str | Path, batches: int | None,
-                     batch_size: int = 4) -> list[dict[str, float | str]]:
+def compare_variants(
+    variants: dict[str, str | Path], data_dir: str | Path, batches: int | None, batch_size: int = 4
+) -> list[dict[str, float | str]]:
     """Quality, speed and size of each variant (``{"pytorch" | "quantized" | "onnx": directory}``) on the
     same validation batches (the first ``batches`` of ``batch_size`` sequences, as `evaluate_splits` takes
     them: with the evaluation's batch size and count, the pytorch row repeats its validation perplexity);

@@ -77,7 +77,9 @@ def expert_file(directory: Path, layer: int, expert: int) -> Path:
 class ExpertCache:
     """An LRU of ``capacity`` experts (across all layers), loaded from per-expert safetensors files."""
 
-    def __init__(self, directory: str | os.PathLike, capacity: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, directory: str | os.PathLike, capacity: int, device: torch.device | str = "cpu"
+    ) -> None:
         if capacity < 1:
             raise ExpertCacheError(f"ExpertCache capacity={capacity}: must hold at least one expert")
         self.directory, self.capacity, self.device = Path(directory), capacity, torch.device(device)
@@ -120,8 +122,12 @@ class ExpertCache:
             return weights
         self.unavailable.add(key)
         self.stats.unavailable += 1
-        warnings.warn(f"expert {key[1]} of layer {key[0]} cannot be used from {path} ({problem}); its tokens go to "
-                      "their best available expert", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"expert {key[1]} of layer {key[0]} cannot be used from {path} ({problem}); its tokens go to "
+            "their best available expert",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
     def _insert(self, key, weights) -> None:
@@ -168,7 +174,12 @@ class OffloadedExperts(nn.Module):
 
     def __init__(self, layer_id: int, num_experts: int, activation: str, cache: ExpertCache) -> None:
         super().__init__()
-        self.layer_id, self.num_experts, self.activation, self.cache = layer_id, num_experts, activation, cache
+        self.layer_id, self.num_experts, self.activation, self.cache = (
+            layer_id,
+            num_experts,
+            activation,
+            cache,
+        )
         # (next MoE layer id, its router), set by offload_experts when prefetching; a tuple, so the router is
         # not registered twice as a submodule
         self.prefetch_from: tuple[int, nn.Module] | None = None
@@ -181,7 +192,9 @@ class OffloadedExperts(nn.Module):
             return ids_TK, dropped_TK
         moved = bad_E[ids_TK] & ~dropped_TK
         if bad_E.all():
-            raise ExpertCacheError(f"no expert of layer {self.layer_id} can be loaded from {self.cache.directory}")
+            raise ExpertCacheError(
+                f"no expert of layer {self.layer_id} can be loaded from {self.cache.directory}"
+            )
         for t, k in moved.nonzero().tolist():
             probs_E = record.probs_TE[t].clone()
             probs_E[bad_E] = -1.0
@@ -204,8 +217,9 @@ class OffloadedExperts(nn.Module):
             weights = {e: self.cache.get(self.layer_id, e) for e in needed}
             if all(w is not None for w in weights.values()):
                 break
-            ids_TK, dropped_TK = self._reroute(RoutingRecord(**{**record.__dict__, "expert_ids_TK": ids_TK,
-                                                                "dropped_TK": dropped_TK}))
+            ids_TK, dropped_TK = self._reroute(
+                RoutingRecord(**{**record.__dict__, "expert_ids_TK": ids_TK, "dropped_TK": dropped_TK})
+            )
         if self.prefetch_from is not None:
             next_layer, next_router = self.prefetch_from
             with torch.no_grad():
@@ -238,16 +252,20 @@ def write_experts(model, directory: str | os.PathLike) -> Path:
         if not isinstance(experts, GroupedExperts):
             raise ExpertCacheError(f"layer {layer_id} holds {type(experts).__name__}; offload a plain model")
         for e in range(experts.num_experts):
-            tensors = {p: getattr(experts, p)[e].detach().contiguous().clone()
-                       for p in PROJECTIONS if getattr(experts, p) is not None}
+            tensors = {
+                p: getattr(experts, p)[e].detach().contiguous().clone()
+                for p in PROJECTIONS
+                if getattr(experts, p) is not None
+            }
             save_file(tensors, str(expert_file(directory, layer_id, e)))
         index["layers"][str(layer_id)] = experts.num_experts
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return directory
 
 
-def offload_experts(model, directory: str | os.PathLike, capacity: int, *, prefetch: bool = False,
-                    write: bool = True) -> ExpertCache:
+def offload_experts(
+    model, directory: str | os.PathLike, capacity: int, *, prefetch: bool = False, write: bool = True
+) -> ExpertCache:
     """Move ``model``'s experts to disk behind one LRU `ExpertCache` of ``capacity`` experts; in place.
 
     ``write=False`` reuses files an earlier call wrote (the model's expert weights are still dropped)."""
@@ -261,8 +279,14 @@ def offload_experts(model, directory: str | os.PathLike, capacity: int, *, prefe
     for i in moe_layers:
         block = model.model.layers[i].mlp
         experts = block.experts
-        cache.expect(i, {p: (tuple(getattr(experts, p).shape[1:]), getattr(experts, p).dtype)
-                         for p in PROJECTIONS if getattr(experts, p) is not None})
+        cache.expect(
+            i,
+            {
+                p: (tuple(getattr(experts, p).shape[1:]), getattr(experts, p).dtype)
+                for p in PROJECTIONS
+                if getattr(experts, p) is not None
+            },
+        )
         block.experts = OffloadedExperts(i, experts.num_experts, experts.activation, cache)
     if prefetch:
         for here, nxt in zip(moe_layers, moe_layers[1:]):

@@ -29,8 +29,15 @@ from moe_core.routing import RoutingRecord
 class DecodeExperts(GroupedExperts):
     """`GroupedExperts` with a fast path for few routed slots (decoding); shares the parameters it wraps."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
-                 impl: str = "auto", max_slots: int = 64) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        impl: str = "auto",
+        max_slots: int = 64,
+    ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, activation, impl)
         self.max_slots = max_slots
 
@@ -40,15 +47,23 @@ class DecodeExperts(GroupedExperts):
         E, F_, D = experts.up_proj.shape
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.num_experts, new.activation, new.impl, new.max_slots = E, experts.activation, experts.impl, max_slots
+        new.num_experts, new.activation, new.impl, new.max_slots = (
+            E,
+            experts.activation,
+            experts.impl,
+            max_slots,
+        )
         new.gate_proj = experts.gate_proj
         new.up_proj = experts.up_proj
         new.down_proj = experts.down_proj
         return new
 
     def uses_decode_path(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str) -> bool:
-        return (impl in ("sorted", "grouped_mm") and record.expert_ids_TK.numel() <= self.max_slots
-                and not (torch.is_grad_enabled() and x_TD.requires_grad))
+        return (
+            impl in ("sorted", "grouped_mm")
+            and record.expert_ids_TK.numel() <= self.max_slots
+            and not (torch.is_grad_enabled() and x_TD.requires_grad)
+        )
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
@@ -98,7 +113,15 @@ def disable_fast_decode(model: nn.Module) -> nn.Module:
             if isinstance(child, DecodeExperts):
                 plain = GroupedExperts.__new__(GroupedExperts)
                 nn.Module.__init__(plain)
-                plain.num_experts, plain.activation, plain.impl = child.num_experts, child.activation, child.impl
-                plain.gate_proj, plain.up_proj, plain.down_proj = child.gate_proj, child.up_proj, child.down_proj
+                plain.num_experts, plain.activation, plain.impl = (
+                    child.num_experts,
+                    child.activation,
+                    child.impl,
+                )
+                plain.gate_proj, plain.up_proj, plain.down_proj = (
+                    child.gate_proj,
+                    child.up_proj,
+                    child.down_proj,
+                )
                 setattr(parent, name, plain)
     return model

@@ -64,7 +64,7 @@ class GenerationResult:
 def schedule(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Prompt indices grouped into batches of similar length (longest first)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _pick(logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
@@ -78,9 +78,14 @@ def _pick(logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Ge
 
 
 @torch.no_grad()
-def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], config: GenerationConfig | None = None,
-                   *, tokenizer=None, on_token: Callable[[int, int, str | None], None] | None = None
-                   ) -> GenerationResult:
+def batch_generate(
+    model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    *,
+    tokenizer=None,
+    on_token: Callable[[int, int, str | None], None] | None = None,
+) -> GenerationResult:
     """Generate for many prompts (strings with a ``tokenizer``, or token-id lists); see the module doc."""
     config = config or GenerationConfig()
     if not prompts:
@@ -96,7 +101,9 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
     mc = model.config
     eos = config.eos_token_id if config.eos_token_id is not None else mc.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    pad = next(x for x in (config.pad_token_id, mc.pad_token_id, next(iter(eos_ids), None), 0) if x is not None)
+    pad = next(
+        x for x in (config.pad_token_id, mc.pad_token_id, next(iter(eos_ids), None), 0) if x is not None
+    )
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(config.seed)
     was_training = model.training
@@ -115,8 +122,8 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
             mask_BS = torch.zeros((len(batch), S), dtype=torch.long, device=device)
             for row, i in enumerate(batch):
                 n = len(prompt_ids[i])
-                input_ids_BS[row, S - n:] = torch.tensor(prompt_ids[i], device=device)
-                mask_BS[row, S - n:] = 1
+                input_ids_BS[row, S - n :] = torch.tensor(prompt_ids[i], device=device)
+                mask_BS[row, S - n :] = 1
             padded_positions += int((mask_BS == 0).sum())
             prompt_positions += mask_BS.numel()
             position_ids_BS = (mask_BS.cumsum(-1) - 1).clamp_min(0)
@@ -145,11 +152,18 @@ def batch_generate(model, prompts: Sequence[str] | Sequence[Sequence[int]], conf
     seconds = time.perf_counter() - t0
     new_tokens = sum(len(o) for o in outputs)
     report = {
-        "prompts": len(prompt_ids), "batches": len(batches), "batch_size": config.batch_size,
-        "new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0,
-        "prefill_s": prefill_s, "padding_fraction": padded_positions / prompt_positions if prompt_positions else 0.0,
+        "prompts": len(prompt_ids),
+        "batches": len(batches),
+        "batch_size": config.batch_size,
+        "new_tokens": new_tokens,
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+        "prefill_s": prefill_s,
+        "padding_fraction": padded_positions / prompt_positions if prompt_positions else 0.0,
     }
-    texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if tokenizer is not None else None
+    texts = (
+        [tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if tokenizer is not None else None
+    )
     return GenerationResult(outputs, texts, report)
 
 
@@ -162,8 +176,17 @@ def _steps(model, compile: bool):
     return steps.prefill, steps.decode
 
 
-def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, stream: bool = True, out=None,
-                 events_dir=None, expert_cache: int | None = None, json_lines: bool = True) -> dict:
+def generate_cli(
+    model_dir,
+    prompts: list[str],
+    config: GenerationConfig,
+    *,
+    stream: bool = True,
+    out=None,
+    events_dir=None,
+    expert_cache: int | None = None,
+    json_lines: bool = True,
+) -> dict:
     """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream.
     ``expert_cache``: keep only this many experts in memory (offloaded to a temporary directory);
     ``events_dir``: write live figures there for the dashboard (`monitor.InferenceMonitor`);
@@ -194,13 +217,17 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
         model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except KeyError:  # no tokenizer class is registered for model_type "moe_lab": read tokenizer.json directly
+    except (
+        KeyError
+    ):  # no tokenizer class is registered for model_type "moe_lab": read tokenizer.json directly
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     except (OSError, ValueError) as err:
-        raise GenerationError(f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
-                              "checkpoint (tokenizer.save_pretrained)") from None
+        raise GenerationError(
+            f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
+            "checkpoint (tokenizer.save_pretrained)"
+        ) from None
     from moe_core.inference.fast_decode import enable_fast_decode
     from moe_core.inference.monitor import InferenceMonitor
 
@@ -226,13 +253,17 @@ def generate_cli(model_dir, prompts: list[str], config: GenerationConfig, *, str
                 out.flush()
 
         if config.compile:
-            print("moe-lab generate: compiling prefill and decode (torch.compile); the first batch is slow",
-                  file=sys.stderr, flush=True)
+            print(
+                "moe-lab generate: compiling prefill and decode (torch.compile); the first batch is slow",
+                file=sys.stderr,
+                flush=True,
+            )
         if stream and not json_lines:
             out.write(prompts[0])
             out.flush()
-        result = batch_generate(model, prompts, config, tokenizer=tokenizer,
-                                on_token=emit if (stream or monitor) else None)
+        result = batch_generate(
+            model, prompts, config, tokenizer=tokenizer, on_token=emit if (stream or monitor) else None
+        )
         if cache is not None:
             result.report["expert_cache"] = cache.stats.to_dict()
     for i, text in enumerate(result.texts or []):

@@ -54,7 +54,9 @@ def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
-        raise GGUFExportError(f"{hf_dir}: no *.safetensors; write the checkpoint with `moe-lab convert to-hf`")
+        raise GGUFExportError(
+            f"{hf_dir}: no *.safetensors; write the checkpoint with `moe-lab convert to-hf`"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
@@ -64,12 +66,16 @@ def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
-        raise GGUFExportError(f"{hf_dir}: no tokenizer.json; llama.cpp needs the vocabulary in the file "
-                              "(`moe-lab convert to-hf` copies the checkpoint's tokenizer files along)")
+        raise GGUFExportError(
+            f"{hf_dir}: no tokenizer.json; llama.cpp needs the vocabulary in the file "
+            "(`moe-lab convert to-hf` copies the checkpoint's tokenizer files along)"
+        )
     data = json.loads(path.read_text(encoding="utf-8"))
     model = data.get("model", {})
     if model.get("type") != "BPE":
-        raise GGUFExportError(f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is written")
+        raise GGUFExportError(
+            f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is written"
+        )
     vocab: dict[str, int] = dict(model["vocab"])
     special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
     vocab.update(special)
@@ -93,11 +99,15 @@ def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
     hf_dir, out_file = Path(hf_dir), Path(out_file)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise GGUFExportError(f"{hf_dir}: no config.json; give a directory written by `moe-lab convert to-hf`")
+        raise GGUFExportError(
+            f"{hf_dir}: no config.json; give a directory written by `moe-lab convert to-hf`"
+        )
     cfg = json.loads(config_path.read_text())
     if cfg.get("model_type") != "mixtral":
-        raise GGUFExportError(f"{hf_dir}: model_type {cfg.get('model_type')!r}; GGUF export writes the Mixtral "
-                              "layout: convert with `moe-lab convert to-hf CKPT --arch mixtral`")
+        raise GGUFExportError(
+            f"{hf_dir}: model_type {cfg.get('model_type')!r}; GGUF export writes the Mixtral "
+            "layout: convert with `moe-lab convert to-hf CKPT --arch mixtral`"
+        )
     n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
     E, D = cfg["num_local_experts"], cfg["hidden_size"]
@@ -112,10 +122,16 @@ def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
             names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(E)]
             missing = [n for n in names if n not in tensors]
             if missing:
-                raise GGUFExportError(f"{hf_dir}: missing {missing[:3]}; not a Mixtral checkpoint of {E} experts")
+                raise GGUFExportError(
+                    f"{hf_dir}: missing {missing[:3]}; not a Mixtral checkpoint of {E} experts"
+                )
             stacked = torch.stack([tensors.pop(n) for n in names])
-            out.append((name_map.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{w}") + ".weight",
-                        stacked.float().numpy()))
+            out.append(
+                (
+                    name_map.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{w}") + ".weight",
+                    stacked.float().numpy(),
+                )
+            )
     for hf_name, t in tensors.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
@@ -155,7 +171,10 @@ def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
-        for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
+        for key, add in (
+            ("bos_token_id", writer.add_bos_token_id),
+            ("eos_token_id", writer.add_eos_token_id),
+        ):
             if isinstance(cfg.get(key), int):
                 add(cfg[key])
         for name, array in out:

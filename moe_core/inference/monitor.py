@@ -38,9 +38,14 @@ class InferenceMonitor:
         row = {"tokens": float(self.tokens), "tokens_per_s": (self.tokens - self._last_tokens) / seconds}
         if self.cache is not None:
             s = self.cache.stats
-            row.update(cache_hit_rate=s.hit_rate, cache_hits=float(s.hits), cache_misses=float(s.misses),
-                       prefetch_hits=float(s.prefetch_hits), rerouted_tokens=float(s.fallbacks),
-                       experts_resident=float(len(self.cache.resident)))
+            row.update(
+                cache_hit_rate=s.hit_rate,
+                cache_hits=float(s.hits),
+                cache_misses=float(s.misses),
+                prefetch_hits=float(s.prefetch_hits),
+                rerouted_tokens=float(s.fallbacks),
+                experts_resident=float(len(self.cache.resident)),
+            )
         self.sink.log(self.tokens, row)
         self._last_t, self._last_tokens = now, self.tokens
 

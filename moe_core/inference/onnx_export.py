@@ -53,7 +53,12 @@ from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
 
-ONNX_TASKS = ("text-generation", "text-generation-with-past", "feature-extraction", "feature-extraction-with-past")
+ONNX_TASKS = (
+    "text-generation",
+    "text-generation-with-past",
+    "feature-extraction",
+    "feature-extraction-with-past",
+)
 # optimum-onnx 0.1 writes one graph, model.onnx; ORTQuantizer writes model_quantized.onnx
 ONNX_FILES = ("model.onnx", "model_quantized.onnx", "decoder_model_merged.onnx")
 
@@ -84,7 +89,8 @@ def onnx_config_class() -> type:
         DUMMY_INPUT_GENERATOR_CLASSES = (DummyTextInputGenerator, MistralDummyPastKeyValuesGenerator)
         DUMMY_PKV_GENERATOR_CLASS = MistralDummyPastKeyValuesGenerator
         NORMALIZED_CONFIG_CLASS = NormalizedTextConfig.with_args(
-            num_key_value_heads="num_key_value_heads", head_dim="head_dim", allow_new=True)
+            num_key_value_heads="num_key_value_heads", head_dim="head_dim", allow_new=True
+        )
         ATOL_FOR_VALIDATION = 1e-4
 
     register = TasksManager.create_register("onnx", overwrite_existing=True)
@@ -98,8 +104,10 @@ def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausal
         return source
     path = Path(source)
     if not (path / "config.json").is_file():
-        raise OnnxExportError(f"{path}: no config.json; give a directory written by save_pretrained, "
-                              "`moe-lab convert from-hf`, or a Hugging Face Mixtral/OLMoE/Qwen2-MoE checkpoint")
+        raise OnnxExportError(
+            f"{path}: no config.json; give a directory written by save_pretrained, "
+            "`moe-lab convert from-hf`, or a Hugging Face Mixtral/OLMoE/Qwen2-MoE checkpoint"
+        )
     import json
 
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
@@ -110,12 +118,21 @@ def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausal
     if model_type in ARCHITECTURES:
         logger.info("converting %s checkpoint %s to moe_lab for export", model_type, path)
         return from_hf(path, dtype=torch.float32)
-    raise OnnxExportError(f"{path}: model_type {model_type!r} cannot be exported here; supported: moe_lab, "
-                          f"{', '.join(ARCHITECTURES)}")
+    raise OnnxExportError(
+        f"{path}: model_type {model_type!r} cannot be exported here; supported: moe_lab, "
+        f"{', '.join(ARCHITECTURES)}"
+    )
 
 
-def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.PathLike, *, opset: int = 17,
-                with_past: bool = True, validate: bool = True, atol: float = 1e-4) -> Path:
+def export_onnx(
+    source: str | os.PathLike | MoEForCausalLM,
+    out_dir: str | os.PathLike,
+    *,
+    opset: int = 17,
+    with_past: bool = True,
+    validate: bool = True,
+    atol: float = 1e-4,
+) -> Path:
     """Export a model (object, our checkpoint directory, or a HF Mixtral/OLMoE/Qwen2-MoE directory) to ONNX.
 
     With ``with_past`` optimum writes ``model.onnx``, one graph taking ``past_key_values.*`` (empty on the
@@ -131,13 +148,18 @@ def export_onnx(source: str | os.PathLike | MoEForCausalLM, out_dir: str | os.Pa
     if impl not in ("auto", "static"):
         raise OnnxExportError(
             f"config.expert_impl={impl!r}: a traced {impl!r} path keeps only the experts the dummy input hit; "
-            "set model.config.expert_impl='auto' (static under tracing) or 'static' before exporting")
+            "set model.config.expert_impl='auto' (static under tracing) or 'static' before exporting"
+        )
     if any(isinstance(module, ExpertChoiceRouter) for module in model.modules()):
-        raise OnnxExportError("router 'expert_choice' picks each expert's tokens across the whole batch, which the "
-                              "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)")
+        raise OnnxExportError(
+            "router 'expert_choice' picks each expert's tokens across the whole batch, which the "
+            "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)"
+        )
     for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
         if getattr(module, "impl", "auto") not in ("auto", "static"):
-            raise OnnxExportError(f"{type(module).__name__}.impl={module.impl!r}; export needs 'auto' or 'static'")
+            raise OnnxExportError(
+                f"{type(module).__name__}.impl={module.impl!r}; export needs 'auto' or 'static'"
+            )
     config_cls = onnx_config_class()
     task = "text-generation-with-past" if with_past else "text-generation"
     onnx_config = config_cls(model.config, task=task, use_past=with_past, use_past_in_inputs=with_past)
@@ -170,8 +192,14 @@ VALIDATION_SHAPES = ((1, 8), (2, 24), (4, 64), (2, 48))
 
 
 @torch.no_grad()
-def validate_export(model: MoEForCausalLM, onnx_dir: str | os.PathLike, *, atol: float = 1e-4,
-                    shapes: tuple[tuple[int, int], ...] = VALIDATION_SHAPES, seed: int = 0) -> list[dict]:
+def validate_export(
+    model: MoEForCausalLM,
+    onnx_dir: str | os.PathLike,
+    *,
+    atol: float = 1e-4,
+    shapes: tuple[tuple[int, int], ...] = VALIDATION_SHAPES,
+    seed: int = 0,
+) -> list[dict]:
     """Check an export against its PyTorch model; raise `OnnxExportError` on any difference.
 
     The graph must hold every expert's weights (`expert_weights_in_graph`), and at each ``(batch, seq)`` shape
@@ -182,10 +210,15 @@ def validate_export(model: MoEForCausalLM, onnx_dir: str | os.PathLike, *, atol:
     onnx_dir = Path(onnx_dir)
     file_name = next((c for c in ONNX_FILES if (onnx_dir / c).is_file()), "model.onnx")
     if config.num_experts > 0:
-        found, expected = expert_weights_in_graph(onnx_dir / file_name, config), expected_expert_weights(config)
+        found, expected = (
+            expert_weights_in_graph(onnx_dir / file_name, config),
+            expected_expert_weights(config),
+        )
         if found != expected:
-            raise OnnxExportError(f"{onnx_dir / file_name}: the graph holds {found} expert weight matrices, a complete "
-                                  f"export {expected}; the tracer kept only some experts")
+            raise OnnxExportError(
+                f"{onnx_dir / file_name}: the graph holds {found} expert weight matrices, a complete "
+                f"export {expected}; the tracer kept only some experts"
+            )
     ort = load_onnx(onnx_dir, file_name=file_name)
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -205,7 +238,8 @@ def validate_export(model: MoEForCausalLM, onnx_dir: str | os.PathLike, *, atol:
             raise OnnxExportError(
                 f"ONNX logits differ from PyTorch by {diff:.3g} (limit {limit:.3g}) at batch {batch} x seq {seq} "
                 f"({dropped} routed slots dropped over capacity); the graph does not compute what the model does "
-                "at this shape, so it is not written")
+                "at this shape, so it is not written"
+            )
     logger.info("ONNX export checked at %s", rows)
     return rows
 
@@ -231,8 +265,13 @@ def _library_is_transformers():
         TasksManager._infer_library_from_model_or_model_class = original
 
 
-def load_onnx(onnx_dir: str | os.PathLike, *, file_name: str | None = None, provider: str = "CPUExecutionProvider",
-              session_options=None):
+def load_onnx(
+    onnx_dir: str | os.PathLike,
+    *,
+    file_name: str | None = None,
+    provider: str = "CPUExecutionProvider",
+    session_options=None,
+):
     """An `ORTModelForCausalLM` (GQA-aware subclass) over an exported directory; ``.generate`` works."""
     onnx_dir = Path(onnx_dir)
     if not onnx_dir.is_dir():
@@ -241,11 +280,14 @@ def load_onnx(onnx_dir: str | os.PathLike, *, file_name: str | None = None, prov
         file_name = next((c for c in ONNX_FILES if (onnx_dir / c).is_file()), None)
         if file_name is None:
             found = sorted(p.name for p in onnx_dir.glob("*.onnx"))
-            raise OnnxExportError(f"{onnx_dir}: none of {list(ONNX_FILES)} found (have {found}); pass file_name=")
+            raise OnnxExportError(
+                f"{onnx_dir}: none of {list(ONNX_FILES)} found (have {found}); pass file_name="
+            )
     import moe_core.model  # noqa: F401  (registers model_type="moe_lab" with AutoConfig)
 
-    return ort_model_class().from_pretrained(onnx_dir, file_name=file_name, provider=provider,
-                                             session_options=session_options)
+    return ort_model_class().from_pretrained(
+        onnx_dir, file_name=file_name, provider=provider, session_options=session_options
+    )
 
 
 _ORT_CLASS: list[type] = []

@@ -128,6 +128,7 @@ def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.
                 norm_N = module.expert(e, x_TD[token_idx]).float().norm(dim=-1)
                 sums[layer_id][e] += (record.weights_TK[token_idx, slot_idx].float() * norm_N).sum().double()
                 counts[layer_id][e] += token_idx.numel()
+
         hooks.append(experts.register_forward_hook(hook))
     was_training = model.training
     model.eval()
@@ -150,12 +151,16 @@ def _normalize_usage(usage, config, dtype=torch.long) -> dict[int, torch.Tensor]
         usage = {layer: torch.as_tensor(v, dtype=dtype) for layer, v in zip(config.moe_layer_ids, usage)}
     missing = [layer for layer in config.moe_layer_ids if layer not in usage]
     if missing:
-        raise PruneError(f"no expert usage for MoE layers {missing}; the profile must come from this model "
-                         f"(MoE layers {config.moe_layer_ids})")
+        raise PruneError(
+            f"no expert usage for MoE layers {missing}; the profile must come from this model "
+            f"(MoE layers {config.moe_layer_ids})"
+        )
     for layer, counts in usage.items():
         if counts.shape != (config.num_experts,):
-            raise PruneError(f"usage of layer {layer} has shape {tuple(counts.shape)}, expected "
-                             f"({config.num_experts},): the profile is of a different model")
+            raise PruneError(
+                f"usage of layer {layer} has shape {tuple(counts.shape)}, expected "
+                f"({config.num_experts},): the profile is of a different model"
+            )
     return usage
 
 
@@ -166,8 +171,10 @@ def choose_experts(scores: dict[int, torch.Tensor], config, prune: PruneConfig) 
     if prune.keep_experts is not None:
         keep = prune.keep_experts
     else:
-        keep = max(int((counts.float() / counts.float().sum().clamp_min(1e-12) >= max(prune.min_share, 1e-12)).sum())
-                   for counts in scores.values())
+        keep = max(
+            int((counts.float() / counts.float().sum().clamp_min(1e-12) >= max(prune.min_share, 1e-12)).sum())
+            for counts in scores.values()
+        )
     if keep > E:
         raise PruneError(f"keep_experts={keep} is more than the model's {E} experts")
     keep = max(keep, K)
@@ -193,12 +200,16 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
     if config.num_experts == 0:
         raise PruneError("the model is dense (num_experts=0): nothing to prune")
     if config.router == "expert_choice":
-        raise PruneError("expert_choice routing sets capacity from the number of experts; prune a token-choice model")
+        raise PruneError(
+            "expert_choice routing sets capacity from the number of experts; prune a token-choice model"
+        )
     usage = _normalize_usage(usage, config)
     if prune.criterion == "reap":
         if saliency is None:
-            raise PruneError("criterion='reap' needs REAP saliency from calibration data (collect_saliency; "
-                             "from the CLI, --data DIR)")
+            raise PruneError(
+                "criterion='reap' needs REAP saliency from calibration data (collect_saliency; "
+                "from the CLI, --data DIR)"
+            )
         kept = choose_experts(_normalize_usage(saliency, config, torch.float32), config, prune)
     else:
         kept = choose_experts(usage, config, prune)
@@ -220,19 +231,27 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
         prefix = f"model.layers.{layer_id}.mlp."
         index = torch.tensor(ids)
         experts = layers[layer_id].mlp.experts
-        stacks = {p: getattr(experts, p).detach().clone() for p in PROJECTIONS if getattr(experts, p) is not None}
+        stacks = {
+            p: getattr(experts, p).detach().clone() for p in PROJECTIONS if getattr(experts, p) is not None
+        }
         if prune.merge_similar:
             report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
         for p, stack in stacks.items():
             new_state[f"{prefix}experts.{p}"] = stack.index_select(0, index)
         for name, tensor in state.items():  # router weights and per-expert router buffers
-            if name.startswith(prefix + "router.") and tensor.dim() >= 1 and tensor.shape[0] == config.num_experts:
+            if (
+                name.startswith(prefix + "router.")
+                and tensor.dim() >= 1
+                and tensor.shape[0] == config.num_experts
+            ):
                 new_state[name] = tensor.index_select(0, index)
         share = usage[layer_id].float() / usage[layer_id].sum().clamp_min(1)
         report.usage_share_kept[layer_id] = float(share[index].sum())
     missing, unexpected = new_model.load_state_dict(new_state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise PruneError(f"pruned state does not fit the pruned model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise PruneError(
+            f"pruned state does not fit the pruned model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     if new_config.tie_word_embeddings:
         new_model.tie_weights()
     report.params_before = sum(p.numel() for p in model.parameters())
@@ -264,9 +283,13 @@ def _merge(stacks: dict[str, torch.Tensor], counts_E: torch.Tensor, kept: list[i
     return merged
 
 
-def prune_checkpoint(model_dir: str | os.PathLike, profile: str | os.PathLike | None, out_dir: str | os.PathLike,
-                     prune: PruneConfig | None = None, calibration: Iterable[torch.Tensor] | None = None
-                     ) -> PruneReport:
+def prune_checkpoint(
+    model_dir: str | os.PathLike,
+    profile: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    prune: PruneConfig | None = None,
+    calibration: Iterable[torch.Tensor] | None = None,
+) -> PruneReport:
     """`moe-lab prune`: load a checkpoint, rank its experts (slots from a router ``profile`` directory or
     counted on ``calibration`` batches; REAP saliency on ``calibration``), prune, save_pretrained."""
     from moe_core.model import MoEForCausalLM
@@ -276,8 +299,10 @@ def prune_checkpoint(model_dir: str | os.PathLike, profile: str | os.PathLike | 
     if profile is None and calibration is None:
         raise PruneError("give a router profile (--profile DIR) or calibration data (--data DIR)")
     if prune.criterion == "reap" and calibration is None:
-        raise PruneError("--criterion reap measures expert outputs on calibration data: pass --data DIR "
-                         "(a prepared-data directory)")
+        raise PruneError(
+            "--criterion reap measures expert outputs on calibration data: pass --data DIR "
+            "(a prepared-data directory)"
+        )
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None

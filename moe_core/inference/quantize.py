@@ -88,10 +88,13 @@ class QuantConfig:
         if self.awq_grid < 2:
             raise QuantizationError(f"QuantConfig.awq_grid={self.awq_grid!r}: must be >= 2")
         if self.bits == 4 and (self.group_size <= 0 or self.group_size % 2):
-            raise QuantizationError(f"QuantConfig.group_size={self.group_size!r}: must be a positive even number")
+            raise QuantizationError(
+                f"QuantConfig.group_size={self.group_size!r}: must be a positive even number"
+            )
         if self.bits == 4 and self.block_size % self.group_size:
-            raise QuantizationError(f"QuantConfig.block_size={self.block_size} must be a multiple of "
-                                    f"group_size={self.group_size}")
+            raise QuantizationError(
+                f"QuantConfig.block_size={self.block_size} must be a multiple of group_size={self.group_size}"
+            )
         if self.min_tokens < 1 or not 0 <= self.damp < 1:
             raise QuantizationError("QuantConfig: min_tokens must be >= 1 and damp in [0, 1)")
 
@@ -103,8 +106,10 @@ class QuantConfig:
         if self.bits == 8:
             return 1
         if in_features % self.group_size:
-            raise QuantizationError(f"input width {in_features} is not a multiple of group_size={self.group_size}; "
-                                    "pick a group_size that divides hidden_size and expert_intermediate_size")
+            raise QuantizationError(
+                f"input width {in_features} is not a multiple of group_size={self.group_size}; "
+                "pick a group_size that divides hidden_size and expert_intermediate_size"
+            )
         return in_features // self.group_size
 
 
@@ -149,7 +154,9 @@ def fake_quantize(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- GPTQ
 @torch.no_grad()
-def gptq_quantize(w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_quantize(
+    w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ codes and scales of one weight matrix given its input Hessian (Frantar et al. 2022, Alg. 1).
 
     Scales are absmax of the error-updated weights at the moment their group starts (per row for int8)."""
@@ -175,7 +182,7 @@ def gptq_quantize(w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig) -
         for i in range(i2 - i1):
             col = i1 + i
             if config.bits == 4 and col % g == 0:  # the group lies inside this block (block_size % g == 0)
-                scale[:, col // g] = (W1[:, i:i + g].abs().amax(-1) / config.qmax).clamp_min(1e-12)
+                scale[:, col // g] = (W1[:, i : i + g].abs().amax(-1) / config.qmax).clamp_min(1e-12)
             s = scale[:, col // g]
             q = torch.round(W1[:, i] / s).clamp(-config.qmax - 1, config.qmax)
             Q[:, col] = q.to(torch.int8)
@@ -200,8 +207,9 @@ def awq_alphas(config: QuantConfig) -> list[float]:
 
 
 @torch.no_grad()
-def awq_search_scale(w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
-                     ) -> tuple[torch.Tensor, float, list[float]]:
+def awq_search_scale(
+    w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, float, list[float]]:
     """The per-input-channel scale [I] minimizing `awq_output_error` over the alpha grid; returns
     (scale, the chosen alpha, the error at each alpha). ``w`` may stack several weights that share ``x``."""
     x = x_NI.float()
@@ -209,7 +217,9 @@ def awq_search_scale(w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
     errors, best = [], (float("inf"), 0.0, torch.ones_like(mean_abs_I))
     for alpha in awq_alphas(config):
         s_I = mean_abs_I.pow(alpha).clamp_min(1e-4)
-        s_I = s_I / (s_I.max() * s_I.min()).sqrt()  # llm-awq's normalization: keeps the weights' range centred
+        s_I = (
+            s_I / (s_I.max() * s_I.min()).sqrt()
+        )  # llm-awq's normalization: keeps the weights' range centred
         err = awq_output_error(w_OI, x, s_I, config)
         errors.append(err)
         if err < best[0]:
@@ -217,8 +227,9 @@ def awq_search_scale(w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
     return best[2], best[1], errors
 
 
-def awq_quantize(w_OI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def awq_quantize(
+    w_OI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes and group scales of ``W diag(s)``, and ``s``: the weight is ``dequantize(q, scale) / s``."""
     w_s = w_OI.detach().float() * s_I
     scale = compute_scales(w_s, config)
@@ -233,10 +244,22 @@ class QuantizedExperts(DecodeExperts):
     (fp32 [E, O, G]) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
     the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``."""
 
-    def __init__(self, num_experts: int, activation: str, shapes: dict[str, tuple[int, int]], config: QuantConfig,
-                 impl: str = "auto", max_slots: int = 64) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        activation: str,
+        shapes: dict[str, tuple[int, int]],
+        config: QuantConfig,
+        impl: str = "auto",
+        max_slots: int = 64,
+    ) -> None:
         nn.Module.__init__(self)
-        self.num_experts, self.activation, self.impl, self.max_slots = num_experts, activation, impl, max_slots
+        self.num_experts, self.activation, self.impl, self.max_slots = (
+            num_experts,
+            activation,
+            impl,
+            max_slots,
+        )
         self.quant_config = config
         self.projections = tuple(shapes)
         for name, (O, I) in shapes.items():
@@ -250,13 +273,25 @@ class QuantizedExperts(DecodeExperts):
         self.gate_proj = self.up_proj = self.down_proj = None
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, config: QuantConfig,
-                     codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> QuantizedExperts:
+    def from_experts(
+        cls,
+        experts: GroupedExperts,
+        config: QuantConfig,
+        codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> QuantizedExperts:
         """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
         or ``(q, scale, in_scale [E, I])`` for AWQ)."""
-        shapes = {p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None}
-        new = cls(experts.num_experts, experts.activation, shapes, config, experts.impl,
-                  getattr(experts, "max_slots", 64))
+        shapes = {
+            p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None
+        }
+        new = cls(
+            experts.num_experts,
+            experts.activation,
+            shapes,
+            config,
+            experts.impl,
+            getattr(experts, "max_slots", 64),
+        )
         for p in shapes:
             w = getattr(experts, p).detach()
             in_scale = None
@@ -327,7 +362,9 @@ class QuantReport:
     experts_rtn_fallback: list[str] = field(default_factory=list)  # "layer:expert" that gptq left to RTN
     calibration_tokens: dict[str, list[int]] = field(default_factory=dict)  # per layer, per expert (gptq)
     forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # force-routed extra tokens (gptq)
-    awq_alpha: dict[str, list[list[float]]] = field(default_factory=dict)  # per expert: [alpha_in, alpha_hidden]
+    awq_alpha: dict[str, list[list[float]]] = field(
+        default_factory=dict
+    )  # per expert: [alpha_in, alpha_hidden]
     notes: list[str] = field(default_factory=list)
     perplexity: dict[str, float] = field(default_factory=dict)
 
@@ -347,7 +384,9 @@ def check_experts_quantized(model: nn.Module) -> None:
     """Raise `QuantizationError` when any expert stack of ``model`` is still in full precision."""
     skipped = [name for name, m in expert_modules(model) if not isinstance(m, QuantizedExperts)]
     if skipped:
-        raise QuantizationError(f"expert weights left unquantized in {skipped}; run quantize_experts on the model")
+        raise QuantizationError(
+            f"expert weights left unquantized in {skipped}; run quantize_experts on the model"
+        )
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -355,8 +394,9 @@ def _weight_bytes(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- entry points
-def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
-                     calibration: Iterable[torch.Tensor] | None = None) -> QuantReport:
+def quantize_experts(
+    model: nn.Module, config: QuantConfig | None = None, calibration: Iterable[torch.Tensor] | None = None
+) -> QuantReport:
     """Replace every `GroupedExperts` of ``model`` by a `QuantizedExperts`, in place; returns the report.
 
     ``calibration``: batches of token ids [B, S], required for ``method="gptq"`` and ``"awq"``."""
@@ -370,8 +410,10 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
     all_codes: dict[str, dict] = {}
     if config.method in ("gptq", "awq"):
         if calibration is None:
-            raise QuantizationError(f"method={config.method!r} needs calibration batches (token ids [B, S]): "
-                                    "from the CLI, --data DIR (a prepared-data directory)")
+            raise QuantizationError(
+                f"method={config.method!r} needs calibration batches (token ids [B, S]): "
+                "from the CLI, --data DIR (a prepared-data directory)"
+            )
         all_codes = _calibrated_codes(model, modules, config, calibration, report)
     for name, module in modules:
         if isinstance(module, QuantizedExperts):
@@ -384,7 +426,9 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
     report.bytes_after = _weight_bytes(model)
     check_experts_quantized(model)
     total = sum(m.num_experts for _, m in modules if not isinstance(m, QuantizedExperts))
-    if report.experts_quantized != total:  # every expert of every layer, counted (fallbacks are in the report)
+    if (
+        report.experts_quantized != total
+    ):  # every expert of every layer, counted (fallbacks are in the report)
         raise QuantizationError(f"quantized {report.experts_quantized} of {total} experts")
     return report
 
@@ -393,17 +437,20 @@ def quantize_experts(model: nn.Module, config: QuantConfig | None = None,
 def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, torch.Tensor]]:
     """One calibration pass: per expert module, its inputs x [N, D], router probabilities [N, E] and which
     expert each token was routed to (hit [N, E])."""
-    seen: dict[str, dict[str, list[torch.Tensor]]] = {name: {"x": [], "probs": [], "hit": []} for name, _ in modules}
+    seen: dict[str, dict[str, list[torch.Tensor]]] = {
+        name: {"x": [], "probs": [], "hit": []} for name, _ in modules
+    }
     hooks = []
     for name, module in modules:
+
         def hook(mod, args, _out, name=name):
             x_TD, record = args[0], args[1]
             seen[name]["x"].append(x_TD.detach().float())
             seen[name]["probs"].append(record.probs_TE.detach().float())
             hit_TE = torch.zeros_like(record.probs_TE, dtype=torch.bool)
-            hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0),
-                            ~record.dropped_TK)
+            hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0), ~record.dropped_TK)
             seen[name]["hit"].append(hit_TE)
+
         hooks.append(module.register_forward_hook(hook))
     was_training = model.training
     model.eval()
@@ -425,8 +472,11 @@ def _gptq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, _alpha
     h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
     a_NF = ffn_act(module.activation, h_gate, h_up)
     H_in, H_hidden = x_ND.T @ x_ND, a_NF.T @ a_NF
-    return {p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
-            for p in PROJECTIONS if getattr(module, p) is not None}
+    return {
+        p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
+        for p in PROJECTIONS
+        if getattr(module, p) is not None
+    }
 
 
 def _awq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, alphas: list) -> dict[str, tuple]:
@@ -459,7 +509,9 @@ def _rtn_expert(module, e: int, config: QuantConfig) -> dict[str, tuple]:
 
 
 @torch.no_grad()
-def _calibrated_codes(model, modules, config: QuantConfig, calibration, report: QuantReport) -> dict[str, dict]:
+def _calibrated_codes(
+    model, modules, config: QuantConfig, calibration, report: QuantReport
+) -> dict[str, dict]:
     """GPTQ or AWQ codes of every expert from its own calibration inputs (force-routed up to min_tokens)."""
     seen = _collect_expert_inputs(model, modules, calibration)
     quantize_expert = _gptq_expert if config.method == "gptq" else _awq_expert
@@ -491,20 +543,25 @@ def _calibrated_codes(model, modules, config: QuantConfig, calibration, report: 
         report.forced_tokens[name] = forced
         if alphas:
             report.awq_alpha[name] = alphas
-        codes[name] = {p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert)))
-                       for p in per_expert[0]}
+        codes[name] = {
+            p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert))) for p in per_expert[0]
+        }
     bar.close()
     if report.experts_rtn_fallback:
-        report.notes.append(f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
-                            f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
-                            "to nearest; give more calibration data")
+        report.notes.append(
+            f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
+            f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
+            "to nearest; give more calibration data"
+        )
     return codes
 
 
 QUANT_FILE = "quantization.json"
 
 
-def save_quantized(model, out_dir: str | os.PathLike, config: QuantConfig, report: QuantReport | None = None) -> Path:
+def save_quantized(
+    model, out_dir: str | os.PathLike, config: QuantConfig, report: QuantReport | None = None
+) -> Path:
     """Write config.json, the quantized state dict (safetensors) and quantization.json."""
     from safetensors.torch import save_file
 
@@ -529,27 +586,38 @@ def load_quantized(directory: str | os.PathLike):
 
     directory = Path(directory)
     if not (directory / QUANT_FILE).is_file():
-        raise QuantizationError(f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized")
+        raise QuantizationError(
+            f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized"
+        )
     meta = json.loads((directory / QUANT_FILE).read_text())
     config = QuantConfig(**meta["quant_config"])
     model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
     for name, module in expert_modules(model):  # the structure (and AWQ's input scales) for the state dict
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                QuantizedExperts.from_experts(module, config))
+        setattr(
+            model.get_submodule(parent_name) if parent_name else model,
+            child,
+            QuantizedExperts.from_experts(module, config),
+        )
     missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise QuantizationError(f"{directory}: checkpoint does not match its config (missing {missing[:5]}, "
-                                f"unexpected {unexpected[:5]})")
+        raise QuantizationError(
+            f"{directory}: checkpoint does not match its config (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
     if model.config.tie_word_embeddings:
         model.tie_weights()
     return model
 
 
-def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, config: QuantConfig,
-                        calibration: Iterable[torch.Tensor] | None = None,
-                        data_dir: str | os.PathLike | None = None) -> QuantReport:
+def quantize_checkpoint(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    config: QuantConfig,
+    calibration: Iterable[torch.Tensor] | None = None,
+    data_dir: str | os.PathLike | None = None,
+) -> QuantReport:
     """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ and AWQ calibrate on
     ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
     from moe_core.model import MoEForCausalLM
@@ -559,8 +627,10 @@ def quantize_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike
 
         calibration = calibration_batches(data_dir)
     if config.method in ("gptq", "awq") and calibration is None:
-        raise QuantizationError(f"--method {config.method} calibrates on real text: pass --data DIR (a "
-                                "prepared-data directory, moe-lab data prepare)")
+        raise QuantizationError(
+            f"--method {config.method} calibrates on real text: pass --data DIR (a "
+            "prepared-data directory, moe-lab data prepare)"
+        )
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
@@ -596,8 +666,13 @@ def weight_matmuls(onnx_path: str | os.PathLike) -> tuple[list[str], list[str]]:
     return weights, routers
 
 
-def quantize_onnx_dynamic(onnx_dir: str | os.PathLike, out_dir: str | os.PathLike, *, per_channel: bool = True,
-                          keep_router_float: bool = True) -> Path:
+def quantize_onnx_dynamic(
+    onnx_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    per_channel: bool = True,
+    keep_router_float: bool = True,
+) -> Path:
     """Dynamic int8 (weights int8 per channel, activations quantized at run time) through optimum's
     `ORTQuantizer`; writes ``model_quantized.onnx`` and the configs into ``out_dir``."""
     from optimum.onnxruntime import ORTQuantizer
@@ -608,8 +683,9 @@ def quantize_onnx_dynamic(onnx_dir: str | os.PathLike, out_dir: str | os.PathLik
     onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
     src = next((onnx_dir / f for f in ONNX_FILES if (onnx_dir / f).is_file()), None)
     if src is None:
-        raise QuantizationError(f"{onnx_dir}: no exported ONNX model ({', '.join(ONNX_FILES)}); run "
-                                "`moe-lab export onnx` first")
+        raise QuantizationError(
+            f"{onnx_dir}: no exported ONNX model ({', '.join(ONNX_FILES)}); run `moe-lab export onnx` first"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     folded_dir = out_dir / "_folded"
     folded_dir.mkdir(exist_ok=True)
@@ -621,8 +697,12 @@ def quantize_onnx_dynamic(onnx_dir: str | os.PathLike, out_dir: str | os.PathLik
                 shutil.copy(onnx_dir / companion, out_dir / companion)
         weights, routers = weight_matmuls(folded)
         nodes = weights if keep_router_float else weights + routers
-        qconfig = AutoQuantizationConfig.avx2(is_static=False, per_channel=per_channel, nodes_to_quantize=nodes,
-                                              operators_to_quantize=["MatMul"])
+        qconfig = AutoQuantizationConfig.avx2(
+            is_static=False,
+            per_channel=per_channel,
+            nodes_to_quantize=nodes,
+            operators_to_quantize=["MatMul"],
+        )
         quantizer = ORTQuantizer.from_pretrained(folded_dir, file_name="model.onnx")
         quantizer.quantize(save_dir=out_dir, quantization_config=qconfig)
     finally:
@@ -635,11 +715,19 @@ def optimum_gptq_available() -> bool:
     import importlib.util
 
     return torch.cuda.is_available() and any(
-        importlib.util.find_spec(name) is not None for name in ("gptqmodel", "auto_gptq"))
+        importlib.util.find_spec(name) is not None for name in ("gptqmodel", "auto_gptq")
+    )
 
 
-def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                          calibration: list[torch.Tensor] | None, *, bits: int = 4, group_size: int = 128, architecture: str | None = None) -> Path:
+def quantize_optimum_gptq(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    calibration: list[torch.Tensor] | None,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    architecture: str | None = None,
+) -> Path:
     """optimum's GPTQ (``optimum.gptq.GPTQQuantizer``) on a GPU, written as a Hugging Face GPTQ checkpoint.
 
     optimum quantizes ``nn.Linear`` modules; our experts are stacked parameters, so the model goes through
@@ -652,7 +740,8 @@ def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLi
     if not optimum_gptq_available():
         raise QuantizationError(
             "optimum's GPTQ route needs a CUDA GPU and the gptqmodel backend (pip install gptqmodel); "
-            f"this machine has cuda={torch.cuda.is_available()}. Use --method gptq (ours, runs on a CPU).")
+            f"this machine has cuda={torch.cuda.is_available()}. Use --method gptq (ours, runs on a CPU)."
+        )
     import tempfile
 
     from optimum.gptq import GPTQQuantizer
@@ -663,23 +752,38 @@ def quantize_optimum_gptq(model_dir: str | os.PathLike, out_dir: str | os.PathLi
     from moe_core.model import MoEForCausalLM
 
     if not calibration:
-        raise QuantizationError("optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)")
+        raise QuantizationError(
+            "optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)"
+        )
     model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp, \
-            atomic_directory(out_dir, error_cls=QuantizationError) as staging:
+    with (
+        tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp,
+        atomic_directory(out_dir, error_cls=QuantizationError) as staging,
+    ):
         to_hf(model, Path(tmp) / "hf", architecture)
         del model
         hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float16, device_map="cuda")
-        dataset = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]}
-                   for batch in calibration for row in batch]
-        quantizer = GPTQQuantizer(bits=bits, dataset=dataset, group_size=group_size,
-                                  block_name_to_quantize="model.layers", model_seqlen=calibration[0].shape[-1])
+        dataset = [
+            {"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]}
+            for batch in calibration
+            for row in batch
+        ]
+        quantizer = GPTQQuantizer(
+            bits=bits,
+            dataset=dataset,
+            group_size=group_size,
+            block_name_to_quantize="model.layers",
+            model_seqlen=calibration[0].shape[-1],
+        )
         hf = quantizer.quantize_model(hf, tokenizer=None)
-        left = [name for name, module in hf.named_modules()
-                if type(module) is nn.Linear and ".experts." in name]
+        left = [
+            name for name, module in hf.named_modules() if type(module) is nn.Linear and ".experts." in name
+        ]
         if left:
-            raise QuantizationError(f"optimum GPTQ left {len(left)} expert projections in float "
-                                    f"(e.g. {left[:3]}); refusing a partly quantized checkpoint")
+            raise QuantizationError(
+                f"optimum GPTQ left {len(left)} expert projections in float "
+                f"(e.g. {left[:3]}); refusing a partly quantized checkpoint"
+            )
         quantizer.save(hf, str(staging))
         copy_companion_files(model_dir, staging)
     return Path(out_dir)

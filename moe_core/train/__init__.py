@@ -20,9 +20,16 @@ import importlib
 # Resolved on first use (PEP 562), not on import: `moe-lab train --help` imports this package through
 # moe_core.train.cli and must not pay for pydantic, torch and torch.distributed it does not need.
 _EXPORTS = {
-    "TrainConfig": "config", "TrainConfigError": "config",
-    "ConsoleSink": "telemetry", "JsonlSink": "telemetry", "MetricsSink": "telemetry", "read_jsonl": "telemetry",
-    "train": "loop", "Trainer": "loop", "TrainResult": "loop", "TrainingDivergedError": "loop",
+    "TrainConfig": "config",
+    "TrainConfigError": "config",
+    "ConsoleSink": "telemetry",
+    "JsonlSink": "telemetry",
+    "MetricsSink": "telemetry",
+    "read_jsonl": "telemetry",
+    "train": "loop",
+    "Trainer": "loop",
+    "TrainResult": "loop",
+    "TrainingDivergedError": "loop",
     "export_checkpoint": "checkpoint",
 }
 
@@ -33,5 +40,16 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f"moe_core.train.{_EXPORTS[name]}"), name)
 
 
-__all__ = ["ConsoleSink", "JsonlSink", "MetricsSink", "TrainConfig", "TrainConfigError", "TrainResult",
-           "Trainer", "TrainingDivergedError", "export_checkpoint", "read_jsonl", "train"]
+__all__ = [
+    "ConsoleSink",
+    "JsonlSink",
+    "MetricsSink",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
+    "Trainer",
+    "TrainingDivergedError",
+    "export_checkpoint",
+    "read_jsonl",
+    "train",
+]

@@ -55,23 +55,43 @@ def sidecar_header(layer_ids: list[int], num_experts: int, bias: bool) -> dict:
     columns = {"frac": [0, num_experts], **{name: num_experts + k for k, name in enumerate(LAYER_STATS)}}
     if bias:
         columns["bias"] = [num_experts + stats, per_layer]
-    return {"version": 1, "dtype": "float32", "layers": list(layer_ids), "experts": num_experts,
-            "per_layer": columns, "per_layer_floats": per_layer, "row_floats": 2 + len(layer_ids) * per_layer}
+    return {
+        "version": 1,
+        "dtype": "float32",
+        "layers": list(layer_ids),
+        "experts": num_experts,
+        "per_layer": columns,
+        "per_layer_floats": per_layer,
+        "row_floats": 2 + len(layer_ids) * per_layer,
+    }
 
 
 class RoutingMonitor:
     """Alerts, biases and the binary load log of one run; see the module docstring."""
 
-    def __init__(self, out_dir: str | Path, layer_ids: list[int], num_experts: int,
-                 thresholds: AlertThresholds, routers: list | None = None, routing_stats=None,
-                 start_step: int = 0, per_expert: bool = True, stream=None) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        layer_ids: list[int],
+        num_experts: int,
+        thresholds: AlertThresholds,
+        routers: list | None = None,
+        routing_stats=None,
+        start_step: int = 0,
+        per_expert: bool = True,
+        stream=None,
+    ) -> None:
         self.layer_ids, self.E = list(layer_ids), num_experts
-        self.per_expert = per_expert  # `log.per_expert`: bias keys in the event file too (always in the load log)
+        self.per_expert = (
+            per_expert  # `log.per_expert`: bias keys in the event file too (always in the load log)
+        )
         self.routing_stats = routing_stats  # `telemetry.RoutingStats`: shares even with log.per_expert off
         self.thresholds = thresholds
         self.routers = list(routers or [])
         self.stream = stream or sys.stderr
-        self._under_LE = np.zeros((len(self.layer_ids), num_experts), dtype=np.int64)  # dead streak per expert
+        self._under_LE = np.zeros(
+            (len(self.layer_ids), num_experts), dtype=np.int64
+        )  # dead streak per expert
         self._raised: set[str] = set()
         self._file = None
         if self.layer_ids:
@@ -88,8 +108,9 @@ class RoutingMonitor:
             size = path.stat().st_size
             keep = size - size % self._row_bytes  # a crash mid-row: drop the partial row
             if keep:  # resumed: rows after the checkpoint's step are logged again, so drop them here
-                steps = np.memmap(path, dtype=np.float32, mode="r", shape=(keep // self._row_bytes,
-                                                                            header["row_floats"]))[:, 0]
+                steps = np.memmap(
+                    path, dtype=np.float32, mode="r", shape=(keep // self._row_bytes, header["row_floats"])
+                )[:, 0]
                 keep = int(np.searchsorted(steps, start_step, side="right")) * self._row_bytes
                 del steps
             if keep != size:
@@ -143,7 +164,11 @@ class RoutingMonitor:
                 out[f"alert/drops/layer_{layer}"] = float(drop)
         for key, value in out.items():
             if key not in self._raised:
-                print(f"moe-lab train: step {step}: routing alert {key} = {value:.4g}", file=self.stream, flush=True)
+                print(
+                    f"moe-lab train: step {step}: routing alert {key} = {value:.4g}",
+                    file=self.stream,
+                    flush=True,
+                )
         self._raised = set(out)
         return out
 

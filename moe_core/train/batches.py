@@ -29,7 +29,9 @@ class SyntheticTokens:
 
     def __init__(self, num_blocks: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        next_VN = torch.randint(0, vocab_size, (vocab_size, self.SUCCESSORS), generator=torch.Generator().manual_seed(1234))
+        next_VN = torch.randint(
+            0, vocab_size, (vocab_size, self.SUCCESSORS), generator=torch.Generator().manual_seed(1234)
+        )
         choice_NS = torch.randint(0, self.SUCCESSORS, (num_blocks, seq_len), generator=generator)
         blocks_NS = torch.empty(num_blocks, seq_len, dtype=torch.long)
         blocks_NS[:, 0] = torch.randint(0, vocab_size, (num_blocks,), generator=generator)
@@ -52,9 +54,13 @@ class GlobalBatches:
         from moe_core.data.sampler import ResumableSampler
 
         if num_blocks < batch_size:
-            raise TrainDataError(f"the training split has {num_blocks} blocks, fewer than batch_size={batch_size}; "
-                                 f"lower batch_size or data.seq_len, or prepare more documents")
-        self.sampler = ResumableSampler(num_blocks, seed=seed, rank=0, world_size=1, shuffle=True, drop_last=True)
+            raise TrainDataError(
+                f"the training split has {num_blocks} blocks, fewer than batch_size={batch_size}; "
+                f"lower batch_size or data.seq_len, or prepare more documents"
+            )
+        self.sampler = ResumableSampler(
+            num_blocks, seed=seed, rank=0, world_size=1, shuffle=True, drop_last=True
+        )
         self.batch_size = batch_size
         self.epoch = 0
         self.sampler.set_epoch(0)
@@ -84,9 +90,11 @@ class GlobalBatches:
         self._iter = None
 
 
-def rank_slice(indices: list[int], micro_step: int, dp_rank: int, dp_world: int, micro_batch: int) -> list[int]:
+def rank_slice(
+    indices: list[int], micro_step: int, dp_rank: int, dp_world: int, micro_batch: int
+) -> list[int]:
     start = (micro_step * dp_world + dp_rank) * micro_batch
-    return indices[start:start + micro_batch]
+    return indices[start : start + micro_batch]
 
 
 def stack_blocks(dataset, indices: list[int]) -> torch.Tensor:
@@ -105,8 +113,11 @@ def adopt_data_seq_len(config):
     from moe_core.data.shards import read_manifest
 
     seq_len = int(read_manifest(data.path)["seq_len"])
-    return config if seq_len == data.seq_len else config.model_copy(
-        update={"data": data.model_copy(update={"seq_len": seq_len})})
+    return (
+        config
+        if seq_len == data.seq_len
+        else config.model_copy(update={"data": data.model_copy(update={"seq_len": seq_len})})
+    )
 
 
 def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait) -> tuple:
@@ -115,15 +126,19 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
     if data_cfg.source == "synthetic":
         vocab = data_cfg.vocab_size or model_vocab
         train = SyntheticTokens(data_cfg.synthetic_blocks, data_cfg.seq_len, vocab, data_cfg.seed)
-        val = SyntheticTokens(max(8, data_cfg.synthetic_blocks // 8), data_cfg.seq_len, vocab, data_cfg.seed + 1)
+        val = SyntheticTokens(
+            max(8, data_cfg.synthetic_blocks // 8), data_cfg.seq_len, vocab, data_cfg.seed + 1
+        )
         return train, val, None, vocab
     from moe_core.data.shards import PackedTokens
 
     if data_cfg.path is not None:
         data_dir = Path(data_cfg.path)
         if not data_dir.is_dir():
-            raise TrainDataError(f"data.path={data_cfg.path!r} is not a directory; prepare it with "
-                                 f"`moe-lab data prepare` or leave data.path unset to prepare data.source")
+            raise TrainDataError(
+                f"data.path={data_cfg.path!r} is not a directory; prepare it with "
+                f"`moe-lab data prepare` or leave data.path unset to prepare data.source"
+            )
     else:
         from moe_core.data.prepare import prepare
 
@@ -137,8 +152,10 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
             data_dir = Path(prepare(prepare_cfg, cache))  # finds rank 0's result and reuses it
     train = PackedTokens(data_dir, "train")
     if train.seq_len != data_cfg.seq_len:
-        raise TrainDataError(f"{data_dir}: blocks are {train.seq_len} tokens but data.seq_len={data_cfg.seq_len}; "
-                             f"set data.seq_len={train.seq_len} or prepare the data again")
+        raise TrainDataError(
+            f"{data_dir}: blocks are {train.seq_len} tokens but data.seq_len={data_cfg.seq_len}; "
+            f"set data.seq_len={train.seq_len} or prepare the data again"
+        )
     val = None
     for split in ("validation", "val"):
         try:

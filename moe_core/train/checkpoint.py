@@ -62,7 +62,7 @@ def step_dir_name(step: int) -> str:
 
 
 def step_of(path: Path) -> int:
-    return int(path.name[len(STEP_PREFIX):])
+    return int(path.name[len(STEP_PREFIX) :])
 
 
 def _step_dirs(ckpt_root: str | Path) -> list[Path]:
@@ -70,8 +70,11 @@ def _step_dirs(ckpt_root: str | Path) -> list[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-             and p.name[len(STEP_PREFIX):].isdigit()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
+    ]
     return sorted(found, key=step_of)
 
 
@@ -121,7 +124,8 @@ def old_format_error(ckpt: Path) -> CheckpointError:
         f"pickles (rank*.pt, rank*-trainer.pt), which can run code when loaded; this version refuses to load them. "
         f"Its weights (model.safetensors) are safe: continue from them in a new output directory "
         f"(moe_core.train.export_checkpoint(ckpt, dir) then fine-tune, or load with from_pretrained), or resume it "
-        f"exactly with the moe-lab version that wrote it, only if you trust where the files came from")
+        f"exactly with the moe-lab version that wrote it, only if you trust where the files came from"
+    )
 
 
 def verify_checkpoint(ckpt: Path) -> None:
@@ -155,8 +159,12 @@ def select_resume_checkpoint(ckpt_root: str | Path) -> Path | None:
         chosen = ckpt
         break
     for reason in skipped:
-        print(f"moe-lab train: warning: {reason}; falling back to "
-              f"{chosen.name if chosen else 'the start (no complete checkpoint left)'}", file=sys.stderr, flush=True)
+        print(
+            f"moe-lab train: warning: {reason}; falling back to "
+            f"{chosen.name if chosen else 'the start (no complete checkpoint left)'}",
+            file=sys.stderr,
+            flush=True,
+        )
     return chosen
 
 
@@ -210,8 +218,10 @@ def load_model_state(model: torch.nn.Module, ckpt: Path, ep_rank: int = 0, ep_si
     if ep_size > 1 or any(ckpt.glob("experts-ep*.safetensors")):
         shard = ckpt / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
         if not shard.is_file():
-            raise CheckpointError(f"{ckpt}: no expert shard {shard.name}; resume with the same parallel.ep_size "
-                                  f"as the run that wrote it")
+            raise CheckpointError(
+                f"{ckpt}: no expert shard {shard.name}; resume with the same parallel.ep_size "
+                f"as the run that wrote it"
+            )
         state.update(load_file(shard))
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -221,19 +231,25 @@ def load_model_state(model: torch.nn.Module, ckpt: Path, ep_rank: int = 0, ep_si
         if isinstance(target, DTensor):  # FSDP2: every rank read the whole tensor; keep this rank's shard
             state[name] = distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
+    tied = {
+        k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
+    }
     if set(missing) - tied or unexpected:
-        raise CheckpointError(f"{ckpt}: parameters do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
-                              f"unexpected {sorted(unexpected)[:5]}); resume with the same model config")
+        raise CheckpointError(
+            f"{ckpt}: parameters do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}); resume with the same model config"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ RNG
 def rng_state() -> dict:
     """Every RNG the run draws from, as tensors, ints and tuples (``weights_only`` loads them)."""
     name, key, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -277,9 +293,20 @@ def estimated_bytes(model: torch.nn.Module, optimizer) -> int:
     return total
 
 
-def save_rank_files(tmp: Path, model: torch.nn.Module, optimizer, *, rank: int, ep_rank: int, ep_size: int,
-                    dp_rank: int, write_replicated: bool, scheduler=None, data_state: dict | None = None,
-                    scaler=None) -> None:
+def save_rank_files(
+    tmp: Path,
+    model: torch.nn.Module,
+    optimizer,
+    *,
+    rank: int,
+    ep_rank: int,
+    ep_size: int,
+    dp_rank: int,
+    write_replicated: bool,
+    scheduler=None,
+    data_state: dict | None = None,
+    scaler=None,
+) -> None:
     """This rank's files: the weights it owns (safetensors) and ``rank<r>-state.pt`` (optimizer, scheduler, data
     position, loss scaler, RNG; tensors and plain containers only, so it loads with ``weights_only=True``)."""
     with disk_full_guard(tmp, estimated_bytes(model, optimizer)):
@@ -291,9 +318,14 @@ def save_rank_files(tmp: Path, model: torch.nn.Module, optimizer, *, rank: int, 
             path = tmp / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
             save_file(experts, path, metadata={"format": "pt"})
             _fsync_file(path)
-        state = {"format": FORMAT, "optimizer": _local_optimizer_state(optimizer), "rng": rng_state(),
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "data": data_state, "scaler": scaler.state_dict() if scaler is not None else None}
+        state = {
+            "format": FORMAT,
+            "optimizer": _local_optimizer_state(optimizer),
+            "rng": rng_state(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data": data_state,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
         path = tmp / rank_state_name(rank)
         torch.save(state, path)
         _fsync_file(path)
@@ -303,8 +335,11 @@ def finish_checkpoint(tmp: Path, final: Path, trainer_state: dict) -> Path:
     """Rank 0, after every rank wrote its files: trainer state, then the manifest (the completion mark), then the
     atomic rename."""
     write_json(tmp / TRAINER_STATE, trainer_state)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(tmp.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
     write_json(tmp / MANIFEST, {"format": FORMAT, "step": trainer_state.get("step"), "files": files})
     _fsync_dir(tmp)
     if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -319,9 +354,12 @@ def _local_optimizer_state(optimizer) -> dict:
     from torch.distributed.tensor import DTensor
 
     state = optimizer.state_dict()  # its per-parameter dicts are the live ones: build new dicts
-    state["state"] = {index: {key: value.to_local() if isinstance(value, DTensor) else value
-                              for key, value in per_param.items()}
-                      for index, per_param in state["state"].items()}
+    state["state"] = {
+        index: {
+            key: value.to_local() if isinstance(value, DTensor) else value for key, value in per_param.items()
+        }
+        for index, per_param in state["state"].items()
+    }
     return state
 
 
@@ -336,8 +374,13 @@ def load_optimizer_state(optimizer, state: dict) -> None:
             continue
         for key, value in per_param.items():
             if torch.is_tensor(value) and value.shape == param.to_local().shape and key != "step":
-                per_param[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                                    shape=param.shape, stride=param.stride())
+                per_param[key] = DTensor.from_local(
+                    value.to(param.device),
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
     optimizer.load_state_dict(state)
 
 
@@ -348,15 +391,18 @@ def load_rank_files(ckpt: Path, rank: int) -> dict:
         raise old_format_error(ckpt)
     path = ckpt / rank_state_name(rank)
     if not path.is_file():
-        raise CheckpointError(f"{ckpt}: no {path.name}; resume with the same number of processes as the run "
-                              f"that wrote it")
+        raise CheckpointError(
+            f"{ckpt}: no {path.name}; resume with the same number of processes as the run that wrote it"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"{path}: refused to load: it holds objects other than tensors and plain containers "
-                              f"({first[:200]}). moe-lab never writes such files; it may have been tampered with. "
-                              f"Resume from another checkpoint or start a new run") from None
+        raise CheckpointError(
+            f"{path}: refused to load: it holds objects other than tensors and plain containers "
+            f"({first[:200]}). moe-lab never writes such files; it may have been tampered with. "
+            f"Resume from another checkpoint or start a new run"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -404,7 +450,9 @@ def gather_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if shards:
         n = int(shards[0].stem.split("-of-")[1])
         if len(shards) != n:
-            raise CheckpointError(f"{ckpt}: found {len(shards)} of {n} expert shards; the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{ckpt}: found {len(shards)} of {n} expert shards; the checkpoint is incomplete"
+            )
         parts: dict[str, list[torch.Tensor]] = {}
         for shard in shards:
             for name, tensor in load_file(shard).items():
@@ -423,9 +471,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
     model = MoEForCausalLM(config)
     missing, unexpected = model.load_state_dict(gather_state_dict(ckpt), strict=False)
     if [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)] or unexpected:
-        raise CheckpointError(f"{ckpt}: cannot export, parameters do not match its config.json "
-                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    with atomic_directory(out_dir, overwrite=True, error_cls=CheckpointError) as tmp:  # full disk: a clear error
+        raise CheckpointError(
+            f"{ckpt}: cannot export, parameters do not match its config.json "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    with atomic_directory(
+        out_dir, overwrite=True, error_cls=CheckpointError
+    ) as tmp:  # full disk: a clear error
         model.save_pretrained(tmp, safe_serialization=True)
         shutil.copy2(ckpt / "train_config.json", tmp / "train_config.json")
         if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():

@@ -29,28 +29,53 @@ from moe_core.train.launch import LaunchSpec
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("train", help="pretrain a model (MoE or dense baseline), one process or many",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="pretrain a model (MoE or dense baseline), one process or many",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML/JSON training config (fields of moe_core.train.TrainConfig)")
     p.add_argument("--preset", help=preset_help("model preset (sets model.preset)"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set steps=200 --set model.overrides.num_experts=4 "
-                        "(all fields: --help-config)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set steps=200 --set model.overrides.num_experts=4 "
+        "(all fields: --help-config)",
+    )
     add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--dashboard", action="store_true",
-                   help="start the live dashboard (moe-lab dashboard) on this run and print its URL")
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the live dashboard (moe-lab dashboard) on this run and print its URL",
+    )
     g = p.add_argument_group("launch (torchrun)")
-    g.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1,
-                   help="processes per node (launches torchrun when > 1)")
+    g.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        default=1,
+        help="processes per node (launches torchrun when > 1)",
+    )
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (multi-node c10d rendezvous)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank (0 .. nnodes-1)")
-    g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node")
+    g.add_argument(
+        "--rdzv-endpoint", default=None, help="host:port of the rendezvous, the same on every node"
+    )
     g.add_argument("--rdzv-id", default="moe-lab", help="job id shared by all nodes of one run")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="elastic: restart the group up to N times when a worker dies; it resumes from the "
-                        "newest complete checkpoint")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="elastic: restart the group up to N times when a worker dies; it resumes from the "
+        "newest complete checkpoint",
+    )
     s = p.add_argument_group("Slurm (writes an sbatch script running srun torchrun)")
     s.add_argument("--slurm", action="store_true", help="write <out>/launch.sbatch instead of training here")
     s.add_argument("--submit", action="store_true", help="with --slurm: submit the script with sbatch")
@@ -59,7 +84,9 @@ def add_cli(subparsers) -> None:
     s.add_argument("--slurm-time", default="24:00:00", help="wall-clock limit, [D-]HH:MM:SS")
     s.add_argument("--slurm-gpus-per-node", type=int, default=0)
     s.add_argument("--slurm-cpus-per-task", type=int, default=8)
-    s.add_argument("--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)")
+    s.add_argument(
+        "--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)"
+    )
     p.set_defaults(func=run_train)
     add_router_module_option(p)
 
@@ -67,7 +94,10 @@ def add_cli(subparsers) -> None:
 def _config_class(namespace):
     from moe_core.train.config import TrainConfig
 
-    return TrainConfig, "moe-lab train --set KEY=VALUE (fields of moe_core.train.TrainConfig; --config takes the same in YAML):"
+    return (
+        TrainConfig,
+        "moe-lab train --set KEY=VALUE (fields of moe_core.train.TrainConfig; --config takes the same in YAML):",
+    )
 
 
 def resolve_config(args):
@@ -90,8 +120,14 @@ def resolve_config(args):
 
 
 def launch_spec(args) -> LaunchSpec:
-    return LaunchSpec(nproc_per_node=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
+    return LaunchSpec(
+        nproc_per_node=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+    )
 
 
 def torchrun_command(args, argv: list[str]) -> list[str]:
@@ -99,10 +135,17 @@ def torchrun_command(args, argv: list[str]) -> list[str]:
 
 
 def slurm_spec(args) -> launch.SlurmSpec:
-    return launch.SlurmSpec(nodes=args.nnodes, nproc_per_node=args.nproc, gpus_per_node=args.slurm_gpus_per_node,
-                            cpus_per_task=args.slurm_cpus_per_task, time=args.slurm_time,
-                            partition=args.slurm_partition, account=args.slurm_account,
-                            max_restarts=args.max_restarts, setup=args.slurm_setup)
+    return launch.SlurmSpec(
+        nodes=args.nnodes,
+        nproc_per_node=args.nproc,
+        gpus_per_node=args.slurm_gpus_per_node,
+        cpus_per_task=args.slurm_cpus_per_task,
+        time=args.slurm_time,
+        partition=args.slurm_partition,
+        account=args.slurm_account,
+        max_restarts=args.max_restarts,
+        setup=args.slurm_setup,
+    )
 
 
 def write_slurm_script(args) -> Path:
@@ -142,8 +185,9 @@ def run_train(args) -> int:
         print(f"moe-lab train: wrote {path}", flush=True)
         if args.submit:
             if shutil.which("sbatch") is None:
-                raise launch.LaunchError("--submit: no `sbatch` on PATH; run it on a Slurm login node, or submit "
-                                         f"{path} yourself")
+                raise launch.LaunchError(
+                    f"--submit: no `sbatch` on PATH; run it on a Slurm login node, or submit {path} yourself"
+                )
             return subprocess.call(["sbatch", str(path)])
         return 0
     if getattr(args, "dashboard", False) and "WORLD_SIZE" not in os.environ:
@@ -160,8 +204,11 @@ def run_train(args) -> int:
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
         val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         stopped = f" (stopped by {result.stopped_by})" if result.stopped_by else ""
-        print(f"moe-lab train: step {result.step}{stopped}, {result.tokens} tokens, loss {loss}{val}; "
-              f"skipped {result.skipped_steps} steps; {where}", flush=True)
+        print(
+            f"moe-lab train: step {result.step}{stopped}, {result.tokens} tokens, loss {loss}{val}; "
+            f"skipped {result.skipped_steps} steps; {where}",
+            flush=True,
+        )
         if result.data_dir is not None:
             print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
     return 0

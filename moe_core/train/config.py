@@ -65,7 +65,9 @@ class DataSection(_Section):
     # "synthetic" is random token blocks for tests and throughput benchmarks (no tokenizer).
     source: str = "builtin"
     path: str | None = None  # an already prepared data directory; skips preparation
-    cache_dir: str | None = None  # prepared data is cached here; default $MOE_LAB_DATA_CACHE or ~/.cache/moe-lab/data
+    cache_dir: str | None = (
+        None  # prepared data is cached here; default $MOE_LAB_DATA_CACHE or ~/.cache/moe-lab/data
+    )
     seq_len: int = Field(64, ge=2)
     vocab_size: int | None = None  # tokenizer size; default the model preset's vocab_size
     max_documents: int | None = None
@@ -77,8 +79,14 @@ class DataSection(_Section):
         ``validation=...``, add to it); the training loop and the flows share it, so they share the cache."""
         from moe_core.data.prepare import PrepareConfig
 
-        return PrepareConfig(source=self.source, seq_len=self.seq_len, vocab_size=self.vocab_size or model_vocab,
-                             max_documents=self.max_documents, seed=self.seed, **fields)
+        return PrepareConfig(
+            source=self.source,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size or model_vocab,
+            max_documents=self.max_documents,
+            seed=self.seed,
+            **fields,
+        )
 
 
 class OptimSection(_Section):
@@ -165,7 +173,9 @@ class TrainConfig(_Section, ConfigFile):
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}")
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum}"
+            )
         return self
 
     # ------------------------------------------------------------------ derived
@@ -176,7 +186,8 @@ class TrainConfig(_Section, ConfigFile):
             raise TrainConfigError(
                 f"batch_size={self.batch_size} / grad_accum={self.grad_accum} = {per_micro} sequences per "
                 f"micro-step do not split over {dp_world} processes; make batch_size a multiple of "
-                f"grad_accum * {dp_world}")
+                f"grad_accum * {dp_world}"
+            )
         return per_micro // dp_world
 
     # ------------------------------------------------------------------ construction

@@ -40,7 +40,9 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise LaunchError(f"--nproc-per-node ({self.nproc_per_node}) and --nnodes ({self.nnodes}) must be >= 1")
+            raise LaunchError(
+                f"--nproc-per-node ({self.nproc_per_node}) and --nnodes ({self.nnodes}) must be >= 1"
+            )
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -63,8 +65,12 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
     """torchrun's own options for ``spec`` (what follows ``torchrun`` and precedes the script)."""
     args = [f"--nproc-per-node={spec.nproc_per_node}"]
     if spec.nnodes > 1:
-        args += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}",
-                 f"--rdzv-id={spec.rdzv_id}"]
+        args += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
         if spec.node_rank is not None:
             args.append(f"--node-rank={spec.node_rank}")
     else:
@@ -77,8 +83,16 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
 
 def torchrun_command(spec: LaunchSpec, worker_argv: list[str]) -> list[str]:
     """The command that starts this node's torchrun agent, whose workers run ``moe-lab train <worker_argv>``."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec), "-m", "moe_core.cli", "train",
-            *worker_argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(spec),
+        "-m",
+        "moe_core.cli",
+        "train",
+        *worker_argv,
+    ]
 
 
 def restart_count() -> int:
@@ -108,9 +122,13 @@ class SlurmSpec:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
-            raise LaunchError(f"slurm: nodes ({self.nodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1")
+            raise LaunchError(
+                f"slurm: nodes ({self.nodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
+            )
         if not re.fullmatch(r"[\w.-]+", self.job_name):
-            raise LaunchError(f"slurm: job name {self.job_name!r} may hold letters, digits, '.', '_' and '-' only")
+            raise LaunchError(
+                f"slurm: job name {self.job_name!r} may hold letters, digits, '.', '_' and '-' only"
+            )
         if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time):
             raise LaunchError(f"slurm: time {self.time!r} is not Slurm's [D-]HH:MM:SS")
 
@@ -118,30 +136,42 @@ class SlurmSpec:
 def render_sbatch(slurm: SlurmSpec, worker_argv: list[str], python: str = "python") -> str:
     """An sbatch script: one task per node, each running a torchrun agent; the rendezvous is on the first node
     of the allocation and the job id names it, so every node joins the same group."""
-    directives = [f"#SBATCH --job-name={slurm.job_name}", f"#SBATCH --nodes={slurm.nodes}",
-                  "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={slurm.cpus_per_task}",
-                  f"#SBATCH --time={slurm.time}", f"#SBATCH --output={slurm.job_name}-%j.out"]
+    directives = [
+        f"#SBATCH --job-name={slurm.job_name}",
+        f"#SBATCH --nodes={slurm.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={slurm.cpus_per_task}",
+        f"#SBATCH --time={slurm.time}",
+        f"#SBATCH --output={slurm.job_name}-%j.out",
+    ]
     if slurm.gpus_per_node:
         directives.append(f"#SBATCH --gpus-per-node={slurm.gpus_per_node}")
     if slurm.partition:
         directives.append(f"#SBATCH --partition={slurm.partition}")
     if slurm.account:
         directives.append(f"#SBATCH --account={slurm.account}")
-    torchrun = [f"--nproc-per-node={slurm.nproc_per_node}", f"--nnodes={slurm.nodes}", "--rdzv-backend=c10d",
-                f'--rdzv-endpoint="$HEAD_NODE:{slurm.rdzv_port}"', '--rdzv-id="$SLURM_JOB_ID"']
+    torchrun = [
+        f"--nproc-per-node={slurm.nproc_per_node}",
+        f"--nnodes={slurm.nodes}",
+        "--rdzv-backend=c10d",
+        f'--rdzv-endpoint="$HEAD_NODE:{slurm.rdzv_port}"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+    ]
     if slurm.max_restarts:
         torchrun += [f"--max-restarts={slurm.max_restarts}", "--monitor-interval=1"]
     worker = " ".join(shlex.quote(a) for a in worker_argv)
-    return "\n".join([
-        "#!/bin/bash",
-        *directives,
-        "# written by `moe-lab train --slurm`: one torchrun agent per node, c10d rendezvous on the first node",
-        "set -euo pipefail",
-        *([slurm.setup.rstrip()] if slurm.setup.strip() else []),
-        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-        f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -m torch.distributed.run \\",
-        *[f"    {a} \\" for a in torchrun],
-        f"    -m moe_core.cli train {worker}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *directives,
+            "# written by `moe-lab train --slurm`: one torchrun agent per node, c10d rendezvous on the first node",
+            "set -euo pipefail",
+            *([slurm.setup.rstrip()] if slurm.setup.strip() else []),
+            'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+            f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -m torch.distributed.run \\",
+            *[f"    {a} \\" for a in torchrun],
+            f"    -m moe_core.cli train {worker}",
+            "",
+        ]
+    )

@@ -73,11 +73,14 @@ class TrainResult:
     metrics_path: Path
     stopped_by: str | None = None  # "SIGTERM" when asked to stop early
     history: list[dict] = field(default_factory=list)  # the logged metrics (rank 0)
-    data_dir: Path | None = None  # the prepared data trained on (with its tokenizer/); None for synthetic data
+    data_dir: Path | None = (
+        None  # the prepared data trained on (with its tokenizer/); None for synthetic data
+    )
 
 
-def train(config: TrainConfig, out_dir: str | Path, resume: bool = False,
-          sinks: list[MetricsSink] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, out_dir: str | Path, resume: bool = False, sinks: list[MetricsSink] | None = None
+) -> TrainResult:
     """Train (or with ``resume=True`` continue) a model as `config` says; write everything under `out_dir`."""
     trainer = Trainer(config, out_dir, resume=resume, sinks=sinks)
     try:
@@ -109,8 +112,9 @@ def lr_lambda(config: TrainConfig):
     return factor
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device,
-                    allow_fused: bool = True) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device, allow_fused: bool = True
+) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
     FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
     cannot mix them."""
@@ -118,17 +122,22 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.d
     for _, param in model.named_parameters():
         if param.requires_grad:
             buckets.setdefault((param.ndim >= 2, par.is_sharded(param)), []).append(param)
-    groups = [{"params": params, "weight_decay": config.optim.weight_decay if decay else 0.0}
-              for (decay, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    groups = [
+        {"params": params, "weight_decay": config.optim.weight_decay if decay else 0.0}
+        for (decay, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+    ]
     kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
-    if config.optim.fused is False or (config.optim.fused is None and not allow_fused):  # FSDP2: DTensor params
+    if config.optim.fused is False or (
+        config.optim.fused is None and not allow_fused
+    ):  # FSDP2: DTensor params
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError) as err:
         if config.optim.fused:
-            raise TrainConfigError(f"optim.fused=true: no fused AdamW for {device.type} here ({err}); "
-                                   f"set optim.fused=null") from None
+            raise TrainConfigError(
+                f"optim.fused=true: no fused AdamW for {device.type} here ({err}); set optim.fused=null"
+            ) from None
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
@@ -139,8 +148,13 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, out_dir: str | Path, resume: bool = False,
-                 sinks: list[MetricsSink] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        out_dir: str | Path,
+        resume: bool = False,
+        sinks: list[MetricsSink] | None = None,
+    ) -> None:
         self.config = config = adopt_data_seq_len(config)
         self.out_dir = Path(out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -149,8 +163,10 @@ class Trainer:
         self.lock: OutputLock | None = None
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
-        self._determinism = (torch.are_deterministic_algorithms_enabled(),
-                             torch.is_deterministic_algorithms_warn_only_enabled())
+        self._determinism = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
         try:
             self._setup(resume)
         except BaseException:
@@ -176,22 +192,31 @@ class Trainer:
         if resume:
             resume_from = self._resume_checkpoint()
             if resume_from is None and st.is_main and existing is None:
-                print(f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True)
+                print(
+                    f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True
+                )
         else:
-            refuse_previous_outputs(self.out_dir, ("checkpoints/step_*",), "pass --resume (resume=True) to continue "
-                                    "that run", what="checkpoints")
+            refuse_previous_outputs(
+                self.out_dir,
+                ("checkpoints/step_*",),
+                "pass --resume (resume=True) to continue that run",
+                what="checkpoints",
+            )
         if resume_from is not None:
             saved = TrainConfig.load(resume_from / "train_config.json")
             for section in ("model", "data", "parallel"):
                 if getattr(saved, section) != getattr(config, section):
-                    raise MoELabError(f"resume from {resume_from}: the `{section}` section differs from the run "
-                                      f"that wrote it; resume with its train_config.json (--set may change "
-                                      f"steps, optim, log, eval and checkpoint settings)")
+                    raise MoELabError(
+                        f"resume from {resume_from}: the `{section}` section differs from the run "
+                        f"that wrote it; resume with its train_config.json (--set may change "
+                        f"steps, optim, log, eval and checkpoint settings)"
+                    )
 
         # data first: the tokenizer fixes the vocabulary
         model_vocab = config.model.build_config().vocab_size
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
-            config.data, self.out_dir, model_vocab, st.is_main, lambda: par.barrier(st))
+            config.data, self.out_dir, model_vocab, st.is_main, lambda: par.barrier(st)
+        )
         self.model_config = config.model.build_config(vocab_size=vocab)
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
@@ -220,7 +245,8 @@ class Trainer:
         self.routing = RoutingStats(len(self.moe_layer_ids), max(self.model_config.num_experts, 1))
         self.flops_per_token = flops_per_token(self.model_config, config.data.seq_len)
         self.peak_flops = config.log.peak_flops or (
-            peak_flops(torch.cuda.get_device_name(st.device)) if st.device.type == "cuda" else None)
+            peak_flops(torch.cuda.get_device_name(st.device)) if st.device.type == "cuda" else None
+        )
 
         self.step = 0
         self.tokens = 0
@@ -238,16 +264,23 @@ class Trainer:
         """Rank 0 picks the newest verified checkpoint (`select_resume_checkpoint`); every rank takes the same."""
         st = self.state
         chosen = ckpt_io.select_resume_checkpoint(self.ckpt_root) if st.is_main else None
-        step = torch.tensor([float(ckpt_io.step_of(chosen)) if chosen is not None else -1.0], dtype=torch.float64)
+        step = torch.tensor(
+            [float(ckpt_io.step_of(chosen)) if chosen is not None else -1.0], dtype=torch.float64
+        )
         if st.distributed:
             par.all_reduce_(step, st, op=torch.distributed.ReduceOp.MAX)
         return None if step.item() < 0 else self.ckpt_root / ckpt_io.step_dir_name(int(step.item()))
 
     def _trainer_state(self) -> dict:
         return {
-            "step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-            "bad_in_row": self.bad_in_row, "best": self.best, "val_loss": self.last_val_loss,
-            "world_size": self.state.world_size, "ep_size": self.state.ep_size,
+            "step": self.step,
+            "tokens": self.tokens,
+            "skipped_steps": self.skipped_steps,
+            "bad_in_row": self.bad_in_row,
+            "best": self.best,
+            "val_loss": self.last_val_loss,
+            "world_size": self.state.world_size,
+            "ep_size": self.state.ep_size,
             "tokenizer": str(self.data_dir / "tokenizer") if self.data_dir else None,
             "data_dir": str(self.data_dir) if self.data_dir else None,
         }
@@ -256,18 +289,29 @@ class Trainer:
         st = self.state
         for name, param in self.model.named_parameters():  # never write bad weights
             if not torch.isfinite(par.local(param)).all():
-                raise TrainingDivergedError(f"parameter {name} holds non-finite values at step {self.step}; "
-                                            f"not checkpointing. Lower optim.lr or enable optim.grad_clip")
+                raise TrainingDivergedError(
+                    f"parameter {name} holds non-finite values at step {self.step}; "
+                    f"not checkpointing. Lower optim.lr or enable optim.grad_clip"
+                )
         final = self.ckpt_root / ckpt_io.step_dir_name(self.step)
         tmp = ckpt_io.begin_checkpoint(self.ckpt_root, self.step)
         try:
             if st.is_main:
                 ckpt_io.write_configs(tmp, self.config, self.model_config)
             par.barrier(st)
-            ckpt_io.save_rank_files(tmp, self.model, self.optimizer, rank=st.rank, ep_rank=st.ep_rank,
-                                    ep_size=st.ep_size, dp_rank=st.dp_rank, write_replicated=st.is_main,
-                                    scheduler=self.scheduler, data_state=self.batches.state_dict(),
-                                    scaler=self.scaler)
+            ckpt_io.save_rank_files(
+                tmp,
+                self.model,
+                self.optimizer,
+                rank=st.rank,
+                ep_rank=st.ep_rank,
+                ep_size=st.ep_size,
+                dp_rank=st.dp_rank,
+                write_replicated=st.is_main,
+                scheduler=self.scheduler,
+                data_state=self.batches.state_dict(),
+                scaler=self.scaler,
+            )
             par.barrier(st)
             if st.is_main:
                 val = self.last_val_loss
@@ -297,7 +341,8 @@ class Trainer:
         if saved["world_size"] != st.world_size or saved["ep_size"] != st.ep_size:
             raise ckpt_io.CheckpointError(
                 f"{ckpt} was written by {saved['world_size']} processes with ep_size={saved['ep_size']}; resume "
-                f"with the same --nproc and parallel.ep_size")
+                f"with the same --nproc and parallel.ep_size"
+            )
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.skipped_steps, self.bad_in_row = saved["skipped_steps"], saved["bad_in_row"]
         self.best, self.last_val_loss = saved["best"], saved["val_loss"]
@@ -318,7 +363,8 @@ class Trainer:
             f"grad_accum={c.grad_accum} ({self.micro_batch} sequences per process per micro-step), "
             f"data.seq_len={c.data.seq_len}, precision={c.precision}, "
             f"activation_checkpointing={c.activation_checkpointing}. Raise grad_accum (same global batch), "
-            f"lower batch_size or data.seq_len, set activation_checkpointing=true or precision=bf16")
+            f"lower batch_size or data.seq_len, set activation_checkpointing=true or precision=bf16"
+        )
 
     def train_step(self) -> dict[str, float]:
         c, st = self.config, self.state
@@ -327,17 +373,26 @@ class Trainer:
             self.model.load_balance.reset()  # a new global batch
         sums = torch.zeros(4, dtype=torch.float64)  # loss, lm, aux, z: sums of micro-batch means
         for m in range(c.grad_accum):
-            ids_BS = stack_blocks(self.train_data, rank_slice(indices, m, st.rank, st.world_size, self.micro_batch))
+            ids_BS = stack_blocks(
+                self.train_data, rank_slice(indices, m, st.rank, st.world_size, self.micro_batch)
+            )
             ids_BS = ids_BS.to(st.device, non_blocking=True)
-            sync = (par.no_gradient_sync(self.forward_model, self.model) if m < c.grad_accum - 1
-                    else contextlib.nullcontext())
+            sync = (
+                par.no_gradient_sync(self.forward_model, self.model)
+                if m < c.grad_accum - 1
+                else contextlib.nullcontext()
+            )
             with sync:
                 with self._autocast():
-                    out = self.forward_model(input_ids=ids_BS, labels=ids_BS, output_routing=True, use_cache=False)
+                    out = self.forward_model(
+                        input_ids=ids_BS, labels=ids_BS, output_routing=True, use_cache=False
+                    )
                 loss = out.loss / c.grad_accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             parts = [out.loss, out.lm_loss, out.aux_loss, out.z_loss]
-            sums += torch.tensor([0.0 if p is None else p.detach().float().item() for p in parts], dtype=torch.float64)
+            sums += torch.tensor(
+                [0.0 if p is None else p.detach().float().item() for p in parts], dtype=torch.float64
+            )
             if out.routing:
                 self.routing.add(out.routing)
         par.sync_expert_grads(self.model, st)
@@ -361,7 +416,9 @@ class Trainer:
             self.bad_in_row = 0
         else:
             self.skipped_steps += 1
-            if self.scaler is not None and torch.isfinite(losses).all():  # fp16 overflow: the scaler backs off
+            if (
+                self.scaler is not None and torch.isfinite(losses).all()
+            ):  # fp16 overflow: the scaler backs off
                 self.scaler.update(self.scaler.get_scale() / 2)
             else:
                 self.bad_in_row += 1
@@ -378,11 +435,22 @@ class Trainer:
                 f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
                 f"(last loss {losses[0].item()}, grad norm {grad_norm.item()}); stopped without checkpointing. "
                 f"Lower optim.lr, keep optim.grad_clip on, try precision=fp32, or "
-                + (f"resume from {good} (the last checkpoint whose weights still gave a finite step) with a fix: "
-                   f"move the newer checkpoints away and pass --resume" if good is not None
-                   else "start again with a fix (no checkpoint before the divergence gave a finite step)"))
-        return {"loss": losses[0].item(), "lm_loss": losses[1].item(), "aux_loss": losses[2].item(),
-                "z_loss": losses[3].item(), "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+                + (
+                    f"resume from {good} (the last checkpoint whose weights still gave a finite step) with a fix: "
+                    f"move the newer checkpoints away and pass --resume"
+                    if good is not None
+                    else "start again with a fix (no checkpoint before the divergence gave a finite step)"
+                )
+            )
+        return {
+            "loss": losses[0].item(),
+            "lm_loss": losses[1].item(),
+            "aux_loss": losses[2].item(),
+            "z_loss": losses[3].item(),
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "finite": float(finite),
+        }
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint whose weights were followed by a finite step. The current streak of
@@ -420,7 +488,9 @@ class Trainer:
         try:
             for b in range(n_batches):
                 indices = list(range(b * per_batch, (b + 1) * per_batch))
-                ids_BS = stack_blocks(self.val_data, rank_slice(indices, 0, st.rank, st.world_size, bs)).to(st.device)
+                ids_BS = stack_blocks(self.val_data, rank_slice(indices, 0, st.rank, st.world_size, bs)).to(
+                    st.device
+                )
                 with self._autocast():
                     out = self.model(input_ids=ids_BS, labels=ids_BS, use_cache=False)
                 total += torch.tensor([out.lm_loss.float().item(), 1.0], dtype=torch.float64)
@@ -437,9 +507,16 @@ class Trainer:
             return
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.sinks = [JsonlSink(self.metrics_path, start_step=self.step)]  # rows past a resumed step: dropped
-        self.monitor = RoutingMonitor(self.out_dir, self.moe_layer_ids, self.model_config.num_experts,
-                                      self.config.log.alerts, self.model.routers(), self.routing, self.step,
-                                      self.config.log.per_expert)
+        self.monitor = RoutingMonitor(
+            self.out_dir,
+            self.moe_layer_ids,
+            self.model_config.num_experts,
+            self.config.log.alerts,
+            self.model.routers(),
+            self.routing,
+            self.step,
+            self.config.log.per_expert,
+        )
         if self.config.log.progress != "off":
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
@@ -474,7 +551,9 @@ class Trainer:
                     torch.cuda.synchronize(st.device)
                 interval["time"] += time.perf_counter() - t0
                 if stats["finite"]:
-                    interval["sums"] += [stats[k] for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")] + [1]
+                    interval["sums"] += [
+                        stats[k] for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
+                    ] + [1]
                 interval["steps"] += 1
                 for sink in self.sinks:  # the progress bar moves every step, not only at logging steps
                     if hasattr(sink, "on_step"):
@@ -493,14 +572,21 @@ class Trainer:
                     interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
                 stop = self._stop_requested()
                 checkpoint_due = checkpoint_due or self.step % c.checkpoint.every == 0 or last_step or stop
-                if checkpoint_due and stats["finite"]:  # never right after a skipped step: see _last_good_checkpoint
+                if (
+                    checkpoint_due and stats["finite"]
+                ):  # never right after a skipped step: see _last_good_checkpoint
                     self.save_checkpoint()
                     checkpoint_due = False
                 if stop:
                     if st.is_main:
-                        saved = "saved" if not checkpoint_due else "kept (the last step was skipped, not saved)"
-                        print(f"moe-lab train: {self._stop_signal or 'SIGTERM'} at step {self.step}: checkpoint "
-                              f"{self.last_checkpoint} {saved}; continue with --resume", flush=True)
+                        saved = (
+                            "saved" if not checkpoint_due else "kept (the last step was skipped, not saved)"
+                        )
+                        print(
+                            f"moe-lab train: {self._stop_signal or 'SIGTERM'} at step {self.step}: checkpoint "
+                            f"{self.last_checkpoint} {saved}; continue with --resume",
+                            flush=True,
+                        )
                     return self._result(last_loss, history, stopped_by=self._stop_signal or "SIGTERM")
         finally:
             if previous is not None:
@@ -550,8 +636,20 @@ class Trainer:
         return out
 
     def _result(self, loss, history, export_dir=None, stopped_by=None) -> TrainResult:
-        return TrainResult(self.out_dir, self.step, self.tokens, loss, self.last_val_loss, self.skipped_steps,
-                           self.last_checkpoint, export_dir, self.metrics_path, stopped_by, history, self.data_dir)
+        return TrainResult(
+            self.out_dir,
+            self.step,
+            self.tokens,
+            loss,
+            self.last_val_loss,
+            self.skipped_steps,
+            self.last_checkpoint,
+            export_dir,
+            self.metrics_path,
+            stopped_by,
+            history,
+            self.data_dir,
+        )
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -85,12 +85,16 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
     dev = resolve_device(device)
     if world == 1:
         if ep_size != 1:
-            raise ParallelError(f"parallel.ep_size={ep_size} needs {ep_size}+ processes; run with --nproc {ep_size}")
+            raise ParallelError(
+                f"parallel.ep_size={ep_size} needs {ep_size}+ processes; run with --nproc {ep_size}"
+            )
         return ParallelState(device=dev)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if world % ep_size:
-        raise ParallelError(f"parallel.ep_size={ep_size} does not divide the world size {world}; "
-                            f"use a divisor of {world}, or --nproc a multiple of {ep_size}")
+        raise ParallelError(
+            f"parallel.ep_size={ep_size} does not divide the world size {world}; "
+            f"use a divisor of {world}, or --nproc a multiple of {ep_size}"
+        )
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
@@ -100,8 +104,14 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
         raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=10)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout),
-                                device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            store=_attempt_store(timeout),
+            device_id=dev if dev.type == "cuda" else None,
+        )
     dp_size = world // ep_size
     ep_rank, dp_rank = rank % ep_size, rank // ep_size
     ep_group = dp_group = None
@@ -115,7 +125,9 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
         group = dist.new_group(ranks)
         if e == ep_rank:
             dp_group = group
-    return ParallelState(world, rank, local_rank, ep_size, dp_size, ep_rank, dp_rank, ep_group, dp_group, dev, backend)
+    return ParallelState(
+        world, rank, local_rank, ep_size, dp_size, ep_rank, dp_rank, ep_group, dp_group, dev, backend
+    )
 
 
 def _attempt_store(timeout: datetime.timedelta):
@@ -126,8 +138,13 @@ def _attempt_store(timeout: datetime.timedelta):
     init_process_group build its store from the environment (no agent, or one that does not share its store)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"moe-lab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -164,8 +181,10 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         E = experts.num_experts
         if E % state.ep_size:
-            raise ParallelError(f"num_experts={E} does not split over parallel.ep_size={state.ep_size}; "
-                                f"choose an ep_size that divides {E}")
+            raise ParallelError(
+                f"num_experts={E} does not split over parallel.ep_size={state.ep_size}; "
+                f"choose an ep_size that divides {E}"
+            )
         self.num_experts, self.ep_size, self.ep_rank = E, state.ep_size, state.ep_rank
         self.num_local = E // state.ep_size
         self.group = state.ep_group
@@ -175,7 +194,7 @@ class ExpertParallelExperts(nn.Module):
         self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
         with torch.no_grad():
             for name, param in self.local.named_parameters():
-                param.copy_(getattr(experts, name)[first:first + self.num_local])
+                param.copy_(getattr(experts, name)[first : first + self.num_local])
         self.first_expert = first
         self.layer_id = -1  # set by apply_expert_parallel; names the layer in the communication telemetry
         self.comm = CommStats()
@@ -195,8 +214,9 @@ class ExpertParallelExperts(nn.Module):
         weights_A = record.weights_TK.flatten()[slot_A].to(x_TD.dtype)
         send_counts_PEl = torch.bincount(expert_ids_A, minlength=self.num_experts).view(P, El)
         comm = self.comm if self.training else CommStats()  # telemetry counts training steps only, not eval
-        recv_counts_PEl = timed_all_to_all(send_counts_PEl, [1] * P, [1] * P, self.group, comm,
-                                           self.ep_rank)  # counts first
+        recv_counts_PEl = timed_all_to_all(
+            send_counts_PEl, [1] * P, [1] * P, self.group, comm, self.ep_rank
+        )  # counts first
         send_splits = send_counts_PEl.sum(1).tolist()
         recv_splits = recv_counts_PEl.sum(1).tolist()
         comm.tokens_recv += sum(recv_splits)  # slots this rank's experts compute: the straggler view
@@ -205,7 +225,8 @@ class ExpertParallelExperts(nn.Module):
         x_RD = TimedAllToAll.apply(x_AD, recv_splits, send_splits, self.group, comm, self.ep_rank)
         # received: per source rank, slots sorted by local expert; regroup by local expert across sources
         local_ids_R = torch.repeat_interleave(
-            torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device))
+            torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device)
+        )
         local_ids_R, perm_R = local_ids_R.sort(stable=True)
         counts_El = recv_counts_PEl.sum(0).tolist()
         chunks = torch.split(x_RD.index_select(0, perm_R), counts_El)
@@ -232,8 +253,9 @@ class CommStats:
         return [self.seconds, float(self.bytes_sent), float(self.bytes_recv), float(self.tokens_recv)]
 
 
-def timed_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, stats: CommStats,
-                     me: int) -> torch.Tensor:
+def timed_all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, stats: CommStats, me: int
+) -> torch.Tensor:
     """`all_to_all_single` (rows of ``x`` split by ``in_splits``, received by ``out_splits``), timed into
     ``stats``. On CUDA the stream is synchronized around it, so the time is the collective's, not the launch's
     (the next op waits for its output anyway)."""
@@ -278,7 +300,9 @@ def comm_metrics(model: nn.Module, state: ParallelState, steps: int, seconds: fl
     mods = [m for _, m in expert_modules(model)]
     if not state.distributed or state.ep_size == 1 or not mods:
         return {}
-    local_LX = torch.tensor([m.comm.as_list() for m in mods] + [[seconds, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    local_LX = torch.tensor(
+        [m.comm.as_list() for m in mods] + [[seconds, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
     for m in mods:
         m.comm = CommStats()
     gathered = [torch.empty_like(local_LX) for _ in range(state.world_size)]
@@ -294,7 +318,10 @@ def comm_metrics(model: nn.Module, state: ParallelState, steps: int, seconds: fl
     out["comm/a2a_bytes_sent"], out["comm/a2a_bytes_recv"] = sent_W.mean().item(), recv_W.mean().item()
     for r in range(state.world_size):
         out[f"comm/rank_{r}/a2a_ms"] = ms_W[r].item()
-        out[f"comm/rank_{r}/a2a_bytes_sent"], out[f"comm/rank_{r}/a2a_bytes_recv"] = sent_W[r].item(), recv_W[r].item()
+        out[f"comm/rank_{r}/a2a_bytes_sent"], out[f"comm/rank_{r}/a2a_bytes_recv"] = (
+            sent_W[r].item(),
+            recv_W[r].item(),
+        )
     tokens_W = per_WLX[..., 3].sum(1)
     tokens_P = tokens_W.view(state.dp_size, state.ep_size).mean(0)  # rank = dp_rank * ep_size + ep_rank
     for j in range(state.ep_size):
@@ -401,7 +428,9 @@ def sync_expert_grads(model: nn.Module, state: ParallelState) -> None:
 def global_grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:
     """L2 norm of the full gradient: replicated parameters once, FSDP shards summed over the world, expert
     shards summed over the EP group."""
-    replicated_sq, sharded_sq, expert_sq = (torch.zeros((), dtype=torch.float64, device=state.device) for _ in range(3))
+    replicated_sq, sharded_sq, expert_sq = (
+        torch.zeros((), dtype=torch.float64, device=state.device) for _ in range(3)
+    )
     for name, param in model.named_parameters():
         if param.grad is None:
             continue

@@ -31,8 +31,15 @@ def _worker(cfg: dict) -> None:
     train(TrainConfig.model_validate(cfg["config"]), cfg["out_dir"], resume=resume)
 
 
-def train_with_ray(config: TrainConfig, out_dir: str | Path, num_workers: int, resume: bool = False,
-                   use_gpu: bool = False, address: str | None = None, max_failures: int = 0) -> Path:
+def train_with_ray(
+    config: TrainConfig,
+    out_dir: str | Path,
+    num_workers: int,
+    resume: bool = False,
+    use_gpu: bool = False,
+    address: str | None = None,
+    max_failures: int = 0,
+) -> Path:
     """Train ``config`` into ``out_dir`` on ``num_workers`` Ray workers; returns ``out_dir``. ``address``: a
     running cluster ("auto", "ray://head:10001"); None starts a local one (or uses the one this process has)."""
     try:
@@ -40,22 +47,30 @@ def train_with_ray(config: TrainConfig, out_dir: str | Path, num_workers: int, r
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
-        raise LaunchError("the Ray launcher needs Ray Train: pip install 'moe-lab[ray]' (or 'ray[train]')") from None
+        raise LaunchError(
+            "the Ray launcher needs Ray Train: pip install 'moe-lab[ray]' (or 'ray[train]')"
+        ) from None
     if num_workers < 1:
         raise LaunchError(f"num_workers must be >= 1, got {num_workers}")
     out = Path(out_dir).absolute()
     if not resume:  # as `train` does: a fresh run never lands on an older run's checkpoints
-        refuse_previous_outputs(out, ("checkpoints/step_*",), "pass resume=True to continue that run",
-                                what="checkpoints")
+        refuse_previous_outputs(
+            out, ("checkpoints/step_*",), "pass resume=True to continue that run", what="checkpoints"
+        )
     if not ray.is_initialized():
         ray.init(address=address)
     trainer = TorchTrainer(
         _worker,
         train_loop_config={"config": config.model_dump(mode="json"), "out_dir": str(out), "resume": resume},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="moe-lab-train", storage_path=str(out / "ray"),
-                             failure_config=FailureConfig(max_failures=max_failures)),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}
+        ),
+        run_config=RunConfig(
+            name="moe-lab-train",
+            storage_path=str(out / "ray"),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
     )
     trainer.fit()
     return out

@@ -112,13 +112,15 @@ class ConsoleSink:
     SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
     SHORT = {"tokens_per_s": "tok/s", "grad_norm": "gnorm"}
 
-    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None,
-                 desc: str = "train") -> None:
+    def __init__(
+        self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None, desc: str = "train"
+    ) -> None:
         from moe_core.progress import Progress
 
         self.total = total_steps
-        self.progress = Progress(total_steps, desc, unit="step", mode=mode, initial=start_step, stream=stream,
-                                 every_s=math.inf)  # lines: one per logging step (log.every decides)
+        self.progress = Progress(
+            total_steps, desc, unit="step", mode=mode, initial=start_step, stream=stream, every_s=math.inf
+        )  # lines: one per logging step (log.every decides)
         self.mode = self.progress.mode
 
     def on_step(self, step: int) -> None:
