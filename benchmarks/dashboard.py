@@ -49,7 +49,9 @@ from moe_core.train import TrainConfig, read_jsonl
 from moe_core.train.alerts import LAYER_STATS, SIDECAR, SIDECAR_HEADER, sidecar_header
 from moe_core.train.loop import Trainer
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get(
+    "MOE_LAB_CHROMIUM", "/usr/bin/chromium"
+)  # Debian's; .ci/run installs it when missing
 
 
 def train_config(args, steps: int) -> TrainConfig:

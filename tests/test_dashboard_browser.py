@@ -18,7 +18,9 @@ from playwright.sync_api import sync_playwright
 from dashboard.server import create_app
 from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
 
-CHROMIUM = "/usr/bin/chromium"  # .ci/run installs Debian's chromium when it is missing
+CHROMIUM = os.environ.get(
+    "MOE_LAB_CHROMIUM", "/usr/bin/chromium"
+)  # Debian's; .ci/run installs it when missing
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 LIVE_RUN = """
