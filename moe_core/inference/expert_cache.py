@@ -208,18 +208,16 @@ class OffloadedExperts(nn.Module):
         return ids_TK, dropped_TK
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
-        ids_TK, dropped_TK = self._reroute(record)
-        # a load failing now marks that expert unavailable, and the slots rerouted to the next-best expert may
-        # find it missing too: repeat until every needed expert loaded. Each round marks at least one more
-        # expert unavailable, so this ends; _reroute raises once the layer has none left.
+        # A load failing now marks that expert unavailable, so the slots may need to move again. Each round
+        # reroutes the router's ORIGINAL choices against every expert known bad so far (not the previous round's
+        # result), so where a slot lands does not depend on the order failures were found in; each round marks
+        # at least one more expert unavailable, so this ends, and _reroute raises once the layer has none left.
         for _ in range(self.num_experts + 1):
+            ids_TK, dropped_TK = self._reroute(record)
             needed = sorted(set(ids_TK.masked_select(~dropped_TK).tolist()))
             weights = {e: self.cache.get(self.layer_id, e) for e in needed}
             if all(w is not None for w in weights.values()):
                 break
-            ids_TK, dropped_TK = self._reroute(
-                RoutingRecord(**{**record.__dict__, "expert_ids_TK": ids_TK, "dropped_TK": dropped_TK})
-            )
         if self.prefetch_from is not None:
             next_layer, next_router = self.prefetch_from
             with torch.no_grad():
