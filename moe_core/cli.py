@@ -172,17 +172,22 @@ def build_parser(command: str | None = None, *, listing_only: bool = False) -> a
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (argparse's usage errors and --help too, so a caller in
+    Python, a notebook or a test gets a number rather than SystemExit)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
-    if command not in COMMANDS:
-        parser = build_parser(listing_only=True)
-        if command is not None:
-            parser.error(
-                f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
-                f"(choose from {', '.join(COMMANDS)})"
-            )
-        parser.parse_args(argv)  # --help, or the usage error for a missing command
-    args = build_parser(command).parse_args(argv)
+    try:
+        if command not in COMMANDS:
+            parser = build_parser(listing_only=True)
+            if command is not None:
+                parser.error(
+                    f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
+                    f"(choose from {', '.join(COMMANDS)})"
+                )
+            parser.parse_args(argv)  # --help, or the usage error for a missing command
+        args = build_parser(command).parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
     out = getattr(args, "out", None)
     out_existed = out is None or os.path.lexists(out)
     code = 1

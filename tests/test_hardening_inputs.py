@@ -143,10 +143,11 @@ def test_router_module_from_environment(planted, monkeypatch):
     assert marker.exists() and type(model.model.layers[0].mlp.router).__name__ == "PlantedRouter"
 
 
-def test_allow_router_module_refuses_non_module_names():
+def test_allow_router_module_refuses_non_module_names(capsys):
     with pytest.raises(ValueError, match="not a module name"):
         allow_router_module("os; print(1)")
-    assert main(["generate", "x", "--prompt", "a", "--router-module", "no_such_module_xyz"]) == 2
+    assert main(["generate", str(REPO), "--prompt", "a", "--router-module", "no_such_module_xyz"]) == 2
+    assert "no_such_module_xyz" in capsys.readouterr().err  # refused as a module, not for the model path
 
 
 def test_readme_registered_router_example_runs():

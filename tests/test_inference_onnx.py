@@ -172,4 +172,7 @@ def test_export_hf_checkpoint(tmp_path, arch):
 
 def test_cli_export_errors_clearly(tmp_path, capsys):
     assert main(["export", "onnx", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "missing: not found" in capsys.readouterr().err  # at argument parsing, before any work
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "onnx", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
     assert "config.json" in capsys.readouterr().err
