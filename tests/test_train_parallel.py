@@ -70,12 +70,12 @@ def one_process(tmp_path_factory):
     return out
 
 
-def assert_same_trajectory(one: Path, many: Path) -> None:
+def assert_same_trajectory(one: Path, many: Path, late_rel: float = 1e-3) -> None:
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(many / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 21))
     for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
         assert [r[key] for r in b[:10]] == pytest.approx([r[key] for r in a[:10]], rel=2e-5), key
-        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-3), key
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=late_rel), key
     assert a[-1]["lm_loss"] < a[0]["lm_loss"] - 0.3  # it trained: the comparison is not of two idle runs
     for key in ("moe/layer_0/expert_3_frac", "moe/layer_1/entropy"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-3, abs=1e-3), key
@@ -114,7 +114,9 @@ def test_four_process_expert_by_data_parallel_run_matches_one_process(tmp_path, 
     # world 4 = ep 2 x dp 2: two expert-parallel groups, each holding half the experts; ranks holding the same
     # experts all-reduce their expert gradients over the data-parallel group
     run_cli(tmp_path / "ep2dp2", "--nproc", "4", "--set", "parallel.ep_size=2")
-    assert_same_trajectory(one_process, tmp_path / "ep2dp2")
+    # data parallelism sums the batch in two halves; the first 10 steps still agree to 2e-5, and by steps 15-18
+    # Adam has amplified that reduction-order noise to 2.2e-3 in the grad norm (measured): 3e-3 late, not 1e-3
+    assert_same_trajectory(one_process, tmp_path / "ep2dp2", late_rel=3e-3)
     ckpt = tmp_path / "ep2dp2" / "checkpoints" / "step_00000020"
     assert {p.name for p in ckpt.glob("experts-*")} == {
         "experts-ep0-of-2.safetensors",
