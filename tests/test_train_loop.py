@@ -244,7 +244,9 @@ def test_activation_checkpointing_and_bf16(tmp_path):
 
 
 def test_fp16_needs_cuda(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("fp16 runs on CUDA here")
+    """fp16 (with its loss scaler) is refused on a CPU with a clear error, and trains where CUDA is present."""
     with pytest.raises(Exception, match="precision=fp16 needs CUDA"):
-        train(tiny(precision="fp16", device="cpu"), tmp_path)
+        train(tiny(precision="fp16", device="cpu"), tmp_path / "cpu")
+    if torch.cuda.is_available():
+        result = train(tiny(precision="fp16", device="cuda"), tmp_path / "cuda")
+        assert all(math.isfinite(r["loss"]) for r in read_jsonl(result.metrics_path) if "loss" in r)
