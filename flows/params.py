@@ -41,7 +41,7 @@ def tiny_train_config(**fields) -> TrainConfig:
 
 
 def small_train_config(**fields) -> TrainConfig:
-    """The README's run: about 2.5 minutes on 2 idle CPU cores (2m33s measured), a model that visibly learns."""
+    """The README's run: about 2.5 minutes on 2 idle CPU cores (2m29s measured), a model that visibly learns."""
     base = {
         "model": {"preset": "switch-small"},
         "steps": 150,
