@@ -45,6 +45,24 @@ def calibration_batches(
     return out
 
 
+@torch.no_grad()
+def calibration_pass(
+    model, batches: Iterable[torch.Tensor], hooks: list[tuple[torch.nn.Module, object]]
+) -> None:
+    """Run ``batches`` of token ids through ``model`` in eval mode with each ``(module, fn)`` forward hook
+    registered (how GPTQ/AWQ see expert inputs and REAP expert outputs); hooks removed and mode restored after."""
+    handles = [module.register_forward_hook(fn) for module, fn in hooks]
+    was_training = model.training
+    model.eval()
+    try:
+        for input_ids_BS in batches:
+            model(input_ids=input_ids_BS, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+
+
 def drift(value: float, reference: float) -> float:
     """Relative change, e.g. perplexity drift of a quantized model: (value - reference) / reference."""
     return (value - reference) / reference

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.inference.evaluate import calibration_pass
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -129,16 +130,8 @@ def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.
                 sums[layer_id][e] += (record.weights_TK[token_idx, slot_idx].float() * norm_N).sum().double()
                 counts[layer_id][e] += token_idx.numel()
 
-        hooks.append(experts.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        for input_ids_BS in batches:
-            model(input_ids=input_ids_BS, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
+        hooks.append((experts, hook))
+    calibration_pass(model, batches, hooks)
     if not any(float(c.sum()) for c in counts.values()):
         raise PruneError("the calibration batches routed no tokens; give token ids [B, S]")
     return {layer_id: (sums[layer_id] / counts[layer_id].clamp_min(1)).float() for layer_id in layers}

@@ -60,6 +60,7 @@ from torch import nn
 
 from moe_core.errors import MoELabError
 from moe_core.experts import GroupedExperts, ffn_act
+from moe_core.inference.evaluate import calibration_pass
 from moe_core.inference.fast_decode import DecodeExperts
 
 logger = logging.getLogger(__name__)
@@ -451,16 +452,8 @@ def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, t
             hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0), ~record.dropped_TK)
             seen[name]["hit"].append(hit_TE)
 
-        hooks.append(module.register_forward_hook(hook))
-    was_training = model.training
-    model.eval()
-    try:
-        for input_ids_BS in calibration:
-            model(input_ids=input_ids_BS, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
+        hooks.append((module, hook))
+    calibration_pass(model, calibration, hooks)
     for name in seen:
         if not seen[name]["x"]:
             raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
