@@ -163,10 +163,10 @@ def load_records(config: FinetuneConfig):
 
 
 def _records_hash(records) -> str:
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for record in records:
-        h.update(canonical_json(dict(record)).encode())
-    return h.hexdigest()
+        digest.update(canonical_json(dict(record)).encode())
+    return digest.hexdigest()
 
 
 def _seed(seed: int) -> None:
@@ -179,11 +179,11 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
     """Route the first ``lora.esft_examples`` training examples (full conversations, chat template) through the
     base model and pick the experts (`select_esft_experts`)."""
     batches = []
-    n = min(config.lora.esft_examples, len(records))
-    for start in range(0, n, config.batch_size):
+    n_examples = min(config.lora.esft_examples, len(records))
+    for start in range(0, n_examples, config.batch_size):
         texts = [
             tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
-            for i in range(start, min(start + config.batch_size, n))
+            for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
             texts,
