@@ -8,7 +8,7 @@ import pytest
 from moe_core.config import get_config, parameter_counts
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token
-from moe_core.train.loop import lr_lambda
+from moe_core.train.optim import lr_lambda
 
 
 def test_defaults_train_a_tiny_switch_model_on_the_builtin_corpus():

@@ -249,14 +249,14 @@ def plot_routing_flow(
     ax = fig.add_subplot()
     colors = _palette(E)
     for f in profile.flows:
-        li = next(k for k, x in enumerate(layers) if x.layer_id == f.from_layer)
+        column = next(k for k, layer in enumerate(layers) if layer.layer_id == f.from_layer)
         total = max(int(f.top1_EF.sum()), 1)
         widest = max(int(f.top1_EF.max()), 1)
         for i, j in zip(*np.nonzero(f.top1_EF)):
             if f.top1_EF[i, j] / total < min_share:
                 continue
             ax.plot(
-                [li, li + 1],
+                [column, column + 1],
                 [i, j],
                 color=colors[int(i)],
                 alpha=0.55,
@@ -336,7 +336,9 @@ def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = Non
     E = max((x.num_experts for x in profile.layers), default=1)
     fig = _figure(max(6.0, 0.5 * E + 3) * cols, 3.2 * rows)
     axes = fig.subplots(rows, cols, squeeze=False)
-    pfig = make_subplots(rows=rows, cols=cols, subplot_titles=[p[0] for p in panels] or ["no data"])
+    pfig = make_subplots(
+        rows=rows, cols=cols, subplot_titles=[title for title, _, _ in panels] or ["no data"]
+    )
     for k, ax in enumerate(axes.flat):
         if k >= len(panels):
             ax.set_axis_off()

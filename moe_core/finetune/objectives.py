@@ -374,11 +374,11 @@ class MoESFTTrainer(_MoEMetrics, _trl_sft()):
             labels_BS = inputs["labels"][:, 1:]
             mask = labels_BS != -100
             correct = (out.logits[:, :-1].argmax(-1) == labels_BS) & mask
-            n = int(mask.sum())
-            self._metrics[mode]["mean_token_accuracy"].append(correct.sum().item() / max(n, 1))
+            n_labels = int(mask.sum())
+            self._metrics[mode]["mean_token_accuracy"].append(correct.sum().item() / max(n_labels, 1))
             if mode == "train":
                 self._total_train_tokens += (
-                    int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else n
+                    int(inputs["attention_mask"].sum()) if "attention_mask" in inputs else n_labels
                 )
                 self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, out) if return_outputs else loss

@@ -8,6 +8,10 @@ directory or a hub id) go through the exact converter (`moe_core.convert.from_hf
 through one code path: the same LoRA targets on the stacked experts, our router losses in the objective, routing
 telemetry, and an exact export back to the architecture it came from (`<out>/hf`).
 
+`finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
+model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
+(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`.
+
 Written to ``out_dir``: ``finetune_config.json`` (the full config), ``trainable_parameters.json`` (the report),
 ``metrics.jsonl`` (every log step), ``esft_selection.json`` (ESFT: routing counts and the chosen experts),
 ``summary.json`` (counts, hashes and final metrics; never text), and the exports (`moe_core.finetune.export`).
@@ -21,7 +25,7 @@ last step was skipped, or whose weights are not finite, raises `FinetuneDiverged
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -30,17 +34,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
+from transformers import PrinterCallback
 
+from moe_core.data.sources import _quiet_datasets, canonical_json, load_source
+from moe_core.data.tokenizer import load_tokenizer
+from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
+from moe_core.finetune import export
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import (
     MethodPlan,
     apply_method,
+    resolve_expert_ids,
     routing_usage,
     select_esft_experts,
 )
+from moe_core.finetune.objectives import (
+    FiniteStepGuard,
+    MoEDPOTrainer,
+    MoESFTTrainer,
+    MoEStepCallback,
+    ProgressCallback,
+    SinkCallback,
+    TaskCollator,
+    _messages,
+    dpo_dataset,
+    sft_dataset,
+    task_names_of,
+    trainer_args,
+)
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
+from moe_core.train.telemetry import JsonlSink, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +147,6 @@ def prepare_tokenizer(tokenizer, model_config):
 
 
 def load_records(config: FinetuneConfig):
-    from moe_core.data.sources import load_source
-
     if not config.data.source:
         raise FinetuneError("data.source is not set; give an instruction (SFT) or preference (DPO) file")
     kind = "instruction" if config.objective == "sft" else "preference"
@@ -134,33 +158,15 @@ def load_records(config: FinetuneConfig):
         max_documents=config.data.max_examples,
     )
     if config.data.validate_data:
-        from moe_core.data.validation import validate
-
         validate(loaded.dataset, kind, source=loaded.spec.name).raise_for_failure()
     return loaded.dataset
 
 
 def _records_hash(records) -> str:
-    from moe_core.data.sources import canonical_json
-
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for record in records:
-        h.update(canonical_json(dict(record)).encode())
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """No `datasets` progress bars while TRL maps the data (noise in logs and tests)."""
-    import datasets
-
-    was = datasets.utils.logging.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
+        digest.update(canonical_json(dict(record)).encode())
+    return digest.hexdigest()
 
 
 def _seed(seed: int) -> None:
@@ -172,14 +178,12 @@ def _seed(seed: int) -> None:
 def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: dict[int, list[int]]):
     """Route the first ``lora.esft_examples`` training examples (full conversations, chat template) through the
     base model and pick the experts (`select_esft_experts`)."""
-    from moe_core.finetune.objectives import _messages
-
     batches = []
-    n = min(config.lora.esft_examples, len(records))
-    for start in range(0, n, config.batch_size):
+    n_examples = min(config.lora.esft_examples, len(records))
+    for start in range(0, n_examples, config.batch_size):
         texts = [
             tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
-            for i in range(start, min(start + config.batch_size, n))
+            for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
             texts,
@@ -245,30 +249,47 @@ def check_finite_weights(model, where: str) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------ the recipe
+# `_finetune` reads as the recipe: load -> select -> train -> export, each step a function whose typed result is
+# the next step's input. The RNG is seeded once before loading; the steps run in the order the original single
+# function ran them, so a seeded run repeats exactly.
 def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks) -> FinetuneResult:
-    from transformers import PrinterCallback
-
-    from moe_core.data.tokenizer import load_tokenizer
-    from moe_core.finetune import export
-    from moe_core.finetune.methods import resolve_expert_ids
-    from moe_core.finetune.objectives import (
-        FiniteStepGuard,
-        MoEDPOTrainer,
-        MoESFTTrainer,
-        MoEStepCallback,
-        ProgressCallback,
-        SinkCallback,
-        TaskCollator,
-        dpo_dataset,
-        sft_dataset,
-        task_names_of,
-        trainer_args,
-    )
-    from moe_core.train.telemetry import JsonlSink, read_jsonl
-
     config.save(out_dir / "finetune_config.json")
     _seed(config.seed)
+    inputs = load_inputs(config, model=model, tokenizer=tokenizer, records=records)
+    selected = select_parameters(config, inputs, out_dir)
+    trained = run_training(config, inputs, selected, out_dir, sinks)
+    exported = export_outputs(config, inputs, selected, out_dir)
+    summary = run_summary(config, inputs, selected, trained)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return FinetuneResult(
+        out_dir,
+        exported.model,
+        selected.plan,
+        selected.report,
+        trained.metrics,
+        adapter_dir=exported.adapter_dir,
+        merged_dir=exported.merged_dir,
+        hf_dir=exported.hf_dir,
+        summary=summary,
+        skipped_steps=trained.skipped_steps,
+        last_step_loss=trained.last_step_loss,
+    )
 
+
+# ------------------------------------------------------------------------------------------------ 1. load
+@dataclass
+class LoadedInputs:
+    """What the run starts from: the base model, its tokenizer and the training rows, all checked."""
+
+    model: Any  # our `MoEForCausalLM` (converted when it came from Hugging Face), in train mode
+    tokenizer: Any  # with a chat template and a pad token, no larger than the model's vocabulary
+    records: datasets.Dataset  # at least one row
+    task_names: list[str]  # sorted values of ``data.task_column``; [] without one
+
+
+def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
+    """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name."""
     if model is None:
         if not config.model.path:
             raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
@@ -284,31 +305,40 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     if records is None:
         records = load_records(config)
     if isinstance(records, list):
-        import datasets
-
         records = datasets.Dataset.from_list(records)
     if len(records) == 0:
         raise FinetuneError("the training data has no rows")
-
     task_names = task_names_of(records, config.data.task_column)
     model.train()
+    return LoadedInputs(model, tokenizer, records, task_names)
+
+
+# ------------------------------------------------------------------------------------------------ 2. select
+@dataclass
+class SelectedParameters:
+    """Which parameters train: the method applied to the base model (full, LoRA on attention and experts, ESFT's
+    experts, router-only, task router bias; `freeze` on top), and the frozen DPO reference where one is needed."""
+
+    train_model: Any  # the model the optimizer sees (a PEFT model for lora)
+    plan: MethodPlan  # what the method did: targets, expert selection, task bias
+    report: TrainableReport  # trainable counts per group, saved as trainable_parameters.json
+    ref_model: (
+        Any | None
+    )  # DPO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
+
+
+def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path) -> SelectedParameters:
+    """Apply ``config.method`` and ``config.freeze``; refuse a run in which nothing (or no asked-for expert
+    adapter) trains. Writes ``esft_selection.json`` (ESFT) and ``trainable_parameters.json``."""
+    model = inputs.model
     ref_model = None
     if config.objective == "dpo" and config.method != "lora":
-        import copy
-
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen policy at step 0
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # before the method changes the model
 
     selection = None
-    summary: dict[str, Any] = {
-        "examples": len(records),
-        "data_sha256": _records_hash(records),
-        "tasks": {
-            name: sum(1 for r in records if str(r[config.data.task_column]) == name) for name in task_names
-        },
-    }
     if config.method == "lora" and config.lora.experts == "esft" and model.config.num_experts:
         frozen = resolve_expert_ids(config.freeze.experts, model.config, "freeze.experts")
-        usage, selection = esft_selection(model, tokenizer, records, config, frozen)
+        usage, selection = esft_selection(model, inputs.tokenizer, inputs.records, config, frozen)
         (out_dir / "esft_selection.json").write_text(
             json.dumps(
                 {
@@ -322,7 +352,7 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
             + "\n"
         )
 
-    train_model, plan = apply_method(model, config, expert_selection=selection, task_names=task_names)
+    train_model, plan = apply_method(model, config, expert_selection=selection, task_names=inputs.task_names)
     report = trainable_parameter_report(train_model, plan)
     report.save(out_dir / "trainable_parameters.json")
     logger.info("%s", report.to_text())
@@ -330,16 +360,31 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
         report.require_expert_adapters()
     if report.trainable_params == 0:
         raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
+    return SelectedParameters(train_model, plan, report, ref_model)
 
+
+# ------------------------------------------------------------------------------------------------ 3. train
+@dataclass
+class TrainingOutcome:
+    metrics: list[dict[str, Any]]  # every logged row, as written to metrics.jsonl
+    skipped_steps: int  # optimizer steps skipped for a non-finite loss or gradient
+    last_step_loss: float | None  # the loss of the very last optimizer step
+
+
+def run_training(
+    config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, out_dir: Path, sinks
+) -> TrainingOutcome:
+    """SFT or DPO through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``. Raises
+    `FinetuneDivergedError` when the last step was skipped or the trained weights are not finite."""
+    train_model, plan = selected.train_model, selected.plan
     jsonl = JsonlSink(out_dir / "metrics.jsonl")
     guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
     callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard)]
     if config.log.progress != "off":
         callbacks.append(ProgressCallback(config.log.progress))
-    args = trainer_args(config, out_dir / "trainer")
-    common = dict(
-        args=args,
-        processing_class=tokenizer,
+    trainer_kwargs = dict(
+        args=trainer_args(config, out_dir / "trainer"),
+        processing_class=inputs.tokenizer,
         callbacks=callbacks,
         plan=plan,
         log_routing=config.log.routing,
@@ -348,13 +393,16 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
     try:
         with _quiet_datasets():
             if config.objective == "sft":
-                dataset = sft_dataset(records, config.data.task_column, task_names)
-                trainer = MoESFTTrainer(train_model, train_dataset=dataset, **common)
+                dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names)
+                trainer = MoESFTTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
                 if config.data.task_column:
                     trainer.data_collator = TaskCollator(trainer.data_collator)
             else:
                 trainer = MoEDPOTrainer(
-                    train_model, ref_model=ref_model, train_dataset=dpo_dataset(records), **common
+                    train_model,
+                    ref_model=selected.ref_model,
+                    train_dataset=dpo_dataset(inputs.records),
+                    **trainer_kwargs,
                 )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
         trainer.train()
@@ -367,43 +415,58 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
             f"{config.steps} skipped); nothing written. Lower optim.lr, keep optim.grad_clip on, or use method=lora"
         )
     check_finite_weights(train_model, "fine-tuned model")
+    return TrainingOutcome(metrics, guard.skipped_steps, guard.last_step_loss)
 
-    result = FinetuneResult(
-        out_dir,
-        train_model,
-        plan,
-        report,
-        metrics,
-        summary=summary,
-        skipped_steps=guard.skipped_steps,
-        last_step_loss=guard.last_step_loss,
-    )
+
+# ------------------------------------------------------------------------------------------------ 4. export
+@dataclass
+class ExportedOutputs:
+    model: Any  # the model the result holds: the merged one when merged or HF weights were written
+    adapter_dir: Path | None = None
+    merged_dir: Path | None = None
+    hf_dir: Path | None = None
+
+
+def export_outputs(
+    config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, out_dir: Path
+) -> ExportedOutputs:
+    """The adapter (lora), the merged model in our format, and the merged model in the architecture it came from
+    (``export.hf``; on by default for a Hugging Face base), as ``config.export`` asks (`moe_core.finetune.export`)."""
+    train_model, plan = selected.train_model, selected.plan
+    exported = ExportedOutputs(train_model)
     if config.method == "lora" and config.export.adapters:
-        result.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
-    want_hf = config.export.hf if config.export.hf is not None else bool(model.config.hf_origin)
+        exported.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
+    want_hf = config.export.hf if config.export.hf is not None else bool(inputs.model.config.hf_origin)
     if config.export.merged or want_hf:
         bias = plan.task_bias
         merged = export.merged_model(train_model, plan)
         check_finite_weights(merged, "merged model")
-        result.model = merged
+        exported.model = merged
         if config.export.merged:
-            result.merged_dir = export.save_merged(merged, out_dir / "merged", tokenizer, plan)
+            exported.merged_dir = export.save_merged(merged, out_dir / "merged", inputs.tokenizer, plan)
         if want_hf:
-            result.hf_dir = export.save_hf(merged, out_dir / "hf", tokenizer, plan)
+            exported.hf_dir = export.save_hf(merged, out_dir / "hf", inputs.tokenizer, plan)
         if bias is not None:
             bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
-    final = [row for row in metrics if "loss" in row]
-    summary.update(
-        {
-            "steps": config.steps,
-            "skipped_steps": guard.skipped_steps,
-            "trainable_params": report.trainable_params,
-            "final_metrics": final[-1] if final else {},
-            "expert_adapters": {str(k): v for k, v in plan.expert_selection.items()},
-        }
-    )
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return result
+    return exported
+
+
+def run_summary(
+    config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, trained: TrainingOutcome
+) -> dict[str, Any]:
+    """``summary.json``: counts, the data's hash and the final metrics; never text."""
+    records, task_column = inputs.records, config.data.task_column
+    final = [row for row in trained.metrics if "loss" in row]
+    return {
+        "examples": len(records),
+        "data_sha256": _records_hash(records),
+        "tasks": {name: sum(1 for r in records if str(r[task_column]) == name) for name in inputs.task_names},
+        "steps": config.steps,
+        "skipped_steps": trained.skipped_steps,
+        "trainable_params": selected.report.trainable_params,
+        "final_metrics": final[-1] if final else {},
+        "expert_adapters": {str(k): v for k, v in selected.plan.expert_selection.items()},
+    }
 
 
 def load_finetuned(directory: str | Path):

@@ -12,10 +12,11 @@ One optimizer step (in the spirit of torchtitan's `train.py`):
    checkpoint whose weights still gave a finite step);
 4. clip, AdamW step, LR schedule step, then the aux-loss-free router bias update with the load all-reduced
    over every rank.
-Every `log.every` steps: losses, LR, grad norm, tokens/s, FLOPs and MFU, per-layer routing statistics, to
-the JSONL event file, the console and any extra `MetricsSink`. Every `checkpoint.every` steps, at the end and
-on SIGTERM: an atomic checkpoint (`checkpoint.py`), only ever right after a good (finite) step: one that falls
-due on a skipped step waits for the next good one. At the end: a Hugging Face export in ``<out>/final``.
+Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
+tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
+`MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM: an atomic checkpoint (`checkpoint.py`),
+only ever right after a good (finite) step: one that falls due on a skipped step waits for the next good one.
+At the end: a Hugging Face export in ``<out>/final``. AdamW and the LR schedule are built in `optim.py`.
 
 The output directory is locked for the life of the run (`moe_core.fileio.OutputLock`, held by rank 0): a second
 run on the same directory stops with a clear error. On resume, the newest checkpoint that passes its manifest's
@@ -41,6 +42,7 @@ import torch
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, refuse_previous_outputs
+from moe_core.model import MoEForCausalLM
 from moe_core.routing import GlobalBatchBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import parallel as par
@@ -48,7 +50,9 @@ from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.flops import flops_per_token, peak_flops
+from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
+from moe_core.train.optim import build_optimizer, lr_lambda
 from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, RoutingStats
 
 
@@ -89,65 +93,21 @@ def train(
         trainer.close()
 
 
-def lr_lambda(config: TrainConfig):
-    """Multiplier of the peak LR at each step: linear warmup, then cosine to ``min_lr_ratio`` or WSD
-    (warmup-stable-decay, Hu et al. 2024 "MiniCPM": constant, then linear decay over the last fraction)."""
-    o, total = config.optim, config.steps
-
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        if o.schedule == "wsd":
-            decay_steps = max(1, round(o.decay_fraction * total))
-            decay_start = total - decay_steps
-            if step < decay_start:
-                return 1.0
-            progress = min(1.0, (step - decay_start + 1) / decay_steps)
-            return 1.0 - (1.0 - o.min_lr_ratio) * progress
-        progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-        return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, device: torch.device, allow_fused: bool = True
-) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
-    FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
-    cannot mix them."""
-    buckets: dict[tuple[bool, bool], list] = {}
-    for _, param in model.named_parameters():
-        if param.requires_grad:
-            buckets.setdefault((param.ndim >= 2, par.is_sharded(param)), []).append(param)
-    groups = [
-        {"params": params, "weight_decay": config.optim.weight_decay if decay else 0.0}
-        for (decay, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
-    ]
-    kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
-    if config.optim.fused is False or (
-        config.optim.fused is None and not allow_fused
-    ):  # FSDP2: DTensor params
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, ValueError) as err:
-        if config.optim.fused:
-            raise TrainConfigError(
-                f"optim.fused=true: no fused AdamW for {device.type} here ({err}); set optim.fused=null"
-            ) from None
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
+# the micro-batch losses a step sums and all-reduces in one float64 tensor, in this order
+STEP_LOSSES = ("loss", "lm_loss", "aux_loss", "z_loss")
+
+
 class Trainer:
+    """One pretraining run: `__init__` builds it (or restores it from the newest checkpoint), `run` trains to
+    ``config.steps``, `close` releases the output directory and the process group. Sections below: setup,
+    checkpoints, one optimizer step, evaluation, logging, the run."""
+
     def __init__(
         self,
         config: TrainConfig,
@@ -173,25 +133,48 @@ class Trainer:
             self.close()
             raise
 
+    # ------------------------------------------------------------------------------------ setup
     def _setup(self, resume: bool) -> None:
-        config, st = self.config, self.state
-        if config.precision == "fp16" and st.device.type != "cuda":
+        config, state = self.config, self.state
+        if config.precision == "fp16" and state.device.type != "cuda":
             raise TrainConfigError("precision=fp16 needs CUDA (loss scaling); use precision=bf16 on CPU")
         if config.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.micro_batch = config.micro_batch_size(st.world_size)
+        self.micro_batch = config.micro_batch_size(state.world_size)
+        resume_from = self._claim_output_dir(resume)
+        # the order below fixes the random streams (data, then the seed, then the weights): keep it
+        self._open_data()
+        self._build_model()
+        self._build_optimization()
+        self._build_telemetry()
 
-        resume_from = None
-        if st.is_main:  # one run per output directory: rank 0 holds the lock until close()
+        self.step = 0
+        self.tokens = 0
+        self.skipped_steps = 0
+        self.bad_in_row = 0
+        self.best: dict | None = None
+        self.last_checkpoint: Path | None = None
+        self.last_val_loss: float | None = None
+        self._stop_signal: str | None = None
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+
+    def _claim_output_dir(self, resume: bool) -> Path | None:
+        """Lock the output directory (rank 0) and return the checkpoint to resume from, if any. Without
+        ``resume``, an earlier run's checkpoints are refused; with it, the checkpoint must come from a run with the
+        same model, data and parallel sections."""
+        state = self.state
+        if state.is_main:  # one run per output directory: rank 0 holds the lock until close()
             self.lock = OutputLock(self.out_dir, "training run").acquire()
             self.out_dir.mkdir(parents=True, exist_ok=True)
             ckpt_io.clean_temporary(self.ckpt_root)
-        par.barrier(st)
+        par.barrier(state)
         existing = ckpt_io.any_checkpoint_dir(self.ckpt_root)
+        resume_from = None
         if resume:
             resume_from = self._resume_checkpoint()
-            if resume_from is None and st.is_main and existing is None:
+            if resume_from is None and state.is_main and existing is None:
                 print(
                     f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True
                 )
@@ -205,59 +188,63 @@ class Trainer:
         if resume_from is not None:
             saved = TrainConfig.load(resume_from / "train_config.json")
             for section in ("model", "data", "parallel"):
-                if getattr(saved, section) != getattr(config, section):
+                if getattr(saved, section) != getattr(self.config, section):
                     raise MoELabError(
                         f"resume from {resume_from}: the `{section}` section differs from the run "
                         f"that wrote it; resume with its train_config.json (--set may change "
                         f"steps, optim, log, eval and checkpoint settings)"
                     )
+        return resume_from
 
-        # data first: the tokenizer fixes the vocabulary
+    def _open_data(self) -> None:
+        """The training and validation blocks; the data's tokenizer fixes the model's vocabulary."""
+        config, state = self.config, self.state
         model_vocab = config.model.build_config().vocab_size
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
-            config.data, self.out_dir, model_vocab, st.is_main, lambda: par.barrier(st)
+            config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state)
         )
         self.model_config = config.model.build_config(vocab_size=vocab)
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
 
-        from moe_core.model import MoEForCausalLM
-
+    def _build_model(self) -> None:
+        """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
+        data-parallel-wrapped as configured: what the training forward runs)."""
+        config, state = self.config, self.state
         seed_everything(config.seed)  # the same initial weights on every rank
         model = MoEForCausalLM(self.model_config)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         global_batch = config.balance_scope == "global_batch"
         if global_batch:  # f_e over every micro-batch of the step and every rank (`GlobalBatchBalance`)
-            model.load_balance = GlobalBatchBalance(torch.distributed.group.WORLD if st.distributed else None)
-        model = par.apply_expert_parallel(model, st, config.parallel.global_aux_loss and not global_batch)
-        self.model = model.to(st.device)  # the plain module: state dicts, routers, eval
+            model.load_balance = GlobalBatchBalance(
+                torch.distributed.group.WORLD if state.distributed else None
+            )
+        model = par.apply_expert_parallel(model, state, config.parallel.global_aux_loss and not global_batch)
+        self.model = model.to(state.device)
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
-        self.forward_model = par.wrap_data_parallel(self.forward_model, st, config.parallel.dp_mode)
-        fsdp = st.distributed and config.parallel.dp_mode == "fsdp2"
-        self.optimizer = build_optimizer(self.model, config, st.device, allow_fused=not fsdp)
+        self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
+
+    def _build_optimization(self) -> None:
+        """Optimizer, LR schedule, fp16 loss scaler and the order of the training batches."""
+        config, state = self.config, self.state
+        fsdp = state.distributed and config.parallel.dp_mode == "fsdp2"
+        self.optimizer = build_optimizer(self.model, config, state.device, allow_fused=not fsdp)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
         self.batches = GlobalBatches(len(self.train_data), config.batch_size, config.seed)
+
+    def _build_telemetry(self) -> None:
+        """Routing statistics per MoE layer and the FLOPs figures behind tokens/s, TFLOPs and MFU."""
+        config, state = self.config, self.state
         self.moe_layer_ids = self.model_config.moe_layer_ids
         self.routing = RoutingStats(len(self.moe_layer_ids), max(self.model_config.num_experts, 1))
         self.flops_per_token = flops_per_token(self.model_config, config.data.seq_len)
         self.peak_flops = config.log.peak_flops or (
-            peak_flops(torch.cuda.get_device_name(st.device)) if st.device.type == "cuda" else None
+            peak_flops(torch.cuda.get_device_name(state.device)) if state.device.type == "cuda" else None
         )
-
-        self.step = 0
-        self.tokens = 0
-        self.skipped_steps = 0
-        self.bad_in_row = 0
-        self.best: dict | None = None
-        self.last_checkpoint: Path | None = None
-        self.last_val_loss: float | None = None
-        self._stop_signal: str | None = None
-        if resume_from is not None:
-            self._load(resume_from)
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _resume_checkpoint(self) -> Path | None:
@@ -328,7 +315,7 @@ class Trainer:
         self.last_checkpoint = final
         return final
 
-    def _load(self, ckpt: Path) -> None:
+    def _load_checkpoint(self, ckpt: Path) -> None:
         st = self.state
         ckpt_io.load_model_state(self.model, ckpt, st.ep_rank, st.ep_size)
         rank_state = ckpt_io.load_rank_files(ckpt, st.rank)
@@ -367,19 +354,50 @@ class Trainer:
         )
 
     def train_step(self) -> dict[str, float]:
-        c, st = self.config, self.state
+        """One optimizer step (the module docstring lists its parts); returns its losses, grad norm, LR and
+        whether it was finite (a skipped step's values are not a loss of the model, see `LogInterval`)."""
+        config, state = self.config, self.state
         indices = self.batches.next_batch()
         if self.model.load_balance is not None:
             self.model.load_balance.reset()  # a new global batch
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, lm, aux, z: sums of micro-batch means
-        for m in range(c.grad_accum):
+        loss_sums = self._accumulate_gradients(indices)
+        par.sync_expert_grads(self.model, state)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = par.global_grad_norm(self.model, state).cpu()
+        mean_losses = par.all_reduce_(loss_sums / (config.grad_accum * state.world_size), state)
+        finite = bool(torch.isfinite(mean_losses).all() and torch.isfinite(grad_norm))
+        loads = self._router_loads()
+        if finite:
+            self._apply_update(grad_norm)
+        else:
+            self._skip_update(losses_finite=bool(torch.isfinite(mean_losses).all()))
+            loads = [None if load is None else torch.zeros_like(load) for load in loads]
+        self.model.update_router_biases(loads)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
+        self.tokens += config.batch_size * config.data.seq_len
+        losses = dict(zip(STEP_LOSSES, (value.item() for value in mean_losses), strict=True))
+        if self.bad_in_row > config.faults.max_bad_steps_in_a_row:
+            raise self._diverged_error(losses["loss"], grad_norm.item())
+        return {**losses, "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+
+    def _accumulate_gradients(self, indices: list[int]) -> torch.Tensor:
+        """Forward and backward over this rank's ``grad_accum`` micro-batches of the global batch ``indices``;
+        returns the sums of the micro-batch mean losses (float64, in `STEP_LOSSES` order) and collects the routing
+        statistics. Data-parallel gradients sync on the last micro-batch only."""
+        config, state = self.config, self.state
+        loss_sums = torch.zeros(len(STEP_LOSSES), dtype=torch.float64)
+        for micro in range(config.grad_accum):
             ids_BS = stack_blocks(
-                self.train_data, rank_slice(indices, m, st.rank, st.world_size, self.micro_batch)
+                self.train_data, rank_slice(indices, micro, state.rank, state.world_size, self.micro_batch)
             )
-            ids_BS = ids_BS.to(st.device, non_blocking=True)
+            ids_BS = ids_BS.to(state.device, non_blocking=True)
             sync = (
                 par.no_gradient_sync(self.forward_model, self.model)
-                if m < c.grad_accum - 1
+                if micro < config.grad_accum - 1
                 else contextlib.nullcontext()
             )
             with sync:
@@ -387,70 +405,53 @@ class Trainer:
                     out = self.forward_model(
                         input_ids=ids_BS, labels=ids_BS, output_routing=True, use_cache=False
                     )
-                loss = out.loss / c.grad_accum
+                loss = out.loss / config.grad_accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            parts = [out.loss, out.lm_loss, out.aux_loss, out.z_loss]
-            sums += torch.tensor(
+            parts = [out.loss, out.lm_loss, out.aux_loss, out.z_loss]  # STEP_LOSSES
+            loss_sums += torch.tensor(
                 [0.0 if p is None else p.detach().float().item() for p in parts], dtype=torch.float64
             )
             if out.routing:
                 self.routing.add(out.routing)
-        par.sync_expert_grads(self.model, st)
+        return loss_sums
+
+    def _apply_update(self, grad_norm: torch.Tensor) -> None:
+        """A finite step: clip to ``optim.grad_clip`` by the global norm, then the optimizer (or scaler) step."""
+        grad_clip = self.config.optim.grad_clip
+        if grad_clip is not None and grad_norm > grad_clip:
+            scale = grad_clip / (grad_norm.item() + 1e-6)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = par.global_grad_norm(self.model, st).cpu()
-        losses = par.all_reduce_(sums / (c.grad_accum * st.world_size), st)
-        finite = bool(torch.isfinite(losses).all() and torch.isfinite(grad_norm))
-        loads = self._router_loads()
-        if finite:
-            if c.optim.grad_clip is not None and grad_norm > c.optim.grad_clip:
-                scale = c.optim.grad_clip / (grad_norm.item() + 1e-6)
-                for param in self.model.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(scale)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.bad_in_row = 0
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         else:
-            self.skipped_steps += 1
-            if (
-                self.scaler is not None and torch.isfinite(losses).all()
-            ):  # fp16 overflow: the scaler backs off
-                self.scaler.update(self.scaler.get_scale() / 2)
-            else:
-                self.bad_in_row += 1
-            loads = [None if load is None else torch.zeros_like(load) for load in loads]
-        self.model.update_router_biases(loads)
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        self.step += 1
-        self.tokens += c.batch_size * c.data.seq_len
-        if self.bad_in_row > c.faults.max_bad_steps_in_a_row:
-            good = self._last_good_checkpoint()
-            raise TrainingDivergedError(
-                f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
-                f"(last loss {losses[0].item()}, grad norm {grad_norm.item()}); stopped without checkpointing. "
-                f"Lower optim.lr, keep optim.grad_clip on, try precision=fp32, or "
-                + (
-                    f"resume from {good} (the last checkpoint whose weights still gave a finite step) with a fix: "
-                    f"move the newer checkpoints away and pass --resume"
-                    if good is not None
-                    else "start again with a fix (no checkpoint before the divergence gave a finite step)"
-                )
+            self.optimizer.step()
+        self.bad_in_row = 0
+
+    def _skip_update(self, losses_finite: bool) -> None:
+        """A non-finite step: no update, counted. Under fp16 a finite loss with an overflowing gradient is the
+        loss scale's fault, so the scaler backs off instead of the step counting towards divergence."""
+        self.skipped_steps += 1
+        if self.scaler is not None and losses_finite:
+            self.scaler.update(self.scaler.get_scale() / 2)
+        else:
+            self.bad_in_row += 1
+
+    def _diverged_error(self, loss: float, grad_norm: float) -> TrainingDivergedError:
+        good = self._last_good_checkpoint()
+        return TrainingDivergedError(
+            f"step {self.step}: {self.bad_in_row} steps in a row had a non-finite loss or gradient "
+            f"(last loss {loss}, grad norm {grad_norm}); stopped without checkpointing. "
+            f"Lower optim.lr, keep optim.grad_clip on, try precision=fp32, or "
+            + (
+                f"resume from {good} (the last checkpoint whose weights still gave a finite step) with a fix: "
+                f"move the newer checkpoints away and pass --resume"
+                if good is not None
+                else "start again with a fix (no checkpoint before the divergence gave a finite step)"
             )
-        return {
-            "loss": losses[0].item(),
-            "lm_loss": losses[1].item(),
-            "aux_loss": losses[2].item(),
-            "z_loss": losses[3].item(),
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            "finite": float(finite),
-        }
+        )
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint whose weights were followed by a finite step. The current streak of
@@ -468,40 +469,47 @@ class Trainer:
         if present and self.state.distributed:
             stacked = torch.stack([load.float() for load in present])
             par.all_reduce_(stacked, self.state)
-            it = iter(stacked)
-            loads = [None if load is None else next(it).to(load) for load in loads]
+            reduced = iter(stacked)
+            loads = [None if load is None else next(reduced).to(load) for load in loads]
         return loads
 
     # ------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Mean LM loss (and perplexity) over the first ``eval.batches`` validation batches, every rank its slice;
+        {} without validation data. Runs the plain module in eval mode: no router state moves."""
         if self.val_data is None:
             return {}
-        c, st = self.config, self.state
-        bs = c.eval.batch_size or self.micro_batch
-        per_batch = bs * st.world_size
-        n_batches = min(c.eval.batches, len(self.val_data) // per_batch)
+        config, state = self.config, self.state
+        batch_size = config.eval.batch_size or self.micro_batch
+        per_batch = batch_size * state.world_size  # sequences per evaluation batch, over every rank
+        n_batches = min(config.eval.batches, len(self.val_data) // per_batch)
         if n_batches == 0:
             return {}
         self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        loss_sum_and_batches = torch.zeros(2, dtype=torch.float64)  # all-reduced together
         try:
-            for b in range(n_batches):
-                indices = list(range(b * per_batch, (b + 1) * per_batch))
-                ids_BS = stack_blocks(self.val_data, rank_slice(indices, 0, st.rank, st.world_size, bs)).to(
-                    st.device
-                )
+            for batch in range(n_batches):
+                indices = list(range(batch * per_batch, (batch + 1) * per_batch))
+                ids_BS = stack_blocks(
+                    self.val_data, rank_slice(indices, 0, state.rank, state.world_size, batch_size)
+                ).to(state.device)
                 with self._autocast():
                     out = self.model(input_ids=ids_BS, labels=ids_BS, use_cache=False)
-                total += torch.tensor([out.lm_loss.float().item(), 1.0], dtype=torch.float64)
+                loss_sum_and_batches += torch.tensor([out.lm_loss.float().item(), 1.0], dtype=torch.float64)
         finally:
             self.model.train()
-        par.all_reduce_(total, st)
-        val_loss = (total[0] / total[1]).item()
+        par.all_reduce_(loss_sum_and_batches, state)
+        loss_sum, batches = loss_sum_and_batches
+        val_loss = (loss_sum / batches).item()
         self.last_val_loss = val_loss
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
-    # ------------------------------------------------------------------------------------ the run
+    def _evaluate_if_due(self, last_step: bool) -> dict[str, float]:
+        every = self.config.eval.every
+        return self.evaluate() if (every and self.step % every == 0) or last_step else {}
+
+    # ------------------------------------------------------------------------------------ logging
     def _open_sinks(self) -> None:
         if not self.state.is_main:
             return
@@ -521,119 +529,137 @@ class Trainer:
             self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
         self.sinks.extend(self.extra_sinks)
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _on_step(self) -> None:
+        for sink in self.sinks:  # the progress bar moves every step, not only at logging steps
+            if hasattr(sink, "on_step"):
+                sink.on_step(self.step)
+
+    def _publish(self, metrics: dict[str, float], history: list[dict]) -> None:
+        """Rank 0: routing alerts and the load log (`RoutingMonitor`), then every sink and the history."""
+        metrics.update(self.monitor.observe(self.step, metrics))  # alerts, biases, load log
         for sink in self.sinks:
             sink.log(self.step, metrics)
+        history.append({"step": self.step, **metrics})
 
+    def _interval_metrics(self, interval: LogInterval, lr: float) -> dict[str, float]:
+        """The logged row for the steps since the last one (collective: every rank calls it)."""
+        out = interval.means()
+        if out and not self.moe_layer_ids:
+            del out["aux_loss"], out["z_loss"]
+        out["lr"] = lr
+        out.update(self._throughput_metrics(interval))
+        out["skipped_steps"] = float(self.skipped_steps)
+        out.update(par.comm_metrics(self.model, self.state, interval.steps, interval.seconds))
+        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":  # under torchrun's elastic agent
+            out["elastic/restarts"] = float(restart_count())
+        if self.moe_layer_ids:
+            if self.state.distributed:
+                par.all_reduce_(self.routing.sums_LX, self.state)
+            out.update(self.routing.metrics(self.moe_layer_ids, self.config.log.per_expert))
+            self.routing.reset()
+        return out
+
+    def _throughput_metrics(self, interval: LogInterval) -> dict[str, float]:
+        """Tokens/s, step time, tokens seen, and FLOPs per token, achieved TFLOPs per device and MFU
+        (`flops.flops_per_token`; MFU where the device's peak is known or ``log.peak_flops`` is set)."""
+        config = self.config
+        tokens = interval.steps * config.batch_size * config.data.seq_len
+        seconds = max(interval.seconds, 1e-9)
+        achieved = self.flops_per_token * tokens / seconds / self.state.world_size  # per device
+        out = {
+            "tokens_per_s": tokens / seconds,
+            "step_time_s": seconds / max(interval.steps, 1),
+            "tokens": float(self.tokens),
+            "flops_per_token": self.flops_per_token,
+            "tflops_per_device": achieved / 1e12,
+        }
+        if self.peak_flops:
+            out["mfu"] = achieved / self.peak_flops
+        return out
+
+    # ------------------------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signal.Signals(signum).name
 
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM (collective: every rank stops at the same step)."""
+        flag = torch.tensor([1.0 if self._stop_signal else 0.0])
+        if self.state.distributed:
+            par.all_reduce_(flag, self.state, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _timed_train_step(self) -> tuple[dict[str, float], float]:
+        """`train_step` and its wall time (the device synchronized), an OOM turned into `OutOfMemoryError`."""
+        started = time.perf_counter()
+        try:
+            stats = self.train_step()
+        except torch.cuda.OutOfMemoryError:
+            raise self._oom_error() from None
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize(self.state.device)
+        return stats, time.perf_counter() - started
+
     def run(self) -> TrainResult:
-        c, st = self.config, self.state
+        """Train to ``config.steps``: log every ``log.every`` steps (and at each evaluation), checkpoint every
+        ``checkpoint.every`` steps, at the end and on SIGTERM, then export ``<out>/final``."""
+        config = self.config
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self._open_sinks()
         history: list[dict] = []
-        previous = None
+        previous_handler = None
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_signal)
+            previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
         self.model.train()
-        interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
-        last_loss = None
-        checkpoint_due = False
+        interval = LogInterval()
+        last_loss = None  # the mean training loss of the last logged interval
+        checkpoint_due = False  # a checkpoint fell due and waits for a finite step
         try:
-            while self.step < c.steps:
-                t0 = time.perf_counter()
-                try:
-                    stats = self.train_step()
-                except torch.cuda.OutOfMemoryError:
-                    raise self._oom_error() from None
-                if st.device.type == "cuda":
-                    torch.cuda.synchronize(st.device)
-                interval["time"] += time.perf_counter() - t0
-                if stats["finite"]:
-                    interval["sums"] += [
-                        stats[k] for k in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
-                    ] + [1]
-                interval["steps"] += 1
-                for sink in self.sinks:  # the progress bar moves every step, not only at logging steps
-                    if hasattr(sink, "on_step"):
-                        sink.on_step(self.step)
-                last_step = self.step == c.steps
-                metrics: dict[str, float] = {}
-                if c.eval.every and self.step % c.eval.every == 0 or last_step:
-                    metrics.update(self.evaluate())
-                if self.step % c.log.every == 0 or last_step or metrics:
-                    metrics.update(self._interval_metrics(interval, stats))
+            while self.step < config.steps:
+                stats, seconds = self._timed_train_step()
+                interval.add(stats, seconds)
+                self._on_step()
+                last_step = self.step == config.steps
+                metrics = self._evaluate_if_due(last_step)
+                if self.step % config.log.every == 0 or last_step or metrics:
+                    metrics.update(self._interval_metrics(interval, stats["lr"]))
                     last_loss = metrics.get("loss", last_loss)
-                    if st.is_main:
-                        metrics.update(self.monitor.observe(self.step, metrics))  # alerts, biases, load log
-                        self._log(metrics)
-                        history.append({"step": self.step, **metrics})
-                    interval = {"sums": np.zeros(6), "steps": 0, "time": 0.0}
+                    if self.state.is_main:
+                        self._publish(metrics, history)
+                    interval = LogInterval()
                 stop = self._stop_requested()
-                checkpoint_due = checkpoint_due or self.step % c.checkpoint.every == 0 or last_step or stop
+                checkpoint_due = (
+                    checkpoint_due or self.step % config.checkpoint.every == 0 or last_step or stop
+                )
                 if (
                     checkpoint_due and stats["finite"]
                 ):  # never right after a skipped step: see _last_good_checkpoint
                     self.save_checkpoint()
                     checkpoint_due = False
                 if stop:
-                    if st.is_main:
-                        saved = (
-                            "saved" if not checkpoint_due else "kept (the last step was skipped, not saved)"
-                        )
-                        print(
-                            f"moe-lab train: {self._stop_signal or 'SIGTERM'} at step {self.step}: checkpoint "
-                            f"{self.last_checkpoint} {saved}; continue with --resume",
-                            flush=True,
-                        )
+                    self._announce_stop(checkpoint_saved=not checkpoint_due)
                     return self._result(last_loss, history, stopped_by=self._stop_signal or "SIGTERM")
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        export_dir = None
-        if c.checkpoint.export and st.is_main and self.last_checkpoint is not None:
-            tokenizer = self.data_dir / "tokenizer" if self.data_dir else None
-            export_dir = ckpt_io.export_checkpoint(self.last_checkpoint, self.out_dir / "final", tokenizer)
-        par.barrier(st)
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        export_dir = self._export_final()
+        par.barrier(self.state)
         return self._result(last_loss, history, export_dir=export_dir)
 
-    def _stop_requested(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop_signal else 0.0])
-        if self.state.distributed:
-            par.all_reduce_(flag, self.state, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+    def _announce_stop(self, checkpoint_saved: bool) -> None:
+        if self.state.is_main:
+            saved = "saved" if checkpoint_saved else "kept (the last step was skipped, not saved)"
+            print(
+                f"moe-lab train: {self._stop_signal or 'SIGTERM'} at step {self.step}: checkpoint "
+                f"{self.last_checkpoint} {saved}; continue with --resume",
+                flush=True,
+            )
 
-    def _interval_metrics(self, interval: dict, stats: dict[str, float]) -> dict[str, float]:
-        c, st = self.config, self.state
-        sums, n_ok = interval["sums"], interval["sums"][5]
-        out: dict[str, float] = {}
-        if n_ok:
-            for i, key in enumerate(("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")):
-                out[key] = float(sums[i] / n_ok)
-            if not self.moe_layer_ids:
-                del out["aux_loss"], out["z_loss"]
-        out["lr"] = stats["lr"]
-        tokens = interval["steps"] * c.batch_size * c.data.seq_len
-        seconds = max(interval["time"], 1e-9)
-        out["tokens_per_s"] = tokens / seconds
-        out["step_time_s"] = seconds / max(interval["steps"], 1)
-        out["tokens"] = float(self.tokens)
-        out["flops_per_token"] = self.flops_per_token
-        achieved = self.flops_per_token * tokens / seconds / st.world_size  # per device
-        out["tflops_per_device"] = achieved / 1e12
-        if self.peak_flops:
-            out["mfu"] = achieved / self.peak_flops
-        out["skipped_steps"] = float(self.skipped_steps)
-        out.update(par.comm_metrics(self.model, st, interval["steps"], interval["time"]))
-        if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":  # under torchrun's elastic agent
-            out["elastic/restarts"] = float(restart_count())
-        if self.moe_layer_ids:
-            if st.distributed:
-                par.all_reduce_(self.routing.sums_LX, st)
-            out.update(self.routing.metrics(self.moe_layer_ids, c.log.per_expert))
-            self.routing.reset()
-        return out
+    def _export_final(self) -> Path | None:
+        """Rank 0: the last checkpoint as a Hugging Face model in ``<out>/final`` (``checkpoint.export``)."""
+        if not (self.config.checkpoint.export and self.state.is_main and self.last_checkpoint is not None):
+            return None
+        tokenizer = self.data_dir / "tokenizer" if self.data_dir else None
+        return ckpt_io.export_checkpoint(self.last_checkpoint, self.out_dir / "final", tokenizer)
 
     def _result(self, loss, history, export_dir=None, stopped_by=None) -> TrainResult:
         return TrainResult(

@@ -1,0 +1,62 @@
+"""The optimizer and the learning-rate schedule of a pretraining run (`Trainer` builds both from `TrainConfig`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_core.train import parallel as par
+from moe_core.train.config import TrainConfig, TrainConfigError
+
+
+def lr_lambda(config: TrainConfig):
+    """Multiplier of the peak LR at each step: linear warmup, then cosine to ``min_lr_ratio`` or WSD
+    (warmup-stable-decay, Hu et al. 2024 "MiniCPM": constant, then linear decay over the last fraction)."""
+    optim, total = config.optim, config.steps
+
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        if optim.schedule == "wsd":
+            decay_steps = max(1, round(optim.decay_fraction * total))
+            decay_start = total - decay_steps
+            if step < decay_start:
+                return 1.0
+            progress = min(1.0, (step - decay_start + 1) / decay_steps)
+            return 1.0 - (1.0 - optim.min_lr_ratio) * progress
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, total - optim.warmup_steps))
+        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device, allow_fused: bool = True
+) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
+    FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
+    cannot mix them."""
+    buckets: dict[tuple[bool, bool], list] = {}  # (decayed, sharded) -> parameters
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            buckets.setdefault((param.ndim >= 2, par.is_sharded(param)), []).append(param)
+    groups = [
+        {"params": params, "weight_decay": config.optim.weight_decay if decayed else 0.0}
+        for (decayed, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+    ]
+    kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
+    if config.optim.fused is False or (
+        config.optim.fused is None and not allow_fused
+    ):  # FSDP2: DTensor params
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, ValueError) as err:
+        if config.optim.fused:
+            raise TrainConfigError(
+                f"optim.fused=true: no fused AdamW for {device.type} here ({err}); set optim.fused=null"
+            ) from None
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
