@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "moe_core.finetune.cli",
         "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
     ),
-    "eval": ("moe_core.analytics.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
+    "eval": ("moe_core.eval.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
     "analyze": ("moe_core.analytics.cli", "router profile, pictures and cost report"),
     "generate": ("moe_core.inference.cli", "generate text from a model, streamed"),
     "export": ("moe_core.inference.cli", "export a model for deployment (ONNX, GGUF)"),
