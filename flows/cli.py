@@ -126,7 +126,7 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
     from pydantic import ValidationError
 
     from flows.params import FlowParamsError, small_train_config, tiny_train_config
-    from moe_core.configfile import describe_errors
+    from moe_core.configfile import apply_override, describe_errors
 
     module, _, cls_name = FLOWS[flow][2].partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
@@ -135,8 +135,9 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
         data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(
             mode="json"
         )
+    hint = f"; see moe-lab run {flow} --help-config"
     for item in overrides:
-        _apply_override(data, item)
+        apply_override(data, item, cls, error_cls=FlowParamsError, hint=hint)
     try:
         return cls.model_validate(data)
     except ValidationError as err:
@@ -168,31 +169,6 @@ def _read_params_file(path: str) -> dict:
             f"--params {path}: expected a mapping of parameters at the top level, got {type(data).__name__}"
         )
     return data
-
-
-def _apply_override(data: dict, item: str) -> None:
-    """``a.b.c=value`` into ``data``: sections are created when absent, never written through a value."""
-    from flows.params import FlowParamsError
-    from moe_core.configfile import ValueSyntaxError, parse_value
-
-    key, sep, raw = item.partition("=")
-    parts = key.split(".")
-    if not sep or not all(parts):
-        raise FlowParamsError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.steps=100")
-    node = data
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            section = ".".join(parts[: depth + 1])
-            raise FlowParamsError(
-                f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
-                f"{key} cannot be set; set {section}=VALUE instead"
-            )
-        node = child
-    try:
-        node[parts[-1]] = parse_value(raw)
-    except ValueSyntaxError as err:
-        raise FlowParamsError(f"--set {item!r}: {err}") from None
 
 
 def run_flow(args, params=None) -> int:
