@@ -1,16 +1,16 @@
-"""`moe-lab run | ui | sync | deploy | serve`: the orchestration commands.
+"""`moe-lab run | ui | sync`: the orchestration commands over the flows.
 
     moe-lab run lifecycle                          # the whole lifecycle, small preset: ~2.5 min on 2 idle CPU cores
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
+    moe-lab run lifecycle --dashboard              # the live dashboard beside the flow
     moe-lab ui                                     # MLflow UI on 127.0.0.1:5000 (--prefect: Prefect's UI)
     moe-lab sync .moe_lab/runs/<flow run>          # upload what was kept while MLflow was unreachable
-    moe-lab deploy                                 # register the deployments with a Prefect server
-    moe-lab serve                                  # serve them from this process (nightly + on demand)
 
 With nothing configured, Prefect runs an ephemeral server with PREFECT_HOME under the project data
 directory ($MOE_LAB_HOME or ./.moe_lab) and MLflow records into SQLite there; PREFECT_API_URL and
-MLFLOW_TRACKING_URI point the same commands at real servers.
+MLFLOW_TRACKING_URI point the same commands at real servers. ``moe-lab deploy | serve`` live in
+`deployments.cli`; ``run --dashboard`` is added by the program above the flows (`moe_lab.run`).
 """
 
 from __future__ import annotations
@@ -61,11 +61,6 @@ def add_cli(subparsers) -> None:
         "(all parameters: moe-lab run FLOW --help-config)",
     )
     add_config_help(run, _params_class)
-    run.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL",
-    )
     run.set_defaults(func=run_flow)
 
     ui = subparsers.add_parser(
@@ -95,26 +90,6 @@ def add_cli(subparsers) -> None:
         "--all", action="store_true", help="upload every event, not only those after the outage"
     )
     sync.set_defaults(func=run_sync)
-
-    deploy = subparsers.add_parser(
-        "deploy",
-        help="register the nightly and on-demand deployments with Prefect",
-        description="Register the nightly retraining and the on-demand deployments "
-        "with the Prefect server at PREFECT_API_URL, on a process work "
-        "pool; a worker (prefect worker start --pool POOL) runs them. "
-        "See deployments/README.md.",
-    )
-    deploy.add_argument("--work-pool", default=None, help="process work pool (default: moe-lab-process)")
-    deploy.set_defaults(func=run_deploy)
-
-    serve = subparsers.add_parser(
-        "serve",
-        help="serve the deployments from this process (schedules run here)",
-        description="Serve the nightly and on-demand deployments from this process: "
-        "no work pool or worker needed; scheduled and triggered runs "
-        "execute here until Ctrl-C. See deployments/README.md.",
-    )
-    serve.set_defaults(func=run_serve)
 
 
 def _params_class(namespace):
@@ -151,7 +126,7 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
     from pydantic import ValidationError
 
     from flows.params import FlowParamsError, small_train_config, tiny_train_config
-    from moe_core.configfile import describe_errors
+    from moe_core.configfile import apply_override, describe_errors
 
     module, _, cls_name = FLOWS[flow][2].partition(":")
     cls = getattr(importlib.import_module(module), cls_name)
@@ -160,8 +135,9 @@ def build_params(flow: str, params_file: str | None, size: str, overrides: list[
         data["train"] = (small_train_config() if size == "small" else tiny_train_config()).model_dump(
             mode="json"
         )
+    hint = f"; see moe-lab run {flow} --help-config"
     for item in overrides:
-        _apply_override(data, item)
+        apply_override(data, item, cls, error_cls=FlowParamsError, hint=hint)
     try:
         return cls.model_validate(data)
     except ValidationError as err:
@@ -195,51 +171,15 @@ def _read_params_file(path: str) -> dict:
     return data
 
 
-def _apply_override(data: dict, item: str) -> None:
-    """``a.b.c=value`` into ``data``: sections are created when absent, never written through a value."""
-    from flows.params import FlowParamsError
-    from moe_core.configfile import ValueSyntaxError, parse_value
-
-    key, sep, raw = item.partition("=")
-    parts = key.split(".")
-    if not sep or not all(parts):
-        raise FlowParamsError(f"--set {item!r}: expected key=value with a dotted key, e.g. train.steps=100")
-    node = data
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            section = ".".join(parts[: depth + 1])
-            raise FlowParamsError(
-                f"--set {item!r}: {section} is a value ({child!r}), not a section, so "
-                f"{key} cannot be set; set {section}=VALUE instead"
-            )
-        node = child
-    try:
-        node[parts[-1]] = parse_value(raw)
-    except ValueSyntaxError as err:
-        raise FlowParamsError(f"--set {item!r}: {err}") from None
-
-
-def run_flow(args) -> int:
+def run_flow(args, params=None) -> int:
+    """Run the flow; ``params``: `build_params` from the arguments when the caller already has them."""
     settings = _settings()
     import importlib
 
-    params = build_params(args.flow, args.params, args.size, args.overrides)
+    params = params or build_params(args.flow, args.params, args.size, args.overrides)
     module, name, _ = FLOWS[args.flow]
     flow = getattr(importlib.import_module(module), name)
-    dashboard = None
-    if args.dashboard:
-        from dashboard.cli import start_beside
-        from flows.common import DASHBOARD_URL_ENV
-
-        dashboard, url = start_beside([settings.runs_dir()])
-        os.environ[DASHBOARD_URL_ENV] = url
-        print(f"moe-lab run {args.flow}: live dashboard {url}", flush=True)
-    try:
-        result = flow(params)
-    finally:
-        if dashboard is not None:
-            dashboard.terminate()
+    result = flow(params)
     _print_where_to_look(args.flow, result, settings.describe())
     return 0
 
@@ -317,22 +257,4 @@ def run_sync(args) -> int:
     from tasks.sync import sync
 
     print(json.dumps(sync(args.run_dir, args.run_id, everything=args.all), indent=1))
-    return 0
-
-
-def run_deploy(args) -> int:
-    _settings()
-    from deployments.deploy import deploy
-
-    for name in deploy(args.work_pool):
-        print(f"deployment {name}")
-    print("start a worker: prefect worker start --pool moe-lab-process", file=sys.stderr)
-    return 0
-
-
-def run_serve(args) -> int:
-    _settings()
-    from deployments.deploy import serve
-
-    serve()
     return 0

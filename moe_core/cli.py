@@ -1,7 +1,12 @@
-"""`moe-lab`: the command line. The dispatcher knows every command's name and one-line help (COMMANDS) and
-imports only the module of the command that was asked for, so ``moe-lab --help`` and argument errors answer
-in well under a second; each module adds its commands through an ``add_cli(subparsers)`` function and imports
-torch, transformers, Prefect or MLflow inside its handlers."""
+"""The library's commands and the argparse helpers every ``moe-lab`` command shares.
+
+``python -m moe_core COMMAND`` runs the library's commands (data, train, finetune, eval, analyze, generate,
+export, quantize, prune, convert) with no Prefect, MLflow or dashboard import; the ``moe-lab`` program
+(`moe_lab.cli`, above the flows) runs the same commands plus the orchestration ones (run, ui, sync, deploy,
+serve, dashboard). Both dispatch the same way (`make_parser`, `run_command`): a table names every
+command and its one-line help, and only the module of the command that was asked for is imported, so
+``--help`` and argument errors answer in well under a second; each module adds its commands through an
+``add_cli(subparsers)`` function and imports torch, transformers, Prefect or MLflow inside its handlers."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 from moe_core.errors import MoELabError, did_you_mean
 
-# command -> (module whose add_cli(subparsers) adds it, one-line help shown by `moe-lab --help`)
+# command -> (module whose add_cli(subparsers) adds it, one-line help shown by `--help`)
 COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("moe_core.data.cli", "validate and prepare training data (tokenizer + packed shards)"),
     "train": ("moe_core.train.cli", "pretrain a model (MoE or dense baseline), one process or many"),
@@ -20,22 +26,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "moe_core.finetune.cli",
         "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
     ),
-    "eval": ("moe_core.analytics.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
+    "eval": ("moe_core.eval.cli", "loss/perplexity per split, comparison table, generations, lm-eval"),
     "analyze": ("moe_core.analytics.cli", "router profile, pictures and cost report"),
     "generate": ("moe_core.inference.cli", "generate text from a model, streamed"),
     "export": ("moe_core.inference.cli", "export a model for deployment (ONNX, GGUF)"),
     "quantize": ("moe_core.inference.cli", "int8/int4 weight-only experts, or ONNX Runtime dynamic int8"),
     "prune": ("moe_core.inference.cli", "drop (or merge) low-ranked experts: routed slots or REAP saliency"),
     "convert": ("moe_core.convert_cli", "exact conversion to and from Hugging Face MoE checkpoints"),
-    "run": (
-        "flows.cli",
-        "run a Prefect flow (lifecycle, pretrain, validate-data, evaluate, optimize, finetune)",
-    ),
-    "ui": ("flows.cli", "open the MLflow UI (or Prefect's) on 127.0.0.1"),
-    "sync": ("flows.cli", "upload what a flow or training run kept while MLflow was unreachable"),
-    "deploy": ("flows.cli", "register the nightly and on-demand deployments with a Prefect server"),
-    "serve": ("flows.cli", "serve the deployments from this process (schedules run here)"),
-    "dashboard": ("dashboard.cli", "live web dashboard: training, routing, compare, inference"),
 }
 
 
@@ -133,8 +130,6 @@ def add_config_help(parser: argparse.ArgumentParser, config_class) -> None:
 
 def allow_router_modules(modules: list[str]) -> None:
     """Import the modules and pass them on to subprocesses (torchrun workers, flows) through the environment."""
-    import os
-
     from moe_core.routing import ROUTER_MODULES_ENV, allow_router_module  # torch: only when asked for
 
     for module in modules:
@@ -146,43 +141,56 @@ def allow_router_modules(modules: list[str]) -> None:
     os.environ[ROUTER_MODULES_ENV] = ",".join(dict.fromkeys(known + list(modules)))
 
 
-def build_parser(command: str | None = None, *, listing_only: bool = False) -> argparse.ArgumentParser:
-    """The parser with ``command`` (only its module imported), or with every command (all modules imported:
-    for programs and tests), or with ``listing_only`` the top-level one that lists every command from
-    COMMANDS without importing any (what ``moe-lab --help`` uses)."""
+PROGRAM = "Open MoE Trainer Lab: train, analyze, optimize and ship Mixture-of-Experts language models."
+
+
+def make_parser(
+    commands: dict[str, tuple[str, str]],
+    command: str | None = None,
+    *,
+    listing_only: bool = False,
+    description: str = PROGRAM,
+) -> argparse.ArgumentParser:
+    """The parser with ``command`` (only its module imported), or with every command of ``commands`` (all
+    modules imported: for programs and tests), or with ``listing_only`` the top-level one that lists every
+    command without importing any (what ``--help`` uses)."""
     parser = Parser(
         prog="moe-lab",
-        description="Open MoE Trainer Lab: train, analyze, optimize and ship "
-        "Mixture-of-Experts language models.",
+        description=description,
         epilog="`moe-lab COMMAND --help` shows a command's options and examples.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     if listing_only:
-        for name, (_, help_line) in COMMANDS.items():
+        for name, (_, help_line) in commands.items():
             sub.add_parser(name, help=help_line, add_help=False)
         return parser
     modules = (
-        [COMMANDS[command][0]]
-        if command in COMMANDS
-        else list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+        [commands[command][0]]
+        if command in commands
+        else list(dict.fromkeys(m for m, _ in commands.values()))
     )
     for module in modules:
         importlib.import_module(module).add_cli(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns its exit status (argparse's usage errors and --help too, so a caller in
-    Python, a notebook or a test gets a number rather than SystemExit)."""
+def run_command(
+    argv: list[str] | None,
+    commands: dict[str, tuple[str, str]],
+    build_parser: Callable[..., argparse.ArgumentParser],
+) -> int:
+    """Parse ``argv`` against ``commands`` and run the command; returns its exit status (argparse's usage
+    errors and --help too, so a caller in Python, a notebook or a test gets a number rather than
+    SystemExit). A `MoELabError` (bad input) prints one line and exits 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
-        if command not in COMMANDS:
+        if command not in commands:
             parser = build_parser(listing_only=True)
             if command is not None:
                 parser.error(
-                    f"unknown command {command!r}{did_you_mean(command, COMMANDS)} "
-                    f"(choose from {', '.join(COMMANDS)})"
+                    f"unknown command {command!r}{did_you_mean(command, commands)} "
+                    f"(choose from {', '.join(commands)})"
                 )
             parser.parse_args(argv)  # --help, or the usage error for a missing command
         args = build_parser(command).parse_args(argv)
@@ -204,6 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and not out_existed:
             _remove_if_empty(out)
     return code
+
+
+def build_parser(command: str | None = None, *, listing_only: bool = False) -> argparse.ArgumentParser:
+    """`make_parser` over the library's commands."""
+    return make_parser(
+        COMMANDS,
+        command,
+        listing_only=listing_only,
+        description=f"{PROGRAM} The library's commands (python -m moe_core); the moe-lab program adds "
+        "the orchestration ones: run, ui, sync, deploy, serve, dashboard.",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_core``: run one of the library's commands (no orchestration); returns its status."""
+    return run_command(argv, COMMANDS, build_parser)
 
 
 def _remove_if_empty(path) -> None:

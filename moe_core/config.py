@@ -304,7 +304,9 @@ def get_config(preset: str, **overrides: Any) -> MoEConfig:
     return MoEConfig(**kwargs)
 
 
-def _ffn_params(config: MoEConfig, width: int) -> int:
+def ffn_params(config: MoEConfig, width: int) -> int:
+    """Weights of one FFN (a dense layer's, an expert's) of hidden width ``width``: gate, up and down
+    matrices for SwiGLU, up and down otherwise. The one count `parameter_counts` and `moe_core.flops` use."""
     matrices = 3 if config.ffn_activation == "swiglu" else 2
     return matrices * config.hidden_size * width
 
@@ -342,13 +344,13 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
         total += attn + norms
         active += attn + norms
         if config.is_moe_layer(i):
-            expert = _ffn_params(config, config.expert_intermediate_size)
-            shared = config.num_shared_experts * _ffn_params(config, config.shared_expert_intermediate_size)
+            expert = ffn_params(config, config.expert_intermediate_size)
+            shared = config.num_shared_experts * ffn_params(config, config.shared_expert_intermediate_size)
             shared += d if config.shared_expert_gate and config.num_shared_experts else 0
             total += config.num_experts * expert + shared + d * config.num_experts
             active += config.num_experts_per_tok * expert + shared + d * config.num_experts
         else:
-            total += _ffn_params(config, config.intermediate_size)
-            active += _ffn_params(config, config.intermediate_size)
+            total += ffn_params(config, config.intermediate_size)
+            active += ffn_params(config, config.intermediate_size)
     embed = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
     return {"total": total + embed + d, "active": active + embed + d, "embedding": embed}

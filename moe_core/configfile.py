@@ -5,17 +5,19 @@ A config is a pydantic model that also inherits `ConfigFile` and names its error
 
     class TrainConfig(BaseModel, ConfigFile):
         error_cls = TrainConfigError
-        free_form_keys = (("model", "overrides"),)   # dicts whose keys --set may create
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moe_core.errors import MoELabError, did_you_mean
 
@@ -41,6 +43,98 @@ def parse_value(raw: str) -> Any:
         except ValueError:
             return value
     return value
+
+
+def apply_override(
+    data: dict[str, Any], item: str, config_cls, *, error_cls=MoELabError, hint: str = ""
+) -> None:
+    """Set one ``--set key.sub=value`` into ``data``, the nested dict of a ``config_cls`` (a pydantic class).
+
+    The one ``--set`` parser: the library's configs (`ConfigFile.with_overrides`) and the flows' parameters
+    (``moe-lab run --set``) both use it. The key is walked through the class's fields, so a mistyped field
+    is refused here with its closest name, a section missing from ``data`` is created (pydantic fills its
+    defaults), and a value is never written through. Below a dict-typed field (``model.overrides``,
+    ``lora.expert_ids``) the keys are data, not fields: ``--set`` may create them and the config's own
+    validation checks them. The value is parsed as YAML (`parse_value`). Errors are ``error_cls`` and name
+    the item; ``hint`` ends an unknown-field one.
+    """
+    key, sep, raw = item.partition("=")
+    parts = key.split(".")
+    if not sep or not all(parts):
+        raise error_cls(
+            f"--set {item!r}: expected key=value with a dotted key, e.g. {_example_key(config_cls)}"
+        )
+    section, node = config_cls, data  # section: the class of ``node``; None below a dict-typed field
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if section is not None:
+            fields = _fields(section)
+            if part not in fields:
+                raise error_cls(f"--set {item!r}: unknown field {where!r}{did_you_mean(part, fields)}{hint}")
+            annotation = fields[part]
+            section = _section_class(annotation)
+            if section is None and not _is_dict(annotation):  # a value: keys under it would write through it
+                raise error_cls(_not_a_section(item, where, node.get(part), part in node))
+        child = node.get(part)
+        if child is None and (part not in node or section is None):
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise error_cls(_not_a_section(item, where, child, True))
+        node = child
+    leaf = parts[-1]
+    if section is not None and leaf not in (fields := _fields(section)):
+        raise error_cls(f"--set {item!r}: unknown field {key!r}{did_you_mean(leaf, fields)}{hint}")
+    try:
+        node[leaf] = parse_value(raw)
+    except ValueSyntaxError as err:
+        raise error_cls(f"--set {item!r}: {err}") from None
+
+
+def _not_a_section(item: str, where: str, value: Any, present: bool) -> str:
+    shown = f" ({value!r})" if present and not isinstance(value, dict) else ""
+    return (
+        f"--set {item!r}: {where} is a value{shown}, not a section, so {item.partition('=')[0]} cannot be "
+        f"set; set {where}=VALUE instead"
+    )
+
+
+def _fields(section) -> dict[str, Any]:
+    """Field name -> annotation of a pydantic class or a dataclass (``ValidationConfig``)."""
+    if issubclass(section, BaseModel):
+        return {name: field.annotation for name, field in section.model_fields.items()}
+    hints = typing.get_type_hints(section)
+    return {f.name: hints.get(f.name) for f in dataclasses.fields(section)}
+
+
+def _union_members(annotation) -> tuple:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _section_class(annotation):
+    """The class of a section field (``TrainConfig``, ``OptimizeParams | None``, a dataclass), else None."""
+    for candidate in _union_members(annotation):
+        if isinstance(candidate, type) and (
+            issubclass(candidate, BaseModel) or dataclasses.is_dataclass(candidate)
+        ):
+            return candidate
+    return None
+
+
+def _is_dict(annotation) -> bool:
+    """A dict-typed field (``dict[str, Any]``, ``list[int] | dict[int, list[int]] | None``): free-form keys."""
+    return any(c is dict or typing.get_origin(c) is dict for c in _union_members(annotation))
+
+
+def _example_key(config_cls) -> str:
+    """``model.preset=VALUE``: a leaf field of a config class, through its first sections (usage messages)."""
+    path, section = [], config_cls
+    while section is not None and (fields := _fields(section)):
+        name = next((n for n, a in fields.items() if _section_class(a)), next(iter(fields)))
+        path.append(name)
+        section = _section_class(fields[name])
+    return ".".join(path or ["field"]) + "=VALUE"
 
 
 def describe_errors(model_cls, err: ValidationError) -> str:
@@ -123,7 +217,6 @@ class ConfigFile:
     error_cls: ClassVar[type[MoELabError]] = MoELabError
     config_name: ClassVar[str] = "config"  # used in messages: "training config", "fine-tuning config"
     command: ClassVar[str] = ""  # the CLI command whose --help lists the fields
-    free_form_keys: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     @classmethod
     def build(cls, data: dict[str, Any], where: str | None = None):
@@ -147,28 +240,11 @@ class ConfigFile:
         return cls.build(data, where=str(path))
 
     def with_overrides(self, assignments: list[str]):
-        """Apply ``key.sub=value`` strings; an unknown key is refused with its name."""
+        """Apply ``key.sub=value`` strings (`apply_override`); an unknown key is refused with its name."""
         data = self.model_dump()
+        hint = f"; see `moe-lab {self.command} --help-config`" if self.command else ""
         for item in assignments:
-            key, sep, raw = item.partition("=")
-            if not sep or not key:
-                raise self.error_cls(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
-            *parents, leaf = key.split(".")
-            free_form = tuple(parents) in self.free_form_keys
-            node = data
-            for depth, part in enumerate(parents):
-                if not isinstance(node.get(part), dict):
-                    if tuple(parents[: depth + 1]) not in self.free_form_keys:
-                        raise self.error_cls(f"--set {item!r}: {key!r} is not a config field")
-                    node[part] = {}
-                node = node[part]
-            if leaf not in node and not free_form:
-                hint = f"; see `moe-lab {self.command} --help-config`" if self.command else ""
-                raise self.error_cls(f"--set {item!r}: unknown field {key!r}{did_you_mean(leaf, node)}{hint}")
-            try:
-                node[leaf] = parse_value(raw)
-            except ValueSyntaxError as err:
-                raise self.error_cls(f"--set {item!r}: {err}") from None
+            apply_override(data, item, type(self), error_cls=self.error_cls, hint=hint)
         return self.build(data, where="--set")
 
     def to_json(self) -> str:

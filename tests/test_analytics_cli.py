@@ -7,14 +7,17 @@ import json
 
 import pytest
 
-from moe_core.analytics.cli import add_cli
+from moe_core.analytics import cli as analytics_cli
 from moe_core.analytics.profile import RouterProfile
 from moe_core.data import prepare
+from moe_core.eval import cli as eval_cli
 
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moe-lab")
-    add_cli(parser.add_subparsers(dest="command", required=True))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    analytics_cli.add_cli(subparsers)
+    eval_cli.add_cli(subparsers)
     args = parser.parse_args(argv)
     return args.func(args)
 

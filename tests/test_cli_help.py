@@ -12,7 +12,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from moe_core import cli
+import pytest
+
+from moe_lab import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "pydantic", "prefect", "mlflow", "pandas")
@@ -21,7 +23,7 @@ HEAVY = ("torch", "transformers", "pydantic", "prefect", "mlflow", "pandas")
 def _moe_lab(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "moe_core.cli", *args],
+        [sys.executable, "-m", "moe_lab", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -35,7 +37,7 @@ def test_help_and_argument_errors_import_nothing_heavy():
     pydantic, Prefect nor MLflow (what made --help take 10 s); checked in one fresh interpreter."""
     script = textwrap.dedent(f"""
         import sys
-        from moe_core.cli import COMMANDS, main
+        from moe_lab.cli import COMMANDS, main
         calls = [["--help"], ["trian"]] + [[c, "--help"] for c in COMMANDS] + [[c, "--no-such-option"] for c in COMMANDS]
         codes = {{}}
         for argv in calls:
@@ -54,13 +56,15 @@ def test_help_and_argument_errors_import_nothing_heavy():
     assert line == f"RESULT [] [0, 2] {2 + 2 * len(cli.COMMANDS)}", line
 
 
-def test_command_table_matches_the_modules():
-    """COMMANDS (what --help lists without importing) names exactly the commands each module adds."""
-    modules = {module for module, _ in cli.COMMANDS.values()}
-    for module in modules:
+@pytest.mark.parametrize("table", ["moe_lab.cli", "moe_core.cli"])
+def test_command_table_matches_the_modules(table):
+    """COMMANDS (what --help lists without importing) names exactly the commands each module adds, in the
+    moe-lab program and in the library's own (python -m moe_core)."""
+    commands = importlib.import_module(table).COMMANDS
+    for module in {module for module, _ in commands.values()}:
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(module).add_cli(sub)
-        expected = sorted(name for name, (m, _) in cli.COMMANDS.items() if m == module)
+        expected = sorted(name for name, (m, _) in commands.items() if m == module)
         assert sorted(sub.choices) == expected, module
 
 
@@ -137,7 +141,7 @@ def test_missing_model_path_is_not_found_at_once(tmp_path):
     (tmp_path / "runs").mkdir()
     script = textwrap.dedent(f"""
         import contextlib, io, json
-        from moe_core.cli import main
+        from moe_lab.cli import main
         results = []
         for argv in {NOT_FOUND_CASES!r}:
             err = io.StringIO()

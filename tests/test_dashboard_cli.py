@@ -42,7 +42,7 @@ def test_train_with_dashboard_prints_its_url_and_stops_it(tmp_path):
         [
             sys.executable,
             "-m",
-            "moe_core.cli",
+            "moe_lab",
             "train",
             "--out",
             str(out),

@@ -65,7 +65,7 @@ def test_ci_workflow_triggers_the_deployment_or_runs_the_flow():
 
 def test_cli_has_the_orchestration_commands_and_builds_typed_params():
     from flows.cli import build_params
-    from moe_core.cli import build_parser
+    from moe_lab.cli import build_parser
 
     parser = build_parser()
     for argv in (["run", "lifecycle"], ["ui"], ["sync", "runs/x"], ["deploy"], ["serve"]):

@@ -58,7 +58,7 @@ def test_training_goes_on_when_mlflow_is_unreachable_and_sync_uploads_later(lab_
 def test_sync_command_creates_a_run_for_an_untracked_directory(lab_env, tmp_path):
     from mlflow import MlflowClient
 
-    from moe_core.cli import main
+    from moe_lab.cli import main
 
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 1, "time": 1.0, "loss": 3.5}\n{"step": 2, "time": 2.0, "loss": 3.0}\n'

@@ -271,7 +271,7 @@ def restored_environ():
 
 
 def test_bad_flow_parameters_are_clear_errors_with_exit_2(tmp_path, capsys, restored_environ):
-    from moe_core.cli import main
+    from moe_lab.cli import main
 
     bad_yaml = tmp_path / "params.yaml"
     bad_yaml.write_text("train: [1,\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_core.cli import main
+from moe_lab.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,7 @@
     print(cost_report(model.config, tokens_per_s=1.2e4, device="h100").to_markdown())
 
 Modules: `stats` (pure statistics checked by hand in tests), `token_classes` (token -> class),
-`profile` (collection and the versioned `RouterProfile`), `plots`, `cost`, `cli` (``moe-lab analyze``).
+`profile` (collection and the versioned `RouterProfile`), `plots`, `cost` (money; FLOPs from
+`moe_core.flops`), `cli` (``moe-lab analyze``).
 Nothing here imports Prefect or MLflow; matplotlib and plotly load inside the plotting functions.
 """

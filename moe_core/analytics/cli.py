@@ -1,67 +1,32 @@
-"""`moe-lab eval` and `moe-lab analyze`: thin argument parsing over `moe_core.eval` and `moe_core.analytics`.
+"""`moe-lab analyze`: thin argument parsing over `moe_core.analytics` (router profile, pictures, cost report).
 
-    moe-lab eval    --model runs/x --data runs/data [--compare dense=runs/dense] [--generate] [--tasks T]
     moe-lab analyze --model runs/x --data runs/data --out runs/x/analysis [--device-name h100]
 
-``--model`` is a model directory (``save_pretrained`` / an exported or step checkpoint) or a training output
-directory (its latest checkpoint is used); ``--preset NAME`` builds a randomly initialised model instead (a
-smoke test of the pipeline). Heavy imports happen inside the handlers. Output files only hold numbers,
-hashes, vocabulary entries and generations for the project's own prompts; nothing here prints training text.
+The model options are eval's (`moe_core.eval.cli.add_model_options`): ``--model`` is a model directory or a
+training output directory, ``--preset NAME`` a randomly initialised model. Heavy imports happen inside the
+handler. Output files only hold numbers, hashes and vocabulary entries; nothing here prints training text.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from moe_core.cli import add_router_module_option, preset_help
+from moe_core.cli import add_router_module_option
 from moe_core.errors import MoELabError
-from moe_core.paths import existing_path, require_local
+from moe_core.eval.cli import add_model_options, data_vocab, load_model, load_tokenizer_for, write_text
+from moe_core.paths import existing_path
 
 
 def add_cli(subparsers) -> None:
-    ev = subparsers.add_parser(
-        "eval",
-        help="loss/perplexity per split, comparison table, generations, lm-eval",
-        description="Evaluate a model: loss and perplexity on prepared splits, a table "
-        "against other models (dense baselines), generations, lm-eval tasks.",
-    )
-    _model_args(ev)
-    ev.add_argument(
-        "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
-    )
-    ev.add_argument(
-        "--splits", default="validation,test", help="comma-separated splits (default: %(default)s)"
-    )
-    ev.add_argument("--batch-size", type=int, default=8)
-    ev.add_argument("--max-batches", type=int, default=None, help="per split (default: all)")
-    ev.add_argument(
-        "--compare",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="another model to put in the table, e.g. dense=runs/dense-total (repeatable)",
-    )
-    ev.add_argument("--generate", action="store_true", help="greedy + sampled generations for the prompt set")
-    ev.add_argument("--max-new-tokens", type=int, default=48)
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs lm-eval)")
-    ev.add_argument("--include-path", default=None, help="directory of local lm-eval YAML tasks")
-    ev.add_argument("--limit", type=float, default=None, help="lm-eval examples per task")
-    ev.add_argument("--out", default=None, help="write eval.json, comparison.md, generations.jsonl here")
-    ev.set_defaults(func=run_eval)
-    add_router_module_option(ev)
-
     an = subparsers.add_parser(
         "analyze",
         help="router profile, pictures and cost report",
         description="Profile the router on an evaluation split (saved as a versioned "
         "profile), draw the pictures and write the cost report.",
     )
-    _model_args(an)
+    add_model_options(an)
     an.add_argument(
         "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
     )
@@ -100,157 +65,6 @@ def add_cli(subparsers) -> None:
     add_router_module_option(an)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument(
-        "--model", type=existing_path("model"), help="model directory, or a training output directory"
-    )
-    group.add_argument(
-        "--preset", help=preset_help("a config preset with random weights (pipeline smoke test)")
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        type=existing_path("tokenizer"),
-        help="tokenizer directory (default: the model directory's own, else the data's)",
-    )
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def resolve_model_dir(path: str | Path) -> Path:
-    """A directory with config.json, or the latest checkpoint under ``<path>/checkpoints``."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    if (path / "final" / "config.json").is_file():  # a training output directory: its exported model
-        return path / "final"
-    ckpts = path / "checkpoints"
-    if ckpts.is_dir():
-        found = sorted(
-            (
-                p
-                for p in ckpts.iterdir()
-                if p.is_dir() and p.name.startswith("step_") and (p / "config.json").is_file()
-            ),
-            key=lambda p: p.name,
-        )
-        if found:
-            return found[-1]
-    raise MoELabError(
-        f"{path}: no config.json and no checkpoints/step_* inside; pass a model directory "
-        "(save_pretrained or an exported checkpoint) or a training output directory"
-    )
-
-
-def load_model(args, path: str | None = None, vocab_size: int | None = None):
-    import torch
-
-    from moe_core import MoEForCausalLM, get_config
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = path or args.model
-    if path:
-        model = MoEForCausalLM.from_pretrained(str(resolve_model_dir(path)))
-    else:
-        overrides = {"vocab_size": vocab_size} if vocab_size else {}
-        torch.manual_seed(0)
-        model = MoEForCausalLM(get_config(args.preset, **overrides))
-    return model.to(device).eval()
-
-
-def _tokenizer(args, required: bool):
-    """--tokenizer, else the model directory's own (a trained model's final/ holds the tokenizer it was
-    trained with), else the prepared data's."""
-    source = args.tokenizer
-    if source is None and args.model:
-        model_dir = resolve_model_dir(args.model)
-        if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
-            source = model_dir
-    source = source or args.data
-    if source is None:
-        if required:
-            raise MoELabError(
-                "a tokenizer is needed: the model directory holds none; pass --tokenizer DIR or "
-                "--data DIR (prepared data)"
-            )
-        return None
-    from moe_core.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(source)
-
-
-def _data_vocab(args) -> int | None:
-    if not args.data:
-        return None
-    from moe_core.data.shards import read_manifest
-
-    return int(read_manifest(args.data)["tokenizer"]["vocab_size"])
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-# ------------------------------------------------------------------------------------------------ eval
-def run_eval(args) -> int:
-    from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
-
-    out = Path(args.out) if args.out else None
-    model = load_model(args, vocab_size=_data_vocab(args))
-    report: dict[str, Any] = {"model": args.model or f"preset:{args.preset}"}
-    splits = [s for s in args.splits.split(",") if s]
-    if args.data:
-        rows = []
-        results = evaluate_splits(model, args.data, splits, args.batch_size, args.max_batches)
-        rows.append(model_row(report["model"], model.config, results))
-        report["splits"] = {k: v.to_dict() for k, v in results.items()}
-        for spec in args.compare:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
-            other = load_model(args, path=str(require_local(path, f"--compare {name}")))
-            other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
-            rows.append(model_row(name, other.config, other_results))
-            del other
-        table = comparison_table(rows, reference=report["model"])
-        report["comparison"] = json.loads(table.to_json(orient="records"))
-        markdown = to_markdown(table)
-        print(markdown)
-        if out:
-            _write(out / "comparison.md", markdown + "\n")
-    elif not (args.generate or args.tasks):
-        raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
-    tokenizer = _tokenizer(args, required=bool(args.generate or args.tasks))
-    if args.generate:
-        from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
-
-        generations = generate_samples(
-            model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
-        )
-        report["generations"] = len(generations)
-        if out:
-            write_generations(generations, out / "generations.jsonl")
-        else:
-            for g in generations:
-                print(f"--- {g.prompt} [{g.mode}]\n{g.prompt_text}{g.completion}")
-    if args.tasks:
-        try:
-            from moe_core.eval.harness import MoELabLM, run_tasks
-        except ImportError as err:
-            raise MoELabError(str(err)) from None
-        limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-        report["lm_eval"] = run_tasks(
-            MoELabLM(model, tokenizer), args.tasks.split(","), args.include_path, limit, seed=args.seed
-        )
-        print(json.dumps(report["lm_eval"], indent=2, default=str))
-    if out:
-        _write(out / "eval.json", json.dumps(report, indent=2, default=str) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
 # ------------------------------------------------------------------------------------------------ analyze
 def run_analyze(args) -> int:
     import torch
@@ -272,8 +86,8 @@ def run_analyze(args) -> int:
         )
 
     out = Path(args.out)
-    model = load_model(args, vocab_size=_data_vocab(args))
-    tokenizer = _tokenizer(args, required=False)
+    model = load_model(args, vocab_size=data_vocab(args))
+    tokenizer = load_tokenizer_for(args, required=False)
     profile = profile_split(
         model,
         args.data,
@@ -314,8 +128,8 @@ def run_analyze(args) -> int:
         model.config, throughput.tokens_per_s, device_name, seq_len, prices, drop_rate, training
     )
     cost = {**report.to_dict(), "throughput": vars(throughput)}
-    _write(out / "cost.json", json.dumps(cost, indent=2, default=str) + "\n")
-    _write(out / "cost.md", report.to_markdown() + "\n")
+    write_text(out / "cost.json", json.dumps(cost, indent=2, default=str) + "\n")
+    write_text(out / "cost.md", report.to_markdown() + "\n")
     print(report.to_markdown())
     print(f"wrote {out}", file=sys.stderr)
     return 0

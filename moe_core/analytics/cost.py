@@ -1,19 +1,8 @@
 """Cost accounting: FLOPs per token, measured throughput, and what a token, an expert activation and a
 training run cost on a given device.
 
-FLOPs per token, forward pass, from the config alone (`flops_per_token`); a matmul of an [n, m] weight
-costs 2*n*m FLOPs per token (Kaplan et al. 2020), norms, softmax, RoPE and dispatch bookkeeping are left out:
-
-- attention projections: ``2 * D * Hd * (2H + 2G)`` per layer (q, o: H heads; k, v: G kv heads);
-- attention scores: ``2 * 2 * S * H * Hd`` per layer (QK^T and AV over a context of S tokens, not halved
-  for causality, as PaLM appendix B counts it);
-- dense FFN layers: ``2 * ffn_params``; MoE layers: router ``2 * D * E``, routed experts
-  ``2 * K * expert_params`` active (``2 * E * expert_params`` if every expert ran on every token: the
-  ``total`` column, what the dense-equal-total model pays), shared experts and their gate;
-- LM head ``2 * D * V`` (the input embedding is a lookup).
-
-Training costs 3x the forward (backward = 2x forward), so ``training = 6 * N_active + 12 * L * H * Hd * S``,
-the same count as ``moe_core.train.flops``.
+FLOPs per token come from the lab's one FLOPs model, `moe_core.flops` (by component, from the config alone;
+training = 3x forward, what the trainer's MFU counts).
 
 Money: ``cost per 1M tokens = usd_per_hour / (tokens_per_s * 3600) * 1e6`` on one device. An expert
 activation (one kept (token, slot) assignment) is charged its FLOP share: ``cost_per_token *
@@ -35,6 +24,7 @@ import torch
 
 from moe_core.config import MoEConfig, dense_baseline
 from moe_core.errors import MoELabError
+from moe_core.flops import FlopsBreakdown, flops_per_token
 from moe_core.train.telemetry import read_jsonl
 
 # Rough on-demand cloud prices, USD per device-hour (one accelerator with its share of the host; "cpu" is a
@@ -94,99 +84,6 @@ class PriceTable:
             raise CostError(f'{path}: expected a JSON object {{"device": usd_per_hour, ...}}')
         base = dict(DEFAULT_USD_PER_HOUR) if merge_defaults else {}
         return cls({**base, **{str(k).lower(): float(v) for k, v in data.items()}})
-
-
-# ------------------------------------------------------------------------------------------------ FLOPs
-@dataclass(frozen=True)
-class FlopsBreakdown:
-    """Forward FLOPs per token by component (see the module docstring)."""
-
-    attention_proj: float
-    attention_scores: float
-    dense_ffn: float
-    router: float
-    experts_active: float
-    experts_total: float  # every routed expert on every token
-    shared_experts: float
-    lm_head: float
-    seq_len: int
-
-    @property
-    def attention(self) -> float:
-        return self.attention_proj + self.attention_scores
-
-    @property
-    def experts(self) -> float:
-        """Active routed + shared expert FLOPs (the MoE FFN part of the forward)."""
-        return self.experts_active + self.shared_experts
-
-    @property
-    def forward_active(self) -> float:
-        return (
-            self.attention
-            + self.dense_ffn
-            + self.router
-            + self.experts_active
-            + self.shared_experts
-            + self.lm_head
-        )
-
-    @property
-    def forward_total(self) -> float:
-        return (
-            self.attention
-            + self.dense_ffn
-            + self.router
-            + self.experts_total
-            + self.shared_experts
-            + self.lm_head
-        )
-
-    @property
-    def training_active(self) -> float:
-        return 3.0 * self.forward_active
-
-    def to_dict(self) -> dict[str, float]:
-        return {
-            **asdict(self),
-            "attention": self.attention,
-            "experts": self.experts,
-            "forward_active": self.forward_active,
-            "forward_total": self.forward_total,
-            "training_active": self.training_active,
-        }
-
-
-def _ffn_matrix_params(config: MoEConfig, width: int) -> int:
-    return (3 if config.ffn_activation == "swiglu" else 2) * config.hidden_size * width
-
-
-def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
-    """Forward FLOPs per token of ``config`` at context length ``seq_len``, by component."""
-    if seq_len < 1:
-        raise ValueError(f"flops_per_token: seq_len={seq_len} must be >= 1")
-    D, H, G, Hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    L = config.num_hidden_layers
-    moe_layers = len(config.moe_layer_ids)
-    dense_layers = L - moe_layers
-    expert = _ffn_matrix_params(config, config.expert_intermediate_size) if moe_layers else 0
-    shared = 0
-    if moe_layers and config.num_shared_experts:
-        shared = config.num_shared_experts * _ffn_matrix_params(
-            config, config.shared_expert_intermediate_size
-        )
-        shared += D if config.shared_expert_gate else 0
-    return FlopsBreakdown(
-        attention_proj=2.0 * D * Hd * (2 * H + 2 * G) * L,
-        attention_scores=2.0 * 2 * seq_len * H * Hd * L,
-        dense_ffn=2.0 * _ffn_matrix_params(config, config.intermediate_size) * dense_layers,
-        router=2.0 * D * config.num_experts * moe_layers,
-        experts_active=2.0 * config.num_experts_per_tok * expert * moe_layers,
-        experts_total=2.0 * config.num_experts * expert * moe_layers,
-        shared_experts=2.0 * shared * moe_layers,
-        lm_head=2.0 * D * config.vocab_size,
-        seq_len=seq_len,
-    )
 
 
 # ------------------------------------------------------------------------------------------------ throughput

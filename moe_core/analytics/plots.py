@@ -29,8 +29,6 @@ import torch
 
 from moe_core.analytics.profile import RouterProfile
 
-PLOT_NAMES = ("expert_load", "coactivation", "routing_flow", "specialization", "token_routing")
-
 
 def _figure(width: float, height: float):
     from matplotlib.figure import Figure

@@ -76,8 +76,3 @@ def token_class_table(tokenizer, vocab_size: int | None = None) -> np.ndarray:
     for token_id in range(min(vocab_size, len(tokenizer))):
         table_V[token_id] = index[classify_token(tokenizer.decode([token_id]))]
     return table_V
-
-
-def decode_tokens(tokenizer, token_ids: list[int]) -> list[str]:
-    """Each id decoded on its own (vocabulary entries, for labels of top-token tables and plots)."""
-    return [tokenizer.decode([int(t)]) for t in token_ids]

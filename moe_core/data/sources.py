@@ -48,7 +48,6 @@ from typing import Any, Literal
 from moe_core.data.errors import DataError
 from moe_core.data.shards import sha256_file
 
-Kind = Literal["text", "instruction", "preference"]
 KINDS: tuple[str, ...] = ("text", "instruction", "preference")
 
 # file suffix -> `datasets` packaged builder
@@ -61,7 +60,6 @@ FORMATS: dict[str, str] = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
-TEXT_FORMATS = ("text", "json", "csv")  # read as UTF-8 text, so checked byte by byte before loading
 DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
 CORPUS_VERSION = 1  # bump when builtin_corpus() changes what it yields, so prepared data is rebuilt
 

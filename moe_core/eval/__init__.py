@@ -9,5 +9,5 @@ generations for a fixed project-owned prompt set, and an lm-evaluation-harness a
 
 Modules: `batches` (fixed-order evaluation batches from prepared data), `perplexity`, `bits_per_byte`
 (a loss comparable across tokenizers), `finite` (NaN/inf weights in a saved model), `prompts`, `generate`,
-`harness` (needs ``lm-eval``; imported only when used).
+`harness` (needs ``lm-eval``; imported only when used), `cli` (``moe-lab eval``).
 """

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe_core.config import parameter_counts
 from moe_core.errors import MoELabError
+from moe_core.flops import flops_per_token
 
 
 class EvaluationError(MoELabError):
@@ -126,9 +128,6 @@ def model_row(
     name: str, config, results: Mapping[str, LossResult], seq_len: int | None = None
 ) -> dict[str, Any]:
     """One row of a comparison table: sizes and FLOPs from the config, loss and perplexity per split."""
-    from moe_core.analytics.cost import flops_per_token
-    from moe_core.config import parameter_counts
-
     counts = parameter_counts(config)
     flops = flops_per_token(config, seq_len or config.max_position_embeddings)
     row: dict[str, Any] = {

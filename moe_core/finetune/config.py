@@ -35,9 +35,6 @@ from moe_core.configfile import ConfigFile
 from moe_core.errors import MoELabError
 from moe_core.train.config import FaultSection
 
-METHODS = ("full", "lora", "router", "router_bias")
-OBJECTIVES = ("sft", "dpo")
-
 
 class FinetuneError(MoELabError):
     """A fine-tuning config or setup that cannot work: the message names the field and what to do."""

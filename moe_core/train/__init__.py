@@ -13,7 +13,8 @@ The same from the command line: ``moe-lab train --preset switch-tiny --set steps
 ``--nproc 2 --set parallel.ep_size=2`` shards the experts over two processes; ``--resume`` continues from
 the latest checkpoint. Modules: `config` (TrainConfig), `loop` (Trainer, train), `parallel` (expert and data
 parallelism), `checkpoint`, `optim` (AdamW and the LR schedule), `interval` (what a logged row averages),
-`telemetry` (metrics sinks, routing statistics), `flops`, `batches`, `cli`.
+`telemetry` (metrics sinks, routing statistics), `batches`, `cli`; the FLOPs model behind throughput and MFU is
+`moe_core.flops`.
 """
 
 import importlib

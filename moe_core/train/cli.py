@@ -12,6 +12,7 @@ With ``--nproc`` (or ``--nnodes`` > 1, or ``--max-restarts``) the command re-run
 (`moe_core.train.launch`); inside torchrun (``WORLD_SIZE`` set) it trains as one rank of the group, and a
 group restarted by torchrun's elastic agent resumes from the newest complete checkpoint. ``--slurm`` writes
 ``<out>/launch.sbatch`` (``srun`` starts one torchrun agent per node) and with ``--submit`` hands it to sbatch.
+``moe-lab train --dashboard`` (the app layer, `moe_lab.train`) starts the live dashboard beside this command.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from moe_core.cli import add_config_help, add_router_module_option, preset_help
@@ -49,11 +49,6 @@ def add_cli(subparsers) -> None:
     add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="start the live dashboard (moe-lab dashboard) on this run and print its URL",
-    )
     g = p.add_argument_group("launch (torchrun)")
     g.add_argument(
         "--nproc",
@@ -178,8 +173,9 @@ def worker_argv(args) -> list[str]:
     return argv
 
 
-def run_train(args) -> int:
-    config = resolve_config(args)  # fail fast on a bad config, before launching anything
+def run_train(args, config=None) -> int:
+    """Train as the arguments say; ``config``: `resolve_config(args)` when the caller already has it."""
+    config = config or resolve_config(args)  # fail fast on a bad config, before launching anything
     if args.slurm:
         path = write_slurm_script(args)
         print(f"moe-lab train: wrote {path}", flush=True)
@@ -190,8 +186,6 @@ def run_train(args) -> int:
                 )
             return subprocess.call(["sbatch", str(path)])
         return 0
-    if getattr(args, "dashboard", False) and "WORLD_SIZE" not in os.environ:
-        return _with_dashboard(args)
     spec = launch_spec(args)
     if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
         return subprocess.call(launch.torchrun_command(spec, worker_argv(args)))
@@ -212,26 +206,3 @@ def run_train(args) -> int:
         if result.data_dir is not None:
             print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
     return 0
-
-
-def _with_dashboard(args) -> int:
-    """Train with the dashboard serving ``--out`` beside it (a child process; the dashboard lives in the
-    `dashboard` package, above the library). On a terminal it stays up after training until Ctrl-C."""
-    from pathlib import Path
-
-    from dashboard.cli import start_beside
-
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    dashboard, url = start_beside([args.out])
-    print(f"moe-lab train: live dashboard {url}", flush=True)
-    try:
-        args.dashboard = False
-        code = run_train(args)
-        if sys.stdin.isatty():
-            print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
-            dashboard.wait()
-        return code
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        dashboard.terminate()

@@ -144,7 +144,6 @@ class TrainConfig(_Section, ConfigFile):
     error_cls: ClassVar[type[MoELabError]] = TrainConfigError
     config_name: ClassVar[str] = "training config"
     command: ClassVar[str] = "train"
-    free_form_keys: ClassVar[tuple[tuple[str, ...], ...]] = (("model", "overrides"),)  # MoEConfig fields
 
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)

@@ -42,6 +42,7 @@ import torch
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, refuse_previous_outputs
+from moe_core.flops import flops_per_token, peak_flops
 from moe_core.model import MoEForCausalLM
 from moe_core.routing import GlobalBatchBalance
 from moe_core.train import checkpoint as ckpt_io
@@ -49,7 +50,6 @@ from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
 from moe_core.train.config import TrainConfig, TrainConfigError
-from moe_core.train.flops import flops_per_token, peak_flops
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
 from moe_core.train.optim import build_optimizer, lr_lambda
@@ -241,7 +241,7 @@ class Trainer:
         config, state = self.config, self.state
         self.moe_layer_ids = self.model_config.moe_layer_ids
         self.routing = RoutingStats(len(self.moe_layer_ids), max(self.model_config.num_experts, 1))
-        self.flops_per_token = flops_per_token(self.model_config, config.data.seq_len)
+        self.flops_per_token = flops_per_token(self.model_config, config.data.seq_len).training_active
         self.peak_flops = config.log.peak_flops or (
             peak_flops(torch.cuda.get_device_name(state.device)) if state.device.type == "cuda" else None
         )

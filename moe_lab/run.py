@@ -1,0 +1,40 @@
+"""`moe-lab run | ui | sync`: the flows' commands (`flows.cli`) plus ``run --dashboard``, which starts the
+live dashboard (the `dashboard` package, beside the flows rather than under them) for the flow's runs.
+
+    moe-lab run lifecycle --dashboard    # prints the dashboard's URL; the flow's steps link to it
+"""
+
+from __future__ import annotations
+
+import os
+
+from dashboard.cli import start_beside
+from flows import cli as flows_cli
+from tasks import settings
+
+
+def add_cli(subparsers) -> None:
+    flows_cli.add_cli(subparsers)
+    parser = subparsers.choices["run"]
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL",
+    )
+    parser.set_defaults(func=run_flow)
+
+
+def run_flow(args) -> int:
+    if not args.dashboard:
+        return flows_cli.run_flow(args)
+    settings.apply_defaults()  # before prefect is imported
+    from flows.common import DASHBOARD_URL_ENV  # flows.common imports Prefect: only when a flow runs
+
+    params = flows_cli.build_params(args.flow, args.params, args.size, args.overrides)  # fails fast
+    dashboard, url = start_beside([settings.runs_dir()])
+    os.environ[DASHBOARD_URL_ENV] = url
+    print(f"moe-lab run {args.flow}: live dashboard {url}", flush=True)
+    try:
+        return flows_cli.run_flow(args, params)
+    finally:
+        dashboard.terminate()

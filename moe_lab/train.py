@@ -1,0 +1,48 @@
+"""`moe-lab train`: the library's command (`moe_core.train.cli`) plus ``--dashboard``, which starts the live
+dashboard (the `dashboard` package, above the library) beside the run.
+
+    moe-lab train --out runs/a --dashboard    # prints the dashboard's URL; on a terminal it stays up after
+                                              # training until Ctrl-C
+
+The torchrun workers and a Slurm job run the library's command (``python -m moe_core.cli train``): the
+dashboard runs once, in the process the user started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from dashboard.cli import start_beside
+from moe_core.train import cli as train_cli
+
+
+def add_cli(subparsers) -> None:
+    train_cli.add_cli(subparsers)
+    parser = subparsers.choices["train"]
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the live dashboard (moe-lab dashboard) on this run and print its URL",
+    )
+    parser.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    if not args.dashboard or args.slurm or "WORLD_SIZE" in os.environ:
+        return train_cli.run_train(args)
+    config = train_cli.resolve_config(args)  # a bad config fails before the dashboard starts
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    dashboard, url = start_beside([args.out])
+    print(f"moe-lab train: live dashboard {url}", flush=True)
+    try:
+        code = train_cli.run_train(args, config)
+        if sys.stdin.isatty():
+            print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
+            dashboard.wait()
+        return code
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        dashboard.terminate()

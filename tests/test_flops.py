@@ -1,0 +1,69 @@
+"""One FLOPs model (`moe_core.flops`): its weights are the ones `parameter_counts` counts, and the trainer's
+throughput and MFU count its training total. (Component numbers by hand: tests/test_analytics_cost.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_core.config import get_config, parameter_counts
+from moe_core.flops import flops_per_token, peak_flops
+from moe_core.presets import PRESETS
+from moe_core.train import TrainConfig
+from moe_core.train.loop import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+S = 64
+VARIANTS = [(name, {}) for name in sorted(PRESETS) if name.endswith("-tiny")] + [
+    ("mixtral-tiny", {"tie_word_embeddings": True}),
+    ("mixtral-tiny", {"attention_bias": True, "qk_norm": True}),
+    ("shared-tiny", {"shared_expert_gate": True}),
+    ("switch-tiny", {"ffn_activation": "gelu"}),
+]
+
+
+def elementwise_params(config) -> int:
+    """Norm weights and biases: parameters a token is not multiplied through (no matmul FLOPs)."""
+    layers = config.num_hidden_layers
+    count = 2 * config.hidden_size * layers + config.hidden_size  # two RMSNorms per layer, the final one
+    H, G, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if config.attention_bias:
+        count += Hd * (H + 2 * G) * layers
+    if config.qk_norm:
+        count += Hd * (H + G) * layers
+    return count
+
+
+@pytest.mark.parametrize("name, overrides", VARIANTS)
+def test_flops_are_two_per_weight_of_parameter_counts(name, overrides):
+    """Forward FLOPs = 2 x the weights a token passes through (+ attention scores): the same weights
+    `parameter_counts` counts, less the input embedding (a lookup; with tied embeddings it is the LM head)."""
+    config = get_config(name, **overrides)
+    counts, flops = parameter_counts(config), flops_per_token(config, S)
+    lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    for column, forward in (("active", flops.forward_active), ("total", flops.forward_total)):
+        weights = counts[column] - elementwise_params(config) - lookup
+        assert forward - flops.attention_scores == 2 * weights, column
+    assert flops.attention_scores == 2 * 2 * S * config.num_attention_heads * config.head_dim * (
+        config.num_hidden_layers
+    )
+    assert flops.training_active == 3 * flops.forward_active
+
+
+def test_the_trainer_counts_the_breakdowns_training_total(tmp_path):
+    config = TrainConfig.build(
+        {
+            "model": {"preset": "mixtral-tiny"},
+            "steps": 1,
+            "batch_size": 4,
+            "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 16},
+            "log": {"progress": "off"},
+        }
+    )
+    trainer = Trainer(config, tmp_path)
+    assert trainer.flops_per_token == flops_per_token(trainer.model_config, 32).training_active
+
+
+def test_peak_flops_by_device_name():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("cpu") is None and peak_flops(None) is None
