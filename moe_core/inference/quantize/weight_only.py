@@ -27,9 +27,8 @@ from torch import nn
 
 from moe_core.config import MoEConfig
 from moe_core.convert import copy_companion_files
-from moe_core.experts import GroupedExperts, ffn_act
+from moe_core.experts import GroupedExperts, StackedExperts, ffn_act
 from moe_core.inference.evaluate import calibration_batches
-from moe_core.inference.fast_decode import DecodeExperts
 from moe_core.inference.quantize.calibrated import calibrated_codes
 from moe_core.inference.quantize.common import (
     PROJECTIONS,
@@ -46,8 +45,8 @@ from moe_core.model import MoEForCausalLM
 
 
 # ---------------------------------------------------------------------------------------------- the module
-class QuantizedExperts(DecodeExperts):
-    """`GroupedExperts` with weight-only int8/int4 weights, dequantized per expert as it runs.
+class QuantizedExperts(StackedExperts):
+    """A `StackedExperts` of weight-only int8/int4 weights, dequantized per expert as it runs.
 
     Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte), ``p_scale``
     (fp32 [E, O, G]) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
@@ -62,13 +61,7 @@ class QuantizedExperts(DecodeExperts):
         impl: str = "auto",
         max_slots: int = 64,
     ) -> None:
-        nn.Module.__init__(self)
-        self.num_experts, self.activation, self.impl, self.max_slots = (
-            num_experts,
-            activation,
-            impl,
-            max_slots,
-        )
+        super().__init__(num_experts, activation, impl, max_slots)
         self.quant_config = config
         self.projections = tuple(shapes)
         for name, (O, I) in shapes.items():
@@ -78,8 +71,6 @@ class QuantizedExperts(DecodeExperts):
             self.register_buffer(f"{name}_scale", torch.ones(num_experts, O, config.groups(I)))
             if config.method == "awq":
                 self.register_buffer(f"{name}_in_scale", torch.ones(num_experts, I))
-        # the parent's attributes: no dense weights here
-        self.gate_proj = self.up_proj = self.down_proj = None
 
     @classmethod
     def from_experts(
@@ -89,7 +80,8 @@ class QuantizedExperts(DecodeExperts):
         codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> QuantizedExperts:
         """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
-        or ``(q, scale, in_scale [E, I])`` for AWQ)."""
+        or ``(q, scale, in_scale [E, I])`` for AWQ). The decode path is on (``max_slots`` 64 unless
+        ``experts`` has its own): dequantizing only the chosen experts is what makes a decode step cheap."""
         shapes = {
             p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None
         }
@@ -99,7 +91,7 @@ class QuantizedExperts(DecodeExperts):
             shapes,
             config,
             experts.impl,
-            getattr(experts, "max_slots", 64),
+            experts.max_slots or 64,
         )
         for p in shapes:
             w = getattr(experts, p).detach()
@@ -138,6 +130,7 @@ class QuantizedExperts(DecodeExperts):
         return w
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
+        # grouped_mm needs the whole dense stack: asked for it, this module chooses as for "auto"
         if self.impl not in ("auto", "grouped_mm"):
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
@@ -158,8 +151,9 @@ class QuantizedExperts(DecodeExperts):
         return F.linear(ffn_act(self.activation, h_gate, h_up), self.weight("down_proj", e, x_ND.dtype))
 
 
-def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:
+    """Every stacked expert module of ``model``, dense or already quantized."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, StackedExperts)]
 
 
 def check_experts_quantized(model: nn.Module) -> None:
