@@ -1,4 +1,5 @@
-"""Expert computation: E feed-forward experts stored as stacked weights, and four ways to run them.
+"""Expert computation: E feed-forward experts stored as stacked weights, the interface every expert module
+shares, and the ways to run them.
 
 Legend: T = tokens, D = model dim, F = expert hidden dim, E = experts, K = slots per token,
 A = kept (token, slot) assignments, sorted by expert.
@@ -21,10 +22,23 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
   it is (``h_tkf = sum_d x_td w_{e_tk} fd``). For compiled decoding (few tokens): inductor fuses the gather
   into the reduction loop, so a step streams exactly the chosen experts' bytes, with no copy, no host sync
   and no data-dependent shape. Eager, it materializes [T, K, F, D]: a reference for small T only.
-Tests hold all five equal in forward and backward.
+- ``decode`` (when ``max_slots`` > 0; `moe_core.inference.fast_decode` turns it on): for a handful of routed
+  slots without gradient, a loop over the *distinct* chosen experts on views of their weights, so a step reads
+  K experts' bytes, not E. Taken instead of ``sorted``/``grouped_mm`` when ``T * K <= max_slots``.
+Tests hold each equal to the reference in forward and backward (decode, which takes no gradient, in forward).
+
+The interface every module at ``MoEBlock.experts`` has is `ExpertModule` (a Protocol: ``num_experts`` and
+``forward(x_TD, record, impl)``); `StackedExperts` is the abstract base of those whose weights are E stacked
+FFNs, which gives them every path above through four members (``expert``, ``unbound``, ``stacks``,
+``resolved_impl``). `sort_by_expert` / `ExpertDispatch` is the one sort-by-expert dispatch, shared with
+expert parallelism (`moe_core.train.parallel`).
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -53,54 +67,154 @@ def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     return device == "cpu"
 
 
-class GroupedExperts(nn.Module):
-    def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, impl: str = "auto"
-    ):
+@runtime_checkable
+class ExpertModule(Protocol):
+    """What `MoEBlock` calls as ``self.experts``: E experts behind one call. Declared once, here.
+
+    - ``num_experts``: E, the number of experts the router chooses among (for expert parallelism the
+      global E, not this rank's share).
+    - ``forward(x_TD, record, impl=None) -> y_TD``: ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the
+      record's kept slots (dropped slots contribute nothing), same shape and dtype as ``x_TD``. ``impl``
+      names a path of `StackedExperts.forward` (``reference``, ``sorted``, ``grouped_mm``, ``static``,
+      ``gather``) or None for the module's own choice; a module with one way of computing ignores it.
+
+    Implementations (`tests/test_expert_modules.py` checks each against this and against the reference):
+    - `GroupedExperts` (here): dense stacked parameters, the model's own.
+    - `moe_core.inference.fast_decode.DecodeExperts`: a `GroupedExperts` with the few-slot decode path on.
+    - `moe_core.inference.quantize.QuantizedExperts`: int8/int4 codes, dequantized per expert as it runs.
+    - `moe_core.inference.expert_cache.OffloadedExperts`: weights read from disk through an LRU cache.
+    - `moe_core.train.parallel.ExpertParallelExperts`: this rank's slice, all-to-all dispatch and return.
+    - PEFT's ``ParamWrapper`` (LoRA on the expert stacks, `moe_core.finetune.methods`): wraps any of the
+      above that holds dense stacks and passes the call through with the adapted weights.
+    The first three are `StackedExperts`.
+    """
+
+    num_experts: int
+
+    def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor: ...
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+@dataclass
+class ExpertSort:
+    """Rows sorted by expert, stably (the rows of one expert keep their order)."""
+
+    order_A: torch.Tensor  # sorted position -> original row
+    expert_ids_A: torch.Tensor  # expert of each sorted row, ascending
+    counts_E: torch.Tensor  # rows per expert
+
+    def inverse(self) -> torch.Tensor:
+        """Original row -> sorted position: ``sorted[inverse()]`` is back in the original order."""
+        inverse_A = torch.empty_like(self.order_A)
+        inverse_A[self.order_A] = torch.arange(self.order_A.numel(), device=self.order_A.device)
+        return inverse_A
+
+
+def sort_by_expert(expert_ids_A: torch.Tensor, num_experts: int) -> ExpertSort:
+    """The one sort-by-expert of the lab: the sorted paths here and expert parallelism's regrouping."""
+    expert_ids_A, order_A = expert_ids_A.sort(stable=True)
+    return ExpertSort(order_A, expert_ids_A, torch.bincount(expert_ids_A, minlength=num_experts))
+
+
+@dataclass
+class ExpertDispatch:
+    """The kept (token, slot) assignments of a `RoutingRecord`, sorted by expert: what a sort-based path
+    gathers (`gather`), computes expert by expert on contiguous slices (``counts_E``) and adds back to its
+    tokens with their combine weights (`combine`)."""
+
+    token_idx_A: torch.Tensor  # the token of each assignment
+    expert_ids_A: torch.Tensor  # its expert, ascending
+    weights_A: torch.Tensor  # its combine weight, in the router's dtype
+    counts_E: torch.Tensor  # assignments per expert
+
+    @classmethod
+    def of(cls, record: RoutingRecord, num_experts: int) -> ExpertDispatch:
+        K = record.expert_ids_TK.shape[1]
+        kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
+        by_expert = sort_by_expert(record.expert_ids_TK.flatten()[kept_A], num_experts)
+        slot_A = kept_A[by_expert.order_A]
+        return cls(
+            slot_A // K, by_expert.expert_ids_A, record.weights_TK.flatten()[slot_A], by_expert.counts_E
+        )
+
+    def gather(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD.index_select(0, self.token_idx_A)
+
+    def combine(self, out_AD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """``y_t = sum over t's assignments a of w_a * out_a`` (zero for a token with none)."""
+        weights_A = self.weights_A.to(x_TD.dtype)
+        return torch.zeros_like(x_TD).index_add(0, self.token_idx_A, out_AD * weights_A[:, None])
+
+
+# ------------------------------------------------------------------------------------------------ experts
+class StackedExperts(nn.Module, ExpertModule, ABC):
+    """Abstract base of the `ExpertModule` implementations whose weights are E stacked FFNs: every path of
+    this file (reference, sorted, grouped_mm, static, gather, decode) runs on top of four members.
+
+    - ``expert(e, x_ND, weights=None) -> y_ND``: expert ``e`` on a batch of its tokens, as an ordinary FFN.
+      ``weights`` is what `unbound` (or, without gradients, `decode_weights`) returned, handed in by a loop
+      over experts so that the per-expert views are made once per layer; None: the module finds its own.
+    - ``unbound() -> (gate, up, down)``: per-expert views of the stacks for `expert` in a loop, so that the
+      loop builds one gradient per stack instead of one full-size gradient per slice (gate None for GELU
+      experts), or Nones for an implementation whose `expert` reads its own weights.
+    - ``stacks(dtype=None) -> (gate [E, F, D] or None, up [E, F, D], down [E, D, F])``: the whole stacks in
+      ``dtype`` (as stored when None), for the paths that run every expert at once (static, gather).
+    - ``resolved_impl(x_TD) -> str``: the path ``forward`` takes when called with ``impl=None``.
+
+    Attributes: ``num_experts``, ``activation`` ("swiglu" or "gelu"), ``impl`` (the configured path or
+    "auto"), ``max_slots`` (> 0 turns the decode path on for up to that many routed slots).
+    Implementations: `GroupedExperts` (dense parameters; `DecodeExperts` is one with ``max_slots`` set) and
+    `moe_core.inference.quantize.QuantizedExperts`.
+    """
+
+    def __init__(self, num_experts: int, activation: str, impl: str = "auto", max_slots: int = 0) -> None:
         super().__init__()
-        self.num_experts, self.activation, self.impl = num_experts, activation, impl
-        E, D, F_ = num_experts, hidden_size, intermediate_size
-        if activation == "swiglu":
-            self.gate_proj = nn.Parameter(torch.empty(E, F_, D))
-        else:
-            self.register_parameter("gate_proj", None)
-        self.up_proj = nn.Parameter(torch.empty(E, F_, D))
-        self.down_proj = nn.Parameter(torch.empty(E, D, F_))
+        self.num_experts, self.activation, self.impl, self.max_slots = (
+            num_experts,
+            activation,
+            impl,
+            max_slots,
+        )
 
-    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
-        """Expert ``e`` on a batch of tokens, like an ordinary FFN. ``weights`` are the `unbound` weights, so a
-        loop over experts builds one gradient per stack instead of one full-size gradient per slice."""
-        gate, up, down = weights if weights is not None else self.unbound()
-        h_gate = F.linear(x_ND, gate[e]) if gate is not None else None
-        return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, up[e])), down[e])
+    @abstractmethod
+    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor: ...
 
-    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
-        """The whole ``(gate [E, F, D] or None, up [E, F, D], down [E, D, F])`` weight stacks."""
-        return self.gate_proj, self.up_proj, self.down_proj
+    @abstractmethod
+    def unbound(self) -> tuple: ...
 
-    def unbound(self) -> tuple:
-        gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
-        return gate, self.up_proj.unbind(0), self.down_proj.unbind(0)
+    @abstractmethod
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple: ...
+
+    def decode_weights(self) -> tuple:
+        """What the decode loop hands to `expert` (it takes no gradient): `unbound` unless cheaper exists."""
+        return self.unbound()
+
+    def grouped_mm_ok(self, x_TD: torch.Tensor) -> bool:
+        """Whether ``grouped_mm`` can run on ``x_TD`` here (it needs dense stacks)."""
+        return False
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
         if self.impl != "auto":
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
-        E, F_, D = self.up_proj.shape
         # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
-        return "grouped_mm" if x_TD.is_cuda and grouped_mm_supported(x_TD, F_, D) else "sorted"
+        return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
+        if self.uses_decode_path(x_TD, record, impl):
+            return self.forward_decode(x_TD, record)
         if impl == "reference":
             return self.forward_reference(x_TD, record)
         if impl == "static":
             return self.forward_static(x_TD, record)
         if impl == "gather":
             return self.forward_gather(x_TD, record)
-        if impl in ("sorted", "grouped_mm"):
-            return self.forward_sorted(x_TD, record, grouped=impl == "grouped_mm")
+        if impl == "sorted":
+            return self.forward_sorted(x_TD, record)
+        if impl == "grouped_mm":
+            return self.forward_grouped_mm(x_TD, record)
         raise ValueError(
             f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm, static or gather"
         )
@@ -118,45 +232,59 @@ class GroupedExperts(nn.Module):
         return y_TD
 
     # -------------------------------------------------------------------------------- fast paths
-    def forward_sorted(
-        self, x_TD: torch.Tensor, record: RoutingRecord, grouped: bool = False
-    ) -> torch.Tensor:
-        T, K = record.expert_ids_TK.shape
-        kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
-        expert_ids_A = record.expert_ids_TK.flatten()[kept_A]
-        expert_ids_A, order_A = expert_ids_A.sort(stable=True)
-        slot_A = kept_A[order_A]
-        token_idx_A = slot_A // K
-        weights_A = record.weights_TK.flatten()[slot_A].to(x_TD.dtype)
-        counts_E = torch.bincount(expert_ids_A, minlength=self.num_experts)
-
-        x_AD = x_TD.index_select(0, token_idx_A)
-        if grouped:
-            offs_E = counts_E.cumsum(0).to(torch.int32)
-            out_AD = self._grouped_ffn(x_AD, offs_E)
-            return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+    def forward_sorted(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        dispatch = ExpertDispatch.of(record, self.num_experts)
+        x_AD, weights_A = dispatch.gather(x_TD), dispatch.weights_A.to(x_TD.dtype)
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
-        counts = counts_E.tolist()
+        counts = dispatch.counts_E.tolist()
         for e, x_ND, t_N, w_N in zip(
-            range(self.num_experts), x_AD.split(counts), token_idx_A.split(counts), weights_A.split(counts)
+            range(self.num_experts),
+            x_AD.split(counts),
+            dispatch.token_idx_A.split(counts),
+            weights_A.split(counts),
         ):
             if counts[e]:
                 y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights) * w_N[:, None])
         return y_TD
 
-    def _grouped_ffn(self, x_AD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        device = x_AD.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
+    def forward_grouped_mm(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        """The sorted layout through one grouped matmul per projection; without dense stacks, `forward_sorted`."""
+        return self.forward_sorted(x_TD, record)
 
-        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
-            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
-            if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
-                out.register_hook(lambda g: g.contiguous())
-            return out
+    def uses_decode_path(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str) -> bool:
+        return (
+            self.max_slots > 0
+            and impl in ("sorted", "grouped_mm")
+            and record.expert_ids_TK.numel() <= self.max_slots
+            and not (torch.is_grad_enabled() and x_TD.requires_grad)
+        )
 
-        h_gate = gmm(x_AD, self.gate_proj) if self.gate_proj is not None else None
-        return gmm(ffn_act(self.activation, h_gate, gmm(x_AD, self.up_proj)), self.down_proj)
+    def forward_decode(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        # Batch-1 decoding is memory-bound: a step costs about the bytes of the weights it reads. The sorted
+        # path pays a sort, a host sync and one (mostly empty) matmul per expert, grouped_mm reads its whole
+        # stack; here one host sync for the whole layer, then a matmul per distinct chosen expert, on a view
+        # of its weights (no copy), so a step reads K experts' bytes, not E
+        ids = record.expert_ids_TK.masked_fill(record.dropped_TK, -1).tolist()
+        weights_TK = record.weights_TK.to(x_TD.dtype)
+        tokens_of: dict[int, tuple[list[int], list[int]]] = {}
+        for t, row in enumerate(ids):
+            for k, e in enumerate(row):
+                if e >= 0:
+                    toks, slots = tokens_of.setdefault(e, ([], []))
+                    toks.append(t)
+                    slots.append(k)
+        y_TD = torch.zeros_like(x_TD)
+        weights = self.decode_weights()
+        T = x_TD.shape[0]
+        for e, (toks, slots) in tokens_of.items():
+            if len(toks) == T == 1:  # the batch-1 decode step: no gathers at all
+                y_TD = y_TD + self.expert(e, x_TD, weights) * weights_TK[:, slots[0], None]
+                continue
+            t_N = torch.tensor(toks, device=x_TD.device)
+            w_N = weights_TK[t_N, torch.tensor(slots, device=x_TD.device)]
+            y_TD = y_TD.index_add(0, t_N, self.expert(e, x_TD.index_select(0, t_N), weights) * w_N[:, None])
+        return y_TD
 
     # -------------------------------------------------------------------------------- export-friendly
     def forward_static(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
@@ -192,3 +320,74 @@ class GroupedExperts(nn.Module):
         h_TK1F = ffn_act(self.activation, h_gate_TKF, h_up_TKF)[:, :, None, :]
         y_TKD = (h_TK1F * down[ids_TK]).sum(-1)
         return (weights_TK[:, :, None] * y_TKD).sum(1)
+
+
+class GroupedExperts(StackedExperts):
+    """E experts as dense stacked parameters: the model's own `StackedExperts` (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        impl: str = "auto",
+        max_slots: int = 0,
+    ):
+        super().__init__(num_experts, activation, impl, max_slots)
+        E, D, F_ = num_experts, hidden_size, intermediate_size
+        if activation == "swiglu":
+            self.gate_proj = nn.Parameter(torch.empty(E, F_, D))
+        else:
+            self.register_parameter("gate_proj", None)
+        self.up_proj = nn.Parameter(torch.empty(E, F_, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, F_))
+
+    @classmethod
+    def sharing(cls, experts: GroupedExperts, **overrides) -> GroupedExperts:
+        """A ``cls`` holding the very same `nn.Parameter` objects as ``experts`` (no copy, same state dict),
+        built through its constructor; ``overrides`` replace ``impl`` or ``max_slots``."""
+        E, F_, D = experts.up_proj.shape
+        options = {"impl": experts.impl, "max_slots": experts.max_slots, **overrides}
+        with torch.device("meta"):  # the constructor's own stacks are replaced at once: allocate nothing
+            new = cls(E, D, F_, experts.activation, **options)
+        new.gate_proj, new.up_proj, new.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
+        return new
+
+    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        gate, up, down = weights if weights is not None else self.unbound()
+        h_gate = F.linear(x_ND, gate[e]) if gate is not None else None
+        return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, up[e])), down[e])
+
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
+        stacks = self.gate_proj, self.up_proj, self.down_proj
+        return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
+
+    def unbound(self) -> tuple:
+        gate = self.gate_proj.unbind(0) if self.gate_proj is not None else None
+        return gate, self.up_proj.unbind(0), self.down_proj.unbind(0)
+
+    def decode_weights(self) -> tuple:
+        return self.gate_proj, self.up_proj, self.down_proj  # indexing a stack is a view: nothing to unbind
+
+    def grouped_mm_ok(self, x_TD: torch.Tensor) -> bool:
+        E, F_, D = self.up_proj.shape
+        return grouped_mm_supported(x_TD, F_, D)
+
+    def forward_grouped_mm(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        dispatch = ExpertDispatch.of(record, self.num_experts)
+        offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
+        return dispatch.combine(self._grouped_ffn(dispatch.gather(x_TD), offs_E), x_TD)
+
+    def _grouped_ffn(self, x_AD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        device = x_AD.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
+
+        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
+            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
+            if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
+                out.register_hook(lambda g: g.contiguous())
+            return out
+
+        h_gate = gmm(x_AD, self.gate_proj) if self.gate_proj is not None else None
+        return gmm(ffn_act(self.activation, h_gate, gmm(x_AD, self.up_proj)), self.down_proj)

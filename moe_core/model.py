@@ -144,7 +144,9 @@ class Attention(nn.Module):
             k_BGSHd,
             v_BGSHd,
             attn_mask=mask_BqL,
-            is_causal=mask_BqL is None and S > 1,
+            # a Python bool: with a symbolic S (torch.compile / torch.export dynamic shapes) ``S > 1`` is a
+            # SymBool, which SDPA rejects; branching on it makes the tracer guard on it instead
+            is_causal=True if mask_BqL is None and S > 1 else False,
             dropout_p=self.dropout if self.training else 0.0,
         )
         return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

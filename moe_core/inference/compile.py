@@ -32,12 +32,12 @@ reset by each prefill, so one generation at a time per `compile_steps` result; t
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.export import Dim, export
 from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
@@ -47,32 +47,19 @@ class CompileError(MoELabError):
     """torch.compile / torch.export could not handle the model; the message says what to try."""
 
 
-_SDPA = F.scaled_dot_product_attention
-
-
-def _sdpa_bool_causal(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-    # with a symbolic sequence length, ``is_causal = mask is None and S > 1`` is a SymBool, which SDPA rejects;
-    # branching on it makes the tracer guard on it instead (optimum's exporter patches SDPA the same way)
-    if is_causal:
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=True, **kwargs)
-    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kwargs)
-
-
-@contextmanager
-def traceable_sdpa():
-    """Swap ``F.scaled_dot_product_attention`` for a wrapper that takes a symbolic ``is_causal``, meanwhile."""
-    F.scaled_dot_product_attention = _sdpa_bool_causal
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
-
-
 class ReductionLinear(nn.Linear):
     """`nn.Linear` that, under compilation and for a single row, is written as the reduction it is.
 
     Eager calls (and any call with more than one row) are plain ``F.linear``; outputs equal nn.Linear's
     up to float summation order. Installed in place by `reduction_gemv` (the state dict is unchanged)."""
+
+    @classmethod
+    def sharing(cls, linear: nn.Linear) -> ReductionLinear:
+        """A `ReductionLinear` holding ``linear``'s very parameters (no copy; tied weights stay tied)."""
+        with torch.device("meta"):  # the constructor's own weights are replaced at once: allocate nothing
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
@@ -82,10 +69,12 @@ class ReductionLinear(nn.Linear):
 
 
 def reduction_gemv(model: nn.Module) -> nn.Module:
-    """Make every plain ``nn.Linear`` of ``model`` a `ReductionLinear` (same parameters, same state dict)."""
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = ReductionLinear
+    """Swap every plain ``nn.Linear`` of ``model`` for a `ReductionLinear` sharing its parameters (same state
+    dict); in place, and only in ``model``: other models and the ``nn.Linear`` class are untouched."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, ReductionLinear.sharing(child))
     return model
 
 
@@ -193,7 +182,7 @@ class _StaticCacheSteps:
         if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
             mask_BL = torch.ones(B, self.max_cache_len, dtype=attention_mask_BS.dtype)
             mask_BL[:, :S] = attention_mask_BS
-        with torch.no_grad(), traceable_sdpa():
+        with torch.no_grad():
             logits = self.prefill_fn(input_ids_BS, cache, self.positions[:S], mask_BL, position_ids_BS)
         return logits, StaticDecodeState(cache, S, mask_BL)
 
@@ -201,7 +190,7 @@ class _StaticCacheSteps:
         """``attention_mask_BL`` is ignored: the state holds the full-length mask (new tokens are never pads)."""
         if state.length >= self.max_cache_len:
             raise CompileError(f"the static cache is full ({self.max_cache_len} tokens); raise max_cache_len")
-        with torch.no_grad(), traceable_sdpa():
+        with torch.no_grad():
             logits = self.decode_fn(
                 input_ids_BS,
                 state.cache,
@@ -284,11 +273,11 @@ def compile_steps(
     )
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
-        with torch.no_grad(), traceable_sdpa():
+        with torch.no_grad():
             return prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
 
     def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
-        with torch.no_grad(), traceable_sdpa():
+        with torch.no_grad():
             return decode(
                 input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS
             )
@@ -322,14 +311,12 @@ class _Forward(nn.Module):
 
 def export_program(model: nn.Module, example_input_ids: torch.Tensor, *, dynamic_seq: bool = True):
     """``torch.export`` of the cache-free forward (logits) on the static expert path."""
-    from torch.export import Dim, export
-
     model.eval()
     dynamic_shapes = None
     if dynamic_seq:
         dynamic_shapes = {"input_ids_BS": {1: Dim("seq", min=2, max=4096)}}
     try:
-        with torch.no_grad(), traceable_sdpa():
+        with torch.no_grad():
             return export(_Forward(model), (example_input_ids,), dynamic_shapes=dynamic_shapes)
     except Exception as err:  # surface the exporter's reason with what to try
         raise CompileError(

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.errors import MoELabError
-from moe_core.experts import GroupedExperts, ffn_act
+from moe_core.experts import ExpertModule, GroupedExperts, ffn_act
 from moe_core.routing import RoutingRecord
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -169,8 +169,9 @@ class ExpertCache:
                 self.stats.prefetched += 1
 
 
-class OffloadedExperts(nn.Module):
-    """Drop-in for `GroupedExperts` whose weights come from an `ExpertCache`."""
+class OffloadedExperts(nn.Module, ExpertModule):
+    """An `ExpertModule` standing in for a `GroupedExperts`, whose weights come from an `ExpertCache`; ``impl``
+    is ignored (its experts run one at a time on their own tokens)."""
 
     def __init__(self, layer_id: int, num_experts: int, activation: str, cache: ExpertCache) -> None:
         super().__init__()

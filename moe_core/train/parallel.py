@@ -36,7 +36,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from moe_core.errors import MoELabError
-from moe_core.experts import GroupedExperts
+from moe_core.experts import ExpertDispatch, ExpertModule, GroupedExperts, sort_by_expert
 from moe_core.routing import AuxLossFreeRouter, RoutingRecord, SwitchRouter, TokenChoiceTopKRouter
 
 # Legend: T = tokens on this rank, D = model dim, E = all experts, El = experts on this rank, K = slots per
@@ -174,8 +174,9 @@ def _uses_standard_aux_loss(router: nn.Module) -> bool:
     return type(router) in (TokenChoiceTopKRouter, SwitchRouter) and not isinstance(router, AuxLossFreeRouter)
 
 
-class ExpertParallelExperts(nn.Module):
-    """This rank's slice of a `GroupedExperts`, with all-to-all dispatch and return over the EP group."""
+class ExpertParallelExperts(nn.Module, ExpertModule):
+    """An `ExpertModule`: this rank's slice of a `GroupedExperts` (``local``), with all-to-all dispatch and
+    return over the EP group; ``num_experts`` is the global E."""
 
     def __init__(self, experts: GroupedExperts, state: ParallelState, global_aux_group=None) -> None:
         super().__init__()
@@ -204,15 +205,14 @@ class ExpertParallelExperts(nn.Module):
             record.aux_loss = global_load_balancing_loss(record, self.global_aux_group)
         if self.ep_size == 1:
             return self.local(x_TD, record, impl)
-        T, K = record.expert_ids_TK.shape
+        return self.forward_all_to_all(x_TD, record)
+
+    def forward_all_to_all(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+        """Slots to the ranks holding their experts, each expert on what it received, results back."""
         P, El = self.ep_size, self.num_local
         # sort kept slots by expert: experts are contiguous per rank, so this also groups them by destination
-        kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
-        expert_ids_A, order_A = record.expert_ids_TK.flatten()[kept_A].sort(stable=True)
-        slot_A = kept_A[order_A]
-        token_idx_A = slot_A // K
-        weights_A = record.weights_TK.flatten()[slot_A].to(x_TD.dtype)
-        send_counts_PEl = torch.bincount(expert_ids_A, minlength=self.num_experts).view(P, El)
+        dispatch = ExpertDispatch.of(record, self.num_experts)
+        send_counts_PEl = dispatch.counts_E.view(P, El)
         comm = self.comm if self.training else CommStats()  # telemetry counts training steps only, not eval
         recv_counts_PEl = timed_all_to_all(
             send_counts_PEl, [1] * P, [1] * P, self.group, comm, self.ep_rank
@@ -221,20 +221,19 @@ class ExpertParallelExperts(nn.Module):
         recv_splits = recv_counts_PEl.sum(1).tolist()
         comm.tokens_recv += sum(recv_splits)  # slots this rank's experts compute: the straggler view
 
-        x_AD = x_TD.index_select(0, token_idx_A)
+        x_AD = dispatch.gather(x_TD)
         x_RD = TimedAllToAll.apply(x_AD, recv_splits, send_splits, self.group, comm, self.ep_rank)
         # received: per source rank, slots sorted by local expert; regroup by local expert across sources
         local_ids_R = torch.repeat_interleave(
             torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device)
         )
-        local_ids_R, perm_R = local_ids_R.sort(stable=True)
-        counts_El = recv_counts_PEl.sum(0).tolist()
-        chunks = torch.split(x_RD.index_select(0, perm_R), counts_El)
+        by_local = sort_by_expert(local_ids_R, El)
+        chunks = torch.split(x_RD.index_select(0, by_local.order_A), by_local.counts_E.tolist())
         weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
         out_RD = torch.cat([self.local.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
-        out_RD = out_RD.index_select(0, torch.argsort(perm_R))  # back to the received order
+        out_RD = out_RD.index_select(0, by_local.inverse())  # back to the received order
         out_AD = TimedAllToAll.apply(out_RD, send_splits, recv_splits, self.group, comm, self.ep_rank)
-        return torch.zeros_like(x_TD).index_add(0, token_idx_A, out_AD * weights_A[:, None])
+        return dispatch.combine(out_AD, x_TD)
 
 
 # ------------------------------------------------------------------------------------------------ telemetry

@@ -1,0 +1,242 @@
+"""Calibrated choice of the integer codes for weight-only experts: GPTQ and AWQ.
+
+Legend: E = experts, O = output features, I = input features, G = groups per row (I / group_size), N =
+calibration tokens of one expert.
+
+- ``gptq``: GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
+  Pre-trained Transformers", Algorithm 1 with lazy batch updates): quantize columns in order, each error
+  compensated on the not-yet-quantized columns through the inverse Hessian ``H = X^T X`` of the expert's
+  own inputs, collected from calibration batches routed by the real router. An expert the router rarely
+  picks gets its ``min_tokens`` from the calibration tokens with the highest router probability for it
+  (force-routed); with fewer calibration tokens than that in all, it falls back to round-to-nearest and the
+  report says so. Simplification: all layers are calibrated in one pass on unquantized inputs.
+- ``awq``: AWQ (Lin et al. 2024, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+  Acceleration", Sec. 3.2): per expert, a per-input-channel scale ``s = mean|x|^alpha`` (normalized as
+  upstream llm-awq, ``s / sqrt(max s * min s)``) chosen on the grid ``alpha in {0, 1/(n-1), ..., 1}`` to
+  minimize ``|| Q(W diag(s)) diag(s)^-1 x - W x ||^2`` on the expert's own calibration inputs (Eq. 5), then
+  round-to-nearest with groups of ``W diag(s)``. gate_proj and up_proj share their input and one scale
+  (searched on their joint output, as upstream scales a block's inputs together); down_proj is searched on
+  the hidden activation. Upstream folds ``1/s`` into the preceding op; an expert's input is the normed hidden
+  state every expert shares, so ``1/s`` is kept per expert as ``p_in_scale`` and divides the dequantized
+  weight's columns instead (the same product). ``alpha = 0`` is plain RTN, so AWQ's output error on the
+  calibration inputs is never above RTN's. Calibration coverage, force-routing and the RTN fallback are
+  GPTQ's. Not done: upstream's second search (per-group weight clipping).
+
+`calibrated_codes` returns the codes per expert module; `weight_only.quantize_experts` builds the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.experts import ffn_act
+from moe_core.inference.evaluate import calibration_pass
+from moe_core.inference.quantize.common import (
+    PROJECTIONS,
+    QuantConfig,
+    QuantizationError,
+    QuantReport,
+    compute_scales,
+    fake_quantize,
+    quantize_rtn,
+)
+from moe_core.progress import Progress
+
+
+# ---------------------------------------------------------------------------------------------- GPTQ
+@torch.no_grad()
+def gptq_quantize(
+    w_OI: torch.Tensor, H_II: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ codes and scales of one weight matrix given its input Hessian (Frantar et al. 2022, Alg. 1).
+
+    Scales are absmax of the error-updated weights at the moment their group starts (per row for int8)."""
+    W = w_OI.detach().float().clone()
+    O, I = W.shape
+    H = H_II.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += config.damp * torch.mean(torch.diag(H)) * torch.eye(I)
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:  # numerically singular even after dampening: no error feedback possible
+        scale = compute_scales(W, config)
+        return quantize_rtn(W, scale, config), scale
+    G = config.groups(I)
+    g = I // G
+    scale = compute_scales(W, config) if config.bits == 8 else torch.empty(O, G)
+    Q = torch.empty(O, I, dtype=torch.int8)
+    for i1 in range(0, I, config.block_size):
+        i2 = min(i1 + config.block_size, I)
+        W1, Err1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(O, i2 - i1), Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if config.bits == 4 and col % g == 0:  # the group lies inside this block (block_size % g == 0)
+                scale[:, col // g] = (W1[:, i : i + g].abs().amax(-1) / config.qmax).clamp_min(1e-12)
+            s = scale[:, col // g]
+            q = torch.round(W1[:, i] / s).clamp(-config.qmax - 1, config.qmax)
+            Q[:, col] = q.to(torch.int8)
+            err = (W1[:, i] - q * s) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, scale
+
+
+# ---------------------------------------------------------------------------------------------- AWQ
+def awq_output_error(w_OI: torch.Tensor, x_NI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig) -> float:
+    """AWQ's objective (Lin et al. 2024, Eq. 5): mean squared error of ``Q(W diag(s)) diag(s)^-1 x`` against
+    ``W x`` over the rows of ``x``."""
+    w = w_OI.float()
+    w_hat = fake_quantize(w * s_I, config) / s_I
+    return float(((x_NI @ (w_hat - w).T) ** 2).mean())
+
+
+def awq_alphas(config: QuantConfig) -> list[float]:
+    return [i / (config.awq_grid - 1) for i in range(config.awq_grid)]
+
+
+@torch.no_grad()
+def awq_search_scale(
+    w_OI: torch.Tensor, x_NI: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, float, list[float]]:
+    """The per-input-channel scale [I] minimizing `awq_output_error` over the alpha grid; returns
+    (scale, the chosen alpha, the error at each alpha). ``w`` may stack several weights that share ``x``."""
+    x = x_NI.float()
+    mean_abs_I = x.abs().mean(0)
+    errors, best = [], (float("inf"), 0.0, torch.ones_like(mean_abs_I))
+    for alpha in awq_alphas(config):
+        s_I = mean_abs_I.pow(alpha).clamp_min(1e-4)
+        s_I = (
+            s_I / (s_I.max() * s_I.min()).sqrt()
+        )  # llm-awq's normalization: keeps the weights' range centred
+        err = awq_output_error(w_OI, x, s_I, config)
+        errors.append(err)
+        if err < best[0]:
+            best = (err, alpha, s_I)
+    return best[2], best[1], errors
+
+
+def awq_quantize(
+    w_OI: torch.Tensor, s_I: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes and group scales of ``W diag(s)``, and ``s``: the weight is ``dequantize(q, scale) / s``."""
+    w_s = w_OI.detach().float() * s_I
+    scale = compute_scales(w_s, config)
+    return quantize_rtn(w_s, scale, config), scale, s_I
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@torch.no_grad()
+def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, torch.Tensor]]:
+    """One calibration pass: per expert module, its inputs x [N, D], router probabilities [N, E] and which
+    expert each token was routed to (hit [N, E])."""
+    seen: dict[str, dict[str, list[torch.Tensor]]] = {
+        name: {"x": [], "probs": [], "hit": []} for name, _ in modules
+    }
+    hooks = []
+    for name, module in modules:
+
+        def hook(mod, args, _out, name=name):
+            x_TD, record = args[0], args[1]
+            seen[name]["x"].append(x_TD.detach().float())
+            seen[name]["probs"].append(record.probs_TE.detach().float())
+            hit_TE = torch.zeros_like(record.probs_TE, dtype=torch.bool)
+            hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0), ~record.dropped_TK)
+            seen[name]["hit"].append(hit_TE)
+
+        hooks.append((module, hook))
+    calibration_pass(model, calibration, hooks)
+    for name in seen:
+        if not seen[name]["x"]:
+            raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
+    return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in seen.items()}
+
+
+def _gptq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, _alphas: list) -> dict[str, tuple]:
+    h_up = F.linear(x_ND, module.up_proj[e].float())
+    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
+    a_NF = ffn_act(module.activation, h_gate, h_up)
+    H_in, H_hidden = x_ND.T @ x_ND, a_NF.T @ a_NF
+    return {
+        p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
+        for p in PROJECTIONS
+        if getattr(module, p) is not None
+    }
+
+
+def _awq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, alphas: list) -> dict[str, tuple]:
+    """AWQ of one expert: one scale for the projections reading x (searched on their joint output), one for
+    down_proj on the hidden activation computed in full precision."""
+    inputs = [p for p in ("gate_proj", "up_proj") if getattr(module, p) is not None]
+    w_in = torch.cat([getattr(module, p)[e].float() for p in inputs])
+    s_in, alpha_in, _ = awq_search_scale(w_in, x_ND, config)
+    h_up = F.linear(x_ND, module.up_proj[e].float())
+    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
+    a_NF = ffn_act(module.activation, h_gate, h_up)
+    s_hidden, alpha_hidden, _ = awq_search_scale(module.down_proj[e], a_NF, config)
+    alphas.append([alpha_in, alpha_hidden])
+    codes = {p: awq_quantize(getattr(module, p)[e], s_in, config) for p in inputs}
+    codes["down_proj"] = awq_quantize(module.down_proj[e], s_hidden, config)
+    return codes
+
+
+def _rtn_expert(module, e: int, config: QuantConfig) -> dict[str, tuple]:
+    codes = {}
+    for p in PROJECTIONS:
+        if getattr(module, p) is None:
+            continue
+        w = getattr(module, p)[e].detach().float()
+        scale = compute_scales(w, config)
+        codes[p] = (quantize_rtn(w, scale, config), scale)
+        if config.method == "awq":  # the identity scale: this expert is plain RTN inside an AWQ module
+            codes[p] += (torch.ones(w.shape[-1]),)
+    return codes
+
+
+@torch.no_grad()
+def calibrated_codes(
+    model, modules, config: QuantConfig, calibration, report: QuantReport
+) -> dict[str, dict]:
+    """GPTQ or AWQ codes of every expert from its own calibration inputs (force-routed up to min_tokens)."""
+    seen = _collect_expert_inputs(model, modules, calibration)
+    quantize_expert = _gptq_expert if config.method == "gptq" else _awq_expert
+    codes: dict[str, dict] = {}
+    bar = Progress(sum(m.num_experts for _, m in modules), f"quantize ({config.method})", unit="expert")
+    for name, module in modules:
+        x_ND, probs_NE, hit_NE = seen[name]["x"], seen[name]["probs"], seen[name]["hit"]
+        counts, forced, alphas, per_expert = [], [], [], []
+        for e in range(module.num_experts):
+            bar.update(1, layer=name.split(".experts")[0].removeprefix("model."))
+            idx = hit_NE[:, e].nonzero().flatten()
+            extra = 0
+            if idx.numel() < config.min_tokens:  # force-route the tokens the router likes best for e
+                order = probs_NE[:, e].masked_fill(hit_NE[:, e], -1.0).argsort(descending=True)
+                extra = min(config.min_tokens - idx.numel(), int((~hit_NE[:, e]).sum()))
+                idx = torch.cat([idx, order[:extra]])
+            counts.append(int(hit_NE[:, e].sum()))
+            forced.append(extra)
+            if idx.numel() < config.min_tokens:
+                report.experts_rtn_fallback.append(f"{name}:{e}")
+                per_expert.append(_rtn_expert(module, e, config))
+                if config.method == "awq":
+                    alphas.append([0.0, 0.0])
+                continue
+            per_expert.append(quantize_expert(module, e, x_ND[idx], config, alphas))
+        report.calibration_tokens[name] = counts
+        report.forced_tokens[name] = forced
+        if alphas:
+            report.awq_alpha[name] = alphas
+        codes[name] = {
+            p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert))) for p in per_expert[0]
+        }
+    bar.close()
+    if report.experts_rtn_fallback:
+        report.notes.append(
+            f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
+            f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
+            "to nearest; give more calibration data"
+        )
+    return codes

@@ -1,0 +1,86 @@
+"""ONNX Runtime dynamic int8 (`quantize_onnx_dynamic`) on an exported directory, through optimum's `ORTQuantizer`.
+
+The static expert path runs each projection of a layer as one wide MatMul over all E experts ([D, E*F] or
+[E*F, D]), so per-channel scales are per expert row and ONNX Runtime runs three int8 MatMuls a layer instead
+of 3E small ones. ONNX Runtime's quantizer only quantizes MatMuls whose weight is an initializer, and a weight
+may sit behind a Reshape/Transpose of its stack, so the graph is first constant-folded by ONNX Runtime (basic
+level: standard ONNX ops only). Router MatMuls stay in float; weight-times-activation MatMuls only (no
+activation-times-activation).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from moe_core.inference.onnx_export import ONNX_FILES
+from moe_core.inference.quantize.common import QuantizationError
+
+
+def fold_onnx_constants(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Constant-fold an ONNX file with ONNX Runtime's basic optimizations (standard ONNX ops only), so that
+    every expert's weight becomes a MatMul initializer the quantizer can see."""
+    import onnxruntime as ort  # optional heavy dependency: ONNX Runtime, only for this backend
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(dst)
+    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    return Path(dst)
+
+
+def weight_matmuls(onnx_path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """(MatMul nodes whose weight is an initializer, outside the router; router MatMul nodes)."""
+    import onnx  # optional heavy dependency, only for this backend
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    weights, routers = [], []
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            (routers if "/router/" in node.name or ".router." in node.input[1] else weights).append(node.name)
+    return weights, routers
+
+
+def quantize_onnx_dynamic(
+    onnx_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    per_channel: bool = True,
+    keep_router_float: bool = True,
+) -> Path:
+    """Dynamic int8 (weights int8 per channel, activations quantized at run time) through optimum's
+    `ORTQuantizer`; writes ``model_quantized.onnx`` and the configs into ``out_dir``."""
+    # optional heavy dependency: optimum's ONNX Runtime tooling, only for this backend
+    from optimum.onnxruntime import ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    onnx_dir, out_dir = Path(onnx_dir), Path(out_dir)
+    src = next((onnx_dir / f for f in ONNX_FILES if (onnx_dir / f).is_file()), None)
+    if src is None:
+        raise QuantizationError(
+            f"{onnx_dir}: no exported ONNX model ({', '.join(ONNX_FILES)}); run `moe-lab export onnx` first"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folded_dir = out_dir / "_folded"
+    folded_dir.mkdir(exist_ok=True)
+    try:
+        folded = fold_onnx_constants(src, folded_dir / "model.onnx")
+        for companion in ("config.json", "generation_config.json"):
+            if (onnx_dir / companion).is_file():
+                shutil.copy(onnx_dir / companion, folded_dir / companion)
+                shutil.copy(onnx_dir / companion, out_dir / companion)
+        weights, routers = weight_matmuls(folded)
+        nodes = weights if keep_router_float else weights + routers
+        qconfig = AutoQuantizationConfig.avx2(
+            is_static=False,
+            per_channel=per_channel,
+            nodes_to_quantize=nodes,
+            operators_to_quantize=["MatMul"],
+        )
+        quantizer = ORTQuantizer.from_pretrained(folded_dir, file_name="model.onnx")
+        quantizer.quantize(save_dir=out_dir, quantization_config=qconfig)
+    finally:
+        shutil.rmtree(folded_dir, ignore_errors=True)
+    return out_dir
