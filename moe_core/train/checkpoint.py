@@ -43,10 +43,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard
-from moe_core.model import MoEForCausalLM
 
 FORMAT = 2
 STEP_PREFIX = "step_"
@@ -458,6 +456,10 @@ def gather_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write a Hugging Face-loadable directory (config.json, model.safetensors, tokenizer if known)."""
+    # lazy: the modeling stack takes seconds to import, and the flows' tasks import this module to read state
+    from moe_core.config import MoEConfig
+    from moe_core.model import MoEForCausalLM
+
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     config = MoEConfig.from_pretrained(ckpt)
     model = MoEForCausalLM(config)
