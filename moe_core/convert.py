@@ -62,6 +62,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import CONFIG_MAPPING, GenerationConfig
+from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
@@ -138,9 +144,6 @@ def resolve_source(path_or_hub_id: str | os.PathLike, revision: str | None = Non
         return path
     if path.exists():
         raise ConversionError(f"{path} is a file; give the checkpoint directory that holds config.json")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     repo_id = str(path_or_hub_id)
     try:
         validate_repo_id(repo_id)
@@ -198,8 +201,6 @@ class CheckpointReader:
             if not file.is_file():
                 raise ConversionError(f"{file}: listed in the checkpoint index but missing")
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
                 self._open[file] = safe_open(str(file), framework="pt", device="cpu")
             else:
                 try:
@@ -227,8 +228,6 @@ class CheckpointReader:
 
 def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]]:
     """The architecture, the transformers config object and the raw config.json of a HF checkpoint."""
-    from transformers import CONFIG_MAPPING
-
     file = directory / "config.json"
     if not file.is_file():
         raise ConversionError(f"{directory}: no config.json; is this a Hugging Face checkpoint directory?")
@@ -480,8 +479,6 @@ def _same(key: str, origin_value: Any, value: Any, config: MoEConfig) -> bool:
 
 def config_to_hf(config: MoEConfig, arch: HFArchitecture):
     """The transformers config of `arch` for our config, with the HF-only fields kept in `hf_origin`."""
-    from transformers import CONFIG_MAPPING
-
     reasons = refusals_to_hf(config, arch)
     if reasons:
         raise ConversionError(
@@ -581,8 +578,6 @@ def from_hf(
     The weights are streamed tensor by tensor from the checkpoint into our model (the HF model is never built),
     in `dtype` (default: the checkpoint's own). The result is in eval mode.
     """
-    from transformers.modeling_utils import no_init_weights
-
     directory = resolve_source(path_or_hub_id, revision)
     arch, hf, raw = read_hf_config(directory)
     config = config_from_hf(arch, hf, raw)
@@ -634,8 +629,6 @@ def _write_safetensors(
     directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int
 ) -> None:
     """Write named tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
-
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, tensor in tensors:
@@ -701,8 +694,6 @@ def to_hf(
         hf_config.save_pretrained(tmp)
         copied = copy_companion_files(tokenizer_dir, tmp) if tokenizer_dir else []
         if "generation_config.json" not in copied:
-            from transformers import GenerationConfig
-
             GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     return Path(out_dir)
 

@@ -52,7 +52,7 @@ def require_model_source(name: str | os.PathLike, what: str = "model") -> None:
         return
     if looks_local(name):
         raise PathNotFoundError(f"{what} {name}: not found (no such directory)")
-    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub import HfApi, try_to_load_from_cache  # heavy (~0.2 s): kept off `moe-lab --help`
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Literal, TypeVar
 
+from tqdm import tqdm
+
 Mode = Literal["auto", "bar", "lines", "off"]
 MODES = ("auto", "bar", "lines", "off")
 T = TypeVar("T")
@@ -104,15 +106,13 @@ class Progress:
     def _make_bar(self):
         kwargs = dict(total=self.total, initial=self.n, desc=self.desc, unit=self.unit, dynamic_ncols=True)
         if self.mode == "widget":
-            try:
-                import ipywidgets  # noqa: F401  (tqdm.auto warns and draws text without it)
+            try:  # optional: the notebook extra (tqdm.notebook warns and draws text without ipywidgets)
+                import ipywidgets  # noqa: F401
                 from tqdm.notebook import tqdm as notebook_tqdm
 
                 return notebook_tqdm(**kwargs)
             except ImportError:
                 self.mode = "bar"
-        from tqdm import tqdm
-
         return tqdm(file=self.stream, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- updates

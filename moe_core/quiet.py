@@ -8,6 +8,8 @@ import contextlib
 import logging
 import warnings
 
+import torch
+
 
 @contextlib.contextmanager
 def quiet_loggers(*names: str, level: int = logging.ERROR):
@@ -32,8 +34,6 @@ def quiet_tracer_warnings():
     """``torch.jit.TracerWarning`` during an ONNX export: the exporter traces Python branches on tensor values
     (the KV cache's "is it empty", the mask check) and warns about each, while the export is validated
     against PyTorch at several shapes right after (`moe_core.inference.onnx_export.validate_export`)."""
-    import torch
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         yield

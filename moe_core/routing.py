@@ -48,6 +48,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +140,6 @@ def allow_router_module(name: str) -> None:
 
 
 def _router_entry_points() -> dict[str, object]:
-    from importlib.metadata import entry_points
-
     return {ep.name: ep for ep in entry_points(group=ROUTER_ENTRY_POINT_GROUP)}
 
 

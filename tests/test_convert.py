@@ -425,7 +425,7 @@ def test_offline_hub_id_fails_fast_with_a_clear_message(monkeypatch):
 
 
 def test_hub_id_downloads_only_config_weights_and_tokenizer(hf_checkpoints, monkeypatch):
-    import huggingface_hub
+    from moe_core import convert
 
     _, directory = hf_checkpoints["olmoe"]
     calls = []
@@ -434,7 +434,7 @@ def test_hub_id_downloads_only_config_weights_and_tokenizer(hf_checkpoints, monk
         calls.append((repo_id, kwargs))
         return str(directory)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(convert, "snapshot_download", fake_snapshot_download)
     model = from_hf("allenai/OLMoE-tiny-test")
     assert model.config.hf_origin["model_type"] == "olmoe"
     ((repo_id, kwargs),) = calls

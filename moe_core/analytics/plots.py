@@ -21,18 +21,24 @@ Legend: L = MoE layers, E = experts, C = token classes, T = tokens of the text.
 from __future__ import annotations
 
 import io
+import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import plotly.graph_objects as go
 import torch
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from plotly.subplots import make_subplots
 
 from moe_core.analytics.profile import RouterProfile
+from moe_core.eval.prompts import PROMPTS
 
 
 def _figure(width: float, height: float):
-    from matplotlib.figure import Figure
-
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
@@ -90,9 +96,6 @@ def portable_copies(plots_dir: str | Path, dest: str | Path) -> Path:
     The HTML copies load plotly.js from its CDN instead (the pinned version, with its integrity hash; 10 KB
     per page rather than a 4.8 MB inlined copy; interactive when the viewer's browser is online), and the PNG
     beside each shows the same picture offline. Returns ``dest``."""
-    import re
-    import shutil
-
     plots_dir, dest = Path(plots_dir), Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     cdn_tag = _cdn_script_tag()
@@ -108,10 +111,6 @@ def portable_copies(plots_dir: str | Path, dest: str | Path) -> Path:
 def _cdn_script_tag() -> str:
     """The ``<script ...>`` opening tag plotly writes for ``include_plotlyjs="cdn"`` (version and hash of the
     installed plotly.js)."""
-    import re
-
-    import plotly.graph_objects as go
-
     html = go.Figure().to_html(include_plotlyjs="cdn", full_html=False)
     return re.search(r"<script[^>]*src=\"https://[^>]*>", html).group(0)
 
@@ -123,8 +122,6 @@ def _layer_labels(profile: RouterProfile) -> list[str]:
 # ------------------------------------------------------------------------------------------------ load
 def plot_expert_load(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
     """Heatmap of each expert's share of its layer's kept slots (1/E is perfect balance)."""
-    import plotly.graph_objects as go
-
     share_LE = profile.load_matrix_LE()
     L, E = share_LE.shape
     labels = _layer_labels(profile)
@@ -183,9 +180,6 @@ def coactivation_fraction(profile: RouterProfile) -> list[np.ndarray]:
 
 
 def plot_coactivation(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     mats = coactivation_fraction(profile)
     labels = _layer_labels(profile)
     n = len(mats)
@@ -222,8 +216,6 @@ def plot_routing_flow(
     profile: RouterProfile, out_dir: str | Path | None = None, min_share: float = 0.0
 ) -> Plot:
     """Top-1 routing flow between consecutive MoE layers; links under ``min_share`` of tokens are hidden."""
-    import plotly.graph_objects as go
-
     layers = profile.layers
     E = max((x.num_experts for x in layers), default=0)
     node_index = {}
@@ -292,8 +284,6 @@ def plot_routing_flow(
 
 
 def _palette(n: int) -> list[tuple[float, float, float, float]]:
-    from matplotlib import colormaps
-
     cmap = colormaps["tab20" if n > 10 else "tab10"]
     return [cmap(i % cmap.N) for i in range(max(n, 1))]
 
@@ -307,9 +297,6 @@ def _rgba(color, alpha: float) -> str:
 def plot_specialization(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
     """Per layer, each expert's kept slots split by token class (and by domain): stacked shares, with the
     mutual information I(expert; class) in the title. Without class or domain data the chart says so."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     panels = []  # (title, names, counts_EC)
     for x in profile.layers:
         if profile.class_names:
@@ -390,9 +377,6 @@ def plot_token_routing(
     """Router probabilities of each token of a short text, per MoE layer (rows: experts, columns: tokens);
     kept slots are outlined. Give a project-owned text (e.g. a `moe_core.eval.prompts` prompt), not
     training data: the tokens are drawn as labels."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     ids_T = torch.as_tensor(token_ids, dtype=torch.long).flatten()[:max_tokens]
     device = next(model.parameters()).device
     was_training = model.training
@@ -448,8 +432,6 @@ def plot_token_routing(
 
 
 def _rect(t: int, e: int):
-    from matplotlib.patches import Rectangle
-
     return Rectangle((t - 0.5, e - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.0)
 
 
@@ -466,8 +448,6 @@ def render_all(
     if profile.flows:
         out["routing_flow"] = plot_routing_flow(profile, out_dir)
     if token_ids is None and tokenizer is not None:
-        from moe_core.eval.prompts import PROMPTS
-
         token_ids = tokenizer.encode(PROMPTS[0].text, add_special_tokens=False)
     if model is not None and token_ids is not None:
         out["token_routing"] = plot_token_routing(model, token_ids, out_dir, tokenizer)

@@ -22,6 +22,8 @@ fingerprint) it is verified against its checksums and reused.
 
 from __future__ import annotations
 
+# Lazy: `datasets` and `transformers` (heavy, seconds) load inside the functions that tokenize; the flows
+# and `moe-lab run --help-config` import this module for `PrepareConfig`.
 import dataclasses
 import hashlib
 import json
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tokenizers
 
 from moe_core.data.errors import DataError
 from moe_core.data.shards import (
@@ -52,8 +55,10 @@ from moe_core.data.sources import (
     source_fingerprint,
     to_messages,
 )
+from moe_core.data.tokenizer import load_tokenizer, render_chat, tokenizer_hash, train_tokenizer
 from moe_core.data.validation import ValidationConfig, validate
 from moe_core.fileio import atomic_directory
+from moe_core.progress import Progress
 
 SPLITS = ("train", "validation", "test")
 DTYPES = ("auto", "uint16", "uint32")
@@ -187,8 +192,6 @@ def _documents(config: PrepareConfig, loaded: LoadedSource) -> tuple[list[str], 
     ds = loaded.dataset
     counts = {"documents_loaded": len(ds)}
     if config.kind == "instruction":
-        from moe_core.data.tokenizer import render_chat
-
         rows = ds.to_list()
         texts = [render_chat(to_messages(r)) for r in rows]
         domains = ["instruction"] * len(texts)
@@ -285,8 +288,6 @@ def tokenize_documents(
 
 
 def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -> None:
-    from moe_core.progress import Progress
-
     with Progress(6, "prepare data", unit="stage") as bar:
         _build_stages(config, tmp, fingerprint, source_fp, bar)
         bar.advance_to(6)
@@ -317,8 +318,6 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
     bar.stage("split")
     split_ids, split_counts = assign_splits(config, texts)
     counts.update(split_counts)
-
-    from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
     bar.stage("tokenizer")
     if config.tokenizer is None:
@@ -385,7 +384,6 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
 
 def _versions() -> dict[str, str]:
     import datasets
-    import tokenizers
     import transformers
 
     return {

@@ -25,6 +25,8 @@ ids, which decode back to the text with the tokenizer beside them.
 
 from __future__ import annotations
 
+# Lazy: `datasets` (heavy, seconds) loads inside the functions that read data; the flows and
+# `moe-lab run --help-config` import this module for source parsing.
 import ast
 import codecs
 import glob

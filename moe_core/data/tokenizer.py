@@ -8,11 +8,15 @@ the manifest of prepared data.
 
 from __future__ import annotations
 
+# Lazy: `transformers` (heavy, seconds) loads inside the functions that build a tokenizer; `prepare`
+# imports this module, and the flows and `moe-lab run --help-config` import `prepare`.
 import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_core.data.errors import DataError
 
@@ -33,7 +37,6 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2) -> Any:
     """Train a byte-level BPE tokenizer on `texts`; returns a `PreTrainedTokenizerFast`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < MIN_VOCAB:

@@ -19,6 +19,8 @@ sampled fraction, so they still speak about the whole data.
 
 from __future__ import annotations
 
+# Lazy: pandas and great_expectations (heavy, seconds) load inside the functions that validate; the
+# flows and `moe-lab run --help-config` import this module for `ValidationConfig`.
 import hashlib
 import math
 import numbers
@@ -29,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from moe_core.data.errors import DataError, DataValidationError
-from moe_core.data.sources import canonical_json
+from moe_core.data.sources import canonical_json, load_source
+from moe_core.progress import Progress
 
 SUITES = {"text": "moe_lab.text", "instruction": "moe_lab.instruction", "preference": "moe_lab.preference"}
 CONTROL_CHARS = r"[\x00-\x08\x0B\x0C\x0E-\x1F\x7F]"  # tab, newline and carriage return are allowed
@@ -380,8 +383,6 @@ def validate(
     Returns the result whether it passed or not; call ``result.raise_for_failure()`` to stop on failure."""
     if kind not in SUITES:
         raise DataError(f"unknown data kind {kind!r}; choose one of {tuple(SUITES)}")
-    from moe_core.progress import Progress
-
     with Progress(3, "validate data", unit="stage") as bar:  # GX's own bars are off (see _context)
         return _validate(records, kind, config or ValidationConfig(), text_column, source, bar)
 
@@ -480,8 +481,6 @@ def validate_source(
     **load_kwargs: Any,
 ) -> ValidationResult:
     """Load a source (`moe_core.data.sources.load_source`) and validate it."""
-    from moe_core.data.sources import load_source
-
     loaded = load_source(source, kind=kind, text_column=text_column, **load_kwargs)
     column = "text" if kind == "text" else text_column
     return validate(loaded.dataset, kind, config, text_column=column, source=loaded.spec.name)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from moe_core.data.shards import PackedTokens, read_manifest
+
 
 def split_batches(
     data_dir: str | Path,
@@ -24,8 +26,6 @@ def split_batches(
 
     Reads `moe_core.data.shards.PackedTokens`; the last batch may be smaller.
     """
-    from moe_core.data.shards import PackedTokens
-
     if batch_size < 1:
         raise ValueError(f"split_batches: batch_size={batch_size} must be >= 1")
     data = PackedTokens(data_dir, split, verify=verify)
@@ -43,6 +43,4 @@ def split_batches(
 
 def domain_names(data_dir: str | Path) -> list[str]:
     """The domain names of a prepared directory (index = the per-token domain id)."""
-    from moe_core.data.shards import read_manifest
-
     return list(read_manifest(data_dir)["domains"])

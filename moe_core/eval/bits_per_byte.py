@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moe_core.data.shards import PackedTokens
+from moe_core.data.tokenizer import load_tokenizer
 from moe_core.eval.perplexity import EvaluationError
 
 
@@ -69,9 +71,6 @@ def text_fingerprint(texts: Sequence[str]) -> str:
 def split_texts(data_dir: str | Path, split: str = "validation", max_blocks: int | None = None) -> list[str]:
     """The raw text behind the first ``max_blocks`` blocks of a prepared split: their tokens decoded with
     the data's own (byte-level, lossless) tokenizer, one string per document piece (cut at EOS)."""
-    from moe_core.data.shards import PackedTokens
-    from moe_core.data.tokenizer import load_tokenizer
-
     data = PackedTokens(data_dir, split)
     tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
     n = len(data) if max_blocks is None else min(len(data), max_blocks)

@@ -167,6 +167,7 @@ def run_tasks(
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` on ``tasks`` (names, or names of YAML tasks under ``include_path``);
     returns its ``results`` dict (task -> metric -> value)."""
+    # lazy: lm-eval's evaluator takes seconds to import; MoELabLM alone needs only lm_eval.api
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

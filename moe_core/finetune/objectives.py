@@ -33,18 +33,21 @@ import math
 import types
 from typing import Any
 
+import datasets
 import torch
 from transformers import TrainerCallback
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl.trainer.utils import FusedCausalLMOutput
 
+from moe_core.data.sources import to_messages
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.progress import Progress
 from moe_core.train.telemetry import RoutingStats
 
 
 # ------------------------------------------------------------------------------------------------ datasets
 def _messages(record: dict[str, Any], index: int) -> list[dict[str, str]]:
-    from moe_core.data.sources import to_messages
-
     messages = to_messages(record)
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         raise FinetuneError(
@@ -68,8 +71,6 @@ def task_names_of(records, task_column: str | None) -> list[str]:
 def sft_dataset(records, task_column: str | None = None, task_names: list[str] | None = None):
     """Instruction records (alpaca or chat) as TRL conversational prompt/completion rows: the prompt is every turn
     before the last assistant answer, the completion that answer; ``task_index`` when tasks are given."""
-    import datasets
-
     rows: dict[str, list[Any]] = {"prompt": [], "completion": []}
     if task_column:
         rows["task_index"] = []
@@ -85,8 +86,6 @@ def sft_dataset(records, task_column: str | None = None, task_names: list[str] |
 def dpo_dataset(records):
     """Preference records (``prompt``, ``chosen``, ``rejected``; strings or chat turns) as conversational rows, so
     the tokenizer's chat template frames them like the SFT data."""
-    import datasets
-
     rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": []}
     for i, record in enumerate(records):
         prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
@@ -147,8 +146,6 @@ class ProgressCallback(TrainerCallback):
         self.progress = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from moe_core.progress import Progress
-
         self.progress = Progress(
             state.max_steps or None,
             self.desc,
@@ -328,19 +325,7 @@ def _config_kept(model):
         config.__dict__.update(saved)
 
 
-def _trl_sft():
-    from trl import SFTTrainer
-
-    return SFTTrainer
-
-
-def _trl_dpo():
-    from trl import DPOTrainer
-
-    return DPOTrainer
-
-
-class MoESFTTrainer(_MoEMetrics, _trl_sft()):
+class MoESFTTrainer(_MoEMetrics, SFTTrainer):
     """TRL's SFTTrainer with our model's own loss (LM + router losses); see the module docstring."""
 
     def __init__(
@@ -388,8 +373,6 @@ def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwarg
     """Stands in for TRL's fused LM head on our model: with ``fused_lm_head=True`` returns TRL's
     `FusedCausalLMOutput` (per-token log-probabilities of the labels, entropy, mean logits, top-1 hits) computed
     from our logits; the router losses of a forward under autograd are kept in ``self._moe_router_out``."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
     kwargs.pop("output_router_logits", None)
     if not fused_lm_head:
         return type(self).forward(self, *args, labels=labels, **kwargs)
@@ -417,7 +400,7 @@ def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwarg
     )
 
 
-class MoEDPOTrainer(_MoEMetrics, _trl_dpo()):
+class MoEDPOTrainer(_MoEMetrics, DPOTrainer):
     """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
 
     def __init__(
@@ -494,11 +477,7 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
     )
     common.update(extra)
     if config.objective == "sft":
-        from trl import SFTConfig
-
         return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
-    from trl import DPOConfig
-
     return DPOConfig(
         beta=config.dpo.beta, loss_type=[config.dpo.loss_type], precompute_ref_log_probs=False, **common
     )

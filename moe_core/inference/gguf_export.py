@@ -23,8 +23,10 @@ import json
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from moe_core.errors import MoELabError
 
@@ -50,8 +52,6 @@ def unpermute_rope_rows(w_OI: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise GGUFExportError(
@@ -81,8 +81,6 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     vocab.update(special)
     if max(vocab.values()) >= vocab_size:
         raise GGUFExportError(f"{path}: token id {max(vocab.values())} does not fit vocab_size={vocab_size}")
-    import gguf
-
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     for token, i in vocab.items():
@@ -94,8 +92,6 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
 
 def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
     """Write the Hugging Face Mixtral checkpoint in ``hf_dir`` as one float32 GGUF file (atomically)."""
-    import gguf
-
     hf_dir, out_file = Path(hf_dir), Path(out_file)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():

@@ -37,6 +37,9 @@ How it works (the truth is optimum-onnx 0.1.0's ``exporters/onnx`` and ``onnxrun
 
 from __future__ import annotations
 
+# Lazy: optimum (seconds to import) and onnx load inside the functions that export, load or inspect an ONNX
+# graph; the classes built on optimum's are made on first use (`onnx_config_class`, `ort_model_class`).
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -45,9 +48,11 @@ from pathlib import Path
 import torch
 
 from moe_core.config import MoEConfig
+from moe_core.convert import ARCHITECTURES, from_hf
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
+from moe_core.progress import Progress
 from moe_core.quiet import quiet_tracer_warnings
 from moe_core.routing import ExpertChoiceRouter
 
@@ -108,13 +113,9 @@ def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausal
             f"{path}: no config.json; give a directory written by save_pretrained, "
             "`moe-lab convert from-hf`, or a Hugging Face Mixtral/OLMoE/Qwen2-MoE checkpoint"
         )
-    import json
-
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     if model_type == MoEConfig.model_type:
         return MoEForCausalLM.from_pretrained(path, dtype=torch.float32)
-    from moe_core.convert import ARCHITECTURES, from_hf
-
     if model_type in ARCHITECTURES:
         logger.info("converting %s checkpoint %s to moe_lab for export", model_type, path)
         return from_hf(path, dtype=torch.float32)
@@ -165,8 +166,6 @@ def export_onnx(
     onnx_config = config_cls(model.config, task=task, use_past=with_past, use_past_in_inputs=with_past)
     out_dir = Path(out_dir)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
-    from moe_core.progress import Progress
-
     bar = Progress(2 if validate and with_past else 1, "export onnx", unit="stage")
     with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
         with torch.no_grad(), _library_is_transformers(), quiet_tracer_warnings():
@@ -283,8 +282,6 @@ def load_onnx(
             raise OnnxExportError(
                 f"{onnx_dir}: none of {list(ONNX_FILES)} found (have {found}); pass file_name="
             )
-    import moe_core.model  # noqa: F401  (registers model_type="moe_lab" with AutoConfig)
-
     return ort_model_class().from_pretrained(
         onnx_dir, file_name=file_name, provider=provider, session_options=session_options
     )

@@ -37,8 +37,13 @@ from pathlib import Path
 
 import torch
 
+from moe_core.analytics.profile import RouterProfile
+from moe_core.config import MoEConfig
+from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
+from moe_core.experts import GroupedExperts
 from moe_core.inference.evaluate import calibration_pass
+from moe_core.model import MoEForCausalLM
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -83,8 +88,6 @@ class PruneReport:
 def usage_from_profile(profile) -> dict[int, torch.Tensor]:
     """``{layer_id: kept slots per expert}`` from a `RouterProfile` (or a path to its directory)."""
     if isinstance(profile, str | os.PathLike):
-        from moe_core.analytics.profile import RouterProfile
-
         profile = RouterProfile.from_dir(profile)
     return {layer.layer_id: torch.as_tensor(layer.kept_E, dtype=torch.long) for layer in profile.layers}
 
@@ -109,8 +112,6 @@ def collect_usage(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Ten
 def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
     """REAP saliency per MoE layer, ``{layer_id: FloatTensor [E]}``: per expert, the mean over the slots
     routed to it of (combine weight x L2 norm of the expert's output), over ``batches`` of token ids."""
-    from moe_core.experts import GroupedExperts
-
     layers = {layer_id: model.model.layers[layer_id].mlp.experts for layer_id in model.config.moe_layer_ids}
     E = model.config.num_experts
     sums = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
@@ -185,9 +186,6 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
 
     ``usage``: routed slots per layer (ranks experts for ``criterion="frequency"``, weights merges, and gives
     the report's kept share); ``saliency``: `collect_saliency`'s REAP scores, required for ``"reap"``."""
-    from moe_core.config import MoEConfig
-    from moe_core.model import MoEForCausalLM
-
     prune = prune or PruneConfig()
     config = model.config
     if config.num_experts == 0:
@@ -285,8 +283,6 @@ def prune_checkpoint(
 ) -> PruneReport:
     """`moe-lab prune`: load a checkpoint, rank its experts (slots from a router ``profile`` directory or
     counted on ``calibration`` batches; REAP saliency on ``calibration``), prune, save_pretrained."""
-    from moe_core.model import MoEForCausalLM
-
     prune = prune or PruneConfig()
     calibration = list(calibration) if calibration is not None else None
     if profile is None and calibration is None:
@@ -301,7 +297,5 @@ def prune_checkpoint(
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
     new_model, report = prune_experts(model, usage, prune, saliency)
     new_model.save_pretrained(out_dir)
-    from moe_core.convert import copy_companion_files
-
     copy_companion_files(model_dir, Path(out_dir))
     return report

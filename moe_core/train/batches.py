@@ -9,10 +9,19 @@ state) is all a checkpoint needs to continue.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import re
 from pathlib import Path
 
 import torch
 
+from moe_core.data.prepare import prepare
+from moe_core.data.sampler import ResumableSampler
+from moe_core.data.shards import PackedTokens, read_manifest
+from moe_core.data.sources import lab_data_dir
+from moe_core.data.tokenizer import load_tokenizer
 from moe_core.errors import MoELabError
 
 
@@ -51,8 +60,6 @@ class GlobalBatches:
     """An endless stream of global batches (lists of block indices), epoch after epoch, resumable."""
 
     def __init__(self, num_blocks: int, batch_size: int, seed: int) -> None:
-        from moe_core.data.sampler import ResumableSampler
-
         if num_blocks < batch_size:
             raise TrainDataError(
                 f"the training split has {num_blocks} blocks, fewer than batch_size={batch_size}; "
@@ -110,8 +117,6 @@ def adopt_data_seq_len(config):
     default = type(data).model_fields["seq_len"].default
     if data.path is None or data.seq_len != default or not (Path(data.path) / "manifest.json").is_file():
         return config
-    from moe_core.data.shards import read_manifest
-
     seq_len = int(read_manifest(data.path)["seq_len"])
     return (
         config
@@ -130,8 +135,6 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
             max(8, data_cfg.synthetic_blocks // 8), data_cfg.seq_len, vocab, data_cfg.seed + 1
         )
         return train, val, None, vocab
-    from moe_core.data.shards import PackedTokens
-
     if data_cfg.path is not None:
         data_dir = Path(data_cfg.path)
         if not data_dir.is_dir():
@@ -140,8 +143,6 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
                 f"`moe-lab data prepare` or leave data.path unset to prepare data.source"
             )
     else:
-        from moe_core.data.prepare import prepare
-
         prepare_cfg = data_cfg.prepare_config(model_vocab)
         cache = data_cache_dir(data_cfg.cache_dir, prepare_cfg)
         data_dir = None
@@ -172,13 +173,6 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
 def data_cache_dir(cache_dir: str | None, prepare_cfg) -> Path:
     """Prepared data is shared between runs: ``<cache>/<source>-<hash of the preparation settings>``, with
     ``<cache>`` = data.cache_dir, else $MOE_LAB_DATA_CACHE, else ~/.cache/moe-lab/data."""
-    import dataclasses
-    import hashlib
-    import json
-    import re
-
-    from moe_core.data.sources import lab_data_dir
-
     root = Path(cache_dir) if cache_dir else lab_data_dir()
     settings = json.dumps(dataclasses.asdict(prepare_cfg), sort_keys=True, default=str)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(prepare_cfg.source))[-40:]
@@ -189,7 +183,5 @@ def tokenizer_vocab_size(data_dir: Path) -> int | None:
     tok_dir = Path(data_dir) / "tokenizer"
     if not tok_dir.is_dir():
         return None
-    from moe_core.data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(tok_dir)
     return len(tokenizer)

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard
@@ -198,8 +199,6 @@ def write_json(path: Path, data: dict) -> None:
 # ------------------------------------------------------------------------------------------------ tensors
 def split_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(replicated, expert shard) tensors of this rank, shared storage (tied weights) written once."""
-    from torch.distributed.tensor import DTensor
-
     replicated, experts, seen = {}, {}, set()
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):  # FSDP2 shard: gather the whole tensor (every rank takes part)
@@ -223,8 +222,6 @@ def load_model_state(model: torch.nn.Module, ckpt: Path, ep_rank: int = 0, ep_si
                 f"as the run that wrote it"
             )
         state.update(load_file(shard))
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     current = model.state_dict()
     for name, tensor in state.items():
         target = current.get(name)
@@ -351,8 +348,6 @@ def finish_checkpoint(tmp: Path, final: Path, trainer_state: dict) -> Path:
 
 def _local_optimizer_state(optimizer) -> dict:
     """The optimizer state with FSDP2 DTensors replaced by this rank's shard (plain tensors load weights-only)."""
-    from torch.distributed.tensor import DTensor
-
     state = optimizer.state_dict()  # its per-parameter dicts are the live ones: build new dicts
     state["state"] = {
         index: {
@@ -365,8 +360,6 @@ def _local_optimizer_state(optimizer) -> dict:
 
 def load_optimizer_state(optimizer, state: dict) -> None:
     """Inverse of `_local_optimizer_state`: shards become DTensors shaped like their parameters again."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, per_param in state["state"].items():
         param = params[int(index)]
@@ -463,6 +456,7 @@ def gather_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
     """Write a Hugging Face-loadable directory (config.json, model.safetensors, tokenizer if known)."""
+    # lazy: the modeling stack takes seconds to import, and the flows' tasks import this module to read state
     from moe_core.config import MoEConfig
     from moe_core.model import MoEForCausalLM
 

@@ -13,6 +13,8 @@ and the data-parallel ranks, so one config trains the same model on one process 
 
 from __future__ import annotations
 
+# Lazy: moe_core.config and moe_core.data.prepare (they load torch and transformers) are imported inside the
+# methods that build a model or data config, so `moe-lab train --help-config` loads only pydantic.
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator

@@ -20,13 +20,12 @@ from moe_core.fileio import refuse_previous_outputs
 from moe_core.train.checkpoint import any_checkpoint_dir
 from moe_core.train.config import TrainConfig
 from moe_core.train.launch import LaunchError
+from moe_core.train.loop import train
 
 
 def _worker(cfg: dict) -> None:
     """One Ray Train worker: the engine's training function. A retried attempt finds the checkpoints of the
     attempt that failed and resumes (the driver refused to start a fresh run over older checkpoints)."""
-    from moe_core.train.loop import train
-
     resume = cfg["resume"] or any_checkpoint_dir(Path(cfg["out_dir"]) / "checkpoints") is not None
     train(TrainConfig.model_validate(cfg["config"]), cfg["out_dir"], resume=resume)
 
@@ -43,7 +42,7 @@ def train_with_ray(
     """Train ``config`` into ``out_dir`` on ``num_workers`` Ray workers; returns ``out_dir``. ``address``: a
     running cluster ("auto", "ray://head:10001"); None starts a local one (or uses the one this process has)."""
     try:
-        import ray  # optional extra
+        import ray  # optional: the ray extra
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
