@@ -17,6 +17,9 @@ Comparisons (the published direction in brackets):
   equal active and total parameters [OLMoE, DeepSeekMoE: fine-grained is better].
 - ``micro-batch`` vs ``global-batch`` balancing, 4 micro-batches per step [Qiu et al. 2025: global-batch
   balancing specializes more (higher MI with domain) at equal or better perplexity].
+- ``mixtral``, ``olmoe``, ``shared``: each preset family with its own defaults (``switch`` is the fourth),
+  for routing health in every family (issue 17: max/mean < 1.5, no dead experts, LB loss near 1.0 after
+  warm-up); a per-layer table follows the main one.
 
     python benchmarks/quality.py --quick                 # minutes: the same table, small budget
     python benchmarks/quality.py                         # ~1 hour on 2 idle CPU cores
@@ -43,7 +46,9 @@ import torch
 from flows.params import small_train_config
 from moe_core.analytics.profile import profile_split
 from moe_core.config import parameter_counts
+from moe_core.routing import slot_counts
 from moe_core.train import TrainConfig
+from moe_core.train.batches import stack_blocks
 from moe_core.train.loop import Trainer
 
 # name -> (preset, model overrides, dense baseline, extra TrainConfig fields)
@@ -94,6 +99,10 @@ ARMS: dict[str, tuple[str, dict, str | None, dict]] = {
         None,
         {"grad_accum": 4, "balance_scope": "global_batch"},
     ),
+    # the preset families with their own defaults, for routing health (switch-small is the ``switch`` arm)
+    "mixtral": ("mixtral-small", {}, None, {}),
+    "olmoe": ("olmoe-small", {}, None, {}),
+    "shared": ("shared-small", {}, None, {}),
 }
 # the comparison with the smallest gap gets every seed; the others the first (budget: ~1 hour on 2 cores)
 SEEDED = ("switch", "dense-active")
@@ -144,21 +153,56 @@ def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
     return small_train_config(**fields)
 
 
-def routing_health(history: list[dict], steps: int) -> dict[str, float]:
+def routing_health(history: list[dict], steps: int) -> dict:
     """Means over the logged intervals of the second half (after warm-up): drop rate (mean of layers),
-    max/mean load (worst layer), LB loss (mean of layers), dead experts (last interval, all layers)."""
+    max/mean load (worst layer), LB loss (mean of layers), dead experts (last interval, all layers); and
+    per MoE layer (``layers``): drop rate and max/mean (means over the same intervals), dead experts (last
+    interval)."""
     late = [h for h in history if h["step"] > steps // 2 and "tokens" in h]
     if not late or not any(k.endswith("/drop_rate") for k in late[-1]):
         return {}
+    layer_ids = sorted(int(k.split("/")[1][len("layer_") :]) for k in late[-1] if k.endswith("/drop_rate"))
+    layers = {}
+    for layer in layer_ids:
+        prefix = f"moe/layer_{layer}/"
+        layers[layer] = {
+            "drop_rate": statistics.mean(h[prefix + "drop_rate"] for h in late),
+            "max_over_mean": statistics.mean(h[prefix + "max_over_mean_load"] for h in late),
+            "dead_experts": sum(
+                1 for k, v in late[-1].items() if k.startswith(prefix) and k.endswith("_frac") and v == 0.0
+            ),
+        }
     drops = [statistics.mean(v for k, v in h.items() if k.endswith("/drop_rate")) for h in late]
     worst = [max(v for k, v in h.items() if k.endswith("/max_over_mean_load")) for h in late]
-    dead = sum(1 for k, v in late[-1].items() if k.endswith("_frac") and v == 0.0)
     return {
         "drop_rate": statistics.mean(drops),
         "max_over_mean": statistics.mean(worst),
         "lb_loss": statistics.mean(h["aux_loss"] for h in late),
-        "dead_experts": dead,
+        "dead_experts": sum(layer["dead_experts"] for layer in layers.values()),
+        "layers": layers,
     }
+
+
+@torch.no_grad()
+def validation_lb_loss(trainer: Trainer, batches: int, batch_size: int = 8) -> list[float]:
+    """Per MoE layer, the load-balancing loss E * sum_e f_e P_e (1.0 is uniform) of the trained model on
+    the first validation batches, f and P pooled over them (training telemetry logs only the layer mean)."""
+    model, data = trainer.model, trainer.val_data
+    model.eval()
+    counts_LE = probs_LE = None
+    n = min(batches * batch_size, len(data))
+    for start in range(0, n, batch_size):
+        ids_BS = stack_blocks(data, list(range(start, min(n, start + batch_size))))
+        records = model(input_ids=ids_BS, use_cache=False, output_routing=True).routing
+        counts = torch.stack([slot_counts(r.expert_ids_TK, r.num_experts) for r in records]).double()
+        probs = torch.stack(
+            [(r.probs_TE / r.probs_TE.sum(-1, keepdim=True)).sum(0) for r in records]
+        ).double()
+        counts_LE = counts if counts_LE is None else counts_LE + counts
+        probs_LE = probs if probs_LE is None else probs_LE + probs
+    f_LE = counts_LE / counts_LE.sum(-1, keepdim=True)
+    P_LE = probs_LE / probs_LE.sum(-1, keepdim=True)
+    return (f_LE.shape[-1] * (f_LE * P_LE).sum(-1)).tolist()
 
 
 def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
@@ -182,6 +226,10 @@ def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
                 trainer.model, trainer.data_dir, "validation", batch_size=8, max_batches=args.eval_batches
             )
             row["mi_domain_bits"] = statistics.mean(layer.mi_domain_bits for layer in profile.layers)
+            for layer, lb in zip(
+                row.get("layers", {}).values(), validation_lb_loss(trainer, args.eval_batches)
+            ):
+                layer["val_lb_loss"] = lb
     finally:
         trainer.close()
     row["wall_s"] = time.perf_counter() - t0
@@ -199,6 +247,14 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                 agg[key] = statistics.mean(values)
                 if key == "val_ppl" and len(values) > 1:
                     agg["val_ppl_sd"] = statistics.stdev(values)
+        if "layers" in mine[0]:  # per MoE layer, means over seeds
+            agg["layers"] = {
+                layer: {
+                    key: statistics.mean(r["layers"][layer][key] for r in mine if key in r["layers"][layer])
+                    for key in mine[0]["layers"][layer]
+                }
+                for layer in mine[0]["layers"]
+            }
         agg.update(params_active=mine[0]["params_active"], params_total=mine[0]["params_total"])
         out[arm] = agg
     return out
@@ -276,6 +332,17 @@ def main() -> None:
             f"{cell(r, 'max_over_mean', '.2f', 10)}{cell(r, 'lb_loss', '.3f', 9)}{cell(r, 'dead_experts', '.0f', 6)}"
             f"{cell(r, 'mi_domain_bits', '.3f', 8)}{r['params_active'] / 1e6:>10.2f}{r['params_total'] / 1e6:>9.2f}"
         )
+    print(
+        "\nper MoE layer, after warm-up (drop and max/mean: means over the second half's logged intervals; "
+        "dead: last interval;\nLB loss: on the validation batches, 1.0 is uniform)"
+    )
+    print(f"{'arm':<14}{'layer':>6}{'drop':>8}{'max/mean':>10}{'dead':>6}{'LB loss':>9}")
+    for arm, r in table.items():
+        for layer, h in r.get("layers", {}).items():
+            print(
+                f"{arm:<14}{layer:>6}{h['drop_rate']:>8.3f}{h['max_over_mean']:>10.2f}{h['dead_experts']:>6.0f}"
+                f"{cell(h, 'val_lb_loss', '.3f', 9)}"
+            )
     verdicts = {}
     for a, b, claim in DIRECTIONS:
         if a in table and b in table:

@@ -76,6 +76,13 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
     if (
         name == "olmoe"
     ):  # Muennighoff et al. 2024: 64 fine-grained experts, top-8, qk-norm, no renormalization
+        # Router losses as OLMoE trained them (OLMo + megablocks: moe_loss_weight 0.01, moe_zloss_weight 0.001,
+        # megablocks' E * sum_e f_e P_e with f over the T*K slots, averaged over layers: our normalization and
+        # "mean" reduction). At OLMoE's lr 4e-4 with ~2k warm-up steps that balances; in a short, hot run
+        # (the lifecycle's 150 steps at lr 3e-3) it does not: with 64 experts the router probabilities stay
+        # near uniform, so the LB loss reads ~1.1-1.3 while the busiest expert takes 3-5x the mean load and
+        # experts die (issue 17). `router_aux_loss_coef=0.1` is the knob for such runs: it roughly halves the
+        # skew and keeps experts alive, but does not reach max/mean 1.5 in 150 steps (benchmarks/README.md).
         return dict(
             num_experts=64,
             num_experts_per_tok=8,
@@ -89,7 +96,9 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
             router_z_loss_coef=0.001,
         )
     if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
-        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004
+        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004;
+        # like OLMoE's, too weak to balance a 150-step run at lr 3e-3; `router_aux_loss_coef=0.1` balances it
+        # (max/mean 1.2-1.5 per layer at step 150; issue 17, benchmarks/README.md)
         return dict(
             num_experts=16,
             num_experts_per_tok=4,
