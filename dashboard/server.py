@@ -13,6 +13,7 @@ Endpoints (all GET):
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
                           (&encoding=u16: the shares as base64 uint16, as the app asks for them)
+    /api/runs/{id}/routing/header               the load log's MoE layers and experts (no event-file read)
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
     /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
@@ -32,7 +33,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from dashboard import analysis
-from dashboard.runs import RunData, RunRegistry, _clean, downsample_rows, downsample_series
+from dashboard.runs import RunData, RunRegistry, _clean, downsample_series
 from moe_core.train.alerts import LAYER_STATS
 
 STATIC = Path(__file__).parent / "static"
@@ -142,10 +143,9 @@ def create_app(
         li = header["layers"].index(layer)
         base, cols = 2 + li * header["per_layer_floats"], header["per_layer"]
         lo, hi = _row_range(steps, start, end)
-        block = rows[lo:hi, base : base + header["per_layer_floats"]]
-        edges, means = downsample_rows(block, points)
+        edges, means = run.load_buckets(rows, lo, hi, points)  # every layer at once, cached for the next
+        means = means[:, base : base + header["per_layer_floats"]]  # float32: shortest text, NaN -> null
         E = header["experts"]
-        means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
         out = {
             "run": rid,
             "layer": layer,
@@ -162,6 +162,22 @@ def create_app(
             b0, b1 = cols["bias"]
             out["bias"] = means[:, b0:b1]
         return FastJSON(out)
+
+    @app.get("/api/runs/{rid}/routing/header")
+    def routing_header(rid: str):
+        """The load log's layout (MoE layers, experts, bias or not) without reading the event file: what the
+        Routing page needs to ask for its layers while the summary is still being read."""
+        run = run_or_404(rid)
+        header, rows, _ = run.sidecar()
+        if header is None:
+            return {"run": rid, "layers": [], "experts": 0, "has_bias": False, "rows": 0}
+        return {
+            "run": rid,
+            "layers": header["layers"],
+            "experts": header["experts"],
+            "has_bias": "bias" in header["per_layer"],
+            "rows": int(rows.shape[0]),
+        }
 
     @app.get("/api/runs/{rid}/routing/now")
     def routing_now(rid: str):
