@@ -224,6 +224,17 @@ class RunData:
             self._buckets = (key, edges, means)
             return edges, means
 
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run this run directory logged to (``mlflow_run.json``, written by the tracking sink)."""
+        file = self.path / "mlflow_run.json"
+        if not file.is_file() or not _inside(file, self.root):
+            return None
+        try:
+            found = orjson.loads(file.read_bytes()).get("run_id")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return found if isinstance(found, str) else None
+
     def is_live(self) -> bool:
         try:
             mtime = self.tail.path.stat().st_mtime

@@ -8,6 +8,7 @@ a path (see `runs.py`). With a token set, every request must carry it (``Authori
 
 Endpoints (all GET):
     /api/runs                                   runs under the roots (newest first, live ones marked) + MLflow
+    /api/mlflow/{run_id}, /scalars?keys=...     an MLflow run's metrics and their history (with --mlflow)
     /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
@@ -32,7 +33,7 @@ import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from dashboard import analysis
+from dashboard import analysis, mlflow_runs
 from dashboard.runs import RunData, RunRegistry, _clean, downsample_series
 from moe_core.train.alerts import LAYER_STATS
 
@@ -83,8 +84,35 @@ def create_app(
     # ------------------------------------------------------------------ runs
     @app.get("/api/runs")
     def list_runs():
-        runs = [r.listing() for r in registry.scan()]
-        return {"roots": [str(r) for r in registry.roots], "runs": runs, "mlflow": _mlflow_runs(mlflow_uri)}
+        found = registry.scan()
+        runs = [r.listing() for r in found]
+        listed = []
+        if mlflow_uri:
+            local = {r.mlflow_run_id(): r.id for r in found if r.mlflow_run_id()}
+            listed = mlflow_runs.list_runs(mlflow_uri, local)
+        return {"roots": [str(r) for r in registry.roots], "runs": runs, "mlflow": listed}
+
+    def mlflow_or_404(run_id: str) -> str:
+        if not mlflow_uri:
+            raise HTTPException(404, "the dashboard was started without --mlflow")
+        if not mlflow_runs.RUN_ID.match(run_id):
+            raise HTTPException(404, f"not an MLflow run id: {run_id!r}")
+        return mlflow_uri
+
+    @app.get("/api/mlflow/{run_id}")
+    def mlflow_summary(run_id: str):
+        return mlflow_runs.run_summary(mlflow_or_404(run_id), run_id)
+
+    @app.get("/api/mlflow/{run_id}/scalars")
+    def mlflow_scalars(run_id: str, keys: str = "loss", points: int = Query(1000, ge=2, le=MAX_POINTS)):
+        uri = mlflow_or_404(run_id)
+        return FastJSON(
+            {
+                "run": run_id,
+                "x": "step",
+                "series": mlflow_runs.metric_history(uri, run_id, keys.split(",")[:32], points),
+            }
+        )
 
     @app.get("/api/runs/{rid}")
     def summary(rid: str):
@@ -363,12 +391,3 @@ def _row_range(steps: np.ndarray, start: float | None, end: float | None) -> tup
     lo = 0 if start is None else int(np.searchsorted(steps, start, side="left"))
     hi = len(steps) if end is None else int(np.searchsorted(steps, end, side="right"))
     return lo, max(lo, hi)
-
-
-def _mlflow_runs(uri: str | None) -> list[dict]:
-    """MLflow runs through the project's adapter (tasks/tracking.py); empty when no URI was given."""
-    if not uri:
-        return []
-    from tasks.tracking import list_runs  # MLflow is optional for the dashboard: imported only when asked
-
-    return list_runs(uri)
