@@ -30,6 +30,8 @@ INFERENCE_EVENTS = "inference.jsonl"
 LIVE_SECONDS = 30.0  # a run whose event file changed this recently is shown as live
 MAX_DEPTH = 4  # how deep under a root run directories are looked for
 PARSE_BLOCK = 1 << 20  # event-file bytes parsed per call (see EventTail._parse_blocks)
+RANK_FILE = re.compile(r"^metrics\.rank(\d+)\.jsonl$")
+RANK_KEY = re.compile(r"^comm/rank_(\d+)/(.+)$")
 RECENT_ROWS = 2000  # event-file rows kept whole for live streams (each client reads from its own cursor)
 
 
@@ -176,21 +178,39 @@ class RunData:
         self.tail = EventTail(
             path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root, skip_prefixes=("moe/",)
         )
-        self.rank_tails = [
-            EventTail(p, root, ("moe/",))
-            for p in sorted(path.glob("metrics.rank*.jsonl"))
-            if _inside(p, root)
-        ]
+        self.rank_tails: dict[int, EventTail] = {}  # rank -> its own event file, where ranks write one
+        self._find_rank_files()
         self._sidecar_rows = 0
         self._steps = np.zeros(0, dtype=np.float64)
         self._buckets: tuple[tuple, np.ndarray, np.ndarray] | None = None  # the last downsampled load log
 
+    def _find_rank_files(self) -> None:
+        for p in self.path.glob("metrics.rank*.jsonl"):
+            m = RANK_FILE.match(p.name)
+            if m and int(m[1]) not in self.rank_tails and _inside(p, self.root):
+                self.rank_tails[int(m[1])] = EventTail(p, self.root, ("moe/",))
+
     # ------------------------------------------------------------------ reading
     def refresh(self) -> list[dict]:
         with self.lock:
-            for t in self.rank_tails:
+            for t in self.rank_tails.values():
                 t.poll()
             return self.tail.poll()
+
+    def rank_columns(self) -> dict[int, dict[str, Column]]:
+        """Per rank: the ``comm/rank_<r>/...`` figures of the main event file (every rank's all-to-all time
+        and bytes, gathered by rank 0) and each rank's own event file, where ranks write one."""
+        with self.lock:
+            self._find_rank_files()
+        self.refresh()
+        out: dict[int, dict[str, Column]] = {}
+        for key, col in self.tail.columns.items():
+            m = RANK_KEY.match(key)
+            if m:
+                out.setdefault(int(m[1]), {})[m[2]] = col
+        for rank, tail in self.rank_tails.items():
+            out.setdefault(rank, {}).update(tail.columns)
+        return out
 
     def sidecar(self):
         if not all(_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
@@ -281,7 +301,9 @@ class RunData:
             "has_bias": bool(header and "bias" in header["per_layer"]),
             "routing_rows": 0 if rows is None else int(rows.shape[0]),
             "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
-            "ranks": len(self.rank_tails) or 1,
+            "ranks": len(
+                {0, *self.rank_tails, *(int(m[1]) for k in self.tail.columns if (m := RANK_KEY.match(k)))}
+            ),
         }
 
     def listing(self) -> dict:

@@ -12,6 +12,7 @@ Endpoints (all GET):
     /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
+    /api/runs/{id}/ranks?points=N               per rank of a distributed run: its own figures
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
                           (&encoding=u16: the shares as base64 uint16, as the app asks for them)
     /api/runs/{id}/routing/header               the load log's MoE layers and experts (no event-file read)
@@ -152,6 +153,20 @@ def create_app(
                 series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
             out[key] = series
         return FastJSON({"run": rid, "x": x, "series": out})
+
+    @app.get("/api/runs/{rid}/ranks")
+    def ranks(rid: str, points: int = Query(1000, ge=2, le=MAX_POINTS)):
+        """Each rank's own figures of a distributed run (all-to-all time and bytes per rank; a rank's event
+        file where it writes one), downsampled like `scalars`."""
+        run = run_or_404(rid)
+        out = []
+        for rank, columns in sorted(run.rank_columns().items()):
+            series = {}
+            for key, col in columns.items():
+                steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
+                series[key] = downsample_series(steps, values, points)
+            out.append({"rank": rank, "series": series})
+        return FastJSON({"run": rid, "ranks": out})
 
     @app.get("/api/runs/{rid}/routing")
     def routing(

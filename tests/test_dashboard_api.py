@@ -355,3 +355,18 @@ def test_routing_u16_encoding_matches_json(client):
     np.testing.assert_allclose(q / enc["scale"], plain["frac"], atol=1 / enc["scale"])
     assert packed["steps"] == plain["steps"]
     assert client.get(f"/api/runs/{rid}/routing?layer=1&encoding=bogus").status_code == 422
+
+
+@pytest.mark.slow  # a real two-process expert-parallel run (gloo): ~30-60 s on 2 cores
+def test_distributed_run_is_shown_per_rank(tmp_path):
+    from tests.test_train_parallel import run_cli
+
+    run_cli(tmp_path / "runs" / "ep2", "--nproc", "2", "--set", "parallel.ep_size=2", "--set", "steps=4")
+    client = TestClient(create_app([tmp_path / "runs"]))
+    rid = client.get("/api/runs").json()["runs"][0]["id"]
+    assert client.get(f"/api/runs/{rid}").json()["ranks"] == 2
+    ranks = client.get(f"/api/runs/{rid}/ranks").json()["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
+        assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
+        assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])
