@@ -97,18 +97,21 @@ def run_training(args, out: Path, steps: int, gate: Gate | None = None) -> list[
     return read_jsonl(out / "metrics.jsonl")
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and all their children so far."""
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds these processes used so far (each counted once)."""
     total = 0.0
-    for pid in pids:
+    for proc in procs:
         try:
-            proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                t = p.cpu_times()
-                total += t.user + t.system
+            t = proc.cpu_times()
         except psutil.NoSuchProcess:
             continue
+        total += t.user + t.system
     return total
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    proc = psutil.Process(pid)
+    return [proc, *proc.children(recursive=True)]
 
 
 def run_id(url: str, name: str, timeout: float = 60) -> str:
@@ -119,6 +122,11 @@ def run_id(url: str, name: str, timeout: float = 60) -> str:
                 return r["id"]
         time.sleep(0.05)
     raise RuntimeError(f"the dashboard did not list {name}")
+
+
+def own_browser() -> list[psutil.Process]:
+    """This benchmark's Chromium processes (under its Playwright driver), not other users' browsers."""
+    return [p for p in psutil.Process().children(recursive=True) if "chrom" in p.name()]
 
 
 # ------------------------------------------------------------------------------------------- 1 + 2
@@ -164,15 +172,15 @@ def live_round(args, workdir: Path, name: str, with_dashboard: bool, browser) ->
             )
             page.evaluate(RECORD_JS, rid)
             page.wait_for_function("window.__opened > 0", timeout=60000)
-            browser_pids = [p.pid for p in psutil.process_iter(["name"]) if "chrom" in (p.info["name"] or "")]
-            before = {"server": cpu_seconds([proc.pid]), "browser": cpu_seconds(browser_pids)}
+            server, browser_procs = tree(proc.pid), own_browser()
+            before = {"server": cpu_seconds(server), "browser": cpu_seconds(browser_procs)}
             t0 = time.perf_counter()
             gate.opened.set()
             thread.join()
             wall = time.perf_counter() - t0
             cpu = {
-                "server": (cpu_seconds([proc.pid]) - before["server"]) / wall,
-                "browser": (cpu_seconds(browser_pids) - before["browser"]) / wall,
+                "server": (cpu_seconds(server) - before["server"]) / wall,
+                "browser": (cpu_seconds(browser_procs) - before["browser"]) / wall,
             }
             time.sleep(1.0)  # the last rows' events
             received = page.evaluate("window.__received")
