@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import orjson
+import psutil
 import torch
 from playwright.sync_api import sync_playwright
 
@@ -69,13 +70,48 @@ def train_config(args, steps: int) -> TrainConfig:
     )
 
 
-def run_training(args, out: Path, steps: int) -> list[dict]:
-    trainer = Trainer(train_config(args, steps), out)
+class Gate:
+    """A metrics sink that holds the trainer at its first logging step until ``opened`` is set: the page is
+    then open and connected before the timed steps, so its load (a one-off) is not charged to the steady
+    state. The wait falls outside the steps' own timing (``step_time_s`` covers the step only)."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.first = threading.Event()  # the run's first row is written: the dashboard can list it
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.first.set()
+        if not self.opened.wait(120):
+            raise RuntimeError("the dashboard page did not open within 120 s")
+
+    def close(self) -> None:
+        self.first.set()
+
+
+def run_training(args, out: Path, steps: int, gate: Gate | None = None) -> list[dict]:
+    trainer = Trainer(train_config(args, steps), out, sinks=[gate] if gate else None)
     try:
         trainer.run()
     finally:
         trainer.close()
     return read_jsonl(out / "metrics.jsonl")
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds these processes used so far (each counted once)."""
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    proc = psutil.Process(pid)
+    return [proc, *proc.children(recursive=True)]
 
 
 def run_id(url: str, name: str, timeout: float = 60) -> str:
@@ -88,13 +124,19 @@ def run_id(url: str, name: str, timeout: float = 60) -> str:
     raise RuntimeError(f"the dashboard did not list {name}")
 
 
+def own_browser() -> list[psutil.Process]:
+    """This benchmark's Chromium processes (under its Playwright driver), not other users' browsers."""
+    return [p for p in psutil.Process().children(recursive=True) if "chrom" in p.name()]
+
+
 # ------------------------------------------------------------------------------------------- 1 + 2
 RECORD_JS = """(id) => {
   // rows written after the stream opened only: earlier ones measure the page load, not the latency
   window.__received = [];
   const es = new EventSource(`/api/runs/${id}/stream?since=-1`);
   let opened = Infinity;
-  es.addEventListener('open', () => { opened = Date.now(); });
+  window.__opened = 0;
+  es.addEventListener('open', () => { opened = Date.now(); window.__opened = opened; });
   es.addEventListener('update', (ev) => {
     const now = Date.now();
     for (const row of JSON.parse(ev.data).rows) if (row.time * 1000 >= opened) window.__received.push([row.time, now]);
@@ -106,19 +148,40 @@ def live_round(args, workdir: Path, name: str, with_dashboard: bool, browser) ->
     out = workdir / name
     out.mkdir(parents=True)
     latencies: list[float] = []
+    cpu: dict[str, float] = {}
+    gate = Gate()
     if not with_dashboard:
-        rows = run_training(args, out, args.steps)
+        gate.opened.set()
+        rows = run_training(args, out, args.steps, gate)
     else:
         proc, url = start_beside([workdir], port=0)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             result: dict = {}
-            thread = threading.Thread(target=lambda: result.update(rows=run_training(args, out, args.steps)))
+            thread = threading.Thread(
+                target=lambda: result.update(rows=run_training(args, out, args.steps, gate))
+            )
             thread.start()
+            gate.first.wait(120)
             rid = run_id(url, name)
             page.goto(f"{url}#/routing/{rid}")
+            page.wait_for_function(
+                "[...document.querySelectorAll('.heatmap[data-title*=\"expert load\"]')]"
+                ".some(e => +e.dataset.columns > 0)",
+                timeout=120000,
+            )
             page.evaluate(RECORD_JS, rid)
+            page.wait_for_function("window.__opened > 0", timeout=60000)
+            server, browser_procs = tree(proc.pid), own_browser()
+            before = {"server": cpu_seconds(server), "browser": cpu_seconds(browser_procs)}
+            t0 = time.perf_counter()
+            gate.opened.set()
             thread.join()
+            wall = time.perf_counter() - t0
+            cpu = {
+                "server": (cpu_seconds(server) - before["server"]) / wall,
+                "browser": (cpu_seconds(browser_procs) - before["browser"]) / wall,
+            }
             time.sleep(1.0)  # the last rows' events
             received = page.evaluate("window.__received")
             page.close()
@@ -130,7 +193,7 @@ def live_round(args, workdir: Path, name: str, with_dashboard: bool, browser) ->
     timed = [r for r in rows if r["step"] > args.skip]
     tokens = sum(r["step_time_s"] * r["tokens_per_s"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
-    return {"tokens_per_s": tokens / seconds, "latencies": latencies}
+    return {"tokens_per_s": tokens / seconds, "latencies": latencies, "cpu": cpu}
 
 
 # ------------------------------------------------------------------------------------------- 3
@@ -263,13 +326,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
         workdir = Path(tmp)
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        plain, watched, latencies = [], [], []
+        plain, watched, latencies, cpu = [], [], [], []
         for r in range(args.rounds):  # interleaved, so machine noise hits both alike
             plain.append(live_round(args, workdir, f"plain-{r}", False, browser)["tokens_per_s"])
             got = live_round(args, workdir, f"watched-{r}", True, browser)
             watched.append(got["tokens_per_s"])
             latencies += got["latencies"]
-        load = load_time(args, workdir, browser)
+            cpu.append(got["cpu"])
+        load = load_time(args, workdir, browser) if args.load_steps else {}
         browser.close()
     lat = np.array(latencies)
     result = {
@@ -288,6 +352,9 @@ def main() -> None:
         "tokens_per_s_plain": statistics.median(plain),
         "tokens_per_s_watched": statistics.median(watched),
         "throughput_cost": 1 - statistics.median(watched) / statistics.median(plain),
+        "tokens_per_s_rounds": [[round(a), round(b)] for a, b in zip(plain, watched)],
+        "cores_used_server": statistics.median(c["server"] for c in cpu),
+        "cores_used_browser": statistics.median(c["browser"] for c in cpu),
         "load_steps": args.load_steps,
         "load_log_every": args.load_log_every,
         **{f"load_{k}": v for k, v in load.items()},
@@ -302,11 +369,16 @@ def main() -> None:
         f"{[round(x) for x in watched]}"
     )
     print(
-        f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
-        f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
-        f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
-        f"(target < 2 s)"
+        f"while watched, CPU cores busy (median of rounds): server {result['cores_used_server']:.3f}, "
+        f"browser {result['cores_used_browser']:.3f}"
     )
+    if load:
+        print(
+            f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
+            f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
+            f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
+            f"(target < 2 s)"
+        )
     print(json.dumps(result))
 
 

@@ -97,7 +97,9 @@ def run_dashboard(args) -> int:
     print(
         f"moe-lab dashboard: {dashboard_url(args.host, port, token)} (runs: {', '.join(roots)})", flush=True
     )
-    uvicorn.run(app, host=args.host, port=port, log_level="warning")
+    # a live stream never ends by itself: without a grace limit, SIGTERM or Ctrl-C with a page open would
+    # wait for the page to close
+    uvicorn.run(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=1)
     return 0
 
 

@@ -8,11 +8,14 @@ a path (see `runs.py`). With a token set, every request must carry it (``Authori
 
 Endpoints (all GET):
     /api/runs                                   runs under the roots (newest first, live ones marked) + MLflow
+    /api/mlflow/{run_id}, /scalars?keys=...     an MLflow run's metrics and their history (with --mlflow)
     /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
+    /api/runs/{id}/ranks?points=N               per rank of a distributed run: its own figures
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
                           (&encoding=u16: the shares as base64 uint16, as the app asks for them)
+    /api/runs/{id}/routing/header               the load log's MoE layers and experts (no event-file read)
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
     /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
@@ -31,8 +34,8 @@ import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
-from dashboard import analysis
-from dashboard.runs import RunData, RunRegistry, _clean, downsample_rows, downsample_series
+from dashboard import analysis, mlflow_runs
+from dashboard.runs import RunData, RunRegistry, _clean, downsample_series
 from moe_core.train.alerts import LAYER_STATS
 
 STATIC = Path(__file__).parent / "static"
@@ -82,8 +85,35 @@ def create_app(
     # ------------------------------------------------------------------ runs
     @app.get("/api/runs")
     def list_runs():
-        runs = [r.listing() for r in registry.scan()]
-        return {"roots": [str(r) for r in registry.roots], "runs": runs, "mlflow": _mlflow_runs(mlflow_uri)}
+        found = registry.scan()
+        runs = [r.listing() for r in found]
+        listed = []
+        if mlflow_uri:
+            local = {r.mlflow_run_id(): r.id for r in found if r.mlflow_run_id()}
+            listed = mlflow_runs.list_runs(mlflow_uri, local)
+        return {"roots": [str(r) for r in registry.roots], "runs": runs, "mlflow": listed}
+
+    def mlflow_or_404(run_id: str) -> str:
+        if not mlflow_uri:
+            raise HTTPException(404, "the dashboard was started without --mlflow")
+        if not mlflow_runs.RUN_ID.match(run_id):
+            raise HTTPException(404, f"not an MLflow run id: {run_id!r}")
+        return mlflow_uri
+
+    @app.get("/api/mlflow/{run_id}")
+    def mlflow_summary(run_id: str):
+        return mlflow_runs.run_summary(mlflow_or_404(run_id), run_id)
+
+    @app.get("/api/mlflow/{run_id}/scalars")
+    def mlflow_scalars(run_id: str, keys: str = "loss", points: int = Query(1000, ge=2, le=MAX_POINTS)):
+        uri = mlflow_or_404(run_id)
+        return FastJSON(
+            {
+                "run": run_id,
+                "x": "step",
+                "series": mlflow_runs.metric_history(uri, run_id, keys.split(",")[:32], points),
+            }
+        )
 
     @app.get("/api/runs/{rid}")
     def summary(rid: str):
@@ -124,6 +154,20 @@ def create_app(
             out[key] = series
         return FastJSON({"run": rid, "x": x, "series": out})
 
+    @app.get("/api/runs/{rid}/ranks")
+    def ranks(rid: str, points: int = Query(1000, ge=2, le=MAX_POINTS)):
+        """Each rank's own figures of a distributed run (all-to-all time and bytes per rank; a rank's event
+        file where it writes one), downsampled like `scalars`."""
+        run = run_or_404(rid)
+        out = []
+        for rank, columns in sorted(run.rank_columns().items()):
+            series = {}
+            for key, col in columns.items():
+                steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
+                series[key] = downsample_series(steps, values, points)
+            out.append({"rank": rank, "series": series})
+        return FastJSON({"run": rid, "ranks": out})
+
     @app.get("/api/runs/{rid}/routing")
     def routing(
         rid: str,
@@ -142,10 +186,9 @@ def create_app(
         li = header["layers"].index(layer)
         base, cols = 2 + li * header["per_layer_floats"], header["per_layer"]
         lo, hi = _row_range(steps, start, end)
-        block = rows[lo:hi, base : base + header["per_layer_floats"]]
-        edges, means = downsample_rows(block, points)
+        edges, means = run.load_buckets(rows, lo, hi, points)  # every layer at once, cached for the next
+        means = means[:, base : base + header["per_layer_floats"]]  # float32: shortest text, NaN -> null
         E = header["experts"]
-        means = means.astype(np.float32)  # what was logged; shortest float32 text, NaN -> null
         out = {
             "run": rid,
             "layer": layer,
@@ -162,6 +205,22 @@ def create_app(
             b0, b1 = cols["bias"]
             out["bias"] = means[:, b0:b1]
         return FastJSON(out)
+
+    @app.get("/api/runs/{rid}/routing/header")
+    def routing_header(rid: str):
+        """The load log's layout (MoE layers, experts, bias or not) without reading the event file: what the
+        Routing page needs to ask for its layers while the summary is still being read."""
+        run = run_or_404(rid)
+        header, rows, _ = run.sidecar()
+        if header is None:
+            return {"run": rid, "layers": [], "experts": 0, "has_bias": False, "rows": 0}
+        return {
+            "run": rid,
+            "layers": header["layers"],
+            "experts": header["experts"],
+            "has_bias": "bias" in header["per_layer"],
+            "rows": int(rows.shape[0]),
+        }
 
     @app.get("/api/runs/{rid}/routing/now")
     def routing_now(rid: str):
@@ -347,12 +406,3 @@ def _row_range(steps: np.ndarray, start: float | None, end: float | None) -> tup
     lo = 0 if start is None else int(np.searchsorted(steps, start, side="left"))
     hi = len(steps) if end is None else int(np.searchsorted(steps, end, side="right"))
     return lo, max(lo, hi)
-
-
-def _mlflow_runs(uri: str | None) -> list[dict]:
-    """MLflow runs through the project's adapter (tasks/tracking.py); empty when no URI was given."""
-    if not uri:
-        return []
-    from tasks.tracking import list_runs  # MLflow is optional for the dashboard: imported only when asked
-
-    return list_runs(uri)

@@ -311,16 +311,37 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
 
 
 @pytest.mark.slow  # MLflow creates its SQLite schema: ~10 s
-def test_mlflow_runs_are_listed_through_the_adapter(tmp_path, monkeypatch):
+def test_mlflow_runs_are_listed_and_their_metric_history_served(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MOE_LAB_EXPERIMENT", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = MlflowClient(tracking_uri=uri)
     run = c.create_run(c.create_experiment("moe-lab"), run_name="pretrain")
-    c.log_metric(run.info.run_id, "val_loss", 2.5)
-    listed = TestClient(create_app([tmp_path / "none"], mlflow_uri=uri)).get("/api/runs").json()["mlflow"]
-    assert [(r["name"], r["metrics"]["val_loss"]) for r in listed] == [("pretrain", 2.5)]
+    rid = run.info.run_id
+    for step in range(1, 6):
+        c.log_metric(rid, "loss", 5.0 - step, step=step)
+    c.log_metric(rid, "loss", 0.5, step=5)  # logged again at a step (a resumed run): the last one counts
+    c.log_metric(rid, "val_loss", 2.5)
+    local = tmp_path / "runs" / "a"  # a run directory that logged to another MLflow run
+    local.mkdir(parents=True)
+    (local / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    other = c.create_run(c.get_experiment_by_name("moe-lab").experiment_id, run_name="local").info.run_id
+    (local / "mlflow_run.json").write_text(json.dumps({"run_id": other}))
+    client = TestClient(create_app([tmp_path / "runs"], mlflow_uri=uri))
+    listed = {r["name"]: r for r in client.get("/api/runs").json()["mlflow"]}
+    assert listed["pretrain"]["metrics"]["val_loss"] == 2.5 and listed["pretrain"]["local"] is None
+    assert listed["local"]["local"] == client.get("/api/runs").json()["runs"][0]["id"]
+    # a run known only to MLflow: its metric history, by step
+    assert set(client.get(f"/api/mlflow/{rid}").json()["metrics"]) == {"loss", "val_loss"}
+    loss = client.get(f"/api/mlflow/{rid}/scalars?keys=loss,missing").json()["series"]
+    assert list(loss) == ["loss"] and loss["loss"]["x"] == [1, 2, 3, 4, 5]
+    assert loss["loss"]["y"] == [4.0, 3.0, 2.0, 1.0, 0.5]
+    assert len(client.get(f"/api/mlflow/{rid}/scalars?keys=loss&points=2").json()["series"]["loss"]["x"]) == 2
+    assert client.get("/api/mlflow/..%2F..%2Fetc/scalars").status_code == 404
+    assert client.get("/api/mlflow/" + "0" * 32 + "x").status_code == 404
+    no_mlflow = TestClient(create_app([tmp_path / "runs"]))
+    assert no_mlflow.get(f"/api/mlflow/{rid}").status_code == 404
 
 
 def test_routing_u16_encoding_matches_json(client):
@@ -334,3 +355,18 @@ def test_routing_u16_encoding_matches_json(client):
     np.testing.assert_allclose(q / enc["scale"], plain["frac"], atol=1 / enc["scale"])
     assert packed["steps"] == plain["steps"]
     assert client.get(f"/api/runs/{rid}/routing?layer=1&encoding=bogus").status_code == 422
+
+
+@pytest.mark.slow  # a real two-process expert-parallel run (gloo): ~30-60 s on 2 cores
+def test_distributed_run_is_shown_per_rank(tmp_path):
+    from tests.test_train_parallel import run_cli
+
+    run_cli(tmp_path / "runs" / "ep2", "--nproc", "2", "--set", "parallel.ep_size=2", "--set", "steps=4")
+    client = TestClient(create_app([tmp_path / "runs"]))
+    rid = client.get("/api/runs").json()["runs"][0]["id"]
+    assert client.get(f"/api/runs/{rid}").json()["ranks"] == 2
+    ranks = client.get(f"/api/runs/{rid}/ranks").json()["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
+        assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
+        assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])

@@ -1,6 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's /usr/bin/chromium, driven by Playwright for
 Python) watching a real training run. The routing heatmap and the loss chart gain points while the run
-advances, the injected dead expert raises the alert on the page, and the compare page overlays two runs.
+advances, the injected dead expert raises the alert on the page, the compare page overlays two runs, and the
+Inference page shows what `moe-lab generate --events` wrote.
 Screenshots go to the test's temporary directory (or $MOE_LAB_SCREENSHOTS)."""
 
 import json
@@ -16,7 +17,10 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from dashboard.server import create_app
+from moe_core.cli import main
+from moe_core.train import read_jsonl
 from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
+from tests.test_inference_generate import _char_tokenizer, tiny
 
 CHROMIUM = os.environ.get(
     "MOE_LAB_CHROMIUM", "/usr/bin/chromium"
@@ -32,17 +36,27 @@ train_run(Path(sys.argv[1]), int(sys.argv[2]), "aux_free", dead=True)
 """
 
 
-def wait_for_run(url: str, name: str, timeout: float = 120) -> str:
+def wait_for_run(url: str, name: str, timeout: float = 120, routing: bool = True) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         runs = json.load(urllib.request.urlopen(url + "/api/runs"))["runs"]
         for r in runs:
             if r["name"] == name:
                 summary = json.load(urllib.request.urlopen(f"{url}/api/runs/{r['id']}"))
-                if summary["routing_rows"] >= 1:
+                if summary["routing_rows"] >= 1 or not routing:
                     return r["id"]
         time.sleep(0.3)
     raise AssertionError(f"run {name} did not log a step within {timeout} s")
+
+
+def generate_events(model_dir: Path, events: Path) -> list[dict]:
+    """A tiny model generating with an expert cache, its figures written as the dashboard's inference run."""
+    tiny().save_pretrained(model_dir)
+    _char_tokenizer(128).save_pretrained(model_dir)
+    args = ["generate", str(model_dir), "--prompt", "abc", "--prompt", "de", "--max-new-tokens", "6"]
+    args += ["--batch-size", "2", "--expert-cache", "3", "--events", str(events), "--no-stream"]
+    assert main(args) == 0
+    return read_jsonl(events / "inference.jsonl")
 
 
 def attr(page, selector: str, name: str) -> int:
@@ -71,6 +85,7 @@ def test_live_run_in_the_browser(tmp_path):
     root = tmp_path / "runs"
     baseline = train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
     write_analysis(baseline.out_dir)
+    serving = generate_events(tmp_path / "model", root / "serving")  # an inference run: moe-lab generate
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -131,6 +146,17 @@ def test_live_run_in_the_browser(tmp_path):
             page.goto(f"{url}/#/cost/{base_id}")
             page.wait_for_selector("[data-testid=saving]")
             assert page.inner_text("[data-testid=saving]").endswith("%")
+
+            # Inference: the figures `moe-lab generate --events --expert-cache` wrote
+            page.goto(f"{url}/#/inference/{wait_for_run(url, 'serving', routing=False)}")
+            hits = '.chart[data-title="expert cache hit rate"]'
+            page.wait_for_function(
+                f"+document.querySelector('{hits}')?.getAttribute('data-points') >= {len(serving)}",
+                timeout=30000,
+            )
+            resident = page.inner_text("[data-testid=experts-resident]")
+            assert resident == str(int(serving[-1]["experts_resident"])) == "3"
+            page.screenshot(path=str(shots / "inference.png"), full_page=True)
             assert not errors, errors
             browser.close()
         assert live.poll() is None, (

@@ -94,6 +94,9 @@ class RoutingMonitor:
         )  # dead streak per expert
         self._raised: set[str] = set()
         self._file = None
+        self._prefixes = [f"moe/layer_{layer}/" for layer in self.layer_ids]
+        self._stat_keys = [[prefix + name for name in LAYER_STATS] for prefix in self._prefixes]
+        self.has_bias = False
         if self.layer_ids:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)
@@ -116,37 +119,55 @@ class RoutingMonitor:
             if keep != size:
                 self._file.truncate(keep)
 
-    def biases(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for layer, router in zip(self.layer_ids, self.routers):
+    def _bias_LE(self) -> np.ndarray | None:
+        """The aux-free routers' biases ``[L, E]`` (NaN for a layer without one); one read-back per router."""
+        if not self.has_bias:
+            return None
+        bias_LE = np.full((len(self.layer_ids), self.E), np.nan)
+        for i, router in enumerate(self.routers[: len(self.layer_ids)]):
             bias_E = getattr(router, "expert_bias", None)
-            if bias_E is None:
-                continue
-            for e, value in enumerate(bias_E.detach().float().cpu().tolist()):
-                out[f"moe/layer_{layer}/expert_{e}_bias"] = value
-        return out
+            if bias_E is not None:
+                bias_LE[i] = bias_E.detach().double().cpu().numpy()
+        return bias_LE
+
+    def biases(self) -> dict[str, float]:
+        bias_LE = self._bias_LE()
+        if bias_LE is None:
+            return {}
+        return {
+            f"moe/layer_{layer}/expert_{e}_bias": float(bias_LE[i, e])
+            for i, layer in enumerate(self.layer_ids)
+            for e in range(self.E)
+            if np.isfinite(bias_LE[i, e])
+        }
 
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         if not self.layer_ids:
             return {}
-        biases = self.biases()
-        added = dict(biases) if self.per_expert else {}  # per-expert keys stay out of the event file if asked
-        shares_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
-        stats_LS = np.full((len(self.layer_ids), len(LAYER_STATS)), np.nan, dtype=np.float64)
-        bias_LE = np.full((len(self.layer_ids), self.E), np.nan, dtype=np.float64)
-        for i, layer in enumerate(self.layer_ids):
-            prefix = f"moe/layer_{layer}/"
-            for s, name in enumerate(LAYER_STATS):
-                stats_LS[i, s] = metrics.get(prefix + name, np.nan)
-            for e in range(self.E):
-                shares_LE[i, e] = metrics.get(prefix + f"expert_{e}_frac", np.nan)
-                bias_LE[i, e] = biases.get(prefix + f"expert_{e}_bias", np.nan)
+        L = len(self.layer_ids)
+        bias_LE = self._bias_LE()
+        added = {}
+        if self.per_expert and bias_LE is not None:  # per-expert keys stay out of the event file if asked
+            added = self.biases()
+        get = metrics.get
+        stats_LS = np.array([[get(k, np.nan) for k in keys] for keys in self._stat_keys], dtype=np.float64)
         last = getattr(self.routing_stats, "last_sums_LX", None)
-        if last is not None and last.shape[0] == len(self.layer_ids):
-            slots_L1 = last[:, : self.E].sum(-1, keepdim=True)
-            shares_LE = (last[:, : self.E] / slots_L1).numpy()  # a layer that saw no slots: NaN, not dead
+        if last is not None and last.shape[0] == L:  # the trainer's sums: no per-expert keys needed
+            with np.errstate(invalid="ignore", divide="ignore"):  # a layer that saw no slots: NaN, not dead
+                counts_LE = last[:, : self.E].numpy()
+                shares_LE = counts_LE / counts_LE.sum(-1, keepdims=True)
+        else:  # shares from the metrics alone (``expert_<e>_frac`` keys)
+            shares_LE = np.array(
+                [
+                    [get(f"{prefix}expert_{e}_frac", np.nan) for e in range(self.E)]
+                    for prefix in self._prefixes
+                ],
+                dtype=np.float64,
+            )
         if self.thresholds.enabled:
             added.update(self._alerts(shares_LE, stats_LS, step))
+        if bias_LE is None:
+            bias_LE = np.full((L, self.E), np.nan)
         self._append_row(step, metrics.get("tokens", np.nan), shares_LE, stats_LS, bias_LE)
         return added
 
@@ -154,14 +175,14 @@ class RoutingMonitor:
         t, out = self.thresholds, {}
         dead_LE = shares_LE < t.dead_share / self.E  # NaN (no per-expert telemetry) compares False
         self._under_LE = np.where(dead_LE, self._under_LE + 1, 0)
-        for i, layer in enumerate(self.layer_ids):
-            for e in np.flatnonzero(self._under_LE[i] >= t.dead_steps):
-                out[f"alert/dead_expert/layer_{layer}/expert_{e}"] = float(shares_LE[i, e])
-            drop, _, max_over_mean = stats_LS[i]
-            if max_over_mean > t.max_over_mean:
-                out[f"alert/load_collapse/layer_{layer}"] = float(max_over_mean)
-            if drop > t.drop_rate:
-                out[f"alert/drops/layer_{layer}"] = float(drop)
+        layers = self.layer_ids  # whole-array tests; Python only for what is flagged (NaN compares False)
+        for i, e in zip(*np.nonzero(self._under_LE >= t.dead_steps)):
+            out[f"alert/dead_expert/layer_{layers[i]}/expert_{e}"] = float(shares_LE[i, e])
+        drop_L, max_over_mean_L = stats_LS[:, 0], stats_LS[:, 2]
+        for i in np.flatnonzero(max_over_mean_L > t.max_over_mean):
+            out[f"alert/load_collapse/layer_{layers[i]}"] = float(max_over_mean_L[i])
+        for i in np.flatnonzero(drop_L > t.drop_rate):
+            out[f"alert/drops/layer_{layers[i]}"] = float(drop_L[i])
         for key, value in out.items():
             if key not in self._raised:
                 print(
