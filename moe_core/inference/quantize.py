@@ -613,7 +613,7 @@ def quantize_checkpoint(
 ) -> QuantReport:
     """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ and AWQ calibrate on
     ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
-    from moe_core.model import MoEForCausalLM
+    from moe_core.loading import load
 
     if calibration is None and data_dir is not None:
         from moe_core.inference.evaluate import calibration_batches
@@ -624,7 +624,7 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load(model_dir, dtype=torch.float32).model
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
     from moe_core.convert import copy_companion_files
@@ -742,13 +742,13 @@ def quantize_optimum_gptq(
 
     from moe_core.convert import copy_companion_files, to_hf
     from moe_core.fileio import atomic_directory
-    from moe_core.model import MoEForCausalLM
+    from moe_core.loading import load
 
     if not calibration:
         raise QuantizationError(
             "optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)"
         )
-    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load(model_dir, dtype=torch.float32).model
     with (
         tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp,
         atomic_directory(out_dir, error_cls=QuantizationError) as staging,
