@@ -201,10 +201,10 @@ def run_eval(args) -> int:
         raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
     tokenizer = _tokenizer(args, required=bool(args.generate or args.tasks))
     if args.generate:
-        from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
+        from moe_core.eval.generate import PromptSetConfig, generate_samples, write_generations
 
         generations = generate_samples(
-            model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+            model, tokenizer, config=PromptSetConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
         )
         report["generations"] = len(generations)
         if out:

@@ -38,6 +38,10 @@ class GenerationError(MoELabError):
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How `batch_generate` (``moe-lab generate``, serving) decodes user prompts: greedy unless
+    ``temperature`` > 0, in batches of ``batch_size``. The evaluation's prompt-set read-out, one greedy and one
+    sampled generation per prompt, has its own `moe_core.eval.generate.PromptSetConfig`."""
+
     max_new_tokens: int = 64
     batch_size: int = 8
     temperature: float = 0.0  # 0: greedy
