@@ -54,11 +54,11 @@ def evaluate(params: EvaluateFlowParams) -> dict:
         )
         headline = record_summary(run_id, result, profile, cost)  # the flow's run compares in the runs table
     return {
-        "metrics": result["metrics"],
+        "metrics": result.metrics,
         "summary_metrics": headline,
-        "profile_dir": profile["profile_dir"],
-        "run_id": cost["run_id"],
-        "usd_per_million_tokens": cost["usd_per_million_tokens"],
+        "profile_dir": profile.profile_dir,
+        "run_id": cost.run_id,
+        "usd_per_million_tokens": cost.usd_per_million_tokens,
         "mlflow_run_id": run_id,
         **pending_summary(),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import flow
 from pydantic import Field
 
@@ -23,4 +25,4 @@ def finetune(params: FinetuneFlowParams) -> dict:
     out = out_dir_for("finetune", params.out_dir)
     with flow_record("finetune", params, out_dir=out) as run_id:
         result = finetune_model(params.config, params.base_model_dir, str(out), run_id)
-    return {**result, "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}
+    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}

@@ -1,6 +1,6 @@
-"""Flow: the whole life of a model in one run: validate, prepare, pretrain (+ dense baseline), evaluate,
-fine-tune (optional, then evaluated again), optimize, register, promote. One MLflow parent run, one nested
-run per stage. What is registered is the model last evaluated: a stage that changes the model is followed by
+"""Flow: the whole life of a model in one run: validate, prepare, pretrain (+ the dense baseline with equal
+active parameters, unless ``baseline=none``), evaluate, fine-tune (optional, then evaluated again), optimize,
+register, promote. One MLflow parent run, one nested run per stage. What is registered is the model last evaluated: a stage that changes the model is followed by
 an evaluation, and a model with non-finite weights or metrics is never registered."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from tasks import data, registry, train
 from tasks import evaluate as ev
 from tasks import optimize as opt
 from tasks.finetune import finetune_model
+from tasks.results import ModelResult
 from tasks.stages import flow_record, pending_summary, record_summary
 
 DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
@@ -25,18 +26,18 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     link_dashboard("lifecycle")
     p, t = params, params.train
     with flow_record("lifecycle", params, out_dir=out) as run_id:
-        data.validate_data(
+        validation = data.validate_data(
             t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id
         )
         prepare_cfg = prepare_config_for(t, p.validation)
-        data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id)
+        data_dir = data.prepare_data(prepare_cfg, data_dir_for(prepare_cfg), run_id, validation)
         config = with_data(t, data_dir)
 
-        model = train.pretrain(
+        trained = train.pretrain(
             config, str(out / "pretrain"), run_id, p.nproc, p.subprocess, log_checkpoint=p.log_checkpoint
         )
-        models = {"moe": model["export_dir"]}
-        if p.baseline:
+        models = {"moe": trained.export_dir}
+        if p.baseline not in (None, "none"):
             dense = config.model_copy(
                 update={"model": config.model.model_copy(update={"baseline": p.baseline})}
             )
@@ -49,7 +50,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 log_model=False,
                 stage=f"pretrain_dense_{p.baseline}",
             )
-            models[f"dense-{p.baseline}"] = baseline["export_dir"]
+            models[f"dense-{p.baseline}"] = baseline.export_dir
 
         evaluation = ev.evaluate_model(
             models,
@@ -61,7 +62,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             run_id,
         )
         routing = ev.profile_router(
-            model["export_dir"],
+            trained.export_dir,
             data_dir,
             str(out / "analysis"),
             "validation",
@@ -72,19 +73,20 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             p.evaluate.vocab_pieces,
         )
         cost = ev.cost_report(
-            model["export_dir"],
-            str(out / "pretrain" / "metrics.jsonl"),
+            trained.export_dir,
+            trained.metrics_path,
             str(out / "analysis"),
             p.evaluate.device_name,
             config.data.seq_len,
             run_id,
         )
 
+        model: ModelResult = trained  # what is registered: the model last evaluated
         first_evaluation = evaluation
         if p.finetune.enabled:
-            model = finetune_model(p.finetune.config, model["export_dir"], str(out / "finetune"), run_id)
+            model = finetune_model(p.finetune.config, trained.export_dir, str(out / "finetune"), run_id)
             evaluation = ev.evaluate_model(
-                {"finetuned": model["export_dir"]},
+                {"finetuned": model.export_dir},
                 data_dir,
                 str(out / "eval-finetuned"),
                 p.evaluate.splits,
@@ -94,11 +96,11 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 stage="evaluate_finetuned",
             )
 
-        refusal = registry.check_model(model["export_dir"], evaluation, run_id)  # NaN weights or metrics
+        refusal = registry.check_model(model.export_dir, evaluation, run_id)  # NaN weights or metrics
         bench = None
         if p.optimize is not None and refusal is None:
             quantized = opt.quantize_model(
-                model["export_dir"],
+                model.export_dir,
                 str(out / "quantized"),
                 p.optimize.quantize_bits,
                 p.optimize.quantize_method,
@@ -106,9 +108,9 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 run_id,
                 data_dir,
             )
-            variants = {"pytorch": model["export_dir"], "quantized": quantized}
+            variants = {"pytorch": model.export_dir, "quantized": quantized}
             if p.optimize.onnx:
-                variants["onnx"] = opt.export_onnx_model(model["export_dir"], str(out / "onnx"), run_id)
+                variants["onnx"] = opt.export_onnx_model(model.export_dir, str(out / "onnx"), run_id)
             # the evaluation's batches: one perplexity per model and split in the run
             bench = opt.benchmark(
                 variants,
@@ -135,12 +137,12 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 "higher_is_better": p.promotion.higher_is_better,
             }
             version = registry.register_model(
-                model["model_uri"],
-                model["export_dir"],
+                model.model_uri,
+                model.export_dir,
                 p.promotion.model_name,
                 evaluation,
                 run_id,
-                model["run_id"],
+                model.run_id,
                 gate,
             )
             decision = (
@@ -156,8 +158,8 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         "reason": decision["reason"],
         "out_dir": str(out),
         "data_dir": data_dir,
-        "export_dir": model["export_dir"],
-        "metrics": evaluation["metrics"],
+        "export_dir": model.export_dir,
+        "metrics": evaluation.metrics,
         "summary_metrics": headline,
         **pending_summary(),
     }

@@ -35,4 +35,4 @@ def optimize(params: OptimizeFlowParams) -> dict:
             variants["onnx"] = opt.export_onnx_model(params.model_dir, str(out / "onnx"), run_id)
         bench = opt.benchmark(variants, params.data_dir, params.benchmark_batches, str(out), run_id)
         record_summary(run_id, bench)  # the flow's run compares in the runs table
-    return {"variants": variants, "benchmark": bench["rows"], "mlflow_run_id": run_id, **pending_summary()}
+    return {"variants": variants, "benchmark": bench.rows, "mlflow_run_id": run_id, **pending_summary()}

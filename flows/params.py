@@ -15,6 +15,7 @@ from moe_core.data.validation import ValidationConfig
 from moe_core.errors import MoELabError
 from moe_core.finetune import FinetuneConfig
 from moe_core.train import TrainConfig
+from tasks import settings
 
 
 class FlowParamsError(MoELabError):
@@ -137,7 +138,7 @@ class FinetuneParams(_Params):
 
 
 class PromotionParams(_Params):
-    model_name: str = "moe-lab-lm"
+    model_name: str = settings.REGISTERED_MODEL
     metric: str = Field(
         "eval.validation_bpb",
         description="an evaluation metric of the candidate's run; "
@@ -159,7 +160,11 @@ class LifecycleParams(_Params):
 
     train: TrainConfig = Field(default_factory=tiny_train_config)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    baseline: Literal["active", "total"] | None = Field(None, description="also train this dense baseline")
+    baseline: Literal["active", "total", "none"] | None = Field(
+        "active",
+        description="also train the dense baseline with equal active (or total) parameters, on the same data "
+        "and steps, and evaluate the model against it; none skips it",
+    )
     nproc: int = Field(1, ge=1)
     subprocess: bool = False
     log_checkpoint: bool = Field(

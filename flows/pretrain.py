@@ -3,6 +3,8 @@ group for ``nproc`` > 1, cleaned up if the flow run is cancelled), optionally wi
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import flow
 
 from flows.common import data_dir_for, link_dashboard, out_dir_for, prepare_config_for, with_data
@@ -34,4 +36,4 @@ def pretrain(params: PretrainParams = DEFAULTS) -> dict:
             ray_address=params.ray_address,
             log_checkpoint=params.log_checkpoint,
         )
-    return {**result, "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}
+    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}

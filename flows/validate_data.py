@@ -19,4 +19,5 @@ def validate_data(params: ValidateParams = DEFAULTS) -> dict:
         report = data.validate_data(
             params.source, params.kind, params.validation, params.max_documents, str(out), run_id
         )
-    return {**report, "mlflow_run_id": run_id, **pending_summary()}
+    summary = {"passed": report.passed, "report": report.report, "run_id": report.run_id}
+    return {**summary, "mlflow_run_id": run_id, **pending_summary()}

@@ -1,7 +1,8 @@
 """Open MoE Trainer Lab: the library.
 
-    from moe_core import MoEForCausalLM, get_config
+    from moe_core import MoEForCausalLM, get_config, load
     model = MoEForCausalLM(get_config("mixtral-tiny"))
+    loaded = load("runs/my-run")  # any checkpoint the lab writes or converts: .model, .tokenizer, .kind
 
 Loading the model module (``from moe_core import MoEForCausalLM`` or ``import moe_core.model``) registers
 ``model_type="moe_lab"`` with transformers' Auto classes; nothing else happens on import.
@@ -19,6 +20,8 @@ _EXPORTS = {
     "MoEConfig": "moe_core.config",
     "dense_baseline": "moe_core.config",
     "get_config": "moe_core.config",
+    "load": "moe_core.loading",
+    "Loaded": "moe_core.loading",
     "parameter_counts": "moe_core.config",
     "MoEForCausalLM": "moe_core.model",
     "MoEModel": "moe_core.model",

@@ -234,9 +234,7 @@ def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]
     raw = json.loads(file.read_text())
     model_type = raw.get("model_type")
     if model_type == MoEConfig.model_type:
-        raise ConversionError(
-            f"{directory} is already a moe_lab checkpoint; load it with MoEForCausalLM.from_pretrained"
-        )
+        raise ConversionError(f"{directory} is already a moe_lab checkpoint; load it with moe_core.load")
     if model_type not in ARCHITECTURES:
         raise ConversionError(
             f"{directory}: model_type {model_type!r} is not supported; supported: {SUPPORTED}"
@@ -725,28 +723,22 @@ def convert_from_hf(
     return Path(out_dir)
 
 
-def load_ours(source: str | os.PathLike) -> MoEForCausalLM:
-    """Our checkpoint directory as a model in its stored dtype, with a clear error for anything else."""
-    directory = Path(source).expanduser()
-    file = directory / "config.json"
-    if not file.is_file():
-        raise ConversionError(f"{directory}: no config.json; give a directory written by save_pretrained")
-    model_type = json.loads(file.read_text()).get("model_type")
-    if model_type in ARCHITECTURES:
-        raise ConversionError(
-            f"{directory} is a Hugging Face {model_type} checkpoint already; "
-            f"use from_hf / `moe-lab convert from-hf` to bring it in"
-        )
-    if model_type != MoEConfig.model_type:
-        raise ConversionError(f"{directory}: model_type {model_type!r} is not a moe_lab checkpoint")
-    return MoEForCausalLM.from_pretrained(directory, dtype="auto").eval()
-
-
 def convert_to_hf(
     source: str | os.PathLike,
     out_dir: str | os.PathLike,
     architecture: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Our checkpoint directory written as a HF checkpoint, tokenizer files included."""
-    return to_hf(load_ours(source), out_dir, architecture, tokenizer_dir=source, overwrite=overwrite)
+    """Our checkpoint directory (any kind `moe_core.load` reads, in its stored dtype) written as a HF
+    checkpoint, tokenizer files included."""
+    from moe_core.loading import detect, load  # moe_core.loading imports this module
+
+    kind = detect(Path(source).expanduser())
+    if kind == "hf":
+        raise ConversionError(
+            f"{source} is a Hugging Face checkpoint already; use from_hf / `moe-lab convert from-hf` to bring it in"
+        )
+    if kind == "quantized":
+        raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
+    loaded = load(source)
+    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=loaded.path, overwrite=overwrite)

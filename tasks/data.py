@@ -14,6 +14,7 @@ from moe_core.data.prepare import PrepareConfig, config_fingerprint, prepare
 from moe_core.data.sources import parse_source, source_fingerprint
 from moe_core.data.validation import ValidationConfig, validate_source
 from tasks import tracking
+from tasks.results import Validation
 from tasks.stages import stage_run
 
 
@@ -30,7 +31,7 @@ def validate_data(
     max_documents: int | None,
     out_dir: str,
     parent_run_id: str | None,
-) -> dict:
+) -> Validation:
     """Run the kind's suite; the report goes to ``out_dir``, MLflow and Prefect. Raises `DataValidationError`
     (the stage's MLflow run marked FAILED) when the data fails it."""
     with stage_run("validate_data", parent_run_id) as run_id:
@@ -58,7 +59,7 @@ def validate_data(
             result.to_markdown(), key="data-validation", description=result.summary() or "passed"
         )
         result.raise_for_failure()
-    return {"passed": result.success, "report": str(out / "validation.md"), "run_id": run_id}
+    return Validation(run_id, str(out / "validation.md"), result)
 
 
 def _prepare_cache_key(context, parameters) -> str:
@@ -77,10 +78,13 @@ def _prepare_cache_key(context, parameters) -> str:
     persist_result=True,
     result_serializer="json",
 )  # the cached path as JSON: Prefect's default is a pickle
-def prepare_data(config: PrepareConfig, out_dir: str, parent_run_id: str | None) -> str:
-    """Tokenize and pack into ``out_dir`` (reused when it already holds the same data); returns the path."""
+def prepare_data(
+    config: PrepareConfig, out_dir: str, parent_run_id: str | None, validated: Validation | None = None
+) -> str:
+    """Tokenize and pack into ``out_dir`` (reused when it already holds the same data); returns the path.
+    ``validated``: the validate stage's result for this source, so its documents are not validated twice."""
     with stage_run("prepare_data", parent_run_id) as run_id:
-        data_dir = prepare(config, out_dir)
+        data_dir = prepare(config, out_dir, validated=validated.result if validated else None)
         tracking.log_config(run_id, config, prefix="prepare")
         tracking.log_dataset(run_id, data_dir, context="training")
         tracking.log_artifacts(run_id, data_dir / "manifest.json", "data")

@@ -10,24 +10,10 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks import tracking
+from moe_core.data.tokenizer import load_tokenizer
+from tasks import models_in_memory, tracking
+from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
-
-
-def _load(model_dir: str):
-    import torch
-
-    from moe_core import MoEForCausalLM
-
-    return MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _tokenizer(model_dir: str, data_dir: str):
-    """The model's own tokenizer (exports carry one), else the data's it was trained on."""
-    from moe_core.data.tokenizer import load_tokenizer
-
-    own = Path(model_dir) / "tokenizer_config.json"
-    return load_tokenizer(model_dir if own.is_file() else Path(data_dir) / "tokenizer")
 
 
 @task(name="evaluate-model", retries=1, retry_delay_seconds=2)
@@ -40,11 +26,12 @@ def evaluate_model(
     max_batches: int | None,
     parent_run_id: str | None,
     stage: str = "evaluate",
-) -> dict:
+) -> Evaluation:
     """Loss and perplexity per split of each model (the first is the candidate, the others baselines), and
     bits per byte on the raw validation text with each model's own tokenizer (comparable across
-    tokenizers). Returns the metrics, which text and tokenizer the candidate was judged on, and the names of
-    metrics that are not finite (a diverged model)."""
+    tokenizers; a model without one of its own is read with the data's). Returns the metrics, which text
+    and tokenizer the candidate was judged on, and the names of metrics that are not finite (a diverged
+    model). Each model is read once per process (`tasks.models_in_memory`): profiling and pricing reuse it."""
     from moe_core.data.shards import read_manifest
     from moe_core.data.tokenizer import tokenizer_hash
     from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
@@ -55,7 +42,11 @@ def evaluate_model(
         seq_len = int(read_manifest(data_dir)["seq_len"])
         texts = split_texts(data_dir, "validation", None if max_batches is None else max_batches * batch_size)
         for i, (name, model_dir) in enumerate(models.items()):
-            model, tokenizer = _load(model_dir), _tokenizer(model_dir, data_dir)
+            loaded = models_in_memory.get(model_dir)
+            model = loaded.model
+            tokenizer = loaded.tokenizer
+            if tokenizer is None:  # a model saved without one: the data's, which it was trained on
+                tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
             results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
             per_byte = evaluate_bits_per_byte(model, tokenizer, texts, window=seq_len, batch_size=batch_size)
             rows.append({**model_row(name, model.config, results), "validation_bpb": per_byte.bits_per_byte})
@@ -85,7 +76,7 @@ def evaluate_model(
             key="evaluation",
             description="loss and perplexity per split (ratios against the first model)",
         )
-    return {"run_id": run_id, "metrics": metrics, "judged_on": judged_on, "nonfinite": nonfinite}
+    return Evaluation(run_id, metrics, judged_on, nonfinite)
 
 
 @task(name="profile-router", retries=1, retry_delay_seconds=2)
@@ -99,15 +90,14 @@ def profile_router(
     plots: bool,
     parent_run_id: str | None,
     vocab_pieces: bool = False,
-) -> dict:
+) -> RouterProfile:
     """The router profile on a split (versioned directory), its plots, and per-layer summary metrics.
     Top tokens per expert are recorded as ids and counts; their vocabulary pieces only with ``vocab_pieces``."""
     from moe_core.analytics.profile import ProfileConfig, profile_split
-    from moe_core.data.tokenizer import load_tokenizer
     from moe_core.eval.perplexity import to_markdown
 
     with stage_run("profile", parent_run_id) as run_id:
-        model, tokenizer = _load(model_dir), load_tokenizer(Path(data_dir) / "tokenizer")
+        model, tokenizer = models_in_memory.get(model_dir).model, load_tokenizer(Path(data_dir) / "tokenizer")
         profile = profile_split(
             model,
             data_dir,
@@ -146,7 +136,7 @@ def profile_router(
             key="router-profile",
             description="router profile, one row per MoE layer",
         )
-    return {"run_id": run_id, "profile_dir": str(out / "profile"), "metrics": health}
+    return RouterProfile(run_id, str(out / "profile"), health)
 
 
 @task(name="cost-report", retries=1, retry_delay_seconds=2)
@@ -157,13 +147,13 @@ def cost_report(
     device_name: str | None,
     seq_len: int,
     parent_run_id: str | None,
-) -> dict:
+) -> CostResult:
     """Forward throughput here and what a token costs, with the training cost to date from its event file."""
     from moe_core.analytics.cost import cost_report as build_report
     from moe_core.analytics.cost import measure_throughput, usage_from_events
 
     with stage_run("cost", parent_run_id) as run_id:
-        model = _load(model_dir)
+        model = models_in_memory.get(model_dir).model
         device = device_name or "cpu"
         throughput = measure_throughput(model, batch_size=4, seq_len=seq_len, steps=3)
         training = usage_from_events(events, device) if events and Path(events).is_file() else None
@@ -172,24 +162,12 @@ def cost_report(
         out.mkdir(parents=True, exist_ok=True)
         (out / "cost.md").write_text(report.to_markdown() + "\n")
         (out / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
-        metrics = tracking.flatten(report.to_dict(), "cost")
-        tracking.log_metrics(run_id, {k: float(v) for k, v in metrics.items() if _is_number(v)})
+        tracking.log_metrics(run_id, tracking.numbers(report.to_dict(), "cost"))
         tracking.log_artifacts(run_id, out / "cost.md", "cost")
         tracking.log_artifacts(run_id, out / "cost.json", "cost")
         create_markdown_artifact(report.to_markdown(), key="cost", description=f"cost per token on {device}")
-    return {
-        "run_id": run_id,
-        "usd_per_million_tokens": report.usd_per_million_tokens,
-        "metrics": {
-            "cost.usd_per_million_tokens": report.usd_per_million_tokens,
-            "cost.tokens_per_s": throughput.tokens_per_s,
-        },
+    headline = {
+        "cost.usd_per_million_tokens": report.usd_per_million_tokens,
+        "cost.tokens_per_s": throughput.tokens_per_s,
     }
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return text not in ("nan", "inf", "-inf", "True", "False")
+    return CostResult(run_id, report.usd_per_million_tokens, headline)

@@ -10,13 +10,14 @@ from prefect.cache_policies import NO_CACHE
 
 from moe_core.finetune import FinetuneConfig
 from tasks import tracking
+from tasks.results import ModelResult
 from tasks.stages import stage_run
 
 
 @task(name="finetune", retries=1, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def finetune_model(
     config: FinetuneConfig, base_model_dir: str, out_dir: str, parent_run_id: str | None
-) -> dict:
+) -> ModelResult:
     """Fine-tune ``base_model_dir`` (unless ``config.model.path`` names another base) into ``out_dir``."""
     from moe_core.finetune import finetune
 
@@ -37,8 +38,6 @@ def finetune_model(
             tracking.log_artifacts(run_id, result.adapter_dir, "adapter")
         model_dir = result.merged_dir or Path(out_dir) / "merged"
         models = tracking.log_model(run_id, model_dir)
-    return {
-        "run_id": run_id,
-        "export_dir": str(model_dir),
-        "model_uri": models.get("transformers") or models.get("files"),
-    }
+    return ModelResult(
+        run_id, str(out_dir), str(model_dir), models.get("transformers") or models.get("files")
+    )

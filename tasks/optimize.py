@@ -9,7 +9,8 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from tasks import tracking
+from tasks import models_in_memory, tracking
+from tasks.results import Benchmark
 from tasks.stages import stage_run
 
 
@@ -54,13 +55,15 @@ def benchmark(
     out_dir: str,
     parent_run_id: str | None,
     batch_size: int = 4,
-) -> dict:
+) -> Benchmark:
     """``variants``: ``{"pytorch" | "quantized" | "onnx": directory}``; the first is the reference. Given the
     evaluation's ``batches`` and ``batch_size``, the pytorch row's perplexity is the evaluation's."""
     from moe_core.inference.evaluate import compare_variants
 
     with stage_run("benchmark", parent_run_id) as run_id:
-        rows = compare_variants(variants, data_dir, batches, batch_size)
+        # the pytorch variant is the model the evaluation read: reuse it when it is still in memory
+        loaded = {"pytorch": models_in_memory.get(variants["pytorch"]).model} if "pytorch" in variants else {}
+        rows = compare_variants(variants, data_dir, batches, batch_size, loaded)
         for row in rows:
             tracking.log_metrics(
                 run_id, {f"bench.{row['variant']}.{k}": v for k, v in row.items() if k != "variant"}
@@ -72,4 +75,4 @@ def benchmark(
             rows, key="benchmark", description="quality and speed per model variant (validation)"
         )
     metrics = {f"bench.{row['variant']}.{k}": v for row in rows for k, v in row.items() if k != "variant"}
-    return {"run_id": run_id, "rows": rows, "metrics": metrics}
+    return Benchmark(run_id, rows, metrics)

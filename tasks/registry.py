@@ -21,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 from moe_core.errors import MoELabError
 from moe_core.eval.finite import nonfinite_tensors
 from tasks import pending, tracking
+from tasks.results import Evaluation
 from tasks.storelock import store_lock
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -35,20 +36,20 @@ class UnregistrableModel(MoELabError):
     """A model with non-finite weights or evaluation metrics was about to be registered."""
 
 
-def registration_refusal(model_dir: str, evaluation: dict) -> str | None:
+def registration_refusal(model_dir: str, evaluation: Evaluation) -> str | None:
     """Why ``model_dir`` must not be registered (non-finite weights or metrics), or None."""
     bad = nonfinite_tensors(model_dir)
     if bad:
         names = ", ".join(list(bad)[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         return f"non-finite weights: {sum(bad.values())} NaN/inf values in {len(bad)} tensors ({names})"
-    nonfinite = [k for k, v in evaluation["metrics"].items() if not math.isfinite(v)]
+    nonfinite = [k for k, v in evaluation.metrics.items() if not math.isfinite(v)]
     if nonfinite:
         return f"non-finite evaluation: {', '.join(nonfinite[:5])}"
     return None
 
 
 @task(name="check-model", retries=1, retry_delay_seconds=2)
-def check_model(model_dir: str, evaluation: dict, parent_run_id: str | None) -> str | None:
+def check_model(model_dir: str, evaluation: Evaluation, parent_run_id: str | None) -> str | None:
     """None when ``model_dir`` may be registered, else why not (also tagged on the lifecycle's run as
     ``registry.decision=refused`` / ``registry.reason`` and shown as a Prefect artifact)."""
     refusal = registration_refusal(model_dir, evaluation)
@@ -66,7 +67,7 @@ def register_model(
     model_uri: str | None,
     model_dir: str,
     name: str,
-    evaluation: dict,
+    evaluation: Evaluation,
     parent_run_id: str | None,
     model_run_id: str | None = None,
     gate_settings: dict | None = None,
@@ -81,8 +82,8 @@ def register_model(
         raise UnregistrableModel(f"{model_dir}: {refusal}")
     tags = {
         "moe_lab.lifecycle_run_id": parent_run_id or "",
-        **evaluation.get("judged_on", {}),
-        **{f"metric.{k}": f"{v:.6g}" for k, v in evaluation["metrics"].items()},
+        **evaluation.judged_on,
+        **{f"metric.{k}": f"{v:.6g}" for k, v in evaluation.metrics.items()},
     }
     later = {
         "model_uri": model_uri,

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from prefect.artifacts import create_link_artifact
 
-from tasks import pending, tracking
+from tasks import models_in_memory, pending, tracking
 
 
 def prefect_tags() -> dict[str, str]:
@@ -75,6 +75,9 @@ def flow_record(name: str, params, parent_run_id: str | None = None, out_dir=Non
     except BaseException as err:  # cancelled (Prefect's TerminationSignal), interrupted
         tracking.end_run(run_id, "KILLED", reason=type(err).__name__)
         raise
+    finally:
+        if parent_run_id is None:  # the flow run's models leave memory with it
+            models_in_memory.forget()
     tracking.end_run(run_id)
 
 
@@ -90,14 +93,14 @@ def pending_summary() -> dict:
     }
 
 
-def record_summary(run_id: str, *results: dict | None, **prefixed: dict | None) -> dict[str, float]:
+def record_summary(run_id: str, *results, **prefixed) -> dict[str, float]:
     """The headline figures of a flow's stages (each result's ``metrics``; those passed by keyword under
     ``<keyword>.``) on the flow's own run, so flow runs compare side by side in MLflow's runs table; returns
-    what was recorded."""
+    what was recorded. A result is any `tasks.results` record with ``metrics``, or None (a skipped stage)."""
     merged: dict[str, float] = {}
     for result in results:
-        merged.update((result or {}).get("metrics", {}))
+        merged.update(result.metrics if result is not None else {})
     for prefix, result in prefixed.items():
-        merged.update({f"{prefix}.{k}": v for k, v in (result or {}).get("metrics", {}).items()})
+        merged.update({f"{prefix}.{k}": v for k, v in (result.metrics if result is not None else {}).items()})
     tracking.log_metrics(run_id, merged)
     return merged

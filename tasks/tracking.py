@@ -183,28 +183,50 @@ def run_url(run_id: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ params
-def flatten(data: Any, prefix: str = "") -> dict[str, str]:
-    """``{"optim": {"lr": 1e-3}}`` -> ``{"optim.lr": "0.001"}``; lists and tuples stay one value."""
-    out: dict[str, str] = {}
+def _tree(data: Any) -> Any:
+    """A pydantic model or dataclass as plain dicts and lists (numbers stay numbers); anything else as is."""
     if hasattr(data, "model_dump"):
-        data = data.model_dump(mode="json")
-    elif hasattr(data, "__dataclass_fields__"):
+        return data.model_dump(mode="json")
+    if hasattr(data, "__dataclass_fields__"):
         import dataclasses
 
-        data = dataclasses.asdict(data)
+        return dataclasses.asdict(data)
+    return data
+
+
+def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1e-3}}`` -> ``{"optim.lr": 1e-3}``; lists and tuples stay one value."""
+    data = _tree(data)
     if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
         for key, value in data.items():
-            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
         return out
-    text = json.dumps(data, default=str) if isinstance(data, list | tuple) else str(data)
-    out[prefix or "value"] = text[:MAX_PARAM_CHARS]
-    return out
+    return {prefix or "value": data}
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """``{"optim": {"lr": 1e-3}}`` -> ``{"optim.lr": "0.001"}`` (MLflow params are text); lists and tuples
+    stay one value."""
+    leaves = _leaves(data, prefix).items()
+    text = {k: json.dumps(v, default=str) if isinstance(v, list | tuple) else str(v) for k, v in leaves}
+    return {key: value[:MAX_PARAM_CHARS] for key, value in text.items()}
+
+
+def numbers(data: Any, prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of a nested report as metrics, ``{"cost.train.usd": 1.5}``, kept as numbers
+    (booleans, text and lists are not metrics)."""
+    return {
+        key: value
+        for key, value in _leaves(data, prefix).items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 def log_config(run_id: str, config: Any, prefix: str = "") -> None:
     """Every field of a (pydantic/dataclass/dict) config as params, and the whole config as JSON."""
     params = flatten(config, prefix)
-    data = config.model_dump(mode="json") if hasattr(config, "model_dump") else flatten(config)
+    data = json.loads(json.dumps(_tree(config), default=str))  # numbers stay numbers; paths become text
     artifact_file = f"config/{prefix or 'config'}.json"
     _send(
         "log_params",
@@ -394,21 +416,17 @@ def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
 
 def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
     import mlflow
-    import torch
 
-    import moe_core  # noqa: F401  (registers model_type "moe_lab" with the Auto classes)
-    from moe_core import MoEForCausalLM
+    from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
+    from tasks import models_in_memory
 
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
-    from moe_core.data.tokenizer import load_tokenizer
-    from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
-
-    model = MoEForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    loaded = models_in_memory.get(str(model_dir))  # the evaluation tasks that follow reuse it
     with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
         info = mlflow.transformers.log_model(
-            {"model": model, "tokenizer": load_tokenizer(model_dir)},
+            {"model": loaded.model, "tokenizer": loaded.tokenizer},
             name="transformers",
             task="text-generation",
             pip_requirements=PIP_REQUIREMENTS,

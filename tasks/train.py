@@ -4,8 +4,8 @@ directory's last checkpoint, so a killed run ends with the weights an uninterrup
 
 from __future__ import annotations
 
-import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import task
@@ -13,10 +13,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
 from moe_core.config import MoEConfig
-from moe_core.train import TrainConfig, read_jsonl
-from moe_core.train.checkpoint import TRAINER_STATE, latest_checkpoint, read_trainer_state
+from moe_core.train import TrainConfig, TrainResult, read_result, train
+from moe_core.train.checkpoint import TRAINER_STATE, latest_checkpoint
+from moe_core.train.loop import EXPORT_DIR
 from tasks import tracking
 from tasks.process import run_group
+from tasks.results import TrainedModel
 from tasks.stages import stage_run
 
 
@@ -33,7 +35,7 @@ def pretrain(
     launcher: str = "torchrun",
     ray_address: str | None = None,
     log_checkpoint: bool = False,
-) -> dict:
+) -> TrainedModel:
     """Train into ``out_dir``; returns step, losses, the export directory and the MLflow run/model ids.
 
     MLflow gets the model once (``log_model``: the transformers flavor the registry serves) and the last
@@ -51,16 +53,16 @@ def pretrain(
             follower = tracking.EventFollower(run_id, out)
             train_with_ray(config, out, nproc, resume=resume, address=ray_address, max_failures=max_restarts)
             follower.poll()
+            result = read_result(out)  # the run ended in other processes: what it wrote
         elif nproc > 1 or subprocess:
             _train_in_process_group(config, out, run_id, nproc, resume, max_restarts)
+            result = read_result(out)
         else:
-            from moe_core.train import train
-
-            train(config, out, resume=resume, sinks=[tracking.MlflowSink(run_id, out)])
-        summary = _summary(out)
-        tracking.log_metrics(run_id, {f"final.{k}": v for k, v in summary.items()}, summary["step"])
+            result = train(config, out, resume=resume, sinks=[tracking.MlflowSink(run_id, out)])
+        trained = _trained_model(result, run_id)
+        tracking.log_metrics(run_id, trained.metrics, trained.step)
         tracking.set_tags(run_id, {"moe_lab.resumed": resume, "moe_lab.out_dir": str(out)})
-        ckpt = latest_checkpoint(out / "checkpoints")
+        ckpt = result.checkpoint
         tracking.log_architecture(run_id, MoEConfig.from_pretrained(ckpt))
         if log_checkpoint:
             tracking.log_artifacts(run_id, ckpt, "checkpoint")
@@ -68,14 +70,8 @@ def pretrain(
             for name in (TRAINER_STATE, "train_config.json", "config.json"):
                 if (ckpt / name).is_file():
                     tracking.log_artifacts(run_id, ckpt / name, "checkpoint")
-        models = tracking.log_model(run_id, out / "final") if log_model else {}
-    return {
-        **summary,
-        "run_id": run_id,
-        "out_dir": str(out),
-        "export_dir": str(out / "final"),
-        "model_uri": models.get("transformers") or models.get("files"),
-    }
+        models = tracking.log_model(run_id, trained.export_dir) if log_model else {}
+    return replace(trained, model_uri=models.get("transformers") or models.get("files"))
 
 
 def _train_in_process_group(
@@ -101,17 +97,19 @@ def _train_in_process_group(
     run_group(cmd, out, follower.poll, first_attempt=task_run.run_count <= 1, poll_s=2.0)
 
 
-def _summary(out: Path) -> dict:
-    """Step and losses of the finished run, from its last checkpoint and event file."""
-    state = read_trainer_state(latest_checkpoint(out / "checkpoints"))
-    rows = read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
-    last = next((r for r in reversed(rows) if "loss" in r), {})
-    summary = {
-        "step": int(state["step"]),
-        "tokens": int(state["tokens"]),
-        "loss": last.get("loss"),
-        "val_loss": state.get("val_loss"),
-        "restarts": last.get("elastic/restarts"),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return {k: v for k, v in summary.items() if v is not None}
+def _trained_model(result: TrainResult, run_id: str) -> TrainedModel:
+    restarts = next(
+        (row["elastic/restarts"] for row in reversed(result.history) if "elastic/restarts" in row), None
+    )
+    return TrainedModel(
+        run_id=run_id,
+        out_dir=str(result.out_dir),
+        export_dir=str(result.export_dir or result.out_dir / EXPORT_DIR),
+        model_uri=None,
+        step=result.step,
+        tokens=result.tokens,
+        loss=result.loss,
+        val_loss=result.val_loss,
+        restarts=restarts,
+        metrics_path=str(result.metrics_path),
+    )

@@ -8,7 +8,7 @@ import torch
 
 from moe_core import MoEForCausalLM, get_config
 from moe_core.data.tokenizer import train_tokenizer
-from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
+from moe_core.eval.generate import PromptSetConfig, generate_samples, write_generations
 from moe_core.eval.prompts import PROMPTS
 
 TEXTS = [p.text for p in PROMPTS] * 2 + [
@@ -38,7 +38,7 @@ def test_greedy_is_the_argmax_continuation(setup):
     model, tokenizer = setup
     prompt = PROMPTS[0]
     (greedy,) = generate_samples(
-        model, tokenizer, [prompt], GenerationConfig(max_new_tokens=6, modes=("greedy",))
+        model, tokenizer, [prompt], PromptSetConfig(max_new_tokens=6, modes=("greedy",))
     )
     ids = tokenizer.encode(prompt.text, add_special_tokens=False)
     new = []
@@ -55,13 +55,13 @@ def test_greedy_is_the_argmax_continuation(setup):
 
 def test_sampling_is_seeded_and_leaves_global_rng(setup, tmp_path):
     model, tokenizer = setup
-    config = GenerationConfig(max_new_tokens=5, modes=("sampled",), seed=3)
+    config = PromptSetConfig(max_new_tokens=5, modes=("sampled",), seed=3)
     state = torch.get_rng_state()
     first = generate_samples(model, tokenizer, PROMPTS[:2], config)
     assert torch.equal(state, torch.get_rng_state())
     assert first == generate_samples(model, tokenizer, PROMPTS[:2], config)
     other = generate_samples(
-        model, tokenizer, PROMPTS[:1], GenerationConfig(max_new_tokens=5, modes=("sampled",), seed=4)
+        model, tokenizer, PROMPTS[:1], PromptSetConfig(max_new_tokens=5, modes=("sampled",), seed=4)
     )
     assert other[0].completion != first[0].completion
     assert [g.seed for g in first] == [3, 4]
@@ -71,6 +71,6 @@ def test_sampling_is_seeded_and_leaves_global_rng(setup, tmp_path):
 
 def test_generation_config_checks_itself():
     with pytest.raises(ValueError, match="modes"):
-        GenerationConfig(modes=("beam",))
+        PromptSetConfig(modes=("beam",))
     with pytest.raises(ValueError, match="temperature"):
-        GenerationConfig(temperature=0.0)
+        PromptSetConfig(temperature=0.0)

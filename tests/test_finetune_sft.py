@@ -4,7 +4,8 @@ stay bitwise, merged LoRA equals the adapted model, the adapter loads back throu
 import pytest
 import torch
 
-from moe_core.finetune import FinetuneConfig, finetune, load_finetuned
+from moe_core import load
+from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.finetune.export import merged_model, save_adapter
 from moe_core.finetune.methods import TaskRouterBias
 from tests.finetune_helpers import instruction_records, state, tiny_model, tiny_tokenizer
@@ -157,7 +158,7 @@ def test_multitask_router_bias_trains_only_the_bias_and_is_saved_beside_the_weig
     assert all(torch.equal(after[k], before[k]) for k in before)
     bias = TaskRouterBias.load(result.merged_dir)
     assert bias.task_names == ["animal", "color"] and bias.bias_LNE.abs().sum() > 0
-    reloaded = load_finetuned(result.merged_dir)
+    reloaded = load(result.merged_dir).model
     x = torch.randint(0, 300, (2, 6))
     with reloaded.task_router_bias.tasks(torch.tensor([0, 1])), torch.no_grad():
         biased = reloaded(input_ids=x).logits

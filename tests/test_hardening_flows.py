@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -61,17 +62,19 @@ def models(data_dir, tmp_path_factory):
     }
 
 
-def evaluate_in_flow(model_dir: str, data_dir: str, out: Path) -> dict:
+def evaluate_in_flow(model_dir: str, data_dir: str, out: Path):
+    """The evaluate task's `Evaluation` and the parent run it recorded under."""
     from prefect import flow
 
     from tasks import tracking
     from tasks.evaluate import evaluate_model
 
     @flow
-    def evaluate_once() -> dict:
+    def evaluate_once():
         parent = tracking.start_run("hardening-eval")
-        result = evaluate_model({"candidate": model_dir}, data_dir, str(out), ["validation"], 2, 2, parent)
-        return {**result, "parent": parent}
+        return evaluate_model(
+            {"candidate": model_dir}, data_dir, str(out), ["validation"], 2, 2, parent
+        ), parent
 
     return evaluate_once()
 
@@ -80,13 +83,13 @@ def evaluate_in_flow(model_dir: str, data_dir: str, out: Path) -> dict:
 def test_bits_per_byte_is_judged_on_the_same_text_with_each_models_tokenizer(
     lab_env, data_dir, models, tmp_path
 ):
-    own = evaluate_in_flow(models["own"], data_dir, tmp_path / "own")
-    other = evaluate_in_flow(models["other"], data_dir, tmp_path / "other")
-    assert own["judged_on"]["eval.text_sha256"] == other["judged_on"]["eval.text_sha256"]
-    assert own["judged_on"]["eval.text_bytes"] == other["judged_on"]["eval.text_bytes"]
-    assert own["judged_on"]["eval.tokenizer_sha256"] != other["judged_on"]["eval.tokenizer_sha256"]
+    own, _ = evaluate_in_flow(models["own"], data_dir, tmp_path / "own")
+    other, _ = evaluate_in_flow(models["other"], data_dir, tmp_path / "other")
+    assert own.judged_on["eval.text_sha256"] == other.judged_on["eval.text_sha256"]
+    assert own.judged_on["eval.text_bytes"] == other.judged_on["eval.text_bytes"]
+    assert own.judged_on["eval.tokenizer_sha256"] != other.judged_on["eval.tokenizer_sha256"]
     for result in (own, other):
-        assert result["nonfinite"] == [] and result["metrics"]["eval.validation_bpb"] > 0
+        assert result.nonfinite == [] and result.metrics["eval.validation_bpb"] > 0
 
 
 def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(
@@ -96,20 +99,20 @@ def test_a_nan_model_is_refused_before_registration_and_the_reason_recorded(
 
     from tasks.registry import UnregistrableModel, check_model, register_model, registration_refusal
 
-    result = evaluate_in_flow(models["nan"], data_dir, tmp_path / "nan")
-    assert "eval.validation_bpb" in result["nonfinite"] and "eval.validation_loss" in result["nonfinite"]
+    result, parent = evaluate_in_flow(models["nan"], data_dir, tmp_path / "nan")
+    assert "eval.validation_bpb" in result.nonfinite and "eval.validation_loss" in result.nonfinite
     reason = registration_refusal(models["nan"], result)
     assert reason.startswith("non-finite weights") and "lm_head.weight" in reason
 
-    refusal = check_model.fn(models["nan"], result, result["parent"])
+    refusal = check_model.fn(models["nan"], result, parent)
     assert refusal == reason
-    tags = MlflowClient().get_run(result["parent"]).data.tags
+    tags = MlflowClient().get_run(parent).data.tags
     assert tags["registry.decision"] == "refused" and "non-finite" in tags["registry.reason"]
     with pytest.raises(UnregistrableModel):  # even a caller that skips the check cannot register it
         register_model.fn("runs:/x/model", models["nan"], "never-lm", result, None)
     assert MlflowClient().search_model_versions("name = 'never-lm'") == []
 
-    finite_weights_nan_metric = {**result, "metrics": {"eval.validation_bpb": float("nan")}}
+    finite_weights_nan_metric = replace(result, metrics={"eval.validation_bpb": float("nan")})
     assert "non-finite evaluation" in registration_refusal(models["own"], finite_weights_nan_metric)
 
 
@@ -136,6 +139,7 @@ def test_a_lifecycle_whose_fine_tune_diverges_registers_and_promotes_nothing(lab
         }
     )
     params = LifecycleParams(
+        baseline="none",  # the default dense baseline is not what this test is about
         finetune=FinetuneParams(enabled=True, config=diverging),
         optimize=None,
         evaluate=EvaluateParams(splits=["validation"], max_batches=2, profile_batches=1, plots=False),

@@ -56,7 +56,7 @@ from moe_core.data.sources import (
     to_messages,
 )
 from moe_core.data.tokenizer import load_tokenizer, render_chat, tokenizer_hash, train_tokenizer
-from moe_core.data.validation import ValidationConfig, validate
+from moe_core.data.validation import ValidationConfig, ValidationResult, validate
 from moe_core.fileio import atomic_directory
 from moe_core.progress import Progress
 
@@ -151,8 +151,17 @@ def _tokenizer_fingerprint(name: str | None) -> str | None:
     return f"hub:{name}"
 
 
-def prepare(config: PrepareConfig, out_dir: str | Path, overwrite: bool = False) -> Path:
+def prepare(
+    config: PrepareConfig,
+    out_dir: str | Path,
+    overwrite: bool = False,
+    validated: ValidationResult | None = None,
+) -> Path:
     """Prepare `config.source` into `out_dir` (see the module docstring); returns `out_dir`.
+
+    ``validated``: the passed report of validating this source with ``config.kind`` and ``config.validation``
+    just before (`validate_source`, as the lifecycle's validate stage does); it goes into the manifest instead
+    of the documents being validated a second time. The prepared data and its fingerprint are the same.
 
     Reuses `out_dir` when it holds data from the same inputs (after checking its checksums). Raises
     `DataError` when `out_dir` holds something else and `overwrite` is False, and `DataError` /
@@ -182,7 +191,7 @@ def prepare(config: PrepareConfig, out_dir: str | Path, overwrite: bool = False)
         )
 
     with atomic_directory(out, overwrite=True, error_cls=DataError) as tmp:  # refusals were decided above
-        _build(config, tmp, fingerprint, source_fp)
+        _build(config, tmp, fingerprint, source_fp, validated)
     return out
 
 
@@ -287,13 +296,22 @@ def tokenize_documents(
     return out
 
 
-def _build(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str) -> None:
+def _build(
+    config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str, validated: ValidationResult | None
+) -> None:
     with Progress(6, "prepare data", unit="stage") as bar:
-        _build_stages(config, tmp, fingerprint, source_fp, bar)
+        _build_stages(config, tmp, fingerprint, source_fp, bar, validated)
         bar.advance_to(6)
 
 
-def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str, bar) -> None:
+def _build_stages(
+    config: PrepareConfig,
+    tmp: Path,
+    fingerprint: str,
+    source_fp: str,
+    bar,
+    validated: ValidationResult | None,
+) -> None:
     bar.stage("load")
     loaded = load_source(
         config.source,
@@ -309,8 +327,10 @@ def _build_stages(config: PrepareConfig, tmp: Path, fingerprint: str, source_fp:
     texts, domains, counts = _documents(config, loaded)
     if not texts:
         raise DataError(f"{loaded.spec.name}: every document is empty; nothing to prepare")
-    report = None
-    if config.validate:
+    report = validated
+    if validated is not None:
+        validated.raise_for_failure()  # a failed report is never recorded as a passed preparation
+    elif config.validate:
         bar.stage("validate")
         records = loaded.dataset if config.kind == "instruction" else [{"text": t} for t in texts]
         report = validate(records, config.kind, config.validation, source=loaded.spec.name)

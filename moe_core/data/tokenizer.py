@@ -76,7 +76,12 @@ def load_tokenizer(path_or_id: str | Path) -> Any:
     if (path / "manifest.json").is_file() and (path / "tokenizer").is_dir():
         path = path / "tokenizer"
     try:
-        tok = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(path_or_id))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(path_or_id))
+        except KeyError:  # a model directory whose model_type ("moe_lab") has no registered tokenizer class
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as err:
         msg = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise DataError(

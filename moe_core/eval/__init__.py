@@ -2,7 +2,7 @@
 generations for a fixed project-owned prompt set, and an lm-evaluation-harness adapter.
 
     from moe_core.eval.perplexity import evaluate_splits, comparison_table
-    from moe_core.eval.generate import PROMPTS, GenerationConfig, generate_samples
+    from moe_core.eval.generate import PROMPTS, PromptSetConfig, generate_samples
 
     results = evaluate_splits(model, "runs/data", splits=("validation", "test"))
     print(results["validation"].perplexity)

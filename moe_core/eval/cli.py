@@ -78,41 +78,18 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 
 
-# ------------------------------------------ model loading for eval and analyze (the seam for moe_core.load)
-def resolve_model_dir(path: str | Path) -> Path:
-    """A directory with config.json, or the latest checkpoint under ``<path>/checkpoints``."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    if (path / "final" / "config.json").is_file():  # a training output directory: its exported model
-        return path / "final"
-    ckpts = path / "checkpoints"
-    if ckpts.is_dir():
-        found = sorted(
-            (
-                p
-                for p in ckpts.iterdir()
-                if p.is_dir() and p.name.startswith("step_") and (p / "config.json").is_file()
-            ),
-            key=lambda p: p.name,
-        )
-        if found:
-            return found[-1]
-    raise MoELabError(
-        f"{path}: no config.json and no checkpoints/step_* inside; pass a model directory "
-        "(save_pretrained or an exported checkpoint) or a training output directory"
-    )
-
-
+# ------------------------------------------------------------------ model loading for eval and analyze
 def load_model(args, path: str | None = None, vocab_size: int | None = None):
+    """The model at ``path`` (default ``--model``: any checkpoint kind `moe_core.load` reads), else the
+    ``--preset`` with random weights."""
     import torch
 
-    from moe_core import MoEForCausalLM, get_config
+    from moe_core import MoEForCausalLM, get_config, load
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = path or args.model
     if path:
-        model = MoEForCausalLM.from_pretrained(str(resolve_model_dir(path)))
+        model = load(path, dtype=torch.float32).model
     else:
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         torch.manual_seed(0)
@@ -123,11 +100,11 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
 def load_tokenizer_for(args, required: bool):
     """--tokenizer, else the model directory's own (a trained model's final/ holds the tokenizer it was
     trained with), else the prepared data's."""
+    from moe_core.loading import tokenizer_dir
+
     source = args.tokenizer
     if source is None and args.model:
-        model_dir = resolve_model_dir(args.model)
-        if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
-            source = model_dir
+        source = tokenizer_dir(args.model)
     source = source or args.data
     if source is None:
         if required:
@@ -185,10 +162,10 @@ def run_eval(args) -> int:
         raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
     tokenizer = load_tokenizer_for(args, required=bool(args.generate or args.tasks))
     if args.generate:
-        from moe_core.eval.generate import GenerationConfig, generate_samples, write_generations
+        from moe_core.eval.generate import PromptSetConfig, generate_samples, write_generations
 
         generations = generate_samples(
-            model, tokenizer, config=GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+            model, tokenizer, config=PromptSetConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
         )
         report["generations"] = len(generations)
         if out:

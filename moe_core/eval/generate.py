@@ -18,7 +18,13 @@ from moe_core.eval.prompts import PROMPT_SET_VERSION, PROMPTS, Prompt
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
+class PromptSetConfig:
+    """How the prompt set is sampled for a quality read-out: each prompt in each of ``modes``, greedy and/or
+    sampled (temperature 0.8, top-k 50, top-p 0.95 by default), through transformers' ``generate``.
+
+    Not the serving engine's `moe_core.inference.generate.PromptSetConfig`, which decodes batches of user
+    prompts one way (greedy unless ``temperature`` > 0) with a batch size, EOS/pad ids and compilation."""
+
     max_new_tokens: int = 48
     temperature: float = 0.8
     top_k: int = 50
@@ -28,14 +34,14 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"GenerationConfig.max_new_tokens={self.max_new_tokens}: must be >= 1")
+            raise ValueError(f"PromptSetConfig.max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.temperature <= 0:
-            raise ValueError(f"GenerationConfig.temperature={self.temperature}: must be > 0")
+            raise ValueError(f"PromptSetConfig.temperature={self.temperature}: must be > 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"GenerationConfig.top_p={self.top_p}: must be in (0, 1]")
+            raise ValueError(f"PromptSetConfig.top_p={self.top_p}: must be in (0, 1]")
         bad = set(self.modes) - {"greedy", "sampled"}
         if bad or not self.modes:
-            raise ValueError(f"GenerationConfig.modes={self.modes}: choose from 'greedy', 'sampled'")
+            raise ValueError(f"PromptSetConfig.modes={self.modes}: choose from 'greedy', 'sampled'")
 
 
 @dataclass(frozen=True)
@@ -51,10 +57,10 @@ class Generation:
 
 @torch.no_grad()
 def generate_samples(
-    model, tokenizer, prompts: Sequence[Prompt] = PROMPTS, config: GenerationConfig | None = None
+    model, tokenizer, prompts: Sequence[Prompt] = PROMPTS, config: PromptSetConfig | None = None
 ) -> list[Generation]:
     """One generation per prompt and mode; the model's train/eval mode is restored afterwards."""
-    config = config or GenerationConfig()
+    config = config or PromptSetConfig()
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

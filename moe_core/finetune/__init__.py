@@ -23,8 +23,6 @@ _EXPORTS = {
     "FinetuneError": "config",
     "finetune": "run",
     "FinetuneResult": "run",
-    "load_base_model": "run",
-    "load_finetuned": "run",
     "trainable_parameter_report": "report",
     "TrainableReport": "report",
 }
@@ -43,7 +41,5 @@ __all__ = [
     "FinetuneResult",
     "TrainableReport",
     "finetune",
-    "load_base_model",
-    "load_finetuned",
     "trainable_parameter_report",
 ]

@@ -66,6 +66,7 @@ from moe_core.finetune.objectives import (
     trainer_args,
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
+from moe_core.loading import load
 from moe_core.train.telemetry import JsonlSink, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -106,28 +107,15 @@ OUTPUTS = (
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def load_base_model(path: str, dtype: str = "float32"):
-    """Our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint converted exactly."""
-    from moe_core.config import MoEConfig
-    from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
-    from moe_core.model import MoEForCausalLM
-
-    directory = resolve_source(path)
-    config_file = Path(directory) / "config.json"
-    if not config_file.is_file():
+def _base_model(path: str, dtype: str):
+    """Any full-precision checkpoint `moe_core.load` reads: ours (a training run, checkpoint or export, an
+    earlier fine-tune), or a Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint converted exactly."""
+    loaded = load(path, dtype=dtype)
+    if loaded.kind == "quantized":
         raise FinetuneError(
-            f"model.path={path!r}: no config.json in {directory}; pass a checkpoint directory"
+            f"model.path={path!r} is a quantized model; fine-tune the full-precision checkpoint it came from"
         )
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    torch_dtype = getattr(torch, dtype)
-    if model_type == MoEConfig.model_type:
-        return MoEForCausalLM.from_pretrained(directory, dtype=torch_dtype)
-    if model_type in ARCHITECTURES:
-        return from_hf(directory, dtype=torch_dtype)
-    raise FinetuneError(
-        f"model.path={path!r}: model_type {model_type!r} is neither a moe_lab checkpoint nor one of "
-        f"the convertible architectures {sorted(ARCHITECTURES)}"
-    )
+    return loaded.model
 
 
 def prepare_tokenizer(tokenizer, model_config):
@@ -293,7 +281,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if model is None:
         if not config.model.path:
             raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
-        model = load_base_model(config.model.path, config.model.dtype)
+        model = _base_model(config.model.path, config.model.dtype)
     if tokenizer is None:
         source = config.model.tokenizer or config.model.path
         if not source:
@@ -467,15 +455,3 @@ def run_summary(
         "final_metrics": final[-1] if final else {},
         "expert_adapters": {str(k): v for k, v in selected.plan.expert_selection.items()},
     }
-
-
-def load_finetuned(directory: str | Path):
-    """A merged output directory (``<out>/merged``) as our model, with its task router bias attached if saved."""
-    from moe_core.finetune.methods import TaskRouterBias
-    from moe_core.model import MoEForCausalLM
-
-    directory = Path(directory)
-    model = MoEForCausalLM.from_pretrained(directory).eval()
-    if (directory / TaskRouterBias.META).is_file():
-        TaskRouterBias.load(directory).attach(model)
-    return model

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.loading import load
 
 
 def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
@@ -68,29 +69,18 @@ def drift(value: float, reference: float) -> float:
     return (value - reference) / reference
 
 
-def load_variant(kind: str, path: str | Path):
-    """A model variant from its directory: ``"onnx"`` (an `ORTModelForCausalLM`), ``"quantized"`` (weight-only
-    quantized experts) or ``"pytorch"`` (our checkpoint)."""
-    if kind == "onnx":
-        from moe_core.inference.onnx_export import load_onnx
-
-        return load_onnx(path)
-    if kind == "quantized":
-        from moe_core.inference.quantize import load_quantized
-
-        return load_quantized(path)
-    from moe_core import MoEForCausalLM
-
-    return MoEForCausalLM.from_pretrained(path).eval()
-
-
 def compare_variants(
-    variants: dict[str, str | Path], data_dir: str | Path, batches: int | None, batch_size: int = 4
+    variants: dict[str, str | Path],
+    data_dir: str | Path,
+    batches: int | None,
+    batch_size: int = 4,
+    loaded: dict[str, torch.nn.Module] | None = None,
 ) -> list[dict[str, float | str]]:
     """Quality, speed and size of each variant (``{"pytorch" | "quantized" | "onnx": directory}``) on the
     same validation batches (the first ``batches`` of ``batch_size`` sequences, as `evaluate_splits` takes
     them: with the evaluation's batch size and count, the pytorch row repeats its validation perplexity);
-    the first variant is the reference for the perplexity drift."""
+    the first variant is the reference for the perplexity drift. ``loaded``: variants the caller holds in
+    memory already (the weights of their directory), used instead of reading them again."""
     from moe_core.eval.batches import split_batches
 
     data = list(split_batches(data_dir, "validation", batch_size, batches))
@@ -101,15 +91,20 @@ def compare_variants(
     with Progress(len(variants), "benchmark", unit="variant") as bar:
         for kind, path in variants.items():
             bar.set_postfix(variant=kind)
-            rows.append(_benchmark_variant(kind, path, data, tokens))
+            rows.append(_benchmark_variant(kind, path, data, tokens, (loaded or {}).get(kind)))
             bar.update(1)
     for row in rows:
         row["ppl_drift"] = drift(row["perplexity"], rows[0]["perplexity"])
     return rows
 
 
-def _benchmark_variant(kind: str, path, data: list, tokens: int) -> dict[str, float | str]:
-    model = load_variant(kind, path)
+def _benchmark_variant(kind: str, path, data: list, tokens: int, model=None) -> dict[str, float | str]:
+    if model is None and kind == "onnx":  # an ONNX Runtime session, not a torch checkpoint
+        from moe_core.inference.onnx_export import load_onnx
+
+        model = load_onnx(path)
+    elif model is None:  # "pytorch" or "quantized": whichever checkpoint kind the directory holds
+        model = load(path).model
     start = time.perf_counter()
     ppl = perplexity(model, data)
     seconds = time.perf_counter() - start

@@ -38,6 +38,10 @@ class GenerationError(MoELabError):
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How `batch_generate` (``moe-lab generate``, serving) decodes user prompts: greedy unless
+    ``temperature`` > 0, in batches of ``batch_size``. The evaluation's prompt-set read-out, one greedy and one
+    sampled generation per prompt, has its own `moe_core.eval.generate.PromptSetConfig`."""
+
     max_new_tokens: int = 64
     batch_size: int = 8
     temperature: float = 0.0  # 0: greedy
@@ -199,35 +203,19 @@ def generate_cli(
     import tempfile
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
-    from moe_core.model import MoEForCausalLM
+    from moe_core.loading import load  # imports the model stack; batch_generate alone does not need it
 
     out = out or sys.stdout
     if not prompts:
         raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     model_dir = Path(model_dir)
-    # the model first: AutoTokenizer reads config.json too, and its errors (a bad router) must not read as
-    # a missing tokenizer
-    if (model_dir / "quantization.json").is_file():
-        from moe_core.inference.quantize import load_quantized
-
-        model = load_quantized(model_dir)
-    else:
-        model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (
-        KeyError
-    ):  # no tokenizer class is registered for model_type "moe_lab": read tokenizer.json directly
-        from transformers import PreTrainedTokenizerFast
-
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
+    loaded = load(model_dir)  # any checkpoint kind: plain, quantized, pruned, fine-tuned, a training run
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if tokenizer is None:
         raise GenerationError(
-            f"{model_dir}: no usable tokenizer ({type(err).__name__}); save one next to the "
-            "checkpoint (tokenizer.save_pretrained)"
-        ) from None
+            f"{model_dir}: no tokenizer in or beside the {loaded.kind} checkpoint; save one next to it "
+            "(tokenizer.save_pretrained)"
+        )
     from moe_core.inference.fast_decode import enable_fast_decode
     from moe_core.inference.monitor import InferenceMonitor
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 # Lazy: optimum (seconds to import) and onnx load inside the functions that export, load or inspect an ONNX
 # graph; the classes built on optimum's are made on first use (`onnx_config_class`, `ort_model_class`).
-import json
 import logging
 import os
 from contextlib import contextmanager
@@ -48,9 +47,9 @@ from pathlib import Path
 import torch
 
 from moe_core.config import MoEConfig
-from moe_core.convert import ARCHITECTURES, from_hf
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
+from moe_core.loading import load
 from moe_core.model import MoEForCausalLM
 from moe_core.progress import Progress
 from moe_core.quiet import quiet_tracer_warnings
@@ -105,24 +104,10 @@ def onnx_config_class() -> type:
 
 
 def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausalLM:
+    """A model as given, or any checkpoint kind `moe_core.load` reads (a Hugging Face MoE is converted)."""
     if isinstance(source, MoEForCausalLM):
         return source
-    path = Path(source)
-    if not (path / "config.json").is_file():
-        raise OnnxExportError(
-            f"{path}: no config.json; give a directory written by save_pretrained, "
-            "`moe-lab convert from-hf`, or a Hugging Face Mixtral/OLMoE/Qwen2-MoE checkpoint"
-        )
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type == MoEConfig.model_type:
-        return MoEForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if model_type in ARCHITECTURES:
-        logger.info("converting %s checkpoint %s to moe_lab for export", model_type, path)
-        return from_hf(path, dtype=torch.float32)
-    raise OnnxExportError(
-        f"{path}: model_type {model_type!r} cannot be exported here; supported: moe_lab, "
-        f"{', '.join(ARCHITECTURES)}"
-    )
+    return load(source, dtype=torch.float32).model
 
 
 def export_onnx(

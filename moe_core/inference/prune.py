@@ -30,6 +30,7 @@ Li et al. 2024, MC-SMoE), instead of being discarded.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,7 @@ from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
 from moe_core.experts import GroupedExperts
 from moe_core.inference.evaluate import calibration_pass
+from moe_core.loading import PRUNE_FILE, load
 from moe_core.model import MoEForCausalLM
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -292,10 +294,12 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load(model_dir, dtype=torch.float32).model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
     new_model, report = prune_experts(model, usage, prune, saliency)
     new_model.save_pretrained(out_dir)
     copy_companion_files(model_dir, Path(out_dir))
+    # the marker moe_core.load tells a pruned model by, and what the pruning kept
+    (Path(out_dir) / PRUNE_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -31,6 +31,7 @@ _EXPORTS = {
     "train": "loop",
     "Trainer": "loop",
     "TrainResult": "loop",
+    "read_result": "loop",
     "TrainingDivergedError": "loop",
     "export_checkpoint": "checkpoint",
 }
@@ -53,5 +54,6 @@ __all__ = [
     "TrainingDivergedError",
     "export_checkpoint",
     "read_jsonl",
+    "read_result",
     "train",
 ]

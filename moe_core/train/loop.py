@@ -53,7 +53,7 @@ from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
 from moe_core.train.optim import build_optimizer, lr_lambda
-from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, RoutingStats
+from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, RoutingStats, read_jsonl
 
 
 class TrainingDivergedError(MoELabError):
@@ -62,6 +62,10 @@ class TrainingDivergedError(MoELabError):
 
 class OutOfMemoryError(MoELabError):
     """The device ran out of memory; the message names the batch settings to change."""
+
+
+METRICS_FILE = "metrics.jsonl"  # <out>/: the event file (one JSON row per logging step, eval and alert)
+EXPORT_DIR = "final"  # <out>/: the Hugging Face export of the last checkpoint
 
 
 @dataclass
@@ -513,7 +517,7 @@ class Trainer:
     def _open_sinks(self) -> None:
         if not self.state.is_main:
             return
-        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.metrics_path = self.out_dir / METRICS_FILE
         self.sinks = [JsonlSink(self.metrics_path, start_step=self.step)]  # rows past a resumed step: dropped
         self.monitor = RoutingMonitor(
             self.out_dir,
@@ -603,7 +607,7 @@ class Trainer:
         """Train to ``config.steps``: log every ``log.every`` steps (and at each evaluation), checkpoint every
         ``checkpoint.every`` steps, at the end and on SIGTERM, then export ``<out>/final``."""
         config = self.config
-        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.metrics_path = self.out_dir / METRICS_FILE
         self._open_sinks()
         history: list[dict] = []
         previous_handler = None
@@ -659,7 +663,7 @@ class Trainer:
         if not (self.config.checkpoint.export and self.state.is_main and self.last_checkpoint is not None):
             return None
         tokenizer = self.data_dir / "tokenizer" if self.data_dir else None
-        return ckpt_io.export_checkpoint(self.last_checkpoint, self.out_dir / "final", tokenizer)
+        return ckpt_io.export_checkpoint(self.last_checkpoint, self.out_dir / EXPORT_DIR, tokenizer)
 
     def _result(self, loss, history, export_dir=None, stopped_by=None) -> TrainResult:
         return TrainResult(
@@ -688,3 +692,31 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def read_result(out_dir: str | Path) -> TrainResult:
+    """The `TrainResult` of a run that finished in another process (torchrun, Ray, ``moe-lab train``), read
+    from what it wrote into ``out_dir``: its last checkpoint's trainer state and its event file."""
+    out_dir = Path(out_dir)
+    checkpoint = ckpt_io.latest_checkpoint(out_dir / "checkpoints")
+    if checkpoint is None:
+        raise MoELabError(f"{out_dir}: no complete checkpoint under checkpoints/; the run did not finish one")
+    state = ckpt_io.read_trainer_state(checkpoint)
+    metrics_path = out_dir / METRICS_FILE
+    history = read_jsonl(metrics_path) if metrics_path.is_file() else []
+    last = next((row for row in reversed(history) if "loss" in row), {})
+    export_dir = out_dir / EXPORT_DIR
+    return TrainResult(
+        out_dir,
+        int(state["step"]),
+        int(state["tokens"]),
+        last.get("loss"),
+        state.get("val_loss"),
+        int(state.get("skipped_steps", 0)),
+        checkpoint,
+        export_dir if (export_dir / "config.json").is_file() else None,
+        metrics_path,
+        None,
+        history,
+        Path(state["data_dir"]) if state.get("data_dir") else None,
+    )

@@ -18,7 +18,7 @@ from torch import nn
 from moe_core.convert import copy_companion_files, to_hf
 from moe_core.fileio import atomic_directory
 from moe_core.inference.quantize.common import QuantizationError
-from moe_core.model import MoEForCausalLM
+from moe_core.loading import load
 
 
 def optimum_gptq_available() -> bool:
@@ -59,7 +59,7 @@ def quantize_optimum_gptq(
         raise QuantizationError(
             "optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)"
         )
-    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load(model_dir, dtype=torch.float32).model
     with (
         tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp,
         atomic_directory(out_dir, error_cls=QuantizationError) as staging,

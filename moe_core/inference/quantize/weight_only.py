@@ -41,6 +41,7 @@ from moe_core.inference.quantize.common import (
     quantize_rtn,
     unpack_int4,
 )
+from moe_core.loading import load
 from moe_core.model import MoEForCausalLM
 
 
@@ -273,7 +274,7 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    model = MoEForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load(model_dir, dtype=torch.float32).model
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
     copy_companion_files(model_dir, Path(out_dir))  # tokenizer and generation defaults travel along

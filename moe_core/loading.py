@@ -1,0 +1,257 @@
+"""One loader for every kind of checkpoint the lab writes or converts: ``moe_core.load(path)``.
+
+    from moe_core import load
+    loaded = load("runs/lifecycle-.../pretrain")   # any of the kinds below
+    loaded.model, loaded.tokenizer, loaded.kind, loaded.config
+
+The kind is read from the directory's files, never from its name (first match wins):
+
+    quantized    quantization.json            `moe-lab quantize` (moe_core.inference.quantize.save_quantized)
+    adapter      adapter_config.json          a PEFT adapter (finetune/export.save_adapter), applied to its base
+                                              model (``base=``, else the adapter's base_model_name_or_path) and
+                                              merged into it
+    finetuned    finetune_config.json         a fine-tuning output directory: its merged/ model, else adapter/
+    checkpoint   manifest.json + trainer_state.json   a training checkpoint (format 2, moe_core.train.checkpoint):
+                                              replicated weights and expert shards gathered into one model
+    run          checkpoints/step_* or final/ a training output directory: its exported final/ model, else its
+                                              newest complete checkpoint
+    pruned       pruning.json + config.json   `moe-lab prune` (moe_core.inference.prune.prune_checkpoint)
+    model        config.json, model_type "moe_lab"   our save_pretrained / exported model (a fine-tune's merged/
+                                              included: its task router bias is attached when saved beside it)
+    hf           config.json, model_type mixtral / olmoe / qwen2_moe   converted exactly (moe_core.convert.from_hf)
+
+A path that does not exist is tried as a Hugging Face hub id (`moe_core.convert.resolve_source`). Weights are
+read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing is unpickled. The tokenizer is
+the directory's own, else the one the checkpoint names (a training checkpoint's prepared-data tokenizer, an
+adapter's base model's), else ``tokenizer=`` when given, else None.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_core.config import MoEConfig
+from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
+from moe_core.data.tokenizer import load_tokenizer
+from moe_core.errors import MoELabError
+from moe_core.finetune.methods import TaskRouterBias
+from moe_core.model import MoEForCausalLM
+from moe_core.train import checkpoint as ckpt_io
+
+KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
+PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
+FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class LoadError(MoELabError):
+    """A directory that holds no checkpoint of a kind `moe_core.load` knows, or one that does not load."""
+
+
+@dataclass
+class Loaded:
+    """What `load` returns: the model (eval mode), which kind of checkpoint it was, the directory the weights
+    came from, the model's config, and its tokenizer (read on first use from ``tokenizer_dir``; None when
+    the checkpoint names none)."""
+
+    model: MoEForCausalLM
+    kind: str
+    path: Path
+    config: MoEConfig
+    tokenizer_dir: Path | None = None
+
+    @cached_property
+    def tokenizer(self) -> Any | None:
+        return load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir is not None else None
+
+
+def detect(path: str | os.PathLike) -> str:
+    """The kind of checkpoint in directory ``path`` (one of `KINDS`); `LoadError` when it is none of them."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: not a directory; give a checkpoint directory ({', '.join(KINDS)})")
+    has = {p.name for p in directory.iterdir()}
+    if "quantization.json" in has:
+        return "quantized"
+    if "adapter_config.json" in has:
+        return "adapter"
+    if FINETUNE_CONFIG in has and ({"merged", "adapter"} & has):
+        return "finetuned"
+    if ckpt_io.MANIFEST in has and ckpt_io.TRAINER_STATE in has:
+        return "checkpoint"
+    if (directory / "final" / "config.json").is_file() or ckpt_io.list_checkpoints(directory / "checkpoints"):
+        return "run"
+    if "config.json" in has:
+        model_type = _model_type(directory)
+        if model_type == MoEConfig.model_type:
+            return "pruned" if PRUNE_FILE in has else "model"
+        if model_type in ARCHITECTURES:
+            return "hf"
+        raise LoadError(
+            f"{directory}: config.json has model_type {model_type!r}, neither moe_lab nor one of the "
+            f"convertible architectures ({', '.join(ARCHITECTURES)})"
+        )
+    shown = ", ".join(sorted(has)[:8]) + (f" and {len(has) - 8} more" if len(has) > 8 else "")
+    raise LoadError(
+        f"{directory}: no checkpoint here (found: {shown or 'nothing'}); give a model directory (config.json), "
+        "a training output or checkpoint directory, a fine-tuning output or adapter, or a quantized or pruned "
+        "model"
+    )
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
+) -> Loaded:
+    """Model and tokenizer from any checkpoint kind (see the module docstring), in eval mode.
+
+    ``dtype``: None keeps the stored dtype ("auto"); ``device``: where the model goes (default: stays on the
+    CPU); ``tokenizer``: a tokenizer (or prepared-data) directory used when the checkpoint names none of its
+    own; ``base``: the base model of a PEFT adapter (default: the path the adapter records)."""
+    directory = _local(path)
+    kind = detect(directory)
+    if kind in ("run", "finetuned"):
+        loaded = load(_inner(directory, kind), device=device, dtype=dtype, tokenizer=tokenizer, base=base)
+        if kind == "finetuned":
+            loaded.kind = "finetuned"
+        return loaded
+    if kind == "quantized":
+        # cycle: moe_core.inference.quantize loads its source model through load()
+        from moe_core.inference.quantize import load_quantized
+
+        model = load_quantized(directory)
+        if dtype is not None:
+            model = model.to(_torch_dtype(dtype))
+    elif kind == "checkpoint":
+        model = _from_training_checkpoint(directory, dtype)
+    elif kind == "adapter":
+        model = _from_adapter(directory, base, dtype)
+    elif kind == "hf":
+        model = from_hf(directory, dtype=_torch_dtype(dtype) if dtype is not None else None)
+    else:  # model, pruned
+        dtype = _torch_dtype(dtype) if dtype is not None else "auto"
+        model = MoEForCausalLM.from_pretrained(directory, dtype=dtype)
+        _attach_task_bias(model, directory)
+    if device is not None:
+        model = model.to(torch.device(device))
+    source = tokenizer_dir(directory, base) or tokenizer
+    return Loaded(model.eval(), kind, directory, model.config, Path(source) if source is not None else None)
+
+
+def tokenizer_dir(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Path | None:
+    """The tokenizer `load` gives the checkpoint at ``path``: the directory's own, a training checkpoint's
+    prepared-data tokenizer, an adapter's base model's; None when it names none."""
+    directory = _local(path)
+    kind = detect(directory)
+    if kind in ("run", "finetuned"):
+        return tokenizer_dir(_inner(directory, kind), base)
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return directory
+    if kind == "checkpoint":
+        named = ckpt_io.read_trainer_state(directory).get("tokenizer")
+        return Path(named) if named and Path(named).is_dir() else None
+    if kind == "adapter":
+        return tokenizer_dir(base or _adapter_base(directory))
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ kinds
+def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
+    """Replicated weights plus every expert shard (`gather_state_dict`), checked against the config."""
+    reason = ckpt_io.incomplete_reason(directory)
+    if reason is not None:
+        raise LoadError(f"{directory}: incomplete training checkpoint ({reason}); load an earlier step_*")
+    config = MoEConfig.from_pretrained(directory)
+    model = MoEForCausalLM(config)
+    missing, unexpected = model.load_state_dict(ckpt_io.gather_state_dict(directory), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise LoadError(
+            f"{directory}: parameters do not match its config.json (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(_torch_dtype(dtype)) if dtype is not None else model
+
+
+def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoEForCausalLM:
+    """The base model with the PEFT adapter applied and merged (``merge_and_unload``)."""
+    from peft import PeftModel  # optional heavy dependency, imported only for adapters
+
+    if not (directory / "adapter_model.safetensors").is_file():
+        raise LoadError(
+            f"{directory}: adapter_config.json without adapter_model.safetensors; only safetensors adapters "
+            "are loaded (nothing is unpickled)"
+        )
+    base_loaded = load(base or _adapter_base(directory), dtype=dtype)
+    if base_loaded.kind == "quantized":
+        raise LoadError(
+            f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"
+        )
+    model = PeftModel.from_pretrained(base_loaded.model, str(directory)).merge_and_unload()
+    _attach_task_bias(model, directory)
+    return model
+
+
+def _attach_task_bias(model: MoEForCausalLM, directory: Path) -> None:
+    """A fine-tune's per-task router bias, saved beside its weights (no HF architecture has one)."""
+    if (directory / TaskRouterBias.META).is_file():
+        TaskRouterBias.load(directory).attach(model)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _local(path: str | os.PathLike) -> Path:
+    """``path`` itself, or for a path that does not exist, the hub id's local snapshot (`resolve_source`
+    raises a clear error when it is neither)."""
+    directory = Path(path).expanduser()
+    return directory if directory.exists() else resolve_source(path)
+
+
+def _inner(directory: Path, kind: str) -> Path:
+    """Where a training output ("run") or fine-tuning output ("finetuned") directory keeps its model."""
+    if kind == "run":
+        final = directory / "final"
+        return (
+            final
+            if (final / "config.json").is_file()
+            else ckpt_io.latest_checkpoint(directory / "checkpoints")
+        )
+    merged = directory / "merged"
+    return merged if (merged / "config.json").is_file() else directory / "adapter"
+
+
+def _adapter_base(directory: Path) -> str:
+    base = json.loads((directory / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise LoadError(
+            f"{directory}: the adapter names no base model (base_model_name_or_path); pass base=DIR"
+        )
+    return base
+
+
+def _model_type(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "config.json").read_text()).get("model_type")
+    except ValueError as err:
+        raise LoadError(f"{directory / 'config.json'}: not valid JSON ({err})") from None
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise LoadError(f"dtype={dtype!r}; give a torch dtype such as float32 or bfloat16")
+    return value

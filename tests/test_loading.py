@@ -1,0 +1,131 @@
+"""`moe_core.load`: every checkpoint kind the lab writes or converts comes back as the model that was saved
+(same logits), with its tokenizer, and a directory that holds none says what it found."""
+
+import json
+
+import pytest
+import torch
+
+from moe_core import load
+from moe_core.convert import to_hf
+from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.inference.prune import PruneConfig, prune_checkpoint
+from moe_core.inference.quantize import QuantConfig, QuantizedExperts, quantize_experts, save_quantized
+from moe_core.loading import LoadError
+from moe_core.train import TrainConfig, train
+from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+from tests.helpers import tiny_mixtral, token_ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def logits(model, ids_BS):
+    with torch.no_grad():
+        return model(input_ids=ids_BS).logits
+
+
+def test_our_model_directory_loads_with_its_tokenizer_in_the_requested_dtype(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded = load(tmp_path, dtype=torch.float32)
+    assert loaded.kind == "model" and loaded.path == tmp_path and not loaded.model.training
+    assert loaded.tokenizer is not None and loaded.config.num_experts == model.config.num_experts
+    ids = token_ids(vocab=300)
+    torch.testing.assert_close(logits(loaded.model, ids), logits(model.eval(), ids), atol=0, rtol=0)
+    assert load(tmp_path, dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def test_training_checkpoint_and_output_directory(tmp_path):
+    config = TrainConfig.build(
+        {
+            "model": {"preset": "switch-tiny"},
+            "steps": 2,
+            "batch_size": 2,
+            "data": {"source": "synthetic", "seq_len": 16, "synthetic_blocks": 32},
+            "log": {"every": 1, "progress": "off"},
+            "checkpoint": {"every": 2},
+            "eval": {"batches": 1},
+        }
+    )
+    result = train(config, tmp_path)
+    from_checkpoint, from_run = load(result.checkpoint), load(tmp_path)
+    assert from_checkpoint.kind == "checkpoint" and from_checkpoint.path == result.checkpoint
+    assert from_run.kind == "model" and from_run.path == result.export_dir  # the run's exported final/
+    ids = token_ids(vocab=from_run.config.vocab_size)
+    torch.testing.assert_close(
+        logits(from_checkpoint.model, ids), logits(from_run.model, ids), atol=0, rtol=0
+    )
+
+
+def test_finetuned_output_merged_and_adapter_load_the_same_model(tmp_path):
+    base = tiny_model()
+    base.save_pretrained(tmp_path / "base")
+    tiny_tokenizer().save_pretrained(tmp_path / "base")
+    config = FinetuneConfig.build(
+        {
+            "model": {"path": str(tmp_path / "base")},
+            "steps": 2,
+            "batch_size": 4,
+            "optim": {"lr": 5e-2},
+            "lora": {"r": 4},
+        }
+    )
+    result = finetune(config, tmp_path / "ft", records=instruction_records(8))
+    root, merged, adapter = (
+        load(tmp_path / "ft"),
+        load(result.merged_dir),
+        load(result.adapter_dir, base=tmp_path / "base"),
+    )
+    assert (root.kind, merged.kind, adapter.kind) == ("finetuned", "model", "adapter")
+    assert root.tokenizer is not None and adapter.tokenizer is not None  # the adapter's: its base model's
+    ids = token_ids(vocab=300)
+    expected = logits(merged.model, ids)
+    torch.testing.assert_close(logits(root.model, ids), expected, atol=0, rtol=0)
+    torch.testing.assert_close(logits(adapter.model, ids), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(base.eval(), ids), expected, atol=1e-4)  # the fine-tune changed it
+
+
+def test_quantized_directory_rebuilds_quantized_experts(tmp_path):
+    model = tiny_mixtral()
+    config = QuantConfig(bits=4, group_size=16)
+    save_quantized(model, tmp_path, config, quantize_experts(model, config))
+    loaded = load(tmp_path)
+    assert loaded.kind == "quantized"
+    assert isinstance(loaded.model.model.layers[0].mlp.experts, QuantizedExperts)
+    torch.testing.assert_close(logits(loaded.model, token_ids()), logits(model, token_ids()))
+
+
+def test_pruned_directory_has_fewer_experts_and_says_so(tmp_path):
+    model = tiny_mixtral()
+    model.save_pretrained(tmp_path / "model")
+    prune_checkpoint(
+        tmp_path / "model",
+        None,
+        tmp_path / "pruned",
+        PruneConfig(keep_experts=2),
+        calibration=[token_ids(4, 16)],
+    )
+    loaded = load(tmp_path / "pruned")
+    assert loaded.kind == "pruned" and loaded.config.num_experts == 2
+    assert json.loads((tmp_path / "pruned" / "pruning.json").read_text())["experts_after"] == 2
+    assert logits(loaded.model, token_ids()).isfinite().all()
+
+
+def test_hugging_face_checkpoint_is_converted_exactly(tmp_path):
+    model = tiny_mixtral()
+    to_hf(model, tmp_path / "hf", "mixtral")
+    loaded = load(tmp_path / "hf", dtype=torch.float32)
+    assert loaded.kind == "hf" and loaded.config.hf_origin
+    torch.testing.assert_close(logits(loaded.model, token_ids()), logits(model, token_ids()))
+
+
+def test_a_directory_with_no_checkpoint_names_the_path_and_what_it_found(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(LoadError) as err:
+        load(tmp_path)
+    assert str(tmp_path) in str(err.value) and "notes.txt, weights.bin" in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(LoadError, match="model_type 'llama'"):
+        load(tmp_path)
