@@ -370,3 +370,8 @@ def test_distributed_run_is_shown_per_rank(tmp_path):
     for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
         assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
         assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])
+        for key in ("step_time_s", "tokens_per_s", "max_memory_mb"):  # its own step time: the straggler view
+            assert r["series"][key]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"][key]["y"]), key
+    own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
+    assert [row["step"] for row in own] == [1, 2, 3, 4]
+    assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])
