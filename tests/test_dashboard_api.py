@@ -413,8 +413,13 @@ def test_distributed_run_is_shown_per_rank(tmp_path):
     for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
         assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
         assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])
-        for key in ("step_time_s", "tokens_per_s", "max_memory_mb"):  # its own step time: the straggler view
+        for key in ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss"):  # the straggler view
             assert r["series"][key]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"][key]["y"]), key
+    main = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.jsonl")
+    own_losses = np.array([r["series"]["rank_loss"]["y"] for r in ranks])
+    assert own_losses[0].tolist() != own_losses[1].tolist()  # each rank its own slice of the batch,
+    logged = [row["loss"] for row in main if "loss" in row]
+    np.testing.assert_allclose(own_losses.mean(0), logged, rtol=1e-6)  # and their mean is the logged loss
     own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
     assert [row["step"] for row in own] == [1, 2, 3, 4]
-    assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])
+    assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])  # no all-reduced figure

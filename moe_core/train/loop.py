@@ -395,7 +395,10 @@ class Trainer:
         losses = dict(zip(STEP_LOSSES, (value.item() for value in mean_losses), strict=True))
         if self.bad_in_row > config.faults.max_bad_steps_in_a_row:
             raise self._diverged_error(losses["loss"], grad_norm.item())
-        return {**losses, "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+        out = {**losses, "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+        if state.distributed:  # this rank's own loss, for its per-rank figures (`telemetry.rank_row`)
+            out["rank_loss"] = loss_sums[0].item() / config.grad_accum
+        return out
 
     def _accumulate_gradients(self, indices: list[int]) -> torch.Tensor:
         """Forward and backward over this rank's ``grad_accum`` micro-batches of the global batch ``indices``;

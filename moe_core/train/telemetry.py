@@ -105,7 +105,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 RANK_FILE = "metrics.rank{rank}.jsonl"  # <out>/: a non-zero rank's own figures, beside rank 0's metrics.jsonl
-RANK_KEYS = ("step_time_s", "tokens_per_s", "max_memory_mb")  # a rank's own figures, in every rank's row
+# a rank's own figures, in every rank's row: its step time and throughput (a straggler is slower), peak memory,
+# and its own training loss before the all-reduce (distributed runs only: `Trainer.train_step`)
+RANK_KEYS = ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss")
 
 
 def max_memory_mb(device: torch.device) -> float:
