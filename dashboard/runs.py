@@ -24,6 +24,7 @@ import numpy as np
 import orjson  # a Prefect dependency; parses the event file ~4x faster than json
 
 from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+from moe_core.train.telemetry import RANK_KEYS
 
 EVENTS = "metrics.jsonl"
 INFERENCE_EVENTS = "inference.jsonl"
@@ -199,7 +200,8 @@ class RunData:
 
     def rank_columns(self) -> dict[int, dict[str, Column]]:
         """Per rank: the ``comm/rank_<r>/...`` figures of the main event file (every rank's all-to-all time
-        and bytes, gathered by rank 0) and each rank's own event file, where ranks write one."""
+        and bytes, gathered by rank 0) and each rank's own event file, where ranks write one (step time,
+        tokens/s, peak memory: rank 0's from the main file)."""
         with self.lock:
             self._find_rank_files()
         self.refresh()
@@ -210,6 +212,9 @@ class RunData:
                 out.setdefault(int(m[1]), {})[m[2]] = col
         for rank, tail in self.rank_tails.items():
             out.setdefault(rank, {}).update(tail.columns)
+        if self.rank_tails:  # rank 0's own figures are in the main file (`moe_core.train.telemetry.rank_row`)
+            main = self.tail.columns
+            out.setdefault(0, {}).update({key: main[key] for key in RANK_KEYS if key in main})
         return out
 
     def sidecar(self):

@@ -19,6 +19,8 @@ Endpoints (all GET):
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
     /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
+    /api/runs/{id}/prompt-routing?wait=S        the run's model routing the project's prompt set: per prompt,
+                          token and MoE layer the top-k experts and weights (202 while it computes)
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from dashboard import analysis, mlflow_runs
+from dashboard.prompt_routing import NoModelError, PromptRoutingCache
 from dashboard.runs import RunData, RunRegistry, _clean, downsample_series
+from moe_core.errors import MoELabError
 from moe_core.train.alerts import LAYER_STATS
 
 STATIC = Path(__file__).parent / "static"
@@ -43,6 +47,7 @@ TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
 POLL_SECONDS = 0.2  # how often a live stream looks for new rows (the latency floor)
 MAX_POINTS = 4000
 MAX_BACKLOG = 1000  # load-log rows a new stream sends at once; older ones come from /routing
+PROMPT_ROUTING_WAIT_S = 10.0  # how long a request waits for the token-to-expert view before "computing"
 
 
 def create_app(
@@ -237,6 +242,23 @@ def create_app(
     @app.get("/api/runs/{rid}/specialization")
     def specialization(rid: str):
         return {"run": rid, "profile": analysis.specialization(run_or_404(rid))}
+
+    prompt_routing_cache = PromptRoutingCache()
+
+    @app.get("/api/runs/{rid}/prompt-routing")
+    def prompt_routing(rid: str, wait: float = Query(PROMPT_ROUTING_WAIT_S, ge=0, le=60)):
+        """The token-to-expert view of the run's model (`dashboard.prompt_routing`): 404 without a model,
+        409 when it cannot route the prompt set (no tokenizer), 202 while it is computed."""
+        run = run_or_404(rid)
+        try:
+            view = prompt_routing_cache.get(run, wait)
+        except NoModelError as err:
+            raise HTTPException(404, str(err)) from None
+        except MoELabError as err:
+            raise HTTPException(409, f"run {run.name!r}: {err}") from None
+        if view is None:
+            return JSONResponse({"run": rid, "status": "computing"}, status_code=202)
+        return FastJSON({"run": rid, "status": "done", **view})
 
     @app.get("/api/runs/{rid}/cost")
     def cost(rid: str):

@@ -283,6 +283,49 @@ def test_specialization_and_cost_from_the_runs_saved_analysis(client, runs_root)
     assert client.get(f"/api/runs/{other}/specialization").json()["profile"] is None
 
 
+def test_token_to_expert_view_of_the_prompt_set(runs_root, tmp_path):
+    """The run's model routing the project's prompt set, computed once per model on the server's worker: a
+    clear error without a model or without a tokenizer, then per prompt, token and layer the experts a plain
+    forward pass of the same checkpoint chooses."""
+    from moe_core import load
+    from moe_core.analytics.token_routing import route_tokens
+    from moe_core.eval.prompts import PROMPTS
+    from moe_core.train.checkpoint import latest_checkpoint
+    from tests.test_inference_generate import _char_tokenizer
+
+    root = tmp_path / "runs"
+    shutil.copytree(runs_root / "group" / "topk", root / "topk")
+    (root / "empty").mkdir()
+    (root / "empty" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    client = TestClient(create_app([root]))
+    ids = run_ids(client)
+    missing = client.get(f"/api/runs/{ids['empty']}/prompt-routing")
+    assert missing.status_code == 404 and "no exported model" in missing.json()["detail"]
+    no_tok = client.get(f"/api/runs/{ids['topk']}/prompt-routing")  # synthetic data: no tokenizer
+    assert no_tok.status_code == 409 and "names no tokenizer" in no_tok.json()["detail"]
+
+    ckpt = latest_checkpoint(root / "topk" / "checkpoints")
+    tokenizer = _char_tokenizer(128)
+    tokenizer.save_pretrained(ckpt)  # a new file under the model: a new cache key, computed again
+    resp = client.get(f"/api/runs/{ids['topk']}/prompt-routing?wait=60")
+    assert resp.status_code == 200, resp.text
+    view = resp.json()
+    loaded = load(ckpt)
+    E, K = loaded.config.num_experts, loaded.config.num_experts_per_tok
+    assert (view["experts"], view["top_k"], view["layers"]) == (E, K, [0, 1])
+    assert [p["name"] for p in view["prompts"]] == [p.name for p in PROMPTS]
+    for prompt, shown in zip(PROMPTS, view["prompts"]):
+        ids_T = tokenizer.encode(prompt.text, add_special_tokens=False)
+        assert shown["tokens"] == [tokenizer.decode([t]) for t in ids_T]  # the prompt set's own tokens only
+        records = route_tokens(loaded.model, ids_T)
+        for layer, record in zip(shown["layers"], records):
+            assert layer["experts"] == record.expert_ids_TK.tolist()
+            assert all(len(row) == K and 0 <= min(row) and max(row) < E for row in layer["experts"])
+            np.testing.assert_allclose(layer["weights"], record.weights_TK, atol=1e-4)
+    again = client.get(f"/api/runs/{ids['topk']}/prompt-routing?wait=0")  # cached: no wait needed
+    assert again.status_code == 200 and again.json() == view
+
+
 def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
     """On resume the trainer logs the steps after its checkpoint again: the load log drops its rows past the
     checkpoint (and a torn last row), the server keeps the last event-file row of each step."""
@@ -370,3 +413,13 @@ def test_distributed_run_is_shown_per_rank(tmp_path):
     for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
         assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
         assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])
+        for key in ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss"):  # the straggler view
+            assert r["series"][key]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"][key]["y"]), key
+    main = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.jsonl")
+    own_losses = np.array([r["series"]["rank_loss"]["y"] for r in ranks])
+    assert own_losses[0].tolist() != own_losses[1].tolist()  # each rank its own slice of the batch,
+    logged = [row["loss"] for row in main if "loss" in row]
+    np.testing.assert_allclose(own_losses.mean(0), logged, rtol=1e-6)  # and their mean is the logged loss
+    own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
+    assert [row["step"] for row in own] == [1, 2, 3, 4]
+    assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])  # no all-reduced figure

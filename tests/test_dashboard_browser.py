@@ -18,7 +18,9 @@ from playwright.sync_api import sync_playwright
 
 from dashboard.server import create_app
 from moe_core.cli import main
+from moe_core.eval.prompts import PROMPTS
 from moe_core.train import read_jsonl
+from moe_core.train.checkpoint import latest_checkpoint
 from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
 from tests.test_inference_generate import _char_tokenizer, tiny
 
@@ -85,6 +87,9 @@ def test_live_run_in_the_browser(tmp_path):
     root = tmp_path / "runs"
     baseline = train_run(root / "baseline-topk", 10, "topk")  # a finished run to compare against
     write_analysis(baseline.out_dir)
+    # the run's data is synthetic: a tokenizer beside its model, so it can encode the prompt set
+    tokenizer = _char_tokenizer(128)
+    tokenizer.save_pretrained(latest_checkpoint(baseline.out_dir / "checkpoints"))
     serving = generate_events(tmp_path / "model", root / "serving")  # an inference run: moe-lab generate
     env = {
         **os.environ,
@@ -142,6 +147,19 @@ def test_live_run_in_the_browser(tmp_path):
             classes = page.locator('.heatmap[data-title*="token class"]')
             assert classes.count() == 2  # one per MoE layer
             assert int(classes.first.get_attribute("data-columns")) > 1  # a column per token class
+            # ... and the token-to-expert view of the project's prompt set: tokens x MoE layers, top-k on hover
+            table = "[data-testid=prompt-routing] table.tokens"
+            page.wait_for_selector(table, timeout=60000)
+            n_tokens = len(tokenizer.encode(PROMPTS[0].text, add_special_tokens=False))
+            assert (attr(page, table, "data-tokens"), attr(page, table, "data-layers")) == (n_tokens, 2)
+            cells = page.locator(f"{table} td.cell")
+            assert cells.count() == 2 * n_tokens
+            assert all(0 <= int(e) < 8 for e in cells.evaluate_all("cs => cs.map(c => c.dataset.expert)"))
+            tip = cells.first.get_attribute("title")
+            assert tip.count("expert ") == 2 and "weight" in tip  # mixtral-tiny: top-2
+            page.select_option("[data-testid=prompt-select]", index=len(PROMPTS) - 1)
+            last = len(tokenizer.encode(PROMPTS[-1].text, add_special_tokens=False))
+            page.wait_for_selector(f'{table}[data-tokens="{last}"]')
             page.screenshot(path=str(shots / "specialization.png"), full_page=True)
             page.goto(f"{url}/#/cost/{base_id}")
             page.wait_for_selector("[data-testid=saving]")

@@ -10,7 +10,8 @@
     print(cost_report(model.config, tokens_per_s=1.2e4, device="h100").to_markdown())
 
 Modules: `stats` (pure statistics checked by hand in tests), `token_classes` (token -> class),
-`profile` (collection and the versioned `RouterProfile`), `plots`, `cost` (money; FLOPs from
+`profile` (collection and the versioned `RouterProfile`), `token_routing` (a text's token-to-expert
+routing; the prompt set's, for the dashboard), `plots`, `cost` (money; FLOPs from
 `moe_core.flops`), `cli` (``moe-lab analyze``).
 Nothing here imports Prefect or MLflow; matplotlib and plotly load inside the plotting functions.
 """

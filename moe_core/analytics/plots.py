@@ -35,6 +35,7 @@ from matplotlib.patches import Rectangle
 from plotly.subplots import make_subplots
 
 from moe_core.analytics.profile import RouterProfile
+from moe_core.analytics.token_routing import route_tokens
 from moe_core.eval.prompts import PROMPTS
 
 
@@ -378,13 +379,7 @@ def plot_token_routing(
     kept slots are outlined. Give a project-owned text (e.g. a `moe_core.eval.prompts` prompt), not
     training data: the tokens are drawn as labels."""
     ids_T = torch.as_tensor(token_ids, dtype=torch.long).flatten()[:max_tokens]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        routing = model(ids_T[None].to(device), output_routing=True, use_cache=False).routing
-    finally:
-        model.train(was_training)
+    routing = route_tokens(model, ids_T, max_tokens=len(ids_T))
     tokens = (
         [tokenizer.decode([int(t)]) for t in ids_T] if tokenizer is not None else [str(int(t)) for t in ids_T]
     )

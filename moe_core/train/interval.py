@@ -22,6 +22,9 @@ class LogInterval:
     finite_steps: int = 0
     steps: int = 0  # every step, skipped ones too
     seconds: float = 0.0  # wall time of the steps (the device synchronized at the end of each)
+    rank_loss: float | None = (
+        None  # a distributed rank's own loss (before the all-reduce), where steps give it
+    )
 
     def add(self, stats: dict[str, float], seconds: float) -> None:
         """One optimizer step's `Trainer.train_step` result and the time it took."""
@@ -29,6 +32,8 @@ class LogInterval:
         if stats["finite"]:
             for key in AVERAGED:
                 setattr(self, key, getattr(self, key) + stats[key])
+            if "rank_loss" in stats:
+                self.rank_loss = (self.rank_loss or 0.0) + stats["rank_loss"]
             self.finite_steps += 1
         self.steps += 1
 
@@ -36,4 +41,7 @@ class LogInterval:
         """The averaged values over the finite steps; empty when every step of the interval was skipped."""
         if not self.finite_steps:
             return {}
-        return {key: getattr(self, key) / self.finite_steps for key in AVERAGED}
+        out = {key: getattr(self, key) / self.finite_steps for key in AVERAGED}
+        if self.rank_loss is not None:
+            out["rank_loss"] = self.rank_loss / self.finite_steps
+        return out

@@ -53,7 +53,16 @@ from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
 from moe_core.train.optim import build_optimizer, lr_lambda
-from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, RoutingStats, read_jsonl
+from moe_core.train.telemetry import (
+    RANK_FILE,
+    ConsoleSink,
+    JsonlSink,
+    MetricsSink,
+    RoutingStats,
+    max_memory_mb,
+    rank_row,
+    read_jsonl,
+)
 
 
 class TrainingDivergedError(MoELabError):
@@ -386,7 +395,10 @@ class Trainer:
         losses = dict(zip(STEP_LOSSES, (value.item() for value in mean_losses), strict=True))
         if self.bad_in_row > config.faults.max_bad_steps_in_a_row:
             raise self._diverged_error(losses["loss"], grad_norm.item())
-        return {**losses, "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+        out = {**losses, "grad_norm": grad_norm.item(), "lr": lr, "finite": float(finite)}
+        if state.distributed:  # this rank's own loss, for its per-rank figures (`telemetry.rank_row`)
+            out["rank_loss"] = loss_sums[0].item() / config.grad_accum
+        return out
 
     def _accumulate_gradients(self, indices: list[int]) -> torch.Tensor:
         """Forward and backward over this rank's ``grad_accum`` micro-batches of the global batch ``indices``;
@@ -515,7 +527,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ logging
     def _open_sinks(self) -> None:
-        if not self.state.is_main:
+        if (
+            not self.state.is_main
+        ):  # a non-zero rank: its own small event file (`rank_row`), for the dashboard
+            path = self.out_dir / RANK_FILE.format(rank=self.state.rank)
+            self.sinks = [JsonlSink(path, start_step=self.step)]
             return
         self.metrics_path = self.out_dir / METRICS_FILE
         self.sinks = [JsonlSink(self.metrics_path, start_step=self.step)]  # rows past a resumed step: dropped
@@ -544,6 +560,11 @@ class Trainer:
         for sink in self.sinks:
             sink.log(self.step, metrics)
         history.append({"step": self.step, **metrics})
+
+    def _publish_rank(self, metrics: dict[str, float]) -> None:
+        """A non-zero rank: its own figures of the logged row (step time, memory, all-to-all) into its file."""
+        for sink in self.sinks:
+            sink.log(self.step, rank_row(metrics, self.state.rank))
 
     def _interval_metrics(self, interval: LogInterval, lr: float) -> dict[str, float]:
         """The logged row for the steps since the last one (collective: every rank calls it)."""
@@ -576,6 +597,7 @@ class Trainer:
             "tokens": float(self.tokens),
             "flops_per_token": self.flops_per_token,
             "tflops_per_device": achieved / 1e12,
+            "max_memory_mb": max_memory_mb(self.state.device),
         }
         if self.peak_flops:
             out["mfu"] = achieved / self.peak_flops
@@ -629,6 +651,8 @@ class Trainer:
                     last_loss = metrics.get("loss", last_loss)
                     if self.state.is_main:
                         self._publish(metrics, history)
+                    else:
+                        self._publish_rank(metrics)
                     interval = LogInterval()
                 stop = self._stop_requested()
                 checkpoint_due = (

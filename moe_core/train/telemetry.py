@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 import warnings
 from pathlib import Path
@@ -101,6 +102,31 @@ def read_jsonl(path: str | Path) -> list[dict]:
             continue
         rows.append(row)
     return rows
+
+
+RANK_FILE = "metrics.rank{rank}.jsonl"  # <out>/: a non-zero rank's own figures, beside rank 0's metrics.jsonl
+# a rank's own figures, in every rank's row: its step time and throughput (a straggler is slower), peak memory,
+# and its own training loss before the all-reduce (distributed runs only: `Trainer.train_step`)
+RANK_KEYS = ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss")
+
+
+def max_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far, MiB: the device's allocator peak on CUDA, else the peak resident set
+    (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rank_row(metrics: dict[str, float], rank: int) -> dict[str, float]:
+    """The figures of logged row ``metrics`` that are rank ``rank``'s own (`RANK_KEYS`, and its
+    ``comm/rank_<r>/...`` all-to-all time and bytes under their bare names), for its ``metrics.rank<r>.jsonl``:
+    a slow rank (a straggler) shows as a longer step time there. Nothing here needs a collective: each rank
+    measures its own, and `moe_core.train.parallel.comm_metrics` has already gathered the comm figures."""
+    row = {key: metrics[key] for key in RANK_KEYS if key in metrics}
+    prefix = f"comm/rank_{rank}/"
+    row.update({key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)})
+    return row
 
 
 class ConsoleSink:
