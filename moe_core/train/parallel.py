@@ -98,7 +98,7 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    if backend == "auto":
+    if backend in ("auto", "deepspeed"):  # deepspeed.comm then runs over this process group
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
         raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")

@@ -1,0 +1,151 @@
+"""The optional DeepSpeed backend (``parallel.backend=deepspeed``, ``pip install .[deepspeed]``): the same model,
+data, AdamW and LR schedule, trained through a DeepSpeed engine with ZeRO stage 1 or 2 (optimizer state, and at
+stage 2 gradients, partitioned over the data-parallel ranks; Rajbhandari et al. 2020, "ZeRO") and optionally the
+optimizer step offloaded to the CPU (ZeRO-Offload, Ren et al. 2021).
+
+What `Trainer` (loop.py) does differently under this backend:
+- ``build_engine`` wraps the plain model and our own `torch.optim.AdamW` (`optim.build_optimizer`: the same
+  groups and hyperparameters) in a `DeepSpeedEngine`. DeepSpeed accumulates over ``grad_accum`` micro-batches
+  (it divides each micro-batch loss by it, as the native loop does), averages gradients over the world, clips
+  to ``optim.grad_clip`` by the global norm and steps. The LR schedule stays ours (`optim.lr_lambda` on the
+  wrapped AdamW), stepped by the loop after every step, skipped or not, as natively.
+- A non-finite gradient: DeepSpeed's ZeRO optimizer finds it before the update (its overflow check, which runs
+  in fp32 too), drops the gradients and does not step; its grad norm then reads inf, so the loop counts the step
+  as skipped exactly as natively (`boundary_step`).
+- Checkpoints stay in our format (`checkpoint.py`): the weights from the model (every rank holds them all under
+  ZeRO 1-2), and in ``rank<r>-state.pt`` the wrapped AdamW's own ``state_dict``: this rank's ZeRO partitions of
+  exp_avg/exp_avg_sq over DeepSpeed's flat fp32 partitions, plain tensors that load with ``weights_only=True``.
+  DeepSpeed's own checkpoints (pickled objects) are never written nor read. On resume the fp32 master partitions
+  are refreshed from the loaded weights (`restore_master_weights`; exact: the model is fp32).
+
+Not supported (refused with a `TrainConfigError` naming the setting): ``parallel.ep_size > 1`` (DeepSpeed's MoE
+parameter groups average expert gradients over the expert-data-parallel group and expect its own `MoE` layer's
+all-to-all; our `ExpertParallelExperts` needs them summed over that group and divided by the world size,
+`parallel.sync_expert_grads`), ``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over
+fp32 weights, as natively) and ``compile=true``.
+
+DeepSpeed is imported only here and only when the backend is chosen (it is an optional extra, and importing it
+probes the accelerator: seconds, and a notice on CPU that this module silences, `import_deepspeed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from moe_core.train.config import TrainConfig, TrainConfigError
+from moe_core.train.optim import build_optimizer
+from moe_core.train.parallel import ParallelState
+
+# the one notice DeepSpeed's accelerator probe logs on a machine without a GPU; other DeepSpeed warnings stay
+CPU_ACCELERATOR_NOTICE = "Setting accelerator to CPU"
+
+
+@contextlib.contextmanager
+def _drop_cpu_accelerator_notice():
+    logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed creates (deepspeed/utils/logging.py)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(CPU_ACCELERATOR_NOTICE)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def import_deepspeed():
+    """``deepspeed``, imported without its CPU-accelerator notice; a clear error where the extra is missing."""
+    try:
+        with _drop_cpu_accelerator_notice():
+            import deepspeed  # lazy: optional heavy dependency (the `deepspeed` extra)
+    except ImportError as err:
+        raise TrainConfigError(
+            f"parallel.backend=deepspeed needs DeepSpeed ({err}); install it with `pip install .[deepspeed]`"
+        ) from None
+    return deepspeed
+
+
+def check_supported(config: TrainConfig) -> None:
+    """Refuse the settings this backend does not cover (module docstring), before anything is built."""
+    p = config.parallel
+    refused = []
+    if p.ep_size > 1:
+        refused.append(
+            f"parallel.ep_size={p.ep_size} (expert parallelism runs on the native backends: DeepSpeed's MoE "
+            f"groups average expert gradients, ours sum them over their data-parallel group)"
+        )
+    if p.dp_mode == "fsdp2":
+        refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
+    if config.precision == "fp16":
+        refused.append("precision=fp16 (use bf16)")
+    if config.compile:
+        refused.append("compile=true")
+    if refused:
+        raise TrainConfigError(
+            "parallel.backend=deepspeed does not support "
+            + "; ".join(refused)
+            + "; change these settings or "
+            "use parallel.backend=auto"
+        )
+
+
+def ds_config(config: TrainConfig, micro_batch: int, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of this run: batch split, clipping and ZeRO; fp32 weights (bf16 is our autocast)."""
+    zero: dict[str, Any] = {
+        "stage": config.parallel.zero_stage,
+        # on CPU (gloo) there is no second stream to overlap on; off keeps the reduction order fixed
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+    }
+    if config.parallel.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_batch_size": micro_batch * config.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": config.grad_accum,
+        "gradient_clipping": config.optim.grad_clip or 0.0,
+        "zero_optimization": zero,
+        # our torch AdamW (the same update as the native backends), not DeepSpeed's Adam kernels: those are
+        # JIT-compiled C++/CUDA ops, and ZeRO-Offload steps a torch optimizer on the CPU just the same
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # our telemetry logs; DeepSpeed's own step log stays quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(
+    model: torch.nn.Module, config: TrainConfig, state: ParallelState, micro_batch: int
+) -> tuple[Any, torch.optim.Optimizer]:
+    """The `DeepSpeedEngine` around ``model`` and the AdamW it steps (the one the LR schedule, the logged LR and
+    the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
+    check_supported(config)
+    deepspeed = import_deepspeed()
+    optimizer = build_optimizer(model, config, state.device)  # ZeRO then swaps its params for flat partitions
+    with _drop_cpu_accelerator_notice():
+        engine, zero_optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config=ds_config(config, micro_batch, state.world_size),
+            dist_init_required=False,  # `parallel.init_parallel` joined the process group already
+        )
+    return engine, zero_optimizer.optimizer
+
+
+def boundary_step(engine) -> torch.Tensor:
+    """The last micro-batch's ``engine.step()``: clip, AdamW step (or DeepSpeed's skip on a non-finite gradient).
+    Returns the global gradient norm before clipping (inf for a skipped step), as `parallel.global_grad_norm`."""
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return torch.tensor(float("inf") if norm is None else float(norm), dtype=torch.float64)
+
+
+def restore_master_weights(engine) -> None:
+    """After the model's weights were loaded from a checkpoint: copy them into DeepSpeed's fp32 master
+    partitions, which the optimizer steps (the weights are fp32, so the copy is exact)."""
+    engine.optimizer.refresh_fp32_params()
