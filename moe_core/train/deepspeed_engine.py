@@ -31,37 +31,22 @@ probes the accelerator: seconds, and a notice on CPU that this module silences, 
 from __future__ import annotations
 
 import contextlib
-import logging
+import io
+import os
 from typing import Any
 
 import torch
 
+from moe_core.quiet import quiet_deepspeed_cpu_notice
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.optim import build_optimizer
 from moe_core.train.parallel import ParallelState
-
-# the one notice DeepSpeed's accelerator probe logs on a machine without a GPU; other DeepSpeed warnings stay
-CPU_ACCELERATOR_NOTICE = "Setting accelerator to CPU"
-
-
-@contextlib.contextmanager
-def _drop_cpu_accelerator_notice():
-    logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed creates (deepspeed/utils/logging.py)
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(CPU_ACCELERATOR_NOTICE)
-
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 def import_deepspeed():
     """``deepspeed``, imported without its CPU-accelerator notice; a clear error where the extra is missing."""
     try:
-        with _drop_cpu_accelerator_notice():
+        with quiet_deepspeed_cpu_notice():
             import deepspeed  # lazy: optional heavy dependency (the `deepspeed` extra)
     except ImportError as err:
         raise TrainConfigError(
@@ -126,14 +111,20 @@ def build_engine(
     the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
     check_supported(config)
     deepspeed = import_deepspeed()
+    # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not)
+    os.environ.setdefault("LOCAL_RANK", str(state.local_rank))
     optimizer = build_optimizer(model, config, state.device)  # ZeRO then swaps its params for flat partitions
-    with _drop_cpu_accelerator_notice():
+    printed = io.StringIO()
+    with quiet_deepspeed_cpu_notice(), contextlib.redirect_stdout(printed):
         engine, zero_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             config=ds_config(config, micro_batch, state.world_size),
             dist_init_required=False,  # `parallel.init_parallel` joined the process group already
         )
+    for line in printed.getvalue().splitlines():  # all but the CPU comm kernel's "... built successfully"
+        if not line.endswith("built successfully"):
+            print(line, flush=True)
     return engine, zero_optimizer.optimizer
 
 
@@ -149,3 +140,12 @@ def restore_master_weights(engine) -> None:
     """After the model's weights were loaded from a checkpoint: copy them into DeepSpeed's fp32 master
     partitions, which the optimizer steps (the weights are fp32, so the copy is exact)."""
     engine.optimizer.refresh_fp32_params()
+
+
+def close_engine(engine) -> None:
+    """Release the engine and end the process group through deepspeed.comm, which also drops DeepSpeed's cached
+    groups (a later engine in this process would otherwise reach for the destroyed ones)."""
+    deepspeed = import_deepspeed()
+    engine.destroy()
+    if deepspeed.comm.is_initialized():
+        deepspeed.comm.destroy_process_group()

@@ -388,7 +388,8 @@ class Trainer:
             self._skip_update(losses_finite=bool(torch.isfinite(mean_losses).all()))
             loads = [None if load is None else torch.zeros_like(load) for load in loads]
         self.model.update_router_biases(loads)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine is None:  # DeepSpeed clears its own buffers (and offload keeps fp32 .grad allocated)
+            self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -706,6 +707,9 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
+        if self.engine is not None:  # ends the process group the DeepSpeed way
+            ds_engine.close_engine(self.engine)
+            self.engine = None
         par.shutdown_parallel(self.state)
         if self.lock is not None:
             self.lock.release()
