@@ -130,7 +130,8 @@ def build_engine(
 
 def boundary_step(engine) -> torch.Tensor:
     """The last micro-batch's ``engine.step()``: clip, AdamW step (or DeepSpeed's skip on a non-finite gradient).
-    Returns the global gradient norm before clipping (inf for a skipped step), as `parallel.global_grad_norm`."""
+    Returns the global gradient norm before clipping (inf for a skipped step), as `parallel.global_grad_norm`.
+    DeepSpeed decides from the gradients alone: a NaN loss gives NaN gradients, so it skips that step too."""
     engine.step()
     norm = engine.get_global_grad_norm()
     return torch.tensor(float("inf") if norm is None else float(norm), dtype=torch.float64)

@@ -12,6 +12,8 @@ One optimizer step (in the spirit of torchtitan's `train.py`):
    checkpoint whose weights still gave a finite step);
 4. clip, AdamW step, LR schedule step, then the aux-loss-free router bias update with the load all-reduced
    over every rank.
+Under ``parallel.backend=deepspeed`` a DeepSpeed engine does the backward, the gradient average, clipping and
+the step of 2-4 (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
 Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
 tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
 `MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM: an atomic checkpoint (`checkpoint.py`),
