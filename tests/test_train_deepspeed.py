@@ -60,7 +60,7 @@ def test_deepspeed_config_carries_our_batch_split_clipping_and_zero_settings():
         optim={"grad_clip": 0.5},
         parallel={"backend": "deepspeed", "zero_stage": 1, "offload_optimizer": True},
     )
-    ds = ds_config(config, micro_batch=config.micro_batch_size(2), world_size=2)
+    ds = ds_config(config, micro_batch=config.micro_batch_size(2), world_size=2, n_params=1000)
     assert (
         ds["train_batch_size"],
         ds["train_micro_batch_size_per_gpu"],
@@ -75,7 +75,13 @@ def test_deepspeed_config_carries_our_batch_split_clipping_and_zero_settings():
         ds["zero_optimization"]["stage"] == 1
         and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     )
-    assert ds_config(deepspeed_config(optim={"grad_clip": None}), 8, 1)["gradient_clipping"] == 0.0
+    assert ds_config(deepspeed_config(optim={"grad_clip": None}), 8, 1, 10**9)["gradient_clipping"] == 0.0
+    # buckets no larger than the model (DeepSpeed's default 5e8 elements are allocated every step)
+    assert (
+        ds["zero_optimization"]["reduce_bucket_size"]
+        == ds["zero_optimization"]["allgather_bucket_size"]
+        == 1000
+    )
 
 
 @pytest.mark.slow
