@@ -187,6 +187,31 @@ class TrainConfig(_Section, ConfigFile):
     version: int = 1  # bump when a field changes meaning; old configs keep loading
 
     @model_validator(mode="after")
+    def _check_deepspeed(self) -> TrainConfig:
+        """What parallel.backend=deepspeed does not cover (`moe_core.train.deepspeed_engine`), refused before any
+        process starts."""
+        if self.parallel.backend != "deepspeed":
+            return self
+        refused = []
+        if self.parallel.ep_size > 1:
+            refused.append(
+                f"parallel.ep_size={self.parallel.ep_size} (expert parallelism runs on the native backends: "
+                f"DeepSpeed's MoE groups average expert gradients, ours sum them over their data-parallel group)"
+            )
+        if self.parallel.dp_mode == "fsdp2":
+            refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
+        if self.precision == "fp16":
+            refused.append("precision=fp16 (use bf16)")
+        if self.compile:
+            refused.append("compile=true")
+        if refused:
+            raise ValueError(
+                "parallel.backend=deepspeed does not support " + "; ".join(refused) + "; change these "
+                "settings or use parallel.backend=auto"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:
         if self.batch_size % self.grad_accum:
             raise ValueError(

@@ -18,7 +18,7 @@ What `Trainer` (loop.py) does differently under this backend:
   DeepSpeed's own checkpoints (pickled objects) are never written nor read. On resume the fp32 master partitions
   are refreshed from the loaded weights (`restore_master_weights`; exact: the model is fp32).
 
-Not supported (refused with a `TrainConfigError` naming the setting): ``parallel.ep_size > 1`` (DeepSpeed's MoE
+Not supported (refused when the config is built, `TrainConfig._check_deepspeed`, naming the setting): ``parallel.ep_size > 1`` (DeepSpeed's MoE
 parameter groups average expert gradients over the expert-data-parallel group and expect its own `MoE` layer's
 all-to-all; our `ExpertParallelExperts` needs them summed over that group and divided by the world size,
 `parallel.sync_expert_grads`), ``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over
@@ -53,30 +53,6 @@ def import_deepspeed():
             f"parallel.backend=deepspeed needs DeepSpeed ({err}); install it with `pip install .[deepspeed]`"
         ) from None
     return deepspeed
-
-
-def check_supported(config: TrainConfig) -> None:
-    """Refuse the settings this backend does not cover (module docstring), before anything is built."""
-    p = config.parallel
-    refused = []
-    if p.ep_size > 1:
-        refused.append(
-            f"parallel.ep_size={p.ep_size} (expert parallelism runs on the native backends: DeepSpeed's MoE "
-            f"groups average expert gradients, ours sum them over their data-parallel group)"
-        )
-    if p.dp_mode == "fsdp2":
-        refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
-    if config.precision == "fp16":
-        refused.append("precision=fp16 (use bf16)")
-    if config.compile:
-        refused.append("compile=true")
-    if refused:
-        raise TrainConfigError(
-            "parallel.backend=deepspeed does not support "
-            + "; ".join(refused)
-            + "; change these settings or "
-            "use parallel.backend=auto"
-        )
 
 
 def ds_config(config: TrainConfig, micro_batch: int, world_size: int, n_params: int) -> dict[str, Any]:
@@ -116,7 +92,6 @@ def build_engine(
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The `DeepSpeedEngine` around ``model`` and the AdamW it steps (the one the LR schedule, the logged LR and
     the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
-    check_supported(config)
     deepspeed = import_deepspeed()
     # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not)
     os.environ.setdefault("LOCAL_RANK", str(state.local_rank))

@@ -215,8 +215,6 @@ class Trainer:
         """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
         data-parallel-wrapped as configured: what the training forward runs)."""
         config, state = self.config, self.state
-        if config.parallel.backend == "deepspeed":
-            ds_engine.check_supported(config)  # before anything is built
         seed_everything(config.seed)  # the same initial weights on every rank
         model = MoEForCausalLM(self.model_config)
         if config.activation_checkpointing:
