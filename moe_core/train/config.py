@@ -196,7 +196,7 @@ class TrainConfig(_Section, ConfigFile):
         if self.parallel.ep_size > 1:
             refused.append(
                 f"parallel.ep_size={self.parallel.ep_size} (expert parallelism runs on the native backends: "
-                f"DeepSpeed's MoE groups average expert gradients, ours sum them over their data-parallel group)"
+                f"DeepSpeed builds expert groups only for its own MoE layers, see moe_core.train.deepspeed_engine)"
             )
         if self.parallel.dp_mode == "fsdp2":
             refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
