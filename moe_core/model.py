@@ -37,6 +37,7 @@ from transformers.utils import ModelOutput
 
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
+from moe_core.quiet import quiet_deepspeed_cpu_notice
 from moe_core.routing import GlobalBatchBalance, Router, RoutingRecord, build_router
 
 
@@ -257,6 +258,12 @@ class MoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True
     _supports_cache_class = True
+
+    def save_pretrained(self, *args, **kwargs):
+        # transformers unwraps the model through accelerate, which imports DeepSpeed where it is installed: its
+        # CPU-accelerator notice is noise for a model that never saw DeepSpeed (`moe_core.quiet`)
+        with quiet_deepspeed_cpu_notice():
+            return super().save_pretrained(*args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range

@@ -29,6 +29,27 @@ def quiet_loggers(*names: str, level: int = logging.ERROR):
             logger.removeFilter(keep)
 
 
+# DeepSpeed's accelerator probe on a machine without a GPU: logged once per process, when deepspeed is first
+# imported (by us under parallel.backend=deepspeed, and by accelerate's `extract_model_from_parallel`, which
+# `PreTrainedModel.save_pretrained` calls and which imports DeepSpeed whenever it is installed)
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU"
+
+
+@contextlib.contextmanager
+def quiet_deepspeed_cpu_notice():
+    """Drop only DeepSpeed's "Setting accelerator to CPU" notice for the block; its other warnings stay."""
+    logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed creates (deepspeed/utils/logging.py)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(DEEPSPEED_CPU_NOTICE)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 @contextlib.contextmanager
 def quiet_tracer_warnings():
     """``torch.jit.TracerWarning`` during an ONNX export: the exporter traces Python branches on tensor values

@@ -107,7 +107,22 @@ class OptimSection(_Section):
 class ParallelSection(_Section):
     ep_size: int = Field(1, ge=1)  # experts sharded over this many ranks; world = ep_size * dp_size
     dp_mode: Literal["ddp", "fsdp2"] = "ddp"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # the collective backend ("auto": nccl on CUDA, gloo on CPU), or "deepspeed": train through a DeepSpeed
+    # engine (ZeRO, `moe_core.train.deepspeed_engine`; `pip install .[deepspeed]`), its collectives on
+    # deepspeed.comm over the same process group (gloo on CPU, nccl on CUDA); ep_size must then be 1
+    backend: Literal["auto", "gloo", "nccl", "deepspeed"] = "auto"
+    # deepspeed only: ZeRO stage 1 (optimizer state partitioned over the ranks) or 2 (gradients too)
+    zero_stage: Literal[1, 2] = 2
+    # deepspeed only: the optimizer state and step on the CPU (ZeRO-Offload); on a CPU-only machine the same
+    # memory, but the code path a GPU run takes
+    offload_optimizer: bool = False
+
+    @model_validator(mode="after")
+    def _offload_needs_deepspeed(self) -> ParallelSection:
+        if self.offload_optimizer and self.backend != "deepspeed":
+            raise ValueError("parallel.offload_optimizer=true needs parallel.backend=deepspeed")
+        return self
+
     # all-reduce the router statistics so the load-balancing loss is over the global batch, as on one process
     global_aux_loss: bool = True
 
@@ -170,6 +185,31 @@ class TrainConfig(_Section, ConfigFile):
     deterministic: bool = True  # torch.use_deterministic_algorithms, for exact resume
     seed: int = 0
     version: int = 1  # bump when a field changes meaning; old configs keep loading
+
+    @model_validator(mode="after")
+    def _check_deepspeed(self) -> TrainConfig:
+        """What parallel.backend=deepspeed does not cover (`moe_core.train.deepspeed_engine`), refused before any
+        process starts."""
+        if self.parallel.backend != "deepspeed":
+            return self
+        refused = []
+        if self.parallel.ep_size > 1:
+            refused.append(
+                f"parallel.ep_size={self.parallel.ep_size} (expert parallelism runs on the native backends: "
+                f"DeepSpeed builds expert groups only for its own MoE layers, see moe_core.train.deepspeed_engine)"
+            )
+        if self.parallel.dp_mode == "fsdp2":
+            refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
+        if self.precision == "fp16":
+            refused.append("precision=fp16 (use bf16)")
+        if self.compile:
+            refused.append("compile=true")
+        if refused:
+            raise ValueError(
+                "parallel.backend=deepspeed does not support " + "; ".join(refused) + "; change these "
+                "settings or use parallel.backend=auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfig:

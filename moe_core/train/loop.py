@@ -12,6 +12,8 @@ One optimizer step (in the spirit of torchtitan's `train.py`):
    checkpoint whose weights still gave a finite step);
 4. clip, AdamW step, LR schedule step, then the aux-loss-free router bias update with the load all-reduced
    over every rank.
+Under ``parallel.backend=deepspeed`` a DeepSpeed engine does the backward, the gradient average, clipping and
+the step of 2-4 (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
 Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
 tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
 `MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM: an atomic checkpoint (`checkpoint.py`),
@@ -46,6 +48,7 @@ from moe_core.flops import flops_per_token, peak_flops
 from moe_core.model import MoEForCausalLM
 from moe_core.routing import GlobalBatchBalance
 from moe_core.train import checkpoint as ckpt_io
+from moe_core.train import deepspeed_engine as ds_engine
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
@@ -135,6 +138,7 @@ class Trainer:
         self.sinks: list[MetricsSink] = []
         self.lock: OutputLock | None = None
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
+        self.engine = None  # the DeepSpeed engine under parallel.backend=deepspeed (`deepspeed_engine.py`)
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
         self._determinism = (
             torch.are_deterministic_algorithms_enabled(),
@@ -238,13 +242,18 @@ class Trainer:
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
-        self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
+        if config.parallel.backend != "deepspeed":  # DeepSpeed's engine wraps it (`_build_optimization`)
+            self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
 
     def _build_optimization(self) -> None:
         """Optimizer, LR schedule, fp16 loss scaler and the order of the training batches."""
         config, state = self.config, self.state
         fsdp = state.distributed and config.parallel.dp_mode == "fsdp2"
-        self.optimizer = build_optimizer(self.model, config, state.device, allow_fused=not fsdp)
+        if config.parallel.backend == "deepspeed":  # self.optimizer: the AdamW the engine steps
+            self.engine, self.optimizer = ds_engine.build_engine(self.model, config, state, self.micro_batch)
+            self.forward_model = self.engine
+        else:
+            self.optimizer = build_optimizer(self.model, config, state.device, allow_fused=not fsdp)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
         self.batches = GlobalBatches(len(self.train_data), config.batch_size, config.seed)
@@ -333,6 +342,8 @@ class Trainer:
         ckpt_io.load_model_state(self.model, ckpt, st.ep_rank, st.ep_size)
         rank_state = ckpt_io.load_rank_files(ckpt, st.rank)
         ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
+        if self.engine is not None:  # DeepSpeed steps fp32 master copies of the weights just loaded
+            ds_engine.restore_master_weights(self.engine)
         self.scheduler.load_state_dict(rank_state["scheduler"])
         self.batches.load_state_dict(rank_state["data"])
         if self.scaler is not None and rank_state["scaler"]:
@@ -374,11 +385,14 @@ class Trainer:
         if self.model.load_balance is not None:
             self.model.load_balance.reset()  # a new global batch
         loss_sums = self._accumulate_gradients(indices)
-        par.sync_expert_grads(self.model, state)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = par.global_grad_norm(self.model, state).cpu()
+        if self.engine is None:
+            par.sync_expert_grads(self.model, state)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            grad_norm = par.global_grad_norm(self.model, state).cpu()
         mean_losses = par.all_reduce_(loss_sums / (config.grad_accum * state.world_size), state)
+        if self.engine is not None:  # clips and steps, or skips a non-finite gradient itself (inf norm)
+            grad_norm = ds_engine.boundary_step(self.engine)
         finite = bool(torch.isfinite(mean_losses).all() and torch.isfinite(grad_norm))
         loads = self._router_loads()
         if finite:
@@ -387,7 +401,8 @@ class Trainer:
             self._skip_update(losses_finite=bool(torch.isfinite(mean_losses).all()))
             loads = [None if load is None else torch.zeros_like(load) for load in loads]
         self.model.update_router_biases(loads)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine is None:  # DeepSpeed clears its own buffers (and offload keeps fp32 .grad allocated)
+            self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -413,7 +428,7 @@ class Trainer:
             ids_BS = ids_BS.to(state.device, non_blocking=True)
             sync = (
                 par.no_gradient_sync(self.forward_model, self.model)
-                if micro < config.grad_accum - 1
+                if micro < config.grad_accum - 1 and self.engine is None  # DeepSpeed knows its boundary
                 else contextlib.nullcontext()
             )
             with sync:
@@ -421,8 +436,13 @@ class Trainer:
                     out = self.forward_model(
                         input_ids=ids_BS, labels=ids_BS, output_routing=True, use_cache=False
                     )
-                loss = out.loss / config.grad_accum
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                if self.engine is not None:
+                    self.engine.backward(out.loss)  # divides by grad_accum itself
+                    if micro < config.grad_accum - 1:
+                        self.engine.step()  # a micro-step; the last one steps (`ds_engine.boundary_step`)
+                else:
+                    loss = out.loss / config.grad_accum
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
             parts = [out.loss, out.lm_loss, out.aux_loss, out.z_loss]  # STEP_LOSSES
             loss_sums += torch.tensor(
                 [0.0 if p is None else p.detach().float().item() for p in parts], dtype=torch.float64
@@ -432,7 +452,11 @@ class Trainer:
         return loss_sums
 
     def _apply_update(self, grad_norm: torch.Tensor) -> None:
-        """A finite step: clip to ``optim.grad_clip`` by the global norm, then the optimizer (or scaler) step."""
+        """A finite step: clip to ``optim.grad_clip`` by the global norm, then the optimizer (or scaler) step
+        (under DeepSpeed both happened in `ds_engine.boundary_step`)."""
+        self.bad_in_row = 0
+        if self.engine is not None:
+            return
         grad_clip = self.config.optim.grad_clip
         if grad_clip is not None and grad_norm > grad_clip:
             scale = grad_clip / (grad_norm.item() + 1e-6)
@@ -444,7 +468,6 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.bad_in_row = 0
 
     def _skip_update(self, losses_finite: bool) -> None:
         """A non-finite step: no update, counted. Under fp16 a finite loss with an overflowing gradient is the
@@ -712,6 +735,9 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
+        if self.engine is not None:  # ends the process group the DeepSpeed way
+            ds_engine.close_engine(self.engine)
+            self.engine = None
         par.shutdown_parallel(self.state)
         if self.lock is not None:
             self.lock.release()

@@ -60,6 +60,8 @@ class ParallelState:
     dp_group: object = None
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    # a one-process group this module opened (DeepSpeed's engine needs a process group even for one process)
+    single_process_group: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -88,6 +90,10 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
             raise ParallelError(
                 f"parallel.ep_size={ep_size} needs {ep_size}+ processes; run with --nproc {ep_size}"
             )
+        if backend == "deepspeed" and not dist.is_initialized():
+            comm = "nccl" if dev.type == "cuda" else "gloo"
+            dist.init_process_group(comm, rank=0, world_size=1, store=dist.HashStore())
+            return ParallelState(device=dev, backend=comm, single_process_group=True)
         return ParallelState(device=dev)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if world % ep_size:
@@ -98,7 +104,7 @@ def init_parallel(ep_size: int, backend: str = "auto", device: str = "auto") -> 
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    if backend == "auto":
+    if backend in ("auto", "deepspeed"):  # deepspeed.comm then runs over this process group
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
         raise ParallelError("parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
@@ -149,7 +155,7 @@ def _attempt_store(timeout: datetime.timedelta):
 
 
 def shutdown_parallel(state: ParallelState) -> None:
-    if state.distributed and dist.is_initialized():
+    if (state.distributed or state.single_process_group) and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,0 +1,191 @@
+"""The DeepSpeed backend (`moe_core.train.deepspeed_engine`, ``parallel.backend=deepspeed``) on CPU: DeepSpeed's CPU
+accelerator, its collectives over gloo.
+
+- One process: ZeRO over a world of one is the same arithmetic as the native loop (flat partitions, the same AdamW
+  kernel, the same clipping), so the two runs agree bitwise; a non-finite step is skipped and counted as natively.
+- Two processes, ZeRO-2: follows the one-process native run of the same global batch. Tolerance as for DDP in
+  test_train_parallel.py: the gradient average is summed in two halves, so losses agree to ~1e-6 relative and
+  weights to ~1e-5 of their norm over a few steps (measured: losses to 2e-7, grad norms to 5e-8).
+- Stop at step 2 and resume equals the uninterrupted run bitwise: the same layout sums in the same order, and the
+  optimizer partitions come back from our weights-only rank files exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_core.quiet import quiet_deepspeed_cpu_notice
+from moe_core.train import TrainConfig, read_jsonl, train
+from moe_core.train.checkpoint import gather_state_dict, load_rank_files
+from moe_core.train.config import TrainConfigError
+from moe_core.train.deepspeed_engine import ds_config
+from moe_core.train.loop import Trainer
+from tests.dist_helpers import env, run_cli, train_args
+from tests.test_train_loop import PoisonedLoss, assert_bitwise_equal, tiny
+
+# not importorskip: importing DeepSpeed takes seconds; the tests import it only where they use it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs .[deepspeed]")
+
+
+def deepspeed_config(**fields) -> TrainConfig:
+    return TrainConfig.build(
+        {"model": {"preset": "mixtral-tiny"}, "parallel": {"backend": "deepspeed"}, **fields}
+    )
+
+
+def test_settings_the_backend_does_not_cover_are_refused_by_name():
+    for fields, named in (
+        ({"parallel": {"backend": "deepspeed", "ep_size": 2}}, "parallel.ep_size=2"),
+        ({"parallel": {"backend": "deepspeed", "dp_mode": "fsdp2"}}, "parallel.dp_mode=fsdp2"),
+        ({"precision": "fp16"}, "precision=fp16"),
+        ({"compile": True}, "compile=true"),
+    ):
+        with pytest.raises(TrainConfigError, match=named):
+            deepspeed_config(**fields)
+    with pytest.raises(TrainConfigError, match="offload_optimizer=true needs parallel.backend=deepspeed"):
+        TrainConfig.build({"parallel": {"offload_optimizer": True}})
+
+
+def test_deepspeed_config_carries_our_batch_split_clipping_and_zero_settings():
+    config = deepspeed_config(
+        batch_size=16,
+        grad_accum=2,
+        optim={"grad_clip": 0.5},
+        parallel={"backend": "deepspeed", "zero_stage": 1, "offload_optimizer": True},
+    )
+    ds = ds_config(config, micro_batch=config.micro_batch_size(2), world_size=2, n_params=1000)
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (
+        16,
+        4,
+        2,
+    )
+    assert ds["gradient_clipping"] == 0.5
+    assert (
+        ds["zero_optimization"]["stage"] == 1
+        and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    )
+    assert ds_config(deepspeed_config(optim={"grad_clip": None}), 8, 1, 10**9)["gradient_clipping"] == 0.0
+    # buckets no larger than the model (DeepSpeed's default 5e8 elements are allocated every step)
+    assert (
+        ds["zero_optimization"]["reduce_bucket_size"]
+        == ds["zero_optimization"]["allgather_bucket_size"]
+        == 1000
+    )
+
+
+@pytest.mark.slow
+def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_step(tmp_path):
+    # ZeRO-1 with the optimizer offloaded to the CPU and two micro-batches: DeepSpeed's accumulation, its
+    # offload path and our LR schedule against the native loop
+    fields = dict(steps=3, grad_accum=2, optim={"warmup_steps": 2, "lr": 1e-2}, checkpoint={"export": False})
+    native = train(tiny(**fields), tmp_path / "native")
+    ds = train(
+        tiny(**fields, parallel={"backend": "deepspeed", "zero_stage": 1, "offload_optimizer": True}),
+        tmp_path / "ds",
+    )
+    assert [r["loss"] for r in ds.history] == [r["loss"] for r in native.history]
+    assert_bitwise_equal(gather_state_dict(native.checkpoint), gather_state_dict(ds.checkpoint))
+
+    trainer = Trainer(tiny(steps=4, parallel={"backend": "deepspeed"}), tmp_path / "skip")
+    try:
+        trainer.forward_model = PoisonedLoss(trainer.engine, bad_calls={2})
+        trainer.train_step()
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        stats = trainer.train_step()  # the poisoned one: DeepSpeed finds the NaN gradient and does not step
+        assert stats["finite"] == 0.0 and trainer.skipped_steps == 1 and trainer.bad_in_row == 1
+        assert_bitwise_equal(before, trainer.model.state_dict())
+        assert trainer.train_step()["finite"] == 1.0 and trainer.bad_in_row == 0
+        assert not torch.equal(before["lm_head.weight"], trainer.model.state_dict()["lm_head.weight"])
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
+    args = train_args(steps=4, every=2)
+    deepspeed = ("--nproc", "2", "--set", "parallel.backend=deepspeed", "--set", "parallel.zero_stage=2")
+    run_cli(tmp_path / "native", *args)
+    run_cli(tmp_path / "ds", *args, *deepspeed)
+    a = [r for r in read_jsonl(tmp_path / "native" / "metrics.jsonl") if "loss" in r]
+    b = [r for r in read_jsonl(tmp_path / "ds" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=2e-5), key
+    assert b[-1]["lm_loss"] < b[0]["lm_loss"] - 0.05  # it trained
+    last = "checkpoints/step_00000004"
+    wa, wb = gather_state_dict(tmp_path / "native" / last), gather_state_dict(tmp_path / "ds" / last)
+    for name in wa:
+        assert ((wb[name] - wa[name]).norm() / wa[name].norm()).item() < 1e-4, name
+    # each rank's optimizer file holds its ZeRO partition (half of the flat state), loaded weights-only
+    sizes = [
+        sum(
+            v.numel()
+            for s in load_rank_files(tmp_path / "ds" / last, r)["optimizer"]["state"].values()
+            for k, v in s.items()
+            if k == "exp_avg"
+        )
+        for r in (0, 1)
+    ]
+    total = sum(t.numel() for t in wa.values())
+    assert abs(sizes[0] - sizes[1]) <= 2 * len(wa) and sum(sizes) >= total - 16  # (tied weights, alignment)
+
+    # stop at step 2 (its checkpoint is the newest), resume, train to 4: the same weights, optimizer and rows
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ds", resumed)
+    shutil.rmtree(resumed / last)
+    run_cli(resumed, *args, *deepspeed, "--resume")
+    assert_bitwise_equal(gather_state_dict(resumed / last), wb)
+    for rank in (0, 1):
+        got = load_rank_files(resumed / last, rank)["optimizer"]["state"]
+        want = load_rank_files(tmp_path / "ds" / last, rank)["optimizer"]["state"]
+        assert got.keys() == want.keys()
+        for index in want:
+            assert_bitwise_equal(got[index], want[index])
+    c = [r for r in read_jsonl(resumed / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in c] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in b
+    ]
+
+
+def test_only_deepspeeds_cpu_notice_is_silenced():
+    logger, seen = logging.getLogger("DeepSpeed"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with quiet_deepspeed_cpu_notice():
+            logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, ...")
+            logger.warning("OVERFLOW! Skipping step.")
+        logger.warning("Setting accelerator to CPU.")  # outside the block: shown
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["OVERFLOW! Skipping step.", "Setting accelerator to CPU."]
+
+
+@pytest.mark.slow
+def test_saving_our_model_imports_deepspeed_without_its_cpu_notice(tmp_path):
+    # transformers' save_pretrained unwraps through accelerate, which imports DeepSpeed where it is installed
+    code = (
+        "import sys\n"
+        "from moe_core.config import get_config\n"
+        "from moe_core.model import MoEForCausalLM\n"
+        f"MoEForCausalLM(get_config('switch-tiny')).save_pretrained({str(tmp_path)!r})\n"
+        "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "deepspeed imported: True" in result.stdout  # else this test checks nothing
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
