@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
@@ -145,9 +146,6 @@ def model_row(
 def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = None):
     """A pandas DataFrame of `model_row` rows; with ``reference`` (a model name), adds ``<split>_ppl_ratio``
     columns: each model's perplexity over the reference's (below 1.0 is better)."""
-    # lazy: pandas (~1 s) only for this table; quantize and prune import this module and never build one
-    import pandas as pd
-
     df = pd.DataFrame(list(rows))
     if reference is not None:
         if reference not in set(df["model"]):

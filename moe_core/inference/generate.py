@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.inference.compile import compile_steps, eager_steps
 from moe_core.inference.expert_cache import offload_experts
 from moe_core.inference.fast_decode import enable_fast_decode
 from moe_core.inference.monitor import InferenceMonitor
@@ -181,9 +182,6 @@ def batch_generate(
 
 def _steps(model, compile: bool):
     """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache)."""
-    # lazy: torch.export and transformers' static cache (seconds), only for compile=True
-    from moe_core.inference.compile import compile_steps, eager_steps
-
     # compiled: decode only, the eager sorted prefill is the faster one
     steps = compile_steps(model, compile_prefill=False) if compile else eager_steps(model)
     return steps.prefill, steps.decode
