@@ -1,5 +1,8 @@
 """`moe-lab deploy | serve`: register the lab's Prefect deployments (`deployments.deploy`) with a server, or
-serve them from this process. See deployments/README.md."""
+serve them from this process. See deployments/README.md.
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
+"""
 
 from __future__ import annotations
 

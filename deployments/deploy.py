@@ -7,11 +7,18 @@ lifecycle, plus the stage flows on demand.
 
 ``prefect.yaml`` beside this file declares the same deployments for ``prefect deploy --all`` (a test keeps the
 two in step). CI triggers: ``prefect deployment run lifecycle/on-demand --watch`` (see .github/workflows).
+
+Prefect and the flows (pydantic) are imported inside `serve` and `deploy`: ``moe-lab deploy --help`` imports
+this module through deployments/cli.py and must load neither (tests/test_cli_help.py).
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
+
+from tasks.settings import apply_defaults
 
 WORK_POOL = "moe-lab-process"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,20 +35,19 @@ DEPLOYMENTS: dict[str, tuple[str, str | None, dict]] = {
 
 
 def _flow(entrypoint: str):
-    import importlib
-
     path, name = entrypoint.split(":")
     return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
 
 
 def _nightly_params() -> dict:
-    from flows.params import LifecycleParams, small_train_config
+    from flows.params import LifecycleParams, small_train_config  # lazy: pydantic, kept off `--help`
 
     return {"params": LifecycleParams(train=small_train_config()).model_dump(mode="json")}
 
 
 def serve() -> None:
     """Serve every deployment from this process (Ctrl-C stops)."""
+    # lazy: Prefect, kept off `moe-lab serve --help`
     from prefect import serve as prefect_serve
     from prefect.schedules import Cron
 
@@ -60,6 +66,7 @@ def serve() -> None:
 def deploy(work_pool: str | None = None) -> list[str]:
     """Register the deployments with the configured Prefect server on a process work pool (created if
     missing); the code is pulled from this checkout. Returns the deployment names."""
+    # lazy: Prefect, kept off `moe-lab deploy --help`
     from prefect import flow as prefect_flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -90,10 +97,6 @@ def deploy(work_pool: str | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from tasks.settings import apply_defaults
-
     apply_defaults()
     if sys.argv[1:] == ["serve"]:
         serve()

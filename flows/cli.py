@@ -11,6 +11,8 @@ With nothing configured, Prefect runs an ephemeral server with PREFECT_HOME unde
 directory ($MOE_LAB_HOME or ./.moe_lab) and MLflow records into SQLite there; PREFECT_API_URL and
 MLFLOW_TRACKING_URI point the same commands at real servers. ``moe-lab deploy | serve`` live in
 `deployments.cli`; ``run --dashboard`` is added by the program above the flows (`moe_lab.run`).
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 """
 
 from __future__ import annotations

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+from prefect.artifacts import create_link_artifact
+from prefect.runtime import flow_run
 
 from moe_core.data.prepare import PrepareConfig
 from moe_core.data.validation import ValidationConfig
 from moe_core.train import TrainConfig
+from moe_core.train.batches import data_cache_dir
 from tasks import settings
 
 
@@ -15,8 +20,6 @@ def out_dir_for(flow_name: str, requested: str | None) -> Path:
     """``requested``, or ``<MOE_LAB_HOME>/runs/<flow>-<time>-<flow run name>``."""
     if requested:
         return Path(requested)
-    from prefect.runtime import flow_run
-
     return settings.runs_dir() / f"{flow_name}-{time.strftime('%Y%m%d-%H%M%S')}-{flow_run.name or 'local'}"
 
 
@@ -29,8 +32,6 @@ def prepare_config_for(train: TrainConfig, validation: ValidationConfig | None =
 
 def data_dir_for(config: PrepareConfig) -> str:
     """Prepared data is shared by flow runs: ``<MOE_LAB_HOME>/data/<source>-<settings hash>``."""
-    from moe_core.train.batches import data_cache_dir
-
     return str(data_cache_dir(str(settings.lab_home() / "data"), config))
 
 
@@ -43,12 +44,8 @@ DASHBOARD_URL_ENV = "MOE_LAB_DASHBOARD_URL"  # set by `moe-lab run ... --dashboa
 
 def link_dashboard(flow_name: str) -> str | None:
     """A Prefect link artifact to the live dashboard, when one was started beside this flow run."""
-    import os
-
     url = os.environ.get(DASHBOARD_URL_ENV)
     if url:
-        from prefect.artifacts import create_link_artifact
-
         create_link_artifact(
             url,
             link_text="live dashboard",

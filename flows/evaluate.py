@@ -8,6 +8,7 @@ from pydantic import Field
 
 from flows.common import out_dir_for
 from flows.params import EvaluateParams
+from moe_core.data.shards import read_manifest
 from tasks import evaluate as ev
 from tasks.stages import flow_record, pending_summary, record_summary
 
@@ -65,6 +66,4 @@ def evaluate(params: EvaluateFlowParams) -> dict:
 
 
 def _seq_len(data_dir: str) -> int:
-    from moe_core.data.shards import read_manifest
-
     return int(read_manifest(data_dir)["seq_len"])

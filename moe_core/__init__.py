@@ -5,16 +5,27 @@
     loaded = load("runs/my-run")  # any checkpoint the lab writes or converts: .model, .tokenizer, .kind
 
 Loading the model module (``from moe_core import MoEForCausalLM`` or ``import moe_core.model``) registers
-``model_type="moe_lab"`` with transformers' Auto classes; nothing else happens on import.
+``model_type="moe_lab"`` with transformers' Auto classes; nothing else happens on import. The names above are
+resolved on first use (moe_core._lazy), so that importing any submodule, such as ``moe_core.cli`` for
+``moe-lab --help``, does not load torch and transformers.
 """
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
 
-# The re-exports below resolve on first use (PEP 562) rather than on `import moe_core`: every `moe_core.*`
-# import runs this file, and importing torch + transformers here would make `moe-lab --help` (and every
-# argument error) take 10+ seconds. Only these few names are lazy; submodules import normally.
+from moe_core._lazy import lazy_exports
+
+# Lazy (PEP 562, through moe_core._lazy): every `moe_core.*` import runs this file first, and importing torch +
+# transformers here would make `moe-lab --help` (and every argument error) take 10+ seconds. Only these few
+# names are lazy; submodules import normally.
+if TYPE_CHECKING:
+    from moe_core.config import MoEConfig, dense_baseline, get_config, parameter_counts
+    from moe_core.loading import Loaded, load
+    from moe_core.model import MoEForCausalLM, MoEModel
+    from moe_core.presets import PRESETS
+    from moe_core.routing import ROUTERS, Router, RoutingRecord, register_router
+
 _EXPORTS = {
     "PRESETS": "moe_core.presets",
     "MoEConfig": "moe_core.config",
@@ -31,19 +42,22 @@ _EXPORTS = {
     "register_router": "moe_core.routing",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Loaded",
+    "MoEConfig",
+    "MoEForCausalLM",
+    "MoEModel",
+    "PRESETS",
+    "ROUTERS",
+    "Router",
+    "RoutingRecord",
+    "dense_baseline",
+    "get_config",
+    "load",
+    "parameter_counts",
+    "register_router",
+]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'moe_core' has no attribute {name!r}")
-    if name in ("MoEConfig", "get_config", "dense_baseline", "parameter_counts"):
-        importlib.import_module("moe_core.model")  # a config is only useful with the Auto classes registered
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+# a config is only useful with the Auto classes registered, which importing the model module does
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, requires={"moe_core.config": "moe_core.model"})

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 
 from moe_core.errors import did_you_mean
 from moe_core.presets import FAMILIES, PRESETS, SIZES, family_settings
+from moe_core.routing import resolve_router
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,6 @@ class MoEConfig(PretrainedConfig):
         ):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
-        from moe_core.routing import resolve_router  # late import: routing imports nothing from here
-
         try:
             router_cls = resolve_router(self.router)
         except (KeyError, ImportError, TypeError) as err:

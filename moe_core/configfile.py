@@ -10,7 +10,9 @@ A config is a pydantic model that also inherits `ConfigFile` and names its error
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
 from moe_core.errors import MoELabError, did_you_mean
 
@@ -164,9 +167,6 @@ def config_fields(model_cls, prefix: str = "") -> list[tuple[str, str, str, str]
     """``(dotted name, type, default, help)`` for every leaf field of a pydantic config class, nested
     sections flattened (what ``--set`` takes). The help is the field's description, else the comment
     written after it in the class body."""
-    from pydantic import BaseModel
-    from pydantic_core import PydanticUndefined
-
     comments = _field_comments(model_cls)
     rows = []
     for name, field in model_cls.model_fields.items():
@@ -189,9 +189,6 @@ def config_fields(model_cls, prefix: str = "") -> list[tuple[str, str, str, str]
 
 
 def _field_comments(model_cls) -> dict[str, str]:
-    import inspect
-    import re
-
     comments = {}
     for cls in reversed(model_cls.__mro__):
         try:

@@ -2,6 +2,8 @@
 live dashboard (the `dashboard` package, beside the flows rather than under them) for the flow's runs.
 
     moe-lab run lifecycle --dashboard    # prints the dashboard's URL; the flow's steps link to it
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ dashboard (the `dashboard` package, above the library) beside the run.
 
 The torchrun workers and a Slurm job run the library's command (``python -m moe_core.cli train``): the
 dashboard runs once, in the process the user started.
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,13 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from moe_core.data.tokenizer import load_tokenizer
+from moe_core.analytics.cost import cost_report as build_report
+from moe_core.analytics.cost import measure_throughput, usage_from_events
+from moe_core.analytics.profile import ProfileConfig, profile_split
+from moe_core.data.shards import read_manifest
+from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash
+from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
+from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
@@ -32,11 +38,6 @@ def evaluate_model(
     tokenizers; a model without one of its own is read with the data's). Returns the metrics, which text
     and tokenizer the candidate was judged on, and the names of metrics that are not finite (a diverged
     model). Each model is read once per process (`tasks.models_in_memory`): profiling and pricing reuse it."""
-    from moe_core.data.shards import read_manifest
-    from moe_core.data.tokenizer import tokenizer_hash
-    from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
-    from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
-
     with stage_run(stage, parent_run_id) as run_id:
         rows, metrics, judged_on = [], {}, {}
         seq_len = int(read_manifest(data_dir)["seq_len"])
@@ -93,9 +94,6 @@ def profile_router(
 ) -> RouterProfile:
     """The router profile on a split (versioned directory), its plots, and per-layer summary metrics.
     Top tokens per expert are recorded as ids and counts; their vocabulary pieces only with ``vocab_pieces``."""
-    from moe_core.analytics.profile import ProfileConfig, profile_split
-    from moe_core.eval.perplexity import to_markdown
-
     with stage_run("profile", parent_run_id) as run_id:
         model, tokenizer = models_in_memory.get(model_dir).model, load_tokenizer(Path(data_dir) / "tokenizer")
         profile = profile_split(
@@ -126,6 +124,7 @@ def profile_router(
         }
         tracking.log_artifacts(run_id, out / "profile", "routing_profile")
         if plots:
+            # lazy: matplotlib and plotly (~2 s), only when plots are asked for
             from moe_core.analytics.plots import portable_copies, render_all
 
             render_all(profile, out / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
@@ -149,9 +148,6 @@ def cost_report(
     parent_run_id: str | None,
 ) -> CostResult:
     """Forward throughput here and what a token costs, with the training cost to date from its event file."""
-    from moe_core.analytics.cost import cost_report as build_report
-    from moe_core.analytics.cost import measure_throughput, usage_from_events
-
     with stage_run("cost", parent_run_id) as run_id:
         model = models_in_memory.get(model_dir).model
         device = device_name or "cpu"

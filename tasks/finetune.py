@@ -19,7 +19,7 @@ def finetune_model(
     config: FinetuneConfig, base_model_dir: str, out_dir: str, parent_run_id: str | None
 ) -> ModelResult:
     """Fine-tune ``base_model_dir`` (unless ``config.model.path`` names another base) into ``out_dir``."""
-    from moe_core.finetune import finetune
+    from moe_core.finetune import finetune  # lazy: TRL and datasets (~2 s), only when a finetune stage runs
 
     if config.model.path is None:
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": base_model_dir})})

@@ -9,6 +9,9 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from moe_core.inference.evaluate import compare_variants
+from moe_core.inference.onnx_export import export_onnx
+from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
 from tasks import models_in_memory, tracking
 from tasks.results import Benchmark
 from tasks.stages import stage_run
@@ -24,8 +27,6 @@ def quantize_model(
     parent_run_id: str | None,
     data_dir: str | None = None,
 ) -> str:
-    from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
-
     with stage_run("quantize", parent_run_id) as run_id:
         config = QuantConfig(bits=bits, method=method, group_size=group_size)
         report = quantize_checkpoint(
@@ -39,8 +40,6 @@ def quantize_model(
 
 @task(name="export-onnx", retries=1, retry_delay_seconds=2)
 def export_onnx_model(model_dir: str, out_dir: str, parent_run_id: str | None) -> str:
-    from moe_core.inference.onnx_export import export_onnx
-
     with stage_run("export_onnx", parent_run_id) as run_id:
         onnx_dir = export_onnx(model_dir, out_dir)
         tracking.log_onnx_model(run_id, onnx_dir / "model.onnx")
@@ -58,8 +57,6 @@ def benchmark(
 ) -> Benchmark:
     """``variants``: ``{"pytorch" | "quantized" | "onnx": directory}``; the first is the reference. Given the
     evaluation's ``batches`` and ``batch_size``, the pytorch row's perplexity is the evaluation's."""
-    from moe_core.inference.evaluate import compare_variants
-
     with stage_run("benchmark", parent_run_id) as run_id:
         # the pytorch variant is the model the evaluation read: reuse it when it is still in memory
         loaded = {"pytorch": models_in_memory.get(variants["pytorch"]).model} if "pytorch" in variants else {}

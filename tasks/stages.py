@@ -6,14 +6,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from prefect.artifacts import create_link_artifact
+from prefect.runtime import deployment, flow_run, task_run
 
 from tasks import models_in_memory, pending, tracking
 
 
 def prefect_tags() -> dict[str, str]:
     """Prefect ids of the current flow run, task run and deployment (empty outside a run)."""
-    from prefect.runtime import deployment, flow_run, task_run
-
     tags = {
         "prefect.flow_run_id": flow_run.id,
         "prefect.flow_run_name": flow_run.name,
@@ -29,8 +28,6 @@ def prefect_tags() -> dict[str, str]:
 @contextmanager
 def stage_run(name: str, parent_run_id: str | None):
     """A nested MLflow run for one stage; yields its id."""
-    from prefect.runtime import task_run
-
     attempt = task_run.run_count if task_run.id else 1
     run_name = name if attempt <= 1 else f"{name} (attempt {attempt})"
     run_id = tracking.start_run(run_name, parent_run_id, tags={**prefect_tags(), "moe_lab.stage": name})

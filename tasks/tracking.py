@@ -18,6 +18,11 @@ tags are ids and short reasons. Reports, profiles, plots, tokenizer and models a
 stalls training; when MLflow cannot be reached it goes offline, writes ``mlflow_run.json`` beside the event
 file, and ``moe-lab sync RUN_DIR`` (`sync_events`) uploads the rest of ``metrics.jsonl`` later.
 
+Imports: MLflow is imported inside the functions that talk to it (marked ``# lazy: mlflow``): it takes ~5 s
+(``python -X importtime -c "import mlflow"``) and every task module imports this adapter, so importing a task
+or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers) and
+`tasks.models_in_memory` (the model stack): ``moe-lab sync`` imports this module and needs neither.
+
 Outages: a flow probes the server first (`probe`, a few seconds at most). From the moment MLflow is found
 unreachable, every write here is kept in the flow's pending manifest instead (`tasks.pending`), runs started
 meanwhile get local ids, and the flow finishes; ``moe-lab sync <flow dir>`` sends the rest (`tasks.sync`).
@@ -25,9 +30,11 @@ meanwhile get local ids, and the flow finishes; ``moe-lab sync <flow dir>`` send
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -35,6 +42,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import requests
+
+from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
 from moe_core.train.telemetry import read_jsonl
 from tasks import pending, settings
 from tasks.storelock import store_lock
@@ -52,7 +62,7 @@ _READY_STORES: set[str] = set()  # tracking URIs whose database this process has
 
 
 def client():
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: mlflow
 
     uri = tracking_uri()
     if uri in _READY_STORES:
@@ -66,7 +76,7 @@ def client():
 
 
 def tracking_uri() -> str:
-    import mlflow
+    import mlflow  # lazy: mlflow
 
     return mlflow.get_tracking_uri()
 
@@ -95,8 +105,6 @@ def probe(uri: str | None = None, timeout: float = 3.0) -> str | None:
     uri = uri or tracking_uri()
     if not uri.startswith(("http://", "https://")):
         return None
-    import requests
-
     try:
         response = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
     except requests.RequestException as err:
@@ -127,8 +135,6 @@ def _send(
 
 
 def warn_offline(reason: str) -> None:
-    import sys
-
     where = pending.journal_path()
     print(
         f"moe-lab: {reason}; going on without it. Records are kept in {where}; upload them with "
@@ -188,8 +194,6 @@ def _tree(data: Any) -> Any:
     if hasattr(data, "model_dump"):
         return data.model_dump(mode="json")
     if hasattr(data, "__dataclass_fields__"):
-        import dataclasses
-
         return dataclasses.asdict(data)
     return data
 
@@ -237,7 +241,7 @@ def log_config(run_id: str, config: Any, prefix: str = "") -> None:
 
 
 def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_file: str) -> None:
-    from mlflow.entities import Param
+    from mlflow.entities import Param  # lazy: mlflow
 
     c = client()
     items = [Param(k, v) for k, v in sorted(params.items())]
@@ -248,7 +252,7 @@ def _log_params_now(run_id: str, params: Mapping[str, str], data: Any, artifact_
 
 def architecture_params(model_config) -> dict[str, str]:
     """What the runs table needs to tell models apart: experts, top-k, widths, layers, router, parameters."""
-    from moe_core.config import parameter_counts
+    from moe_core.config import parameter_counts  # lazy: imports transformers, see the module note
 
     c = model_config
     counts = parameter_counts(c)
@@ -321,7 +325,7 @@ def send_metrics(
     run_id: str, values: Mapping[str, float], step: int | None, timestamp_ms: int, mlflow_client=None
 ) -> int:
     """Straight to MLflow (raises when it fails): the telemetry sink, the event follower and sync."""
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric  # lazy: mlflow
 
     batch = [Metric(k, v, timestamp_ms, step or 0) for k, v in _finite(values).items()]
     c = mlflow_client or client()
@@ -364,9 +368,9 @@ def log_dataset(run_id: str, data_dir: str | Path, context: str = "training") ->
 
 
 def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
-    import mlflow.data
-    import pandas as pd
-    from mlflow.entities import DatasetInput, InputTag
+    import mlflow.data  # lazy: mlflow
+    import pandas as pd  # lazy: only for MLflow's dataset record
+    from mlflow.entities import DatasetInput, InputTag  # lazy: mlflow
 
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
     rows = [
@@ -393,7 +397,7 @@ def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ models
 def _in_run(run_id: str):
-    import mlflow
+    import mlflow  # lazy: mlflow
 
     mlflow.set_experiment(experiment_id=client().get_run(run_id).info.experiment_id)
     return mlflow.start_run(run_id=run_id)  # ends (FINISHED) on exit: call on a stage run at its end
@@ -415,10 +419,9 @@ def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
 
 
 def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
-    import mlflow
+    import mlflow  # lazy: mlflow
 
-    from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
-    from tasks import models_in_memory
+    from tasks import models_in_memory  # lazy: loads the model stack (moe_core.loading), see the module note
 
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
@@ -444,8 +447,8 @@ def log_onnx_model(run_id: str, onnx_file: str | Path) -> str | None:
 
 
 def _log_onnx_model_now(run_id: str, onnx_file: str | Path) -> str:
-    import mlflow.onnx
-    import onnx
+    import mlflow.onnx  # lazy: mlflow
+    import onnx  # lazy: optional heavy dependency, only for ONNX models
 
     with _in_run(run_id):
         info = mlflow.onnx.log_model(
@@ -458,8 +461,8 @@ def _log_onnx_model_now(run_id: str, onnx_file: str | Path) -> str:
 def register(model_uri: str, name: str, tags: Mapping[str, Any] | None = None) -> str:
     """A new version of registered model `name`; returns the version number. ``model_uri``: a logged
     model (``models:/...``) or plain files of a run (``runs:/<run id>/<path>``, see `log_model`)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    import mlflow  # lazy: mlflow
+    from mlflow.exceptions import MlflowException  # lazy: mlflow
 
     tags = {k: str(v) for k, v in (tags or {}).items()}
     if not model_uri.startswith("runs:/"):
@@ -480,7 +483,7 @@ def set_alias(name: str, alias: str, version: str) -> None:
 
 def alias_version(name: str, alias: str):
     """The ModelVersion holding `alias`, or None (no such model or alias yet)."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow
 
     try:
         return client().get_model_version_by_alias(name, alias)
@@ -551,7 +554,7 @@ def replay(entry: Mapping[str, Any], state: dict[str, Any]) -> str | None:
 def list_runs(uri: str | None = None, max_results: int = 200) -> list[dict]:
     """Read-only: the experiment's runs, newest first, as small dicts of ids, status and latest metrics
     (for the dashboard). ``uri`` is a tracking URI; default the configured one."""
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: mlflow
 
     c = MlflowClient(tracking_uri=uri) if uri else client()
     found = c.get_experiment_by_name(settings.experiment_name())

@@ -15,11 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from moe_core.config import parameter_counts
 from moe_core.errors import MoELabError
+from moe_core.eval.batches import split_batches
 from moe_core.flops import flops_per_token
 
 
@@ -116,8 +118,6 @@ def evaluate_splits(
     max_batches: int | None = None,
 ) -> dict[str, LossResult]:
     """`evaluate_loss` on each split of a prepared-data directory (first blocks, in order)."""
-    from moe_core.eval.batches import split_batches
-
     return {
         split: evaluate_loss(model, split_batches(data_dir, split, batch_size, max_batches), split=split)
         for split in splits
@@ -146,8 +146,6 @@ def model_row(
 def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = None):
     """A pandas DataFrame of `model_row` rows; with ``reference`` (a model name), adds ``<split>_ppl_ratio``
     columns: each model's perplexity over the reference's (below 1.0 is better)."""
-    import pandas as pd
-
     df = pd.DataFrame(list(rows))
     if reference is not None:
         if reference not in set(df["model"]):

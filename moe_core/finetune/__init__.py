@@ -11,28 +11,30 @@ The same from the command line: ``moe-lab finetune --config finetune.yaml --out 
 (FinetuneConfig), `methods` (freezing, LoRA targets, expert subsets, ESFT, task router bias), `objectives` (TRL
 SFT/DPO trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
 `run` (finetune), `cli`.
+
+The names above are resolved on first use (moe_core._lazy): `moe-lab finetune --help` imports this package
+through moe_core.finetune.cli and must not pay for pydantic, TRL and transformers it does not need.
 """
 
-import importlib
+from typing import TYPE_CHECKING
 
-# Resolved on first use (PEP 562), not on import: `moe-lab finetune --help` imports this package through
-# moe_core.finetune.cli and must not pay for pydantic, TRL and transformers it does not need.
+from moe_core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
+    from moe_core.finetune.report import TrainableReport, trainable_parameter_report
+    from moe_core.finetune.run import FinetuneResult, finetune
+
 _EXPORTS = {
-    "FinetuneConfig": "config",
-    "FinetuneDivergedError": "config",
-    "FinetuneError": "config",
-    "finetune": "run",
-    "FinetuneResult": "run",
-    "trainable_parameter_report": "report",
-    "TrainableReport": "report",
+    "FinetuneConfig": ".config",
+    "FinetuneDivergedError": ".config",
+    "FinetuneError": ".config",
+    "finetune": ".run",
+    "FinetuneResult": ".run",
+    "trainable_parameter_report": ".report",
+    "TrainableReport": ".report",
 }
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'moe_core.finetune' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"moe_core.finetune.{_EXPORTS[name]}"), name)
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "FinetuneConfig",

@@ -3,6 +3,8 @@
 moe-lab finetune --config finetune.yaml --out runs/ft
 moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
 moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 """
 
 from __future__ import annotations

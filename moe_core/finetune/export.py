@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_core.convert import to_hf
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
 
@@ -77,8 +78,6 @@ def save_merged(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | N
 
 def save_hf(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | None = None) -> Path:
     """The merged model as its Hugging Face architecture (``config.hf_origin``), through `moe_core.convert.to_hf`."""
-    from moe_core.convert import to_hf
-
     base = unwrap(model)
     if not base.config.hf_origin:
         raise FinetuneError(

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
@@ -159,7 +160,7 @@ def select_esft_experts(
 
 # ------------------------------------------------------------------------------------------------ LoRA
 def _lora_wrappers(model) -> Iterator[tuple[str, Any]]:
-    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.lora.layer import ParamWrapper  # lazy: peft, only LoRA needs it (see apply_lora)
 
     for name, module in model.named_modules():
         if isinstance(module, ParamWrapper):
@@ -228,6 +229,7 @@ def lora_targets(
 
 def apply_lora(model, config: FinetuneConfig, expert_selection: dict[int, list[int]] | None):
     """Wrap ``model`` with PEFT LoRA; returns ``(peft_model, ExpertLoraMask or None)``."""
+    # lazy: peft is needed only for LoRA, and moe_core.loading imports this module (TaskRouterBias)
     from peft import LoraConfig, get_peft_model
 
     target_modules, target_parameters, modules_to_save = lora_targets(config, model.config, expert_selection)
@@ -354,8 +356,6 @@ class TaskRouterBias(nn.Module):
         return router.route(record.logits_TE + bias_TE)
 
     def save(self, out_dir: str | Path) -> None:
-        from safetensors.torch import save_file
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file({"bias_LNE": self.bias_LNE.detach().cpu().contiguous()}, str(out_dir / self.FILE))
@@ -365,8 +365,6 @@ class TaskRouterBias(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path) -> TaskRouterBias:
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         if not (directory / cls.META).is_file():
             raise FinetuneError(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_core.finetune.config import FinetuneError
-from moe_core.finetune.methods import MethodPlan, layer_of
+from moe_core.finetune.methods import MethodPlan, _lora_wrappers, layer_of
 
 
 @dataclass
@@ -109,8 +109,6 @@ def _clean(name: str) -> str:
 
 def trainable_parameter_report(model, plan: MethodPlan | None = None) -> TrainableReport:
     """List every tensor that trains in ``model`` (a PEFT model or ours), with expert detail from ``plan``."""
-    from moe_core.finetune.methods import _lora_wrappers
-
     rows: list[TensorRow] = []
     total = 0
     wrapped = {}  # ParamWrapper module name -> the parameter it adapts, without PEFT's base_layer nesting

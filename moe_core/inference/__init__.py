@@ -10,37 +10,65 @@
 - `generate`: batched generation with padding-aware scheduling and streaming.
 - `cli`: ``moe-lab export onnx|gguf``, ``quantize``, ``prune``, ``generate``.
 
-Submodules are imported on use; importing this package loads nothing heavy.
+The names below are resolved on first use (moe_core._lazy): `moe-lab quantize --help` and the other inference
+commands import this package through moe_core.inference.cli and must not pay for torch, transformers, optimum
+and ONNX Runtime they do not need.
 """
 
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
+
+from moe_core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from moe_core.inference.compile import compile_steps, export_program
+    from moe_core.inference.expert_cache import ExpertCache, offload_experts
+    from moe_core.inference.fast_decode import DecodeExperts, disable_fast_decode, enable_fast_decode
+    from moe_core.inference.generate import GenerationConfig, batch_generate
+    from moe_core.inference.gguf_export import export_gguf
+    from moe_core.inference.onnx_export import export_onnx, load_onnx
+    from moe_core.inference.prune import PruneConfig, collect_saliency, prune_experts
+    from moe_core.inference.quantize import QuantConfig, quantize_experts, quantize_onnx_dynamic
 
 _EXPORTS = {
-    "enable_fast_decode": "fast_decode",
-    "disable_fast_decode": "fast_decode",
-    "DecodeExperts": "fast_decode",
-    "export_onnx": "onnx_export",
-    "load_onnx": "onnx_export",
-    "quantize_experts": "quantize",
-    "QuantConfig": "quantize",
-    "quantize_onnx_dynamic": "quantize",
-    "prune_experts": "prune",
-    "PruneConfig": "prune",
-    "collect_saliency": "prune",
-    "export_gguf": "gguf_export",
-    "ExpertCache": "expert_cache",
-    "offload_experts": "expert_cache",
-    "batch_generate": "generate",
-    "GenerationConfig": "generate",
-    "compile_steps": "compile",
-    "export_program": "compile",
+    "enable_fast_decode": ".fast_decode",
+    "disable_fast_decode": ".fast_decode",
+    "DecodeExperts": ".fast_decode",
+    "export_onnx": ".onnx_export",
+    "load_onnx": ".onnx_export",
+    "quantize_experts": ".quantize",
+    "QuantConfig": ".quantize",
+    "quantize_onnx_dynamic": ".quantize",
+    "prune_experts": ".prune",
+    "PruneConfig": ".prune",
+    "collect_saliency": ".prune",
+    "export_gguf": ".gguf_export",
+    "ExpertCache": ".expert_cache",
+    "offload_experts": ".expert_cache",
+    "batch_generate": ".generate",
+    "GenerationConfig": ".generate",
+    "compile_steps": ".compile",
+    "export_program": ".compile",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_core.inference.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_core.inference' has no attribute {name!r}")
+__all__ = [
+    "DecodeExperts",
+    "ExpertCache",
+    "GenerationConfig",
+    "PruneConfig",
+    "QuantConfig",
+    "batch_generate",
+    "collect_saliency",
+    "compile_steps",
+    "disable_fast_decode",
+    "enable_fast_decode",
+    "export_gguf",
+    "export_onnx",
+    "export_program",
+    "load_onnx",
+    "offload_experts",
+    "prune_experts",
+    "quantize_experts",
+    "quantize_onnx_dynamic",
+]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -9,8 +9,13 @@ from pathlib import Path
 
 import torch
 
+from moe_core.data.shards import PackedTokens
 from moe_core.errors import MoELabError
+from moe_core.eval.batches import split_batches
+from moe_core.eval.perplexity import evaluate_loss
+from moe_core.inference.onnx_export import load_onnx
 from moe_core.loading import load
+from moe_core.progress import Progress
 
 
 def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
@@ -18,8 +23,6 @@ def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
     `moe_core.eval.perplexity.evaluate_loss`, the one perplexity (so a benchmark on the evaluation's batches
     repeats the evaluation's number). Works for our model, a quantized one, or an optimum
     `ORTModelForCausalLM`."""
-    from moe_core.eval.perplexity import evaluate_loss
-
     return evaluate_loss(model, batches, split="benchmark").perplexity
 
 
@@ -28,9 +31,6 @@ def calibration_batches(
 ) -> list[torch.Tensor]:
     """The first ``batches`` batches [B, S] of a prepared-data directory's ``split``: the calibration data of
     GPTQ / AWQ quantization and of REAP pruning (``--data DIR``)."""
-    from moe_core.data.shards import PackedTokens
-    from moe_core.eval.batches import split_batches
-
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise MoELabError(
@@ -81,12 +81,8 @@ def compare_variants(
     them: with the evaluation's batch size and count, the pytorch row repeats its validation perplexity);
     the first variant is the reference for the perplexity drift. ``loaded``: variants the caller holds in
     memory already (the weights of their directory), used instead of reading them again."""
-    from moe_core.eval.batches import split_batches
-
     data = list(split_batches(data_dir, "validation", batch_size, batches))
     tokens = sum(b.numel() for b in data)
-    from moe_core.progress import Progress
-
     rows: list[dict[str, float | str]] = []
     with Progress(len(variants), "benchmark", unit="variant") as bar:
         for kind, path in variants.items():
@@ -100,8 +96,6 @@ def compare_variants(
 
 def _benchmark_variant(kind: str, path, data: list, tokens: int, model=None) -> dict[str, float | str]:
     if model is None and kind == "onnx":  # an ONNX Runtime session, not a torch checkpoint
-        from moe_core.inference.onnx_export import load_onnx
-
         model = load_onnx(path)
     elif model is None:  # "pytorch" or "quantized": whichever checkpoint kind the directory holds
         model = load(path).model

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from moe_core.errors import MoELabError
@@ -109,8 +111,6 @@ class ExpertCache:
         return None
 
     def _load(self, key: tuple[int, int]) -> dict[str, torch.Tensor] | None:
-        from safetensors import safe_open
-
         path = expert_file(self.directory, *key)
         try:
             with safe_open(str(path), framework="pt", device=str(self.device)) as f:
@@ -239,8 +239,6 @@ class OffloadedExperts(nn.Module, ExpertModule):
 @torch.no_grad()
 def write_experts(model, directory: str | os.PathLike) -> Path:
     """Every expert of every MoE layer to ``directory/layer{L}_expert{E}.safetensors`` plus an index."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     index = {"layers": {}}

@@ -23,13 +23,22 @@ the eager sorted path, faster than the all-experts static graph): the first batc
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.inference.compile import compile_steps, eager_steps
+from moe_core.inference.expert_cache import offload_experts
+from moe_core.inference.fast_decode import enable_fast_decode
+from moe_core.inference.monitor import InferenceMonitor
 
 
 class GenerationError(MoELabError):
@@ -173,8 +182,6 @@ def batch_generate(
 
 def _steps(model, compile: bool):
     """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache)."""
-    from moe_core.inference.compile import compile_steps, eager_steps
-
     # compiled: decode only, the eager sorted prefill is the faster one
     steps = compile_steps(model, compile_prefill=False) if compile else eager_steps(model)
     return steps.prefill, steps.decode
@@ -197,13 +204,7 @@ def generate_cli(
     ``json_lines``: JSON lines (``{"prompt": i, "text": piece}`` while streaming, then one ``completion`` line
     per prompt) for programs; False writes text for people: the first prompt's completion streamed as it is
     decoded, each prompt followed by its completion."""
-    import contextlib
-    import json
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from moe_core.loading import load  # imports the model stack; batch_generate alone does not need it
+    from moe_core.loading import load  # lazy: the model stack; batch_generate alone does not need it
 
     out = out or sys.stdout
     if not prompts:
@@ -216,14 +217,9 @@ def generate_cli(
             f"{model_dir}: no tokenizer in or beside the {loaded.kind} checkpoint; save one next to it "
             "(tokenizer.save_pretrained)"
         )
-    from moe_core.inference.fast_decode import enable_fast_decode
-    from moe_core.inference.monitor import InferenceMonitor
-
     with contextlib.ExitStack() as stack:
         cache = None
         if expert_cache is not None:
-            from moe_core.inference.expert_cache import offload_experts
-
             cache = offload_experts(model, stack.enter_context(tempfile.TemporaryDirectory()), expert_cache)
         enable_fast_decode(model)
         monitor = InferenceMonitor(events_dir, cache) if events_dir else None

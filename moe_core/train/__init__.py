@@ -15,33 +15,36 @@ the latest checkpoint. Modules: `config` (TrainConfig), `loop` (Trainer, train),
 parallelism), `checkpoint`, `optim` (AdamW and the LR schedule), `interval` (what a logged row averages),
 `telemetry` (metrics sinks, routing statistics), `batches`, `cli`; the FLOPs model behind throughput and MFU is
 `moe_core.flops`.
+
+The names above are resolved on first use (moe_core._lazy): `moe-lab train --help` imports this package through
+moe_core.train.cli and must not pay for pydantic, torch and torch.distributed it does not need.
 """
 
-import importlib
+from typing import TYPE_CHECKING
 
-# Resolved on first use (PEP 562), not on import: `moe-lab train --help` imports this package through
-# moe_core.train.cli and must not pay for pydantic, torch and torch.distributed it does not need.
+from moe_core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from moe_core.train.checkpoint import export_checkpoint
+    from moe_core.train.config import TrainConfig, TrainConfigError
+    from moe_core.train.loop import Trainer, TrainingDivergedError, TrainResult, read_result, train
+    from moe_core.train.telemetry import ConsoleSink, JsonlSink, MetricsSink, read_jsonl
+
 _EXPORTS = {
-    "TrainConfig": "config",
-    "TrainConfigError": "config",
-    "ConsoleSink": "telemetry",
-    "JsonlSink": "telemetry",
-    "MetricsSink": "telemetry",
-    "read_jsonl": "telemetry",
-    "train": "loop",
-    "Trainer": "loop",
-    "TrainResult": "loop",
-    "read_result": "loop",
-    "TrainingDivergedError": "loop",
-    "export_checkpoint": "checkpoint",
+    "TrainConfig": ".config",
+    "TrainConfigError": ".config",
+    "ConsoleSink": ".telemetry",
+    "JsonlSink": ".telemetry",
+    "MetricsSink": ".telemetry",
+    "read_jsonl": ".telemetry",
+    "train": ".loop",
+    "Trainer": ".loop",
+    "TrainResult": ".loop",
+    "read_result": ".loop",
+    "TrainingDivergedError": ".loop",
+    "export_checkpoint": ".checkpoint",
 }
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'moe_core.train' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"moe_core.train.{_EXPORTS[name]}"), name)
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "ConsoleSink",

@@ -13,6 +13,8 @@ With ``--nproc`` (or ``--nnodes`` > 1, or ``--max-restarts``) the command re-run
 group restarted by torchrun's elastic agent resumes from the newest complete checkpoint. ``--slurm`` writes
 ``<out>/launch.sbatch`` (``srun`` starts one torchrun agent per node) and with ``--submit`` hands it to sbatch.
 ``moe-lab train --dashboard`` (the app layer, `moe_lab.train`) starts the live dashboard beside this command.
+
+Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 """
 
 from __future__ import annotations

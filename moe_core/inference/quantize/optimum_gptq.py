@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from moe_core.convert import copy_companion_files, to_hf
 from moe_core.fileio import atomic_directory
@@ -51,9 +52,7 @@ def quantize_optimum_gptq(
             "optimum's GPTQ route needs a CUDA GPU and the gptqmodel backend (pip install gptqmodel); "
             f"this machine has cuda={torch.cuda.is_available()}. Use --method gptq (ours, runs on a CPU)."
         )
-    # optional heavy dependencies: optimum's GPTQ (it imports its GPU backend) and transformers' auto classes
-    from optimum.gptq import GPTQQuantizer
-    from transformers import AutoModelForCausalLM
+    from optimum.gptq import GPTQQuantizer  # lazy: optional heavy dependency, it imports its GPU backend
 
     if not calibration:
         raise QuantizationError(
