@@ -551,31 +551,6 @@ def replay(entry: Mapping[str, Any], state: dict[str, Any]) -> str | None:
     return None
 
 
-def list_runs(uri: str | None = None, max_results: int = 200) -> list[dict]:
-    """Read-only: the experiment's runs, newest first, as small dicts of ids, status and latest metrics
-    (for the dashboard). ``uri`` is a tracking URI; default the configured one."""
-    from mlflow import MlflowClient  # lazy: mlflow
-
-    c = MlflowClient(tracking_uri=uri) if uri else client()
-    found = c.get_experiment_by_name(settings.experiment_name())
-    if found is None:
-        return []
-    runs = c.search_runs(
-        [found.experiment_id], max_results=max_results, order_by=["attribute.start_time DESC"]
-    )
-    return [
-        {
-            "run_id": r.info.run_id,
-            "name": r.info.run_name,
-            "status": r.info.status,
-            "start_time": r.info.start_time,
-            "metrics": _finite(r.data.metrics),
-            "parent": r.data.tags.get("mlflow.parentRunId"),
-        }
-        for r in runs
-    ]
-
-
 # ------------------------------------------------------------------------------------------------ telemetry
 class MlflowSink:
     """A `moe_core.train.telemetry.MetricsSink` that forwards to an MLflow run from a background thread.
