@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,8 @@ def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_ste
     # ZeRO-1 with the optimizer offloaded to the CPU and two micro-batches: DeepSpeed's accumulation, its
     # offload path and our LR schedule against the native loop
     fields = dict(steps=3, grad_accum=2, optim={"warmup_steps": 2, "lr": 1e-2}, checkpoint={"export": False})
+    torchrun_keys = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    environment = {k: os.environ.get(k) for k in torchrun_keys}
     native = train(tiny(**fields), tmp_path / "native")
     ds = train(
         tiny(**fields, parallel={"backend": "deepspeed", "zero_stage": 1, "offload_optimizer": True}),
@@ -96,6 +99,9 @@ def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_ste
     )
     assert [r["loss"] for r in ds.history] == [r["loss"] for r in native.history]
     assert_bitwise_equal(gather_state_dict(native.checkpoint), gather_state_dict(ds.checkpoint))
+    # the run leaves the process as it found it: a LOCAL_RANK left behind made a later fine-tune in the same
+    # process (accelerate) and a later `--nproc` launch take the process for a torchrun worker
+    assert {k: os.environ.get(k) for k in torchrun_keys} == environment
 
     trainer = Trainer(tiny(steps=4, parallel={"backend": "deepspeed"}), tmp_path / "skip")
     try:

@@ -99,7 +99,10 @@ def build_engine(
     """The `DeepSpeedEngine` around ``model`` and the AdamW it steps (the one the LR schedule, the logged LR and
     the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
     deepspeed = import_deepspeed()
-    # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not)
+    # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not). Set
+    # for the engine's life only (`close_engine` takes it back): left behind, it makes accelerate and TRL in a
+    # later fine-tune of this process take the process for a torchrun worker and wait for MASTER_ADDR.
+    sets_local_rank = "LOCAL_RANK" not in os.environ
     os.environ.setdefault("LOCAL_RANK", str(state.local_rank))
     optimizer = build_optimizer(model, config, state.device)  # ZeRO then swaps its params for flat partitions
     printed = io.StringIO()
@@ -118,6 +121,7 @@ def build_engine(
     for line in printed.getvalue().splitlines():  # all but the CPU comm kernel's "... built successfully"
         if not line.endswith("built successfully"):
             print(line, flush=True)
+    engine.moe_lab_sets_local_rank = sets_local_rank
     return engine, zero_optimizer.optimizer
 
 
@@ -143,3 +147,5 @@ def close_engine(engine) -> None:
     engine.destroy()
     if deepspeed.comm.is_initialized():
         deepspeed.comm.destroy_process_group()
+    if getattr(engine, "moe_lab_sets_local_rank", False):
+        os.environ.pop("LOCAL_RANK", None)
