@@ -250,7 +250,11 @@ def run_ui(args) -> int:
     ]
     if uri.startswith("sqlite:"):
         cmd += ["--default-artifact-root", settings.artifact_root().as_uri()]
-    print(f"MLflow UI on http://{args.host}:{args.port or 5000} ({uri}); Ctrl-C stops it", flush=True)
+    from tasks.tracking import UI_TRAINING_VIEW, experiment_id  # mlflow: only for this command
+
+    base = f"http://{args.host}:{args.port or 5000}"
+    experiment = f"{base}/#/experiments/{experiment_id()}?{UI_TRAINING_VIEW}"  # the runs table, not GenAI's
+    print(f"MLflow UI on {experiment} ({uri}); Ctrl-C stops it", flush=True)
     return subprocess.call(cmd)
 
 

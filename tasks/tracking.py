@@ -53,6 +53,9 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 # MLflow 3's UI opens an experiment of kind "genai_development" (or one it infers as such) on its traces page;
 # this kind opens it on the runs table. Tag and value as mlflow/server/js (ExperimentKind) spells them.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+# ... but MLflow 3.17's UI starts in its GenAI mode in a fresh browser whatever the tag says (checked in Chromium:
+# the experiment opened on the traces overview); this query in a link opens the "Model training" view
+UI_TRAINING_VIEW = "workflowType=machine_learning"
 RUN_FILE = "mlflow_run.json"  # beside metrics.jsonl: which MLflow run the events belong to
 PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # skips MLflow's slow inference
 
@@ -185,7 +188,7 @@ def run_url(run_id: str) -> str:
         return f"(not in MLflow yet: `moe-lab sync {pending.journal_path().parent}` once {uri} is back)"
     run = client().get_run(run_id)
     base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 
 
 # ------------------------------------------------------------------------------------------------ params

@@ -56,6 +56,9 @@ def test_experiment_opens_on_runs_and_runs_carry_the_architecture(sqlite_store):
     )
     assert int(params["arch.params_active"]) < int(params["arch.params_total"])
     assert params["arch.router"].startswith(config.router)
+    # the link the lab prints opens MLflow 3's "Model training" view: the experiment tag alone did not in
+    # MLflow 3.17 (a fresh browser landed on the GenAI traces overview)
+    assert tracking.run_url(run).endswith(f"/runs/{run}?workflowType=machine_learning")
 
 
 def test_mlflow_plot_copies_have_no_relative_script_and_stay_small(tmp_path):
