@@ -216,3 +216,27 @@ def test_global_batch_sums_counts_over_data_parallel_ranks(tmp_path):
         torch.testing.assert_close(got["counts"][layer], counts_E)
         expected = load_balancing_loss(got["probs"][layer], got["ids"][layer], counts_E / counts_E.sum())
         torch.testing.assert_close(got["aux"][layer], expected)
+
+
+def test_router_lr_scale_gives_the_routers_their_own_learning_rate():
+    from moe_core.train.optim import build_optimizer
+
+    model = _model()
+    router_ids = {id(p) for router in model.routers() for p in router.parameters()}
+    default = build_optimizer(model, TrainConfig.build({}), torch.device("cpu"))
+    scaled = build_optimizer(
+        model, TrainConfig.build({"optim": {"router_lr_scale": 0.1}}), torch.device("cpu")
+    )
+    # at 1 the groups stay as they were (older checkpoints' optimizer states keep loading)
+    assert len(scaled.param_groups) == len(default.param_groups) + 1
+    for group in default.param_groups:
+        assert group["lr"] == 3e-3
+    for group in scaled.param_groups:
+        ids = {id(p) for p in group["params"]}
+        assert ids <= router_ids or not ids & router_ids  # a group is all routers or none
+        assert group["lr"] == pytest.approx(3e-4 if ids <= router_ids else 3e-3)
+    assert sum(len(g["params"]) for g in scaled.param_groups) == len(list(model.parameters()))
+    # the schedule scales both groups alike
+    sched = torch.optim.lr_scheduler.LambdaLR(scaled, lambda step: 0.5)
+    assert sorted(g["lr"] for g in scaled.param_groups)[0] == pytest.approx(1.5e-4)
+    del sched

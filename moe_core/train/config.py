@@ -102,6 +102,8 @@ class OptimSection(_Section):
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = Field(10, ge=0)
     decay_fraction: float = Field(0.2, gt=0, le=1)  # WSD: the last fraction of steps decays linearly
+    # the routers' learning rate as a multiple of ``lr`` (their own optimizer group, same schedule)
+    router_lr_scale: float = Field(1.0, gt=0)
 
 
 class ParallelSection(_Section):

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from moe_core.routing import Router
 from moe_core.train import parallel as par
 from moe_core.train.config import TrainConfig, TrainConfigError
 
@@ -38,14 +39,27 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
     FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
-    cannot mix them."""
-    buckets: dict[tuple[bool, bool], list] = {}  # (decayed, sharded) -> parameters
+    cannot mix them. With ``optim.router_lr_scale != 1`` the routers' parameters get their own groups at
+    ``lr * router_lr_scale`` (at 1 the groups are as before, so older checkpoints' optimizer states load)."""
+    scale = config.optim.router_lr_scale
+    router_params = {
+        id(p)
+        for module in model.modules()
+        if isinstance(module, Router) and scale != 1.0
+        for p in module.parameters()
+    }
+    buckets: dict[tuple[bool, bool, bool], list] = {}  # (decayed, router, sharded) -> parameters
     for _, param in model.named_parameters():
         if param.requires_grad:
-            buckets.setdefault((param.ndim >= 2, par.is_sharded(param)), []).append(param)
+            key = (param.ndim >= 2, id(param) in router_params, par.is_sharded(param))
+            buckets.setdefault(key, []).append(param)
     groups = [
-        {"params": params, "weight_decay": config.optim.weight_decay if decayed else 0.0}
-        for (decayed, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+        {
+            "params": params,
+            "weight_decay": config.optim.weight_decay if decayed else 0.0,
+            "lr": config.optim.lr * (scale if router else 1.0),
+        }
+        for (decayed, router, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], *kv[0][1:]))
     ]
     kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
     if config.optim.fused is False or (
