@@ -98,31 +98,34 @@ def build_engine(
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The `DeepSpeedEngine` around ``model`` and the AdamW it steps (the one the LR schedule, the logged LR and
     the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
-    deepspeed = import_deepspeed()
+    import_deepspeed()
+    from moe_core.train import deepspeed_experts  # lazy: imports DeepSpeed (the optional extra) at its top
+
     # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not). Set
     # for the engine's life only (`close_engine` takes it back): left behind, it makes accelerate and TRL in a
     # later fine-tune of this process take the process for a torchrun worker and wait for MASTER_ADDR.
     sets_local_rank = "LOCAL_RANK" not in os.environ
     os.environ.setdefault("LOCAL_RANK", str(state.local_rank))
-    optimizer = build_optimizer(model, config, state.device)  # ZeRO then swaps its params for flat partitions
+    # ZeRO then swaps its params for flat partitions; expert shards in groups of their own (DeepSpeed's MoE groups)
+    optimizer = build_optimizer(model, config, state.device, separate_experts=state.ep_size > 1)
     printed = io.StringIO()
     with quiet_deepspeed_cpu_notice(), contextlib.redirect_stdout(printed):
-        engine, zero_optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            config=ds_config(
+        engine = deepspeed_experts.build(
+            model,
+            optimizer,
+            ds_config(
                 config,
                 micro_batch,
                 state.world_size,
                 sum(p.numel() for p in model.parameters() if p.requires_grad),
             ),
-            dist_init_required=False,  # `parallel.init_parallel` joined the process group already
+            state,
         )
     for line in printed.getvalue().splitlines():  # all but the CPU comm kernel's "... built successfully"
         if not line.endswith("built successfully"):
             print(line, flush=True)
     engine.moe_lab_sets_local_rank = sets_local_rank
-    return engine, zero_optimizer.optimizer
+    return engine, engine.optimizer.optimizer
 
 
 def boundary_step(engine) -> torch.Tensor:

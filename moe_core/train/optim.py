@@ -34,18 +34,28 @@ def lr_lambda(config: TrainConfig):
 
 
 def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, device: torch.device, allow_fused: bool = True
+    model: torch.nn.Module,
+    config: TrainConfig,
+    device: torch.device,
+    allow_fused: bool = True,
+    separate_experts: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
     FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
-    cannot mix them."""
-    buckets: dict[tuple[bool, bool], list] = {}  # (decayed, sharded) -> parameters
-    for _, param in model.named_parameters():
+    cannot mix them. ``separate_experts``: expert shards in groups of their own, after the others, marked
+    ``"experts": True`` (DeepSpeed's ZeRO partitions them over their expert-data-parallel group,
+    `deepspeed_engine.mark_expert_groups`); the update is the same."""
+    buckets: dict[tuple[bool, bool, bool], list] = {}  # (expert, decayed, sharded) -> parameters
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            buckets.setdefault((param.ndim >= 2, par.is_sharded(param)), []).append(param)
+            expert = separate_experts and par.is_expert_param(name)
+            buckets.setdefault((expert, param.ndim >= 2, par.is_sharded(param)), []).append(param)
     groups = [
         {"params": params, "weight_decay": config.optim.weight_decay if decayed else 0.0}
-        for (decayed, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))
+        | ({"experts": True} if expert else {})
+        for (expert, decayed, _), params in sorted(
+            buckets.items(), key=lambda kv: (kv[0][0], not kv[0][1], kv[0][2])
+        )
     ]
     kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
     if config.optim.fused is False or (
