@@ -18,19 +18,17 @@ What `Trainer` (loop.py) does differently under this backend:
   DeepSpeed's own checkpoints (pickled objects) are never written nor read. On resume the fp32 master partitions
   are refreshed from the loaded weights (`restore_master_weights`; exact: the model is fp32).
 
-Not supported (refused when the config is built, `TrainConfig._check_deepspeed`, naming the setting):
-- ``parallel.ep_size > 1``. DeepSpeed sets up expert-parallel and expert-data-parallel groups, and keeps expert
-  parameters in them for ZeRO, only for modules that are its own `deepspeed.moe.layer.MoE` or AutoEP's
-  `AutoEPMoELayer` (`DeepSpeedEngine._configure_distributed_model`, runtime/engine.py of 0.19.8, which finds them
-  by type); our `ExpertParallelExperts` is neither, and AutoEP only rewrites Hugging Face model types it has presets
-  for (mixtral, qwen3_moe, deepseek_v2/v3, ...; ours is ``moe_lab``). Its gradient arithmetic would fit (ZeRO-2
-  divides expert gradients by the whole data-parallel world and sums them over the expert-data-parallel group,
-  `average_tensor`, as `parallel.sync_expert_grads` does); the module plumbing is what is missing. Every expert
-  is replicated at ep_size=1, so ZeRO treats them as ordinary data-parallel parameters.
-- ``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over fp32 weights, as natively)
-  and ``compile=true``.
+Expert parallelism (``parallel.ep_size > 1``): our `ExpertParallelExperts` keep their routing and all-to-all,
+and ZeRO keeps their shards in DeepSpeed's MoE parameter groups, partitioned and reduced over the
+expert-data-parallel groups (`deepspeed_experts.py`, which says which parts of DeepSpeed it relies on). At
+ep_size=1 every expert is replicated and ZeRO treats it as an ordinary data-parallel parameter.
 
-DeepSpeed is imported only here and only when the backend is chosen (it is an optional extra, and importing it
+Not supported (refused when the config is built, `TrainConfig._check_deepspeed`, naming the setting):
+``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over fp32 weights, as natively)
+and ``compile=true``.
+
+DeepSpeed is imported only here (and in `deepspeed_experts`, which this module imports) and only when the
+backend is chosen (it is an optional extra, and importing it
 probes the accelerator: seconds, and a notice on CPU that this module silences, `import_deepspeed`).
 """
 

@@ -58,7 +58,9 @@ def expert_group_name(ep_size: int) -> str:
     return f"ep_size_{ep_size}"
 
 
-def mark_expert_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState) -> None:
+def mark_expert_params(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ParallelState
+) -> None:
     """Expert shards (and their optimizer groups, built with ``separate_experts``) marked as DeepSpeed MoE
     parameters of this run's expert group. Only for ``ep_size > 1``: at ep_size=1 every expert is replicated
     and is an ordinary data-parallel parameter."""
