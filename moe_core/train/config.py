@@ -111,7 +111,8 @@ class ParallelSection(_Section):
     dp_mode: Literal["ddp", "fsdp2"] = "ddp"
     # the collective backend ("auto": nccl on CUDA, gloo on CPU), or "deepspeed": train through a DeepSpeed
     # engine (ZeRO, `moe_core.train.deepspeed_engine`; `pip install .[deepspeed]`), its collectives on
-    # deepspeed.comm over the same process group (gloo on CPU, nccl on CUDA); ep_size must then be 1
+    # deepspeed.comm over the same process group (gloo on CPU, nccl on CUDA); with ep_size > 1 the expert shards
+    # sit in DeepSpeed's MoE parameter groups (`moe_core.train.deepspeed_experts`)
     backend: Literal["auto", "gloo", "nccl", "deepspeed"] = "auto"
     # deepspeed only: ZeRO stage 1 (optimizer state partitioned over the ranks) or 2 (gradients too)
     zero_stage: Literal[1, 2] = 2
@@ -195,11 +196,6 @@ class TrainConfig(_Section, ConfigFile):
         if self.parallel.backend != "deepspeed":
             return self
         refused = []
-        if self.parallel.ep_size > 1:
-            refused.append(
-                f"parallel.ep_size={self.parallel.ep_size} (expert parallelism runs on the native backends: "
-                f"DeepSpeed builds expert groups only for its own MoE layers, see moe_core.train.deepspeed_engine)"
-            )
         if self.parallel.dp_mode == "fsdp2":
             refused.append("parallel.dp_mode=fsdp2 (ZeRO takes its place: parallel.zero_stage)")
         if self.precision == "fp16":

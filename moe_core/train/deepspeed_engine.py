@@ -18,19 +18,17 @@ What `Trainer` (loop.py) does differently under this backend:
   DeepSpeed's own checkpoints (pickled objects) are never written nor read. On resume the fp32 master partitions
   are refreshed from the loaded weights (`restore_master_weights`; exact: the model is fp32).
 
-Not supported (refused when the config is built, `TrainConfig._check_deepspeed`, naming the setting):
-- ``parallel.ep_size > 1``. DeepSpeed sets up expert-parallel and expert-data-parallel groups, and keeps expert
-  parameters in them for ZeRO, only for modules that are its own `deepspeed.moe.layer.MoE` or AutoEP's
-  `AutoEPMoELayer` (`DeepSpeedEngine._configure_distributed_model`, runtime/engine.py of 0.19.8, which finds them
-  by type); our `ExpertParallelExperts` is neither, and AutoEP only rewrites Hugging Face model types it has presets
-  for (mixtral, qwen3_moe, deepseek_v2/v3, ...; ours is ``moe_lab``). Its gradient arithmetic would fit (ZeRO-2
-  divides expert gradients by the whole data-parallel world and sums them over the expert-data-parallel group,
-  `average_tensor`, as `parallel.sync_expert_grads` does); the module plumbing is what is missing. Every expert
-  is replicated at ep_size=1, so ZeRO treats them as ordinary data-parallel parameters.
-- ``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over fp32 weights, as natively)
-  and ``compile=true``.
+Expert parallelism (``parallel.ep_size > 1``): our `ExpertParallelExperts` keep their routing and all-to-all,
+and ZeRO keeps their shards in DeepSpeed's MoE parameter groups, partitioned and reduced over the
+expert-data-parallel groups (`deepspeed_experts.py`, which says which parts of DeepSpeed it relies on). At
+ep_size=1 every expert is replicated and ZeRO treats it as an ordinary data-parallel parameter.
 
-DeepSpeed is imported only here and only when the backend is chosen (it is an optional extra, and importing it
+Not supported (refused when the config is built, `TrainConfig._check_deepspeed`, naming the setting):
+``dp_mode=fsdp2`` (ZeRO replaces it), ``precision=fp16`` (use bf16: autocast over fp32 weights, as natively)
+and ``compile=true``.
+
+DeepSpeed is imported only here (and in `deepspeed_experts`, which this module imports) and only when the
+backend is chosen (it is an optional extra, and importing it
 probes the accelerator: seconds, and a notice on CPU that this module silences, `import_deepspeed`).
 """
 
@@ -98,31 +96,34 @@ def build_engine(
 ) -> tuple[Any, torch.optim.Optimizer]:
     """The `DeepSpeedEngine` around ``model`` and the AdamW it steps (the one the LR schedule, the logged LR and
     the checkpoint's optimizer state use: its parameters are DeepSpeed's flat fp32 partitions of this rank)."""
-    deepspeed = import_deepspeed()
+    import_deepspeed()
+    from moe_core.train import deepspeed_experts  # lazy: imports DeepSpeed (the optional extra) at its top
+
     # DeepSpeed reads its device from LOCAL_RANK (torchrun sets it; a one-process run in Python does not). Set
     # for the engine's life only (`close_engine` takes it back): left behind, it makes accelerate and TRL in a
     # later fine-tune of this process take the process for a torchrun worker and wait for MASTER_ADDR.
     sets_local_rank = "LOCAL_RANK" not in os.environ
     os.environ.setdefault("LOCAL_RANK", str(state.local_rank))
-    optimizer = build_optimizer(model, config, state.device)  # ZeRO then swaps its params for flat partitions
+    # ZeRO then swaps its params for flat partitions; expert shards in groups of their own (DeepSpeed's MoE groups)
+    optimizer = build_optimizer(model, config, state.device, separate_experts=state.ep_size > 1)
     printed = io.StringIO()
     with quiet_deepspeed_cpu_notice(), contextlib.redirect_stdout(printed):
-        engine, zero_optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            config=ds_config(
+        engine = deepspeed_experts.build(
+            model,
+            optimizer,
+            ds_config(
                 config,
                 micro_batch,
                 state.world_size,
                 sum(p.numel() for p in model.parameters() if p.requires_grad),
             ),
-            dist_init_required=False,  # `parallel.init_parallel` joined the process group already
+            state,
         )
     for line in printed.getvalue().splitlines():  # all but the CPU comm kernel's "... built successfully"
         if not line.endswith("built successfully"):
             print(line, flush=True)
     engine.moe_lab_sets_local_rank = sets_local_rank
-    return engine, zero_optimizer.optimizer
+    return engine, engine.optimizer.optimizer
 
 
 def boundary_step(engine) -> torch.Tensor:

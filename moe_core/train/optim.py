@@ -35,12 +35,19 @@ def lr_lambda(config: TrainConfig):
 
 
 def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, device: torch.device, allow_fused: bool = True
+    model: torch.nn.Module,
+    config: TrainConfig,
+    device: torch.device,
+    allow_fused: bool = True,
+    separate_experts: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases); fused kernel where this torch has one.
     FSDP2's DTensor parameters and plain ones (expert shards) go in separate groups: one foreach kernel
     cannot mix them. With ``optim.router_lr_scale != 1`` the routers' parameters get their own groups at
-    ``lr * router_lr_scale`` (at 1 the groups are as before, so older checkpoints' optimizer states load)."""
+    ``lr * router_lr_scale`` (at 1 the groups are as before, so older checkpoints' optimizer states load).
+    ``separate_experts``: expert shards in groups of their own, after the others, marked
+    ``"experts": True`` (DeepSpeed's ZeRO partitions them over their expert-data-parallel group,
+    `deepspeed_experts.mark_expert_params`); the update is the same."""
     scale = config.optim.router_lr_scale
     router_params = {
         id(p)
@@ -48,10 +55,12 @@ def build_optimizer(
         if isinstance(module, Router) and scale != 1.0
         for p in module.parameters()
     }
-    buckets: dict[tuple[bool, bool, bool], list] = {}  # (decayed, router, sharded) -> parameters
-    for _, param in model.named_parameters():
+    # (expert, decayed, router, sharded) -> parameters
+    buckets: dict[tuple[bool, bool, bool, bool], list] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            key = (param.ndim >= 2, id(param) in router_params, par.is_sharded(param))
+            expert = separate_experts and par.is_expert_param(name)
+            key = (expert, param.ndim >= 2, id(param) in router_params, par.is_sharded(param))
             buckets.setdefault(key, []).append(param)
     groups = [
         {
@@ -59,7 +68,10 @@ def build_optimizer(
             "weight_decay": config.optim.weight_decay if decayed else 0.0,
             "lr": config.optim.lr * (scale if router else 1.0),
         }
-        for (decayed, router, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], *kv[0][1:]))
+        | ({"experts": True} if expert else {})
+        for (expert, decayed, router, _), params in sorted(
+            buckets.items(), key=lambda kv: (kv[0][0], not kv[0][1], kv[0][2], kv[0][3])
+        )
     ]
     kwargs = dict(lr=config.optim.lr, betas=config.optim.betas, eps=config.optim.eps)
     if config.optim.fused is False or (
