@@ -17,7 +17,7 @@ Comparisons (the published direction in brackets):
   equal active and total parameters [OLMoE, DeepSeekMoE: fine-grained is better].
 - ``micro-batch`` vs ``global-batch`` balancing, 4 micro-batches per step [Qiu et al. 2025: global-batch
   balancing specializes more (higher MI with domain) at equal or better perplexity].
-- ``mixtral``, ``olmoe``, ``shared``: each preset family with its own defaults (``switch`` is the fourth),
+- ``mixtral``, ``olmoe``, ``shared``: each preset family in the lifecycle recipe (``switch`` is the fourth),
   for routing health in every family (issue 17: max/mean < 1.5, no dead experts, LB loss near 1.0 after
   warm-up); a per-layer table follows the main one.
 
@@ -142,7 +142,7 @@ def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
         "steps": args.steps,
         "batch_size": args.batch,
         "seed": seed,
-        "optim": {"warmup_steps": max(1, args.steps // 15)},
+        "optim": {"warmup_steps": max(1, args.steps // 3)},  # the lifecycle's third (small_train_config)
         "eval": {"every": 0, "batches": args.eval_batches},
         "log": {"every": max(1, args.steps // 10), "progress": "off"},
         "checkpoint": {"every": 10**9, "export": False},

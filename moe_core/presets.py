@@ -45,6 +45,8 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
         # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
         # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
         # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
+        # Aux 0.01 is the paper's, for runs of 10^5 steps after a 10^4-step warm-up; short runs (the lifecycle's
+        # 150 steps) balance and learn better at 0.1 with a longer warm-up: `flows.params.small_train_config`.
         return dict(
             num_experts=8,
             num_experts_per_tok=1,
@@ -81,8 +83,9 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
         # "mean" reduction). At OLMoE's lr 4e-4 with ~2k warm-up steps that balances; in a short, hot run
         # (the lifecycle's 150 steps at lr 3e-3) it does not: with 64 experts the router probabilities stay
         # near uniform, so the LB loss reads ~1.1-1.3 while the busiest expert takes 3-5x the mean load and
-        # experts die (issue 17). `router_aux_loss_coef=0.1` is the knob for such runs: it roughly halves the
-        # skew and keeps experts alive, but does not reach max/mean 1.5 in 150 steps (benchmarks/README.md).
+        # experts die (issue 17). `router_aux_loss_coef=0.1` is the knob for such runs (the lifecycle recipe,
+        # `flows.params.small_train_config`, sets it): it roughly halves the skew and keeps experts alive, but
+        # does not reach max/mean 1.5 in 150 steps (benchmarks/README.md).
         return dict(
             num_experts=64,
             num_experts_per_tok=8,
