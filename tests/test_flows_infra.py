@@ -77,6 +77,22 @@ def test_cli_has_the_orchestration_commands_and_builds_typed_params():
     assert params.train.data.max_documents == 60  # the tiny preset underneath
 
 
+def test_lifecycle_recipe_keeps_its_short_run_settings_under_user_overrides():
+    """The README's lifecycle (issue 17): a warm-up of a third of the run and the load-balancing coefficient
+    0.1 for every family; a preset chosen with --set keeps them, and the user's own value wins."""
+    from flows.cli import build_params
+
+    recipe = build_params("lifecycle", None, "small", []).train
+    assert recipe.optim.warmup_steps == recipe.steps // 3
+    assert recipe.model.build_config().router_aux_loss_coef == 0.1
+    olmoe = build_params("lifecycle", None, "small", ["train.model.preset=olmoe-small"]).train.model
+    assert olmoe.build_config().router_aux_loss_coef == 0.1 and olmoe.build_config().num_experts == 64
+    mine = build_params(
+        "lifecycle", None, "small", ["train.model.overrides.router_aux_loss_coef=0.01"]
+    ).train.model
+    assert mine.build_config().router_aux_loss_coef == 0.01
+
+
 def test_flow_parameters_render_as_a_schema():
     from prefect.utilities.callables import parameter_schema
 
