@@ -1,7 +1,8 @@
 """Serving path: lab checkpoint -> `moe-lab convert to-hf --arch mixtral` -> `moe-lab export gguf`, read back
 with the gguf package's reader and checked against llama.cpp's Mixtral layout; the file's tensors, run through
 a NumPy transcription of llama.cpp's llama-architecture MoE graph (interleaved RoPE, softmax top-k with
-renormalized weights), give our model's logits. No llama.cpp engine runs here (see README, Serving)."""
+renormalized weights), give our model's logits; and llama.cpp itself (a prebuilt CPU build,
+`tests/llama_cpp_engine.py`) generates our greedy tokens from the file (README, Serving)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def test_rope_row_permutation_round_trips():
     assert not torch.equal(permute_rope_rows(w, 4), w)
 
 
-def test_lab_checkpoint_to_gguf_matches_llama_cpp_layout_and_logits(tmp_path, capsys):
+def _export_tiny_gguf(tmp_path) -> MoEForCausalLM:
+    """A lab checkpoint (mixtral-tiny, weights large enough that routing and tokens are decisive, with its
+    tokenizer) -> `moe-lab convert to-hf --arch mixtral` -> `moe-lab export gguf` at tmp_path/model.gguf."""
     from moe_core.cli import main
     from moe_core.data.tokenizer import train_tokenizer
 
@@ -105,6 +108,11 @@ def test_lab_checkpoint_to_gguf_matches_llama_cpp_layout_and_logits(tmp_path, ca
         == 0
     )
     assert main(["export", "gguf", str(tmp_path / "hf"), "--out", str(tmp_path / "model.gguf")]) == 0
+    return model
+
+
+def test_lab_checkpoint_to_gguf_matches_llama_cpp_layout_and_logits(tmp_path, capsys):
+    model = _export_tiny_gguf(tmp_path)
     capsys.readouterr()
 
     reader = gguf.GGUFReader(tmp_path / "model.gguf")
@@ -166,3 +174,21 @@ def test_gguf_export_refuses_other_layouts(tmp_path):
     with pytest.raises(GGUFExportError, match="--arch mixtral"):
         export_gguf(tmp_path / "hf", tmp_path / "m.gguf")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.slow
+def test_llama_cpp_generates_our_greedy_tokens_from_the_exported_gguf(tmp_path):
+    """Issue 16 §4: the exported file in llama.cpp itself (a prebuilt CPU build, `tests/llama_cpp_engine.py`;
+    installed on first use): it loads, and its greedy continuation is ours, token for token."""
+    from tests.llama_cpp_engine import greedy, install
+
+    site = install()
+    model = _export_tiny_gguf(tmp_path)
+    prompt = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model.generate(prompt[None], max_new_tokens=16, do_sample=False)[0, 9:].tolist()
+        logits = model(prompt[None]).logits[0, -1].numpy()
+    engine = greedy(tmp_path / "model.gguf", prompt.tolist(), 16, site)
+    assert engine["tokens"] == ours
+    # llama.cpp's CPU kernels (fp16 K*Q among them) against fp32: close, not bitwise
+    np.testing.assert_allclose(np.array(engine["logits"]), logits, atol=2e-2)
