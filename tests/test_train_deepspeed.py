@@ -128,10 +128,9 @@ def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_ste
         trainer.close()
 
 
-@pytest.mark.slow
-def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
-    args = train_args(steps=4, every=2)
-    deepspeed = ("--nproc", "2", "--set", "parallel.backend=deepspeed", "--set", "parallel.zero_stage=2")
+def follows_the_native_run(tmp_path, args, deepspeed) -> list[dict]:
+    """Train natively (1 process) and through DeepSpeed with ``deepspeed``'s flags; the logged rows agree,
+    and the run trained. Returns the DeepSpeed run's rows."""
     run_cli(tmp_path / "native", *args)
     run_cli(tmp_path / "ds", *args, *deepspeed)
     a = [r for r in read_jsonl(tmp_path / "native" / "metrics.jsonl") if "loss" in r]
@@ -140,10 +139,48 @@ def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
     for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=2e-5), key
     assert b[-1]["lm_loss"] < b[0]["lm_loss"] - 0.05  # it trained
-    last = "checkpoints/step_00000004"
+    return b
+
+
+def final_weights(tmp_path, last: str) -> tuple[dict, dict]:
+    """Both runs' weights at checkpoint ``last``, equal within float tolerance."""
     wa, wb = gather_state_dict(tmp_path / "native" / last), gather_state_dict(tmp_path / "ds" / last)
+    assert wa.keys() == wb.keys()
     for name in wa:
         assert ((wb[name] - wa[name]).norm() / wa[name].norm()).item() < 1e-4, name
+    return wa, wb
+
+
+def optimizer_states(ckpt, rank: int) -> dict:
+    return load_rank_files(ckpt, rank)["optimizer"]["state"]
+
+
+def resumes_exactly(tmp_path, args, deepspeed, last: str, rows: list[dict], ranks: int) -> None:
+    """Stop at step 2 (its checkpoint is the newest), resume, train to ``last``: the same weights, every
+    rank's optimizer state and the same logged rows, bitwise."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ds", resumed)
+    shutil.rmtree(resumed / last)
+    run_cli(resumed, *args, *deepspeed, "--resume")
+    assert_bitwise_equal(gather_state_dict(resumed / last), gather_state_dict(tmp_path / "ds" / last))
+    for rank in range(ranks):
+        got, want = optimizer_states(resumed / last, rank), optimizer_states(tmp_path / "ds" / last, rank)
+        assert got.keys() == want.keys()
+        for index in want:
+            assert_bitwise_equal(got[index], want[index])
+    c = [r for r in read_jsonl(resumed / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in c] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in rows
+    ]
+
+
+@pytest.mark.slow
+def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
+    args = train_args(steps=4, every=2)
+    deepspeed = ("--nproc", "2", "--set", "parallel.backend=deepspeed", "--set", "parallel.zero_stage=2")
+    b = follows_the_native_run(tmp_path, args, deepspeed)
+    last = "checkpoints/step_00000004"
+    wa, _ = final_weights(tmp_path, last)
     # each rank's optimizer file holds its ZeRO partition (half of the flat state), loaded weights-only
     sizes = [
         sum(
@@ -157,46 +194,17 @@ def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
     total = sum(t.numel() for t in wa.values())
     assert abs(sizes[0] - sizes[1]) <= 2 * len(wa) and sum(sizes) >= total - 16  # (tied weights, alignment)
 
-    # stop at step 2 (its checkpoint is the newest), resume, train to 4: the same weights, optimizer and rows
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ds", resumed)
-    shutil.rmtree(resumed / last)
-    run_cli(resumed, *args, *deepspeed, "--resume")
-    assert_bitwise_equal(gather_state_dict(resumed / last), wb)
-    for rank in (0, 1):
-        got = load_rank_files(resumed / last, rank)["optimizer"]["state"]
-        want = load_rank_files(tmp_path / "ds" / last, rank)["optimizer"]["state"]
-        assert got.keys() == want.keys()
-        for index in want:
-            assert_bitwise_equal(got[index], want[index])
-    c = [r for r in read_jsonl(resumed / "metrics.jsonl") if "loss" in r]
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in c] == [
-        (r["step"], r["loss"], r["grad_norm"]) for r in b
-    ]
-
-
-def optimizer_states(ckpt, rank: int) -> dict:
-    return load_rank_files(ckpt, rank)["optimizer"]["state"]
+    resumes_exactly(tmp_path, args, deepspeed, last, b, ranks=2)
 
 
 @pytest.mark.slow
 def test_expert_parallel_ep2_by_dp2_follows_the_native_run_and_resumes_exactly(tmp_path):
     args = train_args(steps=4, every=2)
     deepspeed = ("--nproc", "4", "--set", "parallel.backend=deepspeed", "--set", "parallel.ep_size=2")
-    run_cli(tmp_path / "native", *args)
-    run_cli(tmp_path / "ds", *args, *deepspeed)
-    a = [r for r in read_jsonl(tmp_path / "native" / "metrics.jsonl") if "loss" in r]
-    b = [r for r in read_jsonl(tmp_path / "ds" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr"):
-        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=2e-5), key
-    assert b[-1]["lm_loss"] < b[0]["lm_loss"] - 0.05  # it trained
+    b = follows_the_native_run(tmp_path, args, deepspeed)
     assert_comm_metrics(tmp_path / "ds", world=4, ep_size=2)  # our all-to-all, timed as natively
     last = "checkpoints/step_00000004"
-    wa, wb = gather_state_dict(tmp_path / "native" / last), gather_state_dict(tmp_path / "ds" / last)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert ((wb[name] - wa[name]).norm() / wa[name].norm()).item() < 1e-4, name
+    wa, _ = final_weights(tmp_path, last)
     assert {p.name for p in (tmp_path / "ds" / last).glob("experts-*")} == {
         "experts-ep0-of-2.safetensors",
         "experts-ep1-of-2.safetensors",
@@ -211,21 +219,7 @@ def test_expert_parallel_ep2_by_dp2_follows_the_native_run_and_resumes_exactly(t
     held = [optimizer_states(tmp_path / "ds" / last, r)[expert_index]["exp_avg"].numel() for r in range(4)]
     assert held == [expert_numel // 4] * 4
 
-    # stop at step 2 (its checkpoint is the newest), resume, train to 4: the same weights, optimizer and rows
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ds", resumed)
-    shutil.rmtree(resumed / last)
-    run_cli(resumed, *args, *deepspeed, "--resume")
-    assert_bitwise_equal(gather_state_dict(resumed / last), wb)
-    for rank in range(4):
-        got, want = optimizer_states(resumed / last, rank), optimizer_states(tmp_path / "ds" / last, rank)
-        assert got.keys() == want.keys()
-        for index in want:
-            assert_bitwise_equal(got[index], want[index])
-    c = [r for r in read_jsonl(resumed / "metrics.jsonl") if "loss" in r]
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in c] == [
-        (r["step"], r["loss"], r["grad_norm"]) for r in b
-    ]
+    resumes_exactly(tmp_path, args, deepspeed, last, b, ranks=4)
 
 
 def test_only_deepspeeds_cpu_notice_is_silenced():
