@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from moe_core.errors import did_you_mean
 from moe_core.presets import FAMILIES, PRESETS, SIZES, family_settings
-from moe_core.routing import resolve_router
+from moe_core.routing import pruned_mass_matters, resolve_router
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class MoEConfig(PretrainedConfig):
     Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
     The router losses enter the training loss as ``coef * mean`` over MoE layers (``router_loss_reduction=
     "mean"``: OLMoE/megablocks, transformers) or ``coef * sum`` (``"sum"``: Switch, GShard, Megatron-LM).
+    A pruned model (`moe_core.inference.prune`) may keep `router_pruned_experts` removed experts' gate rows in
+    its router's softmax denominator, so kept experts keep their trained weights (`moe_core.routing`).
 
     Layer `i` is an MoE layer when ``num_experts > 0``, ``i not in dense_layers`` and
     ``(i + 1) % moe_every_n == 0`` (the rule of Qwen2-MoE's `decoder_sparse_step`); other layers use a
@@ -95,6 +97,7 @@ class MoEConfig(PretrainedConfig):
         router_z_loss_coef: float = 0.001,
         router_bias_update_rate: float = 0.0,
         router_loss_reduction: str = "mean",
+        router_pruned_experts: int = 0,
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
@@ -148,6 +151,8 @@ class MoEConfig(PretrainedConfig):
         self.router_z_loss_coef = router_z_loss_coef
         self.router_bias_update_rate = router_bias_update_rate
         self.router_loss_reduction = router_loss_reduction
+        # gate rows of experts removed by `moe-lab prune`, kept in the softmax denominator (moe_core.routing)
+        self.router_pruned_experts = router_pruned_experts
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
         # None: initializer_range. Why a separate value: see `moe_core.presets.family_settings("switch")` and
@@ -232,6 +237,15 @@ class MoEConfig(PretrainedConfig):
         ):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
+        if self.router_pruned_experts < 0:
+            raise bad("router_pruned_experts", "must be >= 0")
+        if self.router_pruned_experts and not pruned_mass_matters(self):
+            raise bad(
+                "router_pruned_experts",
+                "pruned experts' gate rows only enter a softmax whose top-k weights are not renormalized "
+                "(router 'topk'/'switch'/'aux_free', router_score='softmax', softmax_then_topk, "
+                "norm_topk_prob=False); set it to 0",
+            )
         try:
             router_cls = resolve_router(self.router)
         except (KeyError, ImportError, TypeError) as err:

@@ -20,6 +20,14 @@ Routers here:
   load after each optimizer step, outside the gradient, in training only (DeepSeek-V3, Wang et al. 2024,
   "Auxiliary-Loss-Free Load Balancing").
 
+Pruned experts (``config.router_pruned_experts = P > 0``, written by `moe_core.inference.prune`): when the
+top-k weights are raw softmax probabilities (OLMoE, Qwen2-MoE, Switch: ``norm_topk_prob=False``), removing
+experts' gate rows would renormalize the softmax over the kept experts and scale every kept weight up by
+1 / (1 - dropped mass), a per-token change of scale the layers after it were never trained with. A pruned
+router instead keeps the P removed rows (``pruned_gate_weight``, a buffer) in the softmax denominator only,
+so a kept expert's weight is exactly the probability the unpruned router gave it (`keep_pruned_mass`);
+they are never selected and have no expert.
+
 Losses: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K
 routed slots sent to expert e (before capacity) and ``P_e`` the mean router probability of e; it equals 1.0
 under perfectly uniform routing for any K (Megatron-LM's normalization; transformers' Mixtral loss is K
@@ -73,6 +81,8 @@ class RoutingRecord:
     aux_loss: torch.Tensor | None  # load balancing
     z_loss: torch.Tensor | None
     capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
+    # log of the softmax mass of pruned experts' gate rows [T, 1] (`keep_pruned_mass`); None: nothing pruned
+    pruned_logsumexp_T1: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -295,6 +305,30 @@ def drop_over_capacity(expert_ids_TK: torch.Tensor, num_experts: int, capacity: 
     return position_TK >= capacity
 
 
+def pruned_mass_matters(config) -> bool:
+    """Whether removed experts' softmax mass changes the kept experts' weights: token-choice softmax scores
+    whose top-k probabilities are used as they are (not renormalized over the k, not a softmax over the k)."""
+    renormalized = config.norm_topk_prob and config.router != "switch"  # SwitchRouter never renormalizes
+    return (
+        config.router in ("topk", "switch", "aux_free")
+        and config.router_score == "softmax"
+        and config.router_topk_order == "softmax_then_topk"
+        and not renormalized
+    )
+
+
+def keep_pruned_mass(record: RoutingRecord, pruned_logsumexp_T1: torch.Tensor) -> RoutingRecord:
+    """Scale a pruned router's combine weights back to the unpruned softmax: the route's softmax ran over the
+    kept logits only, so each weight is p_e / (1 - m) with m the pruned rows' mass; multiply by
+    (1 - m) = exp(lse(kept logits) - lse(kept and pruned logits)). ``probs_TE`` stays normalized over the
+    experts that exist (analytics read it as a distribution)."""
+    lse_kept_T1 = record.logits_TE.logsumexp(dim=-1, keepdim=True)
+    kept_mass_T1 = (lse_kept_T1 - torch.logaddexp(lse_kept_T1, pruned_logsumexp_T1)).exp()
+    record.weights_TK = record.weights_TK * kept_mass_T1
+    record.pruned_logsumexp_T1 = pruned_logsumexp_T1
+    return record
+
+
 # ------------------------------------------------------------------------------------------------ routers
 class Router(nn.Module):
     """Base router: a linear gate producing fp32 logits, then `route` turns them into a `RoutingRecord`."""
@@ -319,6 +353,9 @@ class Router(nn.Module):
         self.eval_capacity_factor = config.eval_capacity_factor
         self.jitter = config.router_jitter
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        P = config.router_pruned_experts
+        # pruned experts' gate rows: in the softmax denominator only (module docstring, `keep_pruned_mass`)
+        self.register_buffer("pruned_gate_weight", torch.zeros(P, config.hidden_size) if P else None)
 
     @property
     def active_capacity_factor(self) -> float | None:
@@ -332,7 +369,11 @@ class Router(nn.Module):
             if self.training and self.jitter > 0:  # Switch: multiplicative jitter on the router input
                 x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             logits_TE = F.linear(x_TD, self.gate.weight.float())
-            return self.route(logits_TE)
+            record = self.route(logits_TE)
+            if self.pruned_gate_weight is not None:
+                pruned_logits_TP = F.linear(x_TD, self.pruned_gate_weight.float())
+                record = keep_pruned_mass(record, pruned_logits_TP.logsumexp(dim=-1, keepdim=True))
+            return record
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits_TE) if self.score_fn == "sigmoid" else logits_TE.softmax(dim=-1)

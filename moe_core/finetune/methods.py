@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.routing import keep_pruned_mass
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -353,7 +354,10 @@ class TaskRouterBias(nn.Module):
             )
         bias_TE = self.bias_LNE[i].index_select(0, self._task_ids_B.to(self.bias_LNE.device))
         bias_TE = bias_TE.repeat_interleave(T // B, dim=0).float()
-        return router.route(record.logits_TE + bias_TE)
+        rerouted = router.route(record.logits_TE + bias_TE)
+        if record.pruned_logsumexp_T1 is not None:  # a pruned router: its removed rows stay in the softmax
+            rerouted = keep_pruned_mass(rerouted, record.pruned_logsumexp_T1)
+        return rerouted
 
     def save(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)

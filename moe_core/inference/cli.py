@@ -76,7 +76,11 @@ def _prune(args: argparse.Namespace) -> int:
     from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
     config = PruneConfig(
-        keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge, criterion=args.criterion
+        keep_experts=args.keep,
+        min_share=args.min_share,
+        merge_similar=args.merge,
+        criterion=args.criterion,
+        renormalize=args.renormalize,
     )
     calibration = (
         calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
@@ -213,6 +217,12 @@ def add_cli(subparsers) -> None:
         "--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)"
     )
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")
+    prune.add_argument(
+        "--renormalize",
+        action="store_true",
+        help="norm_topk_prob=False models: softmax over the kept experts only (what HF OLMoE/Qwen2-MoE can "
+        "express) instead of keeping the dropped experts' mass in the router's denominator",
+    )
     prune.add_argument(
         "--merge", action="store_true", help="merge each dropped expert into its most similar kept one"
     )
