@@ -320,10 +320,11 @@ def pruned_mass_matters(config) -> bool:
 def keep_pruned_mass(record: RoutingRecord, pruned_logsumexp_T1: torch.Tensor) -> RoutingRecord:
     """Scale a pruned router's combine weights back to the unpruned softmax: the route's softmax ran over the
     kept logits only, so each weight is p_e / (1 - m) with m the pruned rows' mass; multiply by
-    (1 - m) = exp(lse(kept logits) - lse(kept and pruned logits)). ``probs_TE`` stays normalized over the
+    (1 - m) = exp(a) / (exp(a) + exp(b)) = sigmoid(a - b), a and b the logsumexp of the kept and of the
+    pruned logits (sigmoid, not logaddexp: ONNX has no logaddexp). ``probs_TE`` stays normalized over the
     experts that exist (analytics read it as a distribution)."""
     lse_kept_T1 = record.logits_TE.logsumexp(dim=-1, keepdim=True)
-    kept_mass_T1 = (lse_kept_T1 - torch.logaddexp(lse_kept_T1, pruned_logsumexp_T1)).exp()
+    kept_mass_T1 = torch.sigmoid(lse_kept_T1 - pruned_logsumexp_T1)
     record.weights_TK = record.weights_TK * kept_mass_T1
     record.pruned_logsumexp_T1 = pruned_logsumexp_T1
     return record
