@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from moe_core import MoEConfig, MoEForCausalLM, get_config, load
+from moe_core.cli import main
 from moe_core.convert import get_architecture, refusals_to_hf
+from moe_core.data.prepare import PrepareConfig, prepare
 from moe_core.finetune.methods import TaskRouterBias
 from moe_core.inference.prune import PruneConfig, collect_usage, prune_checkpoint, prune_experts
 from tests.helpers import randomize_
@@ -122,3 +124,17 @@ def test_task_router_bias_on_a_pruned_router_keeps_the_pruned_mass():
         bias = TaskRouterBias(pruned.config.moe_layer_ids, ["a"], 16).attach(pruned)
         with bias.tasks(torch.zeros(2, dtype=torch.long)):  # a zero bias: the very same routing
             torch.testing.assert_close(pruned(x).logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_cli_prune_keeps_the_mass_unless_told_to_renormalize(tmp_path):
+    model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=300))
+    model.save_pretrained(tmp_path / "model")
+    data = prepare(
+        PrepareConfig(max_documents=12, vocab_size=300, seq_len=32, num_proc=1, validate=False),
+        tmp_path / "data",
+    )
+    common = ["prune", str(tmp_path / "model"), "--keep", "32", "--data", str(data), "--calib-batches", "2"]
+    assert main([*common, "--out", str(tmp_path / "mass")]) == 0
+    assert main([*common, "--renormalize", "--out", str(tmp_path / "renorm")]) == 0
+    assert load(tmp_path / "mass").config.router_pruned_experts == 32
+    assert load(tmp_path / "renorm").config.router_pruned_experts == 0
