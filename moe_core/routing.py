@@ -1,7 +1,7 @@
 """Routers: which experts each token goes to, and with what weight.
 
 Legend (one per file, shapes in names): T = tokens, D = model dim, E = experts, K = expert slots per token,
-C = capacity (tokens per expert).
+C = capacity (tokens per expert), P = gate rows of experts removed by pruning.
 
 Every router maps hidden states ``x_TD`` to one `RoutingRecord`. The record is the single source of truth
 for the experts (which slot goes where, with what weight), the losses, training telemetry and analytics;
