@@ -16,9 +16,10 @@ decoding with a KV cache:
   moe-int4-rtn/gptq/awq  int4 experts (group 32) by round-to-nearest, GPTQ, AWQ, eager decode   (--quant)
 Then (--prune) a size-against-perplexity sweep: the MoE pruned on calibration data to 100/75/50/25% of its
 experts (and K), ranked by routed slots (frequency) or REAP saliency, each dropped expert discarded or merged
-into its nearest kept one; for routers whose top-k weights are raw softmax probabilities (OLMoE), both with
-the dropped experts' mass kept in the router's softmax denominator (the default) and renormalized over the
-kept experts (--renormalize of moe-lab prune).
+into its nearest kept one; for routers whose top-k weights are raw softmax probabilities (OLMoE), three ways:
+the dropped experts' mass kept in the router's softmax denominator and a token's choice of one refilled by
+its next-best kept expert (refill, the default) or left empty (drop, --pruned-choices drop of moe-lab prune),
+or the softmax renormalized over the kept experts (renorm, --renormalize).
 
 The memory-bound ratio bound of batch-1 decode is (bytes read per token by dense-total) / (by the MoE): all
 weights but the input embedding, of which one row is read. The headline ratio is the fastest MoE run over
@@ -95,14 +96,21 @@ def prune_sweep(moe, calibration, valid) -> list[dict]:
     usage = collect_usage(moe, calibration)
     saliency = collect_saliency(moe, calibration)
     rows = []
-    # the two router normalizations differ only where top-k weights are raw softmax probabilities
-    normalizations = (False, True) if pruned_mass_matters(moe.config) else (False,)
+    # how the pruned router treats the dropped experts (PruneConfig): their mass kept in the softmax and a
+    # token's choice of one refilled or dropped, or renormalized; these differ only for raw softmax weights
+    routers = {
+        "refill": {},
+        "drop": {"pruned_choices": "drop"},
+        "renorm": {"renormalize": True},
+    }
+    if not pruned_mass_matters(moe.config):
+        routers = {"refill": {}}
     for keep in sorted({E, 3 * E // 4, E // 2, E // 4, K} - {0}, reverse=True):
         for criterion in ("frequency", "reap") if keep < E else ("frequency",):
             for merge in (False, True) if keep < E else (False,):
-                for renormalize in normalizations if keep < E else (False,):
+                for router, options in routers.items() if keep < E else [("refill", {})]:
                     config = PruneConfig(
-                        keep_experts=keep, merge_similar=merge, criterion=criterion, renormalize=renormalize
+                        keep_experts=keep, merge_similar=merge, criterion=criterion, **options
                     )
                     pruned, report = prune_experts(moe, usage, config, saliency)
                     rows.append(
@@ -110,7 +118,7 @@ def prune_sweep(moe, calibration, valid) -> list[dict]:
                             "experts": keep,
                             "criterion": criterion,
                             "merge": merge,
-                            "renormalize": renormalize,
+                            "router": router,
                             "params": report.params_after,
                             "size": round(report.params_after / report.params_before, 3),
                             "usage_kept": round(min(report.usage_share_kept.values()), 3),
@@ -460,7 +468,7 @@ def main() -> None:
             row["drift"] = round(drift(row["perplexity"], ppl["moe-eager"]), 4)
             print(
                 f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}"
-                f"{'renorm' if row['renormalize'] else 'mass':>8}{row['params']:>12,}{row['size']:>7.2f}"
+                f"{row['router']:>8}{row['params']:>12,}{row['size']:>7.2f}"
                 f"{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>8.2f}%"
             )
     if args.cache:

@@ -26,7 +26,9 @@ experts' gate rows would renormalize the softmax over the kept experts and scale
 1 / (1 - dropped mass), a per-token change of scale the layers after it were never trained with. A pruned
 router instead keeps the P removed rows (``pruned_gate_weight``, a buffer) in the softmax denominator only,
 so a kept expert's weight is exactly the probability the unpruned router gave it (`keep_pruned_mass`);
-they are never selected and have no expert.
+they are never selected and have no expert. A token whose top-k included a pruned expert gets the next-best
+kept expert in that slot (``router_pruned_choices="refill"``), or, with ``"drop"``, the slot stays empty
+(`drop_pruned_choices`): the unpruned routing with the pruned experts' outputs taken as zero.
 
 Losses: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K
 routed slots sent to expert e (before capacity) and ``P_e`` the mean router probability of e; it equals 1.0
@@ -81,8 +83,8 @@ class RoutingRecord:
     aux_loss: torch.Tensor | None  # load balancing
     z_loss: torch.Tensor | None
     capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
-    # log of the softmax mass of pruned experts' gate rows [T, 1] (`keep_pruned_mass`); None: nothing pruned
-    pruned_logsumexp_T1: torch.Tensor | None = None
+    # logits of the pruned experts' gate rows (`Router.apply_pruned_rows`); None: nothing pruned
+    pruned_logits_TP: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -317,16 +319,31 @@ def pruned_mass_matters(config) -> bool:
     )
 
 
-def keep_pruned_mass(record: RoutingRecord, pruned_logsumexp_T1: torch.Tensor) -> RoutingRecord:
+def keep_pruned_mass(record: RoutingRecord, pruned_logits_TP: torch.Tensor) -> RoutingRecord:
     """Scale a pruned router's combine weights back to the unpruned softmax: the route's softmax ran over the
     kept logits only, so each weight is p_e / (1 - m) with m the pruned rows' mass; multiply by
     (1 - m) = exp(a) / (exp(a) + exp(b)) = sigmoid(a - b), a and b the logsumexp of the kept and of the
     pruned logits (sigmoid, not logaddexp: ONNX has no logaddexp). ``probs_TE`` stays normalized over the
     experts that exist (analytics read it as a distribution)."""
     lse_kept_T1 = record.logits_TE.logsumexp(dim=-1, keepdim=True)
-    kept_mass_T1 = torch.sigmoid(lse_kept_T1 - pruned_logsumexp_T1)
+    kept_mass_T1 = torch.sigmoid(lse_kept_T1 - pruned_logits_TP.logsumexp(dim=-1, keepdim=True))
     record.weights_TK = record.weights_TK * kept_mass_T1
-    record.pruned_logsumexp_T1 = pruned_logsumexp_T1
+    return record
+
+
+def drop_pruned_choices(record: RoutingRecord, pruned_logits_TP: torch.Tensor, top_k: int) -> RoutingRecord:
+    """Mark dropped the slots the unpruned router would have given to a pruned expert: a chosen kept expert
+    stays only while fewer than K logits (chosen kept ones and pruned rows) beat it. For a dropless router
+    selecting by logit (the kept experts above a chosen one are all chosen too)."""
+    chosen_TK = record.logits_TE.gather(-1, record.expert_ids_TK)
+    above_kept_TK = (chosen_TK[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
+    above_pruned_TK = (pruned_logits_TP[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
+    record.dropped_TK = record.dropped_TK | (above_kept_TK + above_pruned_TK >= top_k)
+    record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
+    tokens_per_expert_E = torch.zeros_like(record.tokens_per_expert_E)
+    record.tokens_per_expert_E = tokens_per_expert_E.scatter_add_(
+        0, record.expert_ids_TK.flatten(), (~record.dropped_TK).flatten().long()
+    )
     return record
 
 
@@ -357,6 +374,7 @@ class Router(nn.Module):
         P = config.router_pruned_experts
         # pruned experts' gate rows: in the softmax denominator only (module docstring, `keep_pruned_mass`)
         self.register_buffer("pruned_gate_weight", torch.zeros(P, config.hidden_size) if P else None)
+        self.pruned_choices = config.router_pruned_choices
 
     @property
     def active_capacity_factor(self) -> float | None:
@@ -372,9 +390,17 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TD, self.gate.weight.float())
             record = self.route(logits_TE)
             if self.pruned_gate_weight is not None:
-                pruned_logits_TP = F.linear(x_TD, self.pruned_gate_weight.float())
-                record = keep_pruned_mass(record, pruned_logits_TP.logsumexp(dim=-1, keepdim=True))
+                record = self.apply_pruned_rows(record, F.linear(x_TD, self.pruned_gate_weight.float()))
             return record
+
+    def apply_pruned_rows(self, record: RoutingRecord, pruned_logits_TP: torch.Tensor) -> RoutingRecord:
+        """A pruned router's record: kept weights at their unpruned probability, and with
+        ``router_pruned_choices="drop"`` the slots of pruned choices left empty (module docstring)."""
+        record = keep_pruned_mass(record, pruned_logits_TP)
+        if self.pruned_choices == "drop":
+            record = drop_pruned_choices(record, pruned_logits_TP, self.top_k)
+        record.pruned_logits_TP = pruned_logits_TP
+        return record
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits_TE) if self.score_fn == "sigmoid" else logits_TE.softmax(dim=-1)

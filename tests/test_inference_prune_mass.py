@@ -1,5 +1,6 @@
 """Pruning a router whose top-k weights are raw softmax probabilities (OLMoE): the dropped experts' softmax
-mass stays in the pruned router's denominator, so every kept expert keeps the weight it was trained with."""
+mass stays in the pruned router's denominator, so every kept expert keeps the weight it was trained with; and
+with ``pruned_choices="drop"`` a token's choice of a dropped expert leaves its slot empty."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from moe_core.cli import main
 from moe_core.convert import get_architecture, refusals_to_hf
 from moe_core.data.prepare import PrepareConfig, prepare
 from moe_core.finetune.methods import TaskRouterBias
-from moe_core.inference.prune import PruneConfig, collect_usage, prune_checkpoint, prune_experts
+from moe_core.inference.prune import (
+    PruneConfig,
+    PruneError,
+    collect_usage,
+    prune_checkpoint,
+    prune_experts,
+)
 from tests.helpers import randomize_
 from tests.helpers import token_ids as ids
 
@@ -115,9 +122,41 @@ def test_renormalizing_routers_get_no_denominator_rows_and_the_config_refuses_th
         MoEConfig(**{**get_config("mixtral-tiny").to_dict(), "router_pruned_experts": 2})
 
 
-def test_task_router_bias_on_a_pruned_router_keeps_the_pruned_mass():
+def test_dropping_pruned_choices_equals_the_unpruned_model_with_those_experts_silenced():
     model = olmoe_tiny()
-    pruned, report = prune_experts(model, usage_of(model), PruneConfig(keep_experts=16))
+    usage = usage_of(model)
+    pruned, report = prune_experts(model, usage, PruneConfig(keep_experts=16, pruned_choices="drop"))
+    assert pruned.config.router_pruned_choices == "drop"
+    refilled, _ = prune_experts(model, usage, PruneConfig(keep_experts=16))
+    silenced = olmoe_tiny()
+    with torch.no_grad():  # the unpruned routing, the dropped experts' outputs zero
+        for layer_id, kept in report.kept.items():
+            down = silenced.model.layers[layer_id].mlp.experts.down_proj
+            down[[e for e in range(64) if e not in kept]] = 0.0
+        x = ids(2, 16, seed=9)
+        reference = silenced(x).logits
+        torch.testing.assert_close(pruned(x).logits, reference, atol=1e-5, rtol=1e-5)
+        assert (refilled(x).logits - reference).abs().max() > 1e-3  # refilled slots add other experts
+        record = pruned(x, output_routing=True).routing[0]
+        assert int(record.dropped_TK.sum()) > 0  # the check above saw empty slots
+        assert int(record.tokens_per_expert_E.sum()) == int((~record.dropped_TK).sum())
+
+
+def test_dropping_pruned_choices_is_refused_where_it_cannot_be_exact():
+    with pytest.raises(PruneError, match="renormalize"):
+        PruneConfig(pruned_choices="drop", renormalize=True)
+    for overrides in ({"router": "aux_free"}, {"capacity_factor": 2.0}):
+        model = olmoe_tiny(**overrides)
+        with pytest.raises(PruneError, match="router_pruned_choices"):
+            prune_experts(model, usage_of(model), PruneConfig(keep_experts=16, pruned_choices="drop"))
+
+
+@pytest.mark.parametrize("choices", ["refill", "drop"])
+def test_task_router_bias_on_a_pruned_router_keeps_the_pruned_mass(choices):
+    model = olmoe_tiny()
+    pruned, report = prune_experts(
+        model, usage_of(model), PruneConfig(keep_experts=16, pruned_choices=choices)
+    )
     x = ids(2, 16, seed=7)
     with torch.no_grad():
         reference = pruned(x).logits
@@ -126,7 +165,7 @@ def test_task_router_bias_on_a_pruned_router_keeps_the_pruned_mass():
             torch.testing.assert_close(pruned(x).logits, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_cli_prune_keeps_the_mass_unless_told_to_renormalize(tmp_path):
+def test_cli_prune_keeps_the_mass_unless_told_to_renormalize_and_drops_choices_when_told(tmp_path):
     model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=300))
     model.save_pretrained(tmp_path / "model")
     data = prepare(
@@ -136,5 +175,7 @@ def test_cli_prune_keeps_the_mass_unless_told_to_renormalize(tmp_path):
     common = ["prune", str(tmp_path / "model"), "--keep", "32", "--data", str(data), "--calib-batches", "2"]
     assert main([*common, "--out", str(tmp_path / "mass")]) == 0
     assert main([*common, "--renormalize", "--out", str(tmp_path / "renorm")]) == 0
+    assert main([*common, "--pruned-choices", "drop", "--out", str(tmp_path / "drop")]) == 0
     assert load(tmp_path / "mass").config.router_pruned_experts == 32
     assert load(tmp_path / "renorm").config.router_pruned_experts == 0
+    assert load(tmp_path / "drop").config.router_pruned_choices == "drop"

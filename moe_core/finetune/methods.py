@@ -35,7 +35,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
-from moe_core.routing import keep_pruned_mass
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -355,8 +354,8 @@ class TaskRouterBias(nn.Module):
         bias_TE = self.bias_LNE[i].index_select(0, self._task_ids_B.to(self.bias_LNE.device))
         bias_TE = bias_TE.repeat_interleave(T // B, dim=0).float()
         rerouted = router.route(record.logits_TE + bias_TE)
-        if record.pruned_logsumexp_T1 is not None:  # a pruned router: its removed rows stay in the softmax
-            rerouted = keep_pruned_mass(rerouted, record.pruned_logsumexp_T1)
+        if record.pruned_logits_TP is not None:  # a pruned router: its removed rows stay in the softmax
+            rerouted = router.apply_pruned_rows(rerouted, record.pruned_logits_TP)
         return rerouted
 
     def save(self, out_dir: str | Path) -> None:

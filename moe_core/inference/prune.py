@@ -18,6 +18,9 @@ dropped experts' gate rows stay in the pruned router's softmax denominator (``ro
 `moe_core.routing.keep_pruned_mass`) and every kept expert gets exactly the weight the unpruned router gave
 it. On olmoe-small this cuts the loss at 32/64 experts from +1.18% to +0.37% (frequency) and at 16/64 from
 +97% to +36% (REAP) (benchmarks/README.md).
+``PruneConfig.pruned_choices="drop"`` also leaves empty the slot of a token whose top-k choice was dropped,
+instead of refilling it with its next-best kept expert (an expert the layer never combined with that token
+in training): the unpruned routing with the dropped experts' outputs taken as zero.
 ``PruneConfig.renormalize=True`` drops the rows instead (what REAP's reference implementation does; its
 models mostly renormalize top-k, where the two agree), for a checkpoint Hugging Face's OLMoE / Qwen2-MoE
 classes can express (`moe_core.convert` refuses the denominator rows rather than approximate them).
@@ -71,10 +74,19 @@ class PruneConfig:
     criterion: str = "frequency"  # "frequency" (routed slots) or "reap" (router-weighted activation)
     # True: softmax over the kept experts only; False: dropped experts' mass stays in the denominator
     renormalize: bool = False
+    # a token's choice of a dropped expert: "refill" (next-best kept expert) or "drop" (its slot stays empty)
+    pruned_choices: str = "refill"
 
     def __post_init__(self) -> None:
         if self.criterion not in ("frequency", "reap"):
             raise PruneError(f"PruneConfig.criterion={self.criterion!r}: choose 'frequency' or 'reap'")
+        if self.pruned_choices not in ("refill", "drop"):
+            raise PruneError(f"PruneConfig.pruned_choices={self.pruned_choices!r}: choose 'refill' or 'drop'")
+        if self.pruned_choices == "drop" and self.renormalize:
+            raise PruneError(
+                "PruneConfig.pruned_choices='drop' ranks kept experts against the dropped experts' gate rows, "
+                "which renormalize=True discards; choose one"
+            )
         if self.keep_experts is not None and self.keep_experts < 1:
             raise PruneError(f"PruneConfig.keep_experts={self.keep_experts!r}: must be >= 1")
         if not 0.0 <= self.min_share < 1.0:
@@ -228,7 +240,11 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
     data["router_pruned_experts"] = (
         config.router_pruned_experts + config.num_experts - E_new if keep_mass else 0
     )
-    new_config = MoEConfig.from_dict(data)
+    data["router_pruned_choices"] = prune.pruned_choices if keep_mass else "refill"
+    try:
+        new_config = MoEConfig.from_dict(data)
+    except ValueError as err:  # e.g. pruned_choices="drop" on a router that selects with a bias
+        raise PruneError(f"cannot prune this model so: {err}") from None
     new_model = MoEForCausalLM(new_config).to(next(model.parameters()).dtype).eval()
 
     state = model.state_dict()
