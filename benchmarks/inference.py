@@ -16,7 +16,10 @@ decoding with a KV cache:
   moe-int4-rtn/gptq/awq  int4 experts (group 32) by round-to-nearest, GPTQ, AWQ, eager decode   (--quant)
 Then (--prune) a size-against-perplexity sweep: the MoE pruned on calibration data to 100/75/50/25% of its
 experts (and K), ranked by routed slots (frequency) or REAP saliency, each dropped expert discarded or merged
-into its nearest kept one.
+into its nearest kept one; for routers whose top-k weights are raw softmax probabilities (OLMoE), three ways:
+the dropped experts' mass kept in the router's softmax denominator and a token's choice of one refilled by
+its next-best kept expert (refill, the default) or left empty (drop, --pruned-choices drop of moe-lab prune),
+or the softmax renormalized over the kept experts (renorm, --renormalize).
 
 The memory-bound ratio bound of batch-1 decode is (bytes read per token by dense-total) / (by the MoE): all
 weights but the input embedding, of which one row is read. The headline ratio is the fastest MoE run over
@@ -87,27 +90,41 @@ def prune_sweep(moe, calibration, valid) -> list[dict]:
     (frequency) or by REAP saliency, each dropped expert discarded or merged."""
     from moe_core.inference.evaluate import perplexity
     from moe_core.inference.prune import PruneConfig, collect_saliency, collect_usage, prune_experts
+    from moe_core.routing import pruned_mass_matters
 
     E, K = moe.config.num_experts, moe.config.num_experts_per_tok
     usage = collect_usage(moe, calibration)
     saliency = collect_saliency(moe, calibration)
     rows = []
+    # how the pruned router treats the dropped experts (PruneConfig): their mass kept in the softmax and a
+    # token's choice of one refilled or dropped, or renormalized; these differ only for raw softmax weights
+    routers = {
+        "refill": {},
+        "drop": {"pruned_choices": "drop"},
+        "renorm": {"renormalize": True},
+    }
+    if not pruned_mass_matters(moe.config):
+        routers = {"refill": {}}
     for keep in sorted({E, 3 * E // 4, E // 2, E // 4, K} - {0}, reverse=True):
         for criterion in ("frequency", "reap") if keep < E else ("frequency",):
             for merge in (False, True) if keep < E else (False,):
-                config = PruneConfig(keep_experts=keep, merge_similar=merge, criterion=criterion)
-                pruned, report = prune_experts(moe, usage, config, saliency)
-                rows.append(
-                    {
-                        "experts": keep,
-                        "criterion": criterion,
-                        "merge": merge,
-                        "params": report.params_after,
-                        "size": round(report.params_after / report.params_before, 3),
-                        "usage_kept": round(min(report.usage_share_kept.values()), 3),
-                        "perplexity": round(perplexity(pruned, valid), 3),
-                    }
-                )
+                for router, options in routers.items() if keep < E else [("refill", {})]:
+                    config = PruneConfig(
+                        keep_experts=keep, merge_similar=merge, criterion=criterion, **options
+                    )
+                    pruned, report = prune_experts(moe, usage, config, saliency)
+                    rows.append(
+                        {
+                            "experts": keep,
+                            "criterion": criterion,
+                            "merge": merge,
+                            "router": router,
+                            "params": report.params_after,
+                            "size": round(report.params_after / report.params_before, 3),
+                            "usage_kept": round(min(report.usage_share_kept.values()), 3),
+                            "perplexity": round(perplexity(pruned, valid), 3),
+                        }
+                    )
     return rows
 
 
@@ -444,14 +461,15 @@ def main() -> None:
             moe, list(markov_corpus(config.vocab_size, 32, 64, seed=2).split(8)), valid
         )
         print(
-            f"{'experts':>8}{'criterion':>11}{'merged':>8}{'params':>12}{'size':>7}{'min usage kept':>16}"
-            f"{'perplexity':>12}{'drift':>8}"
+            f"{'experts':>8}{'criterion':>11}{'merged':>8}{'router':>8}{'params':>12}{'size':>7}"
+            f"{'min usage kept':>16}{'perplexity':>12}{'drift':>9}"
         )
         for row in figures["prune"]:
             row["drift"] = round(drift(row["perplexity"], ppl["moe-eager"]), 4)
             print(
-                f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}{row['params']:>12,}"
-                f"{row['size']:>7.2f}{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>7.2f}%"
+                f"{row['experts']:>8}{row['criterion']:>11}{'yes' if row['merge'] else 'no':>8}"
+                f"{row['router']:>8}{row['params']:>12,}{row['size']:>7.2f}"
+                f"{row['usage_kept']:>16.3f}{row['perplexity']:>12.2f}{100 * row['drift']:>8.2f}%"
             )
     if args.cache:
         figures["cache_hit_rate"] = {pct: round(c.stats.hit_rate, 3) for pct, c in caches.items()}

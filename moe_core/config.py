@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from moe_core.errors import did_you_mean
 from moe_core.presets import FAMILIES, PRESETS, SIZES, family_settings
-from moe_core.routing import resolve_router
+from moe_core.routing import pruned_mass_matters, resolve_router
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ FFN_ACTIVATIONS = ("swiglu", "gelu")
 ROUTER_SCORES = ("softmax", "sigmoid")
 TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
 ROUTER_LOSS_REDUCTIONS = ("mean", "sum")
+PRUNED_CHOICES = ("refill", "drop")
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 
 
@@ -47,6 +48,9 @@ class MoEConfig(PretrainedConfig):
     Optional shared experts run on every token (Qwen2-MoE, DeepSeek), with an optional sigmoid gate.
     The router losses enter the training loss as ``coef * mean`` over MoE layers (``router_loss_reduction=
     "mean"``: OLMoE/megablocks, transformers) or ``coef * sum`` (``"sum"``: Switch, GShard, Megatron-LM).
+    A pruned model (`moe_core.inference.prune`) may keep `router_pruned_experts` removed experts' gate rows in
+    its router's softmax denominator, so kept experts keep their trained weights, and with
+    ``router_pruned_choices="drop"`` leave empty the slots that went to them (`moe_core.routing`).
 
     Layer `i` is an MoE layer when ``num_experts > 0``, ``i not in dense_layers`` and
     ``(i + 1) % moe_every_n == 0`` (the rule of Qwen2-MoE's `decoder_sparse_step`); other layers use a
@@ -95,6 +99,8 @@ class MoEConfig(PretrainedConfig):
         router_z_loss_coef: float = 0.001,
         router_bias_update_rate: float = 0.0,
         router_loss_reduction: str = "mean",
+        router_pruned_experts: int = 0,
+        router_pruned_choices: str = "refill",
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
@@ -148,6 +154,10 @@ class MoEConfig(PretrainedConfig):
         self.router_z_loss_coef = router_z_loss_coef
         self.router_bias_update_rate = router_bias_update_rate
         self.router_loss_reduction = router_loss_reduction
+        # gate rows of experts removed by `moe-lab prune`, kept in the softmax denominator (moe_core.routing)
+        self.router_pruned_experts = router_pruned_experts
+        # a token's top-k choice that was pruned: "refill" (next-best kept expert) or "drop" (slot left empty)
+        self.router_pruned_choices = router_pruned_choices
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
         # None: initializer_range. Why a separate value: see `moe_core.presets.family_settings("switch")` and
@@ -232,6 +242,27 @@ class MoEConfig(PretrainedConfig):
         ):
             if getattr(self, field) < 0:
                 raise bad(field, "must be >= 0")
+        if self.router_pruned_experts < 0:
+            raise bad("router_pruned_experts", "must be >= 0")
+        if self.router_pruned_experts and not pruned_mass_matters(self):
+            raise bad(
+                "router_pruned_experts",
+                "pruned experts' gate rows only enter a softmax whose top-k weights are not renormalized "
+                "(router 'topk'/'switch'/'aux_free', router_score='softmax', softmax_then_topk, "
+                "norm_topk_prob=False); set it to 0",
+            )
+        if self.router_pruned_choices not in PRUNED_CHOICES:
+            raise bad("router_pruned_choices", f"choose one of {PRUNED_CHOICES}")
+        if self.router_pruned_choices == "drop" and (
+            self.router not in ("topk", "switch")
+            or self.capacity_factor is not None
+            or self.eval_capacity_factor is not None
+        ):
+            raise bad(
+                "router_pruned_choices",
+                "'drop' ranks kept experts against the pruned rows by logit: a dropless 'topk' or 'switch' "
+                "router only (a selection bias or capacity would rank them differently); use 'refill'",
+            )
         try:
             router_cls = resolve_router(self.router)
         except (KeyError, ImportError, TypeError) as err:

@@ -365,6 +365,12 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
             reasons.append(
                 f"norm_topk_prob=False (router {config.router!r}): Mixtral always renormalizes top-k"
             )
+        if config.router_pruned_experts:
+            reasons.append(
+                f"router_pruned_experts={config.router_pruned_experts}: this pruned router keeps the dropped "
+                f"experts' softmax mass in its denominator, which {name} cannot express; prune with "
+                "`moe-lab prune --renormalize` for a checkpoint to convert"
+            )
         if arch.model_type != "qwen2_moe" and config.moe_layer_ids != list(range(config.num_hidden_layers)):
             reasons.append(
                 f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "

@@ -1,7 +1,7 @@
 """Routers: which experts each token goes to, and with what weight.
 
 Legend (one per file, shapes in names): T = tokens, D = model dim, E = experts, K = expert slots per token,
-C = capacity (tokens per expert).
+C = capacity (tokens per expert), P = gate rows of experts removed by pruning.
 
 Every router maps hidden states ``x_TD`` to one `RoutingRecord`. The record is the single source of truth
 for the experts (which slot goes where, with what weight), the losses, training telemetry and analytics;
@@ -19,6 +19,16 @@ Routers here:
 - ``aux_free``: scores plus a per-expert bias used only for selection, and the bias nudged toward uniform
   load after each optimizer step, outside the gradient, in training only (DeepSeek-V3, Wang et al. 2024,
   "Auxiliary-Loss-Free Load Balancing").
+
+Pruned experts (``config.router_pruned_experts = P > 0``, written by `moe_core.inference.prune`): when the
+top-k weights are raw softmax probabilities (OLMoE, Qwen2-MoE, Switch: ``norm_topk_prob=False``), removing
+experts' gate rows would renormalize the softmax over the kept experts and scale every kept weight up by
+1 / (1 - dropped mass), a per-token change of scale the layers after it were never trained with. A pruned
+router instead keeps the P removed rows (``pruned_gate_weight``, a buffer) in the softmax denominator only,
+so a kept expert's weight is exactly the probability the unpruned router gave it (`keep_pruned_mass`);
+they are never selected and have no expert. A token whose top-k included a pruned expert gets the next-best
+kept expert in that slot (``router_pruned_choices="refill"``), or, with ``"drop"``, the slot stays empty
+(`drop_pruned_choices`): the unpruned routing with the pruned experts' outputs taken as zero.
 
 Losses: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K
 routed slots sent to expert e (before capacity) and ``P_e`` the mean router probability of e; it equals 1.0
@@ -73,6 +83,8 @@ class RoutingRecord:
     aux_loss: torch.Tensor | None  # load balancing
     z_loss: torch.Tensor | None
     capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
+    # logits of the pruned experts' gate rows (`Router.apply_pruned_rows`); None: nothing pruned
+    pruned_logits_TP: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -295,6 +307,46 @@ def drop_over_capacity(expert_ids_TK: torch.Tensor, num_experts: int, capacity: 
     return position_TK >= capacity
 
 
+def pruned_mass_matters(config) -> bool:
+    """Whether removed experts' softmax mass changes the kept experts' weights: token-choice softmax scores
+    whose top-k probabilities are used as they are (not renormalized over the k, not a softmax over the k)."""
+    renormalized = config.norm_topk_prob and config.router != "switch"  # SwitchRouter never renormalizes
+    return (
+        config.router in ("topk", "switch", "aux_free")
+        and config.router_score == "softmax"
+        and config.router_topk_order == "softmax_then_topk"
+        and not renormalized
+    )
+
+
+def keep_pruned_mass(record: RoutingRecord, pruned_logits_TP: torch.Tensor) -> RoutingRecord:
+    """Scale a pruned router's combine weights back to the unpruned softmax: the route's softmax ran over the
+    kept logits only, so each weight is p_e / (1 - m) with m the pruned rows' mass; multiply by
+    (1 - m) = exp(a) / (exp(a) + exp(b)) = sigmoid(a - b), a and b the logsumexp of the kept and of the
+    pruned logits (sigmoid, not logaddexp: ONNX has no logaddexp). ``probs_TE`` stays normalized over the
+    experts that exist (analytics read it as a distribution)."""
+    lse_kept_T1 = record.logits_TE.logsumexp(dim=-1, keepdim=True)
+    kept_mass_T1 = torch.sigmoid(lse_kept_T1 - pruned_logits_TP.logsumexp(dim=-1, keepdim=True))
+    record.weights_TK = record.weights_TK * kept_mass_T1
+    return record
+
+
+def drop_pruned_choices(record: RoutingRecord, pruned_logits_TP: torch.Tensor, top_k: int) -> RoutingRecord:
+    """Mark dropped the slots the unpruned router would have given to a pruned expert: a chosen kept expert
+    stays only while fewer than K logits (chosen kept ones and pruned rows) beat it. For a dropless router
+    selecting by logit (the kept experts above a chosen one are all chosen too)."""
+    chosen_TK = record.logits_TE.gather(-1, record.expert_ids_TK)
+    above_kept_TK = (chosen_TK[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
+    above_pruned_TK = (pruned_logits_TP[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
+    record.dropped_TK = record.dropped_TK | (above_kept_TK + above_pruned_TK >= top_k)
+    record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
+    tokens_per_expert_E = torch.zeros_like(record.tokens_per_expert_E)
+    record.tokens_per_expert_E = tokens_per_expert_E.scatter_add_(
+        0, record.expert_ids_TK.flatten(), (~record.dropped_TK).flatten().long()
+    )
+    return record
+
+
 # ------------------------------------------------------------------------------------------------ routers
 class Router(nn.Module):
     """Base router: a linear gate producing fp32 logits, then `route` turns them into a `RoutingRecord`."""
@@ -319,6 +371,10 @@ class Router(nn.Module):
         self.eval_capacity_factor = config.eval_capacity_factor
         self.jitter = config.router_jitter
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        P = config.router_pruned_experts
+        # pruned experts' gate rows: in the softmax denominator only (module docstring, `keep_pruned_mass`)
+        self.register_buffer("pruned_gate_weight", torch.zeros(P, config.hidden_size) if P else None)
+        self.pruned_choices = config.router_pruned_choices
 
     @property
     def active_capacity_factor(self) -> float | None:
@@ -332,7 +388,19 @@ class Router(nn.Module):
             if self.training and self.jitter > 0:  # Switch: multiplicative jitter on the router input
                 x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             logits_TE = F.linear(x_TD, self.gate.weight.float())
-            return self.route(logits_TE)
+            record = self.route(logits_TE)
+            if self.pruned_gate_weight is not None:
+                record = self.apply_pruned_rows(record, F.linear(x_TD, self.pruned_gate_weight.float()))
+            return record
+
+    def apply_pruned_rows(self, record: RoutingRecord, pruned_logits_TP: torch.Tensor) -> RoutingRecord:
+        """A pruned router's record: kept weights at their unpruned probability, and with
+        ``router_pruned_choices="drop"`` the slots of pruned choices left empty (module docstring)."""
+        record = keep_pruned_mass(record, pruned_logits_TP)
+        if self.pruned_choices == "drop":
+            record = drop_pruned_choices(record, pruned_logits_TP, self.top_k)
+        record.pruned_logits_TP = pruned_logits_TP
+        return record
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits_TE) if self.score_fn == "sigmoid" else logits_TE.softmax(dim=-1)

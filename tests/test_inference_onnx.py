@@ -29,6 +29,7 @@ from moe_core.inference.onnx_export import (
     export_onnx,
     load_onnx,
 )
+from moe_core.inference.prune import PruneConfig, collect_usage, prune_experts
 from tests.helpers import randomize_
 
 ATOL = 1e-4
@@ -82,6 +83,15 @@ def test_export_moe_lab_gqa_every_expert(tmp_path):
     assert (
         "forward" not in model.__dict__
     )  # optimum's patcher leaves nothing on the model (torch.compile sees it)
+
+
+@pytest.mark.slow
+def test_export_pruned_olmoe_with_its_routers_pruned_softmax_mass(tmp_path):
+    model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=96))
+    randomize_(model)
+    pruned, _ = prune_experts(model, collect_usage(model, [inputs(96)[0]]), PruneConfig(keep_experts=16))
+    assert pruned.config.router_pruned_experts == 48  # the denominator rows are in the graph too
+    check_export(pruned, tmp_path / "onnx")
 
 
 def test_export_refuses_a_data_dependent_expert_path(tmp_path):

@@ -353,7 +353,10 @@ class TaskRouterBias(nn.Module):
             )
         bias_TE = self.bias_LNE[i].index_select(0, self._task_ids_B.to(self.bias_LNE.device))
         bias_TE = bias_TE.repeat_interleave(T // B, dim=0).float()
-        return router.route(record.logits_TE + bias_TE)
+        rerouted = router.route(record.logits_TE + bias_TE)
+        if record.pruned_logits_TP is not None:  # a pruned router: its removed rows stay in the softmax
+            rerouted = router.apply_pruned_rows(rerouted, record.pruned_logits_TP)
+        return rerouted
 
     def save(self, out_dir: str | Path) -> None:
         out_dir = Path(out_dir)

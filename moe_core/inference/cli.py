@@ -76,7 +76,12 @@ def _prune(args: argparse.Namespace) -> int:
     from moe_core.inference.prune import PruneConfig, prune_checkpoint
 
     config = PruneConfig(
-        keep_experts=args.keep, min_share=args.min_share, merge_similar=args.merge, criterion=args.criterion
+        keep_experts=args.keep,
+        min_share=args.min_share,
+        merge_similar=args.merge,
+        criterion=args.criterion,
+        renormalize=args.renormalize,
+        pruned_choices=args.pruned_choices,
     )
     calibration = (
         calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
@@ -213,6 +218,19 @@ def add_cli(subparsers) -> None:
         "--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)"
     )
     prune.add_argument("--min-share", type=float, default=0.0, help="drop experts below this share of slots")
+    prune.add_argument(
+        "--renormalize",
+        action="store_true",
+        help="norm_topk_prob=False models: softmax over the kept experts only (what HF OLMoE/Qwen2-MoE can "
+        "express) instead of keeping the dropped experts' mass in the router's denominator",
+    )
+    prune.add_argument(
+        "--pruned-choices",
+        default="refill",
+        choices=["refill", "drop"],
+        help="a token's top-k choice of a dropped expert: refilled by its next-best kept expert, or its "
+        "slot left empty (dropless top-k/switch routers with raw softmax weights)",
+    )
     prune.add_argument(
         "--merge", action="store_true", help="merge each dropped expert into its most similar kept one"
     )

@@ -1,6 +1,6 @@
 """Selective expert loading: drop (or merge) experts the router rarely uses, for a smaller checkpoint.
 
-Legend: E = experts before, E' = experts kept, D = model dim.
+Legend: E = experts before, E' = experts kept, D = model dim, P = gate rows kept for the softmax denominator.
 
 Usage comes from a router profile (`moe_core.analytics.profile.RouterProfile`: the kept slots per expert of
 each MoE layer, `usage_from_profile`) or is counted here from ``model(x, output_routing=True)``
@@ -11,8 +11,19 @@ Our config has one ``num_experts`` for all layers, so every MoE layer keeps the 
 fewer than ``num_experts_per_tok``). Each layer keeps its own E' most used experts, in their original order.
 The router is adjusted by keeping the gate rows (and any per-expert router buffer, e.g. the aux-loss-free
 bias) of the kept experts. Tokens whose K choices were all kept get the same experts and, with
-``norm_topk_prob`` (Mixtral), the same weights; without it (OLMoE) the softmax now runs over the kept
-experts only, so their weights grow by the dropped experts' probability mass.
+``norm_topk_prob`` (Mixtral), the same weights. Without it (OLMoE, Qwen2-MoE, Switch: the top-k weights are
+raw softmax probabilities) a softmax over the kept experts only would scale every kept weight by
+1 / (1 - dropped mass), a per-token change of scale the model was never trained with; so by default the
+dropped experts' gate rows stay in the pruned router's softmax denominator (``router_pruned_experts``,
+`moe_core.routing.keep_pruned_mass`) and every kept expert gets exactly the weight the unpruned router gave
+it. On olmoe-small this cuts the loss at 32/64 experts from +1.18% to +0.37% (frequency) and at 16/64 from
++97% to +36% (REAP) (benchmarks/README.md).
+``PruneConfig.pruned_choices="drop"`` also leaves empty the slot of a token whose top-k choice was dropped,
+instead of refilling it with its next-best kept expert (an expert the layer never combined with that token
+in training): the unpruned routing with the dropped experts' outputs taken as zero.
+``PruneConfig.renormalize=True`` drops the rows instead (what REAP's reference implementation does; its
+models mostly renormalize top-k, where the two agree), for a checkpoint Hugging Face's OLMoE / Qwen2-MoE
+classes can express (`moe_core.convert` refuses the denominator rows rather than approximate them).
 
 Two criteria rank a layer's experts (``PruneConfig.criterion``):
 - ``frequency``: routed slots (the usage above).
@@ -46,6 +57,7 @@ from moe_core.experts import GroupedExperts
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import PRUNE_FILE, load
 from moe_core.model import MoEForCausalLM
+from moe_core.routing import pruned_mass_matters
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -60,10 +72,21 @@ class PruneConfig:
     min_share: float = 0.0  # drop experts below this share of a layer's slots (0 drops only never-used ones)
     merge_similar: bool = False
     criterion: str = "frequency"  # "frequency" (routed slots) or "reap" (router-weighted activation)
+    # True: softmax over the kept experts only; False: dropped experts' mass stays in the denominator
+    renormalize: bool = False
+    # a token's choice of a dropped expert: "refill" (next-best kept expert) or "drop" (its slot stays empty)
+    pruned_choices: str = "refill"
 
     def __post_init__(self) -> None:
         if self.criterion not in ("frequency", "reap"):
             raise PruneError(f"PruneConfig.criterion={self.criterion!r}: choose 'frequency' or 'reap'")
+        if self.pruned_choices not in ("refill", "drop"):
+            raise PruneError(f"PruneConfig.pruned_choices={self.pruned_choices!r}: choose 'refill' or 'drop'")
+        if self.pruned_choices == "drop" and self.renormalize:
+            raise PruneError(
+                "PruneConfig.pruned_choices='drop' ranks kept experts against the dropped experts' gate rows, "
+                "which renormalize=True discards; choose one"
+            )
         if self.keep_experts is not None and self.keep_experts < 1:
             raise PruneError(f"PruneConfig.keep_experts={self.keep_experts!r}: must be >= 1")
         if not 0.0 <= self.min_share < 1.0:
@@ -80,6 +103,7 @@ class PruneReport:
     params_after: int = 0
     usage_share_kept: dict[int, float] = field(default_factory=dict)  # share of slots the kept experts took
     criterion: str = "frequency"
+    router_pruned_experts: int = 0  # gate rows the pruned router keeps in its softmax denominator only
     perplexity: dict[str, float] = field(default_factory=dict)  # filled by callers that evaluate
 
     def to_dict(self) -> dict:
@@ -207,16 +231,31 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
     else:
         kept = choose_experts(usage, config, prune)
     E_new = len(next(iter(kept.values())))
+    keep_mass = not prune.renormalize and pruned_mass_matters(config)
     data = config.to_dict()
     for key in ("model_type", "transformers_version", "architectures"):
         data.pop(key, None)
     data["num_experts"] = E_new
-    new_config = MoEConfig.from_dict(data)
+    # rows already kept for the denominator by an earlier pruning, plus the experts dropped now
+    data["router_pruned_experts"] = (
+        config.router_pruned_experts + config.num_experts - E_new if keep_mass else 0
+    )
+    data["router_pruned_choices"] = prune.pruned_choices if keep_mass else "refill"
+    try:
+        new_config = MoEConfig.from_dict(data)
+    except ValueError as err:  # e.g. pruned_choices="drop" on a router that selects with a bias
+        raise PruneError(f"cannot prune this model so: {err}") from None
     new_model = MoEForCausalLM(new_config).to(next(model.parameters()).dtype).eval()
 
     state = model.state_dict()
     new_state = {}
-    report = PruneReport(config.num_experts, E_new, kept, criterion=prune.criterion)
+    report = PruneReport(
+        config.num_experts,
+        E_new,
+        kept,
+        criterion=prune.criterion,
+        router_pruned_experts=new_config.router_pruned_experts,
+    )
     layers = model.model.layers
     for name, tensor in state.items():
         new_state[name] = tensor
@@ -231,13 +270,21 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
             report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
         for p, stack in stacks.items():
             new_state[f"{prefix}experts.{p}"] = stack.index_select(0, index)
+        pruned_rows = prefix + "router.pruned_gate_weight"
         for name, tensor in state.items():  # router weights and per-expert router buffers
             if (
                 name.startswith(prefix + "router.")
+                and name != pruned_rows
                 and tensor.dim() >= 1
                 and tensor.shape[0] == config.num_experts
             ):
                 new_state[name] = tensor.index_select(0, index)
+        new_state.pop(pruned_rows, None)
+        if new_config.router_pruned_experts:
+            gate_ED = state[prefix + "router.gate.weight"]
+            dropped = torch.tensor([e for e in range(config.num_experts) if e not in ids], dtype=torch.long)
+            earlier_PD = state.get(pruned_rows, gate_ED[:0])
+            new_state[pruned_rows] = torch.cat([earlier_PD, gate_ED.index_select(0, dropped)])
         share = usage[layer_id].float() / usage[layer_id].sum().clamp_min(1)
         report.usage_share_kept[layer_id] = float(share[index].sum())
     missing, unexpected = new_model.load_state_dict(new_state, strict=False)
