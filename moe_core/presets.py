@@ -84,8 +84,9 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
         # (the lifecycle's 150 steps at lr 3e-3) it does not: with 64 experts the router probabilities stay
         # near uniform, so the LB loss reads ~1.1-1.3 while the busiest expert takes 3-5x the mean load and
         # experts die (issue 17). `router_aux_loss_coef=0.1` is the knob for such runs (the lifecycle recipe,
-        # `flows.params.small_train_config`, sets it): it roughly halves the skew and keeps experts alive, but
-        # does not reach max/mean 1.5 in 150 steps (benchmarks/README.md).
+        # `flows.params.small_train_config`, sets it): it roughly halves the skew and keeps experts alive. With
+        # `router_loss_reduction="sum"` as well (4x the pull) a 300-step run reaches max/mean < 1.5 in every
+        # layer at a slightly better perplexity; the coarse families lose 5-11% to that (benchmarks/README.md).
         return dict(
             num_experts=64,
             num_experts_per_tok=8,
