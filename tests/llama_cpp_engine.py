@@ -5,13 +5,15 @@
 for manylinux_2_28 (later ones need GCC 14's libstdc++, which Debian 12 lacks), and its pinned dependencies
 (attrs < 25, huggingface-hub < 0.27, protobuf < 6, ...) conflict with the lab's, so it is not a dependency:
 `install()` puts the wheel alone (``--no-deps``) in a cache directory, and the engine runs in a child process
-with that directory first on its path, using only its cffi bindings of llama.cpp's C API.
+with that directory on its path, loading only its compiled cffi bindings of llama.cpp's C API (CPU build).
 
-    python tests/llama_cpp_engine.py MODEL.gguf 1,2,3 16   # prints the 16 greedy tokens after ids 1,2,3
+    PYTHONPATH=$(python -c "from tests.llama_cpp_engine import install; print(install())") \
+        python tests/llama_cpp_engine.py MODEL.gguf 1,2,3 16   # the 16 greedy tokens after ids 1,2,3 (JSON)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,7 +42,7 @@ def install(cache: Path | None = None) -> Path:
 def greedy(gguf_file: Path, prompt_ids: list[int], new_tokens: int, site: Path) -> dict:
     """Run llama.cpp on ``gguf_file`` in a child process: the greedy continuation of ``prompt_ids`` and the
     logits after the prompt."""
-    env = {**os.environ, "PYTHONPATH": str(site), "LLAMA_CPP_BACKEND": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, __file__, str(gguf_file), ",".join(map(str, prompt_ids)), str(new_tokens)],
         env=env,
@@ -54,7 +56,13 @@ def greedy(gguf_file: Path, prompt_ids: list[int], new_tokens: int, site: Path) 
 
 
 def _run(gguf_file: str, prompt: str, new_tokens: int) -> None:
-    from llama.llama_cpp import ffi, lib  # llama-cpp-cffi's bindings of llama.h
+    # llama-cpp-cffi's compiled bindings of llama.h, loaded alone: its package __init__ imports a chat
+    # formatter stack (transformers, jinja2, ...) that this check does not need
+    (so,) = Path(os.environ["PYTHONPATH"], "llama").glob("_llama_cpp_cpu.*.so")
+    spec = importlib.util.spec_from_file_location("_llama_cpp_cpu", so)
+    bindings = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bindings)
+    ffi, lib = bindings.ffi, bindings.lib
 
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(gguf_file.encode(), lib.llama_model_default_params())
