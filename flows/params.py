@@ -48,8 +48,8 @@ def small_train_config(**fields) -> TrainConfig:
     A short, hot run (150 steps at lr 3e-3), so two settings differ from the papers' long runs (issue 17,
     benchmarks/README.md "Training quality"): a warm-up of a third of the run, and the load-balancing
     coefficient at 0.1 for every family. With Switch's 10-step warm-up the deep layers' routers collapse
-    before the balancing loss can act (20-60% of slots dropped at steps 20-40, 15-30% at step 80), and at the
-    papers' 0.01-0.02 the loss balances too slowly for 150 steps. Measured on switch-small (validation loss,
+    before the balancing loss can act (11-62% of the slots dropped per layer at step 20, 20-22% in layers
+    1-3 at step 80), and at the papers' 0.01-0.02 the loss balances too slowly for 150 steps. Measured on switch-small (validation loss,
     seed 0 / 1): warm-up 10, aux 0.01: 5.920; warm-up 50, aux 0.01 / 0.03 / 0.1 / 0.3: 5.842 / 5.791 /
     5.740 / 5.854 (seed 1 at 0.1: 5.701), drops in every layer under 3% at step 150 with 0.1; the dense
     baseline with equal active parameters: 5.977 (warm-up 10), 5.812 / 5.802 (warm-up 50)."""
