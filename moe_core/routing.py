@@ -219,6 +219,13 @@ def slot_counts(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(expert_ids_TK.flatten(), minlength=num_experts)
 
 
+def kept_slot_counts(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots each expert actually processes (after capacity and pruned-choice drops). A scatter-add, not
+    bincount of the kept ids: no data-dependent shape, so it compiles into the graph."""
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_ids_TK.device)
+    return counts_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
+
+
 def load_balancing_loss(
     probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, slot_fraction_E: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -340,10 +347,7 @@ def drop_pruned_choices(record: RoutingRecord, pruned_logits_TP: torch.Tensor, t
     above_pruned_TK = (pruned_logits_TP[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
     record.dropped_TK = record.dropped_TK | (above_kept_TK + above_pruned_TK >= top_k)
     record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
-    tokens_per_expert_E = torch.zeros_like(record.tokens_per_expert_E)
-    record.tokens_per_expert_E = tokens_per_expert_E.scatter_add_(
-        0, record.expert_ids_TK.flatten(), (~record.dropped_TK).flatten().long()
-    )
+    record.tokens_per_expert_E = kept_slot_counts(record.expert_ids_TK, record.dropped_TK, record.num_experts)
     return record
 
 
@@ -422,9 +426,7 @@ class Router(nn.Module):
         if dropped_TK is None:
             dropped_TK = torch.zeros_like(expert_ids_TK, dtype=torch.bool)
         weights_TK = weights_TK.masked_fill(dropped_TK, 0.0)
-        # a scatter-add, not bincount of the kept ids: no data-dependent shape, so it compiles into the graph
-        tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_ids_TK.device)
-        tokens_per_expert_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
+        tokens_per_expert_E = kept_slot_counts(expert_ids_TK, dropped_TK, self.num_experts)
         losses_needed = self.training or torch.is_grad_enabled()
         if not losses_needed:
             aux_loss = (
