@@ -26,7 +26,9 @@ Comparisons (the published direction in brackets):
     python benchmarks/quality.py --data ~/wikitext-103   # a local corpus: files, or a datasets.save_to_disk copy
     python benchmarks/quality.py --arms switch,dense-active --seeds 0,1,2
 
-Each arm runs with one torch thread (on a shared 2-core machine, 2 threads were slower; see README.md).
+Each arm runs in its own process with one torch thread, two arms at a time (``--jobs 2``: one per core of
+the 2-core machine; on it, one arm with 2 threads was slower than two arms side by side). The figures do not
+depend on ``--jobs``: every arm is deterministic given its seed.
 Prints a table, then ONE JSON line of the figures.
 """
 
@@ -35,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import platform
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -48,7 +52,7 @@ from moe_core.analytics.profile import profile_split
 from moe_core.config import parameter_counts
 from moe_core.routing import slot_counts
 from moe_core.train import TrainConfig
-from moe_core.train.batches import stack_blocks
+from moe_core.train.batches import open_datasets, stack_blocks
 from moe_core.train.loop import Trainer
 
 # name -> (preset, model overrides, dense baseline, extra TrainConfig fields)
@@ -136,9 +140,15 @@ def local_corpus(path: str, cache: Path) -> str:
 
 def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
     preset, overrides, baseline, extra = ARMS[arm]
+    preset = preset.replace("-small", f"-{args.size}")
     fields = {
         "model": {"preset": preset, "overrides": overrides, "baseline": baseline},
-        "data": {"source": source, "seq_len": args.seq, "max_documents": args.max_documents},
+        "data": {
+            "source": source,
+            "seq_len": args.seq,
+            "max_documents": args.max_documents,
+            "vocab_size": args.vocab,
+        },
         "steps": args.steps,
         "batch_size": args.batch,
         "seed": seed,
@@ -236,6 +246,41 @@ def run_arm(arm: str, args, seed: int, source: str, workdir: Path) -> dict:
     return row
 
 
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def run_all(runs: list[tuple[str, int]], args, source: str, workdir: Path) -> list[dict]:
+    """Every (arm, seed), ``args.jobs`` at a time in worker processes of ``args.threads`` torch threads each
+    (arms are independent and each is deterministic, so the figures do not depend on the job count; the
+    wall times do). Rows come back in the order of ``runs``."""
+
+    def report(row: dict) -> None:
+        print(
+            f"  {row['arm']} seed {row['seed']}: val ppl {row['val_ppl']:.2f} ({row['wall_s']:.0f} s)",
+            flush=True,
+        )
+
+    if args.jobs <= 1:
+        rows = []
+        for arm, seed in runs:
+            rows.append(run_arm(arm, args, seed, source, workdir))
+            report(rows[-1])
+        return rows
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
+    with ProcessPoolExecutor(
+        args.jobs, mp_context=context, initializer=_worker_init, initargs=(args.threads,)
+    ) as pool:
+        futures = {
+            pool.submit(run_arm, arm, args, seed, source, workdir): i for i, (arm, seed) in enumerate(runs)
+        }
+        rows: list[dict | None] = [None] * len(runs)
+        for future in as_completed(futures):
+            rows[futures[future]] = future.result()
+            report(rows[futures[future]])
+    return rows
+
+
 def summarize(rows: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for arm in dict.fromkeys(r["arm"] for r in rows):
@@ -276,6 +321,10 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="optimizer steps (default 300 full, 40 quick)"
     )
+    parser.add_argument(
+        "--size", default="small", choices=("tiny", "small", "base"), help="preset size of every arm"
+    )
+    parser.add_argument("--vocab", type=int, default=4000, help="tokenizer vocabulary trained on the data")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--max-documents", type=int, default=None, help="default 2000 full, 400 quick")
@@ -287,7 +336,13 @@ def main() -> None:
         ".txt/.jsonl/.parquet files, or a datasets.save_to_disk copy (e.g. WikiText-103)",
     )
     parser.add_argument("--cache", default=None, help="prepared-data cache directory (default: the usual)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per arm")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        help="arms trained at once, one process each (default 2: the 2-core machine)",
+    )
     args = parser.parse_args()
     args.steps = args.steps or (40 if args.quick else 300)
     if args.quick:
@@ -300,18 +355,15 @@ def main() -> None:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
     torch.set_num_threads(args.threads)
 
-    rows = []
+    runs = [
+        (arm, seed) for seed in seeds for arm in arms if seed == seeds[0] or arm in SEEDED or args.all_seeds
+    ]
     with tempfile.TemporaryDirectory(prefix="moe-quality-") as tmp:
         source = local_corpus(args.data, Path(tmp)) if args.data != "builtin" else "builtin"
-        for seed in seeds:
-            for arm in arms:
-                if seed != seeds[0] and arm not in SEEDED and not args.all_seeds:
-                    continue
-                row = run_arm(arm, args, seed, source, Path(tmp))
-                rows.append(row)
-                print(
-                    f"  {arm} seed {seed}: val ppl {row['val_ppl']:.2f} ({row['wall_s']:.0f} s)", flush=True
-                )
+        # every arm trains on the same prepared data: prepare it once, before any worker starts
+        first = train_config(runs[0][0], args, runs[0][1], source)
+        open_datasets(first.data, Path(tmp), first.model.build_config().vocab_size, True, lambda: None)
+        rows = run_all(runs, args, source, Path(tmp))
     table = summarize(rows)
     tokens = rows[0]["tokens"]
     print(
@@ -364,6 +416,8 @@ def main() -> None:
             {
                 "benchmark": "quality",
                 "quick": args.quick,
+                "size": args.size,
+                "vocab": args.vocab,
                 "steps": args.steps,
                 "batch": args.batch,
                 "seq": args.seq,
@@ -371,6 +425,7 @@ def main() -> None:
                 "seeds": seeds,
                 "data": args.data,
                 "threads": torch.get_num_threads(),
+                "jobs": args.jobs,
                 "torch": torch.__version__,
                 "machine": platform.machine(),
                 "arms": {
