@@ -103,6 +103,12 @@ def run_dashboard(args) -> int:
     return 0
 
 
+def add_dashboard_option(parser, help: str, func) -> None:
+    """``--dashboard`` on another command's parser (``moe-lab train``, ``moe-lab run``), handled by ``func``."""
+    parser.add_argument("--dashboard", action="store_true", help=help)
+    parser.set_defaults(func=func)
+
+
 def start_beside(
     roots: list[str | Path],
     host: str = "127.0.0.1",

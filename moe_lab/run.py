@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import os
 
-from dashboard.cli import start_beside
+from dashboard.cli import add_dashboard_option, start_beside
 from flows import cli as flows_cli
 from tasks import settings
 
 
 def add_cli(subparsers) -> None:
     flows_cli.add_cli(subparsers)
-    parser = subparsers.choices["run"]
-    parser.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="start the live dashboard (moe-lab dashboard) beside the flow and print its URL",
+    add_dashboard_option(
+        subparsers.choices["run"],
+        "start the live dashboard (moe-lab dashboard) beside the flow and print its URL",
+        run_flow,
     )
-    parser.set_defaults(func=run_flow)
 
 
 def run_flow(args) -> int:

@@ -16,19 +16,17 @@ import os
 import sys
 from pathlib import Path
 
-from dashboard.cli import start_beside
+from dashboard.cli import add_dashboard_option, start_beside
 from moe_core.train import cli as train_cli
 
 
 def add_cli(subparsers) -> None:
     train_cli.add_cli(subparsers)
-    parser = subparsers.choices["train"]
-    parser.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="start the live dashboard (moe-lab dashboard) on this run and print its URL",
+    add_dashboard_option(
+        subparsers.choices["train"],
+        "start the live dashboard (moe-lab dashboard) on this run and print its URL",
+        run_train,
     )
-    parser.set_defaults(func=run_train)
 
 
 def run_train(args) -> int:

@@ -79,9 +79,16 @@ def reduction_gemv(model: nn.Module) -> nn.Module:
     return model
 
 
+def _own_code(fn):
+    """``fn`` with a code object of its own: dynamo keeps graphs and its recompile budget per code object,
+    so every step of every `compile_steps` call gets its own."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
 def _step_fn(model: nn.Module, expert_impl: str | None):
-    """The model call a step runs, as a function with its own code object: dynamo keeps graphs and
-    its recompile budget per code object, so every step of every `compile_steps` call gets its own."""
+    """The model call a step runs (`_own_code`)."""
 
     def step(input_ids_BS, past_key_values=None, attention_mask_BL=None, position_ids_BS=None):
         out = model(
@@ -95,9 +102,7 @@ def _step_fn(model: nn.Module, expert_impl: str | None):
         )
         return out.logits[:, -1], out.past_key_values
 
-    return types.FunctionType(
-        step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
-    )
+    return _own_code(step)
 
 
 def _contiguous_cache(cache):
@@ -126,7 +131,8 @@ class StaticDecodeState:
 
 
 def _static_step_fn(model: nn.Module, expert_impl: str | None):
-    """A step on a `StaticCache` that returns only the last logits (the cache is updated in place)."""
+    """A step on a `StaticCache` that returns only the last logits (the cache is updated in place;
+    `_own_code`)."""
 
     def step(input_ids_BS, cache, cache_position_S, attention_mask_BL=None, position_ids_BS=None):
         out = model(
@@ -141,9 +147,7 @@ def _static_step_fn(model: nn.Module, expert_impl: str | None):
         )
         return out.logits[:, -1]
 
-    return types.FunctionType(
-        step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__
-    )
+    return _own_code(step)
 
 
 class _StaticCacheSteps:
