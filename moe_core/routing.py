@@ -85,6 +85,10 @@ class RoutingRecord:
     capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
     # logits of the pruned experts' gate rows (`Router.apply_pruned_rows`); None: nothing pruned
     pruned_logits_TP: torch.Tensor | None = None
+    # False when the K slots enumerate the experts (expert choice, K = E): a dropped slot is then an expert
+    # that did not pick the token, not a choice lost to capacity, and what counts as dropped is a token no
+    # expert took (`dropped_tokens_T`; telemetry's drop rate)
+    slots_are_choices: bool = True
 
     @property
     def num_experts(self) -> int:
@@ -421,6 +425,7 @@ class Router(nn.Module):
         dropped_TK: torch.Tensor | None = None,
         capacity: int | None = None,
         aux_loss: torch.Tensor | None = None,
+        slots_are_choices: bool = True,
     ) -> RoutingRecord:
         """Assemble a record; fills in the per-expert counts and the losses a subclass did not give."""
         if dropped_TK is None:
@@ -444,6 +449,7 @@ class Router(nn.Module):
             aux_loss=aux_loss,
             z_loss=router_z_loss(logits_TE) if losses_needed else None,
             capacity=capacity,
+            slots_are_choices=slots_are_choices,
         )
 
     def observe(self, record: RoutingRecord) -> None:
@@ -514,7 +520,14 @@ class ExpertChoiceRouter(Router):
         expert_ids_TK = torch.arange(E, device=probs_TE.device).expand(T, E)
         zero = logits_TE.new_zeros(())  # balanced by construction: no load-balancing loss
         return self.record(
-            logits_TE, probs_TE, expert_ids_TK, weights_ET.t(), ~chosen_ET.t(), capacity, aux_loss=zero
+            logits_TE,
+            probs_TE,
+            expert_ids_TK,
+            weights_ET.t(),
+            ~chosen_ET.t(),
+            capacity,
+            aux_loss=zero,
+            slots_are_choices=False,
         )
 
 

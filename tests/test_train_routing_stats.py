@@ -53,6 +53,26 @@ def test_metrics_equal_the_per_token_formulas_for_softmax_and_sigmoid_scores():
     assert not any("frac" in k for k in stats.metrics([1, 3], per_expert=False))
 
 
+def test_expert_choice_drop_rate_is_the_share_of_tokens_no_expert_took():
+    """Expert choice's K = E slots enumerate the experts, so most are 'dropped' by construction (1 - C/T);
+    its drop rate is the share of tokens left without any expert (they skip the FFN)."""
+    from moe_core.config import MoEConfig
+    from moe_core.routing import build_router
+
+    torch.manual_seed(0)
+    E, T = 8, 64
+    router = build_router(
+        MoEConfig(num_experts=E, num_experts_per_tok=2, hidden_size=16, router="expert_choice")
+    )
+    rec = router.route(torch.randn(T, E))
+    assert not rec.slots_are_choices and rec.dropped_TK.float().mean() > 0.7  # 1 - 2/8 of the slots
+    stats = RoutingStats(1, E)
+    stats.add((rec,))
+    out = stats.metrics([0])
+    assert math.isclose(out["moe/layer_0/drop_rate"], rec.dropped_tokens_T.float().mean().item())
+    assert out["moe/layer_0/drop_rate"] < 0.2  # C = 2T/E per expert leaves few tokens without an expert
+
+
 def test_entropy_of_a_long_batch_is_a_close_strided_estimate():
     g = torch.Generator().manual_seed(1)
     T, E = 16 * ENTROPY_TOKENS, 16

@@ -5,7 +5,8 @@ A sink is anything with ``log(step, metrics)`` and ``close()`` (`MetricsSink`). 
 sink draws a progress bar with rate and ETA on a terminal and prints plain log lines otherwise.
 
 Metrics are flat ``name -> float``; per MoE layer ``moe/layer_<i>/<stat>``:
-``drop_rate`` (routed slots dropped over capacity), ``entropy`` (mean over tokens of -sum_e p log p, nats),
+``drop_rate`` (routed slots dropped over capacity; for expert choice, whose slots are every expert, the
+share of tokens no expert took), ``entropy`` (mean over tokens of -sum_e p log p, nats),
 ``max_over_mean_load`` (1.0 is perfect balance), ``expert_<e>_frac`` (fraction of routed slots, before
 capacity, sent to expert e). Only numbers are logged: never text, tokens or weights.
 """
@@ -199,7 +200,10 @@ class RoutingStats:
         for i, record in enumerate(records):
             row = self.sums_LX[i]
             row[:E] += torch.bincount(record.expert_ids_TK.flatten(), minlength=E)[:E].to(row.dtype)
-            row[E] += record.dropped_TK.sum().to(row.dtype)
+            if record.slots_are_choices:
+                row[E] += record.dropped_TK.sum().to(row.dtype)
+            else:  # expert choice: the tokens no expert took, on the scale of slots (K per token)
+                row[E] += (record.dropped_tokens_T.sum() * record.dropped_TK.shape[-1]).to(row.dtype)
             probs_TE = record.probs_TE[:: max(1, record.probs_TE.shape[0] // ENTROPY_TOKENS)].float()
             # entropy of p / s per token (s = sum_e p: sigmoid scores do not sum to 1) without normalizing:
             # H = -sum (p/s) log(p/s) = sum entr(p) / s + log s, one fused pass over [T, E]
