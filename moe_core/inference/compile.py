@@ -22,8 +22,7 @@ Both steps are captured whole (``fullgraph=True``), each with the expert path th
 
 ``cache="static"`` decodes into transformers' ``StaticCache`` instead (``compile_steps(model,
 cache="static", max_cache_len=L)``): keys and values preallocated at [B, G, L, Hd] once per batch shape and
-written in place at ``cache_position`` (a tensor input, so the graph does not guard on the length; the
-decode graph has static shapes, one per batch size), the
+written in place at ``cache_position`` (a tensor input, so the graph does not guard on the length), the
 attention mask spans all L slots (those past the current position are masked out), and the compiled decode
 returns only the logits: no cache object is unpacked or rebuilt per step. The steps then hold one cache,
 reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
@@ -250,14 +249,10 @@ def compile_steps(
             static_prefill = torch.compile(
                 static_prefill, fullgraph=fullgraph, dynamic=True, mode=mode, backend=backend, options=options
             )
-        # static shapes: every decode step of a cache has the same shapes (its length is the tensor
-        # ``cache_position``), so one graph per batch size, and dynamo checks its guards in C++; with
-        # symbolic shapes a step also ran a Python shape-guard function over every cache layer and module
-        # eps, and the kernels looped over symbolic sizes: 4.5 against 2.7 ms a step on olmoe-small
         static_decode = torch.compile(
             _static_step_fn(model, decode_impl),
             fullgraph=fullgraph,
-            dynamic=False,
+            dynamic=True,
             mode=mode,
             backend=backend,
             options=options,
