@@ -228,8 +228,9 @@ def main() -> None:
         "--batches",
         type=int,
         nargs="*",
-        default=[8, 32],
-        help="batched compiled static-cache decode beside batch 1 (--compile)",
+        default=None,
+        help="batch sizes of the batched compiled static-cache decode beside batch 1 (--compile; "
+        "default, and --batches alone: 8 32; --batches 1: batch 1 only)",
     )
     parser.add_argument("--prune", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
@@ -239,6 +240,7 @@ def main() -> None:
         help="int4 experts by RTN, GPTQ and AWQ: perplexity drift, size, eager decode speed",
     )
     args = parser.parse_args()
+    args.batches = [b for b in (args.batches or [8, 32]) if b > 1]  # `--batches` alone once meant none
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
