@@ -99,25 +99,6 @@ class FeedForward(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ attention
-def decode_attention(q_BH1Hd, k_BGLHd, v_BGLHd, mask_B11L=None):
-    """Attention of one query per sequence, written as the two reductions it is (compiled decode only).
-
-    Exactly `F.scaled_dot_product_attention` with the keys and values repeated over each group's H/G query
-    heads (the reference, `Attention.forward`), without materializing the repeat: under compilation both
-    products fuse into vectorized loops over the cache, where SDPA stays an extern call into a kernel tiled
-    for long queries (on a CPU, about 70 us a layer at batch 1 on olmoe-small, whose whole compiled step is
-    2.5 ms: the decode graph's kernel profile, benchmarks/README.md)."""
-    B, H, _, Hd = q_BH1Hd.shape
-    G, L = k_BGLHd.shape[1], k_BGLHd.shape[2]
-    q_BGRHd = q_BH1Hd.reshape(B, G, H // G, Hd).float()
-    scores_BGRL = (q_BGRHd[:, :, :, None, :] * k_BGLHd[:, :, None].float()).sum(-1) * Hd**-0.5
-    if mask_B11L is not None:
-        scores_BGRL = scores_BGRL.masked_fill(~mask_B11L.reshape(-1, 1, 1, L), float("-inf"))
-    p_BGRL = scores_BGRL.softmax(-1)
-    out_BGRHd = (p_BGRL[..., None] * v_BGLHd[:, :, None].float()).sum(-2)
-    return out_BGRHd.reshape(B, H, 1, Hd).to(q_BH1Hd.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int) -> None:
         super().__init__()
@@ -155,9 +136,6 @@ class Attention(nn.Module):
             k_BGSHd, v_BGSHd = past_key_values.update(
                 k_BGSHd, v_BGSHd, self.layer_idx, {"cache_position": cache_position}
             )
-        if S == 1 and torch.compiler.is_compiling() and not self.training:  # decode: one query per sequence
-            out_BHSHd = decode_attention(q_BHSHd, k_BGSHd, v_BGSHd, mask_BqL)
-            return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
         if self.num_kv_heads != self.num_heads:  # GQA: each kv head serves H/G query heads
             repeat = self.num_heads // self.num_kv_heads
             k_BGSHd = k_BGSHd.repeat_interleave(repeat, dim=1)

@@ -96,27 +96,3 @@ def test_compiled_static_decode_gives_the_eager_greedy_tokens_with_one_graph():
         greedy(steps, prompt, 12)
     with pytest.raises(CompileError, match="max_cache_len"):
         steps.prefill(torch.randint(0, 128, (1, 16)))
-
-
-@pytest.mark.parametrize("mask", ["none", "per_row", "shared"])
-def test_decode_attention_equals_sdpa_over_repeated_kv_heads(mask):
-    """The compiled decode's attention (two reductions, no repeat of the kv heads) against its reference,
-    SDPA on keys and values repeated over each group's query heads, as `Attention.forward` runs it."""
-    import torch.nn.functional as F
-
-    from moe_core.model import decode_attention
-
-    torch.manual_seed(0)
-    B, H, G, L, Hd = 2, 8, 2, 11, 16
-    q, k, v = torch.randn(B, H, 1, Hd), torch.randn(B, G, L, Hd), torch.randn(B, G, L, Hd)
-    mask_B11L = {
-        "none": None,
-        "per_row": torch.rand(B, 1, 1, L) > 0.3,  # e.g. left padding and the unwritten static-cache slots
-        "shared": torch.arange(L)[None, None, None] <= 6,  # [1, 1, 1, L]: the positions decoded so far
-    }[mask]
-    if mask_B11L is not None:
-        mask_B11L[..., 0] = True  # every row attends somewhere (attention_mask_for guarantees it)
-    reference = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1), attn_mask=mask_B11L
-    )
-    torch.testing.assert_close(decode_attention(q, k, v, mask_B11L), reference, atol=1e-5, rtol=1e-5)
