@@ -127,7 +127,7 @@ ARMS: dict[str, tuple[str, dict, str | None, dict]] = {
     "olmoe": ("olmoe-small", {}, None, {}),
     "shared": ("shared-small", {}, None, {}),
 }
-# the MoE-vs-dense comparisons get every seed; the others the first (budget: ~1 hour on 2 cores)
+# the MoE-vs-dense comparisons get every seed; the others the first (full mode: ~45 minutes on 2 cores)
 SEEDED = ("switch", "dense-active", "dropless", "fine", "dense-coarse")
 # (arm a, arm b, published direction): "lower" = a's perplexity is lower than b's
 DIRECTIONS = (
