@@ -353,6 +353,25 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def pair_margins(rows: list[dict], table: dict[str, dict]) -> dict[str, dict]:
+    """For each (MoE, dense) pair of ``MARGINS`` that ran: how much lower the MoE's validation perplexity is,
+    as a fraction of the dense model's, on the means over seeds (``mean``) and seed by seed (``per_seed``,
+    the seeds both arms ran, in run order); negative where the MoE is worse."""
+    ppl = {(r["arm"], r["seed"]): r["val_ppl"] for r in rows}
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    out = {}
+    for moe, dense in MARGINS:
+        if moe in table and dense in table:
+            per_seed = [
+                1 - ppl[moe, s] / ppl[dense, s] for s in seeds if (moe, s) in ppl and (dense, s) in ppl
+            ]
+            out[f"{moe} vs {dense}"] = {
+                "mean": round(1 - table[moe]["val_ppl"] / table[dense]["val_ppl"], 4),
+                "per_seed": [round(g, 4) for g in per_seed],
+            }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -462,22 +481,13 @@ def main() -> None:
                 holds = table[a]["val_ppl"] < table[b]["val_ppl"]
             verdicts[f"{a} vs {b}"] = holds
             print(f"{'reproduces' if holds else 'DOES NOT reproduce':>18}: {claim}")
-    margins = {}
-    for moe, dense in MARGINS:
-        if moe in table and dense in table:
-            gain = 1 - table[moe]["val_ppl"] / table[dense]["val_ppl"]
-            ppl = {(r["arm"], r["seed"]): r["val_ppl"] for r in rows}
-            per_seed = [
-                1 - ppl[moe, s] / ppl[dense, s] for s in seeds if (moe, s) in ppl and (dense, s) in ppl
-            ]
-            margins[f"{moe} vs {dense}"] = {
-                "mean": round(gain, 4),
-                "per_seed": [round(g, 4) for g in per_seed],
-            }
-            print(
-                f"{moe} vs {dense}: {100 * abs(gain):.1f}% {'lower' if gain >= 0 else 'HIGHER'} perplexity "
-                f"(target >= 5% lower; per seed, lower: {' / '.join(f'{100 * g:.1f}%' for g in per_seed)})"
-            )
+    margins = pair_margins(rows, table)
+    for pair, m in margins.items():
+        gain = m["mean"]
+        print(
+            f"{pair}: {100 * abs(gain):.1f}% {'lower' if gain >= 0 else 'HIGHER'} perplexity "
+            f"(target >= 5% lower; per seed, lower: {' / '.join(f'{100 * g:.1f}%' for g in m['per_seed'])})"
+        )
     print(
         json.dumps(
             {
