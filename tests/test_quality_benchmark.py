@@ -40,10 +40,14 @@ def test_every_arm_builds_its_model(quality, size):
         assert config.steps == 2500 and config.optim.warmup_steps == 2500 // 3
 
 
-def test_switch_arms_use_the_long_run_embedding_init(quality):
-    for arm in ("switch", "dense-active", "dense-total"):
+def test_switch_comparison_uses_the_long_run_embedding_init(quality):
+    for arm in ("switch-0.02", "dense-active-0.02", "dense-total-0.02"):
         model = quality.train_config(arm, _args(), seed=0, source="builtin").model.build_config()
-        assert model.embedding_init_std is None, arm  # the 0.02 init, not the preset's N(0, 1)
+        assert model.embedding_init_std is None, arm  # the 0.02 init
+    for arm in ("switch", "dense-active"):  # the preset as it is: its N(0, 1) table, for routing health
+        model = quality.train_config(arm, _args(), seed=0, source="builtin").model.build_config()
+        assert model.embedding_init_std == 1.0, arm
+    assert {"switch-0.02", "dense-active-0.02"} <= set(quality.SEEDED)
 
 
 def test_margin_pairs_have_equal_active_parameters(quality):
