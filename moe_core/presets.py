@@ -43,11 +43,12 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
         # (measured at step 10 of the lifecycle run), its logits a per-expert offset for the whole batch, and
         # top-1 sends most of a batch to one expert: 20-60% of slots dropped at capacity 1.25 (issue 17).
         # Re-measured with the recipe's warm-up and aux 0.1 (switch-small, 150 steps, seed 0): std 1.0 val
-        # loss 5.740, drops <= 3% per layer at step 150; 0.1: 5.882, 2-4%; 0.02: 6.276, 6-12% (47-67% at step
+        # loss 5.740, drops <= 3% per layer at step 150; 0.1: 5.882, 2-4%; 0.02: 6.276, 6-12% (33-67% at step
         # 20-50). The price is in long runs with Adam, whose absolute steps barely move a unit-scale table (T5
         # used Adafactor, whose steps are relative): switch-tiny, one pass over the built-in corpus (2,500
-        # steps), val ppl 60.07 at 0.02 against 67.71 at 1.0, drops 4.9% (dense-active: 62.78 / 70.72), so
-        # `embedding_init_std=None` (0.02) is the override for such runs (benchmarks/README.md, "Session 7").
+        # steps, three seeds), val ppl 59.44 at 0.02 against 67.65 at 1.0 (dense-active: 62.27 / 69.44), though
+        # layer 0 then drops 5.8% of its slots (1.0: 0.5%); `embedding_init_std=None` (0.02) is the override
+        # for such runs (benchmarks/README.md, "Session 7").
         # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
         # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
         # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
