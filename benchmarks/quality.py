@@ -140,12 +140,8 @@ ARMS: dict[str, tuple[str, dict, str | None, dict]] = {
     "mixtral": ("mixtral-small", {}, None, {}),
     "olmoe": ("olmoe-small", {}, None, {}),
     "shared": ("shared-small", {}, None, {}),
-    "dense-olmoe": (
-        "olmoe-small",
-        {},
-        "active",
-        {},
-    ),  # olmoe's dense model (qk-norm too), equal active params
+    # olmoe's dense model with equal active parameters (qk-norm too)
+    "dense-olmoe": ("olmoe-small", {}, "active", {}),
 }
 # the MoE-vs-dense comparisons get every seed; the others the first (full mode: ~70 minutes on 2 cores)
 SEEDED = ("switch-0.02", "dense-active-0.02", "dropless", "fine", "dense-coarse", "olmoe", "dense-olmoe")

@@ -55,9 +55,7 @@ def test_margin_pairs_have_equal_active_parameters(quality):
         configs = [
             quality.train_config(arm, _args(), 0, "builtin").model.build_config() for arm in (moe, dense)
         ]
-        routers = sum(
-            configs[0].num_experts * configs[0].hidden_size for _ in range(configs[0].num_hidden_layers)
-        )
+        routers = configs[0].num_experts * configs[0].hidden_size * configs[0].num_hidden_layers
         active = [parameter_counts(c)["active"] for c in configs]
         assert quality.ARMS[dense][2] == "active"
         assert active[0] - routers == active[1], (moe, dense, active)  # equal but for the routers' E x d
