@@ -3,7 +3,6 @@ every preset size (an arm whose overrides no longer build would fail only an hou
 pairs compare a MoE with a dense model of equal active parameters, and the margins table is right."""
 
 import importlib.util
-import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -18,10 +17,8 @@ _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
 def quality():
     spec = importlib.util.spec_from_file_location("quality_benchmark", _PATH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclass/pickle lookups by module name
     spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return module
 
 
 def _args(size="tiny"):
