@@ -96,3 +96,68 @@ def test_compiled_static_decode_gives_the_eager_greedy_tokens_with_one_graph():
         greedy(steps, prompt, 12)
     with pytest.raises(CompileError, match="max_cache_len"):
         steps.prefill(torch.randint(0, 128, (1, 16)))
+
+
+def recording_backend(graphs: list):
+    """A dynamo backend that keeps each captured graph's inputs as traced (fake tensors with their symbolic
+    shapes, symbolic numbers) and runs the graph as captured."""
+
+    def backend(gm, example_inputs):
+        graphs.append([node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")])
+        return gm.forward
+
+    return backend
+
+
+def boxed_numbers(inputs) -> list:
+    """Graph inputs that are Python numbers boxed per call (0-d float64 tensors, symbolic floats)."""
+    return [
+        x
+        for x in inputs
+        if isinstance(x, torch.SymFloat)
+        or (isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype == torch.float64)
+    ]
+
+
+def symbolic_dims(inputs) -> list:
+    return [n for x in inputs if isinstance(x, torch.Tensor) for n in x.shape if isinstance(n, torch.SymInt)]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@torch.no_grad()
+def test_compiled_steps_take_only_tensors_one_graph_per_step_whatever_the_lengths(cache):
+    """The class of per-call overhead `compile_steps` avoids: no Python number of the model (norm eps, ...)
+    becomes a graph input boxed on every call, the lengths are symbolic from the first compile (one prefill
+    and one decode graph for prompts of 5 and 7 tokens), and batch-1 decode has only static shapes."""
+    model = tiny(num_hidden_layers=1)
+    graphs = []
+    steps = compile_steps(model, backend=recording_backend(graphs), cache=cache, max_cache_len=16)
+    for length in (5, 7):
+        prompt = torch.randint(0, 128, (1, length))
+        assert torch.equal(greedy(steps, prompt, 4), greedy(eager_steps(model), prompt, 4))
+    assert len(graphs) == 2  # prefill and decode, each compiled once
+    assert all(not boxed_numbers(inputs) for inputs in graphs)
+    assert symbolic_dims(graphs[0])  # the prompt length
+    # the batch-1 decode graph on a static cache: every shape a constant; on a dynamic one: the cache length
+    assert bool(symbolic_dims(graphs[1])) == (cache == "dynamic")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@torch.no_grad()
+def test_compiled_steps_refuse_a_model_changed_after_compiling(cache):
+    """The compiled kernels neither guard on the model nor assert their input sizes: a model whose parameters
+    were replaced (a cast, a pruned stack) is refused at the next prefill, before any kernel reads it."""
+    model = tiny(num_hidden_layers=1)
+    steps = compile_steps(model, backend="eager", cache=cache, max_cache_len=16, compile_prefill=False)
+    prompt = torch.randint(0, 128, (1, 5))
+    greedy(steps, prompt, 2)
+    with torch.no_grad():  # updated in place: the same layout, still accepted
+        model.lm_head.weight.mul_(1.0)
+    greedy(steps, prompt, 2)
+    experts = model.model.layers[0].mlp.experts
+    experts.up_proj = torch.nn.Parameter(experts.up_proj[:4].clone())  # four of the experts kept
+    with pytest.raises(CompileError, match=r"up_proj: \(8, .*\(4, .*compile_steps again"):
+        steps.prefill(prompt)
+    model.to(torch.bfloat16)
+    with pytest.raises(CompileError, match="bfloat16"):
+        steps.prefill(prompt)

@@ -20,6 +20,13 @@ Both steps are captured whole (``fullgraph=True``), each with the expert path th
   `compile_steps` get the same kernel, and comparisons stay fair. The KV-cache length goes dynamic after
   the first recompile (dynamo's automatic dynamic shapes), so the growing cache does not recompile every step.
 
+Only the lengths are symbolic (`_mark_lengths`: the prompt and the dynamic cache, marked on every call); every
+other shape and every Python number the model reads is a constant of the graph. ``dynamic=True`` would make
+the norms' ``eps`` (and every other float attribute) a graph input, boxed into a tensor and read back with
+``.item()`` on every call, and the batch-1 decode a symbolic-shape kernel: 18 boxed floats and 0.3-0.5 ms of a
+2.5-3 ms olmoe-small decode step (benchmarks/README.md). A new batch size compiles once more, then the batch
+goes symbolic too (automatic dynamic shapes), so batch 1 keeps its static graph.
+
 ``cache="static"`` decodes into transformers' ``StaticCache`` instead (``compile_steps(model,
 cache="static", max_cache_len=L)``): keys and values preallocated at [B, G, L, Hd] once per batch shape and
 written in place at ``cache_position`` (a tensor input, so the graph does not guard on the length), the
@@ -104,12 +111,22 @@ def _step_fn(model: nn.Module, expert_impl: str | None):
     return _own_code(step)
 
 
+def _mark_lengths(*tensors_and_dims) -> None:
+    """Mark each ``(tensor, dim)`` length as symbolic for dynamo (None tensors are skipped). Called on every
+    call of a step, so the marks (which dynamo guards on) are the same each time: one graph serves every
+    length from the first compile, while everything unmarked stays a constant (module doc)."""
+    for tensor, dim in tensors_and_dims:
+        if tensor is not None:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def _contiguous_cache(cache):
     # prefill leaves transposed (strided) keys and values in the cache, decode steps contiguous ones: one
-    # layout for every decode call, or dynamo recompiles on the stride change
+    # layout for every decode call, or dynamo recompiles on the stride change; the length is symbolic
     for layer in getattr(cache, "layers", ()):
         if getattr(layer, "keys", None) is not None:
             layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+            _mark_lengths((layer.keys, 2), (layer.values, 2))
     return cache
 
 
@@ -149,6 +166,36 @@ def _static_step_fn(model: nn.Module, expert_impl: str | None):
     return _own_code(step)
 
 
+class _Structure:
+    """The shapes, dtypes and devices of a model's parameters and buffers when `compile_steps` compiled it.
+
+    The compiled steps neither guard on the model (dynamo's guards on every module attribute would cost a
+    tenth of a decode step) nor assert their input sizes (inductor's ``size_asserts``, another 4% of it); each
+    prefill checks instead, once per generation, that nothing was replaced since (a pruned expert stack, a
+    cast to bfloat16): a kernel compiled for the old layout would read the new tensor out of bounds."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.spec = model, self._spec(model)
+
+    @staticmethod
+    def _spec(model: nn.Module) -> dict:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {
+            name: f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
+            for name, t in tensors
+        }
+
+    def check(self) -> None:
+        now = self._spec(self.model)
+        if now != self.spec:
+            name = next(n for n in {**self.spec, **now} if self.spec.get(n) != now.get(n))
+            raise CompileError(
+                f"{name}: {self.spec.get(name, 'absent')} when compile_steps compiled the model, "
+                f"{now.get(name, 'absent')} now; the compiled steps read the old layout: call "
+                "compile_steps again after changing the model"
+            )
+
+
 class _StaticCacheSteps:
     """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots."""
 
@@ -159,6 +206,7 @@ class _StaticCacheSteps:
             decode,
             max_cache_len,
         )
+        self.structure = _Structure(model)
         self.cache: StaticCache | None = None
         self.positions = torch.arange(max_cache_len)
 
@@ -181,13 +229,16 @@ class _StaticCacheSteps:
                 f"prompt of {S} tokens does not fit a static cache of max_cache_len="
                 f"{self.max_cache_len} (room for the decoded tokens too); raise max_cache_len"
             )
+        self.structure.check()
         cache = self._cache_for(B, input_ids_BS)
         mask_BL = None
         if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
             mask_BL = torch.ones(B, self.max_cache_len, dtype=attention_mask_BS.dtype)
             mask_BL[:, :S] = attention_mask_BS
+        positions_S = self.positions[:S]
+        _mark_lengths((input_ids_BS, 1), (positions_S, 0), (position_ids_BS, 1))
         with torch.no_grad():
-            logits = self.prefill_fn(input_ids_BS, cache, self.positions[:S], mask_BL, position_ids_BS)
+            logits = self.prefill_fn(input_ids_BS, cache, positions_S, mask_BL, position_ids_BS)
         return logits, StaticDecodeState(cache, S, mask_BL)
 
     def decode(self, input_ids_BS, state: StaticDecodeState, attention_mask_BL=None, position_ids_BS=None):
@@ -223,8 +274,8 @@ def compile_steps(
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
-    Both steps have symbolic shapes (prompt length, batch, cache length): one graph each, whatever the
-    lengths. The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
+    Both steps have symbolic lengths (prompt, cache): one graph each, whatever the lengths, per batch shape
+    (batch 1 keeps a static graph; a second batch size compiles once more, symbolic in the batch). The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc)."""
@@ -237,56 +288,47 @@ def compile_steps(
     model.eval()
     if gemv == "reduction":
         reduction_gemv(model)
-    # a decode step is a few milliseconds, so dynamo's guards on every module attribute cost a tenth of it;
     # the steps hold one model, whose structure must not change after compile_steps (parameters may be
-    # updated in place: they are graph inputs)
+    # updated in place: they are graph inputs): no guards on the modules, no size asserts on the inputs,
+    # each prefill checks the model instead (`_Structure`)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if backend == "inductor":
+        options["size_asserts"] = False
     if cpp_wrapper:  # inductor's C++ wrapper: kernel launches without the Python wrapper's per-call cost
         options["cpp_wrapper"] = True
+
+    def compiled(fn):  # dynamic=None: only the lengths `_mark_lengths` marks are symbolic (module doc)
+        return torch.compile(
+            fn, fullgraph=fullgraph, dynamic=None, mode=mode, backend=backend, options=options
+        )
+
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
         if compile_prefill:
-            static_prefill = torch.compile(
-                static_prefill, fullgraph=fullgraph, dynamic=True, mode=mode, backend=backend, options=options
-            )
-        static_decode = torch.compile(
-            _static_step_fn(model, decode_impl),
-            fullgraph=fullgraph,
-            dynamic=True,
-            mode=mode,
-            backend=backend,
-            options=options,
-        )
+            static_prefill = compiled(static_prefill)
+        static_decode = compiled(_static_step_fn(model, decode_impl))
         steps = _StaticCacheSteps(model, static_prefill, static_decode, max_cache_len)
         return CompiledSteps(steps.prefill, steps.decode)
-    prefill = torch.compile(
-        _step_fn(model, prefill_impl),
-        fullgraph=fullgraph,
-        dynamic=True,
-        mode=mode,
-        backend=backend,
-        options=options,
-    )
-    decode = torch.compile(
-        _step_fn(model, decode_impl),
-        fullgraph=fullgraph,
-        dynamic=True,
-        mode=mode,
-        backend=backend,
-        options=options,
-    )
+    prefill = compiled(_step_fn(model, prefill_impl)) if compile_prefill else eager_steps(model).prefill
+    decode = compiled(_step_fn(model, decode_impl))
+    structure = _Structure(model)
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
+        structure.check()
+        if not compile_prefill:
+            return prefill(input_ids_BS, attention_mask_BS, position_ids_BS)
+        _mark_lengths((input_ids_BS, 1), (attention_mask_BS, 1), (position_ids_BS, 1))
         with torch.no_grad():
             return prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
 
     def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
+        _mark_lengths((attention_mask_BL, 1))
         with torch.no_grad():
             return decode(
                 input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS
             )
 
-    return CompiledSteps(run_prefill if compile_prefill else eager_steps(model).prefill, run_decode)
+    return CompiledSteps(run_prefill, run_decode)
 
 
 def eager_steps(model: nn.Module) -> CompiledSteps:
