@@ -395,7 +395,10 @@ class Router(nn.Module):
             x_TD = x_TD.float()
             if self.training and self.jitter > 0:  # Switch: multiplicative jitter on the router input
                 x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-            logits_TE = F.linear(x_TD, self.gate.weight.float())
+            # an fp32 gate runs its own forward: under compile_steps a ReductionLinear, whose single-row form
+            # inductor fuses with the norm before it (an extern GEMM call per layer otherwise, 3% of a step)
+            weight = self.gate.weight
+            logits_TE = self.gate(x_TD) if weight.dtype == torch.float32 else F.linear(x_TD, weight.float())
             record = self.route(logits_TE)
             if self.pruned_gate_weight is not None:
                 record = self.apply_pruned_rows(record, F.linear(x_TD, self.pruned_gate_weight.float()))
