@@ -221,8 +221,9 @@ def main() -> None:
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--cpp-wrapper",
-        action="store_true",
-        help="compile the static-cache steps with inductor's C++ wrapper (slower to compile)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the static-cache steps with inductor's C++ wrapper (compile_steps' default)",
     )
     parser.add_argument(
         "--batches",

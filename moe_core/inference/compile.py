@@ -269,13 +269,16 @@ def compile_steps(
     compile_prefill: bool = True,
     cache: str = "dynamic",
     max_cache_len: int | None = None,
-    cpp_wrapper: bool = False,
+    cpp_wrapper: bool = True,
 ) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
     ``gemv="reduction"`` installs `reduction_gemv` on the model (in place); ``"mm"`` leaves its linears be.
     Both steps have symbolic lengths (prompt, cache): one graph each, whatever the lengths, per batch shape
-    (batch 1 keeps a static graph; a second batch size compiles once more, symbolic in the batch). The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
+    (batch 1 keeps a static graph; a second batch size compiles once more, symbolic in the batch). With
+    inductor, ``cpp_wrapper`` (default) launches the kernels from C++ rather than a Python function: 4
+    points of the memory bound on olmoe-small's decode, at the same compile time (benchmarks/README.md).
+    The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc)."""
@@ -293,9 +296,7 @@ def compile_steps(
     # each prefill checks the model instead (`_Structure`)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if backend == "inductor":
-        options["size_asserts"] = False
-    if cpp_wrapper:  # inductor's C++ wrapper: kernel launches without the Python wrapper's per-call cost
-        options["cpp_wrapper"] = True
+        options.update(size_asserts=False, cpp_wrapper=cpp_wrapper)
 
     def compiled(fn):  # dynamic=None: only the lengths `_mark_lengths` marks are symbolic (module doc)
         return torch.compile(
