@@ -17,8 +17,8 @@ Both steps are captured whole (``fullgraph=True``), each with the expert path th
   single-row GEMV streams weights at about half the bandwidth of inductor's vectorized reduction
   (benchmarks/README.md), so `reduction_gemv` also rewrites every ``nn.Linear`` (attention, dense FFN, LM
   head) the same way whenever it sees a single row under compilation: dense baselines compiled with
-  `compile_steps` get the same kernel, and comparisons stay fair. The KV-cache length goes dynamic after
-  the first recompile (dynamo's automatic dynamic shapes), so the growing cache does not recompile every step.
+  `compile_steps` get the same kernel, and comparisons stay fair. The KV-cache length is symbolic from the
+  first compile, so the growing cache does not recompile every step.
 
 Only the lengths are symbolic (`_mark_lengths`: the prompt and the dynamic cache, marked on every call); every
 other shape and every Python number the model reads is a constant of the graph. ``dynamic=True`` would make
