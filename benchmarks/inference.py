@@ -223,7 +223,7 @@ def main() -> None:
         "--cpp-wrapper",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile the static-cache steps with inductor's C++ wrapper (compile_steps' default)",
+        help="compile the steps with inductor's C++ wrapper (compile_steps' default; --no-cpp-wrapper: Python)",
     )
     parser.add_argument(
         "--batches",
@@ -288,7 +288,7 @@ def main() -> None:
             figures["compile_s"] = {}
             max_len = args.prompt_len + args.steps + 1
             for name, model in (("moe", moe), ("dense-total", dense_total), ("dense-active", dense_active)):
-                compiled = compile_steps(model)
+                compiled = compile_steps(model, cpp_wrapper=args.cpp_wrapper)
                 t0 = time.perf_counter()
                 compiled_runner(
                     compiled, prompt, 2
