@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -48,13 +49,25 @@ def test_batched_greedy_equals_one_prompt_generate():
 
 @pytest.mark.slow
 def test_compiled_batched_generation_equals_eager():
-    """compile=True: left-padded prompts through the fullgraph prefill and the gather decode (inductor)."""
+    """compile=True: left-padded prompts, eager prefill into one static cache sized for the longest prompt
+    plus the new tokens, compiled gather decode (inductor); two batch sizes (2, then 1) share the steps."""
     model = tiny(num_hidden_layers=1)
     ps = prompts((3, 9, 5))
-    config = dict(max_new_tokens=6, batch_size=3)
+    config = dict(max_new_tokens=6, batch_size=2)
     eager = batch_generate(model, ps, GenerationConfig(**config))
     compiled = batch_generate(model, ps, GenerationConfig(**config, compile=True))
     assert compiled.token_ids == eager.token_ids
+    assert compiled.report["decode_cache"] == "static" and eager.report["decode_cache"] == "dynamic"
+    # the compiled steps stay with the model: a second call (another length, same 64-slot cache) reuses them
+    memo = model._generation_steps
+    steps = memo[64][0]
+    again = batch_generate(model, ps[:2], GenerationConfig(max_new_tokens=9, batch_size=2, compile=True))
+    assert again.token_ids == batch_generate(model, ps[:2], GenerationConfig(max_new_tokens=9)).token_ids
+    assert list(memo) == [64] and memo[64][0] is steps
+    assert copy.deepcopy(model)._generation_steps == {}  # a copy compiles its own
+    model.double()  # a changed layout is compiled again, not read through the old graphs
+    batch_generate(model, ps[:1], GenerationConfig(max_new_tokens=2, compile=True))
+    assert memo[64][0] is not steps
 
 
 def test_eos_stops_a_row_and_sampling_is_seeded():

@@ -264,7 +264,7 @@ def add_cli(subparsers) -> None:
     generate.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile prefill and decode (slow first batch, faster decoding)",
+        help="torch.compile the decode step on a static KV cache (slow first batch, faster decoding)",
     )
     generate.add_argument(
         "--expert-cache",

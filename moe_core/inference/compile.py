@@ -185,6 +185,10 @@ class _Structure:
             for name, t in tensors
         }
 
+    def matches(self) -> bool:
+        """Whether the model still has the compiled layout."""
+        return self._spec(self.model) == self.spec
+
     def check(self) -> None:
         now = self._spec(self.model)
         if now != self.spec:

@@ -16,9 +16,11 @@ token_id, text)`` is called for every new token of every row as it is produced: 
 
 Greedy (``temperature=0``) equals `model.generate(do_sample=False)` on each prompt alone (a test holds them
 equal); sampling uses ``temperature`` and optional ``top_k`` with a seeded generator. ``compile=True`` runs
-decode through `moe_core.inference.compile.compile_steps` (fullgraph, symbolic lengths; prefill stays on
-the eager sorted path, faster than the all-experts static graph): the first batch pays the compilation
-(half a minute or more on a CPU), long generations win it back.
+decode through `moe_core.inference.compile.compile_steps` on a static KV cache (fullgraph; keys and values
+preallocated once for the longest prompt plus ``max_new_tokens`` and written in place, so no step rebuilds
+the cache or guards on its length; prefill stays on the eager sorted path, faster than the all-experts
+static graph): the first batch pays the compilation (half a minute or more on a CPU, once more for a
+second batch size), long generations win it back.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from moe_core.errors import MoELabError
-from moe_core.inference.compile import compile_steps, eager_steps
+from moe_core.inference.compile import _Structure, compile_steps, eager_steps
 from moe_core.inference.expert_cache import offload_experts
 from moe_core.inference.fast_decode import enable_fast_decode
 from moe_core.inference.monitor import InferenceMonitor
@@ -58,7 +60,7 @@ class GenerationConfig:
     seed: int = 0
     eos_token_id: int | None = None  # default: the model config's
     pad_token_id: int | None = None  # default: the model config's, else eos, else 0
-    compile: bool = False  # torch.compile the decode step (compile_steps); prefill stays eager
+    compile: bool = False  # torch.compile the decode step on a static cache (compile_steps); prefill eager
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1:
@@ -121,7 +123,8 @@ def batch_generate(
     generator = torch.Generator(device=device).manual_seed(config.seed)
     was_training = model.training
     model.eval()
-    prefill, decode = _steps(model, config.compile)
+    max_cache_len = max(len(p) for p in prompt_ids) + config.max_new_tokens
+    prefill, decode = _steps(model, config.compile, max_cache_len)
 
     outputs: list[list[int]] = [[] for _ in prompt_ids]
     padded_positions = prompt_positions = 0
@@ -173,6 +176,7 @@ def batch_generate(
         "tokens_per_s": new_tokens / seconds if seconds else 0.0,
         "prefill_s": prefill_s,
         "padding_fraction": padded_positions / prompt_positions if prompt_positions else 0.0,
+        "decode_cache": "static" if config.compile else "dynamic",
     }
     texts = (
         [tokenizer.decode(o, skip_special_tokens=True) for o in outputs] if tokenizer is not None else None
@@ -180,10 +184,33 @@ def batch_generate(
     return GenerationResult(outputs, texts, report)
 
 
-def _steps(model, compile: bool):
-    """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache)."""
-    # compiled: decode only, the eager sorted prefill is the faster one
-    steps = compile_steps(model, compile_prefill=False) if compile else eager_steps(model)
+class _CompiledMemo(dict):
+    """A model's compiled generation steps, by static-cache length: ``{slots: (CompiledSteps, _Structure)}``.
+
+    Held on the model (``model._generation_steps``), so it lives and dies with it; a copy or a pickle of the
+    model starts with an empty one (compiled functions neither copy nor pickle)."""
+
+    def __reduce__(self):
+        return (_CompiledMemo, ())
+
+
+def _steps(model, compile: bool, max_cache_len: int):
+    """``prefill(ids, mask, positions)`` and ``decode(ids, cache, mask, positions)``, each -> (logits, cache).
+
+    Compiled: decode only (the eager sorted prefill is the faster one), on one static cache for every batch;
+    its decode ignores the mask (the cache state holds it). The cache length is rounded up to a power of two
+    (at least 64 slots) and the steps are kept on the model, so later calls with similar lengths reuse the
+    compiled graphs instead of compiling again (each `compile_steps` call compiles anew); a model whose
+    parameters changed shape, dtype or device since (a pruned expert stack, a cast) is compiled again."""
+    if not compile:
+        steps = eager_steps(model)
+        return steps.prefill, steps.decode
+    slots = max(64, 1 << (max_cache_len - 1).bit_length())
+    memo = model.__dict__.setdefault("_generation_steps", _CompiledMemo())
+    if slots not in memo or not memo[slots][1].matches():
+        steps = compile_steps(model, compile_prefill=False, cache="static", max_cache_len=slots)
+        memo[slots] = (steps, _Structure(model))
+    steps = memo[slots][0]
     return steps.prefill, steps.decode
 
 
@@ -238,7 +265,7 @@ def generate_cli(
 
         if config.compile:
             print(
-                "moe-lab generate: compiling prefill and decode (torch.compile); the first batch is slow",
+                "moe-lab generate: compiling the decode step (torch.compile); the first batch is slow",
                 file=sys.stderr,
                 flush=True,
             )
