@@ -226,6 +226,13 @@ def main() -> None:
         help="compile the steps with inductor's C++ wrapper (compile_steps' default; --no-cpp-wrapper: Python)",
     )
     parser.add_argument(
+        "--direct-dispatch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the compiled static-cache decode without dynamo's per-call guard checks (compile_steps' "
+        "default; --no-direct-dispatch: guarded)",
+    )
+    parser.add_argument(
         "--batches",
         type=int,
         nargs="*",
@@ -277,6 +284,7 @@ def main() -> None:
         "train_steps": args.train_steps,
         "train_s": round(train_s, 1),
         "cpp_wrapper": args.cpp_wrapper,
+        "direct_dispatch": args.direct_dispatch,
     }
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
@@ -303,6 +311,7 @@ def main() -> None:
                     max_cache_len=max_len,
                     compile_prefill=False,
                     cpp_wrapper=args.cpp_wrapper,
+                    direct_dispatch=args.direct_dispatch,
                 )
                 t0 = time.perf_counter()
                 for batch in [1] + ([] if name == "dense-active" else args.batches):

@@ -3,6 +3,8 @@ decoding gives the eager greedy tokens with one decode graph for every cache len
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache, StaticCache
@@ -153,6 +155,16 @@ def test_compiled_steps_refuse_a_model_changed_after_compiling(cache):
     greedy(steps, prompt, 2)
     model.lm_head.weight.mul_(1.0)  # updated in place: the same layout, still accepted
     greedy(steps, prompt, 2)
+    model.config.num_experts_per_tok = 1  # the router the graphs were traced with reads K
+    with pytest.raises(CompileError, match=r"config.num_experts_per_tok: 2 when .* 1 now"):
+        steps.prefill(prompt)
+    model.config.num_experts_per_tok = 2
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)  # another module class
+    with pytest.raises(CompileError, match=r"lm_head \(module\): ReductionLinear .* Linear now"):
+        steps.prefill(prompt)
+    model.lm_head = head
+    greedy(steps, prompt, 2)
     experts = model.model.layers[0].mlp.experts
     experts.up_proj = torch.nn.Parameter(experts.up_proj[:4].clone())  # four of the experts kept
     with pytest.raises(CompileError, match=r"up_proj: \(8, .*\(4, .*compile_steps again"):
@@ -160,3 +172,53 @@ def test_compiled_steps_refuse_a_model_changed_after_compiling(cache):
     model.to(torch.bfloat16)
     with pytest.raises(CompileError, match="bfloat16"):
         steps.prefill(prompt)
+
+
+@contextlib.contextmanager
+def compilations():
+    """Every bytecode dynamo produces inside the block (one per graph it compiles)."""
+    produced = []
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(
+        lambda _original, transformed: produced.append(transformed)
+    )
+    try:
+        yield produced
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
+    """After its first call, each decode signature (batch size, mask or none) runs its compiled code directly:
+    the same logits as the guarded steps, no new compilation even once dynamo's caches are cleared
+    (``torch._dynamo.reset``: a guarded step would compile again), and a new batch size compiles its own."""
+    model = tiny(num_hidden_layers=1)
+    options = dict(backend="aot_eager", cache="static", max_cache_len=16, compile_prefill=False)
+    direct = compile_steps(model, **options)
+    guarded = compile_steps(model, **options, direct_dispatch=False)
+    prompt = torch.randint(2, 128, (2, 6))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # a left-padded row: the signature with a mask
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+
+    def logits_of(steps, prompt, mask=None, positions=None, new_tokens=5):
+        logits, state = steps.prefill(prompt, mask, positions)
+        out = [logits]
+        next_positions = None if positions is None else positions[:, -1:] + 1
+        for _ in range(new_tokens):
+            logits, state = steps.decode(logits.argmax(-1, keepdim=True), state, None, next_positions)
+            out.append(logits)
+            next_positions = None if next_positions is None else next_positions + 1
+        return torch.stack(out)
+
+    for args in [(prompt,), (prompt, mask, positions), (prompt[:1],)]:
+        assert torch.equal(logits_of(direct, *args), logits_of(guarded, *args))
+    steps = direct.decode.__self__
+    assert len(steps.decoders) == 3  # batch 2, batch 2 with a mask, batch 1
+    torch._dynamo.reset()
+    with compilations() as produced:
+        again = logits_of(direct, prompt, mask, positions)
+    assert not produced  # the direct steps outlive dynamo's caches
+    with compilations() as produced:
+        assert torch.equal(again, logits_of(guarded, prompt, mask, positions))
+    assert len(produced) == 1  # while the guarded decode compiles again
