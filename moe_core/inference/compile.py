@@ -33,7 +33,10 @@ written in place at ``cache_position`` (a tensor input, so the graph does not gu
 attention mask spans all L slots (those past the current position are masked out), and the compiled decode
 returns only the logits: no cache object is unpacked or rebuilt per step. The steps then hold one cache,
 reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
-`StaticDecodeState`.
+`StaticDecodeState`. Each decode input signature (batch size, padded or not) compiles a static graph on its
+first call, and later calls run the code dynamo produced for it directly, without dynamo's frame evaluation
+and guard checks on every step (``direct_dispatch``, the default; `_StaticCacheSteps` says why that is
+safe): 0.15 ms of a 2 ms olmoe-small step.
 """
 
 from __future__ import annotations
@@ -214,10 +217,10 @@ def _compile_direct(fn, compile, args):
     """Compile ``fn`` (``compile(fn)``, never called before) on its first call, ``args``, and return that
     call's output with a function that runs the bytecode dynamo produced for ``fn``, the graph call included,
     directly: without dynamo's frame evaluation and guard checks on every later call (as vLLM dispatches its
-    compiled models). It reads the globals dynamo installed (the compiled graph) from a copy, so it outlives
-    dynamo's caches (``torch._dynamo.reset``). The caller must give it only inputs that the guards would have
-    accepted. None in place of the function (the guarded one to use instead) unless exactly one graph was
-    compiled for ``fn``."""
+    compiled models). It reads the globals it loads (dynamo's compiled graph among them) from a copy of its
+    own, so it outlives dynamo's caches (``torch._dynamo.reset``) and keeps no other step's graph alive.
+    The caller must give it only inputs that the guards would have accepted. Unless dynamo compiled exactly
+    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place."""
     compiled, produced = compile(fn), []
 
     def hook(code, transformed):
@@ -231,10 +234,15 @@ def _compile_direct(fn, compile, args):
         handle.remove()
     if len(produced) != 1:
         return out, compiled
-    direct = types.FunctionType(
-        produced[0], dict(fn.__globals__), fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    return out, direct
+    code = produced[0]
+    names, stack = set(), [code]
+    while stack:  # the global names the code (and any code nested in it) loads
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    g = fn.__globals__
+    scope = {"__builtins__": g["__builtins__"], **{n: g[n] for n in names if n in g}}
+    return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _signature(*tensors) -> tuple:
