@@ -200,8 +200,8 @@ def _steps(model, compile: bool, max_cache_len: int):
     Compiled: decode only (the eager sorted prefill is the faster one), on one static cache for every batch;
     its decode ignores the mask (the cache state holds it). The cache length is rounded up to a power of two
     (at least 64 slots) and the steps are kept on the model, so later calls with similar lengths reuse the
-    compiled graphs instead of compiling again (each `compile_steps` call compiles anew); a model whose
-    parameters changed shape, dtype or device since (a pruned expert stack, a cast) is compiled again."""
+    compiled graphs instead of compiling again (each `compile_steps` call compiles anew); a model changed since
+    (a pruned expert stack, a cast, a swapped module, an edited config: `_Structure`) is compiled again."""
     if not compile:
         steps = eager_steps(model)
         return steps.prefill, steps.decode
