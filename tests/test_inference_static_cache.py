@@ -222,3 +222,19 @@ def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
     with compilations() as produced:
         assert torch.equal(again, logits_of(guarded, prompt, mask, positions))
     assert len(produced) == 1  # while the guarded decode compiles again
+
+
+@torch.no_grad()
+def test_batch_one_decode_stays_static_after_other_shapes_compiled():
+    """Dynamo remembers dynamic dimensions per source line, across code objects: once any steps decoded
+    another batch size or cache length, a later batch-1 graph would come out symbolic in them (slower
+    kernels). Direct dispatch compiles each signature with static shapes regardless."""
+    model = tiny(num_hidden_layers=1)
+    options = dict(cache="static", compile_prefill=False)
+    first = compile_steps(model, backend="aot_eager", max_cache_len=32, **options)
+    for batch in (2, 3):
+        greedy(first, torch.randint(2, 128, (batch, 5)), 3)
+    graphs = []
+    later = compile_steps(model, backend=recording_backend(graphs), max_cache_len=16, **options)
+    greedy(later, torch.randint(2, 128, (1, 5)), 3)
+    assert len(graphs) == 1 and not symbolic_dims(graphs[0])

@@ -229,7 +229,11 @@ def _compile_direct(fn, compile, args):
 
     handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
     try:
-        out = compiled(*args)
+        # static shapes, whatever dynamo remembers of earlier compiles of this function's source (its
+        # automatic dynamic shapes are kept per file and line, so another signature's batch size, or
+        # another model's, would make this graph symbolic in the batch)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            out = compiled(*args)
     finally:
         handle.remove()
     if len(produced) != 1:
