@@ -215,6 +215,7 @@ def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
         assert torch.equal(logits_of(direct, *args), logits_of(guarded, *args))
     steps = direct.decode.__self__
     assert len(steps.decoders) == 3  # batch 2, batch 2 with a mask, batch 1
+    assert all(call is not None for call in steps.graph_calls.values())  # each on its prebuilt inputs
     torch._dynamo.reset()
     with compilations() as produced:
         again = logits_of(direct, prompt, mask, positions)
@@ -238,3 +239,36 @@ def test_batch_one_decode_stays_static_after_other_shapes_compiled():
     later = compile_steps(model, backend=recording_backend(graphs), max_cache_len=16, **options)
     greedy(later, torch.randint(2, 128, (1, 5)), 3)
     assert len(graphs) == 1 and not symbolic_dims(graphs[0])
+
+
+@torch.no_grad()
+def test_graph_call_on_prebuilt_inputs_follows_replaced_parameters_and_caches():
+    """From its third call a direct step calls inductor's compiled graph on a prebuilt input list: the same
+    logits as dynamo's guarded steps, through a batch change and back (another cache, rebound) and after a
+    parameter was replaced by another of the same shape (the list held the old one: recorded again)."""
+    model = tiny(num_hidden_layers=1)
+    options = dict(cache="static", max_cache_len=16, compile_prefill=False)
+    direct = compile_steps(model, **options)
+    guarded = compile_steps(model, **options, direct_dispatch=False)
+    steps = direct.decode.__self__
+
+    def logits_of(steps, prompt, new_tokens=4):
+        logits, state = steps.prefill(prompt)
+        out = [logits]
+        for _ in range(new_tokens):
+            logits, state = steps.decode(logits.argmax(-1, keepdim=True), state)
+            out.append(logits)
+        return torch.stack(out)
+
+    prompt = torch.randint(2, 128, (1, 6))
+    assert torch.equal(logits_of(direct, prompt), logits_of(guarded, prompt))
+    (call,) = steps.graph_calls.values()
+    assert call.boxed  # inductor's graph itself, without AOT autograd's runtime wrapper
+    for batch in (prompt.repeat(2, 1), prompt):
+        before = logits_of(direct, batch)
+        assert torch.equal(before, logits_of(guarded, batch))
+    head = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(head.flip(0))  # the same layout: accepted, and read
+    replaced = logits_of(direct, prompt)
+    assert torch.equal(replaced, logits_of(guarded, prompt))
+    assert not torch.equal(replaced, before)

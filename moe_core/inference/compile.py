@@ -36,11 +36,14 @@ reset by each prefill, so one generation at a time per `compile_steps` result; t
 `StaticDecodeState`. Each decode input signature (batch size, padded or not) compiles a static graph on its
 first call, and later calls run the code dynamo produced for it directly, without dynamo's frame evaluation
 and guard checks on every step (``direct_dispatch``, the default; `_StaticCacheSteps` says why that is
-safe): 0.15 ms of a 2 ms olmoe-small step.
+safe): 0.15 ms of a 2 ms olmoe-small step. From the third call on, the compiled graph itself runs on an
+input list built once (`_GraphCall`), without the bytecode that fetches every parameter and without AOT
+autograd's runtime wrapper: another 0.1-0.2 ms.
 """
 
 from __future__ import annotations
 
+import dis
 import types
 from dataclasses import dataclass
 
@@ -220,7 +223,7 @@ def _compile_direct(fn, compile, args):
     compiled models). It reads the globals it loads (dynamo's compiled graph among them) from a copy of its
     own, so it outlives dynamo's caches (``torch._dynamo.reset``) and keeps no other step's graph alive.
     The caller must give it only inputs that the guards would have accepted. Unless dynamo compiled exactly
-    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place."""
+    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place (the third value says which)."""
     compiled, produced = compile(fn), []
 
     def hook(code, transformed):
@@ -237,7 +240,7 @@ def _compile_direct(fn, compile, args):
     finally:
         handle.remove()
     if len(produced) != 1:
-        return out, compiled
+        return out, compiled, False
     code = produced[0]
     names, stack = set(), [code]
     while stack:  # the global names the code (and any code nested in it) loads
@@ -246,7 +249,132 @@ def _compile_direct(fn, compile, args):
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
     g = fn.__globals__
     scope = {"__builtins__": g["__builtins__"], **{n: g[n] for n in names if n in g}}
-    return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__), True
+
+
+# what the bytecode around a graph call may not do for `_GraphCall` to stand in for it
+_SIDE_EFFECT_OPS = frozenset(
+    {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF"}
+    | {"DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF"}
+)
+
+
+class _GraphCall:
+    """A direct step's compiled graph, called with its input list prebuilt.
+
+    The bytecode dynamo produced for a decode step does three things on every call: it fetches the graph's
+    inputs (the step's arguments, the cache's key and value tensors, and every parameter and buffer, through
+    the modules' attributes), calls the graph through AOT autograd's runtime wrapper, and returns the
+    graph's output. `record` runs that bytecode once, sees which input is which, and, where the step allows
+    it, keeps the list: later calls put the new arguments into a copy and call inductor's compiled graph
+    (``CompiledFxGraph.current_callable``) on it directly. 0.1-0.2 ms of a 2-3 ms olmoe-small step
+    (benchmarks/README.md).
+
+    The list holds the parameters themselves, so `holds` tells whether the model still has them (one
+    replaced since, even with the same shape, drops the call at the next prefill and the bytecode fetches
+    afresh); the cache tensors are rebound whenever the steps' cache is another object. Skipped with the
+    runtime wrapper: bumping the cache tensors' version counters (only autograd reads them; the steps never
+    record gradients) and turning autocast off around the graph (inductor's kernels do not read it). Taken
+    only where every graph input is an argument, a cache tensor or one of the model's parameters and
+    buffers, the bytecode stores nothing, and the compiled graph returns what the runtime wrapper
+    does (so the cache writes happen inside it); anything else keeps the bytecode."""
+
+    def __init__(self, call, boxed, inputs, arg_slots, cache_slots, out_index, cache) -> None:
+        self.call, self.boxed, self.out_index = call, boxed, out_index
+        self.template = list(inputs)
+        self.arg_slots = arg_slots  # (input index, argument index)
+        self.cache_slots = cache_slots  # (input index, layer, "keys" or "values")
+        self.cache_specs = [_signature(inputs[j]) for j, _, _ in cache_slots]
+        self.constants = [
+            x for j, x in enumerate(inputs) if j not in {k for k, *_ in arg_slots + cache_slots}
+        ]
+        self.cache = cache
+
+    @classmethod
+    def record(cls, step, args, cache: StaticCache, model: nn.Module):
+        """Run ``step(*args)`` (a `_compile_direct` step) once, recording its graph call; returns the
+        output and a `_GraphCall` for the later calls, or None where the bytecode must stay."""
+        scope = step.__globals__
+        names = [n for n in scope if n.startswith("__compiled_fn")]
+        codes, ops = [step.__code__], set()
+        while codes:
+            code = codes.pop()
+            ops.update(i.opname for i in dis.get_instructions(code))
+            codes.extend(k for k in code.co_consts if isinstance(k, types.CodeType))
+        if len(names) != 1 or ops & _SIDE_EFFECT_OPS:
+            return step(*args), None
+        graph, seen = scope[names[0]], []
+
+        def recording(*inputs):
+            seen.append((inputs, graph(*inputs)))
+            return seen[0][1]
+
+        scope[names[0]] = recording
+        try:
+            out = step(*args)
+        finally:
+            scope[names[0]] = graph
+        inputs, outputs = seen[0]
+        argument = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        in_cache = {}
+        for layer, kv in enumerate(cache.layers):
+            in_cache.update({id(kv.keys): (layer, "keys"), id(kv.values): (layer, "values")})
+        owned = {id(t) for t in (*model.parameters(), *model.buffers())}
+        arg_slots, cache_slots = [], []
+        for j, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                return out, None
+            if id(x) in argument:
+                arg_slots.append((j, argument[id(x)]))
+            elif id(x) in in_cache:
+                cache_slots.append((j, *in_cache[id(x)]))
+            elif id(x) not in owned:
+                return out, None
+        out_index = next((k for k, o in enumerate(outputs) if o is out), None)
+        if out_index is None:
+            return out, None
+        inner = graph
+        while hasattr(inner, "__wrapped__"):
+            inner = inner.__wrapped__
+        call, boxed = getattr(inner, "current_callable", None), True
+        if call is None or not cls._same(call(list(inputs)), outputs):
+            call, boxed = graph, False  # not inductor's (or not all its work inside): keep the wrapper
+        return out, cls(call, boxed, inputs, arg_slots, cache_slots, out_index, cache)
+
+    @staticmethod
+    def _same(outputs, expected) -> bool:
+        return len(outputs) == len(expected) and all(
+            isinstance(o, torch.Tensor) and torch.equal(o, e) for o, e in zip(outputs, expected)
+        )
+
+    def holds(self, tensor_ids: set[int]) -> bool:
+        """Whether every parameter and buffer in the list is still one of the model's (``tensor_ids``)."""
+        return all(id(t) in tensor_ids for t in self.constants)
+
+    def forget_cache(self) -> None:
+        """Let go of the cache tensors (the steps made another cache); rebound at the next call."""
+        self.cache = None
+        for j, _, _ in self.cache_slots:
+            self.template[j] = None
+
+    def _bind(self, cache: StaticCache) -> None:
+        for (j, layer, name), spec in zip(self.cache_slots, self.cache_specs):
+            tensor = getattr(cache.layers[layer], name)
+            if _signature(tensor) != spec:
+                raise CompileError(
+                    f"static cache layer {layer} {name}: {_signature(tensor)}, compiled for {spec}"
+                )
+            self.template[j] = tensor
+        self.cache = cache
+
+    def __call__(self, args, cache: StaticCache):
+        if cache is not self.cache:
+            self._bind(cache)
+        inputs = self.template.copy()  # a boxed call empties the list it is given
+        for j, i in self.arg_slots:
+            inputs[j] = args[i]
+        outputs = self.call(inputs) if self.boxed else self.call(*inputs)
+        return outputs[self.out_index]
 
 
 def _signature(*tensors) -> tuple:
@@ -258,9 +386,11 @@ class _StaticCacheSteps:
     """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots.
 
     With ``direct`` dispatch, each decode input signature (batch size, mask or none, dtypes, ...) gets a step
-    of its own, compiled on its first call with static shapes, and every later call runs its compiled code
-    without dynamo's per-call guard checks (`_compile_direct`): 0.15 ms of a 2 ms olmoe-small decode step
-    (benchmarks/README.md). What those guards checked holds by construction: the signature picks the graph,
+    of its own, compiled on its first call with static shapes; its second call runs the compiled code
+    without dynamo's per-call guard checks (`_compile_direct`: 0.15 ms of a 2 ms olmoe-small decode step,
+    benchmarks/README.md) and records which graph input is which, and every later call runs the compiled
+    graph on its prebuilt input list (`_GraphCall`: another 0.1-0.2 ms). What those guards checked holds
+    by construction: the signature picks the graph,
     the cache and its positions are this object's own, the model is checked at each prefill (`_Structure`),
     and the steps always run without gradients. A new batch size compiles once more."""
 
@@ -270,6 +400,7 @@ class _StaticCacheSteps:
         self.model, self.prefill_fn, self.make_decode, self.compile = model, prefill, make_decode, compile
         self.max_cache_len = max_cache_len
         self.decoders: dict[tuple, object] = {}  # input signature -> compiled step (direct dispatch)
+        self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
         # without: one guarded step for every signature (dynamo recompiles when its guards fail)
         self.guarded = None if direct else compile(make_decode())
         self.structure = _Structure(model)
@@ -279,6 +410,9 @@ class _StaticCacheSteps:
     def _cache_for(self, batch: int, like: torch.Tensor) -> StaticCache:
         config = self.model.config
         if self.cache is None or self.cache.layers[0].max_batch_size != batch:
+            for call in self.graph_calls.values():
+                if call is not None:
+                    call.forget_cache()  # (the old cache is freed)
             self.cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
             dtype = next(self.model.parameters()).dtype
             self.cache.early_initialization(
@@ -296,6 +430,10 @@ class _StaticCacheSteps:
                 f"{self.max_cache_len} (room for the decoded tokens too); raise max_cache_len"
             )
         self.structure.check()
+        owned = {id(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        self.graph_calls = {
+            key: call for key, call in self.graph_calls.items() if call is None or call.holds(owned)
+        }  # one whose parameters were replaced since is recorded again at its next call
         cache = self._cache_for(B, input_ids_BS)
         mask_BL = None
         if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
@@ -320,10 +458,16 @@ class _StaticCacheSteps:
             position_ids_BS,
         )
         key = _signature(input_ids_BS, state.attention_mask_BL, position_ids_BS)
-        step = self.decoders.get(key, self.guarded)
         with torch.no_grad():
-            if step is None:  # a new signature: compile it
-                logits, self.decoders[key] = _compile_direct(self.make_decode(), self.compile, args)
+            call = self.graph_calls.get(key)
+            if call is not None:
+                logits = call(args, state.cache)
+            elif (step := self.decoders.get(key, self.guarded)) is None:  # a new signature: compile it
+                logits, self.decoders[key], direct = _compile_direct(self.make_decode(), self.compile, args)
+                if not direct:
+                    self.graph_calls[key] = None
+            elif key not in self.graph_calls and self.guarded is None:  # its second call
+                logits, self.graph_calls[key] = _GraphCall.record(step, args, state.cache, self.model)
             else:
                 logits = step(*args)
         state.length += 1
@@ -356,8 +500,8 @@ def compile_steps(
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc), and
-    with ``direct_dispatch`` (default) runs each compiled decode step without dynamo's per-call guard checks
-    (`_StaticCacheSteps`); False keeps them, and one graph symbolic in the batch for every batch size
+    with ``direct_dispatch`` (default) runs each compiled decode step without dynamo's per-call guard checks,
+    then as the compiled graph on a prebuilt input list (`_StaticCacheSteps`, `_GraphCall`); False keeps them, and one graph symbolic in the batch for every batch size
     after the second."""
     if gemv not in ("reduction", "mm"):
         raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
