@@ -166,6 +166,7 @@ def torch_runner(model, prompt, steps):
 def compiled_runner(steps_fns, prompt, steps):
     """Prefill seconds and seconds per decode step (each step decodes one token for every row of ``prompt``)."""
 
+    @torch.no_grad()  # as generation runs
     def run():
         t0 = time.perf_counter()
         logits, cache = steps_fns.prefill(prompt)
@@ -413,11 +414,21 @@ def main() -> None:
         f"memory-bound ratio bound (dense-total bytes / MoE active bytes): {bound:.2f}x; "
         f"{moe_best} reaches {ratio_total:.2f}x {total_best} = {100 * ratio_total / bound:.0f}% of it"
     )
+    # the same two runs paired round by round (adjacent in time, so a slow host minute hits both): the
+    # spread says how far one run's headline can be trusted
+    q1, q2, q3 = statistics.quantiles(
+        [t / m / bound for t, m in zip(decode[total_best], decode[moe_best])], n=4, method="inclusive"
+    )
+    print(
+        f"per round, paired: {100 * q2:.0f}% of the bound (quartiles {100 * q1:.0f}-{100 * q3:.0f}%, "
+        f"{args.rounds} rounds)"
+    )
     figures.update(
         {
             "bound": round(bound, 3),
             "moe_vs_dense_total": round(ratio_total, 3),
             "fraction_of_bound": round(ratio_total / bound, 3),
+            "fraction_of_bound_per_round": [round(q, 3) for q in (q1, q2, q3)],  # quartiles
             "moe_run": moe_best,
             "dense_total_run": total_best,
             "moe_vs_dense_active": round(tps[moe_best] / tps[active_best], 3),

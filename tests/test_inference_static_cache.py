@@ -272,3 +272,6 @@ def test_graph_call_on_prebuilt_inputs_follows_replaced_parameters_and_caches():
     replaced = logits_of(direct, prompt)
     assert torch.equal(replaced, logits_of(guarded, prompt))
     assert not torch.equal(replaced, before)
+    with torch.enable_grad():  # a caller outside no_grad: the same logits, and nothing recorded
+        again = logits_of(direct, prompt)
+    assert torch.equal(again, replaced) and not again.requires_grad
