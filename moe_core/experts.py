@@ -47,6 +47,16 @@ from torch import nn
 from moe_core.routing import RoutingRecord
 
 
+def share_hooks(module: nn.Module, replacement: nn.Module) -> nn.Module:
+    """Give ``replacement`` (a module swapped in for ``module``, sharing its parameters) the very hook
+    dictionaries of ``module``: the forward, backward and state-dict hooks a user registered keep firing,
+    and their handles still remove them. Returns ``replacement``."""
+    for name, value in vars(module).items():
+        if "hook" in name and name.startswith("_"):
+            setattr(replacement, name, value)
+    return replacement
+
+
 def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) -> torch.Tensor:
     if activation == "swiglu":
         return F.silu(h_gate) * h_up
@@ -347,14 +357,14 @@ class GroupedExperts(StackedExperts):
 
     @classmethod
     def sharing(cls, experts: GroupedExperts, **overrides) -> GroupedExperts:
-        """A ``cls`` holding the very same `nn.Parameter` objects as ``experts`` (no copy, same state dict),
-        built through its constructor; ``overrides`` replace ``impl`` or ``max_slots``."""
+        """A ``cls`` holding the very same `nn.Parameter` objects as ``experts`` (no copy, same state dict)
+        and hooks, built through its constructor; ``overrides`` replace ``impl`` or ``max_slots``."""
         E, F_, D = experts.up_proj.shape
         options = {"impl": experts.impl, "max_slots": experts.max_slots, **overrides}
         with torch.device("meta"):  # the constructor's own stacks are replaced at once: allocate nothing
             new = cls(E, D, F_, experts.activation, **options)
         new.gate_proj, new.up_proj, new.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
-        return new
+        return share_hooks(experts, new)
 
     def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
         gate, up, down = weights if weights is not None else self.unbound()

@@ -76,3 +76,31 @@ def test_enable_shares_parameters_and_keeps_generation():
     assert torch.equal(model.generate(prompt, max_new_tokens=10, do_sample=False), before)
     disable_fast_decode(model)
     assert not any(isinstance(m, DecodeExperts) for m in model.modules())
+
+
+@torch.no_grad()
+def test_swapped_modules_keep_the_hooks_registered_on_them():
+    """`enable_fast_decode` and `reduction_gemv` swap modules in place (sharing the parameters): hooks a user
+    registered on the originals keep firing on the swapped ones and back, and their handles still work."""
+    from moe_core.inference.compile import ReductionLinear, reduction_gemv
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=64)).eval()
+    seen = []
+    handles = [
+        model.model.layers[0].mlp.experts.register_forward_hook(lambda *_: seen.append("experts")),
+        model.lm_head.register_forward_hook(lambda *_: seen.append("lm_head")),
+    ]
+    enable_fast_decode(model)
+    reduction_gemv(model)
+    assert isinstance(model.lm_head, ReductionLinear)
+    assert isinstance(model.model.layers[0].mlp.experts, DecodeExperts)
+    model(torch.randint(0, 64, (1, 3)))
+    assert seen == ["experts", "lm_head"]
+    disable_fast_decode(model)
+    model(torch.randint(0, 64, (1, 3)))
+    assert seen == ["experts", "lm_head"] * 2
+    for handle in handles:
+        handle.remove()
+    model(torch.randint(0, 64, (1, 3)))
+    assert len(seen) == 4

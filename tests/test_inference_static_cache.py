@@ -275,3 +275,22 @@ def test_graph_call_on_prebuilt_inputs_follows_replaced_parameters_and_caches():
     with torch.enable_grad():  # a caller outside no_grad: the same logits, and nothing recorded
         again = logits_of(direct, prompt)
     assert torch.equal(again, replaced) and not again.requires_grad
+
+
+@torch.no_grad()
+def test_graph_call_runs_a_graph_that_writes_more_than_the_cache_exactly_once_per_step():
+    """A graph that also writes a buffer of the model (a counter a forward hook keeps) keeps AOT autograd's
+    runtime wrapper, and is never run twice for one step (recording checks the bare graph by running it
+    again only where that rewrites nothing but the cache slots just written)."""
+    model = tiny(num_hidden_layers=1)
+    model.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def count(*_):
+        model.forwards.add_(1)
+
+    model.lm_head.register_forward_hook(count)
+    steps = compile_steps(model, cache="static", max_cache_len=16, compile_prefill=False)
+    greedy(steps, torch.randint(2, 128, (1, 6)), 5)
+    (call,) = steps.decode.__self__.graph_calls.values()
+    assert call is not None and not call.boxed
+    assert model.forwards.item() == 1 + 5  # the prefill and five decode steps

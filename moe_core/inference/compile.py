@@ -54,6 +54,7 @@ from torch.export import Dim, export
 from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
+from moe_core.experts import share_hooks
 
 
 class CompileError(MoELabError):
@@ -68,11 +69,12 @@ class ReductionLinear(nn.Linear):
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> ReductionLinear:
-        """A `ReductionLinear` holding ``linear``'s very parameters (no copy; tied weights stay tied)."""
+        """A `ReductionLinear` holding ``linear``'s very parameters (no copy; tied weights stay tied) and
+        hooks."""
         with torch.device("meta"):  # the constructor's own weights are replaced at once: allocate nothing
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         new.weight, new.bias = linear.weight, linear.bias
-        return new
+        return share_hooks(linear, new)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
@@ -276,8 +278,9 @@ class _GraphCall:
     runtime wrapper: bumping the cache tensors' version counters (only autograd reads them; the steps never
     record gradients) and turning autocast off around the graph (inductor's kernels do not read it). Taken
     only where every graph input is an argument, a cache tensor or one of the model's parameters and
-    buffers, the bytecode stores nothing, and the compiled graph returns what the runtime wrapper
-    does (so the cache writes happen inside it); anything else keeps the bytecode."""
+    buffers, and the bytecode stores nothing; inductor's graph is called without the runtime wrapper only
+    where it writes nothing but the cache and returns what the wrapper does (so the cache writes happen
+    inside it), else through the wrapper."""
 
     def __init__(self, call, boxed, inputs, arg_slots, cache_slots, out_index, cache) -> None:
         self.call, self.boxed, self.out_index = call, boxed, out_index
@@ -337,7 +340,14 @@ class _GraphCall:
         while hasattr(inner, "__wrapped__"):
             inner = inner.__wrapped__
         call, boxed = getattr(inner, "current_callable", None), True
-        if call is None or not cls._same(call(list(inputs)), outputs):
+        # checked by running it once more, which only rewrites the cache slots just written (the same
+        # keys and values): not where the graph writes anything else
+        rewrites = set(getattr(inner, "mutated_input_idxs", {-1}))
+        if (
+            call is None
+            or not rewrites <= {j for j, *_ in cache_slots}
+            or not cls._same(call(list(inputs)), outputs)
+        ):
             call, boxed = graph, False  # not inductor's (or not all its work inside): keep the wrapper
         return out, cls(call, boxed, inputs, arg_slots, cache_slots, out_index, cache)
 
