@@ -218,6 +218,13 @@ class _Structure:
             )
 
 
+# what the bytecode dynamo produced for a step may not do (`_compile_direct`)
+_SIDE_EFFECT_OPS = frozenset(
+    {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF"}
+    | {"DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF"}
+)
+
+
 def _compile_direct(fn, compile, args):
     """Compile ``fn`` (``compile(fn)``, never called before) on its first call, ``args``, and return that
     call's output with a function that runs the bytecode dynamo produced for ``fn``, the graph call included,
@@ -225,7 +232,8 @@ def _compile_direct(fn, compile, args):
     compiled models). It reads the globals it loads (dynamo's compiled graph among them) from a copy of its
     own, so it outlives dynamo's caches (``torch._dynamo.reset``) and keeps no other step's graph alive.
     The caller must give it only inputs that the guards would have accepted. Unless dynamo compiled exactly
-    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place (the third value says which)."""
+    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place (the third value says which);
+    if its code stores anything (a Python side effect to replay), `CompileError`."""
     compiled, produced = compile(fn), []
 
     def hook(code, transformed):
@@ -244,21 +252,25 @@ def _compile_direct(fn, compile, args):
     if len(produced) != 1:
         return out, compiled, False
     code = produced[0]
-    names, stack = set(), [code]
-    while stack:  # the global names the code (and any code nested in it) loads
+    names, ops, stack = set(), set(), [code]
+    while stack:  # the global names the code (and any code nested in it) loads, and what it does
         c = stack.pop()
         names.update(c.co_names)
+        ops.update(i.opname for i in dis.get_instructions(c))
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    if ops & _SIDE_EFFECT_OPS:
+        # dynamo replays a Python side effect as it saw it while tracing (a hook's list append becomes
+        # "the list is now [a, b]"); without guards on that state (none here, nor on the modules' hooks
+        # in the guarded steps: `compile_steps`) every later step would replay the first one's
+        raise CompileError(
+            "the model's forward has a Python side effect (a hook appending to a list, an attribute "
+            f"write: {sorted(ops & _SIDE_EFFECT_OPS)} in the step dynamo compiled), which a compiled "
+            "step replays as it was traced; remove it, or decode eagerly (eager_steps, generate "
+            "without compile)"
+        )
     g = fn.__globals__
     scope = {"__builtins__": g["__builtins__"], **{n: g[n] for n in names if n in g}}
     return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__), True
-
-
-# what the bytecode around a graph call may not do for `_GraphCall` to stand in for it
-_SIDE_EFFECT_OPS = frozenset(
-    {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF"}
-    | {"DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF"}
-)
 
 
 class _GraphCall:
@@ -278,9 +290,9 @@ class _GraphCall:
     runtime wrapper: bumping the cache tensors' version counters (only autograd reads them; the steps never
     record gradients) and turning autocast off around the graph (inductor's kernels do not read it). Taken
     only where every graph input is an argument, a cache tensor or one of the model's parameters and
-    buffers, and the bytecode stores nothing; inductor's graph is called without the runtime wrapper only
-    where it writes nothing but the cache and returns what the wrapper does (so the cache writes happen
-    inside it), else through the wrapper."""
+    buffers (and the bytecode stores nothing: `_compile_direct`); inductor's graph is called without the
+    runtime wrapper only where it writes nothing but the cache and returns what the wrapper does (so the
+    cache writes happen inside it), else through the wrapper."""
 
     def __init__(self, call, boxed, inputs, arg_slots, cache_slots, out_index, cache) -> None:
         self.call, self.boxed, self.out_index = call, boxed, out_index
@@ -299,12 +311,7 @@ class _GraphCall:
         output and a `_GraphCall` for the later calls, or None where the bytecode must stay."""
         scope = step.__globals__
         names = [n for n in scope if n.startswith("__compiled_fn")]
-        codes, ops = [step.__code__], set()
-        while codes:
-            code = codes.pop()
-            ops.update(i.opname for i in dis.get_instructions(code))
-            codes.extend(k for k in code.co_consts if isinstance(k, types.CodeType))
-        if len(names) != 1 or ops & _SIDE_EFFECT_OPS:
+        if len(names) != 1:
             return step(*args), None
         graph, seen = scope[names[0]], []
 
