@@ -258,7 +258,8 @@ def _compile_direct(fn, compile, args):
         names.update(c.co_names)
         ops.update(i.opname for i in dis.get_instructions(c))
         stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    if ops & _SIDE_EFFECT_OPS:
+    graph_breaks = any(n.startswith("__resume_at") for n in names)  # (fullgraph=False): stores of its own
+    if ops & _SIDE_EFFECT_OPS and not graph_breaks:
         # dynamo replays a Python side effect as it saw it while tracing (a hook's list append becomes
         # "the list is now [a, b]"); without guards on that state (none here, nor on the modules' hooks
         # in the guarded steps: `compile_steps`) every later step would replay the first one's
@@ -311,7 +312,7 @@ class _GraphCall:
         output and a `_GraphCall` for the later calls, or None where the bytecode must stay."""
         scope = step.__globals__
         names = [n for n in scope if n.startswith("__compiled_fn")]
-        if len(names) != 1:
+        if len(names) != 1 or any(n.startswith("__resume_at") for n in scope):  # one graph, no break
             return step(*args), None
         graph, seen = scope[names[0]], []
 
