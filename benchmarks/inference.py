@@ -234,6 +234,13 @@ def main() -> None:
         "default; --no-direct-dispatch: guarded)",
     )
     parser.add_argument(
+        "--graph-call",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with direct dispatch, run the compiled graph on a prebuilt input list (compile_steps' default; "
+        "--no-graph-call: dynamo's bytecode)",
+    )
+    parser.add_argument(
         "--batches",
         type=int,
         nargs="*",
@@ -286,6 +293,7 @@ def main() -> None:
         "train_s": round(train_s, 1),
         "cpp_wrapper": args.cpp_wrapper,
         "direct_dispatch": args.direct_dispatch,
+        "graph_call": args.graph_call,
     }
     workdir = Path(tempfile.mkdtemp(prefix="moe_inference_bench_"))
     ppl = {"moe-eager": perplexity(moe, valid)}
@@ -313,6 +321,7 @@ def main() -> None:
                     compile_prefill=False,
                     cpp_wrapper=args.cpp_wrapper,
                     direct_dispatch=args.direct_dispatch,
+                    graph_call=args.graph_call,
                 )
                 t0 = time.perf_counter()
                 for batch in [1] + ([] if name == "dense-active" else args.batches):

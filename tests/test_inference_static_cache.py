@@ -216,6 +216,9 @@ def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
     steps = direct.decode.__self__
     assert len(steps.decoders) == 3  # batch 2, batch 2 with a mask, batch 1
     assert all(call is not None for call in steps.graph_calls.values())  # each on its prebuilt inputs
+    bytecode = compile_steps(model, **options, graph_call=False)  # dynamo's bytecode on every call
+    assert torch.equal(logits_of(bytecode, prompt), logits_of(guarded, prompt))
+    assert list(bytecode.decode.__self__.graph_calls.values()) == [None]
     torch._dynamo.reset()
     with compilations() as produced:
         again = logits_of(direct, prompt, mask, positions)

@@ -413,9 +413,17 @@ class _StaticCacheSteps:
     and the steps always run without gradients. A new batch size compiles once more."""
 
     def __init__(
-        self, model: nn.Module, prefill, make_decode, compile, max_cache_len: int, direct: bool
+        self,
+        model: nn.Module,
+        prefill,
+        make_decode,
+        compile,
+        max_cache_len: int,
+        direct: bool,
+        graph_call: bool = True,
     ) -> None:
         self.model, self.prefill_fn, self.make_decode, self.compile = model, prefill, make_decode, compile
+        self.graph_call = graph_call
         self.max_cache_len = max_cache_len
         self.decoders: dict[tuple, object] = {}  # input signature -> compiled step (direct dispatch)
         self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
@@ -498,6 +506,9 @@ class _StaticCacheSteps:
                 self.graph_calls[key] = None
             return logits
         if key not in self.graph_calls and self.guarded is None:
+            if not self.graph_call:
+                self.graph_calls[key] = None
+                return step(*args)
             logits, self.graph_calls[key] = _GraphCall.record(step, args, args[1], self.model)
             return logits
         return step(*args)
@@ -517,6 +528,7 @@ def compile_steps(
     max_cache_len: int | None = None,
     cpp_wrapper: bool = True,
     direct_dispatch: bool = True,
+    graph_call: bool = True,
 ) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
 
@@ -530,7 +542,8 @@ def compile_steps(
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc), and
     with ``direct_dispatch`` (default) runs each compiled decode step without dynamo's per-call guard checks,
-    then as the compiled graph on a prebuilt input list (`_StaticCacheSteps`, `_GraphCall`); False keeps them, and one graph symbolic in the batch for every batch size
+    then, with ``graph_call`` (default), as the compiled graph on a prebuilt input list (`_StaticCacheSteps`,
+    `_GraphCall`; False: dynamo's bytecode); ``direct_dispatch=False`` keeps the guards, and one graph symbolic in the batch for every batch size
     after the second."""
     if gemv not in ("reduction", "mm"):
         raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
@@ -564,6 +577,7 @@ def compile_steps(
             compiled,
             max_cache_len,
             direct_dispatch,
+            graph_call,
         )
         return CompiledSteps(steps.prefill, steps.decode)
     prefill = compiled(_step_fn(model, prefill_impl)) if compile_prefill else eager_steps(model).prefill
