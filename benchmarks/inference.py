@@ -425,9 +425,8 @@ def main() -> None:
     )
     # the same two runs paired round by round (adjacent in time, so a slow host minute hits both): the
     # spread says how far one run's headline can be trusted
-    q1, q2, q3 = statistics.quantiles(
-        [t / m / bound for t, m in zip(decode[total_best], decode[moe_best])], n=4, method="inclusive"
-    )
+    paired = [t / m / bound for t, m in zip(decode[total_best], decode[moe_best])]
+    q1, q2, q3 = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else paired * 3
     print(
         f"per round, paired: {100 * q2:.0f}% of the bound (quartiles {100 * q1:.0f}-{100 * q3:.0f}%, "
         f"{args.rounds} rounds)"

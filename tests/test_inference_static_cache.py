@@ -299,14 +299,24 @@ def test_graph_call_runs_a_graph_that_writes_more_than_the_cache_exactly_once_pe
     assert model.forwards.item() == 1 + 5  # the prefill and five decode steps
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(cache="static", max_cache_len=16),
+        dict(cache="static", max_cache_len=16, direct_dispatch=False),
+        dict(cache="dynamic"),
+        dict(cache="dynamic", compile_prefill=True),
+    ],
+    ids=["static-direct", "static-guarded", "dynamic", "dynamic-compiled-prefill"],
+)
 @torch.no_grad()
-def test_a_python_side_effect_of_the_model_is_refused_by_the_compiled_decode():
+def test_a_python_side_effect_of_the_model_is_refused_by_the_compiled_steps(options):
     """Dynamo replays a model's Python side effects (here a hook appending to a list) as it saw them while
     tracing, and the steps keep no guards on the modules' hooks: every step would replay the first one's
-    append. The direct decode refuses such a model, saying what to do, instead of running it wrong."""
+    append (it did, guarded or not). Every compiled step refuses such a model, saying what to do."""
     model = tiny(num_hidden_layers=1)
     seen = []
     model.lm_head.register_forward_hook(lambda *_: seen.append(1))
-    steps = compile_steps(model, backend="aot_eager", cache="static", max_cache_len=16, compile_prefill=False)
+    steps = compile_steps(model, backend="aot_eager", **{"compile_prefill": False, **options})
     with pytest.raises(CompileError, match=r"Python side effect .*STORE_SUBSCR.*decode eagerly"):
         greedy(steps, torch.randint(2, 128, (1, 6)), 3)

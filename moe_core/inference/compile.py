@@ -43,6 +43,7 @@ autograd's runtime wrapper: another 0.1-0.2 ms.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import types
 from dataclasses import dataclass
@@ -218,11 +219,74 @@ class _Structure:
             )
 
 
-# what the bytecode dynamo produced for a step may not do (`_compile_direct`)
+# what the bytecode dynamo produced for a step may not do (`_refuse_replays`)
 _SIDE_EFFECT_OPS = frozenset(
     {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF"}
     | {"DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF"}
 )
+
+
+@contextlib.contextmanager
+def _bytecode_of(fn):
+    """Collect, into the list it yields, each bytecode dynamo produces for ``fn``'s code inside the block."""
+    produced = []
+
+    def hook(code, transformed):
+        if code is fn.__code__:
+            produced.append(transformed)
+
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    try:
+        yield produced
+    finally:
+        handle.remove()
+
+
+def _reads(code) -> tuple[set[str], set[str]]:
+    """The global names ``code`` (and any code nested in it) loads, and its opcodes."""
+    names, ops, stack = set(), set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        ops.update(i.opname for i in dis.get_instructions(c))
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names, ops
+
+
+def _refuse_replays(code) -> None:
+    """`CompileError` if the bytecode dynamo produced for a step replays a Python side effect of the model.
+
+    Dynamo replays one as it saw it while tracing (a hook's list append becomes "the list is now [a, b]")
+    and guards on the state it leaves, but the steps keep no guards on the modules (`compile_steps`), their
+    hooks included, and direct dispatch none at all: every later step would replay the first one's. (With
+    a graph break, fullgraph=False, the bytecode stores for its own bookkeeping: not checked.)"""
+    names, ops = _reads(code)
+    if ops & _SIDE_EFFECT_OPS and not any(n.startswith("__resume_at") for n in names):
+        raise CompileError(
+            "the model's forward has a Python side effect (a hook appending to a list, an attribute "
+            f"write: {sorted(ops & _SIDE_EFFECT_OPS)} in the step dynamo compiled), which a compiled "
+            "step replays as it was traced; remove it, or decode eagerly (eager_steps, generate "
+            "without compile)"
+        )
+
+
+def _checked(compiled, fn):
+    """``compiled`` (``torch.compile(fn)``, guarded), whose first call also refuses a step that replays a
+    Python side effect (`_refuse_replays`)."""
+    call = None
+
+    def run(*args):
+        nonlocal call
+        if call is not None:
+            return call(*args)
+        with _bytecode_of(fn) as produced:
+            out = compiled(*args)
+        for code in produced:
+            _refuse_replays(code)
+        call = compiled
+        return out
+
+    return run
 
 
 def _compile_direct(fn, compile, args):
@@ -233,42 +297,20 @@ def _compile_direct(fn, compile, args):
     own, so it outlives dynamo's caches (``torch._dynamo.reset``) and keeps no other step's graph alive.
     The caller must give it only inputs that the guards would have accepted. Unless dynamo compiled exactly
     one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place (the third value says which);
-    if its code stores anything (a Python side effect to replay), `CompileError`."""
-    compiled, produced = compile(fn), []
-
-    def hook(code, transformed):
-        if code is fn.__code__:
-            produced.append(transformed)
-
-    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
-    try:
+    a step that replays a Python side effect is refused (`_refuse_replays`)."""
+    compiled = compile(fn)
+    with _bytecode_of(fn) as produced:
         # static shapes, whatever dynamo remembers of earlier compiles of this function's source (its
         # automatic dynamic shapes are kept per file and line, so another signature's batch size, or
         # another model's, would make this graph symbolic in the batch)
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             out = compiled(*args)
-    finally:
-        handle.remove()
+    for code in produced:
+        _refuse_replays(code)
     if len(produced) != 1:
         return out, compiled, False
     code = produced[0]
-    names, ops, stack = set(), set(), [code]
-    while stack:  # the global names the code (and any code nested in it) loads, and what it does
-        c = stack.pop()
-        names.update(c.co_names)
-        ops.update(i.opname for i in dis.get_instructions(c))
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    graph_breaks = any(n.startswith("__resume_at") for n in names)  # (fullgraph=False): stores of its own
-    if ops & _SIDE_EFFECT_OPS and not graph_breaks:
-        # dynamo replays a Python side effect as it saw it while tracing (a hook's list append becomes
-        # "the list is now [a, b]"); without guards on that state (none here, nor on the modules' hooks
-        # in the guarded steps: `compile_steps`) every later step would replay the first one's
-        raise CompileError(
-            "the model's forward has a Python side effect (a hook appending to a list, an attribute "
-            f"write: {sorted(ops & _SIDE_EFFECT_OPS)} in the step dynamo compiled), which a compiled "
-            "step replays as it was traced; remove it, or decode eagerly (eager_steps, generate "
-            "without compile)"
-        )
+    names, _ = _reads(code)
     g = fn.__globals__
     scope = {"__builtins__": g["__builtins__"], **{n: g[n] for n in names if n in g}}
     return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__), True
@@ -428,7 +470,11 @@ class _StaticCacheSteps:
         self.decoders: dict[tuple, object] = {}  # input signature -> compiled step (direct dispatch)
         self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
         # without: one guarded step for every signature (dynamo recompiles when its guards fail)
-        self.guarded = None if direct else compile(make_decode())
+        if direct:
+            self.guarded = None
+        else:
+            decode = make_decode()
+            self.guarded = _checked(compile(decode), decode)
         self.structure = _Structure(model)
         self.cache: StaticCache | None = None
         self.positions = torch.arange(max_cache_len)
@@ -569,7 +615,7 @@ def compile_steps(
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
         if compile_prefill:
-            static_prefill = compiled(static_prefill)
+            static_prefill = _checked(compiled(static_prefill), static_prefill)
         steps = _StaticCacheSteps(
             model,
             static_prefill,
@@ -580,8 +626,9 @@ def compile_steps(
             graph_call,
         )
         return CompiledSteps(steps.prefill, steps.decode)
-    prefill = compiled(_step_fn(model, prefill_impl)) if compile_prefill else eager_steps(model).prefill
-    decode = compiled(_step_fn(model, decode_impl))
+    prefill_fn, decode_fn = _step_fn(model, prefill_impl), _step_fn(model, decode_impl)
+    prefill = _checked(compiled(prefill_fn), prefill_fn) if compile_prefill else eager_steps(model).prefill
+    decode = _checked(compiled(decode_fn), decode_fn)
     structure = _Structure(model)
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
