@@ -589,8 +589,10 @@ def compile_steps(
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc), and
     with ``direct_dispatch`` (default) runs each compiled decode step without dynamo's per-call guard checks,
     then, with ``graph_call`` (default), as the compiled graph on a prebuilt input list (`_StaticCacheSteps`,
-    `_GraphCall`; False: dynamo's bytecode); ``direct_dispatch=False`` keeps the guards, and one graph symbolic in the batch for every batch size
-    after the second."""
+    `_GraphCall`; False: dynamo's bytecode); ``direct_dispatch=False`` keeps the guards, and one graph
+    symbolic in the batch for every batch size after the second. A model whose step would replay a Python
+    side effect (a hook appending to a list) is refused with `CompileError` at its first call
+    (`_refuse_replays`): no step guards on the modules' hooks."""
     if gemv not in ("reduction", "mm"):
         raise ValueError(f"compile_steps: gemv={gemv!r}; choose 'reduction' or 'mm'")
     if cache not in ("dynamic", "static"):
