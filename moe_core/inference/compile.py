@@ -343,9 +343,8 @@ class _GraphCall:
         self.arg_slots = arg_slots  # (input index, argument index)
         self.cache_slots = cache_slots  # (input index, layer, "keys" or "values")
         self.cache_specs = [_signature(inputs[j]) for j, _, _ in cache_slots]
-        self.constants = [
-            x for j, x in enumerate(inputs) if j not in {k for k, *_ in arg_slots + cache_slots}
-        ]
+        per_call = {j for j, *_ in arg_slots + cache_slots}
+        self.constants = [x for j, x in enumerate(inputs) if j not in per_call]  # the model's tensors
         self.cache = cache
 
     @classmethod
