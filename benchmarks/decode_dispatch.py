@@ -20,10 +20,9 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
-from inference import decode_bytes  # benchmarks/inference.py (this script's directory is on sys.path)
+from inference import compiled_runner, decode_bytes  # benchmarks/inference.py (this directory is on sys.path)
 
 from moe_core import MoEForCausalLM, dense_baseline, get_config
 from moe_core.inference.compile import compile_steps
@@ -53,16 +52,6 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len))
 
-    @torch.no_grad()
-    def ms_per_step(steps, n: int) -> float:
-        logits, state = steps.prefill(prompt)
-        nxt = logits.argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            logits, state = steps.decode(nxt, state)
-            nxt = logits.argmax(-1, keepdim=True)
-        return (time.perf_counter() - t0) / n * 1e3
-
     runners = {}
     for model_name in ("moe", "dense-total", "dense-active"):
         c = config if model_name == "moe" else dense_baseline(config, model_name.removeprefix("dense-"))
@@ -77,12 +66,12 @@ def main() -> None:
                 **options,
             )
             for _ in range(3):  # compile, record, warm
-                ms_per_step(steps, 3)
-            runners[model_name, variant] = steps
+                compiled_runner(steps, prompt, 3)()
+            runners[model_name, variant] = compiled_runner(steps, prompt, args.steps)
     times = {key: [] for key in runners}
     for _ in range(args.rounds):
-        for key, steps in runners.items():
-            times[key].append(ms_per_step(steps, args.steps))
+        for key, run in runners.items():
+            times[key].append(1e3 * run()[1])  # ms per decode step
     median = {key: statistics.median(v) for key, v in times.items()}
 
     print(

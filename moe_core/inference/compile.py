@@ -270,10 +270,10 @@ def _refuse_replays(code) -> None:
         )
 
 
-def _checked(compiled, fn):
-    """``compiled`` (``torch.compile(fn)``, guarded), whose first call also refuses a step that replays a
-    Python side effect (`_refuse_replays`)."""
-    call = None
+def _checked(compile, fn):
+    """``compile(fn)`` (guarded), whose first call also refuses a step that replays a Python side effect
+    (`_refuse_replays`)."""
+    compiled, call = compile(fn), None
 
     def run(*args):
         nonlocal call
@@ -469,11 +469,7 @@ class _StaticCacheSteps:
         self.decoders: dict[tuple, object] = {}  # input signature -> compiled step (direct dispatch)
         self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
         # without: one guarded step for every signature (dynamo recompiles when its guards fail)
-        if direct:
-            self.guarded = None
-        else:
-            decode = make_decode()
-            self.guarded = _checked(compile(decode), decode)
+        self.guarded = None if direct else _checked(compile, make_decode())
         self.structure = _Structure(model)
         self.cache: StaticCache | None = None
         self.positions = torch.arange(max_cache_len)
@@ -616,7 +612,7 @@ def compile_steps(
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
         if compile_prefill:
-            static_prefill = _checked(compiled(static_prefill), static_prefill)
+            static_prefill = _checked(compiled, static_prefill)
         steps = _StaticCacheSteps(
             model,
             static_prefill,
@@ -627,9 +623,10 @@ def compile_steps(
             graph_call,
         )
         return CompiledSteps(steps.prefill, steps.decode)
-    prefill_fn, decode_fn = _step_fn(model, prefill_impl), _step_fn(model, decode_impl)
-    prefill = _checked(compiled(prefill_fn), prefill_fn) if compile_prefill else eager_steps(model).prefill
-    decode = _checked(compiled(decode_fn), decode_fn)
+    prefill = (
+        _checked(compiled, _step_fn(model, prefill_impl)) if compile_prefill else eager_steps(model).prefill
+    )
+    decode = _checked(compiled, _step_fn(model, decode_impl))
     structure = _Structure(model)
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
