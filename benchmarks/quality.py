@@ -72,7 +72,7 @@ from flows.params import small_train_config
 from moe_core.analytics.profile import profile_split
 from moe_core.config import parameter_counts
 from moe_core.presets import SIZES
-from moe_core.routing import slot_counts
+from moe_core.router_losses import slot_counts
 from moe_core.train import TrainConfig
 from moe_core.train.batches import open_datasets, stack_blocks
 from moe_core.train.loop import Trainer

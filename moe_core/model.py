@@ -8,10 +8,11 @@ Architecture choices (each a field of `MoEConfig`):
   GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
   with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
   auxiliary-loss-free bias) and optional shared experts (Qwen2-MoE; DeepSeekMoE, Dai et al. 2024).
-- Loss: next-token cross-entropy plus ``router_aux_loss_coef * aux + router_z_loss_coef * z`` averaged (or,
-  with ``router_loss_reduction="sum"``, summed: Switch) over MoE layers, added whenever labels are given and
-  the coefficient is above zero (so it can never be silently off during fine-tuning). ``lm_loss`` is reported
-  separately for perplexity. The router losses are training signals: in eval mode under ``torch.no_grad()``
+- Loss: next-token cross-entropy plus the router losses (`moe_core.router_losses`: load balancing and z-loss
+  over the non-padding tokens, weighed by `router_loss`, the one place every trainer takes them from), added
+  whenever labels are given and a coefficient is above zero (so they can never be silently off during
+  fine-tuning). ``lm_loss`` is reported separately for perplexity, ``aux_loss`` and ``z_loss`` as layer means
+  (1.0 = uniform). The router losses are training signals: in eval mode under ``torch.no_grad()``
   (generation, evaluation, analytics) they are not computed.
 
 Legend: B = batch, S = sequence (query) length, L = key length, D = model dim, H = heads, G = kv heads,
@@ -38,7 +39,8 @@ from transformers.utils import ModelOutput
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
 from moe_core.quiet import quiet_deepspeed_cpu_notice
-from moe_core.routing import GlobalBatchBalance, Router, RoutingRecord, build_router
+from moe_core.router_losses import LoadBalance, RouterLosses, layer_losses, router_loss
+from moe_core.routing import Router, RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -246,8 +248,10 @@ class MoECausalLMOutput(ModelOutput):
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     lm_loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # layer mean of the load-balancing loss (reported)
+    z_loss: torch.Tensor | None = None  # layer mean of the z-loss (reported)
+    router_loss: torch.Tensor | None = None  # what the router losses add to the objective (`router_loss`)
+    router_losses: RouterLosses | None = None  # per layer
     routing: tuple[RoutingRecord, ...] | None = None
 
 
@@ -331,7 +335,7 @@ class MoEModel(MoEPreTrainedModel):
 
         records: list[RoutingRecord] = []
         for layer in self.layers:
-            if checkpointing:  # non-reentrant, so the router's aux losses keep their gradient
+            if checkpointing:  # non-reentrant, so the records keep their gradient for the router losses
                 h_BSD, record = checkpoint(
                     layer, h_BSD, cos_sin, mask_BqL, None, cache_position, expert_impl, use_reentrant=False
                 )
@@ -351,9 +355,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = MoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # None: each forward balances its own batch; a `GlobalBatchBalance` (set by the trainer, from outside)
-        # balances the optimizer step's global batch instead
-        self.load_balance: GlobalBatchBalance | None = None
+        # the scope of the load-balancing statistics in training (`moe_core.router_losses.LoadBalance`, set by
+        # the trainer, from outside); None: each forward balances its own tokens
+        self.load_balance: LoadBalance | None = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -397,14 +401,17 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         h_keep = h_BSD[:, -logits_to_keep:] if logits_to_keep else h_BSD
         logits_BSV = self.lm_head(h_keep)
 
-        aux_loss = z_loss = None
-        if records and records[0].aux_loss is not None:  # not computed under no_grad in eval (generation)
-            if self.training and self.load_balance is not None:  # f_e over the global batch
-                standard = [router.uses_standard_aux_loss for router in self.routers()]
-                for record, loss in zip(records, self.load_balance.losses(records, standard)):
-                    record.aux_loss = loss
-            aux_loss = torch.stack([r.aux_loss for r in records]).mean()
-            z_loss = torch.stack([r.z_loss for r in records]).mean()
+        losses = extra = None
+        if records and (self.training or torch.is_grad_enabled()):  # not under no_grad in eval (generation)
+            S = h_BSD.shape[1]
+            token_mask = (
+                attention_mask[:, -S:] if attention_mask is not None else None
+            )  # padding does not count
+            balancing = [router.balancing for router in self.routers()]
+            losses = layer_losses(
+                records, balancing, token_mask, self.load_balance if self.training else None
+            )
+            extra = router_loss(self.config, losses)
         loss = lm_loss = None
         if labels is not None:
             # labels are the inputs: position s predicts token s+1 (transformers' convention)
@@ -413,20 +420,16 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
                 labels[:, 1:].reshape(-1).to(logits_BSV.device),
                 ignore_index=-100,
             )
-            loss = lm_loss
-            # aux_loss and z_loss are reported as layer means (1.0 = uniform); "sum" weighs every layer fully
-            layers = len(records) if getattr(self.config, "router_loss_reduction", "mean") == "sum" else 1
-            if aux_loss is not None and self.config.router_aux_loss_coef > 0:
-                loss = loss + self.config.router_aux_loss_coef * layers * aux_loss
-            if z_loss is not None and self.config.router_z_loss_coef > 0:
-                loss = loss + self.config.router_z_loss_coef * layers * z_loss
+            loss = lm_loss if extra is None else lm_loss + extra
         return MoECausalLMOutput(
             loss=loss,
             logits=logits_BSV,
             past_key_values=past_key_values,
             lm_loss=lm_loss,
-            aux_loss=aux_loss,
-            z_loss=z_loss,
+            aux_loss=None if losses is None else losses.aux,
+            z_loss=None if losses is None else losses.z,
+            router_loss=extra,
+            router_losses=losses,
             routing=tuple(records) if output_routing else None,
         )
 

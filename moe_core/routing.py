@@ -4,8 +4,10 @@ Legend (one per file, shapes in names): T = tokens, D = model dim, E = experts, 
 C = capacity (tokens per expert), P = gate rows of experts removed by pruning.
 
 Every router maps hidden states ``x_TD`` to one `RoutingRecord`. The record is the single source of truth
-for the experts (which slot goes where, with what weight), the losses, training telemetry and analytics;
-nothing downstream re-derives routing. Router math runs in fp32, whatever the model dtype or autocast.
+for the experts (which slot goes where, with what weight), the router losses (`moe_core.router_losses`, which
+computes them from the records), training telemetry and analytics; nothing downstream re-derives routing, and
+nothing writes into a record after the router returned it (it is frozen). Router math runs in fp32, whatever
+the model dtype or autocast.
 
 Routers here:
 - ``topk``: token choice. Softmax (or sigmoid) scores then top-k, optionally renormalized (Mixtral, OLMoE,
@@ -30,10 +32,9 @@ they are never selected and have no expert. A token whose top-k included a prune
 kept expert in that slot (``router_pruned_choices="refill"``), or, with ``"drop"``, the slot stays empty
 (`drop_pruned_choices`): the unpruned routing with the pruned experts' outputs taken as zero.
 
-Losses: the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the T*K
-routed slots sent to expert e (before capacity) and ``P_e`` the mean router probability of e; it equals 1.0
-under perfectly uniform routing for any K (Megatron-LM's normalization; transformers' Mixtral loss is K
-times this). The router z-loss ``mean_t logsumexp(logits_t)^2`` (Zoph et al. 2022, ST-MoE).
+Losses: a router says how its layer is balanced (``balancing``: ``"loss"``, the Switch/GShard load-balancing
+loss with its gradient; ``"bias"``, aux-loss-free, the loss only reported; ``"none"``, balanced by
+construction); `moe_core.router_losses` computes the losses from the records, in one place for every trainer.
 
 Adding a router (register it, then name it in the config: ``MoEConfig(router="my_router")``)::
 
@@ -53,6 +54,7 @@ Adding a router (register it, then name it in the config: ``MoEConfig(router="my
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -64,13 +66,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_core.router_losses import BALANCING
 
-@dataclass
+
+@dataclass(frozen=True)
 class RoutingRecord:
     """Everything a routing decision produced, for the experts, the losses, telemetry and analytics.
 
     Slot ``k`` of token ``t`` goes to expert ``expert_ids_TK[t, k]`` with combine weight ``weights_TK[t, k]``
-    unless ``dropped_TK[t, k]`` (capacity overflow, or a token an expert-choice expert did not pick).
+    unless ``dropped_TK[t, k]`` (capacity overflow, or a token an expert-choice expert did not pick). A fact:
+    frozen; a step that changes the routing (pruned rows) makes a new record with `dataclasses.replace`.
     """
 
     expert_ids_TK: torch.Tensor  # long
@@ -79,9 +84,6 @@ class RoutingRecord:
     probs_TE: torch.Tensor  # fp32 full router probabilities (scores), for analytics and the aux loss
     logits_TE: torch.Tensor  # fp32
     tokens_per_expert_E: torch.Tensor  # long, slots each expert actually processes
-    # scalars; training signals, so None when neither training nor tracking gradients (generation, analytics)
-    aux_loss: torch.Tensor | None  # load balancing
-    z_loss: torch.Tensor | None
     capacity: int | torch.Tensor | None = None  # tokens per expert (0-dim tensor when traced); None: dropless
     # logits of the pruned experts' gate rows (`Router.apply_pruned_rows`); None: nothing pruned
     pruned_logits_TP: torch.Tensor | None = None
@@ -114,6 +116,10 @@ def register_router(name: str):
     def wrap(cls: type[Router]) -> type[Router]:
         if not (isinstance(cls, type) and issubclass(cls, Router)):
             raise TypeError(f"register_router({name!r}): {cls!r} is not a Router subclass")
+        if cls.balancing not in BALANCING:
+            raise ValueError(
+                f"register_router({name!r}): balancing={cls.balancing!r}, choose one of {BALANCING}"
+            )
         ROUTERS[name] = cls
         cls.registry_name = name
         return cls
@@ -216,80 +222,12 @@ def resolve_router(name: str) -> type[Router]:
     return cls
 
 
-# ------------------------------------------------------------------------------------------------ losses
-def slot_counts(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routed slots per expert, counted from the token-choice assignment BEFORE capacity drops (Switch eq. 4:
-    f_e counts what the router chose, not what an expert had room for)."""
-    return torch.bincount(expert_ids_TK.flatten(), minlength=num_experts)
-
-
+# ------------------------------------------------------------------------------------------------ capacity
 def kept_slot_counts(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Slots each expert actually processes (after capacity and pruned-choice drops). A scatter-add, not
     bincount of the kept ids: no data-dependent shape, so it compiles into the graph."""
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_ids_TK.device)
     return counts_E.scatter_add_(0, expert_ids_TK.flatten(), (~dropped_TK).flatten().long())
-
-
-def load_balancing_loss(
-    probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, slot_fraction_E: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Switch Transformer eq. 4, ``E * sum_e f_e * P_e``; 1.0 under perfectly uniform routing.
-
-    ``f_e`` (no gradient) is the fraction of this batch's slots routed to e, or ``slot_fraction_E`` when
-    given (the global batch's, `GlobalBatchBalance`); ``P_e`` (the gradient path) is always this batch's.
-    """
-    T, E = probs_TE.shape
-    if slot_fraction_E is None:
-        slot_fraction_E = slot_counts(expert_ids_TK, E).to(probs_TE.dtype) / expert_ids_TK.numel()
-    P_E = (probs_TE / probs_TE.sum(-1, keepdim=True)).mean(0)  # sigmoid scores are normalized per token first
-    return E * torch.sum(slot_fraction_E.to(P_E.dtype) * P_E)
-
-
-class GlobalBatchBalance:
-    """The load-balancing loss over the global batch: ``f_e`` from every micro-batch of the optimizer step
-    and every data-parallel rank, ``P_e`` from this micro-batch (Qiu et al. 2025, "Demons in the Detail: On
-    Implementing Load Balancing Loss for Training Specialized Mixture-of-Expert Models").
-
-    A micro-batch of a few sequences (one domain, one language) need not be balanced by itself; the step
-    should be. Balancing each micro-batch forces every expert to take a share of every sequence, which works
-    against specialization; balancing the global batch lets a micro-batch lean on the experts its content
-    needs. Like Megatron-LM's ``global_aux_loss``, ``f_e`` is the running count over the micro-batches seen so
-    far in the step (the last one uses the exact global ``f``), so nothing waits for the step's end; the
-    gradient still flows through this micro-batch's ``P_e`` only. Call `reset` at the start of each step.
-
-    ``group``: a process group whose ranks' counts are summed into ``f`` (every rank runs the same number of
-    micro-batches, as data parallelism does anyway); None on one process.
-    """
-
-    def __init__(self, group=None) -> None:
-        self.group = group
-        self.counts_LE: torch.Tensor | None = None  # routed slots per MoE layer and expert, this step
-
-    def reset(self) -> None:
-        self.counts_LE = None
-
-    @torch.no_grad()
-    def observe(self, records) -> torch.Tensor:
-        """Add these records' slot counts (one record per MoE layer) and return f_LE over the step so far."""
-        counts_LE = torch.stack([slot_counts(r.expert_ids_TK, r.num_experts) for r in records]).double()
-        if self.group is not None:
-            torch.distributed.all_reduce(counts_LE, group=self.group)
-        self.counts_LE = counts_LE if self.counts_LE is None else self.counts_LE + counts_LE
-        return self.counts_LE / self.counts_LE.sum(-1, keepdim=True).clamp_min(1.0)
-
-    def losses(self, records, standard) -> list[torch.Tensor]:
-        """Each record's aux loss, recomputed with the global ``f`` where ``standard[i]`` says its router uses
-        the standard Switch loss (aux-loss-free and expert-choice routers keep theirs)."""
-        f_LE = self.observe(records)
-        return [
-            load_balancing_loss(r.probs_TE, r.expert_ids_TK, f_LE[i]) if standard[i] else r.aux_loss
-            for i, r in enumerate(records)
-        ]
-
-
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE eq. 5: mean squared log-partition function; keeps router logits small and stable."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
 def capacity_for(
@@ -338,8 +276,7 @@ def keep_pruned_mass(record: RoutingRecord, pruned_logits_TP: torch.Tensor) -> R
     experts that exist (analytics read it as a distribution)."""
     lse_kept_T1 = record.logits_TE.logsumexp(dim=-1, keepdim=True)
     kept_mass_T1 = torch.sigmoid(lse_kept_T1 - pruned_logits_TP.logsumexp(dim=-1, keepdim=True))
-    record.weights_TK = record.weights_TK * kept_mass_T1
-    return record
+    return dataclasses.replace(record, weights_TK=record.weights_TK * kept_mass_T1)
 
 
 def drop_pruned_choices(record: RoutingRecord, pruned_logits_TP: torch.Tensor, top_k: int) -> RoutingRecord:
@@ -349,10 +286,13 @@ def drop_pruned_choices(record: RoutingRecord, pruned_logits_TP: torch.Tensor, t
     chosen_TK = record.logits_TE.gather(-1, record.expert_ids_TK)
     above_kept_TK = (chosen_TK[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
     above_pruned_TK = (pruned_logits_TP[:, None, :] > chosen_TK[:, :, None]).sum(dim=-1)
-    record.dropped_TK = record.dropped_TK | (above_kept_TK + above_pruned_TK >= top_k)
-    record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
-    record.tokens_per_expert_E = kept_slot_counts(record.expert_ids_TK, record.dropped_TK, record.num_experts)
-    return record
+    dropped_TK = record.dropped_TK | (above_kept_TK + above_pruned_TK >= top_k)
+    return dataclasses.replace(
+        record,
+        dropped_TK=dropped_TK,
+        weights_TK=record.weights_TK.masked_fill(dropped_TK, 0.0),
+        tokens_per_expert_E=kept_slot_counts(record.expert_ids_TK, dropped_TK, record.num_experts),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ routers
@@ -360,9 +300,9 @@ class Router(nn.Module):
     """Base router: a linear gate producing fp32 logits, then `route` turns them into a `RoutingRecord`."""
 
     registry_name = "base"
-    # True when `record` fills in the standard Switch loss from (probs, ids) with its gradient, so a
-    # global-batch or all-reduced version of it (`GlobalBatchBalance`, train/parallel.py) may replace it
-    uses_standard_aux_loss = False
+    # how this router's layer is balanced (`moe_core.router_losses`): "loss" (the Switch/GShard load-balancing
+    # loss, with its gradient), "bias" (aux-loss-free: reported, not trained on) or "none" (by construction)
+    balancing = "loss"
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -410,8 +350,7 @@ class Router(nn.Module):
         record = keep_pruned_mass(record, pruned_logits_TP)
         if self.pruned_choices == "drop":
             record = drop_pruned_choices(record, pruned_logits_TP, self.top_k)
-        record.pruned_logits_TP = pruned_logits_TP
-        return record
+        return dataclasses.replace(record, pruned_logits_TP=pruned_logits_TP)
 
     def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits_TE) if self.score_fn == "sigmoid" else logits_TE.softmax(dim=-1)
@@ -427,21 +366,13 @@ class Router(nn.Module):
         weights_TK: torch.Tensor,
         dropped_TK: torch.Tensor | None = None,
         capacity: int | None = None,
-        aux_loss: torch.Tensor | None = None,
         slots_are_choices: bool = True,
     ) -> RoutingRecord:
-        """Assemble a record; fills in the per-expert counts and the losses a subclass did not give."""
+        """Assemble a record; fills in the per-expert counts."""
         if dropped_TK is None:
             dropped_TK = torch.zeros_like(expert_ids_TK, dtype=torch.bool)
         weights_TK = weights_TK.masked_fill(dropped_TK, 0.0)
         tokens_per_expert_E = kept_slot_counts(expert_ids_TK, dropped_TK, self.num_experts)
-        losses_needed = self.training or torch.is_grad_enabled()
-        if not losses_needed:
-            aux_loss = (
-                None  # both losses or neither (a router's own aux loss, e.g. expert choice's zero, too)
-            )
-        elif aux_loss is None:
-            aux_loss = load_balancing_loss(probs_TE, expert_ids_TK)
         return RoutingRecord(
             expert_ids_TK=expert_ids_TK,
             weights_TK=weights_TK,
@@ -449,8 +380,6 @@ class Router(nn.Module):
             probs_TE=probs_TE,
             logits_TE=logits_TE,
             tokens_per_expert_E=tokens_per_expert_E,
-            aux_loss=aux_loss,
-            z_loss=router_z_loss(logits_TE) if losses_needed else None,
             capacity=capacity,
             slots_are_choices=slots_are_choices,
         )
@@ -465,8 +394,6 @@ class Router(nn.Module):
 @register_router("topk")
 class TokenChoiceTopKRouter(Router):
     """Each token picks its K best experts (GShard, Mixtral, OLMoE, Qwen2-MoE)."""
-
-    uses_standard_aux_loss = True
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         return scores_TE
@@ -510,6 +437,8 @@ class ExpertChoiceRouter(Router):
     experts per token (default: num_experts_per_tok); C = ceil(capacity_factor * T / E), at most T.
     """
 
+    balancing = "none"  # every expert takes exactly C tokens: balanced by construction, no loss
+
     def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
         T, E = logits_TE.shape
         probs_TE = logits_TE.softmax(dim=-1)
@@ -521,7 +450,6 @@ class ExpertChoiceRouter(Router):
         )
         chosen_ET = torch.zeros(E, T, dtype=torch.bool, device=probs_TE.device).scatter(1, token_ids_EC, True)
         expert_ids_TK = torch.arange(E, device=probs_TE.device).expand(T, E)
-        zero = logits_TE.new_zeros(())  # balanced by construction: no load-balancing loss
         return self.record(
             logits_TE,
             probs_TE,
@@ -529,7 +457,6 @@ class ExpertChoiceRouter(Router):
             weights_ET.t(),
             ~chosen_ET.t(),
             capacity,
-            aux_loss=zero,
             slots_are_choices=False,
         )
 
@@ -543,7 +470,7 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     checkpoint. With several data-parallel ranks, pass the all-reduced load to `update_bias`.
     """
 
-    uses_standard_aux_loss = False  # its loss is reported, detached: the bias balances, not a gradient
+    balancing = "bias"  # its load-balancing loss is reported, detached: the bias balances, not a gradient
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -553,13 +480,6 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         return scores_TE + self.expert_bias.float()
-
-    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
-        record = super().route(logits_TE)
-        # the balance is kept by the bias, not by a gradient: report the statistic, do not train on it
-        if record.aux_loss is not None:
-            record.aux_loss = record.aux_loss.detach()
-        return record
 
     def observe(self, record: RoutingRecord) -> None:
         counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=self.num_experts)

@@ -29,7 +29,7 @@ from moe_core import MoEForCausalLM, get_config
 from moe_core.cli import main
 from moe_core.convert import ConversionError, from_hf, to_hf
 from moe_core.fileio import atomic_directory
-from moe_core.routing import load_balancing_loss
+from moe_core.router_losses import load_balancing_loss
 from tests.helpers import randomize_
 
 ATOL = 1e-5

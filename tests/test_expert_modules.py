@@ -5,6 +5,7 @@ same layer through it; the one sort-by-expert dispatch; constructors that share 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def layer(T: int = 6, seed: int = 0):
         record = build_router(CONFIG).eval()(x_TD)
     if T > 1:
         record.dropped_TK[1, 0] = True
-        record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
+        record = dataclasses.replace(record, weights_TK=record.weights_TK.masked_fill(record.dropped_TK, 0.0))
     return experts, x_TD, record
 
 

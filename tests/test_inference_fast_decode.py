@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def test_decode_path_respects_dropped_slots():
         torch.nn.init.normal_(p, std=0.2)
     record = build_router(config)(torch.randn(3, config.hidden_size))
     record.dropped_TK[0, 1] = True
-    record.weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0)
+    record = dataclasses.replace(record, weights_TK=record.weights_TK.masked_fill(record.dropped_TK, 0.0))
     x = torch.randn(3, config.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(

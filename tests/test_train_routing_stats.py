@@ -23,8 +23,6 @@ def record(probs_TE: torch.Tensor, K: int = 2, dropped: float = 0.0, seed: int =
         probs_TE=probs_TE,
         logits_TE=probs_TE.log(),
         tokens_per_expert_E=torch.bincount(ids_TK.flatten(), minlength=E),
-        aux_loss=None,
-        z_loss=None,
     )
 
 

@@ -1,6 +1,6 @@
 """Training quality: the load-balancing loss's normalisation and scope, and routing that balances in training.
 
-- `GlobalBatchBalance` (Qiu et al. 2025): f_e accumulates over the micro-batches of a step, so the last
+- `LoadBalance("global_batch")` (Qiu et al. 2025): f_e accumulates over the micro-batches of a step, so the last
   micro-batch's loss is the big batch's f with its own P; one micro-batch equals the plain loss.
 - Switch defaults (issue 17): the router input stays token-specific early in training, and a short run on
   the built-in corpus keeps its drop rate and load low after warm-up.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_core import MoEForCausalLM, get_config
-from moe_core.routing import GlobalBatchBalance, load_balancing_loss, slot_counts
+from moe_core.router_losses import LoadBalance, load_balancing_loss, slot_counts
 from moe_core.train import TrainConfig, train
 from moe_core.train.batches import stack_blocks
 from moe_core.train.loop import Trainer
@@ -31,22 +31,23 @@ def test_global_batch_f_accumulates_over_micro_batches_and_resets():
     model = _model(capacity_factor=None)  # dropless: later layers see the same inputs in both batchings
     x = torch.randint(0, model.config.vocab_size, (2, 24))
     big = model(x, labels=x, output_routing=True)
-    model.load_balance = GlobalBatchBalance()
+    model.load_balance = LoadBalance("global_batch")
     model.load_balance.reset()
     first = model(x[:1], labels=x[:1], output_routing=True)
     second = model(x[1:], labels=x[1:], output_routing=True)
     E = model.config.num_experts
+    aux1_L, aux2_L = first.router_losses.aux_L, second.router_losses.aux_L
     for layer, (r_big, r1, r2) in enumerate(zip(big.routing, first.routing, second.routing)):
         counts_big = slot_counts(r_big.expert_ids_TK, E).double()
         torch.testing.assert_close(model.load_balance.counts_LE[layer], counts_big)
         # micro-batch 1 saw only its own slots; micro-batch 2 the whole batch's f with its own P
-        torch.testing.assert_close(r1.aux_loss, load_balancing_loss(r1.probs_TE, r1.expert_ids_TK))
+        torch.testing.assert_close(aux1_L[layer], load_balancing_loss(r1.probs_TE, r1.expert_ids_TK))
         f_big = counts_big / counts_big.sum()
-        torch.testing.assert_close(r2.aux_loss, load_balancing_loss(r2.probs_TE, r2.expert_ids_TK, f_big))
+        torch.testing.assert_close(aux2_L[layer], load_balancing_loss(r2.probs_TE, r2.expert_ids_TK, f_big))
     # the micro-batches really were unbalanced differently: the global scope changes the loss
     assert any(
-        not torch.allclose(r2.aux_loss, load_balancing_loss(r2.probs_TE, r2.expert_ids_TK))
-        for r2 in second.routing
+        not torch.allclose(aux2_L[layer], load_balancing_loss(r2.probs_TE, r2.expert_ids_TK))
+        for layer, r2 in enumerate(second.routing)
     )
     model.load_balance.reset()
     assert model.load_balance.counts_LE is None
@@ -57,7 +58,7 @@ def test_global_batch_with_one_micro_batch_equals_the_plain_loss_and_gradient():
     x = torch.randint(0, model.config.vocab_size, (2, 24))
     plain = model(x, labels=x)
     (g_plain,) = torch.autograd.grad(plain.aux_loss, model.routers()[0].gate.weight)
-    model.load_balance = GlobalBatchBalance()
+    model.load_balance = LoadBalance("global_batch")
     model.load_balance.reset()
     scoped = model(x, labels=x)
     (g_scoped,) = torch.autograd.grad(scoped.aux_loss, model.routers()[0].gate.weight)
@@ -67,10 +68,10 @@ def test_global_batch_with_one_micro_batch_equals_the_plain_loss_and_gradient():
 
 def test_global_batch_leaves_eval_and_bias_routers_alone():
     model = _model("mixtral-tiny", router="aux_free", router_bias_update_rate=0.01)
-    model.load_balance = GlobalBatchBalance()
+    model.load_balance = LoadBalance("global_batch")
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     out = model(x, labels=x, output_routing=True)
-    assert all(not r.aux_loss.requires_grad for r in out.routing)  # still the detached statistic
+    assert not out.router_losses.aux_L.requires_grad  # still the detached statistic
     model.eval()
     model.load_balance.reset()
     with torch.no_grad():
@@ -183,14 +184,14 @@ def _two_rank_worker(rank: int, init_file: str, result_file: str) -> None:
     try:
         model = _model(capacity_factor=None)  # the same weights on both ranks (seeded)
         x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-        model.load_balance = GlobalBatchBalance(torch.distributed.group.WORLD)
+        model.load_balance = LoadBalance("global_batch", torch.distributed.group.WORLD)
         model.load_balance.reset()
         out = model(x[rank : rank + 1], labels=x[rank : rank + 1], output_routing=True)
         if rank == 0:
             torch.save(
                 {
                     "counts": model.load_balance.counts_LE,
-                    "aux": [r.aux_loss.detach() for r in out.routing],
+                    "aux": list(out.router_losses.aux_L.detach()),
                     "probs": [r.probs_TE.detach() for r in out.routing],
                     "ids": [r.expert_ids_TK for r in out.routing],
                 },

@@ -7,13 +7,16 @@ family). Our model has neither, so TRL as-is would fail, or (worse, on a model i
 router loss during fine-tuning.
 
 - `MoESFTTrainer` keeps TRL's data pipeline (chat template, prompt/completion masking, truncation, collation) and
-  takes the loss from our model's own forward: ``lm_loss + router_aux_loss_coef * aux + router_z_loss_coef * z``
-  (`moe_core.model`), so the router losses are in whenever their coefficient is above zero. ``lm_loss``,
-  ``aux_loss`` and ``z_loss`` are logged next to ``loss``.
+  takes the loss from our model's own forward: ``lm_loss + router_loss`` (`moe_core.model`), so the router
+  losses are in whenever their coefficient is above zero. ``lm_loss``, ``aux_loss`` and ``z_loss`` are logged
+  next to ``loss``.
 - `MoEDPOTrainer` keeps TRL's DPO loss and metrics; the fused head TRL calls is replaced by `fused_forward`
-  (per-token log-probabilities from our logits), and ``router_aux_loss_coef * aux + router_z_loss_coef * z`` of
-  the policy forward is added to the DPO loss in training (TRL does the same for Mixtral via ``output_router_logits``),
-  and logged. The reference forward never carries router losses.
+  (per-token log-probabilities from our logits), and the policy forward's ``router_loss`` is added to the DPO
+  loss in training (TRL does the same for Mixtral via ``output_router_logits``), and logged. The reference
+  forward never carries router losses.
+- Every trainer weighs the router losses alike: the model's ``router_loss`` comes from
+  `moe_core.router_losses.router_loss` (the coefficients and the layer reduction in one place), computed over
+  the non-padding tokens.
 - Both divide by the gradient-accumulation steps themselves (``loss_is_scaled_for_ga = False``): our loss is a
   per-micro-batch mean, and transformers would otherwise assume a model with ``**kwargs`` scales it already.
 - Both skip TRL's usage-telemetry ping: a library run never calls home.
@@ -262,8 +265,6 @@ class _MoEMetrics:
         self._plan = plan
         self._per_expert = per_expert
         cfg = base.config
-        self.moe_aux_coef = float(cfg.router_aux_loss_coef) if cfg.num_experts else 0.0
-        self.moe_z_coef = float(cfg.router_z_loss_coef) if cfg.num_experts else 0.0
         self._routing = (
             RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts) if log_routing and cfg.num_experts else None
         )
@@ -430,10 +431,8 @@ class MoEDPOTrainer(_MoEMetrics, DPOTrainer):
         if out is None or out.aux_loss is None:
             return result
         loss = result[0] if return_outputs else result
-        if self.moe_aux_coef > 0:
-            loss = loss + self.moe_aux_coef * out.aux_loss
-        if self.moe_z_coef > 0:
-            loss = loss + self.moe_z_coef * out.z_loss
+        if out.router_loss is not None:
+            loss = loss + out.router_loss
         self._metrics[mode]["aux_loss"].append(out.aux_loss.detach().float().item())
         self._metrics[mode]["z_loss"].append(out.z_loss.detach().float().item())
         if self._routing is not None and mode == "train" and out.routing is not None:

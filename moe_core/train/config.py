@@ -126,9 +126,6 @@ class ParallelSection(_Section):
             raise ValueError("parallel.offload_optimizer=true needs parallel.backend=deepspeed")
         return self
 
-    # all-reduce the router statistics so the load-balancing loss is over the global batch, as on one process
-    global_aux_loss: bool = True
-
 
 class CheckpointSection(_Section):
     every: int = Field(100, ge=1)
@@ -179,15 +176,31 @@ class TrainConfig(_Section, ConfigFile):
     grad_accum: int = Field(1, ge=1)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # the load-balancing loss's f_e over each micro-batch (each rank's, or all ranks' with
-    # parallel.global_aux_loss), or over the whole step: every micro-batch and every rank (Qiu et al. 2025,
-    # "Demons in the Detail": global-batch balancing lets experts specialize; `moe_core.routing.GlobalBatchBalance`)
-    balance_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    # the load-balancing loss's statistics (`moe_core.router_losses.LoadBalance`): each micro-batch's own
+    # tokens; every data-parallel rank's micro-batch (f_e and P_e all-reduced: a run on W processes optimizes
+    # what one process would on the same batch; Megatron-LM's global_aux_loss); or the whole step, every
+    # micro-batch and every rank (f_e only; Qiu et al. 2025, "Demons in the Detail": lets experts specialize)
+    balance_scope: Literal["micro_batch", "data_parallel", "global_batch"] = "data_parallel"
     activation_checkpointing: bool = False
     compile: bool = False
     deterministic: bool = True  # torch.use_deterministic_algorithms, for exact resume
     seed: int = 0
     version: int = 1  # bump when a field changes meaning; old configs keep loading
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_balance_settings(cls, data: Any) -> Any:
+        """Configs saved before ``balance_scope`` took ``data_parallel`` carry ``parallel.global_aux_loss``:
+        ``micro_batch`` with it on was what ``data_parallel`` is now."""
+        parallel = data.get("parallel") if isinstance(data, dict) else None
+        if not isinstance(parallel, dict) or "global_aux_loss" not in parallel:
+            return data
+        parallel = dict(parallel)
+        all_ranks = parallel.pop("global_aux_loss")
+        scope = data.get("balance_scope", "micro_batch")
+        if scope == "micro_batch" and all_ranks:
+            scope = "data_parallel"
+        return {**data, "parallel": parallel, "balance_scope": scope}
 
     @model_validator(mode="after")
     def _check_deepspeed(self) -> TrainConfig:

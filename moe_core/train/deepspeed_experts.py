@@ -1,6 +1,6 @@
 """Expert parallelism under the DeepSpeed backend (``parallel.backend=deepspeed`` with ``parallel.ep_size > 1``).
 
-Our `ExpertParallelExperts` (`parallel.py`) keep their routing, capacity, aux losses and all-to-all; DeepSpeed's
+Our `ExpertParallelExperts` (`parallel.py`) keep their routing, capacity, router losses and all-to-all; DeepSpeed's
 ZeRO optimizer keeps their shards in its own MoE parameter groups, partitioned and reduced over the
 expert-data-parallel group, as it does for its own `deepspeed.moe.layer.MoE`. Imported only by
 `deepspeed_engine.build_engine`, after `deepspeed_engine.import_deepspeed` (DeepSpeed is imported at the top here).

@@ -46,7 +46,7 @@ from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.flops import flops_per_token, peak_flops
 from moe_core.model import MoEForCausalLM
-from moe_core.routing import GlobalBatchBalance
+from moe_core.router_losses import LoadBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import deepspeed_engine as ds_engine
 from moe_core.train import parallel as par
@@ -232,12 +232,12 @@ class Trainer:
         model = MoEForCausalLM(self.model_config)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        global_batch = config.balance_scope == "global_batch"
-        if global_batch:  # f_e over every micro-batch of the step and every rank (`GlobalBatchBalance`)
-            model.load_balance = GlobalBatchBalance(
-                torch.distributed.group.WORLD if state.distributed else None
-            )
-        model = par.apply_expert_parallel(model, state, config.parallel.global_aux_loss and not global_batch)
+        # the load-balancing statistics' scope: every rank's tokens are its own, so the data-parallel group of
+        # the router losses is the world (expert-parallel peers route different tokens too)
+        model.load_balance = LoadBalance(
+            config.balance_scope, torch.distributed.group.WORLD if state.distributed else None
+        )
+        model = par.apply_expert_parallel(model, state)
         self.model = model.to(state.device)
         self.forward_model = self.model
         if config.compile:

@@ -14,9 +14,9 @@ are summed over the DP group and divided by W (`sync_expert_grads`).
 
 `ExpertParallelExperts` replaces each MoE block's `GroupedExperts` (torchtitan keeps parallelism beside
 the model in the same way). Routing stays local to each rank; the wrapper dispatches kept slots to the rank
-owning their expert, runs its local experts and returns the outputs. With ``global_aux_loss`` it also
-replaces the load-balancing loss by the one over the global batch (f_e and P_e all-reduced), so a run on
-W processes optimizes what a single process would on the same global batch.
+owning their expert, runs its local experts and returns the outputs. The load-balancing loss's scope over
+the ranks (``balance_scope``) is the router losses' business (`moe_core.router_losses.LoadBalance`), not
+the experts'.
 
 Note: on gloo the list form `dist.all_to_all` fails with uneven sizes; `all_to_all_single` works.
 """
@@ -32,12 +32,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from moe_core.errors import MoELabError
 from moe_core.experts import ExpertDispatch, ExpertModule, GroupedExperts, sort_by_expert
-from moe_core.routing import AuxLossFreeRouter, RoutingRecord, SwitchRouter, TokenChoiceTopKRouter
+from moe_core.routing import RoutingRecord
 
 # Legend: T = tokens on this rank, D = model dim, E = all experts, El = experts on this rank, K = slots per
 # token, A = kept slots this rank sends, R = slots this rank receives, P = ranks in the EP group.
@@ -160,31 +159,11 @@ def shutdown_parallel(state: ParallelState) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ experts
-def global_load_balancing_loss(record: RoutingRecord, group) -> torch.Tensor:
-    """Switch eq. 4 with f_e and P_e over the global batch: the statistics are all-reduced (P_e with its
-    gradient: the backward of the differentiable all-reduce sums every rank's upstream gradient, and the
-    data-parallel average then divides by W, leaving exactly d(aux)/d(theta))."""
-    probs_TE = record.probs_TE
-    T, E = probs_TE.shape
-    counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=E).to(probs_TE.dtype)
-    stats = torch.cat([counts_E, probs_TE.new_tensor([T, record.expert_ids_TK.numel()])])
-    dist.all_reduce(stats, group=group)
-    counts_E, total_T, total_slots = stats[:E], stats[E], stats[E + 1]
-    p_sum_E = (probs_TE / probs_TE.sum(-1, keepdim=True)).sum(0)
-    P_E = dist_fn.all_reduce(p_sum_E, group=group) / total_T
-    return E * torch.sum(counts_E / total_slots * P_E)
-
-
-def _uses_standard_aux_loss(router: nn.Module) -> bool:
-    """Routers whose aux loss is exactly `load_balancing_loss(probs, ids)` with a gradient."""
-    return type(router) in (TokenChoiceTopKRouter, SwitchRouter) and not isinstance(router, AuxLossFreeRouter)
-
-
 class ExpertParallelExperts(nn.Module, ExpertModule):
     """An `ExpertModule`: this rank's slice of a `GroupedExperts` (``local``), with all-to-all dispatch and
     return over the EP group; ``num_experts`` is the global E."""
 
-    def __init__(self, experts: GroupedExperts, state: ParallelState, global_aux_group=None) -> None:
+    def __init__(self, experts: GroupedExperts, state: ParallelState) -> None:
         super().__init__()
         E = experts.num_experts
         if E % state.ep_size:
@@ -195,7 +174,6 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         self.num_experts, self.ep_size, self.ep_rank = E, state.ep_size, state.ep_rank
         self.num_local = E // state.ep_size
         self.group = state.ep_group
-        self.global_aux_group = global_aux_group
         first = self.ep_rank * self.num_local
         F_, D = experts.up_proj.shape[1], experts.up_proj.shape[2]
         self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
@@ -207,8 +185,6 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         self.comm = CommStats()
 
     def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
-        if self.global_aux_group is not None and record.aux_loss is not None:
-            record.aux_loss = global_load_balancing_loss(record, self.global_aux_group)
         if self.ep_size == 1:
             return self.local(x_TD, record, impl)
         return self.forward_all_to_all(x_TD, record)
@@ -340,19 +316,16 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
 
 
-def apply_expert_parallel(model: nn.Module, state: ParallelState, global_aux_loss: bool = True) -> nn.Module:
-    """Replace every MoE block's experts by this rank's `ExpertParallelExperts` (in place)."""
+def apply_expert_parallel(model: nn.Module, state: ParallelState) -> nn.Module:
+    """Replace every MoE block's experts by this rank's `ExpertParallelExperts` (in place). Also at
+    ``ep_size=1``: every distributed run then has one layout (expert gradients synced by `sync_expert_grads`,
+    expert shards in their own checkpoint files) whatever its router or balancing scope."""
     if not state.distributed:
         return model
     for i, layer in enumerate(model.model.layers):
-        if not layer.is_moe:
-            continue
-        block = layer.mlp
-        aux_group = dist.group.WORLD if global_aux_loss and _uses_standard_aux_loss(block.router) else None
-        if state.ep_size == 1 and aux_group is None:
-            continue
-        block.experts = ExpertParallelExperts(block.experts, state, aux_group)
-        block.experts.layer_id = i
+        if layer.is_moe:
+            layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, state)
+            layer.mlp.experts.layer_id = i
     return model
 
 
