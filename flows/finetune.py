@@ -8,13 +8,13 @@ from prefect import flow
 from pydantic import Field
 
 from flows.common import out_dir_for
-from flows.params import _Params
+from flows.params import FlowParams
 from moe_core.finetune import FinetuneConfig
 from tasks.finetune import finetune_model
 from tasks.stages import flow_record, pending_summary
 
 
-class FinetuneFlowParams(_Params):
+class FinetuneFlowParams(FlowParams):
     config: FinetuneConfig = Field(default_factory=FinetuneConfig)
     base_model_dir: str = Field(..., description="the model to start from (a training run's final/)")
     out_dir: str | None = None

@@ -22,7 +22,7 @@ class FlowParamsError(MoELabError):
     """Flow parameters that cannot be read: a malformed params file or ``--set`` item, or invalid values."""
 
 
-class _Params(BaseModel):
+class FlowParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -75,14 +75,14 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-class ValidateParams(_Params):
+class ValidateParams(FlowParams):
     source: str = "builtin"
     kind: Literal["text", "instruction", "preference"] = "text"
     max_documents: int | None = Field(200, ge=1)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
 
-class PretrainParams(_Params):
+class PretrainParams(FlowParams):
     train: TrainConfig = Field(default_factory=tiny_train_config)
     nproc: int = Field(
         1,
@@ -115,7 +115,7 @@ class PretrainParams(_Params):
     )
 
 
-class EvaluateParams(_Params):
+class EvaluateParams(FlowParams):
     splits: list[str] = Field(default_factory=lambda: ["validation", "test"])
     batch_size: int = Field(8, ge=1)
     max_batches: int | None = Field(8, ge=1)
@@ -129,7 +129,7 @@ class EvaluateParams(_Params):
     device_name: str | None = Field(None, description="device to price (default: this machine's)")
 
 
-class OptimizeParams(_Params):
+class OptimizeParams(FlowParams):
     quantize_bits: Literal[4, 8] = 8
     quantize_method: Literal["rtn", "gptq", "awq"] = "rtn"  # gptq/awq calibrate on the prepared data
     group_size: int = Field(32, ge=2)
@@ -142,12 +142,12 @@ class OptimizeParams(_Params):
     )
 
 
-class FinetuneParams(_Params):
+class FinetuneParams(FlowParams):
     enabled: bool = Field(False, description="fine-tune the pretrained model (needs config.data.source)")
     config: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
 
-class PromotionParams(_Params):
+class PromotionParams(FlowParams):
     model_name: str = settings.REGISTERED_MODEL
     metric: str = Field(
         "eval.validation_bpb",
@@ -164,7 +164,7 @@ class PromotionParams(_Params):
     )
 
 
-class LifecycleParams(_Params):
+class LifecycleParams(FlowParams):
     """Everything the lifecycle does, in one form: validate, prepare, pretrain (+ dense baseline), evaluate,
     fine-tune, optimize, register, promote."""
 

@@ -79,3 +79,17 @@ def test_comparison_table_against_dense_baselines():
     assert markdown.splitlines()[0].startswith("| model | experts |") and "| moe | 2/8 |" in markdown
     with pytest.raises(EvaluationError, match="reference"):
         comparison_table(rows, reference="nope")
+
+
+def test_one_perplexity_for_training_and_evaluation(tmp_path):
+    """Training's validation perplexity clamped at exp(50) while evaluation gave exp(loss) up to inf: one
+    function now serves both."""
+    import math
+
+    from moe_core.eval.perplexity import LossResult, perplexity
+    from moe_core.train import loop
+
+    assert perplexity(60.0) == math.exp(60.0)  # the trainer's clamp gave exp(50)
+    assert perplexity(800.0) == float("inf")
+    assert LossResult("eval", 60.0, 1, 1).perplexity == perplexity(60.0)
+    assert loop.perplexity is perplexity

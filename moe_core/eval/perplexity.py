@@ -25,6 +25,12 @@ from moe_core.eval.batches import split_batches
 from moe_core.flops import flops_per_token
 
 
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean loss in nats per token; inf past what a float holds (exp overflows near 709.8).
+    The project's one perplexity: training's validation, evaluation, comparison tables."""
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
 class EvaluationError(MoELabError):
     """An evaluation that cannot run (an empty split, a model and data that do not fit together)."""
 
@@ -38,7 +44,7 @@ class LossResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else float("inf")
+        return perplexity(self.loss)
 
     @property
     def bits_per_token(self) -> float:

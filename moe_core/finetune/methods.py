@@ -159,7 +159,7 @@ def select_esft_experts(
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
-def _lora_wrappers(model) -> Iterator[tuple[str, Any]]:
+def lora_wrappers(model) -> Iterator[tuple[str, Any]]:
     from peft.tuners.lora.layer import ParamWrapper  # lazy: peft, only LoRA needs it (see apply_lora)
 
     for name, module in model.named_modules():
@@ -175,7 +175,7 @@ class ExpertLoraMask:
         self._handles: list[Any] = []
 
     def apply(self, peft_model, adapter: str = "default") -> None:
-        for name, wrapper in _lora_wrappers(peft_model):
+        for name, wrapper in lora_wrappers(peft_model):
             layer = layer_of(name)
             E = wrapper.num_experts
             chosen = self.selection.get(layer)

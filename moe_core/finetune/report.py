@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_core.finetune.config import FinetuneError
-from moe_core.finetune.methods import MethodPlan, _lora_wrappers, layer_of
+from moe_core.finetune.methods import MethodPlan, layer_of, lora_wrappers
 
 
 @dataclass
@@ -113,7 +113,7 @@ def trainable_parameter_report(model, plan: MethodPlan | None = None) -> Trainab
     total = 0
     wrapped = {}  # ParamWrapper module name -> the parameter it adapts, without PEFT's base_layer nesting
     if any(".lora_" in n for n, _ in model.named_parameters()):
-        for module_name, wrapper in _lora_wrappers(model):
+        for module_name, wrapper in lora_wrappers(model):
             plain = _clean(module_name).replace(".base_layer", "")
             wrapped[_clean(module_name)] = f"{plain}.{wrapper.parameter_name}"
     num_experts = getattr(getattr(model, "config", None), "num_experts", 0) or 0

@@ -175,7 +175,7 @@ def _static_step_fn(model: nn.Module, expert_impl: str | None):
     return _own_code(step)
 
 
-class _Structure:
+class ModelStructure:
     """The shapes, dtypes and devices of a model's parameters and buffers, its module classes and its config,
     when `compile_steps` compiled it.
 
@@ -450,7 +450,7 @@ class _StaticCacheSteps:
     benchmarks/README.md) and records which graph input is which, and every later call runs the compiled
     graph on its prebuilt input list (`_GraphCall`: another 0.1-0.2 ms). What those guards checked holds
     by construction: the signature picks the graph,
-    the cache and its positions are this object's own, the model is checked at each prefill (`_Structure`),
+    the cache and its positions are this object's own, the model is checked at each prefill (`ModelStructure`),
     and the steps always run without gradients. A new batch size compiles once more."""
 
     def __init__(
@@ -470,7 +470,7 @@ class _StaticCacheSteps:
         self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
         # without: one guarded step for every signature (dynamo recompiles when its guards fail)
         self.guarded = None if direct else _checked(compile, make_decode())
-        self.structure = _Structure(model)
+        self.structure = ModelStructure(model)
         self.cache: StaticCache | None = None
         self.positions = torch.arange(max_cache_len)
         self.position_views: list[torch.Tensor | None] = [None] * max_cache_len  # [l:l+1], made once
@@ -599,7 +599,7 @@ def compile_steps(
         reduction_gemv(model)
     # the steps hold one model, whose structure must not change after compile_steps (parameters may be
     # updated in place: they are graph inputs): no guards on the modules, no size asserts on the inputs,
-    # each prefill checks the model instead (`_Structure`)
+    # each prefill checks the model instead (`ModelStructure`)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if backend == "inductor":
         options.update(size_asserts=False, cpp_wrapper=cpp_wrapper)
@@ -627,7 +627,7 @@ def compile_steps(
         _checked(compiled, _step_fn(model, prefill_impl)) if compile_prefill else eager_steps(model).prefill
     )
     decode = _checked(compiled, _step_fn(model, decode_impl))
-    structure = _Structure(model)
+    structure = ModelStructure(model)
 
     def run_prefill(input_ids_BS, attention_mask_BS=None, position_ids_BS=None):
         structure.check()

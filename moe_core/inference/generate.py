@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from moe_core.errors import MoELabError
-from moe_core.inference.compile import _Structure, compile_steps, eager_steps
+from moe_core.inference.compile import ModelStructure, compile_steps, eager_steps
 from moe_core.inference.expert_cache import offload_experts
 from moe_core.inference.fast_decode import enable_fast_decode
 from moe_core.inference.monitor import InferenceMonitor
@@ -185,7 +185,7 @@ def batch_generate(
 
 
 class _CompiledMemo(dict):
-    """A model's compiled generation steps, by static-cache length: ``{slots: (CompiledSteps, _Structure)}``.
+    """A model's compiled generation steps, by static-cache length: ``{slots: (CompiledSteps, ModelStructure)}``.
 
     Held on the model (``model._generation_steps``), so it lives and dies with it; a copy or a pickle of the
     model starts with an empty one (compiled functions neither copy nor pickle)."""
@@ -201,7 +201,7 @@ def _steps(model, compile: bool, max_cache_len: int):
     its decode ignores the mask (the cache state holds it). The cache length is rounded up to a power of two
     (at least 64 slots) and the steps are kept on the model, so later calls with similar lengths reuse the
     compiled graphs instead of compiling again (each `compile_steps` call compiles anew); a model changed since
-    (a pruned expert stack, a cast, a swapped module, an edited config: `_Structure`) is compiled again."""
+    (a pruned expert stack, a cast, a swapped module, an edited config: `ModelStructure`) is compiled again."""
     if not compile:
         steps = eager_steps(model)
         return steps.prefill, steps.decode
@@ -209,7 +209,7 @@ def _steps(model, compile: bool, max_cache_len: int):
     memo = model.__dict__.setdefault("_generation_steps", _CompiledMemo())
     if slots not in memo or not memo[slots][1].matches():
         steps = compile_steps(model, compile_prefill=False, cache="static", max_cache_len=slots)
-        memo[slots] = (steps, _Structure(model))
+        memo[slots] = (steps, ModelStructure(model))
     steps = memo[slots][0]
     return steps.prefill, steps.decode
 

@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard
+from moe_core.train.parallel import full_model_name, is_expert_param
 
 FORMAT = 2
 STEP_PREFIX = "step_"
-EXPERT_MARK = ".experts.local."
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 OLD_FORMAT_FILES = ("rank0.pt", "rank0-trainer.pt")  # format 1: pickled optimizer/RNG/scheduler files
@@ -207,7 +207,7 @@ def split_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
         if key in seen:
             continue
         seen.add(key)
-        target = experts if EXPERT_MARK in name else replicated
+        target = experts if is_expert_param(name) else replicated
         target[name] = tensor.detach().cpu().contiguous()
     return replicated, experts
 
@@ -449,7 +449,7 @@ def gather_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
         parts: dict[str, list[torch.Tensor]] = {}
         for shard in shards:
             for name, tensor in load_file(shard).items():
-                parts.setdefault(name.replace(EXPERT_MARK, ".experts."), []).append(tensor)
+                parts.setdefault(full_model_name(name), []).append(tensor)
         state.update({name: torch.cat(tensors, dim=0) for name, tensors in parts.items()})
     return state
 

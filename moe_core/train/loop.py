@@ -29,7 +29,6 @@ dropped, so the file holds each step once.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import shutil
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from moe_core.errors import MoELabError
+from moe_core.eval.perplexity import perplexity
 from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.flops import flops_per_token, peak_flops
 from moe_core.model import MoEForCausalLM
@@ -542,7 +542,7 @@ class Trainer:
         loss_sum, batches = loss_sum_and_batches
         val_loss = (loss_sum / batches).item()
         self.last_val_loss = val_loss
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
 
     def _evaluate_if_due(self, last_step: bool) -> dict[str, float]:
         every = self.config.eval.every

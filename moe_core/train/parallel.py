@@ -329,8 +329,18 @@ def apply_expert_parallel(model: nn.Module, state: ParallelState) -> nn.Module:
     return model
 
 
+# every parameter of an expert shard carries this in its name (`ExpertParallelExperts.local`): what the
+# gradient sync, the optimizer's groups and the checkpoint's per-rank expert files select by
+EXPERT_MARK = ".experts.local."
+
+
 def is_expert_param(name: str) -> bool:
-    return ".experts.local." in name
+    return EXPERT_MARK in name
+
+
+def full_model_name(name: str) -> str:
+    """The name of an expert shard's parameter in the whole model (`MoEForCausalLM`'s ``.experts.``)."""
+    return name.replace(EXPERT_MARK, ".experts.")
 
 
 # ------------------------------------------------------------------------------------------------ gradients
