@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from moe_core.analytics.cost import cost_report as build_report
@@ -16,7 +16,14 @@ from moe_core.analytics.profile import ProfileConfig, profile_split
 from moe_core.data.shards import read_manifest
 from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash
 from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
-from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
+from moe_core.eval.perplexity import (
+    comparison_table,
+    evaluate_splits,
+    model_row,
+    to_markdown,
+    unequal_training,
+)
+from moe_core.train.checkpoint import tokens_trained
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
@@ -50,7 +57,8 @@ def evaluate_model(
                 tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
             results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
             per_byte = evaluate_bits_per_byte(model, tokenizer, texts, window=seq_len, batch_size=batch_size)
-            rows.append({**model_row(name, model.config, results), "validation_bpb": per_byte.bits_per_byte})
+            row = model_row(name, model.config, results, tokens_trained=tokens_trained(model_dir))
+            rows.append({**row, "validation_bpb": per_byte.bits_per_byte})
             prefix = "eval" if i == 0 else f"baseline.{name}"
             for split, r in results.items():
                 metrics.update({f"{prefix}.{split}_loss": r.loss, f"{prefix}.{split}_ppl": r.perplexity})
@@ -62,6 +70,8 @@ def evaluate_model(
                     "eval.tokenizer_sha256": tokenizer_hash(tokenizer),
                     "eval.model_dir": str(model_dir),
                 }
+        if warning := unequal_training(rows):
+            get_run_logger().warning(warning)
         nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         table = comparison_table(rows, reference=next(iter(models)))
         out = Path(out_dir)

@@ -93,3 +93,35 @@ def test_one_perplexity_for_training_and_evaluation(tmp_path):
     assert perplexity(800.0) == float("inf")
     assert LossResult("eval", 60.0, 1, 1).perplexity == perplexity(60.0)
     assert loop.perplexity is perplexity
+
+
+def test_a_comparison_says_how_many_tokens_each_model_trained_on(tmp_path):
+    """The README once compared an MoE trained 300 steps with a dense model trained 50: the table now shows
+    the tokens behind each model and a comparison of unequal budgets warns."""
+    from moe_core.eval.perplexity import unequal_training
+    from moe_core.train import TrainConfig, train
+    from moe_core.train.checkpoint import tokens_trained
+
+    def run(steps, out):
+        config = TrainConfig.build(
+            {
+                "model": {"preset": "switch-tiny"},
+                "steps": steps,
+                "batch_size": 2,
+                "data": {"source": "synthetic", "seq_len": 16, "synthetic_blocks": 32},
+                "log": {"every": 1, "progress": "off"},
+                "checkpoint": {"every": steps},
+                "eval": {"batches": 1},
+            }
+        )
+        return train(config, out)
+
+    short, long = run(1, tmp_path / "short"), run(3, tmp_path / "long")
+    assert tokens_trained(tmp_path / "long") == long.tokens == 3 * 2 * 16
+    assert tokens_trained(long.export_dir) == long.tokens  # a run's final/ model: its run's tokens
+    assert tokens_trained(long.checkpoint) == long.tokens
+    assert tokens_trained(tmp_path) is None
+    rows = [{"model": "moe", "tokens_trained": long.tokens}, {"model": "dense", "tokens_trained": short.tokens}]
+    assert "moe 96, dense 32" in unequal_training(rows)
+    assert unequal_training([rows[0], {**rows[1], "tokens_trained": long.tokens}]) is None
+    assert unequal_training([rows[0], {"model": "hub", "tokens_trained": None}]) is None  # unknown: no claim

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -195,6 +196,11 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("hello") and captured.out.endswith(f"\n\na cat{completions[1]}\n")
     assert "{" not in captured.err and "new_tokens 10" in captured.err
+
+    # with an expert cache, the closing line says how well it worked (it printed nothing of the cache before)
+    args = ["generate", str(tmp_path / "model"), "--prompt", "hello", "--max-new-tokens", "5"]
+    assert main([*args, "--expert-cache", "64"]) == 0
+    assert re.search(r"expert cache hit rate \d+% \(\d+ of \d+\)", capsys.readouterr().err)
 
     assert main(["generate", str(tmp_path / "model")]) == 2
     assert "no prompts" in capsys.readouterr().err

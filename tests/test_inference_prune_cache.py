@@ -132,6 +132,15 @@ def test_missing_expert_reroutes_with_a_warning_and_generation_continues(tmp_pat
         model(x)
 
 
+def test_a_cache_smaller_than_one_token_needs_warns(tmp_path):
+    """mixtral-tiny: 2 MoE layers x top-2 = 4 experts a token; an LRU of 3 evicts each before its next use."""
+    with pytest.warns(RuntimeWarning, match="capacity 3 is below the 4 experts one token uses"):
+        offload_experts(model_of(), tmp_path / "small", capacity=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload_experts(model_of(), tmp_path / "enough", capacity=4)
+
+
 def test_cache_errors_clearly(tmp_path):
     model = model_of()
     with pytest.raises(ExpertCacheError, match="capacity"):

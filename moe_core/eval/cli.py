@@ -133,7 +133,14 @@ def write_text(path: Path, text: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ eval
 def run_eval(args) -> int:
-    from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
+    from moe_core.eval.perplexity import (
+        comparison_table,
+        evaluate_splits,
+        model_row,
+        to_markdown,
+        unequal_training,
+    )
+    from moe_core.train.checkpoint import tokens_trained
 
     out = Path(args.out) if args.out else None
     model = load_model(args, vocab_size=data_vocab(args))
@@ -142,7 +149,8 @@ def run_eval(args) -> int:
     if args.data:
         rows = []
         results = evaluate_splits(model, args.data, splits, args.batch_size, args.max_batches)
-        rows.append(model_row(report["model"], model.config, results))
+        trained = tokens_trained(args.model) if args.model else None
+        rows.append(model_row(report["model"], model.config, results, tokens_trained=trained))
         report["splits"] = {k: v.to_dict() for k, v in results.items()}
         for spec in args.compare:
             name, sep, path = spec.partition("=")
@@ -150,8 +158,12 @@ def run_eval(args) -> int:
                 raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
             other = load_model(args, path=str(require_local(path, f"--compare {name}")))
             other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
-            rows.append(model_row(name, other.config, other_results))
+            rows.append(model_row(name, other.config, other_results, tokens_trained=tokens_trained(path)))
             del other
+        warning = unequal_training(rows)
+        if warning:
+            print(f"moe-lab eval: warning: {warning}", file=sys.stderr)
+            report["warning"] = warning
         table = comparison_table(rows, reference=report["model"])
         report["comparison"] = json.loads(table.to_json(orient="records"))
         markdown = to_markdown(table)

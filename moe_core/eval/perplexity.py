@@ -131,9 +131,14 @@ def evaluate_splits(
 
 
 def model_row(
-    name: str, config, results: Mapping[str, LossResult], seq_len: int | None = None
+    name: str,
+    config,
+    results: Mapping[str, LossResult],
+    seq_len: int | None = None,
+    tokens_trained: int | None = None,
 ) -> dict[str, Any]:
-    """One row of a comparison table: sizes and FLOPs from the config, loss and perplexity per split."""
+    """One row of a comparison table: sizes and FLOPs from the config, the training tokens behind it (when
+    known), loss and perplexity per split."""
     counts = parameter_counts(config)
     flops = flops_per_token(config, seq_len or config.max_position_embeddings)
     row: dict[str, Any] = {
@@ -142,11 +147,25 @@ def model_row(
         "params_total": counts["total"],
         "params_active": counts["active"],
         "gflops_per_token": flops.forward_active / 1e9,
+        "tokens_trained": tokens_trained,
     }
     for split, result in results.items():
         row[f"{split}_loss"] = result.loss
         row[f"{split}_ppl"] = result.perplexity
     return row
+
+
+def unequal_training(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """A warning when the compared models saw different numbers of training tokens (a perplexity gap is then
+    partly data, not architecture), or None."""
+    known = {row["model"]: row.get("tokens_trained") for row in rows if row.get("tokens_trained") is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    seen = ", ".join(f"{name} {tokens:,}" for name, tokens in known.items())
+    return (
+        f"the models were trained on different numbers of tokens ({seen}): the comparison mixes the "
+        "architecture with the training budget; train them for the same steps and batch size"
+    )
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = None):

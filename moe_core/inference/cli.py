@@ -119,12 +119,18 @@ def _generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report), file=sys.stderr)
     else:
-        figures = ", ".join(
+        figures = [
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
             for k, v in report.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
-        )
-        print(f"moe-lab generate: {figures}", file=sys.stderr)
+        ]
+        cache = report.get("expert_cache")
+        if cache:
+            asked = cache["hits"] + cache["misses"]
+            figures.append(f"expert cache hit rate {cache['hit_rate']:.0%} ({cache['hits']} of {asked})")
+            if cache["fallbacks"]:
+                figures.append(f"{cache['fallbacks']} slots rerouted")
+        print(f"moe-lab generate: {', '.join(figures)}", file=sys.stderr)
     return 0
 
 

@@ -273,6 +273,16 @@ def offload_experts(
         raise ExpertCacheError(f"{directory}: no {INDEX_FILE}; call offload_experts with write=True first")
     cache = ExpertCache(directory, capacity, device=next(model.parameters()).device)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    per_token = len(moe_layers) * model.config.num_experts_per_tok
+    if capacity < per_token:
+        warnings.warn(
+            f"expert cache capacity {capacity} is below the {per_token} experts one token uses "
+            f"({len(moe_layers)} MoE layers x top-{model.config.num_experts_per_tok}): the LRU evicts each "
+            f"expert before the next token needs it again (hit rate near 0); give a capacity of at least "
+            f"{per_token}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     for i in moe_layers:
         block = model.model.layers[i].mlp
         experts = block.experts

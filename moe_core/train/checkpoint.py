@@ -407,6 +407,20 @@ def read_trainer_state(ckpt: Path) -> dict:
     return json.loads((ckpt / TRAINER_STATE).read_text())
 
 
+def tokens_trained(path: str | Path) -> int | None:
+    """Training tokens behind the model at ``path``: a checkpoint's, a run directory's newest complete one's,
+    or, for a run's exported model (``<run>/final``), its run's; None for anything else (a converted or
+    hub model, a fine-tune's output)."""
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file() and incomplete_reason(path) is None:
+        return int(read_trainer_state(path)["tokens"])
+    for run in (path, path.parent):
+        ckpt = latest_checkpoint(run / "checkpoints")
+        if ckpt is not None:
+            return int(read_trainer_state(ckpt)["tokens"])
+    return None
+
+
 def _remove_checkpoint(path: Path) -> None:
     """Rename out of sight first (a kill midway leaves a ``.tmp-`` directory, never a half checkpoint), then delete."""
     doomed = path.parent / f".tmp-delete-{path.name}-{os.getpid()}"
