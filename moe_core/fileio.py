@@ -49,11 +49,8 @@ def _human(n: float) -> str:
 
 def disk_full_error(path: str | os.PathLike, needed: int | None) -> DiskFullError:
     path = Path(path)
-    probe = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    try:
-        free = _human(shutil.disk_usage(probe).free)
-    except OSError:
-        free = "unknown"
+    free = free_bytes(path)
+    free = "unknown" if free is None else _human(free)
     need = f"about {_human(needed)}" if needed else "more space"
     return DiskFullError(
         f"no space left on the device writing {path}: it needs {need}, {free} is free there; "
@@ -61,17 +58,63 @@ def disk_full_error(path: str | os.PathLike, needed: int | None) -> DiskFullErro
     )
 
 
-def is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+# How the libraries we write through report a full disk when it is not an OSError: safetensors (Rust's
+# io::Error text, "No space left on device (os error 28)"), anything quoting strerror
+_OUT_OF_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122")
+# torch.save's writer (caffe2/serialize/inline_container.cc, torch 2.13) reports a short write only as
+# "unexpected pos N vs M": out of space when the filesystem has (almost) nothing left
+_TORCH_SHORT_WRITE = "unexpected pos"
+_NEARLY_FULL = 64 * 2**20
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem that holds ``path`` (or its nearest existing parent); None if unknown."""
+    path = Path(path)
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def is_disk_full(err: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is the filesystem running out of space or quota."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err).lower()
+        if any(marker in text for marker in _OUT_OF_SPACE_TEXT):
+            return True
+        if _TORCH_SHORT_WRITE in text and path is not None:
+            free = free_bytes(path)
+            if free is not None and free < _NEARLY_FULL:
+                return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def require_free_space(path: str | os.PathLike, needed: int) -> None:
+    """`DiskFullError` before anything is written when the filesystem of ``path`` has less than ``needed``."""
+    free = free_bytes(path)
+    if free is not None and free < needed:
+        raise disk_full_error(path, needed)
 
 
 @contextmanager
 def disk_full_guard(path: str | os.PathLike, needed: int | None = None) -> Iterator[None]:
-    """Turn ENOSPC / EDQUOT raised inside the block into `DiskFullError` (path and ``needed`` bytes named)."""
+    """Writes to ``path`` with a full disk as one `DiskFullError` naming the path and the space needed: with
+    ``needed`` (bytes), checked before the block runs; inside it, an out-of-space error of the OS or of a
+    library writing for us (safetensors, torch.save) is translated."""
+    if needed:
+        require_free_space(path, needed)
     try:
         yield
-    except OSError as err:
-        if not is_disk_full(err):
+    except DiskFullError:
+        raise
+    except Exception as err:
+        if not is_disk_full(err, path):
             raise
         raise disk_full_error(getattr(err, "filename", None) or path, needed) from None
 
