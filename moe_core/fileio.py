@@ -320,6 +320,35 @@ def remove_abandoned(path: Path) -> bool:
     return False
 
 
+@contextmanager
+def claimed_directory(path: Path) -> Iterator[Path]:
+    """Create the directory ``path`` and hold its ``.in-use`` flock while the block runs; remove it afterwards
+    unless the block moved it away. A process killed inside leaves it with its flock free, which tells the next
+    writer (`remove_abandoned`) it may go."""
+    path.mkdir()
+    in_use = os.open(path / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(in_use, fcntl.LOCK_EX)
+    try:
+        yield path
+    finally:
+        os.close(in_use)
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def scratch_directory(root: str | os.PathLike, prefix: str) -> Iterator[Path]:
+    """A private working directory ``<root>/<prefix>.tmp-<pid>-<id>``, removed when the block ends; the ones
+    killed processes left under ``root`` with the same prefix are removed first (their flock is free)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for path in root.glob(f"{prefix}.tmp-*"):
+        if path.is_dir():
+            remove_abandoned(path)
+    with claimed_directory(root / f"{prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") as path:
+        yield path
+
+
 def clean_abandoned_temporaries(out: Path) -> list[Path]:
     """Temporaries of `atomic_directory` for ``out`` left by killed writers (``.<name>.tmp-*``), removed."""
     removed = []
@@ -364,18 +393,10 @@ def atomic_directory(
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_abandoned_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    in_use = os.open(tmp / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(in_use, fcntl.LOCK_EX)
-    try:
-        with disk_full_guard(out):
-            yield tmp
-            os.unlink(tmp / IN_USE)
-            replace_path(tmp, out)
-    finally:
-        os.close(in_use)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with claimed_directory(tmp), disk_full_guard(out):
+        yield tmp
+        os.unlink(tmp / IN_USE)
+        replace_path(tmp, out)
 
 
 # ------------------------------------------------------------------------------------------------ run outputs
@@ -418,20 +439,12 @@ def staged_outputs(out_dir: str | os.PathLike, replace: tuple[str, ...] = ()) ->
         if path.is_dir():
             remove_abandoned(path)
     stage = out / f".staging.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    stage.mkdir()
-    in_use = os.open(stage / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(in_use, fcntl.LOCK_EX)
-    try:
-        with disk_full_guard(out):
-            yield stage
-            os.unlink(stage / IN_USE)
-            for name in previous_outputs(out, replace):
-                stale = out / name
-                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
-            entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
-            for entry in entries:
-                replace_path(entry, out / entry.name)
-    finally:
-        os.close(in_use)
-        if stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
+    with claimed_directory(stage), disk_full_guard(out):
+        yield stage
+        os.unlink(stage / IN_USE)
+        for name in previous_outputs(out, replace):
+            stale = out / name
+            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+        entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
+        for entry in entries:
+            replace_path(entry, out / entry.name)

@@ -124,3 +124,42 @@ def test_hub_id_unreachable_gives_clear_error(monkeypatch):
         load_source("hf:moe-lab-test/does-not-exist", hub_config="x", split="train")
     msg = str(err.value)
     assert "moe-lab-test/does-not-exist" in msg and "builtin" in msg
+
+
+def test_a_reader_killed_while_loading_leaves_no_copy_of_the_corpus(tmp_path, monkeypatch):
+    """Local files are read through a scratch `datasets` cache (an Arrow copy of the text); a process killed
+    while reading left it under the lab's data directory forever. The next read removes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from moe_core.data.sources import load_source
+
+    monkeypatch.setenv("MOE_LAB_DATA_CACHE", str(tmp_path / "cache"))
+    scratch_root = tmp_path / "cache" / "hf-datasets"
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from moe_core.data.sources import _scratch_datasets_cache\n"
+            "with _scratch_datasets_cache() as scratch:\n"
+            "    open(scratch + '/copy.arrow', 'w').write('private text')\n"
+            "    print(scratch, flush=True)\n"
+            "    time.sleep(60)\n",
+        ],
+        env={**os.environ, "MOE_LAB_DATA_CACHE": str(tmp_path / "cache")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    left = reader.stdout.readline().strip()
+    reader.send_signal(signal.SIGKILL)
+    reader.wait()
+    assert left and os.path.isfile(os.path.join(left, "copy.arrow"))  # what a kill leaves
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "one document"}) + "\n")
+    assert len(load_source(str(corpus)).dataset) == 1
+    assert not os.path.exists(left)
+    assert list(scratch_root.iterdir()) == []

@@ -35,14 +35,18 @@ BIG = {"w": torch.zeros(1024, 1024)}  # 4 MiB
     "write",
     [
         lambda path: save_file(BIG, str(path)),  # SafetensorError: "... os error 28"
-        lambda path: torch.save(BIG, path),  # RuntimeError: "[enforce fail at inline_container.cc] unexpected pos"
+        lambda path: torch.save(
+            BIG, path
+        ),  # RuntimeError: "[enforce fail at inline_container.cc] unexpected pos"
         lambda path: Path(path).write_bytes(b"x" * 4 * 2**20),  # OSError ENOSPC
     ],
     ids=["safetensors", "torch.save", "plain write"],
 )
 def test_the_libraries_out_of_space_errors_become_one_line(small_disk, write):
     target = small_disk / "weights.bin"
-    with pytest.raises(DiskFullError, match=rf"no space left on the device writing .*{small_disk.name}.* free"):
+    with pytest.raises(
+        DiskFullError, match=rf"no space left on the device writing .*{small_disk.name}.* free"
+    ):
         with disk_full_guard(target):
             write(target)
 

@@ -121,7 +121,10 @@ def test_a_comparison_says_how_many_tokens_each_model_trained_on(tmp_path):
     assert tokens_trained(long.export_dir) == long.tokens  # a run's final/ model: its run's tokens
     assert tokens_trained(long.checkpoint) == long.tokens
     assert tokens_trained(tmp_path) is None
-    rows = [{"model": "moe", "tokens_trained": long.tokens}, {"model": "dense", "tokens_trained": short.tokens}]
+    rows = [
+        {"model": "moe", "tokens_trained": long.tokens},
+        {"model": "dense", "tokens_trained": short.tokens},
+    ]
     assert "moe 96, dense 32" in unequal_training(rows)
     assert unequal_training([rows[0], {**rows[1], "tokens_trained": long.tokens}]) is None
     assert unequal_training([rows[0], {"model": "hub", "tokens_trained": None}]) is None  # unknown: no claim

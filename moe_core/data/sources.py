@@ -36,10 +36,8 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
 import sysconfig
-import tempfile
 import tokenize
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +47,7 @@ from typing import Any, Literal
 
 from moe_core.data.errors import DataError
 from moe_core.data.shards import sha256_file
+from moe_core.fileio import scratch_directory
 
 KINDS: tuple[str, ...] = ("text", "instruction", "preference")
 
@@ -348,14 +347,10 @@ def lab_data_dir() -> Path:
 @contextmanager
 def _scratch_datasets_cache() -> Iterator[str]:
     """A `datasets` cache directory that exists only while local files are read (into memory), then is
-    removed with every Arrow copy of their text, also when reading failed half way."""
-    root = lab_data_dir() / "hf-datasets"
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".local-", dir=root)
-    try:
-        yield scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    removed with every Arrow copy of their text, also when reading failed half way; one a killed reader left
+    is removed by the next read (`scratch_directory`)."""
+    with scratch_directory(lab_data_dir() / "hf-datasets", ".local") as scratch:
+        yield str(scratch)
 
 
 def _load_local(spec: SourceSpec, max_line_bytes: int, txt_sample_by: str) -> Any:
