@@ -50,7 +50,7 @@ from moe_core.train.telemetry import RoutingStats
 
 
 # ------------------------------------------------------------------------------------------------ datasets
-def _messages(record: dict[str, Any], index: int) -> list[dict[str, str]]:
+def instruction_messages(record: dict[str, Any], index: int) -> list[dict[str, str]]:
     messages = to_messages(record)
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         raise FinetuneError(
@@ -78,7 +78,7 @@ def sft_dataset(records, task_column: str | None = None, task_names: list[str] |
     if task_column:
         rows["task_index"] = []
     for i, record in enumerate(records):
-        messages = _messages(record, i)
+        messages = instruction_messages(record, i)
         rows["prompt"].append(messages[:-1])
         rows["completion"].append(messages[-1:])
         if task_column:
@@ -104,6 +104,17 @@ def dpo_dataset(records):
                 [{"role": "assistant", "content": value}] if isinstance(value, str) else list(value)
             )
     return datasets.Dataset.from_dict(rows)
+
+
+def template_renderings(dataset):
+    """What TRL renders with the chat template for each row of `sft_dataset` / `dpo_dataset`: the prompt with
+    the generation prompt, and the prompt followed by each answer (`moe_core.data.chat_template` checks them
+    all, bounded, before the model loads)."""
+    for i, row in enumerate(dataset):
+        yield i, row["prompt"], True
+        for key in ("completion", "chosen", "rejected"):
+            if key in row:
+                yield i, row["prompt"] + row[key], False
 
 
 class TaskCollator:

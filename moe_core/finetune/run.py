@@ -38,6 +38,7 @@ import datasets
 import torch
 from transformers import PrinterCallback
 
+from moe_core.data.chat_template import check_chat_template
 from moe_core.data.sources import _quiet_datasets, canonical_json, load_source
 from moe_core.data.tokenizer import load_tokenizer
 from moe_core.data.validation import validate
@@ -59,10 +60,11 @@ from moe_core.finetune.objectives import (
     ProgressCallback,
     SinkCallback,
     TaskCollator,
-    _messages,
     dpo_dataset,
+    instruction_messages,
     sft_dataset,
     task_names_of,
+    template_renderings,
     trainer_args,
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
@@ -170,7 +172,7 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
     n_examples = min(config.lora.esft_examples, len(records))
     for start in range(0, n_examples, config.batch_size):
         texts = [
-            tokenizer.apply_chat_template(_messages(records[i], i), tokenize=False)
+            tokenizer.apply_chat_template(instruction_messages(records[i], i), tokenize=False)
             for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
@@ -277,11 +279,10 @@ class LoadedInputs:
 
 
 def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
-    """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name."""
-    if model is None:
-        if not config.model.path:
-            raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
-        model = _base_model(config.model.path, config.model.dtype)
+    """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name.
+    The cheap inputs first (tokenizer, data, the chat template rendered on every example), the model last."""
+    if model is None and not config.model.path:
+        raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
     if tokenizer is None:
         source = config.model.tokenizer or config.model.path
         if not source:
@@ -289,7 +290,6 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
                 "no tokenizer: set model.tokenizer (or model.path to a directory holding one)"
             )
         tokenizer = load_tokenizer(source)
-    tokenizer = prepare_tokenizer(tokenizer, model.config)
     if records is None:
         records = load_records(config)
     if isinstance(records, list):
@@ -297,6 +297,12 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if len(records) == 0:
         raise FinetuneError("the training data has no rows")
     task_names = task_names_of(records, config.data.task_column)
+    if getattr(tokenizer, "chat_template", None) is not None:  # (prepare_tokenizer refuses a missing one)
+        framed = sft_dataset(records) if config.objective == "sft" else dpo_dataset(records)
+        check_chat_template(tokenizer, template_renderings(framed))
+    if model is None:
+        model = _base_model(config.model.path, config.model.dtype)
+    tokenizer = prepare_tokenizer(tokenizer, model.config)
     model.train()
     return LoadedInputs(model, tokenizer, records, task_names)
 
