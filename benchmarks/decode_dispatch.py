@@ -1,9 +1,9 @@
 """What dispatching a compiled static-cache decode step costs: the same graphs called three ways.
 
-  guarded    dynamo's frame evaluation and guard checks on every call     (compile_steps(direct_dispatch=False))
+  guarded    dynamo's frame evaluation and guard checks on every call     (compile_steps' default)
   bytecode   the bytecode dynamo produced, called directly: it fetches every graph input from the modules
-             and calls the graph through AOT autograd's runtime wrapper    (graph_call=False)
-  graph      inductor's compiled graph on a prebuilt input list             (the default)
+             and calls the graph through AOT autograd's runtime wrapper    (direct_dispatch=True, graph_call=False)
+  graph      inductor's compiled graph on a prebuilt input list             (direct_dispatch=True)
 
 for the MoE, dense-total and dense-active (the models of benchmarks/inference.py, untrained: only speed is
 measured), interleaved round by round in one process so the host's noise hits every variant alike. Prints
@@ -29,9 +29,9 @@ from moe_core.inference.compile import compile_steps
 from moe_core.inference.fast_decode import enable_fast_decode
 
 VARIANTS = {
-    "guarded": dict(direct_dispatch=False),
-    "bytecode": dict(graph_call=False),
-    "graph": {},
+    "guarded": {},  # compile_steps' default
+    "bytecode": dict(direct_dispatch=True, graph_call=False),
+    "graph": dict(direct_dispatch=True),
 }
 
 

@@ -229,15 +229,15 @@ def main() -> None:
     parser.add_argument(
         "--direct-dispatch",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the compiled static-cache decode without dynamo's per-call guard checks (compile_steps' "
-        "default; --no-direct-dispatch: guarded)",
+        default=False,
+        help="run the compiled static-cache decode without dynamo's per-call guard checks (opt-in, torch "
+        "internals: moe_core.inference.dynamo_seam; compile_steps' default is guarded)",
     )
     parser.add_argument(
         "--graph-call",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with direct dispatch, run the compiled graph on a prebuilt input list (compile_steps' default; "
+        help="with direct dispatch, run the compiled graph on a prebuilt input list (the default there; "
         "--no-graph-call: dynamo's bytecode)",
     )
     parser.add_argument(

@@ -194,7 +194,7 @@ def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
     (``torch._dynamo.reset``: a guarded step would compile again), and a new batch size compiles its own."""
     model = tiny(num_hidden_layers=1)
     options = dict(backend="aot_eager", cache="static", max_cache_len=16, compile_prefill=False)
-    direct = compile_steps(model, **options)
+    direct = compile_steps(model, **options, direct_dispatch=True)
     guarded = compile_steps(model, **options, direct_dispatch=False)
     prompt = torch.randint(2, 128, (2, 6))
     mask = torch.ones_like(prompt)
@@ -216,7 +216,9 @@ def test_direct_dispatch_runs_each_signature_compiled_once_without_dynamo():
     steps = direct.decode.__self__
     assert len(steps.decoders) == 3  # batch 2, batch 2 with a mask, batch 1
     assert all(call is not None for call in steps.graph_calls.values())  # each on its prebuilt inputs
-    bytecode = compile_steps(model, **options, graph_call=False)  # dynamo's bytecode on every call
+    bytecode = compile_steps(
+        model, **options, direct_dispatch=True, graph_call=False
+    )  # dynamo's bytecode on every call
     assert torch.equal(logits_of(bytecode, prompt), logits_of(guarded, prompt))
     assert list(bytecode.decode.__self__.graph_calls.values()) == [None]
     torch._dynamo.reset()
@@ -234,7 +236,7 @@ def test_batch_one_decode_stays_static_after_other_shapes_compiled():
     another batch size or cache length, a later batch-1 graph would come out symbolic in them (slower
     kernels). Direct dispatch compiles each signature with static shapes regardless."""
     model = tiny(num_hidden_layers=1)
-    options = dict(cache="static", compile_prefill=False)
+    options = dict(cache="static", compile_prefill=False, direct_dispatch=True)
     first = compile_steps(model, backend="aot_eager", max_cache_len=32, **options)
     for batch in (2, 3):
         greedy(first, torch.randint(2, 128, (batch, 5)), 3)
@@ -251,7 +253,7 @@ def test_graph_call_on_prebuilt_inputs_follows_replaced_parameters_and_caches():
     parameter was replaced by another of the same shape (the list held the old one: recorded again)."""
     model = tiny(num_hidden_layers=1)
     options = dict(cache="static", max_cache_len=16, compile_prefill=False)
-    direct = compile_steps(model, **options)
+    direct = compile_steps(model, **options, direct_dispatch=True)
     guarded = compile_steps(model, **options, direct_dispatch=False)
     steps = direct.decode.__self__
 
@@ -292,7 +294,9 @@ def test_graph_call_runs_a_graph_that_writes_more_than_the_cache_exactly_once_pe
         model.forwards.add_(1)
 
     model.lm_head.register_forward_hook(count)
-    steps = compile_steps(model, cache="static", max_cache_len=16, compile_prefill=False)
+    steps = compile_steps(
+        model, cache="static", max_cache_len=16, compile_prefill=False, direct_dispatch=True
+    )
     greedy(steps, torch.randint(2, 128, (1, 6)), 5)
     (call,) = steps.decode.__self__.graph_calls.values()
     assert call is not None and not call.boxed

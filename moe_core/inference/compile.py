@@ -33,18 +33,19 @@ written in place at ``cache_position`` (a tensor input, so the graph does not gu
 attention mask spans all L slots (those past the current position are masked out), and the compiled decode
 returns only the logits: no cache object is unpacked or rebuilt per step. The steps then hold one cache,
 reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
-`StaticDecodeState`. Each decode input signature (batch size, padded or not) compiles a static graph on its
-first call, and later calls run the code dynamo produced for it directly, without dynamo's frame evaluation
-and guard checks on every step (``direct_dispatch``, the default; `_StaticCacheSteps` says why that is
-safe): 0.15 ms of a 2 ms olmoe-small step. From the third call on, the compiled graph itself runs on an
-input list built once (`_GraphCall`), without the bytecode that fetches every parameter and without AOT
-autograd's runtime wrapper: another 0.1-0.2 ms.
+`StaticDecodeState`.
+
+By default every step is plain ``torch.compile`` with dynamo's guards (as gpt-fast does). Opt-in,
+``direct_dispatch=True`` compiles a static graph per decode input signature (batch size, padded or not) and
+runs it without dynamo's frame evaluation and guard checks on every step (`_StaticCacheSteps` says why that
+is safe), then inductor's graph itself on an input list built once (`GraphCall`): 84-86% -> 95-97% of the
+memory bound on an olmoe-small batch-1 step on a 2-core CPU (benchmarks/README.md). It reads torch
+internals, kept in `moe_core.inference.dynamo_seam` with the upstream files named and a test that fails when
+they move.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dis
 import types
 from dataclasses import dataclass
 
@@ -56,6 +57,14 @@ from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
 from moe_core.experts import share_hooks
+from moe_core.inference.dynamo_seam import (
+    SIDE_EFFECT_OPS,
+    GraphCall,
+    bytecode_of,
+    compile_direct,
+    global_reads,
+    signature,
+)
 
 
 class CompileError(MoELabError):
@@ -220,39 +229,6 @@ class ModelStructure:
 
 
 # what the bytecode dynamo produced for a step may not do (`_refuse_replays`)
-_SIDE_EFFECT_OPS = frozenset(
-    {"STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF"}
-    | {"DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF"}
-)
-
-
-@contextlib.contextmanager
-def _bytecode_of(fn):
-    """Collect, into the list it yields, each bytecode dynamo produces for ``fn``'s code inside the block."""
-    produced = []
-
-    def hook(code, transformed):
-        if code is fn.__code__:
-            produced.append(transformed)
-
-    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
-    try:
-        yield produced
-    finally:
-        handle.remove()
-
-
-def _reads(code) -> tuple[set[str], set[str]]:
-    """The global names ``code`` (and any code nested in it) loads, and its opcodes."""
-    names, ops, stack = set(), set(), [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        ops.update(i.opname for i in dis.get_instructions(c))
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return names, ops
-
-
 def _refuse_replays(code) -> None:
     """`CompileError` if the bytecode dynamo produced for a step replays a Python side effect of the model.
 
@@ -260,11 +236,11 @@ def _refuse_replays(code) -> None:
     and guards on the state it leaves, but the steps keep no guards on the modules (`compile_steps`), their
     hooks included, and direct dispatch none at all: every later step would replay the first one's. (With
     a graph break, fullgraph=False, the bytecode stores for its own bookkeeping: not checked.)"""
-    names, ops = _reads(code)
-    if ops & _SIDE_EFFECT_OPS and not any(n.startswith("__resume_at") for n in names):
+    names, ops = global_reads(code)
+    if ops & SIDE_EFFECT_OPS and not any(n.startswith("__resume_at") for n in names):
         raise CompileError(
             "the model's forward has a Python side effect (a hook appending to a list, an attribute "
-            f"write: {sorted(ops & _SIDE_EFFECT_OPS)} in the step dynamo compiled), which a compiled "
+            f"write: {sorted(ops & SIDE_EFFECT_OPS)} in the step dynamo compiled), which a compiled "
             "step replays as it was traced; remove it, or decode eagerly (eager_steps, generate "
             "without compile)"
         )
@@ -279,7 +255,7 @@ def _checked(compile, fn):
         nonlocal call
         if call is not None:
             return call(*args)
-        with _bytecode_of(fn) as produced:
+        with bytecode_of(fn) as produced:
             out = compiled(*args)
         for code in produced:
             _refuse_replays(code)
@@ -289,166 +265,14 @@ def _checked(compile, fn):
     return run
 
 
-def _compile_direct(fn, compile, args):
-    """Compile ``fn`` (``compile(fn)``, never called before) on its first call, ``args``, and return that
-    call's output with a function that runs the bytecode dynamo produced for ``fn``, the graph call included,
-    directly: without dynamo's frame evaluation and guard checks on every later call (as vLLM dispatches its
-    compiled models). It reads the globals it loads (dynamo's compiled graph among them) from a copy of its
-    own, so it outlives dynamo's caches (``torch._dynamo.reset``) and keeps no other step's graph alive.
-    The caller must give it only inputs that the guards would have accepted. Unless dynamo compiled exactly
-    one graph for ``fn``, the guarded ``compile(fn)`` comes back in its place (the third value says which);
-    a step that replays a Python side effect is refused (`_refuse_replays`)."""
-    compiled = compile(fn)
-    with _bytecode_of(fn) as produced:
-        # static shapes, whatever dynamo remembers of earlier compiles of this function's source (its
-        # automatic dynamic shapes are kept per file and line, so another signature's batch size, or
-        # another model's, would make this graph symbolic in the batch)
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            out = compiled(*args)
-    for code in produced:
-        _refuse_replays(code)
-    if len(produced) != 1:
-        return out, compiled, False
-    code = produced[0]
-    names, _ = _reads(code)
-    g = fn.__globals__
-    scope = {"__builtins__": g["__builtins__"], **{n: g[n] for n in names if n in g}}
-    return out, types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__), True
-
-
-class _GraphCall:
-    """A direct step's compiled graph, called with its input list prebuilt.
-
-    The bytecode dynamo produced for a decode step does three things on every call: it fetches the graph's
-    inputs (the step's arguments, the cache's key and value tensors, and every parameter and buffer, through
-    the modules' attributes), calls the graph through AOT autograd's runtime wrapper, and returns the
-    graph's output. `record` runs that bytecode once, sees which input is which, and, where the step allows
-    it, keeps the list: later calls put the new arguments into a copy and call inductor's compiled graph
-    (``CompiledFxGraph.current_callable``) on it directly. 0.1-0.2 ms of a 2-3 ms olmoe-small step
-    (benchmarks/README.md).
-
-    The list holds the parameters themselves, so `holds` tells whether the model still has them (one
-    replaced since, even with the same shape, drops the call at the next prefill and the bytecode fetches
-    afresh); the cache tensors are rebound whenever the steps' cache is another object. Skipped with the
-    runtime wrapper: bumping the cache tensors' version counters (only autograd reads them; the steps never
-    record gradients) and turning autocast off around the graph (inductor's kernels do not read it). Taken
-    only where every graph input is an argument, a cache tensor or one of the model's parameters and
-    buffers (and the bytecode stores nothing: `_compile_direct`); inductor's graph is called without the
-    runtime wrapper only where it writes nothing but the cache and returns what the wrapper does (so the
-    cache writes happen inside it), else through the wrapper."""
-
-    def __init__(self, call, boxed, inputs, arg_slots, cache_slots, out_index, cache) -> None:
-        self.call, self.boxed, self.out_index = call, boxed, out_index
-        self.template = list(inputs)
-        self.arg_slots = arg_slots  # (input index, argument index)
-        self.cache_slots = cache_slots  # (input index, layer, "keys" or "values")
-        self.cache_specs = [_signature(inputs[j]) for j, _, _ in cache_slots]
-        per_call = {j for j, *_ in arg_slots + cache_slots}
-        self.constants = [x for j, x in enumerate(inputs) if j not in per_call]  # the model's tensors
-        self.cache = cache
-
-    @classmethod
-    def record(cls, step, args, cache: StaticCache, model: nn.Module):
-        """Run ``step(*args)`` (a `_compile_direct` step) once, recording its graph call; returns the
-        output and a `_GraphCall` for the later calls, or None where the bytecode must stay."""
-        scope = step.__globals__
-        names = [n for n in scope if n.startswith("__compiled_fn")]
-        if len(names) != 1 or any(n.startswith("__resume_at") for n in scope):  # one graph, no break
-            return step(*args), None
-        graph, seen = scope[names[0]], []
-
-        def recording(*inputs):
-            seen.append((inputs, graph(*inputs)))
-            return seen[0][1]
-
-        scope[names[0]] = recording
-        try:
-            out = step(*args)
-        finally:
-            scope[names[0]] = graph
-        inputs, outputs = seen[0]
-        argument = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
-        in_cache = {}
-        for layer, kv in enumerate(cache.layers):
-            in_cache.update({id(kv.keys): (layer, "keys"), id(kv.values): (layer, "values")})
-        owned = {id(t) for t in (*model.parameters(), *model.buffers())}
-        arg_slots, cache_slots = [], []
-        for j, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor):
-                return out, None
-            if id(x) in argument:
-                arg_slots.append((j, argument[id(x)]))
-            elif id(x) in in_cache:
-                cache_slots.append((j, *in_cache[id(x)]))
-            elif id(x) not in owned:
-                return out, None
-        out_index = next((k for k, o in enumerate(outputs) if o is out), None)
-        if out_index is None:
-            return out, None
-        inner = graph
-        while hasattr(inner, "__wrapped__"):
-            inner = inner.__wrapped__
-        call, boxed = getattr(inner, "current_callable", None), True
-        # checked by running it once more, which only rewrites the cache slots just written (the same
-        # keys and values): not where the graph writes anything else
-        rewrites = set(getattr(inner, "mutated_input_idxs", {-1}))
-        if (
-            call is None
-            or not rewrites <= {j for j, *_ in cache_slots}
-            or not cls._same(call(list(inputs)), outputs)
-        ):
-            call, boxed = graph, False  # not inductor's (or not all its work inside): keep the wrapper
-        return out, cls(call, boxed, inputs, arg_slots, cache_slots, out_index, cache)
-
-    @staticmethod
-    def _same(outputs, expected) -> bool:
-        return len(outputs) == len(expected) and all(
-            isinstance(o, torch.Tensor) and torch.equal(o, e) for o, e in zip(outputs, expected)
-        )
-
-    def holds(self, tensor_ids: set[int]) -> bool:
-        """Whether every parameter and buffer in the list is still one of the model's (``tensor_ids``)."""
-        return all(id(t) in tensor_ids for t in self.constants)
-
-    def forget_cache(self) -> None:
-        """Let go of the cache tensors (the steps made another cache); rebound at the next call."""
-        self.cache = None
-        for j, _, _ in self.cache_slots:
-            self.template[j] = None
-
-    def _bind(self, cache: StaticCache) -> None:
-        for (j, layer, name), spec in zip(self.cache_slots, self.cache_specs):
-            tensor = getattr(cache.layers[layer], name)
-            if _signature(tensor) != spec:
-                raise CompileError(
-                    f"static cache layer {layer} {name}: {_signature(tensor)}, compiled for {spec}"
-                )
-            self.template[j] = tensor
-        self.cache = cache
-
-    def __call__(self, args, cache: StaticCache):
-        if cache is not self.cache:
-            self._bind(cache)
-        inputs = self.template.copy()  # a boxed call empties the list it is given
-        for j, i in self.arg_slots:
-            inputs[j] = args[i]
-        outputs = self.call(inputs) if self.boxed else self.call(*inputs)
-        return outputs[self.out_index]
-
-
-def _signature(*tensors) -> tuple:
-    """What a static-shape graph is specialized to: each tensor's shape, strides, dtype and device."""
-    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
-
-
 class _StaticCacheSteps:
     """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots.
 
     With ``direct`` dispatch, each decode input signature (batch size, mask or none, dtypes, ...) gets a step
     of its own, compiled on its first call with static shapes; its second call runs the compiled code
-    without dynamo's per-call guard checks (`_compile_direct`: 0.15 ms of a 2 ms olmoe-small decode step,
+    without dynamo's per-call guard checks (`compile_direct`: 0.15 ms of a 2 ms olmoe-small decode step,
     benchmarks/README.md) and records which graph input is which, and every later call runs the compiled
-    graph on its prebuilt input list (`_GraphCall`: another 0.1-0.2 ms). What those guards checked holds
+    graph on its prebuilt input list (`GraphCall`: another 0.1-0.2 ms). What those guards checked holds
     by construction: the signature picks the graph,
     the cache and its positions are this object's own, the model is checked at each prefill (`ModelStructure`),
     and the steps always run without gradients. A new batch size compiles once more."""
@@ -467,7 +291,7 @@ class _StaticCacheSteps:
         self.graph_call = graph_call
         self.max_cache_len = max_cache_len
         self.decoders: dict[tuple, object] = {}  # input signature -> compiled step (direct dispatch)
-        self.graph_calls: dict[tuple, _GraphCall | None] = {}  # ... -> its graph call (None: none fits)
+        self.graph_calls: dict[tuple, GraphCall | None] = {}  # ... -> its graph call (None: none fits)
         # without: one guarded step for every signature (dynamo recompiles when its guards fail)
         self.guarded = None if direct else _checked(compile, make_decode())
         self.structure = ModelStructure(model)
@@ -527,7 +351,7 @@ class _StaticCacheSteps:
         if position_S is None:
             position_S = self.position_views[length] = self.positions[length : length + 1]
         args = (input_ids_BS, state.cache, position_S, state.attention_mask_BL, position_ids_BS)
-        key = _signature(input_ids_BS, state.attention_mask_BL, position_ids_BS)
+        key = signature(input_ids_BS, state.attention_mask_BL, position_ids_BS)
         call = self.graph_calls.get(key)
         if call is not None and not torch.is_grad_enabled():
             logits = call(args, state.cache)
@@ -538,11 +362,13 @@ class _StaticCacheSteps:
         return logits, state
 
     def _first_calls(self, key, args):
-        """A signature's first call compiles its step, the second records its graph call (`_GraphCall`);
+        """A signature's first call compiles its step, the second records its graph call (`GraphCall`);
         or, without direct dispatch, every call runs the guarded step."""
         step = self.decoders.get(key, self.guarded)
         if step is None:
-            logits, self.decoders[key], direct = _compile_direct(self.make_decode(), self.compile, args)
+            logits, self.decoders[key], direct = compile_direct(
+                self.make_decode(), self.compile, args, _refuse_replays
+            )
             if not direct:
                 self.graph_calls[key] = None
             return logits
@@ -550,7 +376,7 @@ class _StaticCacheSteps:
             if not self.graph_call:
                 self.graph_calls[key] = None
                 return step(*args)
-            logits, self.graph_calls[key] = _GraphCall.record(step, args, args[1], self.model)
+            logits, self.graph_calls[key] = GraphCall.record(step, args, args[1], self.model)
             return logits
         return step(*args)
 
@@ -568,7 +394,7 @@ def compile_steps(
     cache: str = "dynamic",
     max_cache_len: int | None = None,
     cpp_wrapper: bool = True,
-    direct_dispatch: bool = True,
+    direct_dispatch: bool = False,
     graph_call: bool = True,
 ) -> CompiledSteps:
     """Compiled ``prefill(input_ids) -> (logits, cache)`` and ``decode(next_ids, cache) -> (logits, cache)``.
@@ -581,11 +407,11 @@ def compile_steps(
     The static prefill does E/K times the expert FLOPs, which on a CPU costs more than the eager
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
-    preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc), and
-    with ``direct_dispatch`` (default) runs each compiled decode step without dynamo's per-call guard checks,
+    preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc); by
+    default its decode is one guarded step, symbolic in the batch for every batch size after the second.
+    Opt-in, ``direct_dispatch=True`` runs each compiled decode step without dynamo's per-call guard checks,
     then, with ``graph_call`` (default), as the compiled graph on a prebuilt input list (`_StaticCacheSteps`,
-    `_GraphCall`; False: dynamo's bytecode); ``direct_dispatch=False`` keeps the guards, and one graph
-    symbolic in the batch for every batch size after the second. A model whose step would replay a Python
+    `GraphCall`; False: dynamo's bytecode): torch internals (`moe_core.inference.dynamo_seam`). A model whose step would replay a Python
     side effect (a hook appending to a list) is refused with `CompileError` at its first call
     (`_refuse_replays`): no step guards on the modules' hooks."""
     if gemv not in ("reduction", "mm"):

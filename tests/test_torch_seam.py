@@ -1,0 +1,42 @@
+"""The torch internals `moe_core.inference.dynamo_seam` reads (torch 2.13.0): each one checked here, so a torch
+upgrade that moves any of them fails this file by name instead of a compiled step misbehaving silently."""
+
+import dataclasses
+
+import torch
+
+from moe_core.inference import dynamo_seam
+
+
+def test_the_torch_this_seam_was_written_against():
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert (major, minor) in {(2, 13), (2, 14)}, (
+        f"torch {torch.__version__}: re-check moe_core/inference/dynamo_seam.py against it, then widen this"
+    )
+
+
+def test_dynamo_gives_the_bytecode_it_produced_and_its_graph_global():
+    """`bytecode_of` (torch/_dynamo/convert_frame.py ``register_bytecode_hook``) sees the frame's new bytecode,
+    which loads the graph from a ``__compiled_fn*`` global (what `GraphCall.record` swaps to record inputs)."""
+    assert hasattr(torch._dynamo.config, "automatic_dynamic_shapes")
+
+    def step(x):
+        return torch.sin(x) + 1
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with dynamo_seam.bytecode_of(step) as produced:
+        compiled(torch.randn(3))
+    assert len(produced) == 1
+    names, ops = dynamo_seam.global_reads(produced[0])
+    assert any(n.startswith("__compiled_fn") for n in names)
+    assert any(n.startswith("__compiled_fn") for n in step.__globals__)
+    assert not ops & dynamo_seam.SIDE_EFFECT_OPS  # a pure step stores nothing
+
+
+def test_inductor_graph_exposes_its_callable_and_mutations():
+    """`GraphCall` calls ``CompiledFxGraph.current_callable`` (torch/_inductor/output_code.py) on a boxed input
+    list and reads ``mutated_input_idxs``."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    fields = {f.name for f in dataclasses.fields(CompiledFxGraph)}
+    assert {"current_callable", "mutated_input_idxs"} <= fields
