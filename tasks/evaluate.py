@@ -4,7 +4,6 @@ against baselines), the router profile and its plots, and the cost report. Model
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -13,17 +12,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from moe_core.analytics.cost import cost_report as build_report
 from moe_core.analytics.cost import measure_throughput, usage_from_events
 from moe_core.analytics.profile import ProfileConfig, profile_split
-from moe_core.data.shards import read_manifest
-from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash
-from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
-from moe_core.eval.perplexity import (
-    comparison_table,
-    evaluate_splits,
-    model_row,
-    to_markdown,
-    unequal_training,
-)
-from moe_core.train.checkpoint import tokens_trained
+from moe_core.data.tokenizer import load_tokenizer
+from moe_core.eval.compare import compare_models
+from moe_core.eval.perplexity import to_markdown
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
@@ -46,48 +37,22 @@ def evaluate_model(
     and tokenizer the candidate was judged on, and the names of metrics that are not finite (a diverged
     model). Each model is read once per process (`tasks.models_in_memory`): profiling and pricing reuse it."""
     with stage_run(stage, parent_run_id) as run_id:
-        rows, metrics, judged_on = [], {}, {}
-        seq_len = int(read_manifest(data_dir)["seq_len"])
-        texts = split_texts(data_dir, "validation", None if max_batches is None else max_batches * batch_size)
-        for i, (name, model_dir) in enumerate(models.items()):
-            loaded = models_in_memory.get(model_dir)
-            model = loaded.model
-            tokenizer = loaded.tokenizer
-            if tokenizer is None:  # a model saved without one: the data's, which it was trained on
-                tokenizer = load_tokenizer(Path(data_dir) / "tokenizer")
-            results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
-            per_byte = evaluate_bits_per_byte(model, tokenizer, texts, window=seq_len, batch_size=batch_size)
-            row = model_row(name, model.config, results, tokens_trained=tokens_trained(model_dir))
-            rows.append({**row, "validation_bpb": per_byte.bits_per_byte})
-            prefix = "eval" if i == 0 else f"baseline.{name}"
-            for split, r in results.items():
-                metrics.update({f"{prefix}.{split}_loss": r.loss, f"{prefix}.{split}_ppl": r.perplexity})
-            metrics[f"{prefix}.validation_bpb"] = per_byte.bits_per_byte
-            if i == 0:
-                judged_on = {
-                    "eval.text_sha256": per_byte.text_sha256,
-                    "eval.text_bytes": str(per_byte.bytes),
-                    "eval.tokenizer_sha256": tokenizer_hash(tokenizer),
-                    "eval.model_dir": str(model_dir),
-                }
-        if warning := unequal_training(rows):
-            get_run_logger().warning(warning)
-        nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-        table = comparison_table(rows, reference=next(iter(models)))
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "comparison.md").write_text(to_markdown(table) + "\n")
-        (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
-        tracking.log_metrics(run_id, metrics)  # finite values only; the others are named in a tag
-        tracking.set_tags(run_id, {**judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
-        tracking.log_artifacts(run_id, out / "comparison.md", "evaluation")
-        tracking.log_artifacts(run_id, out / "eval.json", "evaluation")
+        comparison = compare_models(
+            models, data_dir, splits, batch_size, max_batches, load=models_in_memory.get
+        )
+        if comparison.warning:
+            get_run_logger().warning(comparison.warning)
+        tracking.log_metrics(run_id, comparison.metrics)  # finite values only; the others are named in a tag
+        nonfinite = comparison.nonfinite
+        tracking.set_tags(run_id, {**comparison.judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
+        for path in comparison.write(out_dir):
+            tracking.log_artifacts(run_id, path, "evaluation")
         create_table_artifact(
-            json.loads(table.to_json(orient="records")),
+            comparison.records(),
             key="evaluation",
             description="loss and perplexity per split (ratios against the first model)",
         )
-    return Evaluation(run_id, metrics, judged_on, nonfinite)
+    return Evaluation(run_id, comparison.metrics, comparison.judged_on, nonfinite)
 
 
 @task(name="profile-router", retries=1, retry_delay_seconds=2)

@@ -550,3 +550,19 @@ def test_mlflow_dying_mid_run_finishes_the_flow_and_sync_completes_the_runs(
     assert sorted(set(steps)) == [e["step"] for e in read_jsonl(out / "metrics.jsonl")]  # no event lost
     assert "model" in {a.path for a in client.list_artifacts(stage.info.run_id)}
     assert sync(out)["operations_replayed"] == 0 and sync(out)["events_uploaded"] == {str(out): 0}
+
+
+def test_the_evaluation_stage_is_callable_from_python(data_dir, models, tmp_path):
+    """What the flows' evaluate task does is `moe_core.eval.compare.compare_models`: a user calls it without
+    Prefect or MLflow."""
+    from moe_core.eval.compare import compare_models
+
+    comparison = compare_models({"own": models["own"], "other": models["other"]}, data_dir, batch_size=2)
+    assert [row["model"] for row in comparison.rows] == ["own", "other"]
+    assert {"eval.validation_ppl", "eval.validation_bpb", "baseline.other.validation_bpb"} <= set(
+        comparison.metrics
+    )
+    assert comparison.nonfinite == [] and comparison.judged_on["eval.model_dir"] == models["own"]
+    written = comparison.write(tmp_path / "eval")
+    assert [p.name for p in written] == ["comparison.md", "eval.json"]
+    assert "validation_ppl_ratio" in (tmp_path / "eval" / "comparison.md").read_text()
