@@ -727,24 +727,3 @@ def convert_from_hf(
         model.save_pretrained(tmp)
         copy_companion_files(directory, tmp)
     return Path(out_dir)
-
-
-def convert_to_hf(
-    source: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    architecture: str | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Our checkpoint directory (any kind `moe_core.load` reads, in its stored dtype) written as a HF
-    checkpoint, tokenizer files included."""
-    from moe_core.loading import detect, load  # moe_core.loading imports this module
-
-    kind = detect(Path(source).expanduser())
-    if kind == "hf":
-        raise ConversionError(
-            f"{source} is a Hugging Face checkpoint already; use from_hf / `moe-lab convert from-hf` to bring it in"
-        )
-    if kind == "quantized":
-        raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
-    loaded = load(source)
-    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=loaded.path, overwrite=overwrite)

@@ -6,7 +6,7 @@
 
 The kind is read from the directory's files, never from its name (first match wins):
 
-    quantized    quantization.json            `moe-lab quantize` (moe_core.inference.quantize.save_quantized)
+    quantized    quantization.json            `moe-lab quantize` (moe_core.quantized.save_quantized)
     adapter      adapter_config.json          a PEFT adapter (finetune/export.save_adapter), applied to its base
                                               model (``base=``, else the adapter's base_model_name_or_path) and
                                               merged into it
@@ -41,8 +41,9 @@ from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
 from moe_core.data.tokenizer import load_tokenizer
 from moe_core.errors import MoELabError
-from moe_core.finetune.methods import TaskRouterBias
 from moe_core.model import MoEForCausalLM
+from moe_core.quantized import QUANT_FILE, load_quantized
+from moe_core.task_bias import TaskRouterBias
 from moe_core.train import checkpoint as ckpt_io
 
 KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
@@ -78,7 +79,7 @@ def detect(path: str | os.PathLike) -> str:
     if not directory.is_dir():
         raise LoadError(f"{directory}: not a directory; give a checkpoint directory ({', '.join(KINDS)})")
     has = {p.name for p in directory.iterdir()}
-    if "quantization.json" in has:
+    if QUANT_FILE in has:
         return "quantized"
     if "adapter_config.json" in has:
         return "adapter"
@@ -127,9 +128,6 @@ def load(
             loaded.kind = "finetuned"
         return loaded
     if kind == "quantized":
-        # cycle: moe_core.inference.quantize loads its source model through load()
-        from moe_core.inference.quantize import load_quantized
-
         model = load_quantized(directory)
         if dtype is not None:
             model = model.to(_torch_dtype(dtype))

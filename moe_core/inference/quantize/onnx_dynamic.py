@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from moe_core.inference.onnx_export import ONNX_FILES
-from moe_core.inference.quantize.common import QuantizationError
+from moe_core.quantized import QuantizationError
 
 
 def fold_onnx_constants(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from moe_core.convert import copy_companion_files, to_hf
 from moe_core.fileio import atomic_directory
-from moe_core.inference.quantize.common import QuantizationError
 from moe_core.loading import load
+from moe_core.quantized import QuantizationError
 
 
 def optimum_gptq_available() -> bool:
