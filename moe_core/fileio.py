@@ -2,8 +2,10 @@
 
 - `atomic_directory`: build in a temporary sibling, flush it to disk, then rename into place (an existing
   directory is swapped out first and removed only once the new one is there); every command that writes a
-  model or a report writes through it, and `check_output_dir` is its overwrite rule, checked up front. Temporaries left by killed writers are removed when
-  their writer is gone (each live temporary holds an advisory lock on ``.in-use`` inside it).
+  model or a report writes through it, and `check_output_dir` is its overwrite rule, checked up front.
+  Temporaries left by killed writers are removed when their writer is gone (each live temporary holds an
+  advisory lock on ``.in-use`` inside it).
+- `atomic_file` (and `check_output_file`): the same for an output that is one file (a GGUF).
 - `append_record`: append one whole line to a log file, or nothing (a failed write is cut back off).
 - `OutputLock` / `lock_output`: one process writes an output directory at a time (a lock file beside it naming
   the holder's pid and host; a lock left by a dead process is taken over with a message).
@@ -363,14 +365,51 @@ def atomic_directory(
     try:
         with disk_full_guard(out):
             yield tmp
-            os.unlink(tmp / IN_USE)
             fsync_tree(tmp)  # the data is on disk before the rename makes it visible
+            # .in-use goes along and is removed only after the rename: a writer killed before it leaves a
+            # temporary whose lock is free, which the next writer removes
             replace_path(tmp, out)
+            os.unlink(out / IN_USE)
+            fsync_directory(out)
             fsync_directory(out.parent)
     finally:
         os.close(in_use)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_file(
+    path: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Path:
+    """`check_output_dir` for a one-file output: ``path`` is absent, or ``overwrite`` says to replace it."""
+    out = Path(path).expanduser().absolute()
+    if out.is_dir():
+        raise error_cls(f"{out} is a directory; give the file to write")
+    if out.exists() and not overwrite:
+        raise error_cls(
+            f"{out} exists; choose another output file or pass --overwrite (overwrite=True) to replace it"
+        )
+    return out
+
+
+@contextmanager
+def atomic_file(
+    path: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Iterator[Path]:
+    """`atomic_directory` for an output that is one file (a GGUF): yield a temporary path beside ``path``, flushed
+    to disk and renamed over ``path`` only when the block succeeds. An existing ``path`` is refused (with
+    ``error_cls``) unless ``overwrite``; on any error the temporary goes and ``path`` is untouched."""
+    out = check_output_file(path, overwrite, error_cls)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with disk_full_guard(out):
+            yield tmp
+            fsync_file(tmp)
+            os.replace(tmp, out)
+            fsync_directory(out.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ run outputs
