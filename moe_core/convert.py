@@ -71,7 +71,7 @@ from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
-from moe_core.fileio import atomic_directory
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.model import MoEForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -721,6 +721,7 @@ def convert_from_hf(
     revision: str | None = None,
 ) -> Path:
     """A HF checkpoint (directory or hub id) written as our checkpoint, tokenizer files included."""
+    check_output_dir(out_dir, overwrite, ConversionError)  # before a download or a conversion
     directory = resolve_source(source, revision)
     model = from_hf(directory, dtype=dtype)
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:

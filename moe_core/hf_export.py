@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from moe_core.convert import ConversionError, to_hf
+from moe_core.fileio import check_output_dir
 from moe_core.loading import detect, load
 
 
@@ -24,6 +25,7 @@ def convert_to_hf(
 ) -> Path:
     """Our checkpoint directory (any kind `moe_core.load` reads, in its stored dtype) written as a HF
     checkpoint, tokenizer files included."""
+    check_output_dir(out_dir, overwrite, ConversionError)  # before anything expensive
     kind = detect(Path(source).expanduser())
     if kind == "hf":
         raise ConversionError(

@@ -4,7 +4,8 @@ Legend: E = experts, O = output features, I = input features, G = groups per row
 
 A quantized checkpoint is a directory holding ``config.json`` (the model's `MoEConfig`), ``model.safetensors``
 (the state dict with every expert stack as `QuantizedExperts` buffers) and ``quantization.json`` (the
-`QuantConfig` and the `QuantReport`), written by `save_quantized`; `load_quantized` reads it back.
+`QuantConfig` and the `QuantReport`), written together by `save_quantized` into a staging directory that is
+renamed into place only when complete (`moe_core.fileio.atomic_directory`); `load_quantized` reads it back.
 
 Codes are symmetric: int8 with one absmax scale per output channel (``bits=8``), or int4 with one scale per
 ``group_size`` inputs of each output channel, packed two a byte (``bits=4``). `fake_quantize` (quantize then
@@ -26,8 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.config import MoEConfig
-from moe_core.errors import MoELabError
+from moe_core.convert import copy_companion_files
+from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.experts import GroupedExperts, StackedExperts, ffn_act
+from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -271,30 +274,47 @@ QUANT_FILE = "quantization.json"
 
 
 def save_quantized(
-    model, out_dir: str | os.PathLike, config: QuantConfig, report: QuantReport | None = None
+    model,
+    out_dir: str | os.PathLike,
+    config: QuantConfig,
+    report: QuantReport | None = None,
+    *,
+    companions_from: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write config.json, the quantized state dict (safetensors) and quantization.json."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out_dir)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    meta = {"quant_config": asdict(config), "report": report.to_dict() if report else None}
-    (out_dir / QUANT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return out_dir
+    """Write config.json, the quantized state dict (safetensors), the tokenizer and generation files found in
+    ``companions_from`` and quantization.json, staged: ``out_dir`` appears complete or not at all, and a
+    non-empty ``out_dir`` is replaced (only once the new one is complete) only with ``overwrite``."""
+    with atomic_directory(out_dir, overwrite, QuantizationError) as tmp:
+        model.config.save_pretrained(tmp)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if companions_from is not None:
+            copy_companion_files(companions_from, tmp)
+        meta = {"quant_config": asdict(config), "report": report.to_dict() if report else None}
+        (tmp / QUANT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return Path(out_dir)
 
 
-def load_quantized(directory: str | os.PathLike):
+def load_quantized(directory: str | os.PathLike) -> MoEForCausalLM:
     """Load what `save_quantized` wrote: an `MoEForCausalLM` with `QuantizedExperts`."""
     directory = Path(directory)
-    if not (directory / QUANT_FILE).is_file():
+    meta = _read_quant_file(directory)
+    try:
+        config = QuantConfig(**meta["quant_config"])
+    except (KeyError, TypeError) as err:
         raise QuantizationError(
-            f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized"
+            f"{directory / QUANT_FILE}: no valid quant_config ({err}); quantize the model again "
+            "(moe-lab quantize --overwrite)"
+        ) from None
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise QuantizationError(
+            f"{directory}: {QUANT_FILE} without model.safetensors; quantize the model again "
+            "(moe-lab quantize --overwrite)"
         )
-    meta = json.loads((directory / QUANT_FILE).read_text())
-    config = QuantConfig(**meta["quant_config"])
     model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
     for name, module in expert_modules(model):  # the structure (and AWQ's input scales) for the state dict
         parent_name, _, child = name.rpartition(".")
@@ -303,13 +323,34 @@ def load_quantized(directory: str | os.PathLike):
             child,
             QuantizedExperts.from_experts(module, config),
         )
-    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise QuantizationError(
-            f"{directory}: checkpoint does not match its config (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})"
+            f"{weights}: the weights do not cover the model its config.json describes ("
+            + weight_mismatch(missing, unexpected)
+            + "); quantize the model again (moe-lab quantize --overwrite)"
         )
     if model.config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def _read_quant_file(directory: Path) -> dict:
+    """quantization.json as a dict; a missing, empty or damaged one is one clear `QuantizationError`."""
+    path = directory / QUANT_FILE
+    if not path.is_file():
+        raise QuantizationError(
+            f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as err:
+        meta = err
+    if not isinstance(meta, dict):
+        reason = f"not valid JSON ({meta})" if isinstance(meta, ValueError) else "not a JSON object"
+        raise QuantizationError(
+            f"{path}: {reason}, a damaged quantized checkpoint; quantize the model again "
+            "(moe-lab quantize --overwrite)"
+        )
+    return meta

@@ -29,9 +29,8 @@ def quantize_model(
 ) -> str:
     with stage_run("quantize", parent_run_id) as run_id:
         config = QuantConfig(bits=bits, method=method, group_size=group_size)
-        report = quantize_checkpoint(
-            model_dir, out_dir, config, data_dir=data_dir
-        )  # gptq/awq calibrate on it
+        # gptq/awq calibrate on data_dir; the stage owns out_dir, so a retry replaces its own staged output
+        report = quantize_checkpoint(model_dir, out_dir, config, data_dir=data_dir, overwrite=True)
         tracking.log_config(run_id, config, prefix="quant")
         tracking.log_metrics(run_id, {f"quant.{k}": v for k, v in report.to_dict().items()})
         tracking.log_artifacts(run_id, out_dir, "quantized_model")
@@ -41,7 +40,7 @@ def quantize_model(
 @task(name="export-onnx", retries=1, retry_delay_seconds=2)
 def export_onnx_model(model_dir: str, out_dir: str, parent_run_id: str | None) -> str:
     with stage_run("export_onnx", parent_run_id) as run_id:
-        onnx_dir = export_onnx(model_dir, out_dir)
+        onnx_dir = export_onnx(model_dir, out_dir, overwrite=True)  # the stage's own directory
         tracking.log_onnx_model(run_id, onnx_dir / "model.onnx")
     return str(onnx_dir)
 

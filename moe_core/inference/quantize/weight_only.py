@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from moe_core.convert import copy_companion_files
+from moe_core.fileio import check_output_dir
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
 from moe_core.loading import load
@@ -85,9 +84,13 @@ def quantize_checkpoint(
     config: QuantConfig,
     calibration: Iterable[torch.Tensor] | None = None,
     data_dir: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
 ) -> QuantReport:
-    """`moe-lab quantize`: load a checkpoint, quantize its experts, save. GPTQ and AWQ calibrate on
-    ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
+    """`moe-lab quantize`: load a checkpoint, quantize its experts, save (staged: ``out_dir`` is the old result
+    or the new one, never a mix; a non-empty ``out_dir`` is replaced only with ``overwrite``). GPTQ and AWQ
+    calibrate on ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
+    check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
     if calibration is None and data_dir is not None:
         calibration = calibration_batches(data_dir)
     if config.method in ("gptq", "awq") and calibration is None:
@@ -97,6 +100,6 @@ def quantize_checkpoint(
         )
     model = load(model_dir, dtype=torch.float32).model
     report = quantize_experts(model, config, calibration)
-    save_quantized(model, out_dir, config, report)
-    copy_companion_files(model_dir, Path(out_dir))  # tokenizer and generation defaults travel along
+    # the tokenizer and generation defaults travel along
+    save_quantized(model, out_dir, config, report, companions_from=model_dir, overwrite=overwrite)
     return report
