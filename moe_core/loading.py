@@ -21,7 +21,9 @@ The kind is read from the directory's files, never from its name (first match wi
     hf           config.json, model_type mixtral / olmoe / qwen2_moe   converted exactly (moe_core.convert.from_hf)
 
 A path that does not exist is tried as a Hugging Face hub id (`moe_core.convert.resolve_source`). Weights are
-read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing is unpickled. The tokenizer is
+read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing is unpickled. Weights that do not
+cover the model exactly (a missing or an unexpected tensor) are refused with a `LoadError` naming the file and
+the first such tensor: no model with randomly initialized weights is ever returned from a path. The tokenizer is
 the directory's own, else the one the checkpoint names (a training checkpoint's prepared-data tokenizer, an
 adapter's base model's), else ``tokenizer=`` when given, else None.
 """
@@ -40,7 +42,7 @@ import torch
 from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
 from moe_core.data.tokenizer import load_tokenizer
-from moe_core.errors import MoELabError
+from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QUANT_FILE, load_quantized
 from moe_core.task_bias import TaskRouterBias
@@ -50,6 +52,7 @@ KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "mo
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
 FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what save_pretrained writes
 
 
 class LoadError(MoELabError):
@@ -138,8 +141,7 @@ def load(
     elif kind == "hf":
         model = from_hf(directory, dtype=_torch_dtype(dtype) if dtype is not None else None)
     else:  # model, pruned
-        dtype = _torch_dtype(dtype) if dtype is not None else "auto"
-        model = MoEForCausalLM.from_pretrained(directory, dtype=dtype)
+        model = _from_pretrained(directory, _torch_dtype(dtype) if dtype is not None else "auto")
         _attach_task_bias(model, directory)
     if device is not None:
         model = model.to(torch.device(device))
@@ -182,6 +184,35 @@ def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.to(_torch_dtype(dtype)) if dtype is not None else model
+
+
+def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
+    """Our ``save_pretrained`` directory, refused unless its weights cover the model exactly: transformers would
+    initialize whatever the files lack at random with only a warning (a tied lm_head is not missing)."""
+    weights = next(
+        (directory / n for n in WEIGHT_FILES if (directory / n).is_file()), directory / WEIGHT_FILES[0]
+    )
+    if not weights.is_file():
+        raise LoadError(
+            f"{directory}: config.json but no {' or '.join(WEIGHT_FILES)}; the directory is incomplete (left "
+            "by a killed writer?): write it again, or load the checkpoint it came from"
+        )
+    model, info = MoEForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    missing, unexpected = info["missing_keys"], info["unexpected_keys"]  # a shape mismatch raises in there
+    if missing or unexpected:
+        quantized = any(k.endswith(("_q", "_scale")) for k in unexpected)
+        hint = (
+            f"it holds quantized experts but no {QUANT_FILE} (a `moe-lab quantize` that was killed?): quantize "
+            "again with --overwrite"
+            if quantized
+            else "write it again from the checkpoint it came from, or load that checkpoint"
+        )
+        raise LoadError(
+            f"{weights}: the weights do not cover the model config.json describes "
+            f"({weight_mismatch(missing, unexpected)}); refusing to "
+            f"fill them with random values; {hint}"
+        )
+    return model
 
 
 def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoEForCausalLM:
