@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
@@ -217,9 +218,11 @@ def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
 
 def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoEForCausalLM:
     """The base model with the PEFT adapter applied and merged (``merge_and_unload``)."""
-    from peft import PeftModel  # optional heavy dependency, imported only for adapters
+    # optional heavy dependency, imported only for adapters
+    from peft import PeftModel, get_peft_model_state_dict
 
-    if not (directory / "adapter_model.safetensors").is_file():
+    weights = directory / "adapter_model.safetensors"
+    if not weights.is_file():
         raise LoadError(
             f"{directory}: adapter_config.json without adapter_model.safetensors; only safetensors adapters "
             "are loaded (nothing is unpickled)"
@@ -229,7 +232,19 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
         raise LoadError(
             f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"
         )
-    model = PeftModel.from_pretrained(base_loaded.model, str(directory)).merge_and_unload()
+    peft_model = PeftModel.from_pretrained(base_loaded.model, str(directory))
+    # PEFT leaves an adapter tensor the file lacks at its initial value (lora_A random) with only a warning;
+    # get_peft_model_state_dict names the tensors save_pretrained writes for this adapter
+    with safe_open(str(weights), "pt") as f:
+        saved = set(f.keys())
+    missing = [k for k in get_peft_model_state_dict(peft_model) if k not in saved]
+    if missing:
+        raise LoadError(
+            f"{weights}: the adapter does not cover the modules adapter_config.json names "
+            f"({weight_mismatch(missing, [])}); refusing to leave them at their initial values; export the "
+            "adapter again from its fine-tuning run"
+        )
+    model = peft_model.merge_and_unload()
     _attach_task_bias(model, directory)
     return model
 

@@ -2,6 +2,7 @@
 (same logits), with its tokenizer, and a directory that holds none says what it found."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -91,6 +92,15 @@ def test_finetuned_output_merged_and_adapter_load_the_same_model(tmp_path):
     torch.testing.assert_close(logits(root.model, ids), expected, atol=0, rtol=0)
     torch.testing.assert_close(logits(adapter.model, ids), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(logits(base.eval(), ids), expected, atol=1e-4)  # the fine-tune changed it
+
+    # an adapter file that lacks a tensor is refused (PEFT would keep that tensor's random initial value)
+    torn = tmp_path / "torn"
+    shutil.copytree(result.adapter_dir, torn)
+    state = load_file(torn / "adapter_model.safetensors")
+    first = next(k for k in state if "lora_A" in k)
+    save_file({k: v for k, v in state.items() if k != first}, torn / "adapter_model.safetensors")
+    with pytest.raises(LoadError, match=rf"adapter_model\.safetensors: .*missing 1 tensor, first {first}"):
+        load(torn, base=tmp_path / "base")
 
 
 def test_quantized_directory_rebuilds_quantized_experts(tmp_path):
