@@ -17,6 +17,7 @@ from moe_core.data.shards import read_manifest
 from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash
 from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
 from moe_core.eval.perplexity import comparison_table, evaluate_splits, model_row, to_markdown
+from moe_core.fileio import staged_outputs
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
@@ -65,9 +66,9 @@ def evaluate_model(
         nonfinite = sorted(k for k, v in metrics.items() if not math.isfinite(v))
         table = comparison_table(rows, reference=next(iter(models)))
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "comparison.md").write_text(to_markdown(table) + "\n")
-        (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        with staged_outputs(out) as stage:  # whole reports or none, beside what the flow's other stages wrote
+            (stage / "comparison.md").write_text(to_markdown(table) + "\n")
+            (stage / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
         tracking.log_metrics(run_id, metrics)  # finite values only; the others are named in a tag
         tracking.set_tags(run_id, {**judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
         tracking.log_artifacts(run_id, out / "comparison.md", "evaluation")
@@ -127,7 +128,8 @@ def profile_router(
             # lazy: matplotlib and plotly (~2 s), only when plots are asked for
             from moe_core.analytics.plots import portable_copies, render_all
 
-            render_all(profile, out / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
+            with staged_outputs(out) as stage:  # the plots appear all at once (the profile is staged too)
+                render_all(profile, stage / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
             # MLflow serves each artifact alone: pages that load plotly.js from its CDN, PNGs beside them
             tracking.log_artifacts(run_id, portable_copies(out / "plots", out / "plots-mlflow"), "plots")
         create_markdown_artifact(
@@ -155,9 +157,9 @@ def cost_report(
         training = usage_from_events(events, device) if events and Path(events).is_file() else None
         report = build_report(model.config, throughput.tokens_per_s, device, seq_len, training=training)
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "cost.md").write_text(report.to_markdown() + "\n")
-        (out / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
+        with staged_outputs(out) as stage:  # whole reports or none, beside what the flow's other stages wrote
+            (stage / "cost.md").write_text(report.to_markdown() + "\n")
+            (stage / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
         tracking.log_metrics(run_id, tracking.numbers(report.to_dict(), "cost"))
         tracking.log_artifacts(run_id, out / "cost.md", "cost")
         tracking.log_artifacts(run_id, out / "cost.json", "cost")

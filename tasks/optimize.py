@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from moe_core.fileio import staged_outputs
 from moe_core.inference.evaluate import compare_variants
 from moe_core.inference.onnx_export import export_onnx
 from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
@@ -64,8 +65,8 @@ def benchmark(
             tracking.log_metrics(
                 run_id, {f"bench.{row['variant']}.{k}": v for k, v in row.items() if k != "variant"}
             )
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "benchmark.json").write_text(json.dumps(rows, indent=1) + "\n")
+        with staged_outputs(out_dir) as stage:  # a whole benchmark.json or none
+            (stage / "benchmark.json").write_text(json.dumps(rows, indent=1) + "\n")
         tracking.log_artifacts(run_id, Path(out_dir) / "benchmark.json", "benchmark")
         create_table_artifact(
             rows, key="benchmark", description="quality and speed per model variant (validation)"

@@ -9,6 +9,7 @@ writer is wrapped to SIGKILL the process right after (or before) its n-th call."
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -234,3 +235,17 @@ def test_analyze_and_eval_killed_keep_the_old_reports(lab, data_dir, tmp_path):
         assert contents(out) == before
         assert main(argv) == 2  # not empty, no --overwrite
         assert contents(out) == before
+
+
+def test_data_validate_replaces_a_report_only_with_overwrite(tmp_path, capsys):
+    source = tmp_path / "good.jsonl"
+    source.write_text("\n".join(json.dumps({"text": f"line {i}"}) for i in range(5)) + "\n")
+    report = tmp_path / "report.md"
+    report.write_text("an earlier report\n")
+    assert main(["data", "validate", str(source), "--report", str(report)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "exists" in err and "--overwrite" in err
+    assert report.read_text() == "an earlier report\n"
+    assert main(["data", "validate", str(source), "--report", str(report), "--overwrite"]) == 0
+    assert "PASSED" in report.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "report.md"]
