@@ -178,7 +178,8 @@ def test_a_fault_between_writes_leaves_the_old_quantized_output(lab, quantized, 
 def test_prune_killed_keeps_the_old_result_and_refuses_without_overwrite(lab, data_dir, tmp_path, capsys):
     out = tmp_path / "pruned"
     args = ["prune", str(lab), "--data", str(data_dir), "--calib-batches", "2", "--calib-batch-size", "2"]
-    run_killed([*args, "--keep", "3", "--out", out], "moe_core.fileio", "replace_path", when="before")
+    # the weights written, the tokenizer copied, pruning.json (the kind marker) not yet
+    run_killed([*args, "--keep", "3", "--out", out], "moe_core.inference.prune", "copy_companion_files")
     assert not out.exists()
     assert main([*args, "--keep", "3", "--out", str(out)]) == 0
     before = contents(out)
@@ -249,3 +250,13 @@ def test_data_validate_replaces_a_report_only_with_overwrite(tmp_path, capsys):
     assert main(["data", "validate", str(source), "--report", str(report), "--overwrite"]) == 0
     assert "PASSED" in report.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "report.md"]
+
+
+def test_export_onnx_refuses_a_non_empty_out_before_exporting(lab, quantized, tmp_path, capsys):
+    out = tmp_path / "onnx"
+    subprocess.run(["cp", "-r", str(quantized), str(out)], check=True)  # any earlier output
+    before = contents(out)
+    assert main(["export", "onnx", str(lab), "--out", str(out), "--no-validate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not empty" in err and "--overwrite" in err
+    assert contents(out) == before
