@@ -458,13 +458,18 @@ def staged_outputs(out_dir: str | os.PathLike, replace: tuple[str, ...] = ()) ->
     try:
         with disk_full_guard(out):
             yield stage
-            os.unlink(stage / IN_USE)
             for name in previous_outputs(out, replace):
                 stale = out / name
                 shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
-            entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
+            # .in-use stays locked until every entry moved: a run killed among the moves leaves a staging
+            # directory the next run removes
+            entries = sorted(
+                (p for p in stage.iterdir() if p.name != IN_USE), key=lambda p: p.name == "summary.json"
+            )
+            fsync_tree(stage)  # on disk before the moves make it visible
             for entry in entries:
                 replace_path(entry, out / entry.name)
+            fsync_directory(out)
     finally:
         os.close(in_use)
         if stage.exists():

@@ -23,6 +23,7 @@ from moe_core import MoEForCausalLM, get_config, load
 from moe_core.cli import main
 from moe_core.data import prepare
 from moe_core.data.tokenizer import train_tokenizer
+from moe_core.fileio import staged_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -260,3 +261,32 @@ def test_export_onnx_refuses_a_non_empty_out_before_exporting(lab, quantized, tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not empty" in err and "--overwrite" in err
     assert contents(out) == before
+
+
+def test_a_run_killed_among_its_staged_moves_leaves_a_staging_directory_the_next_run_removes(tmp_path):
+    """`staged_outputs` (fine-tuning, the flows' reports) keeps its staging directory locked until every entry
+    moved, so one left by a kill is removed by the next run, not left for a pid check a minute later."""
+    out = tmp_path / "reports"
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        import moe_core.fileio as fileio
+
+        original = fileio.replace_path
+
+        def killing(src, dst):
+            original(src, dst)
+            os.kill(os.getpid(), signal.SIGKILL)  # after the first entry moved
+
+        fileio.replace_path = killing
+        with fileio.staged_outputs({str(out)!r}) as stage:
+            (stage / "a.json").write_text("{{}}")
+            (stage / "b.json").write_text("{{}}")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert len(list(out.glob(".staging.tmp-*"))) == 1
+    with staged_outputs(out) as stage:
+        (stage / "b.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "b.json"]
