@@ -113,6 +113,11 @@ class TaskRouterBias(nn.Module):
             raise TaskBiasError(
                 f"{directory}: no {cls.META}; pass the directory a fine-tuning run saved it in"
             )
+        if not (directory / cls.FILE).is_file():
+            raise TaskBiasError(
+                f"{directory}: {cls.META} without {cls.FILE}; export the fine-tune again (its task router bias "
+                "is incomplete)"
+            )
         meta = json.loads((directory / cls.META).read_text())
         bias_LNE = load_file(str(directory / cls.FILE))["bias_LNE"]
         module = cls(meta["layer_ids"], meta["tasks"], bias_LNE.shape[-1])
