@@ -91,6 +91,37 @@ def test_the_import_graph_below_the_loader_points_down():
     assert back == set(), f"imported by the loader and importing it back (a cycle): {sorted(back)}"
 
 
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk of ``graph`` closes (each as the path from a module back to it)."""
+    state: dict[str, str] = {}
+    found: list[list[str]] = []
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                found.append([*path[path.index(target) :], target])
+            elif target not in state:
+                walk(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_library_even_through_function_local_imports():
+    """A module importing a submodule runs its package first; that edge up to an ancestor is no cycle."""
+
+    def ancestors(module: str) -> set[str]:
+        parts = module.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+    graph = {m: _imports(m, top_level_only=False) - ancestors(m) for m in MODULES}
+    assert [" -> ".join(cycle) for cycle in _cycles(graph)] == []
+
+
 def test_the_graph_walk_sees_a_function_local_import(tmp_path, monkeypatch):
     """The cycle check is not vacuous: a function-local import of the loader is found."""
     fake = tmp_path / "fake.py"
@@ -98,3 +129,4 @@ def test_the_graph_walk_sees_a_function_local_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "moe_core.fake", fake)
     assert "moe_core.loading" in _imports("moe_core.fake", top_level_only=False)
     assert "moe_core.loading" not in _imports("moe_core.fake", top_level_only=True)
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
