@@ -179,8 +179,8 @@ def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise LoadError(
-            f"{directory}: parameters do not match its config.json (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})"
+            f"{directory}: its weight files do not cover the model its config.json describes "
+            f"({weight_mismatch(missing, unexpected)}); load an earlier step_*"
         )
     if config.tie_word_embeddings:
         model.tie_weights()

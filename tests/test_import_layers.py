@@ -1,6 +1,6 @@
 """The loader stands below the commands that use it: `moe_core.loading` reads every checkpoint format without
 importing the fine-tuning or inference stacks, and nothing it imports imports it back (not even inside a
-function, the usual way a cycle is hidden)."""
+function, the usual way a cycle is hidden); and no module of the library takes part in an import cycle."""
 
 from __future__ import annotations
 
