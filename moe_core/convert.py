@@ -71,7 +71,7 @@ from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
-from moe_core.fileio import atomic_directory
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.model import MoEForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -721,30 +721,10 @@ def convert_from_hf(
     revision: str | None = None,
 ) -> Path:
     """A HF checkpoint (directory or hub id) written as our checkpoint, tokenizer files included."""
+    check_output_dir(out_dir, overwrite, ConversionError)  # before a download or a conversion
     directory = resolve_source(source, revision)
     model = from_hf(directory, dtype=dtype)
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         model.save_pretrained(tmp)
         copy_companion_files(directory, tmp)
     return Path(out_dir)
-
-
-def convert_to_hf(
-    source: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    architecture: str | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Our checkpoint directory (any kind `moe_core.load` reads, in its stored dtype) written as a HF
-    checkpoint, tokenizer files included."""
-    from moe_core.loading import detect, load  # moe_core.loading imports this module
-
-    kind = detect(Path(source).expanduser())
-    if kind == "hf":
-        raise ConversionError(
-            f"{source} is a Hugging Face checkpoint already; use from_hf / `moe-lab convert from-hf` to bring it in"
-        )
-    if kind == "quantized":
-        raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
-    loaded = load(source)
-    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=loaded.path, overwrite=overwrite)

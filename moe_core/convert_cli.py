@@ -31,7 +31,7 @@ def _cli_to_hf(args: argparse.Namespace) -> int:
     from moe_core.paths import require_local
 
     require_local(args.source, "convert to-hf")  # before importing torch and the model
-    from moe_core.convert import convert_to_hf
+    from moe_core.hf_export import convert_to_hf
 
     out = convert_to_hf(args.source, args.out, architecture=args.arch, overwrite=args.overwrite)
     print(f"wrote Hugging Face checkpoint to {out}")

@@ -11,3 +11,14 @@ def did_you_mean(name: str, choices) -> str:
     """``"; did you mean 'num_experts'?"`` when a close match exists, else ``""`` (for unknown-field errors)."""
     close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def weight_mismatch(missing, unexpected) -> str:
+    """What a ``load_state_dict(strict=False)`` found wrong, for an error message: how many tensors are missing
+    and unexpected, and the first of each by name (``"missing 12 tensors, first model.layers.0.mlp..."``)."""
+    parts = [
+        f"{what} {len(keys)} tensor{'s' if len(keys) != 1 else ''}, first {keys[0]}"
+        for what, keys in (("missing", list(missing)), ("unexpected", list(unexpected)))
+        if keys
+    ]
+    return "; ".join(parts) or "nothing missing or unexpected"

@@ -1,8 +1,11 @@
 """Writing files and directories so that nothing half-written is ever seen, and one writer per directory.
 
-- `atomic_directory`: build in a temporary sibling, then rename into place (an existing directory is swapped
-  out first and removed only once the new one is there). Temporaries left by killed writers are removed when
-  their writer is gone (each live temporary holds an advisory lock on ``.in-use`` inside it).
+- `atomic_directory`: build in a temporary sibling, flush it to disk, then rename into place (an existing
+  directory is swapped out first and removed only once the new one is there); every command that writes a
+  model or a report writes through it, and `check_output_dir` is its overwrite rule, checked up front.
+  Temporaries left by killed writers are removed when their writer is gone (each live temporary holds an
+  advisory lock on ``.in-use`` inside it).
+- `atomic_file` (and `check_output_file`): the same for an output that is one file (a GGUF).
 - `append_record`: append one whole line to a log file, or nothing (a failed write is cut back off).
 - `OutputLock` / `lock_output`: one process writes an output directory at a time (a lock file beside it naming
   the holder's pid and host; a lock left by a dead process is taken over with a message).
@@ -372,31 +375,105 @@ def replace_path(src: Path, dst: Path) -> None:
         os.replace(src, dst)
 
 
+def check_output_dir(
+    out_dir: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Path:
+    """The rule `atomic_directory` applies, for a command to check before anything expensive: ``out_dir`` is
+    absent or empty, or ``overwrite`` says to replace it. Returns its absolute path."""
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise error_cls(f"{out} exists and is not a directory; choose another output directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise error_cls(
+            f"{out} is not empty; choose another output directory or pass --overwrite (overwrite=True) "
+            "to replace it"
+        )
+    return out
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Every file and directory under ``root`` (links not followed), flushed to disk."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = Path(directory) / name
+            if not path.is_symlink():
+                fsync_file(path)
+        fsync_directory(directory)
+
+
 @contextmanager
 def atomic_directory(
     out_dir: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
 ) -> Iterator[Path]:
-    """Yield a temporary directory next to ``out_dir``, renamed into place only when the block succeeds.
+    """Yield a temporary directory next to ``out_dir``, flushed to disk and renamed into place only when the
+    block succeeds.
 
     A non-empty ``out_dir`` is refused (with ``error_cls``) unless ``overwrite``; then it is replaced only
     after the new one is complete. On any error the temporary directory is removed and ``out_dir`` is untouched;
     a full disk raises `DiskFullError` naming the directory. The temporary holds ``.in-use`` (flock'ed) while
     it is written, so a later writer can tell an abandoned one (removed) from a concurrent one (left alone).
     """
-    out = Path(out_dir).expanduser().absolute()
-    if out.exists() and not out.is_dir():
-        raise error_cls(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise error_cls(
-            f"{out} is not empty; choose another output directory or pass overwrite=True (--overwrite)"
-        )
+    out = check_output_dir(out_dir, overwrite, error_cls)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_abandoned_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with claimed_directory(tmp), disk_full_guard(out):
         yield tmp
-        os.unlink(tmp / IN_USE)
+        fsync_tree(tmp)  # the data is on disk before the rename makes it visible
+        # .in-use goes along and is removed only after the rename: a writer killed before it leaves a
+        # temporary whose lock is free, which the next writer removes
         replace_path(tmp, out)
+        os.unlink(out / IN_USE)
+        fsync_directory(out)
+        fsync_directory(out.parent)
+
+
+def check_output_file(
+    path: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Path:
+    """`check_output_dir` for a one-file output: ``path`` is absent, or ``overwrite`` says to replace it."""
+    out = Path(path).expanduser().absolute()
+    if out.is_dir():
+        raise error_cls(f"{out} is a directory; give the file to write")
+    if out.exists() and not overwrite:
+        raise error_cls(
+            f"{out} exists; choose another output file or pass --overwrite (overwrite=True) to replace it"
+        )
+    return out
+
+
+@contextmanager
+def atomic_file(
+    path: str | os.PathLike, overwrite: bool = False, error_cls: type[MoELabError] = MoELabError
+) -> Iterator[Path]:
+    """`atomic_directory` for an output that is one file (a GGUF): yield a temporary path beside ``path``, flushed
+    to disk and renamed over ``path`` only when the block succeeds. An existing ``path`` is refused (with
+    ``error_cls``) unless ``overwrite``; on any error the temporary goes and ``path`` is untouched."""
+    out = check_output_file(path, overwrite, error_cls)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with disk_full_guard(out):
+            yield tmp
+            fsync_file(tmp)
+            os.replace(tmp, out)
+            fsync_directory(out.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ run outputs
@@ -441,10 +518,15 @@ def staged_outputs(out_dir: str | os.PathLike, replace: tuple[str, ...] = ()) ->
     stage = out / f".staging.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with claimed_directory(stage), disk_full_guard(out):
         yield stage
-        os.unlink(stage / IN_USE)
         for name in previous_outputs(out, replace):
             stale = out / name
             shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
-        entries = sorted(stage.iterdir(), key=lambda p: p.name == "summary.json")
+        # .in-use stays locked until every entry moved: a run killed among the moves leaves a staging
+        # directory the next run removes
+        entries = sorted(
+            (p for p in stage.iterdir() if p.name != IN_USE), key=lambda p: p.name == "summary.json"
+        )
+        fsync_tree(stage)  # on disk before the moves make it visible
         for entry in entries:
             replace_path(entry, out / entry.name)
+        fsync_directory(out)

@@ -6,7 +6,7 @@
 
 The kind is read from the directory's files, never from its name (first match wins):
 
-    quantized    quantization.json            `moe-lab quantize` (moe_core.inference.quantize.save_quantized)
+    quantized    quantization.json            `moe-lab quantize` (moe_core.quantized.save_quantized)
     adapter      adapter_config.json          a PEFT adapter (finetune/export.save_adapter), applied to its base
                                               model (``base=``, else the adapter's base_model_name_or_path) and
                                               merged into it
@@ -21,7 +21,9 @@ The kind is read from the directory's files, never from its name (first match wi
     hf           config.json, model_type mixtral / olmoe / qwen2_moe   converted exactly (moe_core.convert.from_hf)
 
 A path that does not exist is tried as a Hugging Face hub id (`moe_core.convert.resolve_source`). Weights are
-read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing is unpickled. The tokenizer is
+read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing is unpickled. Weights that do not
+cover the model exactly (a missing or an unexpected tensor) are refused with a `LoadError` naming the file and
+the first such tensor: no model with randomly initialized weights is ever returned from a path. The tokenizer is
 the directory's own, else the one the checkpoint names (a training checkpoint's prepared-data tokenizer, an
 adapter's base model's), else ``tokenizer=`` when given, else None.
 """
@@ -36,19 +38,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
 from moe_core.data.tokenizer import load_tokenizer
-from moe_core.errors import MoELabError
-from moe_core.finetune.methods import TaskRouterBias
+from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.model import MoEForCausalLM
+from moe_core.quantized import QUANT_FILE, load_quantized
+from moe_core.task_bias import TaskRouterBias
 from moe_core.train import checkpoint as ckpt_io
 
 KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
 FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what save_pretrained writes
 
 
 class LoadError(MoELabError):
@@ -78,7 +83,7 @@ def detect(path: str | os.PathLike) -> str:
     if not directory.is_dir():
         raise LoadError(f"{directory}: not a directory; give a checkpoint directory ({', '.join(KINDS)})")
     has = {p.name for p in directory.iterdir()}
-    if "quantization.json" in has:
+    if QUANT_FILE in has:
         return "quantized"
     if "adapter_config.json" in has:
         return "adapter"
@@ -127,9 +132,6 @@ def load(
             loaded.kind = "finetuned"
         return loaded
     if kind == "quantized":
-        # cycle: moe_core.inference.quantize loads its source model through load()
-        from moe_core.inference.quantize import load_quantized
-
         model = load_quantized(directory)
         if dtype is not None:
             model = model.to(_torch_dtype(dtype))
@@ -140,8 +142,7 @@ def load(
     elif kind == "hf":
         model = from_hf(directory, dtype=_torch_dtype(dtype) if dtype is not None else None)
     else:  # model, pruned
-        dtype = _torch_dtype(dtype) if dtype is not None else "auto"
-        model = MoEForCausalLM.from_pretrained(directory, dtype=dtype)
+        model = _from_pretrained(directory, _torch_dtype(dtype) if dtype is not None else "auto")
         _attach_task_bias(model, directory)
     if device is not None:
         model = model.to(torch.device(device))
@@ -178,19 +179,50 @@ def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise LoadError(
-            f"{directory}: parameters do not match its config.json (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})"
+            f"{directory}: its weight files do not cover the model its config.json describes "
+            f"({weight_mismatch(missing, unexpected)}); load an earlier step_*"
         )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.to(_torch_dtype(dtype)) if dtype is not None else model
 
 
+def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
+    """Our ``save_pretrained`` directory, refused unless its weights cover the model exactly: transformers would
+    initialize whatever the files lack at random with only a warning (a tied lm_head is not missing)."""
+    weights = next(
+        (directory / n for n in WEIGHT_FILES if (directory / n).is_file()), directory / WEIGHT_FILES[0]
+    )
+    if not weights.is_file():
+        raise LoadError(
+            f"{directory}: config.json but no {' or '.join(WEIGHT_FILES)}; the directory is incomplete (left "
+            "by a killed writer?): write it again, or load the checkpoint it came from"
+        )
+    model, info = MoEForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    missing, unexpected = info["missing_keys"], info["unexpected_keys"]  # a shape mismatch raises in there
+    if missing or unexpected:
+        quantized = any(k.endswith(("_q", "_scale")) for k in unexpected)
+        hint = (
+            f"it holds quantized experts but no {QUANT_FILE} (a `moe-lab quantize` that was killed?): quantize "
+            "again with --overwrite"
+            if quantized
+            else "write it again from the checkpoint it came from, or load that checkpoint"
+        )
+        raise LoadError(
+            f"{weights}: the weights do not cover the model config.json describes "
+            f"({weight_mismatch(missing, unexpected)}); refusing to "
+            f"fill them with random values; {hint}"
+        )
+    return model
+
+
 def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoEForCausalLM:
     """The base model with the PEFT adapter applied and merged (``merge_and_unload``)."""
-    from peft import PeftModel  # optional heavy dependency, imported only for adapters
+    # optional heavy dependency, imported only for adapters
+    from peft import PeftModel, get_peft_model_state_dict
 
-    if not (directory / "adapter_model.safetensors").is_file():
+    weights = directory / "adapter_model.safetensors"
+    if not weights.is_file():
         raise LoadError(
             f"{directory}: adapter_config.json without adapter_model.safetensors; only safetensors adapters "
             "are loaded (nothing is unpickled)"
@@ -200,7 +232,19 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
         raise LoadError(
             f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"
         )
-    model = PeftModel.from_pretrained(base_loaded.model, str(directory)).merge_and_unload()
+    peft_model = PeftModel.from_pretrained(base_loaded.model, str(directory))
+    # PEFT leaves an adapter tensor the file lacks at its initial value (lora_A random) with only a warning;
+    # get_peft_model_state_dict names the tensors save_pretrained writes for this adapter
+    with safe_open(str(weights), "pt") as f:
+        saved = set(f.keys())
+    missing = [k for k in get_peft_model_state_dict(peft_model) if k not in saved]
+    if missing:
+        raise LoadError(
+            f"{weights}: the adapter does not cover the modules adapter_config.json names "
+            f"({weight_mismatch(missing, [])}); refusing to leave them at their initial values; export the "
+            "adapter again from its fine-tuning run"
+        )
+    model = peft_model.merge_and_unload()
     _attach_task_bias(model, directory)
     return model
 

@@ -13,6 +13,7 @@ from moe_core.data.errors import DataValidationError
 from moe_core.data.prepare import PrepareConfig, config_fingerprint, prepare
 from moe_core.data.sources import parse_source, source_fingerprint
 from moe_core.data.validation import ValidationConfig, validate_source
+from moe_core.fileio import staged_outputs
 from tasks import tracking
 from tasks.results import Validation
 from tasks.stages import stage_run
@@ -37,9 +38,9 @@ def validate_data(
     with stage_run("validate_data", parent_run_id) as run_id:
         result = validate_source(source, kind, config, max_documents=max_documents)
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validation.md").write_text(result.to_markdown())
-        (out / "validation.json").write_text(json.dumps(result.to_dict(), indent=1))
+        with staged_outputs(out) as stage:  # whole reports or none, beside what the flow's other stages wrote
+            (stage / "validation.md").write_text(result.to_markdown())
+            (stage / "validation.json").write_text(json.dumps(result.to_dict(), indent=1))
         tracking.log_config(run_id, config, prefix="validation")
         tracking.log_metrics(
             run_id,

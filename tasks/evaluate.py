@@ -15,6 +15,7 @@ from moe_core.analytics.profile import ProfileConfig, profile_split
 from moe_core.data.tokenizer import load_tokenizer
 from moe_core.eval.compare import compare_models
 from moe_core.eval.perplexity import to_markdown
+from moe_core.fileio import staged_outputs
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
 from tasks.stages import stage_run
@@ -42,10 +43,14 @@ def evaluate_model(
         )
         if comparison.warning:
             get_run_logger().warning(comparison.warning)
+        with staged_outputs(
+            out_dir
+        ) as stage:  # whole reports or none, beside what the flow's other stages wrote
+            written = [Path(out_dir) / path.name for path in comparison.write(stage)]
         tracking.log_metrics(run_id, comparison.metrics)  # finite values only; the others are named in a tag
         nonfinite = comparison.nonfinite
         tracking.set_tags(run_id, {**comparison.judged_on, "eval.nonfinite": ",".join(nonfinite) or None})
-        for path in comparison.write(out_dir):
+        for path in written:
             tracking.log_artifacts(run_id, path, "evaluation")
         create_table_artifact(
             comparison.records(),
@@ -102,7 +107,8 @@ def profile_router(
             # lazy: matplotlib and plotly (~2 s), only when plots are asked for
             from moe_core.analytics.plots import portable_copies, render_all
 
-            render_all(profile, out / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
+            with staged_outputs(out) as stage:  # the plots appear all at once (the profile is staged too)
+                render_all(profile, stage / "plots", model=model, tokenizer=tokenizer)  # opens offline, here
             # MLflow serves each artifact alone: pages that load plotly.js from its CDN, PNGs beside them
             tracking.log_artifacts(run_id, portable_copies(out / "plots", out / "plots-mlflow"), "plots")
         create_markdown_artifact(
@@ -130,9 +136,9 @@ def cost_report(
         training = usage_from_events(events, device) if events and Path(events).is_file() else None
         report = build_report(model.config, throughput.tokens_per_s, device, seq_len, training=training)
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "cost.md").write_text(report.to_markdown() + "\n")
-        (out / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
+        with staged_outputs(out) as stage:  # whole reports or none, beside what the flow's other stages wrote
+            (stage / "cost.md").write_text(report.to_markdown() + "\n")
+            (stage / "cost.json").write_text(json.dumps(report.to_dict(), indent=1, default=str) + "\n")
         tracking.log_metrics(run_id, tracking.numbers(report.to_dict(), "cost"))
         tracking.log_artifacts(run_id, out / "cost.md", "cost")
         tracking.log_artifacts(run_id, out / "cost.json", "cost")

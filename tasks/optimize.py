@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from moe_core.fileio import staged_outputs
 from moe_core.inference.evaluate import compare_variants
 from moe_core.inference.onnx_export import export_onnx
 from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
@@ -29,9 +30,8 @@ def quantize_model(
 ) -> str:
     with stage_run("quantize", parent_run_id) as run_id:
         config = QuantConfig(bits=bits, method=method, group_size=group_size)
-        report = quantize_checkpoint(
-            model_dir, out_dir, config, data_dir=data_dir
-        )  # gptq/awq calibrate on it
+        # gptq/awq calibrate on data_dir; the stage owns out_dir, so a retry replaces its own staged output
+        report = quantize_checkpoint(model_dir, out_dir, config, data_dir=data_dir, overwrite=True)
         tracking.log_config(run_id, config, prefix="quant")
         tracking.log_metrics(run_id, {f"quant.{k}": v for k, v in report.to_dict().items()})
         tracking.log_artifacts(run_id, out_dir, "quantized_model")
@@ -41,7 +41,7 @@ def quantize_model(
 @task(name="export-onnx", retries=1, retry_delay_seconds=2)
 def export_onnx_model(model_dir: str, out_dir: str, parent_run_id: str | None) -> str:
     with stage_run("export_onnx", parent_run_id) as run_id:
-        onnx_dir = export_onnx(model_dir, out_dir)
+        onnx_dir = export_onnx(model_dir, out_dir, overwrite=True)  # the stage's own directory
         tracking.log_onnx_model(run_id, onnx_dir / "model.onnx")
     return str(onnx_dir)
 
@@ -65,8 +65,8 @@ def benchmark(
             tracking.log_metrics(
                 run_id, {f"bench.{row['variant']}.{k}": v for k, v in row.items() if k != "variant"}
             )
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "benchmark.json").write_text(json.dumps(rows, indent=1) + "\n")
+        with staged_outputs(out_dir) as stage:  # a whole benchmark.json or none
+            (stage / "benchmark.json").write_text(json.dumps(rows, indent=1) + "\n")
         tracking.log_artifacts(run_id, Path(out_dir) / "benchmark.json", "benchmark")
         create_table_artifact(
             rows, key="benchmark", description="quality and speed per model variant (validation)"

@@ -2,15 +2,23 @@
 (same logits), with its tokenizer, and a directory that holds none says what it found."""
 
 import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moe_core import load
 from moe_core.convert import to_hf
 from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.inference.prune import PruneConfig, prune_checkpoint
-from moe_core.inference.quantize import QuantConfig, QuantizedExperts, quantize_experts, save_quantized
+from moe_core.inference.quantize import (
+    QuantConfig,
+    QuantizationError,
+    QuantizedExperts,
+    quantize_experts,
+    save_quantized,
+)
 from moe_core.loading import LoadError
 from moe_core.train import TrainConfig, train
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
@@ -85,6 +93,15 @@ def test_finetuned_output_merged_and_adapter_load_the_same_model(tmp_path):
     torch.testing.assert_close(logits(adapter.model, ids), expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(logits(base.eval(), ids), expected, atol=1e-4)  # the fine-tune changed it
 
+    # an adapter file that lacks a tensor is refused (PEFT would keep that tensor's random initial value)
+    torn = tmp_path / "torn"
+    shutil.copytree(result.adapter_dir, torn)
+    state = load_file(torn / "adapter_model.safetensors")
+    first = next(k for k in state if "lora_A" in k)
+    save_file({k: v for k, v in state.items() if k != first}, torn / "adapter_model.safetensors")
+    with pytest.raises(LoadError, match=rf"adapter_model\.safetensors: .*missing 1 tensor, first {first}"):
+        load(torn, base=tmp_path / "base")
+
 
 def test_quantized_directory_rebuilds_quantized_experts(tmp_path):
     model = tiny_mixtral()
@@ -129,3 +146,43 @@ def test_a_directory_with_no_checkpoint_names_the_path_and_what_it_found(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(LoadError, match="model_type 'llama'"):
         load(tmp_path)
+
+
+def test_weights_that_do_not_cover_the_model_are_refused_naming_the_file_and_first_tensor(tmp_path):
+    """Issue 30 §1: transformers would initialize the missing tensors at random with only a warning."""
+    tiny_mixtral().save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    dropped = [k for k in state if ".mlp.experts." in k]
+    save_file({k: v for k, v in state.items() if k not in dropped}, tmp_path / "model.safetensors")
+    with pytest.raises(LoadError) as err:
+        load(tmp_path)
+    message = str(err.value)
+    assert str(tmp_path / "model.safetensors") in message and "\n" not in message
+    assert f"missing {len(dropped)} tensors, first model.layers.0.mlp.experts." in message
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(LoadError, match="no model.safetensors"):
+        load(tmp_path)
+
+
+def test_quantized_weights_without_or_with_a_torn_quantization_json_are_refused(tmp_path):
+    """What `moe-lab quantize` killed before its last file used to leave: taken for a plain model, it loaded
+    with random experts; killed while re-quantizing over a good output, it left a 0-byte quantization.json."""
+    model = tiny_mixtral()
+    config = QuantConfig()
+    save_quantized(model, tmp_path / "q", config, quantize_experts(model, config))
+    (tmp_path / "q" / "quantization.json").unlink()
+    with pytest.raises(LoadError, match=r"no quantization\.json .*--overwrite") as err:
+        load(tmp_path / "q")
+    assert "missing" in str(err.value) and "unexpected" in str(err.value)
+    (tmp_path / "q" / "quantization.json").write_text("")
+    with pytest.raises(QuantizationError, match=r"quantization\.json: not valid JSON") as err:
+        load(tmp_path / "q")
+    assert "\n" not in str(err.value)
+
+
+def test_a_tied_lm_head_is_not_missing(tmp_path):
+    model = tiny_mixtral(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    loaded = load(tmp_path, dtype=torch.float32)
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    torch.testing.assert_close(logits(loaded.model, token_ids()), logits(model, token_ids()), atol=0, rtol=0)

@@ -16,6 +16,7 @@ from pathlib import Path
 from moe_core.cli import add_router_module_option
 from moe_core.errors import MoELabError
 from moe_core.eval.cli import add_model_options, data_vocab, load_model, load_tokenizer_for, write_text
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.paths import existing_path
 
 
@@ -33,7 +34,12 @@ def add_cli(subparsers) -> None:
     an.add_argument("--split", default="validation")
     an.add_argument("--batch-size", type=int, default=8)
     an.add_argument("--max-batches", type=int, default=16)
-    an.add_argument("--out", required=True, help="output directory: profile/, plots/, cost.json, cost.md")
+    an.add_argument(
+        "--out",
+        required=True,
+        help="output directory (empty or absent): profile/, plots/, cost.json, cost.md",
+    )
+    an.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     an.add_argument("--top-tokens", type=int, default=10)
     an.add_argument(
         "--vocab-pieces",
@@ -67,6 +73,23 @@ def add_cli(subparsers) -> None:
 
 # ------------------------------------------------------------------------------------------------ analyze
 def run_analyze(args) -> int:
+    if not args.data:
+        raise MoELabError(
+            "moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)"
+        )
+
+    out = check_output_dir(args.out, args.overwrite, MoELabError)  # before anything expensive
+    # profile, plots and cost appear in --out together when the analysis is done, or not at all
+    with atomic_directory(out, args.overwrite, MoELabError) as stage:
+        report = _analyze(args, stage)
+    print(report.to_markdown())
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _analyze(args, out: Path):
+    """Profile, pictures and cost report of `run_analyze`, written into ``out`` (the staging directory);
+    returns the cost report."""
     import torch
 
     from moe_core.analytics.cost import (
@@ -80,12 +103,6 @@ def run_analyze(args) -> int:
     from moe_core.data.shards import read_manifest
     from moe_core.eval.perplexity import to_markdown
 
-    if not args.data:
-        raise MoELabError(
-            "moe-lab analyze needs --data DIR (a prepared-data directory to profile the router on)"
-        )
-
-    out = Path(args.out)
     model = load_model(args, vocab_size=data_vocab(args))
     tokenizer = load_tokenizer_for(args, required=False)
     profile = profile_split(
@@ -130,6 +147,4 @@ def run_analyze(args) -> int:
     cost = {**report.to_dict(), "throughput": vars(throughput)}
     write_text(out / "cost.json", json.dumps(cost, indent=2, default=str) + "\n")
     write_text(out / "cost.md", report.to_markdown() + "\n")
-    print(report.to_markdown())
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return report

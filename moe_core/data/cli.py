@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+from moe_core.data.errors import DataError
+from moe_core.fileio import atomic_file, check_output_file
+
 
 def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", default="text", help="column holding the text (json/csv/parquet/hub)")
@@ -48,6 +51,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument(
         "--json", dest="json_out", type=Path, default=None, help="also write the result as JSON here"
     )
+    v.add_argument("--overwrite", action="store_true", help="replace an existing --report / --json file")
     v.set_defaults(func=_validate)
 
     p = sub.add_parser("prepare", help="validate, tokenize and pack a source into token shards")
@@ -84,6 +88,8 @@ def _validation_config(args: argparse.Namespace, seed: int = 0):  # -> Validatio
 def _validate(args: argparse.Namespace) -> int:
     from moe_core.data.validation import validate_source
 
+    for path in (p for p in (args.report, args.json_out) if p is not None):  # before reading the data
+        check_output_file(path, args.overwrite, DataError)
     result = validate_source(
         args.source,
         kind=args.kind,
@@ -97,10 +103,10 @@ def _validate(args: argparse.Namespace) -> int:
     )
     report = result.to_markdown()
     print(report)
-    if args.report:
-        args.report.write_text(report)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result.to_dict(), indent=1))
+    for path, text in ((args.report, report), (args.json_out, json.dumps(result.to_dict(), indent=1))):
+        if path is not None:
+            with atomic_file(path, args.overwrite, DataError) as tmp:  # a whole report or none
+                tmp.write_text(text)
     return 0 if result.success else 1
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from moe_core.cli import add_router_module_option, preset_help
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.paths import existing_path, require_local
 
 
@@ -55,7 +57,10 @@ def add_cli(subparsers) -> None:
     ev.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs lm-eval)")
     ev.add_argument("--include-path", default=None, help="directory of local lm-eval YAML tasks")
     ev.add_argument("--limit", type=float, default=None, help="lm-eval examples per task")
-    ev.add_argument("--out", default=None, help="write eval.json, comparison.md, generations.jsonl here")
+    ev.add_argument(
+        "--out", default=None, help="write eval.json, comparison.md, generations.jsonl here (empty or absent)"
+    )
+    ev.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     ev.set_defaults(func=run_eval)
     add_router_module_option(ev)
 
@@ -133,6 +138,20 @@ def write_text(path: Path, text: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ eval
 def run_eval(args) -> int:
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        check_output_dir(out, args.overwrite, MoELabError)  # before anything expensive
+    # the reports appear in --out together when the evaluation is done, or not at all
+    staged = atomic_directory(out, args.overwrite, MoELabError) if out is not None else nullcontext()
+    with staged as stage:
+        _evaluate(args, stage)
+    if out is not None:
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _evaluate(args, out: Path | None) -> dict[str, Any]:
+    """What `run_eval` reports, its files written into ``out`` (the staging directory) when given."""
     from moe_core.eval.perplexity import (
         comparison_table,
         evaluate_splits,
@@ -142,7 +161,6 @@ def run_eval(args) -> int:
     )
     from moe_core.train.checkpoint import tokens_trained
 
-    out = Path(args.out) if args.out else None
     model = load_model(args, vocab_size=data_vocab(args))
     report: dict[str, Any] = {"model": args.model or f"preset:{args.preset}"}
     splits = [s for s in args.splits.split(",") if s]
@@ -197,5 +215,4 @@ def run_eval(args) -> int:
         print(json.dumps(report["lm_eval"], indent=2, default=str))
     if out:
         write_text(out / "eval.json", json.dumps(report, indent=2, default=str) + "\n")
-        print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return report

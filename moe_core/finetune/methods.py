@@ -15,35 +15,24 @@ Full fine-tuning with frozen experts: the expert stack is one tensor, so `Expert
 experts' gradient rows and copies their saved values back after every optimizer step (AdamW's decoupled weight
 decay would otherwise shrink them): they are bitwise unchanged.
 
-The task-conditioned router bias (`TaskRouterBias`) is a learned ``bias_LNE`` added to the router logits of the
-tokens of task n. It is applied by a forward hook on each router that re-routes from the biased logits
-(the record's expert choice, weights and losses all follow the bias); no model code changes.
+The task-conditioned router bias (`TaskRouterBias`, `moe_core.task_bias`, where the loader reads it from too) is
+a learned ``bias_LNE`` added to the router logits of the tokens of task n, by a forward hook on each router.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def unwrap(model) -> Any:
-    """Our `MoEForCausalLM` under a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def layer_of(name: str) -> int | None:
@@ -229,7 +218,7 @@ def lora_targets(
 
 def apply_lora(model, config: FinetuneConfig, expert_selection: dict[int, list[int]] | None):
     """Wrap ``model`` with PEFT LoRA; returns ``(peft_model, ExpertLoraMask or None)``."""
-    # lazy: peft is needed only for LoRA, and moe_core.loading imports this module (TaskRouterBias)
+    # lazy: peft, an optional heavy dependency, is needed only for LoRA
     from peft import LoraConfig, get_peft_model
 
     target_modules, target_parameters, modules_to_save = lora_targets(config, model.config, expert_selection)
@@ -290,101 +279,6 @@ class ExpertRowFreeze:
 def _set_trainable(model, predicate) -> None:
     for name, param in model.named_parameters():
         param.requires_grad_(bool(predicate(name)))
-
-
-# ------------------------------------------------------------------------------------------------ task bias
-class TaskRouterBias(nn.Module):
-    """A learned bias ``bias_LNE`` on the router logits, per MoE layer and task; zero at start (the base routing).
-
-    ``with bias.tasks(task_ids_B): model(...)`` routes the tokens of sequence b with task ``task_ids_B[b]``; outside
-    that context the routers are untouched. Saved on its own (`save`/`load`) beside adapters and merged weights,
-    since no Hugging Face MoE architecture has a per-task router bias.
-    """
-
-    FILE = "task_router_bias.safetensors"
-    META = "task_router_bias.json"
-
-    def __init__(self, layer_ids: list[int], task_names: list[str], num_experts: int) -> None:
-        super().__init__()
-        self.layer_ids = list(layer_ids)
-        self.task_names = list(task_names)
-        self.bias_LNE = nn.Parameter(torch.zeros(len(layer_ids), len(task_names), num_experts))
-        self._task_ids_B: torch.Tensor | None = None
-        self._handles: list[Any] = []
-
-    def attach(self, model) -> TaskRouterBias:
-        base = unwrap(model)
-        routers = base.routers()
-        if len(routers) != len(self.layer_ids):
-            raise FinetuneError(
-                f"task router bias for {len(self.layer_ids)} MoE layers, model has {len(routers)}"
-            )
-        for i, router in enumerate(routers):
-            self._handles.append(
-                router.register_forward_hook(lambda m, args, rec, i=i: self._reroute(i, m, rec))
-            )
-        base.add_module("task_router_bias", self)  # so the optimizer sees the bias
-        return self
-
-    def detach(self, model) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        base = unwrap(model)
-        if getattr(base, "task_router_bias", None) is self:
-            del base._modules["task_router_bias"]
-
-    @contextmanager
-    def tasks(self, task_ids_B: torch.Tensor | None):
-        previous, self._task_ids_B = self._task_ids_B, task_ids_B
-        try:
-            yield
-        finally:
-            self._task_ids_B = previous
-
-    def _reroute(self, i: int, router, record):
-        if self._task_ids_B is None:
-            return record
-        T, B = record.logits_TE.shape[0], self._task_ids_B.shape[0]
-        if T % B:
-            raise FinetuneError(
-                f"task router bias: {T} routed tokens do not split over {B} task ids; pass one "
-                "task id per sequence of the batch"
-            )
-        bias_TE = self.bias_LNE[i].index_select(0, self._task_ids_B.to(self.bias_LNE.device))
-        bias_TE = bias_TE.repeat_interleave(T // B, dim=0).float()
-        rerouted = router.route(record.logits_TE + bias_TE)
-        if record.pruned_logits_TP is not None:  # a pruned router: its removed rows stay in the softmax
-            rerouted = router.apply_pruned_rows(rerouted, record.pruned_logits_TP)
-        return rerouted
-
-    def save(self, out_dir: str | Path) -> None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({"bias_LNE": self.bias_LNE.detach().cpu().contiguous()}, str(out_dir / self.FILE))
-        (out_dir / self.META).write_text(
-            json.dumps({"layer_ids": self.layer_ids, "tasks": self.task_names}, indent=2) + "\n"
-        )
-
-    @classmethod
-    def load(cls, directory: str | Path) -> TaskRouterBias:
-        directory = Path(directory)
-        if not (directory / cls.META).is_file():
-            raise FinetuneError(
-                f"{directory}: no {cls.META}; pass the directory a fine-tuning run saved it in"
-            )
-        meta = json.loads((directory / cls.META).read_text())
-        bias_LNE = load_file(str(directory / cls.FILE))["bias_LNE"]
-        module = cls(meta["layer_ids"], meta["tasks"], bias_LNE.shape[-1])
-        with torch.no_grad():
-            module.bias_LNE.copy_(bias_LNE)
-        return module
-
-    def task_ids(self, names: list[str]) -> torch.Tensor:
-        unknown = sorted(set(names) - set(self.task_names))
-        if unknown:
-            raise FinetuneError(f"unknown task(s) {unknown}; this bias knows {self.task_names}")
-        return torch.tensor([self.task_names.index(n) for n in names])
 
 
 # ------------------------------------------------------------------------------------------------ plan

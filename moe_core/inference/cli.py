@@ -11,11 +11,16 @@ import sys
 from moe_core.cli import add_router_module_option
 from moe_core.paths import existing_path
 
+# every command here stages its output beside --out and renames it into place when complete (moe_core.fileio)
+OVERWRITE_HELP = "replace a non-empty output directory (only once the new output is complete)"
+
 
 def _export_onnx(args: argparse.Namespace) -> int:
     from moe_core.inference.onnx_export import export_onnx
 
-    out = export_onnx(args.model_dir, args.out, opset=args.opset, validate=not args.no_validate)
+    out = export_onnx(
+        args.model_dir, args.out, opset=args.opset, validate=not args.no_validate, overwrite=args.overwrite
+    )
     print(f"wrote {out}")
     return 0
 
@@ -23,7 +28,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
 def _export_gguf(args: argparse.Namespace) -> int:
     from moe_core.inference.gguf_export import export_gguf
 
-    print(f"wrote {export_gguf(args.hf_dir, args.out)}")
+    print(f"wrote {export_gguf(args.hf_dir, args.out, overwrite=args.overwrite)}")
     return 0
 
 
@@ -33,7 +38,7 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.method == "ort-int8":
         from moe_core.inference.quantize import quantize_onnx_dynamic
 
-        out = quantize_onnx_dynamic(args.model_dir, args.out)
+        out = quantize_onnx_dynamic(args.model_dir, args.out, overwrite=args.overwrite)
         print(f"wrote {out}")
         return 0
     if args.method == "optimum-gptq":
@@ -51,6 +56,7 @@ def _quantize(args: argparse.Namespace) -> int:
             bits=args.bits,
             group_size=args.group_size,
             architecture=args.hf_architecture,
+            overwrite=args.overwrite,
         )
         print(f"wrote {out}")
         return 0
@@ -66,7 +72,7 @@ def _quantize(args: argparse.Namespace) -> int:
                 "(a prepared-data directory, moe-lab data prepare)"
             )
         calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
-    report = quantize_checkpoint(args.model_dir, args.out, config, calibration)
+    report = quantize_checkpoint(args.model_dir, args.out, config, calibration, overwrite=args.overwrite)
     print(json.dumps(report.to_dict()))
     return 0
 
@@ -86,7 +92,9 @@ def _prune(args: argparse.Namespace) -> int:
     calibration = (
         calibration_batches(args.data, args.calib_batches, args.calib_batch_size) if args.data else None
     )
-    report = prune_checkpoint(args.model_dir, args.profile, args.out, config, calibration)
+    report = prune_checkpoint(
+        args.model_dir, args.profile, args.out, config, calibration, overwrite=args.overwrite
+    )
     print(json.dumps(report.to_dict()))
     return 0
 
@@ -145,7 +153,8 @@ def add_cli(subparsers) -> None:
         type=existing_path("model"),
         help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory",
     )
-    onnx.add_argument("--out", required=True)
+    onnx.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    onnx.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     onnx.add_argument("--opset", type=int, default=17)
     onnx.add_argument("--no-validate", action="store_true", help="skip optimum's output check")
     onnx.set_defaults(func=_export_onnx)
@@ -158,7 +167,8 @@ def add_cli(subparsers) -> None:
     gguf.add_argument(
         "hf_dir", type=existing_path("model"), help="a Hugging Face Mixtral checkpoint with tokenizer.json"
     )
-    gguf.add_argument("--out", required=True, help="the .gguf file to write")
+    gguf.add_argument("--out", required=True, help="the .gguf file to write (must not exist)")
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     gguf.set_defaults(func=_export_gguf)
 
     quantize = subparsers.add_parser(
@@ -169,7 +179,8 @@ def add_cli(subparsers) -> None:
         type=existing_path("model"),
         help="checkpoint directory (or an exported ONNX directory for ort-int8)",
     )
-    quantize.add_argument("--out", required=True)
+    quantize.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    quantize.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     quantize.add_argument(
         "--method",
         default="rtn",
@@ -219,7 +230,8 @@ def add_cli(subparsers) -> None:
     )
     prune.add_argument("--calib-batches", type=int, default=16)
     prune.add_argument("--calib-batch-size", type=int, default=8)
-    prune.add_argument("--out", required=True)
+    prune.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    prune.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     prune.add_argument(
         "--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)"
     )

@@ -41,6 +41,7 @@ from moe_core.inference.compile import ModelStructure, compile_steps, eager_step
 from moe_core.inference.expert_cache import offload_experts
 from moe_core.inference.fast_decode import enable_fast_decode
 from moe_core.inference.monitor import InferenceMonitor
+from moe_core.loading import load
 
 
 class GenerationError(MoELabError):
@@ -231,8 +232,6 @@ def generate_cli(
     ``json_lines``: JSON lines (``{"prompt": i, "text": piece}`` while streaming, then one ``completion`` line
     per prompt) for programs; False writes text for people: the first prompt's completion streamed as it is
     decoded, each prompt followed by its completion."""
-    from moe_core.loading import load  # lazy: the model stack; batch_generate alone does not need it
-
     out = out or sys.stdout
     if not prompts:
         raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")

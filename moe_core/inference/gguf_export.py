@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_core.errors import MoELabError
+from moe_core.fileio import atomic_file, check_output_file
 
 
 class GGUFExportError(MoELabError):
@@ -90,9 +91,12 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     return tokens, types, merges
 
 
-def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
-    """Write the Hugging Face Mixtral checkpoint in ``hf_dir`` as one float32 GGUF file (atomically)."""
+def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write the Hugging Face Mixtral checkpoint in ``hf_dir`` as one float32 GGUF file, staged (`atomic_file`:
+    ``out_file`` is the old file or the complete new one); an existing ``out_file`` is replaced only with
+    ``overwrite``."""
     hf_dir, out_file = Path(hf_dir), Path(out_file)
+    check_output_file(out_file, overwrite, GGUFExportError)  # before anything expensive
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise GGUFExportError(
@@ -141,47 +145,50 @@ def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike) -> Path:
             raise GGUFExportError(f"{hf_dir}: tensor {hf_name!r} has no llama.cpp name")
         out.append((name, t.numpy()))
 
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-    try:
-        writer.add_name(hf_dir.name)
-        writer.add_context_length(cfg.get("max_position_embeddings", 2048))
-        writer.add_embedding_length(D)
-        writer.add_block_count(n_layer)
-        writer.add_feed_forward_length(cfg["intermediate_size"])
-        writer.add_head_count(n_head)
-        writer.add_head_count_kv(n_kv)
-        writer.add_rope_dimension_count(head_dim)
-        if head_dim != D // n_head:
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
-        writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-        writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-        writer.add_expert_count(E)
-        writer.add_expert_used_count(cfg["num_experts_per_tok"])
-        writer.add_vocab_size(cfg["vocab_size"])
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
-        for key, add in (
-            ("bos_token_id", writer.add_bos_token_id),
-            ("eos_token_id", writer.add_eos_token_id),
-        ):
-            if isinstance(cfg.get(key), int):
-                add(cfg[key])
-        for name, array in out:
-            writer.add_tensor(name, np.ascontiguousarray(array))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out_file)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)  # nothing half-written
-        raise
+    with atomic_file(out_file, overwrite, GGUFExportError) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        try:
+            _write(writer, hf_dir, cfg, out, tokens, types, merges, head_dim)
+        finally:
+            writer.close()
     return out_file
+
+
+def _write(writer, hf_dir: Path, cfg: dict, out, tokens, types, merges, head_dim: int) -> None:
+    """The GGUF header, metadata and tensors (llama.cpp's ``LlamaModel`` layout), through ``writer``."""
+    n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    E, D = cfg["num_local_experts"], cfg["hidden_size"]
+    writer.add_name(hf_dir.name)
+    writer.add_context_length(cfg.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(D)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != D // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_expert_count(E)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (
+        ("bos_token_id", writer.add_bos_token_id),
+        ("eos_token_id", writer.add_eos_token_id),
+    ):
+        if isinstance(cfg.get(key), int):
+            add(cfg[key])
+    for name, array in out:
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()

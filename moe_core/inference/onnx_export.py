@@ -48,7 +48,7 @@ import torch
 
 from moe_core.config import MoEConfig
 from moe_core.errors import MoELabError
-from moe_core.fileio import atomic_directory
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.loading import load
 from moe_core.model import MoEForCausalLM
 from moe_core.progress import Progress
@@ -118,6 +118,7 @@ def export_onnx(
     with_past: bool = True,
     validate: bool = True,
     atol: float = 1e-4,
+    overwrite: bool = False,
 ) -> Path:
     """Export a model (object, our checkpoint directory, or a HF Mixtral/OLMoE/Qwen2-MoE directory) to ONNX.
 
@@ -125,10 +126,12 @@ def export_onnx(
     first step) and returning ``present.*``, which `load_onnx` runs. ``validate`` runs optimum's output check
     at ``atol``, then `validate_export` (every expert in the graph; logits at several shapes, with tokens
     dropped over capacity); a failure raises `OnnxExportError` and leaves nothing in ``out_dir``. The directory
-    is written whole or not at all (an existing one is replaced). Returns ``out_dir``.
+    is written whole or not at all; a non-empty one is replaced (once the new one is complete) only with
+    ``overwrite``. Returns ``out_dir``.
     """
     from optimum.exporters.onnx import onnx_export_from_model
 
+    check_output_dir(out_dir, overwrite, OnnxExportError)  # before anything expensive
     model = _load_for_export(source).float().eval()
     impl = model.config.expert_impl
     if impl not in ("auto", "static"):
@@ -152,7 +155,7 @@ def export_onnx(
     out_dir = Path(out_dir)
     del onnx_config  # registered above; optimum builds its own instances (with and without past)
     bar = Progress(2 if validate and with_past else 1, "export onnx", unit="stage")
-    with atomic_directory(out_dir, overwrite=True, error_cls=OnnxExportError) as tmp:
+    with atomic_directory(out_dir, overwrite, OnnxExportError) as tmp:
         with torch.no_grad(), _library_is_transformers(), quiet_tracer_warnings():
             try:
                 bar.stage("trace and check (optimum)")

@@ -54,6 +54,7 @@ from moe_core.config import MoEConfig
 from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
 from moe_core.experts import GroupedExperts
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import PRUNE_FILE, load
 from moe_core.model import MoEForCausalLM
@@ -329,10 +330,15 @@ def prune_checkpoint(
     out_dir: str | os.PathLike,
     prune: PruneConfig | None = None,
     calibration: Iterable[torch.Tensor] | None = None,
+    *,
+    overwrite: bool = False,
 ) -> PruneReport:
     """`moe-lab prune`: load a checkpoint, rank its experts (slots from a router ``profile`` directory or
-    counted on ``calibration`` batches; REAP saliency on ``calibration``), prune, save_pretrained."""
+    counted on ``calibration`` batches; REAP saliency on ``calibration``), prune, save_pretrained. The output
+    is staged (``out_dir`` is the old result or the new one, never a mix); a non-empty ``out_dir`` is
+    replaced only with ``overwrite``."""
     prune = prune or PruneConfig()
+    check_output_dir(out_dir, overwrite, PruneError)  # before anything expensive
     calibration = list(calibration) if calibration is not None else None
     if profile is None and calibration is None:
         raise PruneError("give a router profile (--profile DIR) or calibration data (--data DIR)")
@@ -345,8 +351,9 @@ def prune_checkpoint(
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
     new_model, report = prune_experts(model, usage, prune, saliency)
-    new_model.save_pretrained(out_dir)
-    copy_companion_files(model_dir, Path(out_dir))
-    # the marker moe_core.load tells a pruned model by, and what the pruning kept
-    (Path(out_dir) / PRUNE_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    with atomic_directory(out_dir, overwrite, PruneError) as tmp:
+        new_model.save_pretrained(tmp)
+        copy_companion_files(model_dir, tmp)
+        # the marker moe_core.load tells a pruned model by, and what the pruning kept
+        (tmp / PRUNE_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report

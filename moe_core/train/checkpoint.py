@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_core.errors import MoELabError
-from moe_core.fileio import atomic_directory, disk_full_guard
+from moe_core.fileio import atomic_directory, disk_full_guard, fsync_directory, fsync_file
 from moe_core.train.parallel import full_model_name, is_expert_param
 
 FORMAT = 2
@@ -177,23 +177,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, data: dict) -> None:
     with disk_full_guard(path):
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        _fsync_file(path)
+        fsync_file(path)
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -310,11 +297,11 @@ def save_rank_files(
         replicated, experts = split_state_dict(model)
         if write_replicated:
             save_file(replicated, tmp / "model.safetensors", metadata={"format": "pt"})
-            _fsync_file(tmp / "model.safetensors")
+            fsync_file(tmp / "model.safetensors")
         if experts and dp_rank == 0:
             path = tmp / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
             save_file(experts, path, metadata={"format": "pt"})
-            _fsync_file(path)
+            fsync_file(path)
         state = {
             "format": FORMAT,
             "optimizer": _local_optimizer_state(optimizer),
@@ -325,7 +312,7 @@ def save_rank_files(
         }
         path = tmp / rank_state_name(rank)
         torch.save(state, path)
-        _fsync_file(path)
+        fsync_file(path)
 
 
 def finish_checkpoint(tmp: Path, final: Path, trainer_state: dict) -> Path:
@@ -338,11 +325,11 @@ def finish_checkpoint(tmp: Path, final: Path, trainer_state: dict) -> Path:
         if p.is_file() and p.name != MANIFEST
     }
     write_json(tmp / MANIFEST, {"format": FORMAT, "step": trainer_state.get("step"), "files": files})
-    _fsync_dir(tmp)
+    fsync_directory(tmp)
     if final.exists():  # a checkpoint of the same step from an earlier attempt
         _remove_checkpoint(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_directory(final.parent)
     return final
 
 

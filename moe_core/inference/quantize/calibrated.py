@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from moe_core.experts import ffn_act
 from moe_core.inference.evaluate import calibration_pass
-from moe_core.inference.quantize.common import (
+from moe_core.progress import Progress
+from moe_core.quantized import (
     PROJECTIONS,
     QuantConfig,
     QuantizationError,
@@ -41,7 +42,6 @@ from moe_core.inference.quantize.common import (
     fake_quantize,
     quantize_rtn,
 )
-from moe_core.progress import Progress
 
 
 # ---------------------------------------------------------------------------------------------- GPTQ

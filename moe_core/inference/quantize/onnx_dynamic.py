@@ -14,8 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
+from moe_core.fileio import atomic_directory
 from moe_core.inference.onnx_export import ONNX_FILES
-from moe_core.inference.quantize.common import QuantizationError
+from moe_core.quantized import QuantizationError
 
 
 def fold_onnx_constants(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -49,9 +50,11 @@ def quantize_onnx_dynamic(
     *,
     per_channel: bool = True,
     keep_router_float: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Dynamic int8 (weights int8 per channel, activations quantized at run time) through optimum's
-    `ORTQuantizer`; writes ``model_quantized.onnx`` and the configs into ``out_dir``."""
+    `ORTQuantizer`; writes ``model_quantized.onnx`` and the configs into ``out_dir``, staged (complete or not at
+    all); a non-empty ``out_dir`` is replaced only with ``overwrite``."""
     # optional heavy dependency: optimum's ONNX Runtime tooling, only for this backend
     from optimum.onnxruntime import ORTQuantizer
     from optimum.onnxruntime.configuration import AutoQuantizationConfig
@@ -62,15 +65,14 @@ def quantize_onnx_dynamic(
         raise QuantizationError(
             f"{onnx_dir}: no exported ONNX model ({', '.join(ONNX_FILES)}); run `moe-lab export onnx` first"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    folded_dir = out_dir / "_folded"
-    folded_dir.mkdir(exist_ok=True)
-    try:
+    with atomic_directory(out_dir, overwrite, QuantizationError) as stage:
+        folded_dir = stage / "_folded"
+        folded_dir.mkdir()
         folded = fold_onnx_constants(src, folded_dir / "model.onnx")
         for companion in ("config.json", "generation_config.json"):
             if (onnx_dir / companion).is_file():
                 shutil.copy(onnx_dir / companion, folded_dir / companion)
-                shutil.copy(onnx_dir / companion, out_dir / companion)
+                shutil.copy(onnx_dir / companion, stage / companion)
         weights, routers = weight_matmuls(folded)
         nodes = weights if keep_router_float else weights + routers
         qconfig = AutoQuantizationConfig.avx2(
@@ -80,7 +82,6 @@ def quantize_onnx_dynamic(
             operators_to_quantize=["MatMul"],
         )
         quantizer = ORTQuantizer.from_pretrained(folded_dir, file_name="model.onnx")
-        quantizer.quantize(save_dir=out_dir, quantization_config=qconfig)
-    finally:
-        shutil.rmtree(folded_dir, ignore_errors=True)
+        quantizer.quantize(save_dir=stage, quantization_config=qconfig)
+        shutil.rmtree(folded_dir)
     return out_dir

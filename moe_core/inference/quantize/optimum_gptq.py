@@ -17,9 +17,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from moe_core.convert import copy_companion_files, to_hf
-from moe_core.fileio import atomic_directory
-from moe_core.inference.quantize.common import QuantizationError
+from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.loading import load
+from moe_core.quantized import QuantizationError
 
 
 def optimum_gptq_available() -> bool:
@@ -37,6 +37,7 @@ def quantize_optimum_gptq(
     bits: int = 4,
     group_size: int = 128,
     architecture: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """optimum's GPTQ (``optimum.gptq.GPTQQuantizer``) on a GPU, written as a Hugging Face GPTQ checkpoint.
 
@@ -46,7 +47,8 @@ def quantize_optimum_gptq(
     batches [B, S]), and is refused if any expert projection stayed in float. The result loads with
     ``AutoModelForCausalLM.from_pretrained`` on a machine with the same backend. Rarely routed experts get
     few calibration rows here (GPTQ's dampening keeps them well-posed); our own ``method="gptq"`` force-routes
-    them instead and runs on a CPU."""
+    them instead and runs on a CPU. The output is staged (complete or not at all); a non-empty ``out_dir`` is
+    replaced only with ``overwrite``."""
     if not optimum_gptq_available():
         raise QuantizationError(
             "optimum's GPTQ route needs a CUDA GPU and the gptqmodel backend (pip install gptqmodel); "
@@ -58,10 +60,11 @@ def quantize_optimum_gptq(
         raise QuantizationError(
             "optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)"
         )
+    check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
     model = load(model_dir, dtype=torch.float32).model
     with (
         tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp,
-        atomic_directory(out_dir, error_cls=QuantizationError) as staging,
+        atomic_directory(out_dir, overwrite, QuantizationError) as staging,
     ):
         to_hf(model, Path(tmp) / "hf", architecture)
         del model

@@ -1,0 +1,356 @@
+"""The quantized-checkpoint format: what `moe-lab quantize` writes and `moe_core.load` reads.
+
+Legend: E = experts, O = output features, I = input features, G = groups per row (I / group_size).
+
+A quantized checkpoint is a directory holding ``config.json`` (the model's `MoEConfig`), ``model.safetensors``
+(the state dict with every expert stack as `QuantizedExperts` buffers) and ``quantization.json`` (the
+`QuantConfig` and the `QuantReport`), written together by `save_quantized` into a staging directory that is
+renamed into place only when complete (`moe_core.fileio.atomic_directory`); `load_quantized` reads it back.
+
+Codes are symmetric: int8 with one absmax scale per output channel (``bits=8``), or int4 with one scale per
+``group_size`` inputs of each output channel, packed two a byte (``bits=4``). `fake_quantize` (quantize then
+dequantize) is the reference the quantized modules are held equal to. How the codes are chosen (round to
+nearest, GPTQ, AWQ) and the ``moe-lab quantize`` command live above this module, in
+`moe_core.inference.quantize`; the loader reads this format without importing them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from moe_core.config import MoEConfig
+from moe_core.convert import copy_companion_files
+from moe_core.errors import MoELabError, weight_mismatch
+from moe_core.experts import GroupedExperts, StackedExperts, ffn_act
+from moe_core.fileio import atomic_directory
+from moe_core.model import MoEForCausalLM
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizationError(MoELabError):
+    """A quantization that cannot be done or did not cover what it should; says what and what to do."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int = 8  # 8: per output channel; 4: group-wise, packed two a byte
+    group_size: int = 32  # inputs sharing one scale when bits == 4
+    method: str = "rtn"  # "rtn", "gptq" or "awq"
+    min_tokens: int = 32  # gptq/awq: calibration tokens each expert must see (force-routed if rarely hit)
+    damp: float = 0.01  # gptq: dampening, a fraction of the mean Hessian diagonal
+    block_size: int = 128  # gptq: lazy-batch width (a multiple of group_size when bits == 4)
+    awq_grid: int = 20  # awq: points of the alpha grid on [0, 1]
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise QuantizationError(f"QuantConfig.bits={self.bits!r}: choose 8 or 4")
+        if self.method not in ("rtn", "gptq", "awq"):
+            raise QuantizationError(f"QuantConfig.method={self.method!r}: choose 'rtn', 'gptq' or 'awq'")
+        if self.awq_grid < 2:
+            raise QuantizationError(f"QuantConfig.awq_grid={self.awq_grid!r}: must be >= 2")
+        if self.bits == 4 and (self.group_size <= 0 or self.group_size % 2):
+            raise QuantizationError(
+                f"QuantConfig.group_size={self.group_size!r}: must be a positive even number"
+            )
+        if self.bits == 4 and self.block_size % self.group_size:
+            raise QuantizationError(
+                f"QuantConfig.block_size={self.block_size} must be a multiple of group_size={self.group_size}"
+            )
+        if self.min_tokens < 1 or not 0 <= self.damp < 1:
+            raise QuantizationError("QuantConfig: min_tokens must be >= 1 and damp in [0, 1)")
+
+    @property
+    def qmax(self) -> int:
+        return 127 if self.bits == 8 else 7
+
+    def groups(self, in_features: int) -> int:
+        if self.bits == 8:
+            return 1
+        if in_features % self.group_size:
+            raise QuantizationError(
+                f"input width {in_features} is not a multiple of group_size={self.group_size}; "
+                "pick a group_size that divides hidden_size and expert_intermediate_size"
+            )
+        return in_features // self.group_size
+
+
+# ---------------------------------------------------------------------------------------------- integer codes
+def compute_scales(w_OI: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """Symmetric absmax scales [..., O, G]."""
+    G = config.groups(w_OI.shape[-1])
+    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1)
+    return (w_OGg.abs().amax(-1) / config.qmax).clamp_min(1e-12)
+
+
+def quantize_rtn(w_OI: torch.Tensor, scale_OG: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """Integer codes (int8 holding values in [-qmax-1, qmax]) of ``w`` [..., O, I] at the given scales."""
+    G = scale_OG.shape[-1]
+    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1)
+    q = torch.round(w_OGg / scale_OG[..., None]).clamp(-config.qmax - 1, config.qmax)
+    return q.reshape(w_OI.shape).to(torch.int8)
+
+
+def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor) -> torch.Tensor:
+    G = scale_OG.shape[-1]
+    return (q_OI.float().reshape(*q_OI.shape[:-1], G, -1) * scale_OG[..., None]).reshape(q_OI.shape)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two signed 4-bit codes a byte along the last dim: low nibble = even index."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    lo = (packed & 0x0F).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def fake_quantize(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """The reference: round-to-nearest quantize then dequantize, in the weight's dtype."""
+    scale = compute_scales(w, config)
+    return dequantize(quantize_rtn(w, scale, config), scale).to(w.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- report
+@dataclass
+class QuantReport:
+    bits: int
+    method: str
+    params_total: int
+    params_quantized: int
+    bytes_before: int
+    bytes_after: int
+    experts_quantized: int
+    experts_rtn_fallback: list[str] = field(default_factory=list)  # "layer:expert" that gptq left to RTN
+    calibration_tokens: dict[str, list[int]] = field(default_factory=dict)  # per layer, per expert (gptq)
+    forced_tokens: dict[str, list[int]] = field(default_factory=dict)  # force-routed extra tokens (gptq)
+    awq_alpha: dict[str, list[list[float]]] = field(
+        default_factory=dict
+    )  # per expert: [alpha_in, alpha_hidden]
+    notes: list[str] = field(default_factory=list)
+    perplexity: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fraction_quantized(self) -> float:
+        return self.params_quantized / self.params_total if self.params_total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fraction_quantized": self.fraction_quantized}
+
+
+# ---------------------------------------------------------------------------------------------- the module
+class QuantizedExperts(StackedExperts):
+    """A `StackedExperts` of weight-only int8/int4 weights, dequantized per expert as it runs.
+
+    Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte), ``p_scale``
+    (fp32 [E, O, G]) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
+    the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        activation: str,
+        shapes: dict[str, tuple[int, int]],
+        config: QuantConfig,
+        impl: str = "auto",
+        max_slots: int = 64,
+    ) -> None:
+        super().__init__(num_experts, activation, impl, max_slots)
+        self.quant_config = config
+        self.projections = tuple(shapes)
+        for name, (O, I) in shapes.items():
+            width = I if config.bits == 8 else I // 2
+            dtype = torch.int8 if config.bits == 8 else torch.uint8
+            self.register_buffer(f"{name}_q", torch.zeros(num_experts, O, width, dtype=dtype))
+            self.register_buffer(f"{name}_scale", torch.ones(num_experts, O, config.groups(I)))
+            if config.method == "awq":
+                self.register_buffer(f"{name}_in_scale", torch.ones(num_experts, I))
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: GroupedExperts,
+        config: QuantConfig,
+        codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> QuantizedExperts:
+        """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
+        or ``(q, scale, in_scale [E, I])`` for AWQ). The decode path is on (``max_slots`` 64 unless
+        ``experts`` has its own): dequantizing only the chosen experts is what makes a decode step cheap."""
+        shapes = {
+            p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None
+        }
+        new = cls(
+            experts.num_experts,
+            experts.activation,
+            shapes,
+            config,
+            experts.impl,
+            experts.max_slots or 64,
+        )
+        for p in shapes:
+            w = getattr(experts, p).detach()
+            in_scale = None
+            if codes is not None and p in codes:
+                q, scale, *rest = codes[p]
+                in_scale = rest[0] if rest else None
+            else:
+                scale = compute_scales(w, config)
+                q = quantize_rtn(w, scale, config)
+            getattr(new, f"{p}_q").copy_(pack_int4(q) if config.bits == 4 else q)
+            getattr(new, f"{p}_scale").copy_(scale)
+            if in_scale is not None:
+                getattr(new, f"{p}_in_scale").copy_(in_scale)
+        return new.to(experts.up_proj.device)
+
+    def codes(self, name: str, e: int | slice = slice(None)) -> torch.Tensor:
+        q = getattr(self, f"{name}_q")[e]
+        return unpack_int4(q) if self.quant_config.bits == 4 else q
+
+    def weight(self, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """Expert ``e``'s dequantized ``name`` weight [O, I]."""
+        if name not in self.projections:
+            return None
+        w = dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e])
+        if self.quant_config.method == "awq":
+            w = w / getattr(self, f"{name}_in_scale")[e]
+        return w.to(dtype)
+
+    def dequantized_stack(self, name: str) -> torch.Tensor | None:
+        if name not in self.projections:
+            return None
+        w = dequantize(self.codes(name), getattr(self, f"{name}_scale"))
+        if self.quant_config.method == "awq":
+            w = w / getattr(self, f"{name}_in_scale")[:, None, :]
+        return w
+
+    def resolved_impl(self, x_TD: torch.Tensor) -> str:
+        # grouped_mm needs the whole dense stack: asked for it, this module chooses as for "auto"
+        if self.impl not in ("auto", "grouped_mm"):
+            return self.impl
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+            return "static"
+        return "sorted"
+
+    def unbound(self) -> tuple:
+        return None, None, None  # `expert` dequantizes its own slices
+
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
+        stacks = (self.dequantized_stack(p) for p in PROJECTIONS)
+        return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
+
+    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        gate = self.weight("gate_proj", e, x_ND.dtype)
+        h_gate = F.linear(x_ND, gate) if gate is not None else None
+        h_up = F.linear(x_ND, self.weight("up_proj", e, x_ND.dtype))
+        return F.linear(ffn_act(self.activation, h_gate, h_up), self.weight("down_proj", e, x_ND.dtype))
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:
+    """Every stacked expert module of ``model``, dense or already quantized."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, StackedExperts)]
+
+
+def check_experts_quantized(model: nn.Module) -> None:
+    """Raise `QuantizationError` when any expert stack of ``model`` is still in full precision."""
+    skipped = [name for name, m in expert_modules(model) if not isinstance(m, QuantizedExperts)]
+    if skipped:
+        raise QuantizationError(
+            f"expert weights left unquantized in {skipped}; run quantize_experts on the model"
+        )
+
+
+QUANT_FILE = "quantization.json"
+
+
+def save_quantized(
+    model,
+    out_dir: str | os.PathLike,
+    config: QuantConfig,
+    report: QuantReport | None = None,
+    *,
+    companions_from: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write config.json, the quantized state dict (safetensors), the tokenizer and generation files found in
+    ``companions_from`` and quantization.json, staged: ``out_dir`` appears complete or not at all, and a
+    non-empty ``out_dir`` is replaced (only once the new one is complete) only with ``overwrite``."""
+    with atomic_directory(out_dir, overwrite, QuantizationError) as tmp:
+        model.config.save_pretrained(tmp)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if companions_from is not None:
+            copy_companion_files(companions_from, tmp)
+        meta = {"quant_config": asdict(config), "report": report.to_dict() if report else None}
+        (tmp / QUANT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return Path(out_dir)
+
+
+def load_quantized(directory: str | os.PathLike) -> MoEForCausalLM:
+    """Load what `save_quantized` wrote: an `MoEForCausalLM` with `QuantizedExperts`."""
+    directory = Path(directory)
+    meta = _read_quant_file(directory)
+    try:
+        config = QuantConfig(**meta["quant_config"])
+    except (KeyError, TypeError) as err:
+        raise QuantizationError(
+            f"{directory / QUANT_FILE}: no valid quant_config ({err}); quantize the model again "
+            "(moe-lab quantize --overwrite)"
+        ) from None
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise QuantizationError(
+            f"{directory}: {QUANT_FILE} without model.safetensors; quantize the model again "
+            "(moe-lab quantize --overwrite)"
+        )
+    model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
+    for name, module in expert_modules(model):  # the structure (and AWQ's input scales) for the state dict
+        parent_name, _, child = name.rpartition(".")
+        setattr(
+            model.get_submodule(parent_name) if parent_name else model,
+            child,
+            QuantizedExperts.from_experts(module, config),
+        )
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantizationError(
+            f"{weights}: the weights do not cover the model its config.json describes ("
+            + weight_mismatch(missing, unexpected)
+            + "); quantize the model again (moe-lab quantize --overwrite)"
+        )
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+def _read_quant_file(directory: Path) -> dict:
+    """quantization.json as a dict; a missing, empty or damaged one is one clear `QuantizationError`."""
+    path = directory / QUANT_FILE
+    if not path.is_file():
+        raise QuantizationError(
+            f"{directory}: no {QUANT_FILE}; write one with `moe-lab quantize` or save_quantized"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as err:
+        meta = err
+    if not isinstance(meta, dict):
+        reason = f"not valid JSON ({meta})" if isinstance(meta, ValueError) else "not a JSON object"
+        raise QuantizationError(
+            f"{path}: {reason}, a damaged quantized checkpoint; quantize the model again "
+            "(moe-lab quantize --overwrite)"
+        )
+    return meta
