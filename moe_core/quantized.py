@@ -148,6 +148,20 @@ class QuantReport:
     def to_dict(self) -> dict:
         return {**asdict(self), "fraction_quantized": self.fraction_quantized}
 
+    def summary(self) -> str:
+        """One line for people (the whole report is ``quantization.json``)."""
+        smaller = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        line = (
+            f"{self.method} int{self.bits}: {self.experts_quantized} expert stacks, "
+            f"{self.fraction_quantized:.0%} of the parameters quantized, "
+            f"{self.bytes_before / 2**20:,.1f} -> {self.bytes_after / 2**20:,.1f} MiB ({smaller:.2f}x smaller)"
+        )
+        if self.experts_rtn_fallback:
+            line += (
+                f"; {len(self.experts_rtn_fallback)} experts fell back to RTN (too few calibration tokens)"
+            )
+        return line
+
 
 # ---------------------------------------------------------------------------------------------- the module
 class QuantizedExperts(StackedExperts):

@@ -182,6 +182,7 @@ def test_cli_awq_requires_data_and_calibrates_from_a_prepared_directory(tmp_path
                 "2",
                 "--out",
                 str(tmp_path / "q"),
+                "--json",
             ]
         )
         == 0

@@ -126,11 +126,18 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
         )
         == 0
     )
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # for people: one summary line and where the report went, not a JSON dump
+    summary, wrote = capsys.readouterr().out.strip().splitlines()
+    assert re.match(r"8 -> 4 experts per MoE layer \(frequency\), [\d,]+ -> [\d,]+ parameters", summary)
+    assert wrote.endswith("(report: pruning.json)")
+    report = json.loads((tmp_path / "pruned" / "pruning.json").read_text())
     assert (
         report["experts_after"] == 4
         and MoEForCausalLM.from_pretrained(tmp_path / "pruned").config.num_experts == 4
     )
+    args = ["prune", str(tmp_path / "model"), "--profile", str(tmp_path / "profile"), "--keep", "8"]
+    assert main([*args, "--out", str(tmp_path / "all")]) == 0
+    assert capsys.readouterr().out.startswith("pruned nothing: every MoE layer keeps its 8 experts")
 
     assert (
         main(
@@ -143,6 +150,7 @@ def test_cli_quantize_prune_generate(tmp_path, capsys):
                 "4",
                 "--group-size",
                 "16",
+                "--json",
             ]
         )
         == 0

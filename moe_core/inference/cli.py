@@ -73,7 +73,11 @@ def _quantize(args: argparse.Namespace) -> int:
             )
         calibration = calibration_batches(args.data, args.calib_batches, args.calib_batch_size)
     report = quantize_checkpoint(args.model_dir, args.out, config, calibration, overwrite=args.overwrite)
-    print(json.dumps(report.to_dict()))
+    print(
+        json.dumps(report.to_dict())
+        if args.json
+        else f"{report.summary()}\nwrote {args.out} (report: quantization.json)"
+    )
     return 0
 
 
@@ -95,7 +99,11 @@ def _prune(args: argparse.Namespace) -> int:
     report = prune_checkpoint(
         args.model_dir, args.profile, args.out, config, calibration, overwrite=args.overwrite
     )
-    print(json.dumps(report.to_dict()))
+    print(
+        json.dumps(report.to_dict())
+        if args.json
+        else f"{report.summary()}\nwrote {args.out} (report: pruning.json)"
+    )
     return 0
 
 
@@ -181,6 +189,7 @@ def add_cli(subparsers) -> None:
     )
     quantize.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     quantize.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    quantize.add_argument("--json", action="store_true", help="print the whole report as one JSON line")
     quantize.add_argument(
         "--method",
         default="rtn",
@@ -232,6 +241,7 @@ def add_cli(subparsers) -> None:
     prune.add_argument("--calib-batch-size", type=int, default=8)
     prune.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     prune.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    prune.add_argument("--json", action="store_true", help="print the whole report as one JSON line")
     prune.add_argument(
         "--keep", type=int, default=None, help="experts kept per layer (default: drop by --min-share)"
     )

@@ -110,6 +110,25 @@ class PruneReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> str:
+        """One line for people (the whole report is ``pruning.json``)."""
+        if self.experts_after == self.experts_before:
+            return (
+                f"pruned nothing: every MoE layer keeps its {self.experts_before} experts ({self.criterion}); "
+                "give --keep N, or a --min-share above the least used experts' share"
+            )
+        fewer = 1 - self.params_after / self.params_before if self.params_before else 0.0
+        shares = list(self.usage_share_kept.values())
+        kept = (
+            f"; the kept experts took {min(shares):.1%}-{max(shares):.1%} of each layer's slots"
+            if shares
+            else ""
+        )
+        return (
+            f"{self.experts_before} -> {self.experts_after} experts per MoE layer ({self.criterion}), "
+            f"{self.params_before:,} -> {self.params_after:,} parameters ({fewer:.0%} fewer){kept}"
+        )
+
 
 # ---------------------------------------------------------------------------------------------- usage
 def usage_from_profile(profile) -> dict[int, torch.Tensor]:
