@@ -70,6 +70,7 @@ from transformers import CONFIG_MAPPING, GenerationConfig
 from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
+from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
@@ -697,8 +698,14 @@ def to_hf(
         _write_safetensors(tmp, tensors, max_shard_size)
         hf_config.save_pretrained(tmp)
         copied = copy_companion_files(tokenizer_dir, tmp) if tokenizer_dir else []
-        if "generation_config.json" not in copied:
-            GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+        set_model_input_names(tmp)  # a tokenizer saved before it named them would add token_type_ids
+        generation = GenerationConfig.from_model_config(hf_config)
+        if "generation_config.json" in copied:  # its settings, with the ids it may lack from the config
+            generation = GenerationConfig.from_pretrained(tmp)
+            for field in SPECIAL_TOKEN_FIELDS:
+                if getattr(generation, field, None) is None:
+                    setattr(generation, field, getattr(hf_config, field, None))
+        generation.save_pretrained(tmp)
     return Path(out_dir)
 
 
@@ -747,4 +754,6 @@ def convert_to_hf(
     if kind == "quantized":
         raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
     loaded = load(source)
-    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=loaded.path, overwrite=overwrite)
+    # a training checkpoint keeps no tokenizer files of its own: it names its data's tokenizer
+    tokenizer_dir = loaded.tokenizer_dir or loaded.path
+    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=tokenizer_dir, overwrite=overwrite)

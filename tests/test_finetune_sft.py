@@ -165,3 +165,27 @@ def test_multitask_router_bias_trains_only_the_bias_and_is_saved_beside_the_weig
     with torch.no_grad():
         plain = reloaded(input_ids=x).logits
     assert not torch.allclose(biased, plain)
+
+
+def test_merged_model_carries_the_tokenizers_special_ids_and_generates_from_its_output(tmp_path, tokenizer):
+    import json
+
+    from transformers import AutoTokenizer
+
+    base = tiny_model()  # its config names no special tokens, as pretraining wrote them before
+    assert base.config.eos_token_id is None
+    config = FinetuneConfig.build({"method": "full", "steps": 1, "batch_size": 4, "export": {"merged": True}})
+    result = finetune(config, tmp_path, model=base, tokenizer=tokenizer, records=instruction_records(4))
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((result.merged_dir / name).read_text())
+        eos = saved.get("eos_token_id")  # transformers' Trainer turns the generation config's EOS into a list
+        saved["eos_token_id"] = eos[0] if isinstance(eos, list) and len(eos) == 1 else eos
+        assert {k: saved.get(k) for k in expected} == expected, name
+    saved_tokenizer = AutoTokenizer.from_pretrained(result.merged_dir)
+    inputs = saved_tokenizer("hello", return_tensors="pt")
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    loaded = load(result.merged_dir)
+    with torch.no_grad():
+        out = loaded.model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]

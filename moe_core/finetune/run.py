@@ -39,7 +39,12 @@ import torch
 from transformers import PrinterCallback
 
 from moe_core.data.sources import _quiet_datasets, canonical_json, load_source
-from moe_core.data.tokenizer import load_tokenizer
+from moe_core.data.tokenizer import (
+    adopt_special_token_ids,
+    load_tokenizer,
+    special_token_ids,
+    with_model_input_names,
+)
 from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
 from moe_core.finetune import export
@@ -131,7 +136,7 @@ def prepare_tokenizer(tokenizer, model_config):
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return with_model_input_names(tokenizer)  # a tokenizer given in memory may still add token_type_ids
 
 
 def load_records(config: FinetuneConfig):
@@ -290,6 +295,9 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
             )
         tokenizer = load_tokenizer(source)
     tokenizer = prepare_tokenizer(tokenizer, model.config)
+    # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
+    # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
+    adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
     if records is None:
         records = load_records(config)
     if isinstance(records, list):

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moe_core.data.tokenizer import set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard
 
@@ -479,4 +480,6 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
             for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
                 if item.is_file():
                     shutil.copy2(item, tmp / item.name)
+            for copy in (tmp, tmp / "tokenizer"):  # data prepared before it named them adds token_type_ids
+                set_model_input_names(copy)
     return out_dir

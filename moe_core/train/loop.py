@@ -51,7 +51,14 @@ from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import deepspeed_engine as ds_engine
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
-from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
+from moe_core.train.batches import (
+    GlobalBatches,
+    adopt_data_seq_len,
+    data_special_token_ids,
+    open_datasets,
+    rank_slice,
+    stack_blocks,
+)
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
@@ -214,13 +221,17 @@ class Trainer:
         return resume_from
 
     def _open_data(self) -> None:
-        """The training and validation blocks; the data's tokenizer fixes the model's vocabulary."""
+        """The training and validation blocks; the data's tokenizer fixes the model's vocabulary and its BOS,
+        EOS and PAD ids (written into every checkpoint's config.json, so generation stops at EOS)."""
         config, state = self.config, self.state
         model_vocab = config.model.build_config().vocab_size
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
             config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state)
         )
         self.model_config = config.model.build_config(vocab_size=vocab)
+        for name, token_id in data_special_token_ids(self.train_data).items():
+            if name not in config.model.overrides:  # an id set in model.overrides is the user's choice
+                setattr(self.model_config, name, token_id)
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
 
