@@ -38,7 +38,7 @@ def run_train(args) -> int:
     print(f"moe-lab train: live dashboard {url}", flush=True)
     try:
         code = train_cli.run_train(args, config)
-        if sys.stdin.isatty():
+        if code == 0 and sys.stdin.isatty():  # a run stopped by a signal stops the dashboard too
             print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
             dashboard.wait()
         return code

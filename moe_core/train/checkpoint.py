@@ -428,12 +428,17 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int, best: str | None) -> None
             _remove_checkpoint(path)
 
 
-def clean_temporary(ckpt_root: Path) -> None:
+def clean_temporary(ckpt_root: Path) -> list[str]:
     """Remove checkpoint temporaries (``.tmp-step_*``, ``.tmp-delete-*``) of killed writers; call only while
-    holding the output directory's lock, so no live writer is using them."""
+    holding the output directory's lock, so no live writer is using them. Returns the names of the half-written
+    checkpoints removed (``.tmp-step_*``), for the resume message."""
+    discarded = []
     if ckpt_root.is_dir():
-        for path in ckpt_root.glob(".tmp-*"):
+        for path in sorted(ckpt_root.glob(".tmp-*")):
             shutil.rmtree(path, ignore_errors=True)
+            if path.name.startswith(".tmp-step_"):
+                discarded.append(path.name)
+    return discarded
 
 
 # ------------------------------------------------------------------------------------------------ export

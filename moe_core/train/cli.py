@@ -207,4 +207,4 @@ def run_train(args, config=None) -> int:
         )
         if result.data_dir is not None:
             print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
-    return 0
+    return result.exit_code

@@ -16,8 +16,9 @@ Under ``parallel.backend=deepspeed`` a DeepSpeed engine does the backward, the g
 the step of 2-4 (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
 Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
 tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
-`MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM: an atomic checkpoint (`checkpoint.py`),
-only ever right after a good (finite) step: one that falls due on a skipped step waits for the next good one.
+`MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM or SIGINT (Ctrl-C; a second one stops at
+once, without one): an atomic checkpoint (`checkpoint.py`), only ever right after a good (finite) step: one that
+falls due on a skipped step waits for the next good one.
 At the end: a Hugging Face export in ``<out>/final``. AdamW and the LR schedule are built in `optim.py`.
 
 The output directory is locked for the life of the run (`moe_core.fileio.OutputLock`, held by rank 0): a second
@@ -74,6 +75,9 @@ from moe_core.train.telemetry import (
     read_jsonl,
 )
 
+# Asked to stop: finish the step, checkpoint, return (a scheduler's SIGTERM, Ctrl-C's SIGINT); `stopped_by`
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 class TrainingDivergedError(MoELabError):
     """Too many steps in a row with a non-finite loss or gradient."""
@@ -98,11 +102,17 @@ class TrainResult:
     checkpoint: Path | None  # the last checkpoint written
     export_dir: Path | None
     metrics_path: Path
-    stopped_by: str | None = None  # "SIGTERM" when asked to stop early
+    stopped_by: str | None = None  # "SIGTERM" or "SIGINT" when a signal stopped the run early
     history: list[dict] = field(default_factory=list)  # the logged metrics (rank 0)
     data_dir: Path | None = (
         None  # the prepared data trained on (with its tokenizer/); None for synthetic data
     )
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status a command reports for this run: 0, or 128 + the signal's number when a signal stopped
+        it (143 for SIGTERM, 130 for SIGINT), as a shell does, so schedulers and flows see it did not finish."""
+        return 128 + signal.Signals[self.stopped_by].value if self.stopped_by else 0
 
 
 def train(
@@ -144,6 +154,7 @@ class Trainer:
         self.extra_sinks = list(sinks or [])
         self.sinks: list[MetricsSink] = []
         self.lock: OutputLock | None = None
+        self._discarded: list[str] = []  # half-written checkpoints rank 0 removed when it took the directory
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.engine = None  # the DeepSpeed engine under parallel.backend=deepspeed (`deepspeed_engine.py`)
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
@@ -183,6 +194,8 @@ class Trainer:
         self._stop_signal: str | None = None
         if resume_from is not None:
             self._load_checkpoint(resume_from)
+        if resume and state.is_main:
+            self._announce_resume(resume_from)
 
     def _claim_output_dir(self, resume: bool) -> Path | None:
         """Lock the output directory (rank 0) and return the checkpoint to resume from, if any. Without
@@ -192,16 +205,11 @@ class Trainer:
         if state.is_main:  # one run per output directory: rank 0 holds the lock until close()
             self.lock = OutputLock(self.out_dir, "training run").acquire()
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_io.clean_temporary(self.ckpt_root)
+            self._discarded = ckpt_io.clean_temporary(self.ckpt_root)
         par.barrier(state)
-        existing = ckpt_io.any_checkpoint_dir(self.ckpt_root)
         resume_from = None
         if resume:
             resume_from = self._resume_checkpoint()
-            if resume_from is None and state.is_main and existing is None:
-                print(
-                    f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True
-                )
         else:
             refuse_previous_outputs(
                 self.out_dir,
@@ -219,6 +227,18 @@ class Trainer:
                         f"steps, optim, log, eval and checkpoint settings)"
                     )
         return resume_from
+
+    def _announce_resume(self, resume_from: Path | None) -> None:
+        """Rank 0, on ``--resume``: one line saying which checkpoint and step the run continues from (or that it
+        starts at step 0) and which half-written checkpoint (``.tmp-step_N``, a writer killed mid-save) it
+        discarded."""
+        if resume_from is not None:
+            line = f"moe-lab train: resuming from {resume_from} (step {self.step})"
+        else:
+            line = f"moe-lab train: no complete checkpoint in {self.ckpt_root}; starting from step 0"
+        if self._discarded:
+            line += f"; discarded the half-written {', '.join(self._discarded)}"
+        print(line, flush=True)
 
     def _open_data(self) -> None:
         """The training and validation blocks; the data's tokenizer fixes the model's vocabulary and its BOS,
@@ -580,7 +600,11 @@ class Trainer:
             self.config.log.per_expert,
         )
         if self.config.log.progress != "off":
-            self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
+            self.sinks.append(
+                ConsoleSink(
+                    self.config.steps, self.step, self.config.log.progress, log_every=self.config.log.every
+                )
+            )
         self.sinks.extend(self.extra_sinks)
 
     def _on_step(self) -> None:
@@ -639,10 +663,32 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signal.Signals(signum).name
+        """SIGTERM or SIGINT (Ctrl-C): finish the step, checkpoint, stop (`run`). A Ctrl-C after that stops at
+        once, without a checkpoint (KeyboardInterrupt, as Python's own); a SIGTERM after it changes nothing
+        (torchrun's agent passes a Ctrl-C on to its workers as SIGTERM)."""
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:
+            if signum != signal.SIGINT:
+                return
+            self._say(
+                f"moe-lab train: {name} again: stopping now, without a checkpoint; the last one is "
+                f"{self.last_checkpoint}"
+            )
+            raise KeyboardInterrupt
+        self._stop_signal = name
+        self._say(
+            f"moe-lab train: {name}: finishing this step, then saving a checkpoint and stopping (Ctrl-C again "
+            f"stops at once, without one)"
+        )
+
+    def _say(self, line: str) -> None:
+        """Rank 0: one line on stderr, written straight to its file descriptor: safe inside a signal handler,
+        which may run while the main thread is in the middle of a print."""
+        if self.state.is_main:
+            os.write(2, (line + "\n").encode())
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (collective: every rank stops at the same step)."""
+        """Whether any rank got SIGTERM or SIGINT (collective: every rank stops at the same step)."""
         flag = torch.tensor([1.0 if self._stop_signal else 0.0])
         if self.state.distributed:
             par.all_reduce_(flag, self.state, op=torch.distributed.ReduceOp.MAX)
@@ -661,14 +707,15 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train to ``config.steps``: log every ``log.every`` steps (and at each evaluation), checkpoint every
-        ``checkpoint.every`` steps, at the end and on SIGTERM, then export ``<out>/final``."""
+        ``checkpoint.every`` steps, at the end and on SIGTERM or SIGINT (`STOP_SIGNALS`), then export ``<out>/final``."""
         config = self.config
         self.metrics_path = self.out_dir / METRICS_FILE
         self._open_sinks()
         history: list[dict] = []
-        previous_handler = None
+        previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+            for signum in STOP_SIGNALS:
+                previous_handlers[signum] = signal.signal(signum, self._on_signal)
         self.model.train()
         interval = LogInterval()
         last_loss = None  # the mean training loss of the last logged interval
@@ -701,8 +748,8 @@ class Trainer:
                     self._announce_stop(checkpoint_saved=not checkpoint_due)
                     return self._result(last_loss, history, stopped_by=self._stop_signal or "SIGTERM")
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
         export_dir = self._export_final()
         par.barrier(self.state)
         return self._result(last_loss, history, export_dir=export_dir)
