@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -229,10 +228,13 @@ def _plots_dir(result: dict) -> Path | None:
 
 
 def run_ui(args) -> int:
+    # heavy (torch, through the checkpoint reader): imported for this command only
+    from tasks.process import run_until_stopped
+
     settings = _settings()
     if args.prefect:
         env = {**os.environ, "PREFECT_SERVER_API_HOST": args.host}
-        return subprocess.call(
+        return run_until_stopped(
             ["prefect", "server", "start", "--host", args.host, "--port", str(args.port or 4200)], env=env
         )
     uri = os.environ["MLFLOW_TRACKING_URI"]
@@ -255,7 +257,7 @@ def run_ui(args) -> int:
     base = f"http://{args.host}:{args.port or 5000}"
     experiment = f"{base}/#/experiments/{experiment_id()}?{UI_TRAINING_VIEW}"  # the runs table, not GenAI's
     print(f"MLflow UI on {experiment} ({uri}); Ctrl-C stops it", flush=True)
-    return subprocess.call(cmd)
+    return run_until_stopped(cmd)  # Ctrl-C or SIGTERM stops the server and its workers, not only this process
 
 
 def run_sync(args) -> int:
