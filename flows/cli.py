@@ -177,10 +177,13 @@ def run_flow(args, params=None) -> int:
     settings = _settings()
     import importlib
 
+    from tasks.process import sigterm_exits  # torch, through the checkpoint reader: only when a flow runs
+
     params = params or build_params(args.flow, args.params, args.size, args.overrides)
     module, name, _ = FLOWS[args.flow]
     flow = getattr(importlib.import_module(module), name)
-    result = flow(params)
+    with sigterm_exits():  # SIGTERM, like Ctrl-C: the flow's training process checkpoints, its runs close
+        result = flow(params)
     _print_where_to_look(args.flow, result, settings.describe())
     return 0
 
