@@ -130,3 +130,14 @@ def run_until_stopped(cmd: list[str], env: dict | None = None, grace_s: float = 
     finally:
         if proc.poll() is None or _group_members(proc.pid):
             stop_group(proc, grace_s)
+
+
+def stop_as_the_signal_asked(stopped_by: str | None) -> None:
+    """A job run in this process (training, fine-tuning) that a signal stopped has saved what it could and
+    returned; stop this process too, as the signal asked: KeyboardInterrupt for Ctrl-C, SystemExit(143) for
+    SIGTERM. In a flow that means no Prefect retry (which would start the job again at once) and no later
+    stage on a half-trained model; the MLflow runs close KILLED. Nothing happens when ``stopped_by`` is None."""
+    if stopped_by == "SIGINT":
+        raise KeyboardInterrupt
+    if stopped_by:
+        raise SystemExit(128 + signal.Signals[stopped_by].value)

@@ -17,7 +17,7 @@ from moe_core.train import TrainConfig, TrainResult, read_result, train
 from moe_core.train.checkpoint import TRAINER_STATE, latest_checkpoint
 from moe_core.train.loop import EXPORT_DIR
 from tasks import tracking
-from tasks.process import run_group
+from tasks.process import run_group, stop_as_the_signal_asked
 from tasks.results import TrainedModel
 from tasks.stages import stage_run
 
@@ -59,7 +59,7 @@ def pretrain(
             result = read_result(out)
         else:
             result = train(config, out, resume=resume, sinks=[tracking.MlflowSink(run_id, out)])
-            _stop_as_the_signal_asked(result)
+            stop_as_the_signal_asked(result.stopped_by)  # the flow stops too; a rerun resumes
         trained = _trained_model(result, run_id)
         tracking.log_metrics(run_id, trained.metrics, trained.step)
         tracking.set_tags(run_id, {"moe_lab.resumed": resume, "moe_lab.out_dir": str(out)})
@@ -73,17 +73,6 @@ def pretrain(
                     tracking.log_artifacts(run_id, ckpt / name, "checkpoint")
         models = tracking.log_model(run_id, trained.export_dir) if log_model else {}
     return replace(trained, model_uri=models.get("transformers") or models.get("files"))
-
-
-def _stop_as_the_signal_asked(result: TrainResult) -> None:
-    """A run in this process stopped by Ctrl-C or SIGTERM has checkpointed and returned: the flow stops too,
-    as the signal asked (KeyboardInterrupt, SystemExit(143)): no retry, which would resume the run at once,
-    and no later step on a half-trained model. Running the flow again resumes from that checkpoint. (A
-    training process of its own reports the same with its exit status, 130 or 143.)"""
-    if result.stopped_by == "SIGINT":
-        raise KeyboardInterrupt
-    if result.stopped_by:
-        raise SystemExit(result.exit_code)
 
 
 def _train_in_process_group(
