@@ -698,26 +698,39 @@ def to_hf(
         _write_safetensors(tmp, tensors, max_shard_size)
         hf_config.save_pretrained(tmp)
         copied = copy_companion_files(tokenizer_dir, tmp) if tokenizer_dir else []
-        set_model_input_names(tmp)  # a tokenizer saved before it named them would add token_type_ids
-        generation = GenerationConfig.from_model_config(hf_config)
-        if "generation_config.json" in copied:  # its settings, with the ids it may lack from the config
-            generation = GenerationConfig.from_pretrained(tmp)
-            for field in SPECIAL_TOKEN_FIELDS:
-                if getattr(generation, field, None) is None:
-                    setattr(generation, field, getattr(hf_config, field, None))
-        generation.save_pretrained(tmp)
+        if "generation_config.json" not in copied:
+            GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     return Path(out_dir)
 
 
 # ================================================================================================ files
 def copy_companion_files(source: str | os.PathLike, destination: Path) -> list[str]:
-    """Copy tokenizer, chat-template and generation files from `source`; returns the names copied."""
+    """Copy tokenizer, chat-template and generation files from `source`; returns the names copied. Copies of
+    files written before these were fixed are brought up to date: a tokenizer of ours names only the model's
+    inputs (`set_model_input_names`, no token_type_ids), and a generation_config.json gets the BOS/EOS/PAD ids
+    it lacks from the destination's config.json (write that first)."""
     copied = []
     for name in COMPANION_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, destination / name)
             copied.append(name)
+    set_model_input_names(destination)
+    if "generation_config.json" in copied and (destination / "config.json").is_file():
+        _fill_special_token_ids(destination / "generation_config.json", destination / "config.json")
     return copied
+
+
+def _fill_special_token_ids(generation_path: Path, config_path: Path) -> None:
+    generation = json.loads(generation_path.read_text())
+    config = json.loads(config_path.read_text())
+    missing = {
+        field: config[field]
+        for field in SPECIAL_TOKEN_FIELDS
+        if generation.get(field) is None and config.get(field) is not None
+    }
+    if missing:
+        generation.update(missing)
+        generation_path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
 def convert_from_hf(

@@ -147,3 +147,15 @@ def test_a_model_saved_before_the_ids_were_recorded_gets_them_from_its_tokenizer
     assert main(["export", "gguf", str(hf), "--out", str(tmp_path / "model.gguf")]) == 0
     capsys.readouterr()
     assert gguf_ids(tmp_path / "model.gguf") == special_ids(tokenizer)
+
+
+def test_quantizing_a_training_checkpoint_keeps_its_tokenizer_and_ids(run_dir, tmp_path):
+    from moe_core.inference.quantize import QuantConfig, quantize_checkpoint
+
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()  # its tokenizer is the data's, not in the directory
+    quantize_checkpoint(checkpoint, tmp_path / "q", QuantConfig(bits=8, group_size=16))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "q")
+    assert special_ids(tokenizer) == BUILTIN_IDS
+    loaded = load(tmp_path / "q")
+    assert loaded.kind == "quantized" and special_ids(loaded.config) == BUILTIN_IDS
+    assert_generates_from_tokenizer_output(loaded.model, tokenizer)

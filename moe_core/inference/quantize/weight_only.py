@@ -274,8 +274,10 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    model = load(model_dir, dtype=torch.float32).model
+    loaded = load(model_dir, dtype=torch.float32)
+    model = loaded.model
     report = quantize_experts(model, config, calibration)
     save_quantized(model, out_dir, config, report)
-    copy_companion_files(model_dir, Path(out_dir))  # tokenizer and generation defaults travel along
+    # tokenizer and generation defaults travel along (a training run's or checkpoint's tokenizer is the data's)
+    copy_companion_files(loaded.tokenizer_dir or loaded.path, Path(out_dir))
     return report
