@@ -664,11 +664,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
         """SIGTERM or SIGINT (Ctrl-C): finish the step, checkpoint, stop (`run`). A Ctrl-C after that stops at
-        once, without a checkpoint (KeyboardInterrupt, as Python's own); a SIGTERM after it changes nothing
-        (torchrun's agent passes a Ctrl-C on to its workers as SIGTERM)."""
+        once, without a checkpoint (KeyboardInterrupt, as Python's own); a SIGTERM after it changes nothing.
+        Under torchrun neither does a second SIGINT: its agent passes the terminal's Ctrl-C on to the workers,
+        which got it from the terminal already (the agent itself kills them when they take too long)."""
         name = signal.Signals(signum).name
         if self._stop_signal is not None:
-            if signum != signal.SIGINT:
+            if signum != signal.SIGINT or "TORCHELASTIC_RUN_ID" in os.environ:
                 return
             self._say(
                 f"moe-lab train: {name} again: stopping now, without a checkpoint; the last one is "
@@ -676,10 +677,8 @@ class Trainer:
             )
             raise KeyboardInterrupt
         self._stop_signal = name
-        self._say(
-            f"moe-lab train: {name}: finishing this step, then saving a checkpoint and stopping (Ctrl-C again "
-            f"stops at once, without one)"
-        )
+        again = "" if "TORCHELASTIC_RUN_ID" in os.environ else " (Ctrl-C again stops at once, without one)"
+        self._say(f"moe-lab train: {name}: finishing this step, then saving a checkpoint and stopping{again}")
 
     def _say(self, line: str) -> None:
         """Rank 0: one line on stderr, written straight to its file descriptor: safe inside a signal handler,
