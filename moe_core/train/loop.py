@@ -75,7 +75,8 @@ from moe_core.train.telemetry import (
     read_jsonl,
 )
 
-# Asked to stop: finish the step, checkpoint, return (a scheduler's SIGTERM, Ctrl-C's SIGINT); `stopped_by`
+# Signals that ask a run to stop after the step, with a checkpoint (a scheduler's SIGTERM, Ctrl-C's SIGINT);
+# `TrainResult.stopped_by` names the one received
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
