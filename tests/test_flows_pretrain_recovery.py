@@ -107,3 +107,44 @@ def test_ctrl_c_in_an_in_process_pretrain_flow_checkpoints_and_stops_the_flow(la
         PretrainParams(train=config.with_overrides([f"steps={step + 2}"]), log_model=False, out_dir=str(out))
     )
     assert finished["step"] == step + 2
+
+
+def test_sigterm_to_moe_lab_run_checkpoints_its_training_process_and_exits_143(tmp_path):
+    """`moe-lab run` used to die on SIGTERM at once (Python's default), leaving its training process group
+    (its own session) training on; now the flow's `finally` stops the group, which checkpoints."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_core.train.checkpoint import list_checkpoints
+
+    home, out = tmp_path / "home", tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": "1",
+        "MOE_LAB_HOME": str(home),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    sets = ["subprocess=true", f"out_dir={out}", "log_model=false", "train.steps=3000", "train.log.every=1"]
+    sets += ["train.log.progress=lines", "train.data.source=synthetic", "train.checkpoint.every=10000"]
+    cmd = [sys.executable, "-m", "moe_lab", "run", "pretrain", "--size", "tiny"]
+    for item in sets:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            proc.send_signal(signal.SIGTERM)  # to `moe-lab run` alone
+            break
+    output = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (ckpt,) = list_checkpoints(out / "checkpoints")
+    assert f"SIGTERM at step {int(ckpt.name.split('_')[1])}: checkpoint {ckpt} saved" in output
