@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -178,10 +177,13 @@ def run_flow(args, params=None) -> int:
     settings = _settings()
     import importlib
 
+    from tasks.process import sigterm_exits  # torch, through the checkpoint reader: only when a flow runs
+
     params = params or build_params(args.flow, args.params, args.size, args.overrides)
     module, name, _ = FLOWS[args.flow]
     flow = getattr(importlib.import_module(module), name)
-    result = flow(params)
+    with sigterm_exits():  # SIGTERM, like Ctrl-C: the flow's training process checkpoints, its runs close
+        result = flow(params)
     _print_where_to_look(args.flow, result, settings.describe())
     return 0
 
@@ -229,10 +231,13 @@ def _plots_dir(result: dict) -> Path | None:
 
 
 def run_ui(args) -> int:
+    # heavy (torch, through the checkpoint reader): imported for this command only
+    from tasks.process import run_until_stopped
+
     settings = _settings()
     if args.prefect:
         env = {**os.environ, "PREFECT_SERVER_API_HOST": args.host}
-        return subprocess.call(
+        return run_until_stopped(
             ["prefect", "server", "start", "--host", args.host, "--port", str(args.port or 4200)], env=env
         )
     uri = os.environ["MLFLOW_TRACKING_URI"]
@@ -255,7 +260,7 @@ def run_ui(args) -> int:
     base = f"http://{args.host}:{args.port or 5000}"
     experiment = f"{base}/#/experiments/{experiment_id()}?{UI_TRAINING_VIEW}"  # the runs table, not GenAI's
     print(f"MLflow UI on {experiment} ({uri}); Ctrl-C stops it", flush=True)
-    return subprocess.call(cmd)
+    return run_until_stopped(cmd)  # Ctrl-C or SIGTERM stops the server and its workers, not only this process
 
 
 def run_sync(args) -> int:

@@ -70,6 +70,7 @@ from transformers import CONFIG_MAPPING, GenerationConfig
 from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
+from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.model import MoEForCausalLM
@@ -704,13 +705,32 @@ def to_hf(
 
 # ================================================================================================ files
 def copy_companion_files(source: str | os.PathLike, destination: Path) -> list[str]:
-    """Copy tokenizer, chat-template and generation files from `source`; returns the names copied."""
+    """Copy tokenizer, chat-template and generation files from `source`; returns the names copied. Copies of
+    files written before these were fixed are brought up to date: a tokenizer of ours names only the model's
+    inputs (`set_model_input_names`, no token_type_ids), and a generation_config.json gets the BOS/EOS/PAD ids
+    it lacks from the destination's config.json (write that first)."""
     copied = []
     for name in COMPANION_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, destination / name)
             copied.append(name)
+    set_model_input_names(destination)
+    if "generation_config.json" in copied and (destination / "config.json").is_file():
+        _fill_special_token_ids(destination / "generation_config.json", destination / "config.json")
     return copied
+
+
+def _fill_special_token_ids(generation_path: Path, config_path: Path) -> None:
+    generation = json.loads(generation_path.read_text())
+    config = json.loads(config_path.read_text())
+    missing = {
+        field: config[field]
+        for field in SPECIAL_TOKEN_FIELDS
+        if generation.get(field) is None and config.get(field) is not None
+    }
+    if missing:
+        generation.update(missing)
+        generation_path.write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
 
 
 def convert_from_hf(

@@ -25,12 +25,14 @@ read with safetensors only (PEFT adapters: adapter_model.safetensors); nothing i
 cover the model exactly (a missing or an unexpected tensor) are refused with a `LoadError` naming the file and
 the first such tensor: no model with randomly initialized weights is ever returned from a path. The tokenizer is
 the directory's own, else the one the checkpoint names (a training checkpoint's prepared-data tokenizer, an
-adapter's base model's), else ``tokenizer=`` when given, else None.
+adapter's base model's), else ``tokenizer=`` when given, else None. A model saved without BOS/EOS/PAD ids in its
+config (before training recorded them) takes the missing ones from that tokenizer, so `generate` stops at EOS.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -42,12 +44,20 @@ from safetensors import safe_open
 
 from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
-from moe_core.data.tokenizer import load_tokenizer
+from moe_core.data.errors import DataError
+from moe_core.data.tokenizer import (
+    SPECIAL_TOKEN_FIELDS,
+    adopt_special_token_ids,
+    load_tokenizer,
+    special_token_ids,
+)
 from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QUANT_FILE, load_quantized
 from moe_core.task_bias import TaskRouterBias
 from moe_core.train import checkpoint as ckpt_io
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
@@ -147,7 +157,14 @@ def load(
     if device is not None:
         model = model.to(torch.device(device))
     source = tokenizer_dir(directory, base) or tokenizer
-    return Loaded(model.eval(), kind, directory, model.config, Path(source) if source is not None else None)
+    loaded = Loaded(model.eval(), kind, directory, model.config, Path(source) if source is not None else None)
+    if source is not None and any(getattr(model.config, f, None) is None for f in SPECIAL_TOKEN_FIELDS):
+        # saved before the training loop recorded the data tokenizer's BOS/EOS/PAD: its tokenizer knows them
+        try:
+            adopt_special_token_ids(model, special_token_ids(loaded.tokenizer))
+        except DataError as err:  # the model loads without them; `loaded.tokenizer` raises it when used
+            logger.warning("%s: special-token ids not taken from its tokenizer: %s", directory, err)
+    return loaded
 
 
 def tokenizer_dir(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Path | None:

@@ -35,6 +35,6 @@ def run_flow(args) -> int:
     os.environ[DASHBOARD_URL_ENV] = url
     print(f"moe-lab run {args.flow}: live dashboard {url}", flush=True)
     try:
-        return flows_cli.run_flow(args, params)
+        return flows_cli.run_flow(args, params)  # SIGTERM raises there (`sigterm_exits`): this finally runs
     finally:
         dashboard.terminate()

@@ -32,17 +32,22 @@ def add_cli(subparsers) -> None:
 def run_train(args) -> int:
     if not args.dashboard or args.slurm or "WORLD_SIZE" in os.environ:
         return train_cli.run_train(args)
+    from tasks.process import sigterm_exits  # torch, through the checkpoint reader: not for `--help`
+
     config = train_cli.resolve_config(args)  # a bad config fails before the dashboard starts
     Path(args.out).mkdir(parents=True, exist_ok=True)
     dashboard, url = start_beside([args.out])
     print(f"moe-lab train: live dashboard {url}", flush=True)
     try:
-        code = train_cli.run_train(args, config)
-        if sys.stdin.isatty():
-            print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
-            dashboard.wait()
+        with sigterm_exits():  # SIGTERM, like Ctrl-C, stops the dashboard too (below)
+            code = train_cli.run_train(args, config)
+            if code == 0 and sys.stdin.isatty():  # a run stopped by a signal stops the dashboard too
+                print(f"moe-lab train: done; the dashboard stays at {url} (Ctrl-C stops it)", flush=True)
+                dashboard.wait()
         return code
     except KeyboardInterrupt:
         return 130
+    except SystemExit as stop:
+        return int(stop.code)
     finally:
         dashboard.terminate()

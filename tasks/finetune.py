@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from moe_core.finetune import FinetuneConfig
 from tasks import tracking
+from tasks.process import stop_as_the_signal_asked
 from tasks.results import ModelResult
 from tasks.stages import stage_run
 
@@ -26,6 +27,7 @@ def finetune_model(
     with stage_run("finetune", parent_run_id) as run_id:
         tracking.log_config(run_id, config, prefix="finetune")
         result = finetune(config, out_dir, sinks=[tracking.MlflowSink(run_id, out_dir)])
+        stop_as_the_signal_asked(result.stopped_by)  # its outputs cover the steps done: not a model to ship
         tracking.log_metrics(
             run_id,
             {

@@ -4,15 +4,21 @@ process it started, torchrun workers included.
 The group is asked to stop with SIGTERM first (the trainer checkpoints on SIGTERM), then killed after
 ``grace_s``. ``MOE_LAB_CHAOS_KILL_AFTER_STEP=N`` SIGKILLs the group once a checkpoint of step >= N exists,
 on a task's first attempt only: the recovery test (and anyone checking their own setup) uses it.
+
+`sigterm_exits` makes SIGTERM end this process the way Ctrl-C does (an exception, so ``finally`` blocks run and
+stop what the process started); `run_until_stopped` runs a server (``moe-lab ui``) until it ends or this
+process is asked to stop, and then stops its whole group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe_core.train.checkpoint import latest_checkpoint, read_trainer_state
@@ -88,3 +94,50 @@ def run_group(
             f"training process {' '.join(cmd[:6])} ... exited with {proc.returncode}; "
             f"the last checkpoint is step {checkpoint_step(out_dir)} in {out_dir}"
         )
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While active (in the main thread), SIGTERM raises ``SystemExit(143)``: ``finally`` blocks run and stop
+    the servers and process groups this process started. Python's default ends the process on the spot and
+    leaves them running. Elsewhere than the main thread, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_until_stopped(cmd: list[str], env: dict | None = None, grace_s: float = 10.0) -> int:
+    """Run ``cmd`` as its own process group and return its exit status; when this process is asked to stop
+    first (Ctrl-C, SIGTERM), stop the whole group (``cmd`` and every process it started: a server's workers)
+    and return 128 + the signal's number (130, 143)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        with sigterm_exits():
+            return proc.wait()
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except SystemExit as stop:
+        return int(stop.code)
+    finally:
+        if proc.poll() is None or _group_members(proc.pid):
+            stop_group(proc, grace_s)
+
+
+def stop_as_the_signal_asked(stopped_by: str | None) -> None:
+    """A job run in this process (training, fine-tuning) that a signal stopped has saved what it could and
+    returned; stop this process too, as the signal asked: KeyboardInterrupt for Ctrl-C, SystemExit(143) for
+    SIGTERM. In a flow that means no Prefect retry (which would start the job again at once) and no later
+    stage on a half-trained model; the MLflow runs close KILLED. Nothing happens when ``stopped_by`` is None."""
+    if stopped_by == "SIGINT":
+        raise KeyboardInterrupt
+    if stopped_by:
+        raise SystemExit(128 + signal.Signals[stopped_by].value)

@@ -17,7 +17,7 @@ from moe_core.train import TrainConfig, TrainResult, read_result, train
 from moe_core.train.checkpoint import TRAINER_STATE, latest_checkpoint
 from moe_core.train.loop import EXPORT_DIR
 from tasks import tracking
-from tasks.process import run_group
+from tasks.process import run_group, stop_as_the_signal_asked
 from tasks.results import TrainedModel
 from tasks.stages import stage_run
 
@@ -59,6 +59,7 @@ def pretrain(
             result = read_result(out)
         else:
             result = train(config, out, resume=resume, sinks=[tracking.MlflowSink(run_id, out)])
+            stop_as_the_signal_asked(result.stopped_by)  # the flow stops too; a rerun resumes
         trained = _trained_model(result, run_id)
         tracking.log_metrics(run_id, trained.metrics, trained.step)
         tracking.set_tags(run_id, {"moe_lab.resumed": resume, "moe_lab.out_dir": str(out)})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -13,6 +15,8 @@ from moe_core.data.tokenizer import (
     PAD,
     load_tokenizer,
     render_chat,
+    set_model_input_names,
+    special_token_ids,
     tokenizer_hash,
     train_tokenizer,
 )
@@ -35,6 +39,28 @@ def test_train_save_load_roundtrip(tmp_path, texts):
     ids = loaded(sample, add_special_tokens=False)["input_ids"]
     assert loaded.decode(ids) == sample  # byte-level: lossless
     assert max(ids) < 400
+
+
+def test_outputs_are_the_model_inputs_only_also_for_a_tokenizer_saved_without_them(tmp_path, texts):
+    inputs = {"input_ids", "attention_mask"}  # no token_type_ids: generate() refuses them
+    tok = train_tokenizer(texts, vocab_size=300)
+    assert set(tok("hello")) == inputs
+    tok.save_pretrained(tmp_path / "new")
+    assert set(AutoTokenizer.from_pretrained(tmp_path / "new")("hello")) == inputs
+    assert special_token_ids(tok) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+    old = tmp_path / "old"  # as tokenizers were saved before: transformers' default inputs
+    tok.save_pretrained(old)
+    config = json.loads((old / "tokenizer_config.json").read_text())
+    del config["model_input_names"]
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+    assert "token_type_ids" in AutoTokenizer.from_pretrained(old)("hello")
+    loaded = load_tokenizer(old)
+    assert set(loaded("hello")) == inputs
+    loaded.save_pretrained(tmp_path / "resaved")  # and what it saves keeps them
+    assert set(AutoTokenizer.from_pretrained(tmp_path / "resaved")("hello")) == inputs
+    set_model_input_names(old)  # a copied directory, fixed in place (exports)
+    assert set(AutoTokenizer.from_pretrained(old)("hello")) == inputs
 
 
 def test_training_is_deterministic_and_vocab_matters(texts):

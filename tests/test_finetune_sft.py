@@ -1,6 +1,9 @@
 """SFT through TRL on a 16-example instruction set: the loss falls, the router losses stay in it, frozen weights
 stay bitwise, merged LoRA equals the adapted model, the adapter loads back through PEFT, multi-task bias trains."""
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -165,3 +168,76 @@ def test_multitask_router_bias_trains_only_the_bias_and_is_saved_beside_the_weig
     with torch.no_grad():
         plain = reloaded(input_ids=x).logits
     assert not torch.allclose(biased, plain)
+
+
+def test_merged_model_carries_the_tokenizers_special_ids_and_generates_from_its_output(tmp_path, tokenizer):
+    import json
+
+    from transformers import AutoTokenizer
+
+    base = tiny_model()  # its config names no special tokens, as pretraining wrote them before
+    assert base.config.eos_token_id is None
+    config = FinetuneConfig.build({"method": "full", "steps": 1, "batch_size": 4, "export": {"merged": True}})
+    result = finetune(config, tmp_path, model=base, tokenizer=tokenizer, records=instruction_records(4))
+    expected = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((result.merged_dir / name).read_text())
+        eos = saved.get("eos_token_id")  # transformers' Trainer turns the generation config's EOS into a list
+        saved["eos_token_id"] = eos[0] if isinstance(eos, list) and len(eos) == 1 else eos
+        assert {k: saved.get(k) for k in expected} == expected, name
+    saved_tokenizer = AutoTokenizer.from_pretrained(result.merged_dir)
+    inputs = saved_tokenizer("hello", return_tensors="pt")
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    loaded = load(result.merged_dir)
+    with torch.no_grad():
+        out = loaded.model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+class SignalAt:
+    """A metrics sink that sends this process ``signals`` when step ``step`` is logged (each is handled before
+    `os.kill` returns)."""
+
+    def __init__(self, step: int, *signals: int) -> None:
+        self.step, self.signals = step, signals
+
+    def log(self, step, metrics) -> None:
+        if step == self.step and "loss" in metrics:
+            for signum in self.signals:
+                os.kill(os.getpid(), signum)
+
+    def close(self) -> None:
+        pass
+
+
+def test_ctrl_c_stops_after_the_step_and_writes_the_outputs_of_the_steps_done(tmp_path, tokenizer, capfd):
+    import json
+
+    config = FinetuneConfig.build({"method": "full", "steps": 6, "batch_size": 4, "export": {"merged": True}})
+    handler = signal.getsignal(signal.SIGINT)
+    result = finetune(
+        config,
+        tmp_path / "a",
+        model=tiny_model(),
+        tokenizer=tokenizer,
+        records=instruction_records(8),
+        sinks=[SignalAt(2, signal.SIGINT)],
+    )
+    assert (result.stopped_by, result.steps_done, result.exit_code) == ("SIGINT", 2, 130)
+    assert "SIGINT: finishing this step, then writing the outputs of the steps done" in capfd.readouterr().err
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert (summary["stopped_by"], summary["steps_done"], summary["steps"]) == ("SIGINT", 2, 6)
+    assert (result.merged_dir / "config.json").is_file()
+    assert signal.getsignal(signal.SIGINT) is handler  # given back
+
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: at once, nothing written
+        finetune(
+            config,
+            tmp_path / "b",
+            model=tiny_model(),
+            tokenizer=tokenizer,
+            records=instruction_records(8),
+            sinks=[SignalAt(2, signal.SIGINT, signal.SIGINT)],
+        )
+    assert "SIGINT again: stopping now; nothing written" in capfd.readouterr().err
+    assert not (tmp_path / "b" / "summary.json").exists()

@@ -62,3 +62,89 @@ def test_killed_training_process_is_retried_and_resumes_to_identical_weights(lab
     b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+
+
+def test_ctrl_c_in_an_in_process_pretrain_flow_checkpoints_and_stops_the_flow(lab_env, tmp_path):
+    """The trainer saves a checkpoint on Ctrl-C and returns; the task then stops the flow (no retry that would
+    resume at once, nothing run on a half-trained model), its MLflow run is closed KILLED, and running the
+    flow again resumes from that checkpoint."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from flows.params import PretrainParams
+    from flows.pretrain import pretrain
+    from moe_core.train.checkpoint import list_checkpoints
+    from tasks.tracking import experiment_id
+
+    out = tmp_path / "run"
+    config = _config().with_overrides(["steps=2000", "checkpoint.every=1000", "log.every=1"])
+
+    def ctrl_c_after_the_first_logged_step():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and metrics.read_text().strip():
+                os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread, where the trainer runs
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=ctrl_c_after_the_first_logged_step, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(PretrainParams(train=config, log_model=False, out_dir=str(out)))
+    (checkpoint,) = list_checkpoints(out / "checkpoints")
+    assert not (out / "final").exists()
+    flow_run = MlflowClient().search_runs(
+        [experiment_id()], "tags.moe_lab.flow = 'pretrain'", order_by=["attributes.start_time DESC"]
+    )[0]
+    assert flow_run.info.status == "KILLED"
+
+    step = int(checkpoint.name.split("_")[1])
+    finished = pretrain(
+        PretrainParams(train=config.with_overrides([f"steps={step + 2}"]), log_model=False, out_dir=str(out))
+    )
+    assert finished["step"] == step + 2
+
+
+def test_sigterm_to_moe_lab_run_checkpoints_its_training_process_and_exits_143(tmp_path):
+    """`moe-lab run` used to die on SIGTERM at once (Python's default), leaving its training process group
+    (its own session) training on; now the flow's `finally` stops the group, which checkpoints."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_core.train.checkpoint import list_checkpoints
+
+    home, out = tmp_path / "home", tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "OMP_NUM_THREADS": "1",
+        "MOE_LAB_HOME": str(home),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    sets = ["subprocess=true", f"out_dir={out}", "log_model=false", "train.steps=3000", "train.log.every=1"]
+    sets += ["train.log.progress=lines", "train.data.source=synthetic", "train.checkpoint.every=10000"]
+    cmd = [sys.executable, "-m", "moe_lab", "run", "pretrain", "--size", "tiny"]
+    for item in sets:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            proc.send_signal(signal.SIGTERM)  # to `moe-lab run` alone
+            break
+    output = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (ckpt,) = list_checkpoints(out / "checkpoints")
+    assert f"SIGTERM at step {int(ckpt.name.split('_')[1])}: checkpoint {ckpt} saved" in output

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +46,60 @@ def test_interrupting_the_wait_stops_children_and_grandchildren(tmp_path):
 def test_a_failing_process_raises_with_the_exit_status(tmp_path):
     with pytest.raises(TrainingProcessDied, match="exited with 3"):
         run_group([sys.executable, "-c", "raise SystemExit(3)"], tmp_path, poll_s=0.1)
+
+
+# A stand-in for the MLflow server `moe-lab ui` starts (which takes over a minute to come up on a busy 2-core
+# machine): `python -m mlflow` finds it first on the server's PYTHONPATH. Like uvicorn it has a worker of its
+# own; it writes both pids once started.
+SERVER = """
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open(os.environ["STAND_IN_PIDS"], "w").write(f"{os.getpid()} {worker.pid}")
+time.sleep(120)
+"""
+UI = """
+import os, sys
+import tasks.tracking  # the real mlflow, loaded in this process before the stand-in goes on the path
+from moe_lab.cli import main
+
+os.environ["PYTHONPATH"] = sys.argv[1] + os.pathsep + os.environ["PYTHONPATH"]
+sys.exit(main(["ui", "--port", "1"]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_ui_stopped_by_a_signal_stops_the_server_it_started_and_its_workers(tmp_path, signum):
+    stand_in = tmp_path / "stand_in"
+    (stand_in / "mlflow").mkdir(parents=True)
+    (stand_in / "mlflow" / "__init__.py").write_text("")
+    (stand_in / "mlflow" / "__main__.py").write_text(SERVER)
+    pids = tmp_path / "pids"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "MOE_LAB_HOME": str(tmp_path / "home"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "STAND_IN_PIDS": str(pids),
+    }
+    ui = subprocess.Popen(
+        [sys.executable, "-c", UI, str(stand_in)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (pids.is_file() and pids.read_text()) and ui.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ui.poll() is None, ui.communicate()[0][-2000:]
+    ui.send_signal(signum)  # to `moe-lab ui` alone, as `kill` or a process manager sends it
+    output = ui.communicate(timeout=60)[0]
+    server, worker = map(int, pids.read_text().split())
+    try:
+        assert ui.returncode == 128 + signum, output[-2000:]
+        assert not _alive(server) and not _alive(worker)
+    finally:
+        for pid in (server, worker):  # what the old code left running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -53,6 +53,25 @@ def test_terminal_gets_a_bar_that_moves_every_step():
     assert "3/6" in out and "loss=2.5" in out and "tok/s=1234" in out
 
 
+def test_off_a_terminal_the_first_step_prints_a_line_before_the_first_logging_step():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=100, mode="auto", stream=stream, log_every=10)
+    assert sink.mode == "lines"
+    for step in range(1, 10):
+        sink.on_step(step)
+    (line,) = stream.getvalue().splitlines()  # one line, at step 1: a log file shows the run is alive
+    assert re.match(r"train: first step done, step 1/100 \(1%\) [\d.e+]+ step/s, ETA ", line), line
+    sink.on_step(10)
+    sink.log(10, {"loss": 2.5})
+    assert stream.getvalue().splitlines()[-1].startswith("step 10/100 (10%)")
+
+    resumed = io.StringIO()  # a resumed run whose first step is a logging step: that step's line only
+    sink = ConsoleSink(total_steps=100, start_step=9, mode="lines", stream=resumed, log_every=10)
+    sink.on_step(10)
+    sink.log(10, {"loss": 2.5})
+    assert len(resumed.getvalue().splitlines()) == 1
+
+
 def test_modes_and_environment_override(monkeypatch):
     assert resolve_mode("auto", Tty()) == "bar" and resolve_mode("auto", io.StringIO()) == "lines"
     monkeypatch.setenv("MOE_LAB_PROGRESS", "off")

@@ -4,7 +4,9 @@ Tiny models on the synthetic Markov-chain source (no tokenizer) so every test ta
 
 import json
 import math
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -126,6 +128,73 @@ def test_export_and_single_process_checkpoints_load_with_from_pretrained(tmp_pat
     ids = torch.randint(0, 512, (2, 16))
     assert torch.equal(exported(ids).logits, from_ckpt(ids).logits)
     assert json.loads((result.export_dir / "train_config.json").read_text())["steps"] == 4
+
+
+class SignalAt:
+    """A metrics sink that sends this process ``signals`` at logging step ``step`` (each one is handled before
+    `os.kill` returns, so a second one meets the first one's state)."""
+
+    def __init__(self, step: int, *signals: int) -> None:
+        self.step, self.signals = step, signals
+
+    def log(self, step, metrics) -> None:
+        if step == self.step:
+            for signum in self.signals:
+                os.kill(os.getpid(), signum)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_run_at_the_step_with_a_checkpoint(tmp_path, signum, capfd):
+    handler = signal.getsignal(signum)
+    result = train(tiny(steps=8, log={"every": 1}), tmp_path, sinks=[SignalAt(2, signum)])
+    name = signal.Signals(signum).name
+    assert result.stopped_by == name and result.step == 2 and result.exit_code == 128 + signum
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
+    assert result.export_dir is None
+    assert f"{name}: finishing this step, then saving a checkpoint and stopping" in capfd.readouterr().err
+    assert signal.getsignal(signum) is handler  # given back
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_and_a_later_sigterm_changes_nothing(
+    tmp_path, capfd
+):
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            tiny(steps=8, log={"every": 1}), tmp_path / "a", sinks=[SignalAt(2, signal.SIGINT, signal.SIGINT)]
+        )
+    assert not list_checkpoints(tmp_path / "a" / "checkpoints")
+    assert "SIGINT again: stopping now, without a checkpoint" in capfd.readouterr().err
+
+    # torchrun's agent passes a Ctrl-C on to its workers as SIGTERM: the checkpoint is still written
+    result = train(
+        tiny(steps=8, log={"every": 1}), tmp_path / "b", sinks=[SignalAt(2, signal.SIGINT, signal.SIGTERM)]
+    )
+    assert result.stopped_by == "SIGINT" and result.exit_code == 130
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "checkpoints")] == ["step_00000002"]
+
+
+def test_resume_says_which_checkpoint_and_step_and_what_it_discarded(tmp_path, capsys):
+    config = tiny(steps=4, checkpoint={"every": 2})
+    train(config, tmp_path)
+    half_written = tmp_path / "checkpoints" / ".tmp-step_00000006"  # a writer killed mid-save
+    half_written.mkdir()
+    capsys.readouterr()
+    train(config.with_overrides(["steps=5"]), tmp_path, resume=True)
+    ckpt = tmp_path / "checkpoints" / "step_00000004"
+    expected = (
+        f"moe-lab train: resuming from {ckpt} (step 4); discarded the half-written {half_written.name}\n"
+    )
+    assert expected in capsys.readouterr().out
+    assert not half_written.exists()
+
+    train(config, tmp_path / "new", resume=True)  # nothing to resume: says so
+    expected = (
+        f"moe-lab train: no complete checkpoint in {tmp_path / 'new' / 'checkpoints'}; starting from step 0"
+    )
+    assert expected in capsys.readouterr().out
 
 
 class PoisonedLoss(torch.nn.Module):

@@ -49,9 +49,9 @@ from moe_core.data.sources import (
     DEFAULT_MAX_LINE_BYTES,
     KINDS,
     LoadedSource,
-    _quiet_datasets,
     load_source,
     parse_source,
+    quiet_datasets,
     source_fingerprint,
     to_messages,
 )
@@ -270,7 +270,7 @@ def tokenize_documents(
 
     if config.num_proc > 1:  # worker processes: keep the Rust tokenizer single-threaded in each
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with _quiet_datasets():
+    with quiet_datasets():
         ds = ds.map(
             encode,
             batched=True,

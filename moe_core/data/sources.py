@@ -377,14 +377,14 @@ def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> A
         )
 
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             ds = load(list(spec.files))
     except Exception as err:  # find the file to blame and say what the parser said
         culprit = spec.files[0]
         if len(spec.files) > 1:
             for path in spec.files:
                 try:
-                    with _quiet_datasets():
+                    with quiet_datasets():
                         load([path])
                 except Exception:
                     culprit = path
@@ -405,7 +405,7 @@ def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> A
     if len(spec.files) == 1:
         names = [str(spec.files[0])] * len(ds)
     else:
-        with _quiet_datasets():
+        with quiet_datasets():
             for path in spec.files:
                 names.extend([str(path)] * len(load([path])))
         if len(names) != len(ds):
@@ -413,7 +413,7 @@ def _load_local_files(spec: SourceSpec, txt_sample_by: str, cache_dir: str) -> A
     return ds.add_column("source", names) if "source" not in ds.column_names else ds
 
 
-class _quiet_datasets:
+class quiet_datasets:
     """Silence `datasets` progress bars while loading (they are noise in tests and flow logs)."""
 
     def __enter__(self) -> None:

@@ -24,6 +24,11 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # ids 0..6 in a trained tokenizer
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
+# What the model's forward takes. transformers' default adds token_type_ids, which our decoder has no use for and
+# `model.generate(**tokenizer(text, return_tensors="pt"))` refuses ("model_kwargs are not used by the model").
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")
+# The model-config fields that name the tokenizer's special tokens (`special_token_ids`)
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Each turn is "<|role|>\n{content}" followed by EOS; generation prompts end with "<|assistant|>\n".
 CHAT_TEMPLATE = (
@@ -62,6 +67,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
         pad_token=PAD,
         additional_special_tokens=list(ROLE_TOKENS),
         clean_up_tokenization_spaces=False,
+        model_input_names=list(MODEL_INPUT_NAMES),
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -69,7 +75,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8000, min_frequency:
 
 def load_tokenizer(path_or_id: str | Path) -> Any:
     """A transformers tokenizer from a prepared-data directory (its ``tokenizer/``), a tokenizer directory,
-    or a hub id. Raises `DataError` when it cannot be loaded or has no EOS token (packing needs one)."""
+    or a hub id. Raises `DataError` when it cannot be loaded or has no EOS token (packing needs one).
+    Its outputs are the model's inputs only (`MODEL_INPUT_NAMES`), also for a tokenizer saved before that was
+    set, and a `save_pretrained` of it keeps them."""
     from transformers import AutoTokenizer
 
     path = Path(path_or_id)
@@ -93,7 +101,52 @@ def load_tokenizer(path_or_id: str | Path) -> Any:
             f"tokenizer {str(path_or_id)!r} has no EOS token; packing separates documents with EOS, "
             "so pick a tokenizer that defines one"
         )
-    return tok
+    return with_model_input_names(tok)
+
+
+def with_model_input_names(tokenizer: Any) -> Any:
+    """``tokenizer`` returning only `MODEL_INPUT_NAMES` (no token_type_ids), in memory and in what its
+    `save_pretrained` writes (transformers saves ``init_kwargs``); returns it."""
+    tokenizer.model_input_names = list(MODEL_INPUT_NAMES)
+    tokenizer.init_kwargs["model_input_names"] = list(MODEL_INPUT_NAMES)
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The ids of the tokenizer's BOS, EOS and PAD tokens, keyed by their model-config field
+    (`SPECIAL_TOKEN_FIELDS`); a token the tokenizer does not define is left out."""
+    ids = {field: getattr(tokenizer, field, None) for field in SPECIAL_TOKEN_FIELDS}
+    return {field: int(value) for field, value in ids.items() if value is not None}
+
+
+def adopt_special_token_ids(model: Any, ids: dict[str, int], *, replace: bool = False) -> None:
+    """Set the special-token ids ``ids`` (`special_token_ids`) on ``model.config`` and its generation config, so
+    `generate` (and every engine reading ``config.json`` / ``generation_config.json``) stops at EOS and pads
+    with PAD. Without ``replace`` only unset ids are filled in (a model saved before they were recorded);
+    with it the tokenizer's win (the one a fine-tune frames its data with, as transformers' Trainer aligns
+    them, but before the model is used, so nothing warns and the saved configs agree)."""
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is None:
+            continue
+        for field, value in ids.items():
+            if replace or getattr(config, field, None) is None:
+                setattr(config, field, value)
+
+
+def set_model_input_names(directory: str | Path) -> None:
+    """Rewrite ``tokenizer_config.json`` in ``directory`` to name `MODEL_INPUT_NAMES` when it is a generic
+    ``PreTrainedTokenizerFast`` (``train_tokenizer``'s) without them: a tokenizer copied from an older checkpoint
+    or prepared-data directory then loads with ``AutoTokenizer.from_pretrained`` returning only what the model
+    takes. Model-specific classes (Llama, Qwen2, GPT-2 ...) name their own inputs, and their files stay as
+    they are."""
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    generic = saved.get("tokenizer_class") == "PreTrainedTokenizerFast"
+    if generic and saved.get("model_input_names") != list(MODEL_INPUT_NAMES):
+        saved["model_input_names"] = list(MODEL_INPUT_NAMES)
+        path.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def tokenizer_hash(tokenizer: Any) -> str:

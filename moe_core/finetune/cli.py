@@ -84,10 +84,15 @@ def run_finetune(args) -> int:
     outputs = ", ".join(
         str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None
     )
+    steps = (
+        f"stopped by {result.stopped_by} after {result.steps_done} of {config.steps} steps"
+        if result.stopped_by
+        else f"{config.steps} steps"
+    )
     print(
-        f"moe-lab finetune: {config.method}/{config.objective}, {config.steps} steps, final loss {loss}, "
+        f"moe-lab finetune: {config.method}/{config.objective}, {steps}, final loss {loss}, "
         f"skipped {result.skipped_steps} steps, {result.report.trainable_params:,} trainable parameters; "
         f"{outputs or args.out}",
         flush=True,
     )
-    return 0
+    return result.exit_code

@@ -21,26 +21,38 @@ one that holds an earlier fine-tune's outputs is refused unless ``overwrite``; e
 into ``out_dir`` only when the run succeeded (`moe_core.fileio.staged_outputs`), so a failed run leaves nothing.
 Steps with a non-finite loss or gradient are skipped and counted (`objectives.FiniteStepGuard`); a run whose
 last step was skipped, or whose weights are not finite, raises `FinetuneDivergedError` and writes nothing.
+Ctrl-C (SIGINT) or SIGTERM finishes the optimizer step, stops, and writes the outputs of the steps done, with
+``stopped_by`` and ``steps_done`` in ``summary.json`` (`StopOnSignal`; a fine-tune keeps no checkpoint to
+resume from); a second Ctrl-C stops at once and writes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import logging
+import os
 import random
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-from transformers import PrinterCallback
+from transformers import PrinterCallback, TrainerCallback
 
 from moe_core.data.chat_template import check_chat_template
-from moe_core.data.sources import _quiet_datasets, canonical_json, load_source
-from moe_core.data.tokenizer import load_tokenizer
+from moe_core.data.sources import canonical_json, load_source, quiet_datasets
+from moe_core.data.tokenizer import (
+    adopt_special_token_ids,
+    load_tokenizer,
+    special_token_ids,
+    with_model_input_names,
+)
 from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
 from moe_core.finetune import export
@@ -69,6 +81,7 @@ from moe_core.finetune.objectives import (
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.loading import load
+from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.telemetry import JsonlSink, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -87,6 +100,13 @@ class FinetuneResult:
     summary: dict[str, Any] = field(default_factory=dict)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     last_step_loss: float | None = None  # the loss of the very last optimizer step
+    stopped_by: str | None = None  # "SIGINT" or "SIGTERM" when a signal stopped training early
+    steps_done: int | None = None  # optimizer steps run (``steps`` unless a signal stopped it)
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 128 + the signal's number when a signal stopped the run (130 SIGINT, 143 SIGTERM)."""
+        return 128 + signal.Signals[self.stopped_by].value if self.stopped_by else 0
 
     @property
     def final_loss(self) -> float | None:
@@ -133,7 +153,7 @@ def prepare_tokenizer(tokenizer, model_config):
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return with_model_input_names(tokenizer)  # a tokenizer given in memory may still add token_type_ids
 
 
 def load_records(config: FinetuneConfig):
@@ -264,6 +284,8 @@ def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, record
         summary=summary,
         skipped_steps=trained.skipped_steps,
         last_step_loss=trained.last_step_loss,
+        stopped_by=trained.stopped_by,
+        steps_done=trained.steps_done,
     )
 
 
@@ -303,6 +325,9 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if model is None:
         model = _base_model(config.model.path, config.model.dtype)
     tokenizer = prepare_tokenizer(tokenizer, model.config)
+    # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
+    # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
+    adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
     model.train()
     return LoadedInputs(model, tokenizer, records, task_names)
 
@@ -363,6 +388,55 @@ class TrainingOutcome:
     metrics: list[dict[str, Any]]  # every logged row, as written to metrics.jsonl
     skipped_steps: int  # optimizer steps skipped for a non-finite loss or gradient
     last_step_loss: float | None  # the loss of the very last optimizer step
+    stopped_by: str | None = None  # the signal that stopped training early
+    steps_done: int | None = None  # optimizer steps run
+
+
+class StopOnSignal(TrainerCallback):
+    """Ctrl-C (SIGINT) or SIGTERM while the Trainer runs: a line at once, the optimizer step finishes, training
+    stops, and the run goes on to write the outputs of the steps done. A Ctrl-C after that stops at once
+    (KeyboardInterrupt: nothing is written); a SIGTERM after it changes nothing. The handlers are in place
+    only while `installed` (and only in the main thread, where Python runs them)."""
+
+    def __init__(self) -> None:
+        self.stopped_by: str | None = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.stopped_by is not None:
+            if signum != signal.SIGINT:
+                return
+            _say(f"moe-lab finetune: {name} again: stopping now; nothing written")
+            raise KeyboardInterrupt
+        self.stopped_by = name
+        _say(
+            f"moe-lab finetune: {name}: finishing this step, then writing the outputs of the steps done "
+            "(Ctrl-C again stops at once, writing nothing)"
+        )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_by is not None:
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # a signal while the step's row is logged
+        self.on_step_end(args, state, control)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, straight to its file descriptor: safe inside a signal handler."""
+    os.write(2, (line + "\n").encode())
 
 
 def run_training(
@@ -373,7 +447,8 @@ def run_training(
     train_model, plan = selected.train_model, selected.plan
     jsonl = JsonlSink(out_dir / "metrics.jsonl")
     guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
-    callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard)]
+    stop = StopOnSignal()
+    callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard), stop]
     if config.log.progress != "off":
         callbacks.append(ProgressCallback(config.log.progress))
     trainer_kwargs = dict(
@@ -385,7 +460,7 @@ def run_training(
         per_expert=config.log.per_expert,
     )
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             if config.objective == "sft":
                 dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names)
                 trainer = MoESFTTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
@@ -399,7 +474,8 @@ def run_training(
                     **trainer_kwargs,
                 )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
-        trainer.train()
+        with stop.installed():
+            trainer.train()
     finally:
         jsonl.close()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
@@ -409,7 +485,9 @@ def run_training(
             f"{config.steps} skipped); nothing written. Lower optim.lr, keep optim.grad_clip on, or use method=lora"
         )
     check_finite_weights(train_model, "fine-tuned model")
-    return TrainingOutcome(metrics, guard.skipped_steps, guard.last_step_loss)
+    return TrainingOutcome(
+        metrics, guard.skipped_steps, guard.last_step_loss, stop.stopped_by, trainer.state.global_step
+    )
 
 
 # ------------------------------------------------------------------------------------------------ 4. export
@@ -456,6 +534,8 @@ def run_summary(
         "data_sha256": _records_hash(records),
         "tasks": {name: sum(1 for r in records if str(r[task_column]) == name) for name in inputs.task_names},
         "steps": config.steps,
+        "steps_done": trained.steps_done,
+        "stopped_by": trained.stopped_by,  # a signal that stopped training early, else None
         "skipped_steps": trained.skipped_steps,
         "trainable_params": selected.report.trainable_params,
         "final_metrics": final[-1] if final else {},

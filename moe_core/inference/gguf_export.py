@@ -181,12 +181,10 @@ def _write(writer, hf_dir: Path, cfg: dict, out, tokens, types, merges, head_dim
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    for key, add in (
-        ("bos_token_id", writer.add_bos_token_id),
-        ("eos_token_id", writer.add_eos_token_id),
-    ):
-        if isinstance(cfg.get(key), int):
-            add(cfg[key])
+    # BOS/EOS/PAD (and the chat template) the way llama.cpp's converter finds them: the tokenizer files first,
+    # then config.json (`gguf.SpecialVocab`), so a checkpoint whose config lacks them still stops at EOS
+    special = gguf.SpecialVocab(hf_dir, load_merges=False, n_vocab=cfg["vocab_size"])
+    special.add_to_gguf(writer, quiet=True)
     for name, array in out:
         writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()

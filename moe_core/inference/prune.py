@@ -366,13 +366,15 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    model = load(model_dir, dtype=torch.float32).model
+    loaded = load(model_dir, dtype=torch.float32)
+    model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
     new_model, report = prune_experts(model, usage, prune, saliency)
     with atomic_directory(out_dir, overwrite, PruneError) as tmp:
         new_model.save_pretrained(tmp)
-        copy_companion_files(model_dir, tmp)
+        # a training run or checkpoint keeps its tokenizer elsewhere (the data's): `load` knows where
+        copy_companion_files(loaded.tokenizer_dir or loaded.path, tmp)
         # the marker moe_core.load tells a pruned model by, and what the pruning kept
         (tmp / PRUNE_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report

@@ -21,7 +21,7 @@ from moe_core.data.prepare import prepare
 from moe_core.data.sampler import ResumableSampler
 from moe_core.data.shards import PackedTokens, read_manifest
 from moe_core.data.sources import lab_data_dir
-from moe_core.data.tokenizer import load_tokenizer
+from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, load_tokenizer
 from moe_core.errors import MoELabError
 
 
@@ -177,6 +177,13 @@ def data_cache_dir(cache_dir: str | None, prepare_cfg) -> Path:
     settings = json.dumps(dataclasses.asdict(prepare_cfg), sort_keys=True, default=str)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(prepare_cfg.source))[-40:]
     return root / f"{name}-{hashlib.sha1(settings.encode()).hexdigest()[:12]}"
+
+
+def data_special_token_ids(train) -> dict[str, int]:
+    """The BOS/EOS/PAD ids of the tokenizer the training data was prepared with (its manifest records them),
+    keyed by model-config field; {} for data without a tokenizer (synthetic)."""
+    recorded = getattr(train, "manifest", {}).get("tokenizer", {})
+    return {field: int(recorded[field]) for field in SPECIAL_TOKEN_FIELDS if recorded.get(field) is not None}
 
 
 def tokenizer_vocab_size(data_dir: Path) -> int | None:

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moe_core.data.tokenizer import set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard, fsync_directory, fsync_file
 from moe_core.train.parallel import full_model_name, is_expert_param
@@ -428,12 +429,17 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int, best: str | None) -> None
             _remove_checkpoint(path)
 
 
-def clean_temporary(ckpt_root: Path) -> None:
+def clean_temporary(ckpt_root: Path) -> list[str]:
     """Remove checkpoint temporaries (``.tmp-step_*``, ``.tmp-delete-*``) of killed writers; call only while
-    holding the output directory's lock, so no live writer is using them."""
+    holding the output directory's lock, so no live writer is using them. Returns the names of the half-written
+    checkpoints removed (``.tmp-step_*``), for the resume message."""
+    discarded = []
     if ckpt_root.is_dir():
-        for path in ckpt_root.glob(".tmp-*"):
+        for path in sorted(ckpt_root.glob(".tmp-*")):
             shutil.rmtree(path, ignore_errors=True)
+            if path.name.startswith(".tmp-step_"):
+                discarded.append(path.name)
+    return discarded
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -480,4 +486,6 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
             for item in Path(tokenizer_dir).iterdir():  # also at the top level, where AutoTokenizer looks
                 if item.is_file():
                     shutil.copy2(item, tmp / item.name)
+            for copy in (tmp, tmp / "tokenizer"):  # data prepared before it named them adds token_type_ids
+                set_model_input_names(copy)
     return out_dir

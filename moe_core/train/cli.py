@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 from moe_core.cli import add_config_help, add_router_module_option, preset_help
@@ -175,6 +177,34 @@ def worker_argv(args) -> list[str]:
     return argv
 
 
+def run_launcher(cmd: list[str]) -> int:
+    """Run torchrun and wait for it; returns its exit status, or 128 + the signal's number when this process was
+    asked to stop. A Ctrl-C reaches the workers from the terminal too (one foreground process group): they save
+    a checkpoint and stop, so this process waits for them rather than killing torchrun (`subprocess.call`
+    would). A SIGTERM sent to this process alone is passed on to torchrun, whose agent passes it to the
+    workers."""
+    proc = subprocess.Popen(cmd)
+    stopped_by: list[int] = []
+
+    def pass_on(signum, frame) -> None:
+        stopped_by.append(signum)
+        proc.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, pass_on) if main else None
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # the workers got it too, and stop on their own
+                stopped_by.append(signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 128 + stopped_by[0] if stopped_by and code != 0 else code
+
+
 def run_train(args, config=None) -> int:
     """Train as the arguments say; ``config``: `resolve_config(args)` when the caller already has it."""
     config = config or resolve_config(args)  # fail fast on a bad config, before launching anything
@@ -190,7 +220,7 @@ def run_train(args, config=None) -> int:
         return 0
     spec = launch_spec(args)
     if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
-        return subprocess.call(launch.torchrun_command(spec, worker_argv(args)))
+        return run_launcher(launch.torchrun_command(spec, worker_argv(args)))
 
     from moe_core.train.loop import train
 
@@ -207,4 +237,4 @@ def run_train(args, config=None) -> int:
         )
         if result.data_dir is not None:
             print(f"moe-lab train: data (with its tokenizer) in {result.data_dir}", flush=True)
-    return 0
+    return result.exit_code

@@ -16,8 +16,9 @@ Under ``parallel.backend=deepspeed`` a DeepSpeed engine does the backward, the g
 the step of 2-4 (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
 Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
 tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
-`MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM: an atomic checkpoint (`checkpoint.py`),
-only ever right after a good (finite) step: one that falls due on a skipped step waits for the next good one.
+`MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM or SIGINT (Ctrl-C; a second one stops at
+once, without one): an atomic checkpoint (`checkpoint.py`), only ever right after a good (finite) step: one that
+falls due on a skipped step waits for the next good one.
 At the end: a Hugging Face export in ``<out>/final``. AdamW and the LR schedule are built in `optim.py`.
 
 The output directory is locked for the life of the run (`moe_core.fileio.OutputLock`, held by rank 0): a second
@@ -51,7 +52,14 @@ from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import deepspeed_engine as ds_engine
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
-from moe_core.train.batches import GlobalBatches, adopt_data_seq_len, open_datasets, rank_slice, stack_blocks
+from moe_core.train.batches import (
+    GlobalBatches,
+    adopt_data_seq_len,
+    data_special_token_ids,
+    open_datasets,
+    rank_slice,
+    stack_blocks,
+)
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
@@ -66,6 +74,10 @@ from moe_core.train.telemetry import (
     rank_row,
     read_jsonl,
 )
+
+# Signals that ask a run to stop after the step, with a checkpoint (a scheduler's SIGTERM, Ctrl-C's SIGINT);
+# `TrainResult.stopped_by` names the one received
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class TrainingDivergedError(MoELabError):
@@ -91,11 +103,17 @@ class TrainResult:
     checkpoint: Path | None  # the last checkpoint written
     export_dir: Path | None
     metrics_path: Path
-    stopped_by: str | None = None  # "SIGTERM" when asked to stop early
+    stopped_by: str | None = None  # "SIGTERM" or "SIGINT" when a signal stopped the run early
     history: list[dict] = field(default_factory=list)  # the logged metrics (rank 0)
     data_dir: Path | None = (
         None  # the prepared data trained on (with its tokenizer/); None for synthetic data
     )
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status a command reports for this run: 0, or 128 + the signal's number when a signal stopped
+        it (143 for SIGTERM, 130 for SIGINT), as a shell does, so schedulers and flows see it did not finish."""
+        return 128 + signal.Signals[self.stopped_by].value if self.stopped_by else 0
 
 
 def train(
@@ -137,6 +155,7 @@ class Trainer:
         self.extra_sinks = list(sinks or [])
         self.sinks: list[MetricsSink] = []
         self.lock: OutputLock | None = None
+        self._discarded: list[str] = []  # half-written checkpoints rank 0 removed when it took the directory
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.engine = None  # the DeepSpeed engine under parallel.backend=deepspeed (`deepspeed_engine.py`)
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
@@ -176,6 +195,8 @@ class Trainer:
         self._stop_signal: str | None = None
         if resume_from is not None:
             self._load_checkpoint(resume_from)
+        if resume and state.is_main:
+            self._announce_resume(resume_from)
 
     def _claim_output_dir(self, resume: bool) -> Path | None:
         """Lock the output directory (rank 0) and return the checkpoint to resume from, if any. Without
@@ -185,16 +206,11 @@ class Trainer:
         if state.is_main:  # one run per output directory: rank 0 holds the lock until close()
             self.lock = OutputLock(self.out_dir, "training run").acquire()
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_io.clean_temporary(self.ckpt_root)
+            self._discarded = ckpt_io.clean_temporary(self.ckpt_root)
         par.barrier(state)
-        existing = ckpt_io.any_checkpoint_dir(self.ckpt_root)
         resume_from = None
         if resume:
             resume_from = self._resume_checkpoint()
-            if resume_from is None and state.is_main and existing is None:
-                print(
-                    f"moe-lab train: no checkpoint in {self.ckpt_root} yet; starting from step 0", flush=True
-                )
         else:
             refuse_previous_outputs(
                 self.out_dir,
@@ -213,14 +229,30 @@ class Trainer:
                     )
         return resume_from
 
+    def _announce_resume(self, resume_from: Path | None) -> None:
+        """Rank 0, on ``--resume``: one line saying which checkpoint and step the run continues from (or that it
+        starts at step 0) and which half-written checkpoint (``.tmp-step_N``, a writer killed mid-save) it
+        discarded."""
+        if resume_from is not None:
+            line = f"moe-lab train: resuming from {resume_from} (step {self.step})"
+        else:
+            line = f"moe-lab train: no complete checkpoint in {self.ckpt_root}; starting from step 0"
+        if self._discarded:
+            line += f"; discarded the half-written {', '.join(self._discarded)}"
+        print(line, flush=True)
+
     def _open_data(self) -> None:
-        """The training and validation blocks; the data's tokenizer fixes the model's vocabulary."""
+        """The training and validation blocks; the data's tokenizer fixes the model's vocabulary and its BOS,
+        EOS and PAD ids (written into every checkpoint's config.json, so generation stops at EOS)."""
         config, state = self.config, self.state
         model_vocab = config.model.build_config().vocab_size
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
             config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state)
         )
         self.model_config = config.model.build_config(vocab_size=vocab)
+        for name, token_id in data_special_token_ids(self.train_data).items():
+            if name not in config.model.overrides:  # an id set in model.overrides is the user's choice
+                setattr(self.model_config, name, token_id)
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
 
@@ -569,7 +601,11 @@ class Trainer:
             self.config.log.per_expert,
         )
         if self.config.log.progress != "off":
-            self.sinks.append(ConsoleSink(self.config.steps, self.step, self.config.log.progress))
+            self.sinks.append(
+                ConsoleSink(
+                    self.config.steps, self.step, self.config.log.progress, log_every=self.config.log.every
+                )
+            )
         self.sinks.extend(self.extra_sinks)
 
     def _on_step(self) -> None:
@@ -628,10 +664,31 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the run
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signal.Signals(signum).name
+        """SIGTERM or SIGINT (Ctrl-C): finish the step, checkpoint, stop (`run`). A Ctrl-C after that stops at
+        once, without a checkpoint (KeyboardInterrupt, as Python's own); a SIGTERM after it changes nothing.
+        Under torchrun neither does a second SIGINT: its agent passes the terminal's Ctrl-C on to the workers,
+        which got it from the terminal already (the agent itself kills them when they take too long)."""
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:
+            if signum != signal.SIGINT or "TORCHELASTIC_RUN_ID" in os.environ:
+                return
+            self._say(
+                f"moe-lab train: {name} again: stopping now, without a checkpoint; the last one is "
+                f"{self.last_checkpoint}"
+            )
+            raise KeyboardInterrupt
+        self._stop_signal = name
+        again = "" if "TORCHELASTIC_RUN_ID" in os.environ else " (Ctrl-C again stops at once, without one)"
+        self._say(f"moe-lab train: {name}: finishing this step, then saving a checkpoint and stopping{again}")
+
+    def _say(self, line: str) -> None:
+        """Rank 0: one line on stderr, written straight to its file descriptor: safe inside a signal handler,
+        which may run while the main thread is in the middle of a print."""
+        if self.state.is_main:
+            os.write(2, (line + "\n").encode())
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (collective: every rank stops at the same step)."""
+        """Whether any rank got SIGTERM or SIGINT (collective: every rank stops at the same step)."""
         flag = torch.tensor([1.0 if self._stop_signal else 0.0])
         if self.state.distributed:
             par.all_reduce_(flag, self.state, op=torch.distributed.ReduceOp.MAX)
@@ -650,14 +707,15 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train to ``config.steps``: log every ``log.every`` steps (and at each evaluation), checkpoint every
-        ``checkpoint.every`` steps, at the end and on SIGTERM, then export ``<out>/final``."""
+        ``checkpoint.every`` steps, at the end and on SIGTERM or SIGINT (`STOP_SIGNALS`), then export ``<out>/final``."""
         config = self.config
         self.metrics_path = self.out_dir / METRICS_FILE
         self._open_sinks()
         history: list[dict] = []
-        previous_handler = None
+        previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+            for signum in STOP_SIGNALS:
+                previous_handlers[signum] = signal.signal(signum, self._on_signal)
         self.model.train()
         interval = LogInterval()
         last_loss = None  # the mean training loss of the last logged interval
@@ -690,8 +748,8 @@ class Trainer:
                     self._announce_stop(checkpoint_saved=not checkpoint_due)
                     return self._result(last_loss, history, stopped_by=self._stop_signal or "SIGTERM")
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
         export_dir = self._export_final()
         par.barrier(self.state)
         return self._result(last_loss, history, export_dir=export_dir)

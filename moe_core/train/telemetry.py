@@ -133,25 +133,39 @@ def rank_row(metrics: dict[str, float], rank: int) -> dict[str, float]:
 class ConsoleSink:
     """The training progress display (`moe_core.progress.Progress`): one bar that moves every step, with rate,
     ETA and the last logged metrics as its postfix; when not on a terminal, one plain line per logging step
-    (``step 40/150 (27%) 1.52 step/s, ETA 1m12s loss=3.2 ...``); a widget in a notebook. The trainer calls
-    `on_step` after every optimizer step and `log` at logging steps."""
+    (``step 40/150 (27%) 1.52 step/s, ETA 1m12s loss=3.2 ...``), and one when the first step of the process is
+    done (``train: first step done, step 1/150 (1%) 0.4 step/s, ETA 6m``: a log file shows the run is alive
+    long before step ``log_every``); a widget in a notebook. The trainer calls `on_step` after every optimizer
+    step and `log` at logging steps."""
 
     SHOWN = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss")
     SHORT = {"tokens_per_s": "tok/s", "grad_norm": "gnorm"}
 
     def __init__(
-        self, total_steps: int, start_step: int = 0, mode: str = "auto", stream=None, desc: str = "train"
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        mode: str = "auto",
+        stream=None,
+        desc: str = "train",
+        log_every: int = 1,
     ) -> None:
         from moe_core.progress import Progress
 
         self.total = total_steps
+        self.log_every = log_every
         self.progress = Progress(
             total_steps, desc, unit="step", mode=mode, initial=start_step, stream=stream, every_s=math.inf
         )  # lines: one per logging step (log.every decides)
         self.mode = self.progress.mode
+        self._first_step_due = True
 
     def on_step(self, step: int) -> None:
         self.progress.advance_to(step)
+        if self._first_step_due:
+            self._first_step_due = False
+            if step % self.log_every and step < self.total:  # (a logging step prints its own line next)
+                self.progress.print_line(f"train: first step done, step {step}/{self.total}")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {self.SHORT.get(k, k): metrics[k] for k in self.SHOWN if k in metrics}

@@ -98,8 +98,10 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    model = load(model_dir, dtype=torch.float32).model
+    loaded = load(model_dir, dtype=torch.float32)
+    model = loaded.model
     report = quantize_experts(model, config, calibration)
-    # the tokenizer and generation defaults travel along
-    save_quantized(model, out_dir, config, report, companions_from=model_dir, overwrite=overwrite)
+    # the tokenizer and generation defaults travel along (a training run's or checkpoint's tokenizer is the data's)
+    companions = loaded.tokenizer_dir or loaded.path
+    save_quantized(model, out_dir, config, report, companions_from=companions, overwrite=overwrite)
     return report
