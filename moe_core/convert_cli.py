@@ -14,6 +14,13 @@ DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 ARCH_CHOICES = ("mixtral", "olmoe", "qwen2_moe")
 
 
+HELP = """Exact conversion between the lab's checkpoints and Hugging Face Mixtral / OLMoE / Qwen2-MoE ones.
+
+    moe-lab convert from-hf mistralai/Mixtral-8x7B-v0.1 --out runs/mixtral
+    moe-lab convert to-hf runs/a/final --arch mixtral --out runs/a/hf
+"""
+
+
 def _cli_from_hf(args: argparse.Namespace) -> int:
     from moe_core.paths import require_model_source
 
@@ -40,7 +47,7 @@ def _cli_to_hf(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
-        "convert", help="exact conversion to and from Hugging Face MoE checkpoints", description=__doc__
+        "convert", help="exact conversion to and from Hugging Face MoE checkpoints", description=HELP
     )
     sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     from_parser = sub.add_parser(

@@ -5,6 +5,7 @@ moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=tr
 moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
 
 Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
+The command's own help is `HELP` below: it speaks to users.
 """
 
 from __future__ import annotations
@@ -13,17 +14,26 @@ import argparse
 
 from moe_core.cli import add_config_help, add_router_module_option
 
+HELP = """Fine-tune a model (LoRA on attention and experts, ESFT, router tuning, full; SFT or DPO) from a config
+file and --set key=value overrides.
+
+    moe-lab finetune --config finetune.yaml --out runs/ft
+    moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
+    moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+
+Ctrl-C or SIGTERM finishes the step and writes the outputs of the steps done. --help-config lists every
+field --set takes.
+"""
+
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "finetune",
         help="fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--config", help="YAML/JSON fine-tuning config (fields of moe_core.finetune.FinetuneConfig)"
-    )
+    p.add_argument("--config", help="YAML/JSON fine-tuning config (the fields --help-config lists)")
     p.add_argument(
         "--model", help="base model: our checkpoint or a HF Mixtral/OLMoE/Qwen2-MoE dir (sets model.path)"
     )

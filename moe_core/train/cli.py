@@ -15,6 +15,7 @@ group restarted by torchrun's elastic agent resumes from the newest complete che
 ``moe-lab train --dashboard`` (the app layer, `moe_lab.train`) starts the live dashboard beside this command.
 
 Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
+The command's own help is `HELP` below: it speaks to users.
 """
 
 from __future__ import annotations
@@ -31,15 +32,31 @@ from moe_core.cli import add_config_help, add_router_module_option, preset_help
 from moe_core.train import launch
 from moe_core.train.launch import LaunchSpec
 
+HELP = """Train an MoE (or its dense baseline) from a preset, a config file and --set key=value overrides.
+
+    moe-lab train --out runs/demo                                  # switch-tiny on the built-in corpus
+    moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
+    moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
+    moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # 2 processes, experts sharded over them
+    moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
+    moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
+    moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
+
+--nproc (or --nnodes > 1, or --max-restarts) starts the processes with torchrun for you; a group restarted
+after a failure resumes from the newest complete checkpoint. --slurm writes <out>/launch.sbatch and, with
+--submit, hands it to sbatch. Ctrl-C or SIGTERM finishes the step, saves a checkpoint and says how to resume
+(a second Ctrl-C stops at once). --help-config lists every field --set takes.
+"""
+
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "train",
         help="pretrain a model (MoE or dense baseline), one process or many",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="YAML/JSON training config (fields of moe_core.train.TrainConfig)")
+    p.add_argument("--config", help="YAML/JSON training config (the fields --help-config lists)")
     p.add_argument("--preset", help=preset_help("model preset (sets model.preset)"))
     p.add_argument(
         "--set",
