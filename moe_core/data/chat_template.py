@@ -20,7 +20,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_core.data.tokenizer import CHAT_TEMPLATE
 from moe_core.errors import MoELabError
+
+# templates a base model without one can be fine-tuned with (``data.chat_template=NAME``); any other value is a
+# path to a Jinja file. "lab" is the one the lab's own tokenizers carry (`moe_core.data.tokenizer`).
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {"lab": CHAT_TEMPLATE, "chatml": CHATML}
 
 Conversation = list[dict]
 # what a fine-tune renders: (example index, messages, add_generation_prompt)
@@ -37,6 +48,22 @@ class TemplateLimits:
     seconds_per_conversation: float = 0.01
     memory_bytes: int = 2 << 30  # the renderer's growth beyond the process it was forked from
     chars: int = 4 << 20  # one rendered conversation
+
+
+def resolve_chat_template(value: str) -> tuple[str, str]:
+    """``(template, origin)`` for a ``data.chat_template`` value: a built-in name or a Jinja file."""
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value], f"the built-in {value!r} chat template"
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ChatTemplateError(
+            f"data.chat_template={value!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) nor "
+            "a file; give one of those names or the path of a Jinja template"
+        )
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ChatTemplateError(f"{path}: cannot read the chat template ({type(err).__name__})") from None
 
 
 def template_origin(tokenizer) -> str:

@@ -64,6 +64,10 @@ class DataSection(_Section):
     split: str = "train"
     max_examples: int | None = Field(None, ge=1)
     max_length: int = Field(512, ge=8)  # tokens per sequence (prompt + completion); longer ones are truncated
+    # the chat template that frames the data: a built-in name (lab, chatml) or a Jinja file; None: the
+    # tokenizer's own (base models such as OLMoE-1B-7B and Mixtral-8x7B ship without one). Saved with the
+    # outputs' tokenizer, so generate and eval frame prompts the same way
+    chat_template: str | None = None
     task_column: str | None = None  # a column naming each example's task: multi-task training and task bias
     validate_data: bool = False  # run the moe_core.data expectation suite first (slow on big sets)
 

@@ -24,8 +24,9 @@ def is_peft(model) -> bool:
     return callable(getattr(model, "merge_and_unload", None))
 
 
-def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None) -> Path:
-    """The PEFT adapter alone (LoRA factors, plus a trained router copy when the router trained)."""
+def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None, tokenizer=None) -> Path:
+    """The PEFT adapter alone (LoRA factors, plus a trained router copy when the router trained), with the
+    tokenizer the data was framed with (its chat template: what generate and eval frame prompts with)."""
     if not is_peft(model):
         raise FinetuneError(
             "save_adapter: the model has no PEFT adapter (method is not 'lora'); export merged "
@@ -33,6 +34,8 @@ def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None) -> 
         )
     out_dir = Path(out_dir)
     model.save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
     if plan is not None:
         (out_dir / "moe_expert_selection.json").write_text(
             json.dumps(

@@ -45,7 +45,7 @@ import datasets
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
-from moe_core.data.chat_template import check_chat_template
+from moe_core.data.chat_template import BUILTIN_TEMPLATES, check_chat_template, resolve_chat_template
 from moe_core.data.sources import canonical_json, load_source, quiet_datasets
 from moe_core.data.tokenizer import (
     adopt_special_token_ids,
@@ -140,12 +140,48 @@ def _base_model(path: str, dtype: str):
     return loaded.model
 
 
-def prepare_tokenizer(tokenizer, model_config):
+def frame_with_template(tokenizer, chat_template: str | None):
+    """The tokenizer with the template the data is framed with: ``data.chat_template`` when given, else its own;
+    refused, before any model loads, when it has none."""
+    if chat_template is not None:
+        tokenizer.chat_template, _ = resolve_chat_template(chat_template)
     if getattr(tokenizer, "chat_template", None) is None:
         raise FinetuneError(
-            "the tokenizer has no chat template; SFT/DPO data is framed with it. Use a tokenizer "
-            "from moe_core.data.tokenizer (it has one) or set tokenizer.chat_template"
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or ''} has no chat template, which frames "
+            "SFT/DPO data (base models such as OLMoE-1B-7B and Mixtral-8x7B ship without one): set "
+            f"data.chat_template to a built-in one ({', '.join(BUILTIN_TEMPLATES)}) or a Jinja file"
         )
+    return tokenizer
+
+
+def check_lengths(tokenizer, framed, max_length: int) -> None:
+    """Refuse data whose every prompt fills ``data.max_length`` (truncation would leave no answer token to
+    train on); warn when some do."""
+    too_long, shortest = 0, None
+    for _, messages, add_generation_prompt in template_renderings(framed):
+        if not add_generation_prompt:
+            continue  # the prompt alone: what decides whether an answer token survives
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        shortest = n if shortest is None else min(shortest, n)
+        too_long += n >= max_length
+    if too_long == len(framed):
+        raise FinetuneError(
+            f"every example's prompt fills data.max_length={max_length} tokens (the shortest has {shortest}): "
+            f"no answer token would be left to train on; raise data.max_length above {shortest} or shorten "
+            "the prompts"
+        )
+    if too_long:
+        logger.warning(
+            "%d of %d examples have a prompt of data.max_length=%d tokens or more: their answers are cut "
+            "off and they train nothing",
+            too_long,
+            len(framed),
+            max_length,
+        )
+
+
+def prepare_tokenizer(tokenizer, model_config):
     if len(tokenizer) > model_config.vocab_size:
         raise FinetuneError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
@@ -319,9 +355,10 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if len(records) == 0:
         raise FinetuneError("the training data has no rows")
     task_names = task_names_of(records, config.data.task_column)
-    if getattr(tokenizer, "chat_template", None) is not None:  # (prepare_tokenizer refuses a missing one)
-        framed = sft_dataset(records) if config.objective == "sft" else dpo_dataset(records)
-        check_chat_template(tokenizer, template_renderings(framed))
+    tokenizer = frame_with_template(tokenizer, config.data.chat_template)
+    framed = sft_dataset(records) if config.objective == "sft" else dpo_dataset(records)
+    check_chat_template(tokenizer, template_renderings(framed))
+    check_lengths(tokenizer, framed, config.data.max_length)
     if model is None:
         model = _base_model(config.model.path, config.model.dtype)
     tokenizer = prepare_tokenizer(tokenizer, model.config)
@@ -507,7 +544,7 @@ def export_outputs(
     train_model, plan = selected.train_model, selected.plan
     exported = ExportedOutputs(train_model)
     if config.method == "lora" and config.export.adapters:
-        exported.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan)
+        exported.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan, inputs.tokenizer)
     want_hf = config.export.hf if config.export.hf is not None else bool(inputs.model.config.hf_origin)
     if config.export.merged or want_hf:
         bias = plan.task_bias
