@@ -61,34 +61,19 @@ def build(args):
     return ours, hf, dense
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1024, help="expert width F; dense-active width is K*F")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--impls", default="sorted,grouped_mm,reference")
-    args = parser.parse_args()
-
+def measure(args) -> dict:
+    """Median forward+backward time of every variant, interleaved round by round; the JSON line's figures."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     ours, hf, dense = (m.to(device=device, dtype=dtype) for m in build(args))
     x = torch.randn(args.batch, args.seq, args.hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
 
+    def x_in():
+        return x.detach().requires_grad_(True)
+
     runs = {f"ours-{impl}": (lambda impl=impl: ours(x_in(), impl)[0]) for impl in args.impls.split(",")}
     runs["hf-mixtral"] = lambda: hf(x_in())[0]
     runs["dense-active"] = lambda: dense(x_in())
-
-    def x_in():
-        return x.detach().requires_grad_(True)
 
     def step(fn) -> float:
         if device.type == "cuda":
@@ -100,34 +85,65 @@ def main() -> None:
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {name: [] for name in runs}
+    peak_mb: dict[str, float] = {}
     for r in range(args.warmup + args.rounds):
         for name, fn in runs.items():
             for module in (ours, hf, dense):
                 module.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t = step(fn)
+            if device.type == "cuda":
+                peak_mb[name] = torch.cuda.max_memory_allocated(device) / 2**20
             if r >= args.warmup:
                 times[name].append(t)
 
     tokens = args.batch * args.seq
     median = {name: statistics.median(ts) for name, ts in times.items()}
     floor = median["dense-active"]
-    print(
-        f"device={device} dtype={args.dtype} threads={torch.get_num_threads()} tokens={tokens} "
-        f"hidden={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}"
-    )
-    print(f"{'layer':<20}{'fwd+bwd ms':>12}{'tokens/s':>12}{'x dense-active':>16}")
-    for name, t in median.items():
-        print(f"{name:<20}{t * 1e3:>12.2f}{tokens / t:>12.0f}{t / floor:>16.3f}")
-    result = {
+    return {
         "benchmark": "moe_layer",
         "device": str(device),
         "cpu": platform.processor() or platform.machine(),
         "dtype": args.dtype,
         "tokens": tokens,
+        "shape": {"D": args.hidden, "F": args.ffn, "E": args.experts, "K": args.top_k},
+        "ms": {name: round(t * 1e3, 3) for name, t in median.items()},
         "tokens_per_s": {name: round(tokens / t, 1) for name, t in median.items()},
         "ratio_vs_dense_active": {name: round(t / floor, 4) for name, t in median.items()},
         "ours_vs_hf": round(median[f"ours-{args.impls.split(',')[0]}"] / median["hf-mixtral"], 4),
+        "peak_mb": {name: round(mb, 1) for name, mb in peak_mb.items()},
     }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1024, help="expert width F; dense-active width is K*F")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--impls", default="sorted,grouped_mm,reference")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    result = measure(args)
+    print(
+        f"device={result['device']} dtype={args.dtype} threads={torch.get_num_threads()} tokens={result['tokens']} "
+        f"hidden={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}"
+    )
+    print(f"{'layer':<20}{'fwd+bwd ms':>12}{'tokens/s':>12}{'x dense-active':>16}")
+    for name, ms in result["ms"].items():
+        print(
+            f"{name:<20}{ms:>12.2f}{result['tokens_per_s'][name]:>12.0f}{result['ratio_vs_dense_active'][name]:>16.3f}"
+        )
     print(json.dumps(result))
 
 

@@ -1,0 +1,162 @@
+"""Checks of the lab's GPU paths: run by `benchmarks/gpu_suite.py` on a CUDA machine, skipped where CUDA is
+absent (CI has none). ``MOE_LAB_TEST_DEVICE=cpu`` runs the same checks on the CPU at tiny shapes (the suite's
+``--dry-run``, so they cannot rot between the times a GPU is at hand); ``MOE_LAB_TEST_COMPILE_BACKEND`` picks the
+torch.compile backend (inductor by default; the dry run takes aot_eager, which skips the C++ compiler).
+
+What a GPU changes and these hold to the reference: every expert path in fp32 and bf16, forward and backward
+(``grouped_mm`` where the device has it: Hopper in bf16); the router's fp32 logits under bf16 autocast; the
+compiled decode against eager; int8/int4 experts dequantized on the device; a checkpoint saved and resumed on the
+device giving the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_core import MoEForCausalLM, get_config
+from moe_core.experts import GroupedExperts, grouped_mm_supported
+from moe_core.routing import build_router
+
+DEVICE = os.environ.get("MOE_LAB_TEST_DEVICE", "cuda")
+BACKEND = os.environ.get("MOE_LAB_TEST_COMPILE_BACKEND", "inductor")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(),
+        reason="needs CUDA (benchmarks/gpu_suite.py runs these; --dry-run: MOE_LAB_TEST_DEVICE=cpu)",
+    ),
+]
+
+
+def _experts_and_record(dtype, T=64, E=8, D=64, F_=128, K=2):
+    torch.manual_seed(0)
+    experts = GroupedExperts(E, D, F_, "swiglu").to(DEVICE)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    experts = experts.to(dtype)
+    config = get_config("mixtral-tiny", hidden_size=D, num_experts=E, num_experts_per_tok=K)
+    router = build_router(config).to(DEVICE)
+    x_TD = torch.randn(T, D, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        record = router(x_TD)
+    return experts, x_TD, record
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm", "static", "gather"])
+def test_every_expert_path_matches_the_reference_forward_and_backward(impl, dtype):
+    experts, x_TD, record = _experts_and_record(dtype)
+    if impl == "grouped_mm" and not experts.grouped_mm_ok(x_TD):
+        pytest.skip(f"grouped_mm does not run here ({DEVICE}, {dtype})")
+
+    def run(path):
+        experts.zero_grad(set_to_none=True)
+        x = x_TD.detach().requires_grad_(True)
+        y = experts(x, record, impl=path)
+        y.float().square().sum().backward()
+        return y.float(), x.grad.float(), [p.grad.float() for p in experts.parameters()]
+
+    y_ref, dx_ref, dw_ref = run("reference")
+    y, dx, dw = run(impl)
+    for got, want in zip([y, dx, *dw], [y_ref, dx_ref, *dw_ref], strict=True):
+        _close(got, want, dtype)
+
+
+def _close(got, want, dtype):
+    """fp32: elementwise. bf16: relative to the tensor's norm (a path that sums in another order, over every
+    token at once, moves single elements of a bf16 weight gradient by more than their own size)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    else:
+        assert ((got - want).norm() / want.norm().clamp_min(1e-12)).item() < 1e-2
+
+
+def test_grouped_mm_is_what_hopper_runs_in_bf16():
+    x = torch.zeros(4, 64, device=DEVICE, dtype=torch.bfloat16)
+    if DEVICE == "cuda":
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        assert grouped_mm_supported(x, 128, 64) == hopper
+        assert not grouped_mm_supported(x.float(), 128, 64)  # fp32 on a GPU: the sorted path
+    else:
+        assert grouped_mm_supported(x, 128, 64)  # CPU: fp32 and bf16
+
+
+def test_router_logits_stay_fp32_under_autocast():
+    config = get_config("mixtral-tiny")
+    router = build_router(config).to(DEVICE)
+    x_TD = torch.randn(16, config.hidden_size, device=DEVICE)
+    with torch.autocast(device_type=torch.device(DEVICE).type, dtype=torch.bfloat16):
+        record = router(x_TD)
+    assert record.logits_TE.dtype == torch.float32 and record.probs_TE.dtype == torch.float32
+    assert record.weights_TK.dtype == torch.float32
+
+
+@torch.no_grad()
+def test_compiled_decode_matches_eager():
+    from moe_core.inference.compile import compile_steps, eager_steps
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128, num_hidden_layers=2)).to(DEVICE).eval()
+    prompt = torch.randint(2, 128, (2, 6), device=DEVICE)
+
+    def greedy(steps, new_tokens=6):  # the logits of every step: the steps return the last position's
+        logits, state = steps.prefill(prompt)
+        out = [logits]
+        for _ in range(new_tokens):
+            logits, state = steps.decode(logits.argmax(-1, keepdim=True), state)
+            out.append(logits)
+        return torch.stack(out)
+
+    eager = greedy(eager_steps(model))
+    compiled = greedy(compile_steps(model, backend=BACKEND, cache="static", max_cache_len=16))
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@torch.no_grad()
+def test_quantized_experts_dequantize_on_the_device(bits):
+    from moe_core.inference.quantize import QuantConfig, quantize_experts
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=128)).eval()
+    x = torch.randint(2, 128, (2, 12))
+    reference = model(x).logits
+    quantize_experts(model, QuantConfig(bits=bits, group_size=32))
+    model = model.to(DEVICE)
+    logits = model(x.to(DEVICE)).logits.cpu()
+    assert torch.isfinite(logits).all()
+    assert (logits - reference).abs().max() < (0.05 if bits == 8 else 0.5)
+
+
+def test_a_checkpoint_resumes_on_the_device_to_the_uninterrupted_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from moe_core.train import TrainConfig, train
+
+    def config(steps):
+        return TrainConfig.build(
+            {
+                "model": {"preset": "mixtral-tiny"},
+                "steps": steps,
+                "batch_size": 4,
+                "device": DEVICE,
+                "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 64},
+                "log": {"every": 1, "progress": "off"},
+                "checkpoint": {"every": 2, "keep_last": 5},
+                "eval": {"batches": 1},
+            }
+        )
+
+    whole = train(config(4), tmp_path / "whole")
+    train(config(2), tmp_path / "cut")
+    resumed = train(config(4), tmp_path / "cut", resume=True)
+    a, b = (
+        load_file(whole.export_dir / "model.safetensors"),
+        load_file(resumed.export_dir / "model.safetensors"),
+    )
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0, msg=name)
