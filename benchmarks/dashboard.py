@@ -48,7 +48,7 @@ from playwright.sync_api import sync_playwright
 
 from dashboard.cli import start_beside
 from moe_core.train import TrainConfig, read_jsonl
-from moe_core.train.alerts import LAYER_STATS, SIDECAR, SIDECAR_HEADER, sidecar_header
+from moe_core.train.load_log import LAYER_STATS, SIDECAR, SIDECAR_HEADER, LoadLogLayout
 from moe_core.train.loop import Trainer
 
 CHROMIUM = os.environ.get(
@@ -203,7 +203,7 @@ def synthetic_run(out: Path, steps: int, every: int, layers: int = 24, experts: 
     out.mkdir(parents=True)
     rng = np.random.default_rng(0)
     layer_ids = list(range(layers))
-    header = sidecar_header(layer_ids, experts, bias=False)
+    header = LoadLogLayout(tuple(layer_ids), experts, has_bias=False).header()
     (out / SIDECAR_HEADER).write_text(json.dumps(header))
     logged = np.arange(every, steps + 1, every)
     width = header["row_floats"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import orjson  # a Prefect dependency; parses the event file ~4x faster than json
 
-from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+from moe_core.train.load_log import SIDECAR, SIDECAR_HEADER, read_sidecar
 from moe_core.train.telemetry import RANK_KEYS
 
 EVENTS = "metrics.jsonl"

@@ -16,7 +16,7 @@ from dashboard.cli import DashboardError, resolve_token
 from dashboard.runs import downsample_series
 from dashboard.server import create_app
 from moe_core.train import read_jsonl
-from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+from moe_core.train.load_log import SIDECAR, SIDECAR_HEADER, read_sidecar
 from tests.dashboard_helpers import DEAD_EXPERT, DEAD_LAYER, serve, train_run, write_analysis
 
 pytestmark = pytest.mark.usefixtures("one_thread")
