@@ -25,7 +25,7 @@ from moe_core.train.load_log import LAYER_STATS, LoadLogLayout
 MAX_BACKLOG = 1000  # load-log rows a new stream gets at once; older ones come from /routing
 MAX_QUEUED = 300  # updates waiting for one slow client (a minute at 0.2 s) before it is let go to reconnect
 KEEPALIVE_SECONDS = 5.0  # a quiet feed sends its streams a comment this often (a proxy keeps them open)
-KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def load_records(layout: LoadLogLayout, rows_NC: np.ndarray) -> list[dict]:
@@ -45,9 +45,13 @@ def load_records(layout: LoadLogLayout, rows_NC: np.ndarray) -> list[dict]:
     return out
 
 
-def encode(rows: list[dict], routing: list[dict], alerts: list[dict]) -> str:
-    data = orjson.dumps({"rows": rows, "routing": routing, "alerts": alerts}).decode()
-    return f"event: update\ndata: {data}\n\n"
+def encode(rows: list[dict], routing: list[dict], alerts: list[dict]) -> bytes:
+    """One server-sent event, as bytes: encoded once, written as is to every stream that gets it."""
+    return (
+        b"event: update\ndata: "
+        + orjson.dumps({"rows": rows, "routing": routing, "alerts": alerts})
+        + b"\n\n"
+    )
 
 
 @dataclass
@@ -57,7 +61,7 @@ class Update:
     rows: list[tuple[int, dict]]
     routing: list[tuple[int, dict]]  # (row index in the load log, record)
     alerts: list[dict]
-    message: str | None = None  # encoded once for every subscriber that keeps all of it
+    message: bytes | None = None  # encoded once for every subscriber that keeps all of it
 
 
 @dataclass(eq=False)
@@ -80,7 +84,9 @@ class RunFeed:
         self._load_rows: int | None = None  # load-log rows read so far (None: not yet)
         self.ready = asyncio.Event()  # the first read is in
         self.reads = 0  # polls done (tests count them: one per interval, whatever the subscribers)
-        self._backlog: tuple[tuple, str | None] | None = None  # the last backlog encoded, for the next joiner
+        self._backlog: tuple[tuple, bytes | None] | None = (
+            None  # the last backlog encoded, for the next joiner
+        )
         self._quiet_since = 0.0  # loop time of the last message sent
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"feed-{run.id}")
 
@@ -161,7 +167,7 @@ class RunFeed:
             sub.queue.put_nowait(message)
 
     # ------------------------------------------------------------------ subscribers
-    async def join(self, sub: Subscriber) -> str | None:
+    async def join(self, sub: Subscriber) -> bytes | None:
         """Add ``sub`` and return its backlog (None: nothing to send yet); updates after it go to its queue."""
         self.subscribers.add(sub)
         await self.ready.wait()
@@ -172,7 +178,7 @@ class RunFeed:
         sub.joined = True
         return self.backlog(sub.since)
 
-    def backlog(self, since: float) -> str | None:
+    def backlog(self, since: float) -> bytes | None:
         """The kept rows after ``since``, encoded once for every joiner that asks for the same rows until the
         next update (a crowd opening the page at once asks 200 times for one backlog)."""
         rows = [row for _, row in self.rows if row["step"] > since]

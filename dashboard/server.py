@@ -266,7 +266,7 @@ def create_app(
             feed, sub = feeds.feed(run), Subscriber(since)
             try:
                 backlog = await feed.join(sub)
-                yield "retry: 1000\n\n"
+                yield b"retry: 1000\n\n"
                 if backlog:
                     yield backlog
                 while (message := await sub.queue.get()) is not None:  # None: the feed let it go
