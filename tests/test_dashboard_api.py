@@ -423,3 +423,28 @@ def test_distributed_run_is_shown_per_rank(tmp_path):
     own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
     assert [row["step"] for row in own] == [1, 2, 3, 4]
     assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])  # no all-reduced figure
+
+
+def test_a_runs_analysis_is_its_own_never_a_neighbours(runs_root, tmp_path):
+    """A lifecycle's MoE run holds its analysis; the dense baseline beside it has none and shows none, even
+    with an analysis folder above both (where the lifecycle wrote the MoE's before)."""
+    life = tmp_path / "runs" / "lifecycle"
+    shutil.copytree(
+        runs_root / "group" / "topk", life / "pretrain", ignore=shutil.ignore_patterns("analysis")
+    )
+    shutil.copytree(
+        runs_root / "group" / "topk", life / "dense-active", ignore=shutil.ignore_patterns("analysis")
+    )
+    _, report = write_analysis(life / "pretrain")
+    shutil.copytree(life / "pretrain" / "analysis", life / "analysis")  # above both runs
+    client = TestClient(create_app([tmp_path / "runs"]))
+    ids = run_ids(client)
+    moe, dense = ids["lifecycle/pretrain"], ids["lifecycle/dense-active"]
+    assert client.get(f"/api/runs/{moe}/cost").json()["report"]["flop_saving"] == pytest.approx(
+        report.flop_saving
+    )
+    assert [
+        x["layer"] for x in client.get(f"/api/runs/{moe}/specialization").json()["profile"]["layers"]
+    ] == [0, 1]
+    assert client.get(f"/api/runs/{dense}/cost").json()["report"] is None
+    assert client.get(f"/api/runs/{dense}/specialization").json()["profile"] is None
