@@ -12,6 +12,7 @@ Endpoints (all GET):
     /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
+    /api/runs/{id}/inference?points=N           an inference run's figures (none for a training run, and why)
     /api/runs/{id}/ranks?points=N               per rank of a distributed run: its own figures
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
                           (&encoding=u16: the shares as base64 uint16, as the app asks for them)
@@ -47,6 +48,7 @@ STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
 POLL_SECONDS = 0.2  # how often a watched run is read for new rows (the latency floor)
 MAX_POINTS = 4000
+INFERENCE_KEYS = ("tokens_per_s", "cache_hit_rate", "rerouted_tokens", "experts_resident", "tokens")
 PROMPT_ROUTING_WAIT_S = 10.0  # how long a request waits for the token-to-expert view before "computing"
 
 
@@ -122,23 +124,23 @@ def create_app(
         end: float | None = None,
         x: str = "step",
     ):
+        return FastJSON({"run": rid, "x": x, "series": _series(run_or_404(rid), keys, points, start, end, x)})
+
+    @app.get("/api/runs/{rid}/inference")
+    def inference(rid: str, points: int = Query(2000, ge=2, le=MAX_POINTS)):
+        """The Inference page's figures, from an inference run's events (``inference.jsonl``) only: a
+        training run's tokens/s are training figures, and it has none of these."""
         run = run_or_404(rid)
-        run.refresh()
-        out = {}
-        tokens = run.tail.columns.get("tokens")
-        for key in keys.split(",")[:32]:
-            col = run.tail.columns.get(key)
-            if col is None:
-                continue
-            steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
-            keep = _in_range(steps, start, end)
-            series = downsample_series(steps[keep], values[keep], points)
-            if (
-                x == "tokens" and tokens is not None
-            ):  # align by tokens seen: map steps through the tokens column
-                series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
-            out[key] = series
-        return FastJSON({"run": rid, "x": x, "series": out})
+        if run.kind != "inference":
+            return {
+                "run": rid,
+                "kind": run.kind,
+                "series": {},
+                "message": f"{run.name} is a training run: it has no inference events; moe-lab generate "
+                "MODEL --events RUNS/serving ... writes them into a run of their own.",
+            }
+        series = _series(run, ",".join(INFERENCE_KEYS), points, None, None, "step")
+        return FastJSON({"run": rid, "kind": run.kind, "series": series, "message": None})
 
     @app.get("/api/runs/{rid}/ranks")
     def ranks(rid: str, points: int = Query(1000, ge=2, le=MAX_POINTS)):
@@ -392,6 +394,24 @@ def _static_file(rel: str) -> Response:
             "dashboard/web",
         )
     return FileResponse(path)
+
+
+def _series(run: RunData, keys: str, points: int, start: float | None, end: float | None, x: str) -> dict:
+    """Metric series of a run's event file, by step (or tokens seen), downsampled to ``points``."""
+    run.refresh()
+    out = {}
+    tokens = run.tail.columns.get("tokens")
+    for key in keys.split(",")[:32]:
+        col = run.tail.columns.get(key)
+        if col is None:
+            continue
+        steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
+        keep = _in_range(steps, start, end)
+        series = downsample_series(steps[keep], values[keep], points)
+        if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
+            series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
+        out[key] = series
+    return out
 
 
 def _last_per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

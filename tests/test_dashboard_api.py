@@ -448,3 +448,23 @@ def test_a_runs_analysis_is_its_own_never_a_neighbours(runs_root, tmp_path):
     ] == [0, 1]
     assert client.get(f"/api/runs/{dense}/cost").json()["report"] is None
     assert client.get(f"/api/runs/{dense}/specialization").json()["profile"] is None
+
+
+def test_inference_figures_come_from_inference_events_only(client, tmp_path):
+    """A training run's tokens/s are training figures: the Inference page's endpoint serves none for it and
+    says why; an inference run's own events are served."""
+    rid = run_ids(client)["auxfree-dead"]
+    assert "tokens_per_s" in client.get(f"/api/runs/{rid}").json()["metrics"]
+    got = client.get(f"/api/runs/{rid}/inference").json()
+    assert got["kind"] == "train" and got["series"] == {} and "no inference events" in got["message"]
+    serving = tmp_path / "runs" / "serving"
+    serving.mkdir(parents=True)
+    rows = [{"step": s, "tokens": 2.0 * s, "tokens_per_s": 10.0 * s, "cache_hit_rate": 0.5} for s in (1, 2)]
+    (serving / "inference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    other = TestClient(create_app([tmp_path / "runs"]))
+    got = other.get(f"/api/runs/{run_ids(other)['serving']}/inference").json()
+    assert got["kind"] == "inference" and got["message"] is None
+    assert got["series"]["tokens_per_s"]["y"] == [10.0, 20.0] and got["series"]["cache_hit_rate"]["x"] == [
+        1,
+        2,
+    ]

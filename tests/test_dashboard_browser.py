@@ -175,6 +175,11 @@ def test_live_run_in_the_browser(tmp_path):
             resident = page.inner_text("[data-testid=experts-resident]")
             assert resident == str(int(serving[-1]["experts_resident"])) == "3"
             page.screenshot(path=str(shots / "inference.png"), full_page=True)
+            # ... and for a training run, no training figures drawn as inference ones: it says it has none
+            page.goto(f"{url}/#/inference/{base_id}")
+            page.wait_for_selector("[data-testid=no-inference]")
+            assert "training run" in page.inner_text("[data-testid=no-inference]")
+            assert page.locator(".chart").count() == 0
             assert not errors, errors
             browser.close()
         assert live.poll() is None, (
