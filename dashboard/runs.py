@@ -187,6 +187,7 @@ class RunData:
         self._sidecar_rows = 0
         self._steps = np.zeros(0, dtype=np.float64)
         self._buckets: tuple[tuple, np.ndarray, np.ndarray] | None = None  # the last downsampled load log
+        self._baseline: tuple[str | None, str | None] = (None, None)  # (checkpoint read, model.baseline)
 
     def _find_rank_files(self) -> None:
         for p in self.path.glob("metrics.rank*.jsonl"):
@@ -320,6 +321,18 @@ class RunData:
             ),
         }
 
+    def baseline(self) -> str | None:
+        """``active`` or ``total`` when this run trained a dense baseline for comparison (its saved config's
+        ``model.baseline``, as the lifecycle trains one beside its MoE), else None. Read once per checkpoint."""
+        ckpts = self.checkpoints()
+        newest = ckpts[-1]["name"] if ckpts else None
+        if newest != self._baseline[0]:
+            config = self.config() or {}
+            model = config.get("model") if isinstance(config.get("model"), dict) else {}
+            found = model.get("baseline")
+            self._baseline = (newest, found if isinstance(found, str) else None)
+        return self._baseline[1]
+
     def listing(self) -> dict:
         try:
             mtime = self.tail.path.stat().st_mtime
@@ -332,6 +345,7 @@ class RunData:
             "live": self.is_live(),
             "mtime": mtime,
             "root": str(self.root),
+            "baseline": self.baseline() if self.kind == "train" else None,
         }
 
 

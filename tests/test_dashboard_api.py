@@ -17,7 +17,14 @@ from dashboard.runs import downsample_series
 from dashboard.server import create_app
 from moe_core.train import read_jsonl
 from moe_core.train.load_log import SIDECAR, SIDECAR_HEADER, read_sidecar
-from tests.dashboard_helpers import DEAD_EXPERT, DEAD_LAYER, serve, train_run, write_analysis
+from tests.dashboard_helpers import (
+    DEAD_EXPERT,
+    DEAD_LAYER,
+    lifecycle_layout,
+    serve,
+    train_run,
+    write_analysis,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 12
@@ -467,4 +474,15 @@ def test_inference_figures_come_from_inference_events_only(client, tmp_path):
     assert got["series"]["tokens_per_s"]["y"] == [10.0, 20.0] and got["series"]["cache_hit_rate"]["x"] == [
         1,
         2,
+    ]
+
+
+def test_a_dense_baseline_is_marked_in_the_listing(runs_root, tmp_path):
+    """The app opens on the newest run that is not a dense baseline: the listing says which runs are."""
+    lifecycle_layout(runs_root / "group" / "topk", tmp_path / "runs" / "lifecycle")
+    client = TestClient(create_app([tmp_path / "runs"]))
+    listed = client.get("/api/runs").json()["runs"]
+    assert [(r["name"], r["baseline"]) for r in listed] == [
+        ("lifecycle/dense-active", "active"),  # the newest event file
+        ("lifecycle/pretrain", None),
     ]
