@@ -13,11 +13,20 @@ long run.
    plus the binary load log with every share); the time for a browser to open its Routing page with all 24
    layer heatmaps drawn (a fresh server: nothing cached), and the server-side time of the same requests.
    Target < 2 s.
+4. A crowd: ``--crowd`` clients (a team watching one run, 200 by default) on the live stream of a run that a
+   writer thread appends to every ``--crowd-interval`` seconds (an event line and a load-log row of
+   ``--crowd-layers`` x ``--crowd-experts``), measured against one client in the same run: each row's delay
+   from its write to its arrival at a client (p50/p95 over every client and row), the time of
+   ``GET /api/runs/{id}`` polled meanwhile (p50/p95), and the server's open file handles on the load log
+   before, during and after the clients. The clients are plain HTTP connections in a child process
+   (a browser per client would measure the browsers). Targets at 200 clients: row delay p95 <= 1 s,
+   API p95 <= 250 ms, handles back to the baseline once the clients leave.
 
 Prints a table, then ONE JSON line of the figures.
 
-    python benchmarks/dashboard.py                      # mixtral-tiny, 80 steps x 4 rounds, 100k-step load
+    python benchmarks/dashboard.py                      # mixtral-tiny, 80 steps x 4 rounds, 100k-step load, crowd
     python benchmarks/dashboard.py --load-log-every 1   # the load test with a row for every one of 100k steps
+    python benchmarks/dashboard.py --parts crowd        # only the crowd (200 clients against 1)
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
+import asyncio
 import json
 import os
 import platform
+import re
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -48,7 +60,7 @@ from playwright.sync_api import sync_playwright
 
 from dashboard.cli import start_beside
 from moe_core.train import TrainConfig, read_jsonl
-from moe_core.train.alerts import LAYER_STATS, SIDECAR, SIDECAR_HEADER, sidecar_header
+from moe_core.train.load_log import LAYER_STATS, SIDECAR, SIDECAR_HEADER, LoadLogLayout, LoadLogWriter
 from moe_core.train.loop import Trainer
 
 CHROMIUM = os.environ.get(
@@ -203,7 +215,7 @@ def synthetic_run(out: Path, steps: int, every: int, layers: int = 24, experts: 
     out.mkdir(parents=True)
     rng = np.random.default_rng(0)
     layer_ids = list(range(layers))
-    header = sidecar_header(layer_ids, experts, bias=False)
+    header = LoadLogLayout(tuple(layer_ids), experts, has_bias=False).header()
     (out / SIDECAR_HEADER).write_text(json.dumps(header))
     logged = np.arange(every, steps + 1, every)
     width = header["row_floats"]
@@ -311,7 +323,178 @@ def load_time(args, workdir: Path, browser) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- 4
+class CrowdWriter:
+    """Appends a row every ``interval`` seconds to a run directory, as the trainer does with
+    ``log.per_expert=false``: an event line (its ``time`` is when it was written) and a load-log row."""
+
+    def __init__(self, out: Path, layers: int, experts: int, interval: float) -> None:
+        self.out, self.interval, self.layers, self.experts = out, interval, layers, experts
+        out.mkdir(parents=True)
+        self.log = LoadLogWriter(out, LoadLogLayout(tuple(range(layers)), experts, has_bias=False))
+        self.events = open(out / "metrics.jsonl", "ab")
+        self.step = 0
+        self.stop = threading.Event()
+        self.rng = np.random.default_rng(0)
+        self.write_one()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def write_one(self) -> None:
+        self.step += 1
+        shares_LE = self.rng.dirichlet(np.ones(self.experts), self.layers)
+        stats_LS = np.stack(
+            [np.zeros(self.layers), np.full(self.layers, 2.0), shares_LE.max(-1) * self.experts], -1
+        )
+        self.log.append(self.step, self.step * 512.0, shares_LE, stats_LS)
+        row = {"step": self.step, "time": time.time(), "loss": 3 + 1 / self.step, "tokens": self.step * 512.0}
+        row.update(
+            {
+                f"moe/layer_{i}/{k}": float(stats_LS[i, s])
+                for i in range(self.layers)
+                for s, k in enumerate(LAYER_STATS)
+            }
+        )
+        self.events.write(orjson.dumps(row) + b"\n")
+        self.events.flush()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.write_one()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.log.close()
+        self.events.close()
+
+
+ROW_TIME = re.compile(rb'"time": ?([-+0-9.eE]+)')  # orjson writes no space, json.dumps one
+
+
+async def _listen(host: str, port: int, path: str, seconds: float, delays: list, connected: list) -> None:
+    """One client: an HTTP/1.0 request (no chunked framing), then the stream's data lines for ``seconds``;
+    the delay of each row written after it connected."""
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 26)  # a backlog is one line
+    writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\nAccept: text/event-stream\r\n\r\n".encode())
+    await writer.drain()
+    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+        pass  # the response headers
+    opened = time.time()
+    connected.append(opened)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    try:
+        while (left := end - loop.time()) > 0:
+            line = await asyncio.wait_for(reader.readline(), left)
+            if not line:
+                break
+            if line.startswith(b"data: "):  # the rows' write times, without parsing the rest of the update
+                now = time.time()
+                rows = line[: line.find(b'"routing":')]
+                delays.extend((t, now - t) for t in map(float, ROW_TIME.findall(rows)) if t >= opened)
+    except TimeoutError:
+        pass
+    writer.close()
+
+
+def crowd_clients(url: str, rid: str, n: int, seconds: float) -> None:
+    """``--crowd-client``, in a child process: ``n`` clients; prints the time when all are connected, then
+    each received row's write time and delay as one JSON line."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+
+    async def main() -> list[float]:
+        delays: list[float] = []
+        connected: list[float] = []
+        tasks = [
+            asyncio.create_task(
+                _listen(host, int(port), f"/api/runs/{rid}/stream?since=-1", seconds, delays, connected)
+            )
+            for _ in range(n)
+        ]
+        while len(connected) < n and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        print(time.time(), flush=True)
+        await asyncio.gather(*tasks)
+        return delays
+
+    print(json.dumps(asyncio.run(main())), flush=True)
+
+
+def open_handles(pid: int, path: Path) -> int:
+    """The process's open file descriptors on ``path`` (a memory map holds one)."""
+    n, target = 0, str(path.resolve())
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == target
+        except OSError:
+            continue
+    return n
+
+
+def crowd_phase(args, url: str, rid: str, clients: int, server_pid: int, log_path: Path) -> dict:
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--crowd-client", url, rid, str(clients), str(args.crowd_seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        all_connected = float(child.stdout.readline())
+    except ValueError:
+        raise RuntimeError(f"the {clients} crowd clients did not connect") from None
+    api: list[float] = []
+    t_end = time.monotonic() + args.crowd_seconds
+    handles_during = 0
+    while time.monotonic() < t_end:
+        t0 = time.perf_counter()
+        urllib.request.urlopen(f"{url}api/runs/{rid}").read()
+        api.append(time.perf_counter() - t0)
+        handles_during = max(handles_during, open_handles(server_pid, log_path))
+        time.sleep(0.1)
+    received = np.array(json.loads(child.stdout.readline())).reshape(-1, 2)
+    child.wait(timeout=60)
+    delays = received[:, 1]
+    # rows written once every client is connected: the crowd watching, without its arrival
+    steady = received[received[:, 0] >= all_connected, 1]
+    time.sleep(2.0)  # the server notices the clients left
+    return {
+        "clients": clients,
+        "rows_received": len(delays),
+        "row_delay_p50_s": float(np.percentile(delays, 50)),
+        "row_delay_p95_s": float(np.percentile(delays, 95)),
+        "steady_rows_received": int(steady.size),
+        "steady_row_delay_p50_s": float(np.percentile(steady, 50)),
+        "steady_row_delay_p95_s": float(np.percentile(steady, 95)),
+        "api_requests": len(api),
+        "api_p50_s": float(np.percentile(api, 50)),
+        "api_p95_s": float(np.percentile(api, 95)),
+        "handles_during": handles_during,
+        "handles_after": open_handles(server_pid, log_path),
+    }
+
+
+def crowd(args, workdir: Path) -> dict:
+    root = workdir / "crowd"
+    writer = CrowdWriter(root / "watched-run", args.crowd_layers, args.crowd_experts, args.crowd_interval)
+    proc, url = start_beside([root], port=0)
+    try:
+        rid = run_id(url, "watched-run")
+        urllib.request.urlopen(f"{url}api/runs/{rid}/routing?layer=0").read()  # the page's own map, once
+        log_path = root / "watched-run" / SIDECAR
+        baseline = open_handles(proc.pid, log_path)
+        one = crowd_phase(args, url, rid, 1, proc.pid, log_path)
+        many = crowd_phase(args, url, rid, args.crowd, proc.pid, log_path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        writer.close()
+    return {"handles_baseline": baseline, "one": one, "crowd": many}
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--crowd-client":  # the crowd's child process (part 4)
+        crowd_clients(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="mixtral-tiny")
     ap.add_argument("--batch", type=int, default=8)
@@ -322,36 +505,58 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--load-steps", type=int, default=100_000)
     ap.add_argument("--load-log-every", type=int, default=10)
+    ap.add_argument("--parts", default="live,load,crowd", help="which parts to run: live,load,crowd")
+    ap.add_argument("--crowd", type=int, default=200, help="clients on one run's stream (part 4)")
+    ap.add_argument("--crowd-seconds", type=float, default=20.0)
+    ap.add_argument("--crowd-interval", type=float, default=0.1, help="seconds between the writer's rows")
+    ap.add_argument("--crowd-layers", type=int, default=4)
+    ap.add_argument("--crowd-experts", type=int, default=8)
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     torch.set_num_threads(args.threads)
+    result = {
+        "benchmark": "dashboard",
+        "parts": sorted(parts),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
     with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
         workdir = Path(tmp)
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        plain, watched, latencies, cpu = [], [], [], []
-        for r in range(args.rounds):  # interleaved, the order alternating, so machine drift hits both alike
-            for is_watched in (False, True) if r % 2 == 0 else (True, False):
-                got = live_round(
-                    args, workdir, f"{'watched' if is_watched else 'plain'}-{r}", is_watched, browser
-                )
-                if not is_watched:
-                    plain.append(got["tokens_per_s"])
-                    continue
-                watched.append(got["tokens_per_s"])
-                latencies += got["latencies"]
-                cpu.append(got["cpu"])
-        load = load_time(args, workdir, browser) if args.load_steps else {}
-        browser.close()
+        browser = None
+        if parts & {"live", "load"}:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        if "live" in parts:
+            result.update(live_part(args, workdir, browser))
+        if "load" in parts and args.load_steps:
+            result.update(load_part(args, workdir, browser))
+        if browser is not None:
+            browser.close()
+        if "crowd" in parts:
+            result.update(crowd_part(args, workdir))
+    print(json.dumps(result))
+
+
+def live_part(args, workdir: Path, browser) -> dict:
+    plain, watched, latencies, cpu = [], [], [], []
+    for r in range(args.rounds):  # interleaved, the order alternating, so machine drift hits both alike
+        for is_watched in (False, True) if r % 2 == 0 else (True, False):
+            got = live_round(
+                args, workdir, f"{'watched' if is_watched else 'plain'}-{r}", is_watched, browser
+            )
+            if not is_watched:
+                plain.append(got["tokens_per_s"])
+                continue
+            watched.append(got["tokens_per_s"])
+            latencies += got["latencies"]
+            cpu.append(got["cpu"])
     lat = np.array(latencies)
     costs = [1 - w / p for p, w in zip(plain, watched)]
     result = {
-        "benchmark": "dashboard",
         "preset": args.preset,
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
         "rounds": args.rounds,
         "threads": args.threads,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "latency_rows": int(lat.size),
         "latency_p50_s": float(np.percentile(lat, 50)),
         "latency_p95_s": float(np.percentile(lat, 95)),
@@ -364,9 +569,6 @@ def main() -> None:
         "tokens_per_s_rounds": [[round(a), round(b)] for a, b in zip(plain, watched)],
         "cores_used_server": statistics.median(c["server"] for c in cpu),
         "cores_used_browser": statistics.median(c["browser"] for c in cpu),
-        "load_steps": args.load_steps,
-        "load_log_every": args.load_log_every,
-        **{f"load_{k}": v for k, v in load.items()},
     }
     print(
         f"latency write->browser: p50 {result['latency_p50_s'] * 1000:.0f} ms, p95 {result['latency_p95_s'] * 1000:.0f} ms "
@@ -382,14 +584,52 @@ def main() -> None:
         f"while watched, CPU cores busy (median of rounds): server {result['cores_used_server']:.3f}, "
         f"browser {result['cores_used_browser']:.3f}"
     )
-    if load:
+    return result
+
+
+def load_part(args, workdir: Path, browser) -> dict:
+    load = load_time(args, workdir, browser)
+    print(
+        f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
+        f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
+        f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
+        f"(target < 2 s)"
+    )
+    return {
+        "load_steps": args.load_steps,
+        "load_log_every": args.load_log_every,
+        **{f"load_{k}": v for k, v in load.items()},
+    }
+
+
+def crowd_part(args, workdir: Path) -> dict:
+    got = crowd(args, workdir)
+    for phase in ("one", "crowd"):
+        c = got[phase]
         print(
-            f"load {args.load_steps} steps x 24 layers x 128 experts, every {args.load_log_every} "
-            f"({load['rows']} rows, {load['load_log_mb']:.0f} MB load log, {load['events_mb']:.0f} MB events): server "
-            f"{load['server_s']:.2f} s, browser Routing {load['browser_routing_s']:.2f} s, Run {load['browser_run_s']:.2f} s "
-            f"(target < 2 s)"
+            f"{c['clients']:4d} client(s) on one run: row delay p50 {c['row_delay_p50_s'] * 1000:.0f} ms, "
+            f"p95 {c['row_delay_p95_s'] * 1000:.0f} ms over {c['rows_received']} rows (written once all were "
+            f"connected: p50 {c['steady_row_delay_p50_s'] * 1000:.0f} ms, p95 "
+            f"{c['steady_row_delay_p95_s'] * 1000:.0f} ms over {c['steady_rows_received']}); GET /api/runs/<id> p50 "
+            f"{c['api_p50_s'] * 1000:.0f} ms, p95 {c['api_p95_s'] * 1000:.0f} ms; load-log handles during "
+            f"{c['handles_during']}, after {c['handles_after']} (baseline {got['handles_baseline']})"
         )
-    print(json.dumps(result))
+    c = got["crowd"]
+    print(
+        f"crowd targets: row delay p95 <= 1 s: {c['row_delay_p95_s']:.2f} s (once connected "
+        f"{c['steady_row_delay_p95_s']:.2f} s); API p95 <= 250 ms: "
+        f"{c['api_p95_s'] * 1000:.0f} ms; handles back to baseline: {c['handles_after'] == got['handles_baseline']}"
+    )
+    return {
+        "crowd_clients": args.crowd,
+        "crowd_seconds": args.crowd_seconds,
+        "crowd_interval_s": args.crowd_interval,
+        "crowd_layers": args.crowd_layers,
+        "crowd_experts": args.crowd_experts,
+        "crowd_handles_baseline": got["handles_baseline"],
+        **{f"crowd_one_{k}": v for k, v in got["one"].items() if k != "clients"},
+        **{f"crowd_many_{k}": v for k, v in got["crowd"].items() if k != "clients"},
+    }
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The Specialization and Cost pages' data: a run's saved router profile and cost report, as numbers.
 
-Looked for beside the run (``<run>/profile``, ``<run>/analysis/profile``, ``<run>/../analysis/profile``,
-where `moe-lab analyze` and the lifecycle flow write them), always inside the runs root. Served: per-layer
+Looked for in the run itself only (``<run>/profile``, ``<run>/analysis/profile``: where `moe-lab analyze` and
+the lifecycle flow write them), always inside the runs root; never in a folder above the run, where a run
+beside it (a lifecycle's dense baseline next to its MoE) would find another run's analysis. Served: per-layer
 shares, expert x token-class and expert x domain shares, mutual information, co-activation and layer-to-layer
 flow. Never served: the profile's top tokens (vocabulary strings) or anything else that is text.
 """
@@ -19,7 +20,7 @@ from moe_core.analytics.profile import PROFILE_FILES, RouterProfile
 
 
 def _candidates(run: RunData) -> list[Path]:
-    return [run.path, run.path / "analysis", run.path.parent / "analysis"]
+    return [run.path, run.path / "analysis"]
 
 
 def find_profile(run: RunData) -> Path | None:

@@ -12,6 +12,7 @@ It binds 127.0.0.1 by default and is read-only. On another host every request mu
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import subprocess
@@ -97,6 +98,9 @@ def run_dashboard(args) -> int:
     print(
         f"moe-lab dashboard: {dashboard_url(args.host, port, token)} (runs: {', '.join(roots)})", flush=True
     )
+    # the ~0.5M objects of the libraries imported so far (torch, transformers) live as long as the server: kept
+    # out of the collector's full passes, which would walk them all while every live stream waits
+    gc.freeze()
     # a live stream never ends by itself: without a grace limit, SIGTERM or Ctrl-C with a page open would
     # wait for the page to close
     uvicorn.run(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=1)

@@ -2,7 +2,8 @@
 
 A training run is a directory holding ``metrics.jsonl`` (the trainer's event file; ``metrics.rank<r>.jsonl``
 beside it where ranks write their own) and, from the trainer's `RoutingMonitor`, ``routing_loads.f32``: the
-per-layer expert loads as float32 rows, memory-mapped here. An inference run holds ``inference.jsonl``.
+per-layer expert loads as float32 rows, memory-mapped here through one `LoadLogReader` per run (its layout
+lives in `moe_core.train.load_log`). An inference run holds ``inference.jsonl``.
 
 Safety: a run is addressed by an opaque id that maps to a directory found by walking the roots; no request
 ever builds a path from user input, and a directory (or symlink) resolving outside its root is skipped.
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson  # a Prefect dependency; parses the event file ~4x faster than json
 
-from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
+from moe_core.train.load_log import SIDECAR, SIDECAR_HEADER, LoadLogLayout, LoadLogReader
 from moe_core.train.telemetry import RANK_KEYS
 
 EVENTS = "metrics.jsonl"
@@ -174,6 +175,8 @@ class RunData:
         self.id, self.path, self.root, self.name = rid, path, root, name
         self.lock = threading.Lock()  # the event-file tails
         self.load_lock = threading.Lock()  # the load log's step column and buckets: never waits on a parse
+        self.log_lock = threading.Lock()  # the load-log reader (a stat and, when the log grew, a new map)
+        self.load_log = LoadLogReader(path)  # one per run, whoever reads it: one map, not one per request
         self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
         # per-layer keys (moe/...) are read from the binary load log: never parsed into memory twice
         self.tail = EventTail(
@@ -184,6 +187,7 @@ class RunData:
         self._sidecar_rows = 0
         self._steps = np.zeros(0, dtype=np.float64)
         self._buckets: tuple[tuple, np.ndarray, np.ndarray] | None = None  # the last downsampled load log
+        self._baseline: tuple[str | None, str | None] = (None, None)  # (checkpoint read, model.baseline)
 
     def _find_rank_files(self) -> None:
         for p in self.path.glob("metrics.rank*.jsonl"):
@@ -217,24 +221,30 @@ class RunData:
             out.setdefault(0, {}).update({key: main[key] for key in RANK_KEYS if key in main})
         return out
 
-    def sidecar(self):
+    def sidecar(self) -> tuple[LoadLogLayout | None, np.ndarray | None, np.ndarray | None]:
+        """The load log: its layout, a read-only map of its whole rows, and their steps (float64)."""
         if not all(_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
             return None, None, None  # a symlink out of the runs root is never followed
-        found = read_sidecar(self.path)
-        if found is None:
+        with self.log_lock:
+            layout, rows = self.load_log.rows()
+        if layout is None:
             return None, None, None
-        header, rows = found
         n = rows.shape[0]
-        if n != self._sidecar_rows:  # read only the new rows' step column
-            with self.load_lock:
+        with self.load_lock:
+            if n != self._sidecar_rows:  # read only the new rows' step column
                 if n > self._sidecar_rows:
-                    self._steps = np.concatenate(
-                        [self._steps, np.asarray(rows[self._sidecar_rows :, 0], np.float64)]
-                    )
+                    new = np.asarray(layout.steps(rows[self._sidecar_rows :]), np.float64)
+                    self._steps = np.concatenate([self._steps, new])
                 else:
-                    self._steps = np.asarray(rows[:, 0], np.float64)
+                    self._steps = np.asarray(layout.steps(rows), np.float64)
                 self._sidecar_rows = n
-        return header, rows, self._steps[:n]
+            steps = self._steps[:n]
+        return layout, rows, steps
+
+    def close(self) -> None:
+        """Let go of the load log's map (the run left the roots, or the server stops)."""
+        with self.log_lock:
+            self.load_log.close()
 
     def load_buckets(self, rows: np.ndarray, lo: int, hi: int, points: int) -> tuple[np.ndarray, np.ndarray]:
         """Bucket means of load-log rows ``[lo, hi)`` over every column (all layers in one pass), kept for the
@@ -291,7 +301,7 @@ class RunData:
 
     def summary(self) -> dict:
         self.refresh()
-        header, rows, steps = self.sidecar()
+        layout, rows, _ = self.sidecar()
         last_step = self.tail.columns.get("tokens", Column()).steps[-1:] or [None]
         return {
             "id": self.id,
@@ -301,15 +311,27 @@ class RunData:
             "last_step": last_step[0],
             "rows": self.tail.rows,
             "metrics": sorted(self.tail.columns),
-            "layers": header["layers"] if header else [],
-            "experts": header["experts"] if header else 0,
-            "has_bias": bool(header and "bias" in header["per_layer"]),
+            "layers": list(layout.layers) if layout else [],
+            "experts": layout.experts if layout else 0,
+            "has_bias": bool(layout and layout.has_bias),
             "routing_rows": 0 if rows is None else int(rows.shape[0]),
             "alerts": sorted(self.tail.alerts.values(), key=lambda a: (a["first_step"], a["key"])),
             "ranks": len(
                 {0, *self.rank_tails, *(int(m[1]) for k in self.tail.columns if (m := RANK_KEY.match(k)))}
             ),
         }
+
+    def baseline(self) -> str | None:
+        """``active`` or ``total`` when this run trained a dense baseline for comparison (its saved config's
+        ``model.baseline``, as the lifecycle trains one beside its MoE), else None. Read once per checkpoint."""
+        ckpts = self.checkpoints()
+        newest = ckpts[-1]["name"] if ckpts else None
+        if newest != self._baseline[0]:
+            config = self.config() or {}
+            model = config.get("model") if isinstance(config.get("model"), dict) else {}
+            found = model.get("baseline")
+            self._baseline = (newest, found if isinstance(found, str) else None)
+        return self._baseline[1]
 
     def listing(self) -> dict:
         try:
@@ -323,6 +345,7 @@ class RunData:
             "live": self.is_live(),
             "mtime": mtime,
             "root": str(self.root),
+            "baseline": self.baseline() if self.kind == "train" else None,
         }
 
 
@@ -360,7 +383,10 @@ class RunRegistry:
                         threading.Thread(target=run.refresh, name=f"index-{rid}", daemon=True).start()
                     found[rid] = run
         with self.lock:
+            gone = [run for rid, run in self.runs.items() if rid not in found]
             self.runs = found
+        for run in gone:
+            run.close()
         return sorted(found.values(), key=lambda r: r.listing()["mtime"], reverse=True)
 
     def _walk(self, root: Path, directory: Path, depth: int):

@@ -12,12 +12,14 @@ Endpoints (all GET):
     /api/runs/{id}                              summary: metrics present, MoE layers, experts, alerts
     /api/runs/{id}/config, /checkpoints         the training config and checkpoint list
     /api/runs/{id}/scalars?keys=a,b&points=N    metric series (bucket mean/min/max when longer than N)
+    /api/runs/{id}/inference?points=N           an inference run's figures (none for a training run, and why)
     /api/runs/{id}/ranks?points=N               per rank of a distributed run: its own figures
     /api/runs/{id}/routing?layer=L&points=N     expert shares [steps x experts], drop rate, entropy, max/mean, bias
                           (&encoding=u16: the shares as base64 uint16, as the app asks for them)
     /api/runs/{id}/routing/header               the load log's MoE layers and experts (no event-file read)
     /api/runs/{id}/routing/now                  the last logged shares, [layers x experts]
     /api/runs/{id}/stream                       server-sent events: each new event-file row and load row
+                          (one reader per run for all its streams: `dashboard.live`)
     /api/runs/{id}/specialization, /cost        the saved router profile and cost report (numbers only)
     /api/runs/{id}/prompt-routing?wait=S        the run's model routing the project's prompt set: per prompt,
                           token and MoE layer the top-k experts and weights (202 while it computes)
@@ -25,28 +27,28 @@ Endpoints (all GET):
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hmac
-import json
 from pathlib import Path
 
 import numpy as np
 import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.datastructures import MutableHeaders
 
 from dashboard import analysis, mlflow_runs
+from dashboard.live import Feeds, Subscriber
 from dashboard.prompt_routing import NoModelError, PromptRoutingCache
-from dashboard.runs import RunData, RunRegistry, _clean, downsample_series
+from dashboard.runs import RunData, RunRegistry, downsample_series
 from moe_core.errors import MoELabError
-from moe_core.train.alerts import LAYER_STATS
+from moe_core.train.load_log import LAYER_STATS
 
 STATIC = Path(__file__).parent / "static"
 TOKEN_ENV = "MOE_LAB_DASHBOARD_TOKEN"
-POLL_SECONDS = 0.2  # how often a live stream looks for new rows (the latency floor)
+POLL_SECONDS = 0.2  # how often a watched run is read for new rows (the latency floor)
 MAX_POINTS = 4000
-MAX_BACKLOG = 1000  # load-log rows a new stream sends at once; older ones come from /routing
+INFERENCE_KEYS = ("tokens_per_s", "cache_hit_rate", "rerouted_tokens", "experts_resident", "tokens")
 PROMPT_ROUTING_WAIT_S = 10.0  # how long a request waits for the token-to-expert view before "computing"
 
 
@@ -60,26 +62,7 @@ def create_app(
     app = FastAPI(title="moe-lab dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
 
-    @app.middleware("http")
-    async def require_token(request: Request, call_next):
-        if token:
-            given = (
-                request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-                or request.query_params.get("token")
-                or request.cookies.get("moe_lab_token")
-                or ""
-            )
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                return JSONResponse(
-                    {"detail": "a dashboard token is required (?token=... or Authorization: Bearer ...)"},
-                    status_code=401,
-                )
-        response = await call_next(request)
-        if token and request.query_params.get("token"):
-            response.set_cookie("moe_lab_token", token, httponly=True, samesite="strict")
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Cache-Control"] = "no-store"
-        return response
+    app.add_middleware(TokenAndHeaders, token=token)
 
     def run_or_404(rid: str) -> RunData:
         run = registry.get(rid)
@@ -141,23 +124,23 @@ def create_app(
         end: float | None = None,
         x: str = "step",
     ):
+        return FastJSON({"run": rid, "x": x, "series": _series(run_or_404(rid), keys, points, start, end, x)})
+
+    @app.get("/api/runs/{rid}/inference")
+    def inference(rid: str, points: int = Query(2000, ge=2, le=MAX_POINTS)):
+        """The Inference page's figures, from an inference run's events (``inference.jsonl``) only: a
+        training run's tokens/s are training figures, and it has none of these."""
         run = run_or_404(rid)
-        run.refresh()
-        out = {}
-        tokens = run.tail.columns.get("tokens")
-        for key in keys.split(",")[:32]:
-            col = run.tail.columns.get(key)
-            if col is None:
-                continue
-            steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
-            keep = _in_range(steps, start, end)
-            series = downsample_series(steps[keep], values[keep], points)
-            if (
-                x == "tokens" and tokens is not None
-            ):  # align by tokens seen: map steps through the tokens column
-                series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
-            out[key] = series
-        return FastJSON({"run": rid, "x": x, "series": out})
+        if run.kind != "inference":
+            return {
+                "run": rid,
+                "kind": run.kind,
+                "series": {},
+                "message": f"{run.name} is a training run: it has no inference events; moe-lab generate "
+                "MODEL --events RUNS/serving ... writes them into a run of their own.",
+            }
+        series = _series(run, ",".join(INFERENCE_KEYS), points, None, None, "step")
+        return FastJSON({"run": rid, "kind": run.kind, "series": series, "message": None})
 
     @app.get("/api/runs/{rid}/ranks")
     def ranks(rid: str, points: int = Query(1000, ge=2, le=MAX_POINTS)):
@@ -183,32 +166,30 @@ def create_app(
         encoding: str = Query("json", pattern="^(json|u16)$"),
     ):
         run = run_or_404(rid)
-        header, rows, steps = run.sidecar()
-        if header is None:
+        layout, rows, steps = run.sidecar()
+        if layout is None:
             raise HTTPException(404, f"run {run.name} has no routing load log (routing_loads.f32)")
-        if layer not in header["layers"]:
-            raise HTTPException(404, f"layer {layer} is not an MoE layer of {run.name}: {header['layers']}")
-        li = header["layers"].index(layer)
-        base, cols = 2 + li * header["per_layer_floats"], header["per_layer"]
+        if layer not in layout.layers:
+            raise HTTPException(
+                404, f"layer {layer} is not an MoE layer of {run.name}: {list(layout.layers)}"
+            )
         lo, hi = _row_range(steps, start, end)
         edges, means = run.load_buckets(rows, lo, hi, points)  # every layer at once, cached for the next
-        means = means[:, base : base + header["per_layer_floats"]]  # float32: shortest text, NaN -> null
-        E = header["experts"]
+        columns = layout.layer_columns(means, layer)  # float32: shortest text, NaN -> null
         out = {
             "run": rid,
             "layer": layer,
-            "experts": E,
+            "experts": layout.experts,
             "rows": int(hi - lo),
             "steps": steps[lo:hi][edges] if len(edges) else [],
-            "frac": means[:, :E],
+            "frac": columns["frac"],
         }
         if encoding == "u16":  # the heatmap as 2 bytes a cell instead of ~12 characters of JSON
-            out["frac"] = _u16(means[:, :E])
+            out["frac"] = _u16(columns["frac"])
         for name in LAYER_STATS:
-            out[name] = means[:, cols[name]] if len(means) else []
-        if "bias" in cols:
-            b0, b1 = cols["bias"]
-            out["bias"] = means[:, b0:b1]
+            out[name] = columns[name]
+        if layout.has_bias:
+            out["bias"] = columns["bias"]
         return FastJSON(out)
 
     @app.get("/api/runs/{rid}/routing/header")
@@ -216,27 +197,32 @@ def create_app(
         """The load log's layout (MoE layers, experts, bias or not) without reading the event file: what the
         Routing page needs to ask for its layers while the summary is still being read."""
         run = run_or_404(rid)
-        header, rows, _ = run.sidecar()
-        if header is None:
+        layout, rows, _ = run.sidecar()
+        if layout is None:
             return {"run": rid, "layers": [], "experts": 0, "has_bias": False, "rows": 0}
         return {
             "run": rid,
-            "layers": header["layers"],
-            "experts": header["experts"],
-            "has_bias": "bias" in header["per_layer"],
+            "layers": list(layout.layers),
+            "experts": layout.experts,
+            "has_bias": layout.has_bias,
             "rows": int(rows.shape[0]),
         }
 
     @app.get("/api/runs/{rid}/routing/now")
     def routing_now(rid: str):
         run = run_or_404(rid)
-        header, rows, steps = run.sidecar()
-        if header is None or rows.shape[0] == 0:
-            return {"run": rid, "step": None, "layers": header["layers"] if header else [], "frac": []}
-        E, width = header["experts"], header["per_layer_floats"]
-        last = np.array(rows[-1], dtype=np.float32)
-        frac_LE = np.stack([last[2 + i * width : 2 + i * width + E] for i in range(len(header["layers"]))])
-        return FastJSON({"run": rid, "step": float(last[0]), "layers": header["layers"], "frac": frac_LE})
+        layout, rows, _ = run.sidecar()
+        if layout is None or rows.shape[0] == 0:
+            return {"run": rid, "step": None, "layers": list(layout.layers) if layout else [], "frac": []}
+        last = layout.decode(np.array(rows[-1:], dtype=np.float32))
+        return FastJSON(
+            {
+                "run": rid,
+                "step": float(last["step"][0]),
+                "layers": list(layout.layers),
+                "frac": last["frac"][0],
+            }
+        )
 
     # ------------------------------------------------------------------ analysis
     @app.get("/api/runs/{rid}/specialization")
@@ -272,76 +258,25 @@ def create_app(
         return {"run": rid, "report": analysis.cost(run), "training": latest}
 
     # ------------------------------------------------------------------ live
+    feeds = app.state.feeds = Feeds(poll_seconds)  # one reader per watched run, whatever its streams
+
     @app.get("/api/runs/{rid}/stream")
-    async def stream(rid: str, request: Request, since: float = -1.0):
+    async def stream(rid: str, since: float = -1.0):
         run = run_or_404(rid)
 
         async def events():
-            sent_rows = None
-            cursor = 0  # this client's place in the run's event rows (every client gets every row)
-            yield "retry: 1000\n\n"
-            while not await request.is_disconnected():
-                run.refresh()
-                with run.lock:  # another request may be appending to the tail
-                    rows = run.tail.rows_after(cursor)
-                    cursor = run.tail.rows
-                payload = [row for row in rows if row["step"] > since]
-                header, loads, steps = run.sidecar()
-                routing = []
-                if header is not None:
-                    n = loads.shape[0]
-                    if sent_rows is None:  # the backlog after `since`, at most MAX_BACKLOG rows
-                        sent_rows = max(int(np.searchsorted(steps, since, side="right")), n - MAX_BACKLOG)
-                    if n > sent_rows:
-                        E, width = header["experts"], header["per_layer_floats"]
-                        b0, b1 = header["per_layer"].get("bias", (None, None))
-                        for r in range(sent_rows, n):
-                            row = np.asarray(loads[r], dtype=np.float64)
-                            routing.append(
-                                {
-                                    "step": float(row[0]),
-                                    "frac": [
-                                        _clean(row[2 + i * width : 2 + i * width + E])
-                                        for i in range(len(header["layers"]))
-                                    ],
-                                    **{
-                                        name: _clean(
-                                            [
-                                                row[2 + i * width + header["per_layer"][name]]
-                                                for i in range(len(header["layers"]))
-                                            ]
-                                        )
-                                        for name in LAYER_STATS
-                                    },
-                                    **(
-                                        {
-                                            "bias": [
-                                                _clean(row[2 + i * width + b0 : 2 + i * width + b1])
-                                                for i in range(len(header["layers"]))
-                                            ]
-                                        }
-                                        if b0 is not None
-                                        else {}
-                                    ),
-                                }
-                            )
-                        sent_rows = n
-                if payload or routing:
-                    data = json.dumps(
-                        {
-                            "rows": payload,
-                            "routing": routing,
-                            "alerts": sorted(run.tail.alerts.values(), key=lambda a: a["first_step"]),
-                        },
-                        allow_nan=False,
-                        default=str,
-                    )
-                    yield f"event: update\ndata: {data}\n\n"
-                else:
-                    yield ": keep-alive\n\n"
-                await asyncio.sleep(poll_seconds)
+            feed, sub = feeds.feed(run), Subscriber(since)
+            try:
+                backlog = await feed.join(sub)
+                yield b"retry: 1000\n\n"
+                if backlog:
+                    yield backlog
+                while (message := await sub.queue.get()) is not None:  # None: the feed let it go
+                    yield message
+            finally:
+                feed.leave(sub)
 
-        return StreamingResponse(
+        return EventStream(
             events(),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
@@ -357,6 +292,62 @@ def create_app(
         return _static_file(f"assets/{name}")
 
     return app
+
+
+class TokenAndHeaders:
+    """With a token set, every request must carry it; every response gets the no-sniff and no-store headers.
+    A plain ASGI middleware: `BaseHTTPMiddleware` (``@app.middleware``) passes each message of a live
+    stream through an extra task and queue, which 200 streams on one run pay for at every update."""
+
+    def __init__(self, app, token: str | None) -> None:
+        self.app, self.token = app, token
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        token, cookie = self.token, None
+        if token:
+            given = (
+                request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                or request.query_params.get("token")
+                or request.cookies.get("moe_lab_token")
+                or ""
+            )
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                denied = JSONResponse(
+                    {"detail": "a dashboard token is required (?token=... or Authorization: Bearer ...)"},
+                    status_code=401,
+                )
+                await denied(scope, receive, send)
+                return
+            if request.query_params.get("token"):  # the page opened with it: later requests carry the cookie
+                cookie = Response()
+                cookie.set_cookie("moe_lab_token", token, httponly=True, samesite="strict")
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["X-Content-Type-Options"] = "nosniff"
+                headers["Cache-Control"] = "no-store"
+                if cookie is not None:
+                    headers.append("set-cookie", cookie.headers["set-cookie"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream whose generator is closed when the response ends, however it ends: a client
+    that left while a message was being written leaves the generator at a ``yield``, and its ``finally``
+    (leaving the run's feed) would otherwise wait for garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 class FastJSON(Response):
@@ -403,6 +394,24 @@ def _static_file(rel: str) -> Response:
             "dashboard/web",
         )
     return FileResponse(path)
+
+
+def _series(run: RunData, keys: str, points: int, start: float | None, end: float | None, x: str) -> dict:
+    """Metric series of a run's event file, by step (or tokens seen), downsampled to ``points``."""
+    run.refresh()
+    out = {}
+    tokens = run.tail.columns.get("tokens")
+    for key in keys.split(",")[:32]:
+        col = run.tail.columns.get(key)
+        if col is None:
+            continue
+        steps, values = _last_per_step(np.asarray(col.steps), np.asarray(col.values))
+        keep = _in_range(steps, start, end)
+        series = downsample_series(steps[keep], values[keep], points)
+        if x == "tokens" and tokens is not None:  # align by tokens seen: map steps through the tokens column
+            series["x"] = np.interp(series["x"], tokens.steps, tokens.values).tolist()
+        out[key] = series
+    return out
 
 
 def _last_per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

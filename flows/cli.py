@@ -237,7 +237,8 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
 
 
 def _plots_dir(result: dict) -> Path | None:
-    """Where the flow drew its router pictures: <out_dir>/analysis/plots (lifecycle), or beside the profile."""
+    """Where the flow drew its router pictures: beside the profile (the lifecycle's, inside the MoE's run
+    directory), or <out_dir>/analysis/plots."""
     candidates = [Path(result["out_dir"]) / "analysis" / "plots"] if result.get("out_dir") else []
     if result.get("profile_dir"):
         candidates.append(Path(result["profile_dir"]).parent / "plots")

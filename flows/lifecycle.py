@@ -61,10 +61,14 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             p.evaluate.max_batches,
             run_id,
         )
+        # the MoE's analysis goes inside its own run directory: it describes that run and no other (the
+        # dashboard reads a run's analysis from the run, never from a folder above it, where the dense
+        # baseline beside it would find it too)
+        analysis_dir = str(out / "pretrain" / "analysis")
         routing = ev.profile_router(
             trained.export_dir,
             data_dir,
-            str(out / "analysis"),
+            analysis_dir,
             "validation",
             p.evaluate.batch_size,
             p.evaluate.profile_batches,
@@ -75,7 +79,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         cost = ev.cost_report(
             trained.export_dir,
             trained.metrics_path,
-            str(out / "analysis"),
+            analysis_dir,
             p.evaluate.device_name,
             config.data.seq_len,
             run_id,
@@ -159,6 +163,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         "out_dir": str(out),
         "data_dir": data_dir,
         "export_dir": model.export_dir,
+        "profile_dir": routing.profile_dir,
         "metrics": evaluation.metrics,
         "summary_metrics": headline,
         **pending_summary(),

@@ -98,3 +98,23 @@ def write_analysis(run_dir: Path):
     report = cost_report(model.config, 1000.0, "cpu", seq_len=32)
     (run_dir / "analysis" / "cost.json").write_text(json.dumps(report.to_dict(), default=str))
     return RouterProfile.from_dir(run_dir / "analysis" / "profile"), report
+
+
+def lifecycle_layout(trained_run: Path, out: Path) -> tuple[Path, Path]:
+    """A lifecycle's two runs from one trained run: ``<out>/pretrain`` (the MoE) and ``<out>/dense-active``,
+    whose saved config names it a dense baseline and whose event file is the newer (trained second)."""
+    import json
+    import os
+    import shutil
+
+    moe, dense = out / "pretrain", out / "dense-active"
+    for run in (moe, dense):
+        shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("analysis"))
+    for config_file in dense.glob("checkpoints/*/train_config.json"):
+        config = json.loads(config_file.read_text())
+        config["model"]["baseline"] = "active"
+        config_file.write_text(json.dumps(config))
+    now = time.time()
+    os.utime(moe / "metrics.jsonl", (now - 60, now - 60))
+    os.utime(dense / "metrics.jsonl", (now, now))
+    return moe, dense

@@ -16,8 +16,15 @@ from dashboard.cli import DashboardError, resolve_token
 from dashboard.runs import downsample_series
 from dashboard.server import create_app
 from moe_core.train import read_jsonl
-from moe_core.train.alerts import SIDECAR, SIDECAR_HEADER, read_sidecar
-from tests.dashboard_helpers import DEAD_EXPERT, DEAD_LAYER, serve, train_run, write_analysis
+from moe_core.train.load_log import SIDECAR, SIDECAR_HEADER, read_sidecar
+from tests.dashboard_helpers import (
+    DEAD_EXPERT,
+    DEAD_LAYER,
+    lifecycle_layout,
+    serve,
+    train_run,
+    write_analysis,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 12
@@ -423,3 +430,59 @@ def test_distributed_run_is_shown_per_rank(tmp_path):
     own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
     assert [row["step"] for row in own] == [1, 2, 3, 4]
     assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])  # no all-reduced figure
+
+
+def test_a_runs_analysis_is_its_own_never_a_neighbours(runs_root, tmp_path):
+    """A lifecycle's MoE run holds its analysis; the dense baseline beside it has none and shows none, even
+    with an analysis folder above both (where the lifecycle wrote the MoE's before)."""
+    life = tmp_path / "runs" / "lifecycle"
+    shutil.copytree(
+        runs_root / "group" / "topk", life / "pretrain", ignore=shutil.ignore_patterns("analysis")
+    )
+    shutil.copytree(
+        runs_root / "group" / "topk", life / "dense-active", ignore=shutil.ignore_patterns("analysis")
+    )
+    _, report = write_analysis(life / "pretrain")
+    shutil.copytree(life / "pretrain" / "analysis", life / "analysis")  # above both runs
+    client = TestClient(create_app([tmp_path / "runs"]))
+    ids = run_ids(client)
+    moe, dense = ids["lifecycle/pretrain"], ids["lifecycle/dense-active"]
+    assert client.get(f"/api/runs/{moe}/cost").json()["report"]["flop_saving"] == pytest.approx(
+        report.flop_saving
+    )
+    assert [
+        x["layer"] for x in client.get(f"/api/runs/{moe}/specialization").json()["profile"]["layers"]
+    ] == [0, 1]
+    assert client.get(f"/api/runs/{dense}/cost").json()["report"] is None
+    assert client.get(f"/api/runs/{dense}/specialization").json()["profile"] is None
+
+
+def test_inference_figures_come_from_inference_events_only(client, tmp_path):
+    """A training run's tokens/s are training figures: the Inference page's endpoint serves none for it and
+    says why; an inference run's own events are served."""
+    rid = run_ids(client)["auxfree-dead"]
+    assert "tokens_per_s" in client.get(f"/api/runs/{rid}").json()["metrics"]
+    got = client.get(f"/api/runs/{rid}/inference").json()
+    assert got["kind"] == "train" and got["series"] == {} and "no inference events" in got["message"]
+    serving = tmp_path / "runs" / "serving"
+    serving.mkdir(parents=True)
+    rows = [{"step": s, "tokens": 2.0 * s, "tokens_per_s": 10.0 * s, "cache_hit_rate": 0.5} for s in (1, 2)]
+    (serving / "inference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    other = TestClient(create_app([tmp_path / "runs"]))
+    got = other.get(f"/api/runs/{run_ids(other)['serving']}/inference").json()
+    assert got["kind"] == "inference" and got["message"] is None
+    assert got["series"]["tokens_per_s"]["y"] == [10.0, 20.0] and got["series"]["cache_hit_rate"]["x"] == [
+        1,
+        2,
+    ]
+
+
+def test_a_dense_baseline_is_marked_in_the_listing(runs_root, tmp_path):
+    """The app opens on the newest run that is not a dense baseline: the listing says which runs are."""
+    lifecycle_layout(runs_root / "group" / "topk", tmp_path / "runs" / "lifecycle")
+    client = TestClient(create_app([tmp_path / "runs"]))
+    listed = client.get("/api/runs").json()["runs"]
+    assert [(r["name"], r["baseline"]) for r in listed] == [
+        ("lifecycle/dense-active", "active"),  # the newest event file
+        ("lifecycle/pretrain", None),
+    ]

@@ -21,7 +21,7 @@ from moe_core.cli import main
 from moe_core.eval.prompts import PROMPTS
 from moe_core.train import read_jsonl
 from moe_core.train.checkpoint import latest_checkpoint
-from tests.dashboard_helpers import DEAD_EXPERT, serve, train_run, write_analysis
+from tests.dashboard_helpers import DEAD_EXPERT, lifecycle_layout, serve, train_run, write_analysis
 from tests.test_inference_generate import _char_tokenizer, tiny
 
 CHROMIUM = os.environ.get(
@@ -175,6 +175,11 @@ def test_live_run_in_the_browser(tmp_path):
             resident = page.inner_text("[data-testid=experts-resident]")
             assert resident == str(int(serving[-1]["experts_resident"])) == "3"
             page.screenshot(path=str(shots / "inference.png"), full_page=True)
+            # ... and for a training run, no training figures drawn as inference ones: it says it has none
+            page.goto(f"{url}/#/inference/{base_id}")
+            page.wait_for_selector("[data-testid=no-inference]")
+            assert "training run" in page.inner_text("[data-testid=no-inference]")
+            assert page.locator(".chart").count() == 0
             assert not errors, errors
             browser.close()
         assert live.poll() is None, (
@@ -189,3 +194,21 @@ def test_live_run_in_the_browser(tmp_path):
                 live.kill()
         log.close()
     print(f"screenshots: {shots}")
+
+
+def test_the_app_opens_on_the_trained_run_with_its_baseline_one_click_away(tmp_path):
+    """After a lifecycle the dense baseline's event file is the newest: the app still opens on the MoE the
+    user trained, and its Compare tab overlays the MoE and its baseline."""
+    train_run(tmp_path / "trained", 4, "topk")
+    lifecycle_layout(tmp_path / "trained", tmp_path / "runs" / "lifecycle")
+    with serve(create_app([tmp_path / "runs"])) as url, sync_playwright() as p:
+        ids = {r["name"]: r["id"] for r in json.load(urllib.request.urlopen(url + "/api/runs"))["runs"]}
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(url + "/")
+        page.wait_for_selector("a.run.selected")
+        assert page.get_attribute("a.run.selected", "data-run") == "lifecycle/pretrain"
+        compare = page.get_attribute("[data-tab=compare]", "href")
+        assert compare == f"#/compare/{ids['lifecycle/pretrain']},{ids['lifecycle/dense-active']}"
+        assert "dense baseline" in page.inner_text("a.run[data-run='lifecycle/dense-active']")
+        browser.close()

@@ -3,6 +3,8 @@ asserted through MlflowClient (nested runs, metrics, artifacts, registry aliases
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -37,6 +39,9 @@ def test_lifecycle_records_runs_metrics_artifacts_and_registry(lifecycle_result)
     assert parent.data.tags["prefect.flow_run_id"] and parent.data.tags["prefect.flow_name"] == "lifecycle"
     assert parent.data.params["train.model.preset"] == "switch-tiny"  # the full config, flattened
     assert parent.data.params["train.steps"] == "12"
+    out = Path(lifecycle_result["out_dir"])  # the MoE's analysis is written into the MoE's own run directory
+    assert Path(lifecycle_result["profile_dir"]) == out / "pretrain" / "analysis" / "profile"
+    assert (out / "pretrain" / "analysis" / "cost.json").is_file() and not (out / "analysis").exists()
 
     stages = stage_runs(client, parent.info.run_id)
     assert {

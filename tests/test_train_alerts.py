@@ -5,7 +5,8 @@ import io
 
 import numpy as np
 
-from moe_core.train.alerts import AlertThresholds, RoutingMonitor, read_sidecar
+from moe_core.train.alerts import AlertThresholds, RoutingMonitor
+from moe_core.train.load_log import read_sidecar
 
 
 def metrics(shares, drop=0.0, max_over_mean=None):

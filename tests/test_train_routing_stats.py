@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from moe_core.routing import RoutingRecord
-from moe_core.train.alerts import AlertThresholds, RoutingMonitor, read_sidecar
+from moe_core.train.alerts import AlertThresholds, RoutingMonitor
+from moe_core.train.load_log import read_sidecar
 from moe_core.train.telemetry import ENTROPY_TOKENS, RoutingStats
 
 

@@ -14,26 +14,19 @@ logging step, before they go to the sinks, and returns metrics to add to that ro
 Alerts are plain numbers in the run's event file (``metrics.jsonl``), so the dashboard, MLflow and
 ``moe-lab sync`` see them without a second format; a line on stderr marks when one is first raised.
 
-It also appends one float32 row per logging step to ``routing_loads.f32`` (layout in ``routing_loads.json``):
-``[step, tokens, then per MoE layer: E expert shares, drop_rate, entropy, max_over_mean, E biases
-(aux-free routers only)]``. A long
-run (100k steps x 24 layers x 128 experts) is then read by memory-mapping instead of parsing millions of
-JSON keys; a reader uses only whole rows (``size // row_bytes``), so a torn last row is never seen.
+It also appends one float32 row per logging step to the binary load log (``routing_loads.f32``): its layout,
+writer and reader live in `moe_core.train.load_log`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-SIDECAR = "routing_loads.f32"
-SIDECAR_HEADER = "routing_loads.json"
-LAYER_STATS = ("drop_rate", "entropy", "max_over_mean_load")
+from moe_core.train.load_log import LAYER_STATS, LoadLogLayout, LoadLogWriter
 
 
 class AlertThresholds(BaseModel):
@@ -46,24 +39,6 @@ class AlertThresholds(BaseModel):
     dead_steps: int = Field(3, ge=1)  # ... for this many logging steps in a row
     max_over_mean: float = Field(3.0, gt=1)  # max/mean expert load over this: load collapse
     drop_rate: float = Field(0.2, gt=0, le=1)  # dropped slots over this fraction
-
-
-def sidecar_header(layer_ids: list[int], num_experts: int, bias: bool) -> dict:
-    """Row layout: ``[step, tokens]`` then ``per_layer_floats`` per MoE layer (column ranges in ``per_layer``)."""
-    stats = len(LAYER_STATS)
-    per_layer = num_experts + stats + (num_experts if bias else 0)
-    columns = {"frac": [0, num_experts], **{name: num_experts + k for k, name in enumerate(LAYER_STATS)}}
-    if bias:
-        columns["bias"] = [num_experts + stats, per_layer]
-    return {
-        "version": 1,
-        "dtype": "float32",
-        "layers": list(layer_ids),
-        "experts": num_experts,
-        "per_layer": columns,
-        "per_layer_floats": per_layer,
-        "row_floats": 2 + len(layer_ids) * per_layer,
-    }
 
 
 class RoutingMonitor:
@@ -93,31 +68,14 @@ class RoutingMonitor:
             (len(self.layer_ids), num_experts), dtype=np.int64
         )  # dead streak per expert
         self._raised: set[str] = set()
-        self._file = None
+        self._log: LoadLogWriter | None = None
         self._prefixes = [f"moe/layer_{layer}/" for layer in self.layer_ids]
         self._stat_keys = [[prefix + name for name in LAYER_STATS] for prefix in self._prefixes]
         self.has_bias = False
         if self.layer_ids:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
             self.has_bias = any(getattr(r, "expert_bias", None) is not None for r in self.routers)
-            header = sidecar_header(self.layer_ids, num_experts, self.has_bias)
-            tmp = out / f".{SIDECAR_HEADER}.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps(header, indent=1))
-            os.replace(tmp, out / SIDECAR_HEADER)
-            self._row_bytes = 4 * header["row_floats"]
-            path = out / SIDECAR
-            self._file = path.open("ab")
-            size = path.stat().st_size
-            keep = size - size % self._row_bytes  # a crash mid-row: drop the partial row
-            if keep:  # resumed: rows after the checkpoint's step are logged again, so drop them here
-                steps = np.memmap(
-                    path, dtype=np.float32, mode="r", shape=(keep // self._row_bytes, header["row_floats"])
-                )[:, 0]
-                keep = int(np.searchsorted(steps, start_step, side="right")) * self._row_bytes
-                del steps
-            if keep != size:
-                self._file.truncate(keep)
+            layout = LoadLogLayout(tuple(self.layer_ids), num_experts, self.has_bias)
+            self._log = LoadLogWriter(out_dir, layout, start_step=start_step)
 
     def _bias_LE(self) -> np.ndarray | None:
         """The aux-free routers' biases ``[L, E]`` (NaN for a layer without one); one read-back per router."""
@@ -168,7 +126,7 @@ class RoutingMonitor:
             added.update(self._alerts(shares_LE, stats_LS, step))
         if bias_LE is None:
             bias_LE = np.full((L, self.E), np.nan)
-        self._append_row(step, metrics.get("tokens", np.nan), shares_LE, stats_LS, bias_LE)
+        self._log.append(step, metrics.get("tokens", np.nan), shares_LE, stats_LS, bias_LE)
         return added
 
     def _alerts(self, shares_LE: np.ndarray, stats_LS: np.ndarray, step: int) -> dict[str, float]:
@@ -193,28 +151,6 @@ class RoutingMonitor:
         self._raised = set(out)
         return out
 
-    def _append_row(self, step, tokens, shares_LE, stats_LS, bias_LE) -> None:
-        parts = [shares_LE, stats_LS] + ([bias_LE] if self.has_bias else [])
-        per_layer = np.concatenate(parts, axis=1)
-        row = np.concatenate([[step, tokens], per_layer.reshape(-1)]).astype(np.float32)
-        self._file.write(row.tobytes())
-        self._file.flush()
-
     def close(self) -> None:
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-
-
-def read_sidecar(run_dir: str | Path) -> tuple[dict, np.ndarray] | None:
-    """The header and a read-only memory map ``[rows, row_floats]`` of a run's load log (whole rows only),
-    or None when the run has none."""
-    run_dir = Path(run_dir)
-    header_path, data_path = run_dir / SIDECAR_HEADER, run_dir / SIDECAR
-    if not header_path.is_file() or not data_path.is_file():
-        return None
-    header = json.loads(header_path.read_text())
-    width = int(header["row_floats"])
-    rows = data_path.stat().st_size // (4 * width)
-    if rows == 0:
-        return header, np.zeros((0, width), dtype=np.float32)
-    return header, np.memmap(data_path, dtype=np.float32, mode="r", shape=(rows, width))
+        if self._log is not None:
+            self._log.close()

@@ -63,6 +63,7 @@ export interface RunListing {
   live: boolean;
   mtime: number;
   root: string;
+  baseline: string | null;  // "active" | "total": a dense baseline trained beside an MoE
 }
 
 export interface Series {
