@@ -225,7 +225,11 @@ def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     print(f"  Prefect           {where['prefect']}")
     print(f"  dashboard         moe-lab dashboard --runs {where['home']}/runs  (training, routing, compare)")
     metrics = result.get("metrics") or {}
-    if "eval.validation_ppl" in metrics:
+    compared = (result.get("comparison") or {}).get("validation_ppl") or {}
+    if len(compared) > 1:  # the MoE and the baseline it was trained beside, on the same text
+        shown = ", ".join(f"{name} {ppl:.2f}" for name, ppl in compared.items() if ppl is not None)
+        print(f"  validation ppl    {shown}  ({result['comparison']['file']})")
+    elif "eval.validation_ppl" in metrics:
         print(f"  validation ppl    {metrics['eval.validation_ppl']:.2f}")
     if "eval.validation_bpb" in metrics:
         print(f"  bits per byte     {metrics['eval.validation_bpb']:.4f}")

@@ -165,6 +165,16 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         "export_dir": model.export_dir,
         "profile_dir": routing.profile_dir,
         "metrics": evaluation.metrics,
+        # what the baseline was trained for: the MoE against it, on the same validation split
+        "comparison": {
+            "file": str(out / "eval" / "comparison.md"),
+            "validation_ppl": {
+                name: first_evaluation.metrics.get(
+                    "eval.validation_ppl" if i == 0 else f"baseline.{name}.validation_ppl"
+                )
+                for i, name in enumerate(models)
+            },
+        },
         "summary_metrics": headline,
         **pending_summary(),
     }

@@ -86,3 +86,17 @@ def test_the_lifecycle_trains_the_dense_baseline_unless_told_not_to():
 
     assert build_params("lifecycle", None, "tiny", []).baseline == "active"
     assert build_params("lifecycle", None, "tiny", ["baseline=none"]).baseline == "none"
+
+
+def test_the_closing_summary_prints_the_comparison_the_baseline_was_trained_for(capsys, tmp_path):
+    """It printed the MoE's perplexity only, after training a dense baseline to compare it with."""
+    from flows.cli import _print_where_to_look
+
+    comparison = {
+        "file": str(tmp_path / "eval" / "comparison.md"),
+        "validation_ppl": {"moe": 41.5, "dense-active": 47.25},
+    }
+    result = {"out_dir": str(tmp_path), "metrics": {"eval.validation_ppl": 41.5}, "comparison": comparison}
+    _print_where_to_look("lifecycle", result, {"prefect": "ephemeral", "home": str(tmp_path)})
+    line = next(line for line in capsys.readouterr().out.splitlines() if "validation ppl" in line)
+    assert "moe 41.50, dense-active 47.25" in line and "comparison.md" in line
