@@ -58,3 +58,28 @@ def test_render_without_classes_or_flows(tmp_path):
     paths = render_all(profile, tmp_path)
     assert "routing_flow" not in paths  # one MoE layer: no flow to draw
     assert paths["specialization"]["png"].read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_top1_coactivation_map_is_explained_not_drawn():
+    """A top-1 router's co-activation map is the diagonal by construction; the figure says so."""
+    from moe_core import MoEForCausalLM, get_config
+    from moe_core.analytics.plots import plot_coactivation
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("switch-tiny", vocab_size=64)).eval()
+    profile = collect_profile(model, [torch.randint(0, 64, (2, 16))])
+    plot = plot_coactivation(profile)
+    assert "no two experts share a token" in plot.interactive.layout.title.text
+    assert plot.png_bytes().startswith(PNG_MAGIC)
+
+
+def test_token_routing_uses_one_scale_with_a_colour_bar():
+    """Each layer was scaled to its own maximum, with no colour bar: equal colours meant different values."""
+    from moe_core.analytics.plots import plot_token_routing
+
+    model = fixed_model()
+    plot = plot_token_routing(model, TOKENS[0])
+    images = [image for ax in plot.figure.axes for image in ax.get_images()]
+    L = len(model.config.moe_layer_ids)
+    assert len(images) == L and len({image.get_clim() for image in images}) == 1
+    assert len(plot.figure.axes) == L + 1  # the layers and one colour bar

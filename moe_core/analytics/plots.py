@@ -181,8 +181,16 @@ def coactivation_fraction(profile: RouterProfile) -> list[np.ndarray]:
 
 
 def plot_coactivation(profile: RouterProfile, out_dir: str | Path | None = None) -> Plot:
+    """Per layer, the fraction of tokens routed to both experts i and j, on one colour scale. A top-1 router's
+    map is the diagonal by construction (a token has one expert): the figure says so instead of drawing it."""
     mats = coactivation_fraction(profile)
     labels = _layer_labels(profile)
+    if profile.model.get("experts_per_token") == 1 and profile.model.get("router") != "expert_choice":
+        note = "Co-activation: top-1 routing sends each token to one expert, so no two experts share a token"
+        fig = _figure(6.0, 1.2)
+        fig.text(0.5, 0.5, note, ha="center", va="center")
+        pfig = go.Figure().update_layout(title=note)
+        return _finish("coactivation", fig, pfig, out_dir)
     n = len(mats)
     cols = min(n, 3)
     rows = -(-n // cols)
@@ -392,11 +400,14 @@ def plot_token_routing(
     axes = fig.subplots(L, 1, squeeze=False)[:, 0]
     pfig = make_subplots(rows=L, cols=1, subplot_titles=[f"layer {i}" for i in layer_ids], shared_xaxes=True)
     positions = [f"{i}:{tok}" for i, tok in enumerate(tokens)]
-    for ax, record, layer_id, row in zip(axes, routing, layer_ids, range(1, L + 1)):
+    probs_LET = []
+    for record in routing:
         probs_TE = record.probs_TE.detach().float().cpu()
-        probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True).clamp_min(1e-30)
-        probs_ET = probs_TE.t().numpy()
-        ax.imshow(probs_ET, aspect="auto", cmap="Blues", vmin=0.0, vmax=max(float(probs_ET.max()), 1e-6))
+        probs_LET.append((probs_TE / probs_TE.sum(-1, keepdim=True).clamp_min(1e-30)).t().numpy())
+    # one scale for every layer (equal colours are equal probabilities), shown in one colour bar
+    vmax = max(max(float(p.max()) for p in probs_LET), 1e-6)
+    for ax, record, probs_ET, layer_id, row in zip(axes, routing, probs_LET, layer_ids, range(1, L + 1)):
+        image = ax.imshow(probs_ET, aspect="auto", cmap="Blues", vmin=0.0, vmax=vmax)
         kept_TK = ~record.dropped_TK.cpu()
         for t, k in zip(*torch.nonzero(kept_TK, as_tuple=True)):
             e = int(record.expert_ids_TK[t, k])
@@ -418,6 +429,7 @@ def plot_token_routing(
             row=row,
             col=1,
         )
+    fig.colorbar(image, ax=list(axes), label="router probability", fraction=0.02)
     pfig.update_layout(
         title="Token-to-expert routing",
         coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
