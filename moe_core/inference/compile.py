@@ -408,7 +408,7 @@ def compile_steps(
     ``sorted`` path once a prompt has a few dozen tokens (benchmarks/README.md): ``compile_prefill=False``
     runs prefill eagerly (without gradients) and compiles decode only. ``cache="static"`` decodes into a
     preallocated ``StaticCache`` of ``max_cache_len`` slots (prompt plus new tokens; see the module doc); by
-    default its decode is one guarded step, symbolic in the batch for every batch size after the second.
+    default its decode is guarded torch.compile with static shapes (a graph per batch size).
     Opt-in, ``direct_dispatch=True`` runs each compiled decode step without dynamo's per-call guard checks,
     then, with ``graph_call`` (default), as the compiled graph on a prebuilt input list (`_StaticCacheSteps`,
     `GraphCall`; False: dynamo's bytecode): torch internals (`moe_core.inference.dynamo_seam`). A model whose step would replay a Python
@@ -430,10 +430,16 @@ def compile_steps(
     if backend == "inductor":
         options.update(size_asserts=False, cpp_wrapper=cpp_wrapper)
 
-    def compiled(fn):  # dynamic=None: only the lengths `_mark_lengths` marks are symbolic (module doc)
+    def compiled(fn, dynamic=None):  # None: only the lengths `_mark_lengths` marks are symbolic (module doc)
         return torch.compile(
-            fn, fullgraph=fullgraph, dynamic=None, mode=mode, backend=backend, options=options
+            fn, fullgraph=fullgraph, dynamic=dynamic, mode=mode, backend=backend, options=options
         )
+
+    def compiled_static(fn):
+        # the static-cache decode has no length to mark: every shape a constant, whatever dynamo remembers of
+        # other compiles of the same source line (its automatic dynamic shapes would make a later batch-1
+        # graph symbolic in the batch once another batch size compiled anywhere in the process)
+        return compiled(fn, dynamic=False)
 
     if cache == "static":
         static_prefill = _static_step_fn(model, prefill_impl if compile_prefill else None)
@@ -443,7 +449,7 @@ def compile_steps(
             model,
             static_prefill,
             lambda: _static_step_fn(model, decode_impl),  # a code object of its own per signature
-            compiled,
+            compiled_static,
             max_cache_len,
             direct_dispatch,
             graph_call,
