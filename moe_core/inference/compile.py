@@ -38,7 +38,7 @@ reset by each prefill, so one generation at a time per `compile_steps` result; t
 By default every step is plain ``torch.compile`` with dynamo's guards (as gpt-fast does). Opt-in,
 ``direct_dispatch=True`` compiles a static graph per decode input signature (batch size, padded or not) and
 runs it without dynamo's frame evaluation and guard checks on every step (`_StaticCacheSteps` says why that
-is safe), then inductor's graph itself on an input list built once (`GraphCall`): 84-86% -> 95-97% of the
+is safe), then inductor's graph itself on an input list built once (`GraphCall`): 73% -> 94% of the
 memory bound on an olmoe-small batch-1 step on a 2-core CPU (benchmarks/README.md). It reads torch
 internals, kept in `moe_core.inference.dynamo_seam` with the upstream files named and a test that fails when
 they move.

@@ -13,7 +13,7 @@ Two uses:
 - `compile_direct` and `GraphCall` are the opt-in direct dispatch of the static-cache decode
   (``compile_steps(direct_dispatch=True)``, off by default): each decode signature's compiled code run
   without dynamo's per-call guard checks, then inductor's graph on a prebuilt input list. On a 2-core CPU
-  they took an olmoe-small batch-1 decode step from 84-86% to 95-97% of the memory bound
+  they took an olmoe-small batch-1 decode step from 73% to 94% of the memory bound
   (``benchmarks/decode_dispatch.py``, benchmarks/README.md); a torch upgrade can break them, which is why they
   are not the default.
 """
