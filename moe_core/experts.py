@@ -2,7 +2,8 @@
 shares, and the ways to run them.
 
 Legend: T = tokens, D = model dim, F = expert hidden dim, E = experts, K = slots per token,
-A = kept (token, slot) assignments, sorted by expert.
+A = kept (token, slot) assignments, sorted by expert, N = one expert's assignments, R = LoRA rank,
+I / O = a projection's input / output width.
 
 Weights are stacked like `nn.Linear` weights, one slice per expert: ``gate_proj [E, F, D]``,
 ``up_proj [E, F, D]``, ``down_proj [E, D, F]`` (SwiGLU: ``down(silu(gate x) * up x)``, Shazeer 2020), or
@@ -26,6 +27,12 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
   slots without gradient, a loop over the *distinct* chosen experts on views of their weights, so a step reads
   K experts' bytes, not E. Taken instead of ``sorted``/``grouped_mm`` when ``T * K <= max_slots``.
 Tests hold each equal to the reference in forward and backward (decode, which takes no gradient, in forward).
+
+LoRA on the experts (`ExpertLoRA`, given as ``forward(..., lora=)``; `moe_core.finetune.expert_lora` builds it from
+PEFT's adapter weights) runs inside every path on the tokens routed to each expert: ``proj_e(x) = x W_e^T +
+s (x A_e^T) B_e^T`` (Hu et al. 2021, per expert), so its cost follows the routed tokens (2 R (I + O) FLOPs per
+assignment) and no ``[E, O, I]`` delta weight is formed; only ``static`` and ``gather``, which read whole stacks by
+design, fold ``s B_e A_e`` into them.
 
 The interface every module at ``MoEBlock.experts`` has is `ExpertModule` (a Protocol: ``num_experts`` and
 ``forward(x_TD, record, impl)``); `StackedExperts` is the abstract base of those whose weights are E stacked
@@ -63,6 +70,61 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
     return F.gelu(h_up)
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in the order `stacks` returns them
+
+
+@dataclass(frozen=True)
+class ExpertLoRA:
+    """Low-rank updates of the expert projections: for projection ``p`` and expert ``e``,
+    ``W_pe + sum over adapters a of s_a B_ape A_ape`` (LoRA, Hu et al. 2021; per-expert factors as PEFT's
+    ``ParamWrapper`` keeps them for a stacked parameter).
+
+    ``factors[p]`` holds one ``(A_ERI [E, R, I], B_EOR [E, O, R], s)`` per active adapter; a projection without
+    an entry is not adapted. Apply it on routed tokens with `delta` (one expert) or `grouped_delta` (the sorted
+    assignments of all experts at once); `dense` forms the full ``[E, O, I]`` update for the paths that read
+    whole stacks (``static``, ``gather``) and nothing else."""
+
+    factors: dict[str, tuple[tuple[torch.Tensor, torch.Tensor, float], ...]]
+
+    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, float], ...]]:
+        """Per-expert views of every factor, made once per layer for a loop over experts (one gradient per
+        stack, as `StackedExperts.unbound`)."""
+        return {
+            p: tuple((A.unbind(0), B.unbind(0), s) for A, B, s in per_adapter)
+            for p, per_adapter in self.factors.items()
+        }
+
+    @staticmethod
+    def delta(views: dict, p: str, e: int, x_NI: torch.Tensor) -> torch.Tensor | None:
+        """``sum_a s_a (x A_ae^T) B_ae^T`` [N, O] for expert ``e`` from `unbound`'s views; None when ``p`` is not
+        adapted."""
+        out_NO = None
+        for A_E, B_E, s in views.get(p, ()):
+            term_NO = F.linear(F.linear(x_NI, A_E[e].to(x_NI.dtype)), B_E[e].to(x_NI.dtype)) * s
+            out_NO = term_NO if out_NO is None else out_NO + term_NO
+        return out_NO
+
+    def grouped_delta(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor | None:
+        """The same for the expert-sorted assignments ``x_AI`` through ``gmm(a, w [E, out, in])`` (a grouped
+        matmul over the same offsets as the base projection)."""
+        out_AO = None
+        for A_ERI, B_EOR, s in self.factors.get(p, ()):
+            term_AO = gmm(gmm(x_AI, A_ERI), B_EOR) * s
+            out_AO = term_AO if out_AO is None else out_AO + term_AO
+        return out_AO
+
+    def dense(self, p: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """``sum_a s_a B_a A_a`` [E, O, I]: the full update, for the paths that read whole stacks."""
+        out_EOI = None
+        for A_ERI, B_EOR, s in self.factors.get(p, ()):
+            term_EOI = torch.bmm(B_EOR.to(dtype), A_ERI.to(dtype)) * s
+            out_EOI = term_EOI if out_EOI is None else out_EOI + term_EOI
+        return out_EOI
+
+    def ranks(self) -> set[int]:
+        return {A.shape[1] for per_adapter in self.factors.values() for A, _, _ in per_adapter}
+
+
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     """`torch._grouped_mm` runs on CPU (fp32, bf16) and on Hopper-or-newer GPUs in bf16, with every row
     stride a multiple of 16 bytes (so ``dims``, the matrix widths, must be multiples of 16 / element size)."""
@@ -83,7 +145,7 @@ class ExpertModule(Protocol):
 
     - ``num_experts``: E, the number of experts the router chooses among (for expert parallelism the
       global E, not this rank's share).
-    - ``forward(x_TD, record, impl=None) -> y_TD``: ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the
+    - ``forward(x_TD, record, impl=None) -> y_TD`` (`StackedExperts` also take ``lora=``, an `ExpertLoRA`): ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the
       record's kept slots (dropped slots contribute nothing), same shape and dtype as ``x_TD``. ``impl``
       names a path of `StackedExperts.forward` (``reference``, ``sorted``, ``grouped_mm``, ``static``,
       ``gather``) or None for the module's own choice; a module with one way of computing ignores it.
@@ -94,8 +156,9 @@ class ExpertModule(Protocol):
     - `moe_core.inference.quantize.QuantizedExperts`: int8/int4 codes, dequantized per expert as it runs.
     - `moe_core.inference.expert_cache.OffloadedExperts`: weights read from disk through an LRU cache.
     - `moe_core.train.parallel.ExpertParallelExperts`: this rank's slice, all-to-all dispatch and return.
-    - PEFT's ``ParamWrapper`` (LoRA on the expert stacks, `moe_core.finetune.methods`): wraps any of the
-      above that holds dense stacks and passes the call through with the adapted weights.
+    - `moe_core.finetune.expert_lora.ParamWrapper` (PEFT's LoRA wrapper of a stack, our forward): wraps a
+      `StackedExperts` and calls it with ``lora=`` (an `ExpertLoRA`), which every path applies on the routed
+      tokens; stock PEFT's ``ParamWrapper`` passes the call through with the adapted (dense) weights.
     The first three are `StackedExperts`.
     """
 
@@ -159,14 +222,15 @@ class ExpertDispatch:
 # ------------------------------------------------------------------------------------------------ experts
 class StackedExperts(nn.Module, ExpertModule, ABC):
     """Abstract base of the `ExpertModule` implementations whose weights are E stacked FFNs: every path of
-    this file (reference, sorted, grouped_mm, static, gather, decode) runs on top of four members.
+    this file (reference, sorted, grouped_mm, static, gather, decode), with or without LoRA, runs on top of
+    four members; `expert` (one expert's FFN on its tokens) is built from them.
 
-    - ``expert(e, x_ND, weights=None) -> y_ND``: expert ``e`` on a batch of its tokens, as an ordinary FFN.
-      ``weights`` is what `unbound` (or, without gradients, `decode_weights`) returned, handed in by a loop
-      over experts so that the per-expert views are made once per layer; None: the module finds its own.
-    - ``unbound() -> (gate, up, down)``: per-expert views of the stacks for `expert` in a loop, so that the
+    - ``project(p, e, x_NI, weights) -> y_NO``: projection ``p`` (one of `PROJECTIONS`) of expert ``e`` on a
+      batch of its tokens. ``weights`` is what `unbound` (or, without gradients, `decode_weights`) returned,
+      handed in by a loop over experts so that the per-expert views are made once per layer.
+    - ``unbound() -> (gate, up, down)``: per-expert views of the stacks for `project` in a loop, so that the
       loop builds one gradient per stack instead of one full-size gradient per slice (gate None for GELU
-      experts), or Nones for an implementation whose `expert` reads its own weights.
+      experts), or Nones for an implementation whose `project` reads its own weights.
     - ``stacks(dtype=None) -> (gate [E, F, D] or None, up [E, F, D], down [E, D, F])``: the whole stacks in
       ``dtype`` (as stored when None), for the paths that run every expert at once (static, gather).
     - ``resolved_impl(x_TD) -> str``: the path ``forward`` takes when called with ``impl=None``.
@@ -187,7 +251,21 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         )
 
     @abstractmethod
-    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor: ...
+    def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor: ...
+
+    def expert(
+        self, e: int, x_ND: torch.Tensor, weights: tuple | None = None, lora: dict | None = None
+    ) -> torch.Tensor:
+        """Expert ``e`` on a batch of its tokens, as an ordinary FFN; ``lora``: `ExpertLoRA.unbound` views."""
+        weights = weights if weights is not None else self.unbound()
+
+        def proj(p: str, x_NI: torch.Tensor) -> torch.Tensor:
+            y_NO = self.project(p, e, x_NI, weights)
+            delta_NO = ExpertLoRA.delta(lora, p, e, x_NI) if lora else None
+            return y_NO if delta_NO is None else y_NO + delta_NO
+
+        h_gate = proj("gate_proj", x_ND) if self.activation == "swiglu" else None
+        return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_ND)))
 
     @abstractmethod
     def unbound(self) -> tuple: ...
@@ -199,8 +277,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         """What the decode loop hands to `expert` (it takes no gradient): `unbound` unless cheaper exists."""
         return self.unbound()
 
-    def grouped_mm_ok(self, x_TD: torch.Tensor) -> bool:
-        """Whether ``grouped_mm`` can run on ``x_TD`` here (it needs dense stacks)."""
+    def grouped_mm_ok(self, x_TD: torch.Tensor, lora: ExpertLoRA | None = None) -> bool:
+        """Whether ``grouped_mm`` can run on ``x_TD`` (and ``lora``'s ranks) here (it needs dense stacks)."""
         return False
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
@@ -211,42 +289,54 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
         return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
 
-    def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        record: RoutingRecord,
+        impl: str | None = None,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
         if self.uses_decode_path(x_TD, record, impl):
-            return self.forward_decode(x_TD, record)
+            return self.forward_decode(x_TD, record, lora)
         if impl == "reference":
-            return self.forward_reference(x_TD, record)
+            return self.forward_reference(x_TD, record, lora)
         if impl == "static":
-            return self.forward_static(x_TD, record)
+            return self.forward_static(x_TD, record, lora)
         if impl == "gather":
-            return self.forward_gather(x_TD, record)
+            return self.forward_gather(x_TD, record, lora)
         if impl == "sorted":
-            return self.forward_sorted(x_TD, record)
+            return self.forward_sorted(x_TD, record, lora)
         if impl == "grouped_mm":
-            return self.forward_grouped_mm(x_TD, record)
+            return self.forward_grouped_mm(x_TD, record, lora)
         raise ValueError(
             f"unknown expert implementation {impl!r}; choose reference, sorted, grouped_mm, static or gather"
         )
 
     # -------------------------------------------------------------------------------- slow reference
-    def forward_reference(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_reference(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         y_TD = torch.zeros_like(x_TD)
         weights_TK = record.weights_TK.to(x_TD.dtype)
+        views = lora.unbound() if lora is not None else None
         for e in range(self.num_experts):
             token_idx, slot_idx = torch.where((record.expert_ids_TK == e) & ~record.dropped_TK)
             if token_idx.numel() == 0:
                 continue
-            out_ND = self.expert(e, x_TD[token_idx]) * weights_TK[token_idx, slot_idx, None]
+            out_ND = self.expert(e, x_TD[token_idx], lora=views) * weights_TK[token_idx, slot_idx, None]
             y_TD = y_TD.index_add(0, token_idx, out_ND)
         return y_TD
 
     # -------------------------------------------------------------------------------- fast paths
-    def forward_sorted(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_sorted(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         dispatch = ExpertDispatch.of(record, self.num_experts)
         x_AD, weights_A = dispatch.gather(x_TD), dispatch.weights_A.to(x_TD.dtype)
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
+        views = lora.unbound() if lora is not None else None
         counts = dispatch.counts_E.tolist()
         for e, x_ND, t_N, w_N in zip(
             range(self.num_experts),
@@ -255,12 +345,14 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             weights_A.split(counts),
         ):
             if counts[e]:
-                y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights) * w_N[:, None])
+                y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights, views) * w_N[:, None])
         return y_TD
 
-    def forward_grouped_mm(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_grouped_mm(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         """The sorted layout through one grouped matmul per projection; without dense stacks, `forward_sorted`."""
-        return self.forward_sorted(x_TD, record)
+        return self.forward_sorted(x_TD, record, lora)
 
     def uses_decode_path(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str) -> bool:
         return (
@@ -270,7 +362,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             and not (torch.is_grad_enabled() and x_TD.requires_grad)
         )
 
-    def forward_decode(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_decode(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         # Batch-1 decoding is memory-bound: a step costs about the bytes of the weights it reads. The sorted
         # path pays a sort, a host sync and one (mostly empty) matmul per expert, grouped_mm reads its whole
         # stack; here one host sync for the whole layer, then a matmul per distinct chosen expert, on a view
@@ -286,23 +380,35 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
                     slots.append(k)
         y_TD = torch.zeros_like(x_TD)
         weights = self.decode_weights()
+        views = lora.unbound() if lora is not None else None
         T = x_TD.shape[0]
         for e, (toks, slots) in tokens_of.items():
             if len(toks) == T == 1:  # the batch-1 decode step: no gathers at all
-                y_TD = y_TD + self.expert(e, x_TD, weights) * weights_TK[:, slots[0], None]
+                y_TD = y_TD + self.expert(e, x_TD, weights, views) * weights_TK[:, slots[0], None]
                 continue
             t_N = torch.tensor(toks, device=x_TD.device)
             w_N = weights_TK[t_N, torch.tensor(slots, device=x_TD.device)]
-            y_TD = y_TD.index_add(0, t_N, self.expert(e, x_TD.index_select(0, t_N), weights) * w_N[:, None])
+            out_ND = self.expert(e, x_TD.index_select(0, t_N), weights, views)
+            y_TD = y_TD.index_add(0, t_N, out_ND * w_N[:, None])
         return y_TD
 
     # -------------------------------------------------------------------------------- export-friendly
-    def forward_static(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def stacks_with(self, lora: ExpertLoRA | None, dtype: torch.dtype) -> tuple:
+        """`stacks` in ``dtype`` with the LoRA update folded in: for the paths that read whole stacks."""
+        stacks = self.stacks(dtype)
+        if lora is None:
+            return stacks
+        deltas = (lora.dense(p, dtype) for p in PROJECTIONS)
+        return tuple(w if w is None or d is None else w + d for w, d in zip(stacks, deltas))
+
+    def forward_static(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         # the layer as one wide dense FFN of E*F hidden units, each expert's units scaled by its combine
         # weight before the down projection: sum_e c_te down_e(h_te) = down_cat(c_t (x) h_t). Three
         # matmuls whatever E, every expert in the graph, and each weight a plain 2-D matrix (so ONNX
         # Runtime's int8 quantizer gets one per-channel MatMul per projection, not E small ones)
-        gate, up, down = self.stacks(x_TD.dtype)
+        gate, up, down = self.stacks_with(lora, x_TD.dtype)
         E, F_, D = up.shape
         T = x_TD.shape[0]
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
@@ -314,9 +420,11 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         down_DEF = down.transpose(0, 1).reshape(D, E * F_)
         return F.linear(h_TEF.reshape(T, E * F_), down_DEF)
 
-    def forward_gather(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_gather(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
-        gate, up, down = self.stacks(x_TD.dtype)
+        gate, up, down = self.stacks_with(lora, x_TD.dtype)
         ids_TK = record.expert_ids_TK
         gathered = ids_TK.numel() * up[0].numel()
         if gathered > 2**28 and not torch.compiler.is_compiling():
@@ -366,10 +474,8 @@ class GroupedExperts(StackedExperts):
         new.gate_proj, new.up_proj, new.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
         return share_hooks(experts, new)
 
-    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
-        gate, up, down = weights if weights is not None else self.unbound()
-        h_gate = F.linear(x_ND, gate[e]) if gate is not None else None
-        return F.linear(ffn_act(self.activation, h_gate, F.linear(x_ND, up[e])), down[e])
+    def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
+        return F.linear(x_NI, weights[PROJECTIONS.index(p)][e])
 
     def stacks(self, dtype: torch.dtype | None = None) -> tuple:
         stacks = self.gate_proj, self.up_proj, self.down_proj
@@ -382,16 +488,22 @@ class GroupedExperts(StackedExperts):
     def decode_weights(self) -> tuple:
         return self.gate_proj, self.up_proj, self.down_proj  # indexing a stack is a view: nothing to unbind
 
-    def grouped_mm_ok(self, x_TD: torch.Tensor) -> bool:
+    def grouped_mm_ok(self, x_TD: torch.Tensor, lora: ExpertLoRA | None = None) -> bool:
         E, F_, D = self.up_proj.shape
-        return grouped_mm_supported(x_TD, F_, D)
+        return grouped_mm_supported(x_TD, F_, D, *(lora.ranks() if lora is not None else ()))
 
-    def forward_grouped_mm(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
+    def forward_grouped_mm(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
+        if lora is not None and not self.grouped_mm_ok(x_TD, lora):  # a rank of the wrong width for it
+            return self.forward_sorted(x_TD, record, lora)
         dispatch = ExpertDispatch.of(record, self.num_experts)
         offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
-        return dispatch.combine(self._grouped_ffn(dispatch.gather(x_TD), offs_E), x_TD)
+        return dispatch.combine(self._grouped_ffn(dispatch.gather(x_TD), offs_E, lora), x_TD)
 
-    def _grouped_ffn(self, x_AD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    def _grouped_ffn(
+        self, x_AD: torch.Tensor, offs_E: torch.Tensor, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
         device = x_AD.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
 
@@ -401,5 +513,10 @@ class GroupedExperts(StackedExperts):
                 out.register_hook(lambda g: g.contiguous())
             return out
 
-        h_gate = gmm(x_AD, self.gate_proj) if self.gate_proj is not None else None
-        return gmm(ffn_act(self.activation, h_gate, gmm(x_AD, self.up_proj)), self.down_proj)
+        def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
+            y_AO = gmm(x_AI, getattr(self, p))
+            delta_AO = lora.grouped_delta(p, x_AI, gmm) if lora is not None else None
+            return y_AO if delta_AO is None else y_AO + delta_AO
+
+        h_gate = proj("gate_proj", x_AD) if self.gate_proj is not None else None
+        return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_AD)))

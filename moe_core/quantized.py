@@ -29,11 +29,9 @@ from torch import nn
 from moe_core.config import MoEConfig
 from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError, weight_mismatch
-from moe_core.experts import GroupedExperts, StackedExperts, ffn_act
+from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class QuantizationError(MoELabError):
@@ -263,11 +261,8 @@ class QuantizedExperts(StackedExperts):
         stacks = (self.dequantized_stack(p) for p in PROJECTIONS)
         return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
 
-    def expert(self, e: int, x_ND: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
-        gate = self.weight("gate_proj", e, x_ND.dtype)
-        h_gate = F.linear(x_ND, gate) if gate is not None else None
-        h_up = F.linear(x_ND, self.weight("up_proj", e, x_ND.dtype))
-        return F.linear(ffn_act(self.activation, h_gate, h_up), self.weight("down_proj", e, x_ND.dtype))
+    def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
+        return F.linear(x_NI, self.weight(p, e, x_NI.dtype))
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:

@@ -3,10 +3,12 @@ a task-conditioned router bias. Everything is applied to the model from outside 
 
 Legend: L = MoE layers, N = tasks, E = experts, T = tokens, B = sequences, r = LoRA rank.
 
-LoRA on the experts goes through PEFT's ``target_parameters`` (`peft.tuners.lora.layer.ParamWrapper`), which
-adapts a stacked ``[E, out, in]`` parameter with per-expert factors: ``lora_A`` is ``[E*r, in]`` (expert e owns
-rows ``e*r .. e*r+r-1``) and ``lora_B`` is ``[out, r*E]`` (expert e owns columns ``e, E+e, 2E+e, ...``), so
-``delta_e = scale * B_e @ A_e``. PEFT always adapts every expert of the stack. For a subset (a chosen list, ESFT,
+LoRA on the experts is a PEFT adapter over PEFT's ``target_parameters`` (`peft.tuners.lora.layer.ParamWrapper`),
+which adapts a stacked ``[E, out, in]`` parameter with per-expert factors: ``lora_A`` is ``[E*r, in]`` (expert e
+owns rows ``e*r .. e*r+r-1``) and ``lora_B`` is ``[out, r*E]`` (expert e owns columns ``e, E+e, 2E+e, ...``), so
+``delta_e = scale * B_e @ A_e``. Its forward is ours (`moe_core.finetune.expert_lora.ParamWrapper`): the
+update is applied on the tokens routed to each expert, never as a dense delta weight. PEFT always adapts every
+expert of the stack. For a subset (a chosen list, ESFT,
 or all but the frozen experts) `ExpertLoraMask` zeroes the other experts' rows of A and columns of B and masks
 their gradients to zero: their delta stays exactly zero, so they are bitwise unchanged by merging, and the
 adapter is still an ordinary PEFT adapter that PEFT loads (the unused factors are stored as zeros).
@@ -28,10 +30,10 @@ from typing import Any
 
 import torch
 
+from moe_core.experts import PROJECTIONS
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
 
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -205,7 +207,7 @@ def lora_targets(
                 rf"model\.layers\.({'|'.join(map(str, dense))})\.mlp\.(gate_proj|up_proj|down_proj)"
             )
     target_modules = "|".join(f"(?:{p})" for p in patterns) or None
-    projs = EXPERT_PROJS if model_config.ffn_activation == "swiglu" else ("up_proj", "down_proj")
+    projs = PROJECTIONS if model_config.ffn_activation == "swiglu" else ("up_proj", "down_proj")
     target_parameters = [
         f"model.layers.{layer}.mlp.experts.{proj}"
         for layer, ids in sorted((expert_selection or {}).items())
@@ -216,10 +218,16 @@ def lora_targets(
     return target_modules, target_parameters, modules_to_save
 
 
-def apply_lora(model, config: FinetuneConfig, expert_selection: dict[int, list[int]] | None):
-    """Wrap ``model`` with PEFT LoRA; returns ``(peft_model, ExpertLoraMask or None)``."""
+def apply_lora(
+    model, config: FinetuneConfig, expert_selection: dict[int, list[int]] | None, *, routed: bool = True
+):
+    """Wrap ``model`` with PEFT LoRA; returns ``(peft_model, ExpertLoraMask or None)``. ``routed``: the expert
+    stacks' LoRA runs on the routed tokens (`expert_lora.ParamWrapper`); False: PEFT's own ``ParamWrapper``
+    forward (a dense delta per stack and step: the reference the parity tests compare with)."""
     # lazy: peft, an optional heavy dependency, is needed only for LoRA
     from peft import LoraConfig, get_peft_model
+
+    from moe_core.finetune import expert_lora
 
     target_modules, target_parameters, modules_to_save = lora_targets(config, model.config, expert_selection)
     if target_modules is None and not target_parameters:
@@ -236,6 +244,8 @@ def apply_lora(model, config: FinetuneConfig, expert_selection: dict[int, list[i
         target_parameters=target_parameters or None,
         modules_to_save=modules_to_save or None,
     )
+    if routed:
+        expert_lora.register(peft_config)
     peft_model = get_peft_model(model, peft_config)
     mask = None
     if target_parameters:
@@ -255,7 +265,7 @@ class ExpertRowFreeze:
         layers = unwrap(model).model.layers
         for layer, ids in self.frozen.items():
             experts = layers[layer].mlp.experts
-            for proj in EXPERT_PROJS:
+            for proj in PROJECTIONS:
                 param = getattr(experts, proj, None)
                 if param is None or not param.requires_grad:
                     continue

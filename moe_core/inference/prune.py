@@ -53,14 +53,12 @@ from moe_core.analytics.profile import RouterProfile
 from moe_core.config import MoEConfig
 from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
-from moe_core.experts import GroupedExperts
+from moe_core.experts import PROJECTIONS, GroupedExperts
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import PRUNE_FILE, load
 from moe_core.model import MoEForCausalLM
 from moe_core.routing import pruned_mass_matters
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class PruneError(MoELabError):

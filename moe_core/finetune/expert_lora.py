@@ -1,0 +1,94 @@
+"""LoRA on the stacked experts that costs what the routed tokens cost: PEFT's adapter, our forward.
+
+An expert stack ``[E, O, I]`` is adapted the way PEFT adapts any stacked parameter (``target_parameters``,
+`peft.tuners.lora.layer.ParamWrapper`): ``lora_A`` is ``[E*R, I]``, ``lora_B`` is ``[O, R*E]``, and one wrapper
+per projection, nested. This module's `ParamWrapper` is that wrapper with the same constructor, parameters, initialization,
+state-dict keys, merge and unmerge, so the adapter a run saves is an ordinary PEFT adapter and stock PEFT loads it
+(with its own, slower forward). Only the forward differs:
+
+- PEFT's forward parametrizes the stack as ``W + s B A``, which forms (and keeps for backward) the full
+  ``[E, O, I]`` delta of every projection at every step, for all E experts, routed to or not;
+- ours gathers the factors of every projection of the nest into one `moe_core.experts.ExpertLoRA` and calls the
+  expert module once with it, which applies ``s (x A_e^T) B_e^T`` per expert on the tokens routed there (the
+  sorted and grouped_mm paths; `moe_core.experts` docstring). Cost: ``2 R (I + O)`` FLOPs per routed assignment
+  and projection, and ``[N, R]`` activations kept for backward, against ``E O I`` for the delta.
+
+PEFT's switches keep their meaning: ``disable_adapter()`` (the DPO reference forward) runs the base experts,
+merged adapters are not applied twice, several active adapters add up. `tests/test_expert_lora.py` holds this
+forward equal to PEFT's own in outputs and gradients.
+
+Reach into PEFT (peft 0.21, `peft/tuners/lora/layer.py` ``ParamWrapper`` and `peft/tuners/lora/config.py`
+``LoraConfig._register_custom_module``, PEFT's documented experimental hook for custom LoRA layers): this module
+is the one place; `tests/test_expert_lora.py::test_peft_seam` fails loudly when PEFT changes what it relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora import layer as peft_lora
+
+from moe_core.experts import ExpertLoRA, StackedExperts
+
+
+class ParamWrapper(peft_lora.ParamWrapper):
+    """PEFT's ``ParamWrapper`` for one projection of a `StackedExperts`, with a routed-token forward.
+
+    Named as PEFT's own on purpose: PEFT 0.21 recognizes a wrapper it may nest another parameter's wrapper into
+    by its class name (``__class__.__name__ == "ParamWrapper"`` in `peft/tuners/tuners_utils.py`)."""
+
+    def __init__(self, base_layer, adapter_name: str, parameter_name: str | None = None, **kwargs) -> None:
+        if parameter_name is None:
+            raise ValueError(
+                "expert_lora.ParamWrapper adapts an expert stack named in LoraConfig.target_parameters; "
+                "target the experts module's gate_proj / up_proj / down_proj, not the module"
+            )
+        super().__init__(base_layer, adapter_name, parameter_name=parameter_name, **kwargs)
+        if not self._did_swap_in_out_features:  # our stacks are [E, O, I], as nn.Linear weights
+            raise ValueError(f"{parameter_name}: expected an [E, out, in] expert stack")
+
+    def nest(self) -> list[ParamWrapper]:
+        """This wrapper and the ones it wraps, outermost first (one per adapted projection)."""
+        chain, layer = [], self
+        while isinstance(layer, ParamWrapper):
+            chain.append(layer)
+            layer = layer.base_layer
+        return chain
+
+    def expert_lora(self) -> ExpertLoRA | None:
+        """The active, unmerged factors of every projection in the nest; None when there are none."""
+        factors: dict[str, tuple] = {}
+        for wrapper in self.nest():
+            if wrapper.merged:
+                continue
+            adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+            per_adapter = []
+            for adapter in adapters:
+                B_EOR, A_ERI, scale = wrapper.get_delta_factors(adapter)  # delta_e = scale * B_e @ A_e
+                per_adapter.append((A_ERI, B_EOR.contiguous(), scale))
+            if per_adapter:
+                factors[wrapper.parameter_name] = tuple(per_adapter)
+        return ExpertLoRA(factors) if factors else None
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        if kwargs.pop("adapter_names", None) is not None:
+            raise ValueError("LoRA on expert stacks does not support mixed adapter batches")
+        experts = self.get_base_layer()
+        if self.disable_adapters:
+            for wrapper in self.nest():
+                if wrapper.merged:
+                    wrapper.unmerge()
+            return experts(x, *args, **kwargs)
+        return experts(x, *args, lora=self.expert_lora(), **kwargs)
+
+    def __repr__(self) -> str:
+        return "routed_" + super().__repr__()
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """Make ``config`` adapt every `StackedExperts` stack it targets with `ParamWrapper`."""
+    config._register_custom_module({StackedExperts: ParamWrapper})
+    return config

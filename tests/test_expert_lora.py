@@ -1,0 +1,198 @@
+"""LoRA on the expert stacks, computed on the routed tokens (`moe_core.finetune.expert_lora`), against PEFT's own
+``ParamWrapper`` forward (a dense delta per stack): equal outputs and gradients, the same adapter on disk, PEFT's
+switches honoured, and no [E, O, I] tensor formed in the forward."""
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+from peft.tuners.lora import layer as peft_lora
+from safetensors.torch import load_file
+
+from moe_core.experts import PROJECTIONS, ExpertLoRA, StackedExperts
+from moe_core.finetune import FinetuneConfig, expert_lora
+from moe_core.finetune.export import merged_model
+from moe_core.finetune.methods import apply_lora, apply_method
+from tests.finetune_helpers import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+LORA = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj", "v_proj"]}}
+
+
+def randomize_lora(model, seed: int = 1) -> None:
+    """Non-zero factors everywhere (PEFT initializes B to zero, which would hide every difference)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+
+
+def adapted_pair(preset: str = "mixtral-tiny", selection=None, **overrides):
+    """The same base model and factors, wrapped with our forward and with PEFT's."""
+    config = FinetuneConfig.build(LORA)
+    selection = selection or {
+        layer: list(range(4)) for layer in tiny_model(preset, **overrides).config.moe_layer_ids
+    }
+    ours, _ = apply_lora(tiny_model(preset, **overrides), config, selection)
+    peft, _ = apply_lora(tiny_model(preset, **overrides), config, selection, routed=False)
+    randomize_lora(ours)
+    randomize_lora(peft)
+    return ours, peft
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "switch-tiny"])
+@pytest.mark.parametrize("impl", ["reference", "sorted", "grouped_mm", "static", "gather"])
+def test_routed_lora_equals_peft_in_forward_and_backward(preset, impl):
+    top_k = {"num_experts_per_tok": 1, "router_jitter": 0.0} if preset == "switch-tiny" else {}
+    ours, peft = adapted_pair(preset, expert_impl=impl, **top_k)
+    assert isinstance(ours.base_model.model.model.layers[0].mlp.experts, expert_lora.ParamWrapper)
+    assert type(peft.base_model.model.model.layers[0].mlp.experts) is peft_lora.ParamWrapper
+    x = torch.randint(0, 300, (3, 10))
+    for model in (ours, peft):
+        model(input_ids=x, labels=x).loss.backward()
+    torch.testing.assert_close(ours(input_ids=x).logits, peft(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+    ours_grads, peft_grads = lora_grads(ours), lora_grads(peft)
+    assert ours_grads.keys() == peft_grads.keys()
+    assert any(".experts." in n for n in ours_grads)
+    for name, grad in ours_grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_adapter_on_disk_is_peft_s_and_stock_peft_loads_it(tmp_path):
+    ours, peft = adapted_pair()
+    ours.save_pretrained(tmp_path / "ours")
+    peft.save_pretrained(tmp_path / "peft")
+    saved = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    reference = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert saved.keys() == reference.keys()
+    for key in saved:
+        assert saved[key].shape == reference[key].shape, key
+    assert any("experts.base_layer.base_layer.lora_A" in k for k in saved)  # three nested projections
+    # stock PEFT (its own ParamWrapper forward) on a fresh base gives our logits
+    stock = PeftModel.from_pretrained(tiny_model(), tmp_path / "ours")
+    assert type(stock.base_model.model.model.layers[0].mlp.experts) is peft_lora.ParamWrapper
+    x = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(input_ids=x).logits, ours(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_disable_adapter_runs_the_base_and_merging_applies_the_update_once():
+    base = tiny_model()
+    ours, _ = adapted_pair()
+    x = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        plain = base(input_ids=x).logits
+        adapted = ours(input_ids=x).logits
+        assert not torch.allclose(adapted, plain, atol=1e-3)
+        with ours.disable_adapter():  # the DPO reference forward
+            torch.testing.assert_close(ours(input_ids=x).logits, plain, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours(input_ids=x).logits, adapted)
+        ours.merge_adapter()  # merged: the wrappers must not add the update a second time
+        torch.testing.assert_close(ours(input_ids=x).logits, adapted, atol=1e-5, rtol=1e-5)
+        ours.unmerge_adapter()
+        torch.testing.assert_close(ours(input_ids=x).logits, adapted, atol=1e-5, rtol=1e-5)
+        merged = merged_model(ours)
+        torch.testing.assert_close(merged(input_ids=x).logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_two_active_adapters_add_up():
+    ours, peft = adapted_pair()
+    for model in (ours, peft):
+        model.add_adapter("second", model.peft_config["default"])
+    randomize_lora(ours, seed=7)
+    peft.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        for model in (ours, peft):
+            model.base_model.set_adapter(["default", "second"])
+        torch.testing.assert_close(ours(input_ids=x).logits, peft(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_forward_forms_no_expert_sized_tensor():
+    """What autograd keeps for backward, other than the weights themselves, is never held in storage the size
+    of a whole [E, O, I] stack: PEFT's forward keeps one adapted stack per projection."""
+
+    def largest_saved(model) -> int:
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        largest = 0
+
+        def pack(t):
+            nonlocal largest
+            if t.untyped_storage().data_ptr() not in weights:
+                largest = max(largest, t.untyped_storage().nbytes() // t.element_size())
+            return t
+
+        x = torch.randint(0, 300, (1, 6))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=x, labels=x).loss.backward()
+        return largest
+
+    overrides = dict(num_experts=16, expert_intermediate_size=64, hidden_size=64, expert_impl="sorted")
+    selection = {layer: list(range(16)) for layer in (0, 1)}
+    config = FinetuneConfig.build(LORA)
+    ours, _ = apply_lora(tiny_model(**overrides), config, selection)
+    peft, _ = apply_lora(tiny_model(**overrides), config, selection, routed=False)
+    stack = 16 * 64 * 64
+    assert largest_saved(peft) >= stack  # the dense delta (so the probe sees what it should)
+    assert largest_saved(ours) < stack // 8
+
+
+def test_esft_style_subset_keeps_other_experts_at_zero_on_the_routed_path():
+    config = FinetuneConfig.build(
+        {"lora": {"r": 2, "experts": "list", "expert_ids": {0: [1], 1: [0, 3]}, "attention": []}}
+    )
+    model, plan = apply_method(tiny_model(), config)
+    assert isinstance(model.base_model.model.model.layers[0].mlp.experts, expert_lora.ParamWrapper)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    x = torch.randint(0, 300, (4, 12))
+    for _ in range(3):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    wrapper = model.base_model.model.model.layers[0].mlp.experts
+    B_EOR, A_ERI, _ = wrapper.get_delta_factors("default")
+    assert A_ERI[1].abs().sum() > 0 and B_EOR[1].abs().sum() > 0
+    for e in (0, 2, 3):
+        assert A_ERI[e].abs().sum() == 0 and B_EOR[e].abs().sum() == 0
+
+
+def test_a_rank_grouped_mm_cannot_take_falls_back_to_the_sorted_path():
+    experts = tiny_model(expert_impl="grouped_mm").model.layers[0].mlp.experts
+    x_TD = torch.randn(8, 32)
+    gen = torch.Generator().manual_seed(0)
+    lora = ExpertLoRA(
+        {
+            p: ((torch.randn(4, 3, 32, generator=gen), torch.randn(4, 32, 3, generator=gen), 0.5),)
+            for p in PROJECTIONS
+        }
+    )
+    assert not experts.grouped_mm_ok(x_TD, lora)  # rank 3 in fp32: 12-byte rows
+    record = tiny_model().model.layers[0].mlp.router(x_TD)
+    torch.testing.assert_close(
+        experts(x_TD, record, impl="grouped_mm", lora=lora),
+        experts(x_TD, record, impl="reference", lora=lora),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_peft_seam():
+    """What `moe_core.finetune.expert_lora` relies on in PEFT (0.21): fails loudly on an upgrade that moves it."""
+    assert callable(getattr(LoraConfig, "_register_custom_module", None))
+    for member in ("get_delta_factors", "get_delta_weight", "merge", "unmerge", "_check_forward_args"):
+        assert callable(getattr(peft_lora.ParamWrapper, member, None)), member
+    model, _ = apply_lora(tiny_model(), FinetuneConfig.build(LORA), {0: [0, 1], 1: [2]})
+    wrapper = model.base_model.model.model.layers[0].mlp.experts
+    nest = wrapper.nest()
+    assert [w.parameter_name for w in nest] == ["down_proj", "up_proj", "gate_proj"]
+    assert isinstance(nest[-1].base_layer, StackedExperts)
+    assert all(w._did_swap_in_out_features for w in nest)  # [E, out, in] stacks read as such
+    E, F_, D = nest[0].get_base_layer().down_proj.shape
+    B_EOR, A_ERI, scale = nest[0].get_delta_factors("default")
+    assert B_EOR.shape == (E, F_, 4) and A_ERI.shape == (E, 4, D) and scale == 2.0
+    torch.testing.assert_close(nest[0].get_delta_weight("default"), scale * B_EOR @ A_ERI)
