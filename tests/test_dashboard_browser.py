@@ -15,9 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from playwright.sync_api import sync_playwright
 
 from dashboard.server import create_app
+from moe_core import MoEForCausalLM, get_config
+from moe_core.analytics.profile import TOKEN_CLASSES, collect_profile
 from moe_core.cli import main
 from moe_core.eval.prompts import PROMPTS
 from moe_core.train import read_jsonl
@@ -192,7 +195,16 @@ def test_live_run_in_the_browser(tmp_path):
                 bars = colour_bars(page, f'.heatmap[data-title*="{kind}"]')
                 assert len(bars) == 2, kind
                 assert_one_scale(bars, label)
-                own_max = [max(v for row in L[key] for v in row if v is not None) for L in profile["layers"]]
+                # co-activation's diagonal is 1 by definition: blank, so the scale shows the pairs
+                own_max = [
+                    max(
+                        v
+                        for i, row in enumerate(L[key])
+                        for j, v in enumerate(row)
+                        if v is not None and (i != j)
+                    )
+                    for L in profile["layers"]
+                ]
                 assert bars[0]["hi"] == pytest.approx(max(own_max)), (kind, own_max)
             # ... and the token-to-expert view of the project's prompt set: tokens x MoE layers, top-k on hover
             table = "[data-testid=prompt-routing] table.tokens"
@@ -258,4 +270,34 @@ def test_the_app_opens_on_the_trained_run_with_its_baseline_one_click_away(tmp_p
         compare = page.get_attribute("[data-tab=compare]", "href")
         assert compare == f"#/compare/{ids['lifecycle/pretrain']},{ids['lifecycle/dense-active']}"
         assert "dense baseline" in page.inner_text("a.run[data-run='lifecycle/dense-active']")
+        browser.close()
+
+
+def test_a_top1_run_says_its_coactivation_is_the_diagonal_instead_of_drawing_it(tmp_path):
+    """A top-1 router sends each token to one expert: its co-activation maps would be the diagonal by
+    construction, so the Specialization page says so instead of drawing them; the other maps keep their
+    labelled colour bars on one scale."""
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("switch-tiny", vocab_size=64)).eval()
+    run = tmp_path / "runs" / "switch"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    classes_V = torch.arange(64) % len(TOKEN_CLASSES)
+    profile = collect_profile(model, [torch.randint(0, 64, (4, 16))], token_classes_V=classes_V)
+    profile.to_dir(run / "analysis" / "profile")
+    assert len(profile.layers) > 1
+    with serve(create_app([tmp_path / "runs"])) as url, sync_playwright() as p:
+        run_id = wait_for_run(url, "switch", routing=False)
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{url}/#/specialization/{run_id}")
+        page.wait_for_selector("[data-testid=mi-table]")
+        assert "top-1" in page.inner_text("[data-testid=coactivation-note]")
+        assert page.locator('.heatmap[data-title*="co-activation"]').count() == 0
+        classes = colour_bars(page, '.heatmap[data-title*="token class"]')
+        assert len(classes) == len(profile.layers)
+        assert_one_scale(classes, "share of the expert's routed slots in this token class")
+        assert not errors, errors
         browser.close()
