@@ -83,3 +83,44 @@ def test_token_routing_uses_one_scale_with_a_colour_bar():
     L = len(model.config.moe_layer_ids)
     assert len(images) == L and len({image.get_clim() for image in images}) == 1
     assert len(plot.figure.axes) == L + 1  # the layers and one colour bar
+
+
+# what each heatmap's colour bar must say: the value its colours stand for
+HEATMAP_LABELS = {
+    "expert_load": "share of the layer's kept slots",
+    "coactivation": "fraction of tokens",
+    "token_routing": "router probability",
+}
+
+
+def test_every_heatmap_has_a_labelled_colour_bar_and_one_scale_per_figure(rendered):
+    """A heatmap without a colour bar does not say what a colour means, and maps compared in one figure on
+    their own scales make equal colours different values: each figure's images share one clim, shown by one
+    labelled colour bar, in the PNG and in the interactive HTML alike."""
+    _, _, plots = rendered
+    drawn = set()
+    for name, plot in plots.items():
+        images = [image for ax in plot.figure.axes for image in ax.get_images()]
+        if not images:
+            continue
+        drawn.add(name)
+        bars = [image.colorbar for image in images if image.colorbar is not None]
+        assert len(bars) == 1, f"{name}: {len(bars)} colour bars for {len(images)} maps"
+        assert bars[0].ax.get_ylabel() == HEATMAP_LABELS[name], name
+        assert len({image.get_clim() for image in images}) == 1, f"{name}: maps on different scales"
+        lo, hi = images[0].get_clim()
+        assert lo == 0.0 and hi > 0.0 and bars[0].mappable.get_clim() == (lo, hi), name
+        # the interactive version: a titled colour bar, every map on the same colour range as the PNG
+        pfig = plot.interactive
+        traces = [t for t in pfig.data if t.type == "heatmap"]
+        assert traces, name
+        if len(traces) == 1 and traces[0].coloraxis is None:
+            trace = traces[0]
+            assert trace.colorbar.title.text == HEATMAP_LABELS[name], name
+            assert trace.zmin == 0.0, name
+        else:
+            assert {t.coloraxis for t in traces} == {"coloraxis"}, name
+            axis = pfig.layout.coloraxis
+            assert axis.colorbar.title.text == HEATMAP_LABELS[name], name
+            assert (axis.cmin, axis.cmax) == pytest.approx((lo, hi)), name
+    assert drawn == set(HEATMAP_LABELS)

@@ -1,7 +1,8 @@
 """The dashboard in a real browser: headless Chromium (Debian's /usr/bin/chromium, driven by Playwright for
 Python) watching a real training run. The routing heatmap and the loss chart gain points while the run
 advances, the injected dead expert raises the alert on the page, the compare page overlays two runs, and the
-Inference page shows what `moe-lab generate --events` wrote.
+Inference page shows what `moe-lab generate --events` wrote. Every heatmap has a colour bar saying what a
+colour means, and heatmaps shown for comparison (one run's layers) share one colour domain.
 Screenshots go to the test's temporary directory (or $MOE_LAB_SCREENSHOTS)."""
 
 import json
@@ -14,9 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from playwright.sync_api import sync_playwright
 
 from dashboard.server import create_app
+from moe_core import MoEForCausalLM, get_config
+from moe_core.analytics.profile import TOKEN_CLASSES, collect_profile
 from moe_core.cli import main
 from moe_core.eval.prompts import PROMPTS
 from moe_core.train import read_jsonl
@@ -80,6 +84,33 @@ def grows(page, selector: str, name: str, by: int = 3, timeout_ms: int = 30000) 
     return before, attr(page, selector, name)
 
 
+def colour_bars(page, selector: str) -> list[dict]:
+    """The colour bar of each heatmap matching ``selector``, read in one go (a live page may redraw between
+    two reads): its domain, whether it is shared, its label, its drawn tick labels and its caption."""
+    return page.eval_on_selector_all(
+        selector,
+        """hs => hs.map(h => {
+             const c = h.querySelector('[data-testid=colorbar]');
+             return c && { title: h.dataset.title, lo: +c.dataset.lo, hi: +c.dataset.hi, scale: c.dataset.scale,
+                           label: c.dataset.label, ticks: [...c.querySelectorAll('[data-tick]')].map(t => t.textContent),
+                           text: c.innerText };
+           })""",
+    )
+
+
+def assert_one_scale(bars: list[dict], label: str, diverging: bool = False) -> None:
+    """Each bar is drawn, labelled with ``label``, says its scale is shared, and all have one domain whose
+    ends are the drawn ticks."""
+    assert bars and all(bars), bars  # every heatmap has a colour bar
+    for b in bars:
+        assert label in b["label"] and label in b["text"], b
+        assert b["scale"] == "shared" and "one scale for" in b["text"], b
+        assert [float(t) for t in b["ticks"]] == pytest.approx([b["lo"], b["hi"]], rel=1e-2), b
+    assert len({(b["lo"], b["hi"]) for b in bars}) == 1, bars  # one domain: equal colours, equal values
+    lo, hi = bars[0]["lo"], bars[0]["hi"]
+    assert (lo == -hi < 0) if diverging else (lo == 0 < hi), bars
+
+
 def test_live_run_in_the_browser(tmp_path):
     assert os.access(CHROMIUM, os.X_OK), f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
     shots = Path(os.environ.get("MOE_LAB_SCREENSHOTS") or tmp_path / "screenshots")
@@ -121,6 +152,14 @@ def test_live_run_in_the_browser(tmp_path):
             )
             assert "dead expert" in page.inner_text("[data-testid=alerts]")
             page.wait_for_selector('.heatmap[data-title^="layer 0: aux-free bias"]')
+            # ... every layer's load map and the "now" map on one colour scale, the bias maps on another
+            loads = colour_bars(page, '.heatmap[data-title*="expert load"], .heatmap[data-title^="now:"]')
+            assert len(loads) == 3  # mixtral-tiny: 2 MoE layers, and the "now" map
+            assert_one_scale(loads, "share of the layer's routed slots (uniform = 1/8")
+            assert loads[0]["hi"] <= 1
+            biases = colour_bars(page, '.heatmap[data-title*="aux-free bias"]')
+            assert len(biases) == 2
+            assert_one_scale(biases, "aux-free bias", diverging=True)
             page.screenshot(path=str(shots / "routing.png"), full_page=True)
 
             # Run: the loss chart gains points
@@ -147,6 +186,26 @@ def test_live_run_in_the_browser(tmp_path):
             classes = page.locator('.heatmap[data-title*="token class"]')
             assert classes.count() == 2  # one per MoE layer
             assert int(classes.first.get_attribute("data-columns")) > 1  # a column per token class
+            # ... each kind of map on one colour scale over the layers: the largest value of any layer's map
+            profile = json.load(urllib.request.urlopen(f"{url}/api/runs/{base_id}/specialization"))["profile"]
+            for kind, key, label in [
+                ("token class", "class_share", "share of the expert's routed slots in this token class"),
+                ("co-activation", "coactivation", "P(column expert used | row expert used)"),
+            ]:
+                bars = colour_bars(page, f'.heatmap[data-title*="{kind}"]')
+                assert len(bars) == 2, kind
+                assert_one_scale(bars, label)
+                # co-activation's diagonal is 1 by definition: blank, so the scale shows the pairs
+                own_max = [
+                    max(
+                        v
+                        for i, row in enumerate(L[key])
+                        for j, v in enumerate(row)
+                        if v is not None and (i != j)
+                    )
+                    for L in profile["layers"]
+                ]
+                assert bars[0]["hi"] == pytest.approx(max(own_max)), (kind, own_max)
             # ... and the token-to-expert view of the project's prompt set: tokens x MoE layers, top-k on hover
             table = "[data-testid=prompt-routing] table.tokens"
             page.wait_for_selector(table, timeout=60000)
@@ -211,4 +270,34 @@ def test_the_app_opens_on_the_trained_run_with_its_baseline_one_click_away(tmp_p
         compare = page.get_attribute("[data-tab=compare]", "href")
         assert compare == f"#/compare/{ids['lifecycle/pretrain']},{ids['lifecycle/dense-active']}"
         assert "dense baseline" in page.inner_text("a.run[data-run='lifecycle/dense-active']")
+        browser.close()
+
+
+def test_a_top1_run_says_its_coactivation_is_the_diagonal_instead_of_drawing_it(tmp_path):
+    """A top-1 router sends each token to one expert: its co-activation maps would be the diagonal by
+    construction, so the Specialization page says so instead of drawing them; the other maps keep their
+    labelled colour bars on one scale."""
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("switch-tiny", vocab_size=64)).eval()
+    run = tmp_path / "runs" / "switch"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    classes_V = torch.arange(64) % len(TOKEN_CLASSES)
+    profile = collect_profile(model, [torch.randint(0, 64, (4, 16))], token_classes_V=classes_V)
+    profile.to_dir(run / "analysis" / "profile")
+    assert len(profile.layers) > 1
+    with serve(create_app([tmp_path / "runs"])) as url, sync_playwright() as p:
+        run_id = wait_for_run(url, "switch", routing=False)
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{url}/#/specialization/{run_id}")
+        page.wait_for_selector("[data-testid=mi-table]")
+        assert "top-1" in page.inner_text("[data-testid=coactivation-note]")
+        assert page.locator('.heatmap[data-title*="co-activation"]').count() == 0
+        classes = colour_bars(page, '.heatmap[data-title*="token class"]')
+        assert len(classes) == len(profile.layers)
+        assert_one_scale(classes, "share of the expert's routed slots in this token class")
+        assert not errors, errors
         browser.close()

@@ -149,7 +149,7 @@ def plot_expert_load(profile: RouterProfile, out_dir: str | Path | None = None) 
                     fontsize=7,
                     color="white" if share_LE[i, j] < share_LE.max() * 0.6 else "black",
                 )
-    fig.colorbar(image, ax=ax, label="share")
+    fig.colorbar(image, ax=ax, label="share of the layer's kept slots")
     hover = [
         [
             f"{labels[i]}, expert {j}<br>share {share_LE[i, j]:.4f}<br>slots {profile.layers[i].kept_E[j]}"
@@ -163,9 +163,10 @@ def plot_expert_load(profile: RouterProfile, out_dir: str | Path | None = None) 
             x=list(range(E)),
             y=labels,
             colorscale="Viridis",
+            zmin=0.0,
             text=hover,
             hoverinfo="text",
-            colorbar={"title": "share"},
+            colorbar={"title": {"text": "share of the layer's kept slots"}},
         )
     )
     pfig.update_layout(
@@ -215,7 +216,13 @@ def plot_coactivation(profile: RouterProfile, out_dir: str | Path | None = None)
             col=k % cols + 1,
         )
     pfig.update_layout(
-        title="Co-activation (fraction of tokens routed to both experts)", coloraxis={"colorscale": "Magma"}
+        title="Co-activation (fraction of tokens routed to both experts)",
+        coloraxis={
+            "colorscale": "Magma",
+            "cmin": 0.0,
+            "cmax": vmax,
+            "colorbar": {"title": {"text": "fraction of tokens"}},
+        },
     )
     return _finish("coactivation", fig, pfig, out_dir)
 
@@ -432,7 +439,12 @@ def plot_token_routing(
     fig.colorbar(image, ax=list(axes), label="router probability", fraction=0.02)
     pfig.update_layout(
         title="Token-to-expert routing",
-        coloraxis={"colorscale": "Blues", "cmin": 0, "cmax": 1},
+        coloraxis={
+            "colorscale": "Blues",
+            "cmin": 0.0,
+            "cmax": vmax,
+            "colorbar": {"title": {"text": "router probability"}},
+        },
         height=260 * L + 120,
     )
     return _finish("token_routing", fig, pfig, out_dir)
