@@ -260,8 +260,9 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
             A_RI, B_OR = A_ERI[e], B_ORE[:, :, e]
             if not (A_RI.any() or B_OR.any()):
                 continue  # an expert the adapter does not train: delta exactly zero
-            tensors[f"{PREFIX}{hf}.lora_A.weight"] = A_RI.clone()
-            tensors[f"{PREFIX}{hf}.lora_B.weight"] = B_OR.contiguous()
+            # copies: B_OR is a strided view, and safetensors refuses tensors that share storage
+            tensors[f"{PREFIX}{hf}.lora_A.weight"] = A_RI.clone(memory_format=torch.contiguous_format)
+            tensors[f"{PREFIX}{hf}.lora_B.weight"] = B_OR.clone(memory_format=torch.contiguous_format)
             lora_targets.add(hf)
     if not lora_targets:
         raise AdapterConversionError("the adapter has no non-zero LoRA factors to save")
