@@ -179,6 +179,23 @@ def test_our_adapter_loads_in_stock_peft_on_the_hf_model_with_our_logits(hf_dirs
     assert_same(logits(loaded.model), logits(stock.merge_and_unload()))
 
 
+def test_a_failed_save_leaves_the_earlier_adapter_untouched(hf_dirs, tmp_path, monkeypatch):
+    peft_model, plan = our_adapted_model(hf_dirs["olmoe"], OUR_ADAPTERS["olmoe"])
+    adapter_dir = save_adapter(peft_model, tmp_path / "adapter", plan)
+    before = load_file(adapter_dir / "adapter_model.safetensors")
+
+    def half_written(model, out_dir):
+        (out_dir / "adapter_model.safetensors").write_bytes(b"torn")
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("moe_core.finetune.export.save_hf_adapter", half_written)
+    with pytest.raises(OSError, match="disk gone"):
+        save_adapter(peft_model, adapter_dir, plan)
+    after = load_file(adapter_dir / "adapter_model.safetensors")
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]  # no temporary left beside it
+
+
 def test_adapter_of_a_native_model_keeps_our_names(tmp_path):
     model = tiny_model(vocab_size=VOCAB)
     config = FinetuneConfig.build({"lora": {"r": 2, "experts": "list", "expert_ids": [1]}})
