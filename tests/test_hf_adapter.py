@@ -272,6 +272,7 @@ def test_converted_factors_are_each_experts_delta_in_paramwrappers_layout(hf_dir
 
 
 # ------------------------------------------------------------------------------------------------ (c) refusals
+@pytest.mark.filterwarnings("ignore:.*lora_bias=True:UserWarning", "ignore:.*invalid shape:UserWarning")
 @pytest.mark.parametrize(
     "extra, field",
     [

@@ -284,10 +284,11 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
 
 def save_hf_adapter(peft_model, out_dir: str | Path, adapter_name: str = "default") -> Path:
     """Write adapter_config.json and adapter_model.safetensors in the HF architecture's names into ``out_dir``
-    (an existing directory; the caller stages it), loadable by stock ``PeftModel.from_pretrained`` onto the HF
-    model (`hf_adapter_state`)."""
+    (created when missing; `moe_core.finetune.export.save_adapter` writes it staged, with the tokenizer), loadable
+    by stock ``PeftModel.from_pretrained`` onto the HF model (`hf_adapter_state`)."""
     tensors, hf_config = hf_adapter_state(peft_model, adapter_name)
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     hf_config.save_pretrained(str(out_dir))
     return out_dir
