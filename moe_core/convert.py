@@ -627,6 +627,11 @@ def from_hf(
                     )
                 slot.copy_(source)
     model.config.dtype = dtype
+    # where it came from, as from_pretrained records it: PEFT writes it as an adapter's base_model_name_or_path
+    source = (
+        str(path_or_hub_id) if directory != Path(path_or_hub_id).expanduser() else str(directory.absolute())
+    )
+    model.config.name_or_path = model.name_or_path = source
     return model.eval()
 
 

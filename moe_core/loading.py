@@ -9,7 +9,9 @@ The kind is read from the directory's files, never from its name (first match wi
     quantized    quantization.json            `moe-lab quantize` (moe_core.quantized.save_quantized)
     adapter      adapter_config.json          a PEFT adapter (finetune/export.save_adapter), applied to its base
                                               model (``base=``, else the adapter's base_model_name_or_path) and
-                                              merged into it
+                                              merged into it; in our module names, or in a HF architecture's
+                                              (ours for a HF-origin model, or stock PEFT's on OlmoeForCausalLM
+                                              etc.: finetune/hf_adapter.py converts it exactly or refuses)
     finetuned    finetune_config.json         a fine-tuning output directory: its merged/ model, else adapter/
     checkpoint   manifest.json + trainer_state.json   a training checkpoint (format 2, moe_core.train.checkpoint):
                                               replicated weights and expert shards gathered into one model
@@ -234,9 +236,18 @@ def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
 
 
 def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoEForCausalLM:
-    """The base model with the PEFT adapter applied and merged (``merge_and_unload``)."""
-    # optional heavy dependency, imported only for adapters
-    from peft import PeftModel, get_peft_model_state_dict
+    """The base model with the PEFT adapter applied and merged (``merge_and_unload``): in our module names
+    through PEFT, in the HF architecture's (`moe_core.finetune.hf_adapter`) converted onto our model."""
+    # optional heavy dependency (peft), imported only for adapters
+    from peft import PeftModel
+
+    from moe_core.finetune.hf_adapter import (
+        AdapterConversionError,
+        apply_hf_adapter,
+        check_convertible,
+        hf_named_key,
+        is_hf_adapter,
+    )
 
     weights = directory / "adapter_model.safetensors"
     if not weights.is_file():
@@ -244,26 +255,52 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
             f"{directory}: adapter_config.json without adapter_model.safetensors; only safetensors adapters "
             "are loaded (nothing is unpickled)"
         )
-    base_loaded = load(base or _adapter_base(directory), dtype=dtype)
-    if base_loaded.kind == "quantized":
-        raise LoadError(
-            f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"
-        )
-    peft_model = PeftModel.from_pretrained(base_loaded.model, str(directory))
-    # PEFT leaves an adapter tensor the file lacks at its initial value (lora_A random) with only a warning;
-    # get_peft_model_state_dict names the tensors save_pretrained writes for this adapter
+    try:
+        check_convertible(
+            directory
+        )  # an adapter in HF names our model cannot represent: before the base loads
+        base_loaded = load(base or _adapter_base(directory), dtype=dtype)
+        if base_loaded.kind == "quantized":
+            raise LoadError(
+                f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"
+            )
+        if is_hf_adapter(directory, base_loaded.model.config):
+            # HF module names (ours for a HF-origin model, or stock PEFT's): converted, nothing left at init
+            peft_model = apply_hf_adapter(base_loaded.model, directory)
+        else:
+            hf_key = hf_named_key(directory)
+            if hf_key is not None:
+                raise LoadError(
+                    f"{directory / 'adapter_model.safetensors'}: key {hf_key} names a Hugging Face "
+                    f"architecture's module, but the base model {base_loaded.path} did not come from one "
+                    "(config.hf_origin is empty); give base= the HF checkpoint the adapter was trained on"
+                )
+            peft_model = PeftModel.from_pretrained(base_loaded.model, str(directory))
+            _check_adapter_covered(peft_model, weights)
+    except AdapterConversionError as err:
+        raise LoadError(str(err)) from None
+    model = peft_model.merge_and_unload()
+    _attach_task_bias(model, directory)
+    return model
+
+
+def _check_adapter_covered(peft_model, weights: Path) -> None:
+    """PEFT leaves an adapter tensor the file lacks at its initial value (lora_A random) with only a warning;
+    get_peft_model_state_dict names the tensors save_pretrained writes for this adapter."""
+    from peft import get_peft_model_state_dict  # optional heavy dependency, imported only for adapters
+
     with safe_open(str(weights), "pt") as f:
         saved = set(f.keys())
-    missing = [k for k in get_peft_model_state_dict(peft_model) if k not in saved]
+    # save_embedding_layers=False: "auto" reads the base's config.json again to compare vocabulary sizes
+    missing = [
+        k for k in get_peft_model_state_dict(peft_model, save_embedding_layers=False) if k not in saved
+    ]
     if missing:
         raise LoadError(
             f"{weights}: the adapter does not cover the modules adapter_config.json names "
             f"({weight_mismatch(missing, [])}); refusing to leave them at their initial values; export the "
             "adapter again from its fine-tuning run"
         )
-    model = peft_model.merge_and_unload()
-    _attach_task_bias(model, directory)
-    return model
 
 
 def _attach_task_bias(model: MoEForCausalLM, directory: Path) -> None:

@@ -3,6 +3,7 @@ own architecture, and loaded by transformers with the same logits as our merged 
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -67,6 +68,10 @@ def test_finetuned_hf_model_exports_back_and_loads_in_transformers(tmp_path, nam
         ours = result.model(input_ids=x).logits
         torch.testing.assert_close(hf(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(original(input_ids=x).logits, ours, atol=1e-4)  # the fine-tune is in there
+        # the adapter is in the HF architecture's names: stock PEFT puts it on the HF model (issue 31)
+        fresh = AutoModelForCausalLM.from_pretrained(source)
+        stock = PeftModel.from_pretrained(fresh, str(result.adapter_dir)).eval()
+        torch.testing.assert_close(stock(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
     # untouched experts are bitwise the source's in the exported checkpoint
     w_src = original.state_dict()
     w_out = hf.state_dict()

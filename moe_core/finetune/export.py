@@ -1,8 +1,13 @@
 """Fine-tuning outputs: the adapter alone (PEFT format), merged weights, and the Hugging Face architecture.
 
-<out>/adapter/   adapter_config.json + adapter_model.safetensors: PEFT loads it onto the base model
-                 (``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base), "<out>/adapter")``);
-                 moe_expert_selection.json lists the experts with a non-zero adapter per layer
+<out>/adapter/   adapter_config.json + adapter_model.safetensors, PEFT's format, with the tokenizer and
+                 moe_expert_selection.json (the experts with a non-zero adapter per layer). For a base model
+                 converted from Hugging Face (``config.hf_origin``) it names the HF architecture's own modules
+                 (`moe_core.finetune.hf_adapter`: per-expert Linear LoRA, the router as ``mlp.gate`` /
+                 ``block_sparse_moe.gate``), so stock PEFT loads it onto the HF model with our logits:
+                 ``PeftModel.from_pretrained(OlmoeForCausalLM.from_pretrained(src), "<out>/adapter")``; for
+                 our own models it names ours: ``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base),
+                 "<out>/adapter")``. ``moe_core.load("<out>/adapter")`` reads either onto our model.
 <out>/merged/    our format (config.json + model.safetensors + tokenizer), adapter folded into the weights
 <out>/hf/        the architecture the model came from (Mixtral / OLMoE / Qwen2-MoE) via moe_core.convert.to_hf,
                  loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
@@ -16,7 +21,9 @@ import json
 from pathlib import Path
 
 from moe_core.convert import to_hf
+from moe_core.fileio import atomic_directory
 from moe_core.finetune.config import FinetuneError
+from moe_core.finetune.hf_adapter import save_hf_adapter
 from moe_core.finetune.methods import MethodPlan, unwrap
 
 
@@ -26,14 +33,24 @@ def is_peft(model) -> bool:
 
 def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None, tokenizer=None) -> Path:
     """The PEFT adapter alone (LoRA factors, plus a trained router copy when the router trained), with the
-    tokenizer the data was framed with (its chat template: what generate and eval frame prompts with)."""
+    tokenizer the data was framed with (its chat template: what generate and eval frame prompts with). In the HF
+    architecture's module names when the base model came from Hugging Face, else in ours (module docstring).
+    Written into a temporary directory renamed into place (an earlier ``out_dir`` is replaced)."""
     if not is_peft(model):
         raise FinetuneError(
             "save_adapter: the model has no PEFT adapter (method is not 'lora'); export merged "
             "weights instead"
         )
-    out_dir = Path(out_dir)
-    model.save_pretrained(str(out_dir))
+    with atomic_directory(out_dir, overwrite=True, error_cls=FinetuneError) as tmp:
+        _write_adapter(model, tmp, plan, tokenizer)
+    return Path(out_dir)
+
+
+def _write_adapter(model, out_dir: Path, plan: MethodPlan | None, tokenizer) -> None:
+    if unwrap(model).config.hf_origin:
+        save_hf_adapter(model, out_dir)
+    else:
+        model.save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None:
@@ -50,7 +67,6 @@ def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None, tok
         )
         if plan.task_bias is not None:
             plan.task_bias.save(out_dir)
-    return out_dir
 
 
 def merged_model(model, plan: MethodPlan | None = None):
