@@ -553,7 +553,7 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
     return [(name, (name,)) for name in same] + plan
 
 
-def _our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
+def our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
     """Our parameters by name, checked to be exactly those the plan covers (catches model drift early)."""
     tensors = model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
@@ -568,11 +568,47 @@ def _our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _source_dtype(reader: CheckpointReader) -> torch.dtype:
+def source_dtype(reader: CheckpointReader) -> torch.dtype:
     name = (
         "model.embed_tokens.weight" if "model.embed_tokens.weight" in reader.file_of else min(reader.file_of)
     )
     return reader.dtype(name)
+
+
+def check_coverage(directory: Path, reader: CheckpointReader, plan, config: MoEConfig) -> None:
+    """Refuse a checkpoint that lacks a weight the plan needs or holds one the plan has no place for."""
+    available = reader.names()
+    missing = [n for _, names in plan for n in names if n not in available]
+    if missing:
+        raise ConversionError(
+            f"{directory}: {len(missing)} weights the config implies are missing, e.g. "
+            f"{missing[:3]}; is the checkpoint complete and its config right?"
+        )
+    used = {n for _, names in plan for n in names}
+    ignorable = (
+        {"lm_head.weight"} if config.tie_word_embeddings else set()
+    )  # tied: the embedding is the truth
+    unused = sorted(n for n in available - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ConversionError(
+            f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
+            f"{unused[:3]}; refusing to drop them silently"
+        )
+
+
+def check_shape(directory: Path, name: str, source: torch.Tensor, ours: str, shape) -> None:
+    if tuple(source.shape) != tuple(shape):
+        raise ConversionError(
+            f"{directory}: {name} has shape {tuple(source.shape)}, the config implies {tuple(shape)} for {ours}"
+        )
+
+
+def stream_weights(reader: CheckpointReader, plan):
+    """``(our name, expert index or None, checkpoint name, tensor)`` for every weight of the plan, one tensor
+    read at a time: a per-expert slice of a stacked weight comes with its expert's index."""
+    for ours, names in plan:
+        for e, name in enumerate(names):
+            yield ours, (None if len(names) == 1 else e), name, reader.get(name)
 
 
 def from_hf(
@@ -591,41 +627,18 @@ def from_hf(
         if dtype not in DTYPES:
             raise ConversionError(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    dtype = dtype or _source_dtype(reader)
+    dtype = dtype or source_dtype(reader)
     with no_init_weights():  # every tensor is overwritten below
         model = MoEForCausalLM._from_config(config, dtype=dtype)
     model.tie_weights()  # post_init skips tying when initialization is off (from_pretrained ties afterwards too)
     plan = weight_plan(config, arch)
-    tensors = _our_tensors(model, plan)
-    available = reader.names()
-    missing = [n for _, names in plan for n in names if n not in available]
-    if missing:
-        raise ConversionError(
-            f"{directory}: {len(missing)} weights the config implies are missing, e.g. "
-            f"{missing[:3]}; is the checkpoint complete and its config right?"
-        )
-    used = {n for _, names in plan for n in names}
-    ignorable = (
-        {"lm_head.weight"} if config.tie_word_embeddings else set()
-    )  # tied: the embedding is the truth
-    unused = sorted(n for n in available - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
-    if unused:
-        raise ConversionError(
-            f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
-            f"{unused[:3]}; refusing to drop them silently"
-        )
+    tensors = our_tensors(model, plan)
+    check_coverage(directory, reader, plan, config)
     with torch.no_grad():
-        for ours, names in plan:
-            target = tensors[ours]
-            slices = [target] if len(names) == 1 else list(target)
-            for slot, name in zip(slices, names):
-                source = reader.get(name)
-                if source.shape != slot.shape:
-                    raise ConversionError(
-                        f"{directory}: {name} has shape {tuple(source.shape)}, the config "
-                        f"implies {tuple(slot.shape)} for {ours}"
-                    )
-                slot.copy_(source)
+        for ours, e, name, source in stream_weights(reader, plan):
+            target = tensors[ours] if e is None else tensors[ours][e]
+            check_shape(directory, name, source, ours, target.shape)
+            target.copy_(source)
     model.config.dtype = dtype
     # where it came from, as from_pretrained records it: PEFT writes it as an adapter's base_model_name_or_path
     source = (
@@ -692,7 +705,7 @@ def to_hf(
     arch = get_architecture(name)
     hf_config = config_to_hf(config, arch)
     plan = weight_plan(config, arch)
-    ours = _our_tensors(model, plan)
+    ours = our_tensors(model, plan)
     tensors = [
         (hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
         for our_name, names in plan

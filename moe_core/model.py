@@ -62,8 +62,19 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    def frequencies(self, device: torch.device | None = None) -> torch.Tensor:
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        )
+        return 1.0 / (self.theta**exponents)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute what no checkpoint holds (see `materialize`)."""
+        self.inv_freq.copy_(self.frequencies(self.inv_freq.device))
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,6 +452,17 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         """After an optimizer step: let stateful routers (aux-loss-free bias) act on the load they saw."""
         for i, router in enumerate(self.routers()):
             router.update_bias(None if loads_LE is None else loads_LE[i])
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Storage on ``device`` for a model built on the meta device (torchtitan's pattern: build on meta, then give
+    each rank only what it holds): every parameter and persistent buffer uninitialized, for a loader to fill;
+    what no checkpoint holds (non-persistent buffers) computed by the modules' ``reset_buffers``."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model
 
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)

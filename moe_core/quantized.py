@@ -8,7 +8,9 @@ A quantized checkpoint is a directory holding ``config.json`` (the model's `MoEC
 renamed into place only when complete (`moe_core.fileio.atomic_directory`); `load_quantized` reads it back.
 
 Codes are symmetric: int8 with one absmax scale per output channel (``bits=8``), or int4 with one scale per
-``group_size`` inputs of each output channel, packed two a byte (``bits=4``). `fake_quantize` (quantize then
+``group_size`` inputs of each output channel, packed two a byte (``bits=4``). With ``codebook="nf4"`` (4 bits) a
+code indexes the NormalFloat4 levels (QLoRA, Dettmers et al. 2023: the 16 quantiles of N(0, 1) scaled to
+[-1, 1], which suit normally distributed weights better than evenly spaced levels) times the group's absmax. `fake_quantize` (quantize then
 dequantize) is the reference the quantized modules are held equal to. How the codes are chosen (round to
 nearest, GPTQ, AWQ) and the ``moe-lab quantize`` command live above this module, in
 `moe_core.inference.quantize`; the loader reads this format without importing them.
@@ -27,11 +29,25 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.config import MoEConfig
-from moe_core.convert import copy_companion_files
+from moe_core.convert import (
+    ARCHITECTURES,
+    DTYPES,
+    CheckpointReader,
+    check_coverage,
+    check_shape,
+    config_from_hf,
+    copy_companion_files,
+    our_tensors,
+    read_hf_config,
+    resolve_source,
+    source_dtype,
+    stream_weights,
+    weight_plan,
+)
 from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts
 from moe_core.fileio import atomic_directory
-from moe_core.model import MoEForCausalLM
+from moe_core.model import MoEForCausalLM, materialize
 
 
 class QuantizationError(MoELabError):
@@ -47,10 +63,17 @@ class QuantConfig:
     damp: float = 0.01  # gptq: dampening, a fraction of the mean Hessian diagonal
     block_size: int = 128  # gptq: lazy-batch width (a multiple of group_size when bits == 4)
     awq_grid: int = 20  # awq: points of the alpha grid on [0, 1]
+    codebook: str = "int"  # "int": evenly spaced levels; "nf4": NormalFloat4 levels (bits == 4, rtn only)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise QuantizationError(f"QuantConfig.bits={self.bits!r}: choose 8 or 4")
+        if self.codebook not in ("int", "nf4"):
+            raise QuantizationError(f"QuantConfig.codebook={self.codebook!r}: choose 'int' or 'nf4'")
+        if self.codebook == "nf4" and (self.bits != 4 or self.method != "rtn"):
+            raise QuantizationError(
+                "QuantConfig.codebook='nf4' is a 4-bit round-to-nearest format: set bits=4 and method='rtn'"
+            )
         if self.method not in ("rtn", "gptq", "awq"):
             raise QuantizationError(f"QuantConfig.method={self.method!r}: choose 'rtn', 'gptq' or 'awq'")
         if self.awq_grid < 2:
@@ -67,7 +90,10 @@ class QuantConfig:
             raise QuantizationError("QuantConfig: min_tokens must be >= 1 and damp in [0, 1)")
 
     @property
-    def qmax(self) -> int:
+    def qmax(self) -> float:
+        """What the absmax of a group maps to: the largest code (int), or the largest level (nf4)."""
+        if self.codebook == "nf4":
+            return 1.0
         return 127 if self.bits == 8 else 7
 
     def groups(self, in_features: int) -> int:
@@ -89,17 +115,35 @@ def compute_scales(w_OI: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     return (w_OGg.abs().amax(-1) / config.qmax).clamp_min(1e-12)
 
 
+# QLoRA (Dettmers et al. 2023), appendix E: the NormalFloat4 levels, as bitsandbytes' and torchao's NF4 use them
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
 def quantize_rtn(w_OI: torch.Tensor, scale_OG: torch.Tensor, config: QuantConfig) -> torch.Tensor:
-    """Integer codes (int8 holding values in [-qmax-1, qmax]) of ``w`` [..., O, I] at the given scales."""
+    """Codes of ``w`` [..., O, I] at the given scales, as int8: integers in [-qmax-1, qmax], or (nf4) the index
+    of the nearest NF4 level minus 8, so that int4 packing stores both alike."""
     G = scale_OG.shape[-1]
-    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1)
-    q = torch.round(w_OGg / scale_OG[..., None]).clamp(-config.qmax - 1, config.qmax)
+    w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1) / scale_OG[..., None]
+    if config.codebook == "nf4":
+        levels = torch.tensor(NF4_LEVELS, device=w_OI.device)
+        midpoints = (levels[1:] + levels[:-1]) / 2  # nearest level = how many midpoints lie below
+        q = torch.bucketize(w_OGg.clamp(-1, 1), midpoints) - 8
+    else:
+        q = torch.round(w_OGg).clamp(-config.qmax - 1, config.qmax)
     return q.reshape(w_OI.shape).to(torch.int8)
 
 
-def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor) -> torch.Tensor:
+def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor, codebook: str = "int") -> torch.Tensor:
     G = scale_OG.shape[-1]
-    return (q_OI.float().reshape(*q_OI.shape[:-1], G, -1) * scale_OG[..., None]).reshape(q_OI.shape)
+    values = (
+        q_OI.float() if codebook == "int" else torch.tensor(NF4_LEVELS, device=q_OI.device)[q_OI.long() + 8]
+    )
+    return (values.reshape(*q_OI.shape[:-1], G, -1) * scale_OG[..., None]).reshape(q_OI.shape)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -117,7 +161,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def fake_quantize(w: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     """The reference: round-to-nearest quantize then dequantize, in the weight's dtype."""
     scale = compute_scales(w, config)
-    return dequantize(quantize_rtn(w, scale, config), scale).to(w.dtype)
+    return dequantize(quantize_rtn(w, scale, config), scale, config.codebook).to(w.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -181,6 +225,7 @@ class QuantizedExperts(StackedExperts):
         super().__init__(num_experts, activation, impl, max_slots)
         self.quant_config = config
         self.projections = tuple(shapes)
+        self.shapes = dict(shapes)  # projection -> (O, I) of one expert's dense weight
         for name, (O, I) in shapes.items():
             width = I if config.bits == 8 else I // 2
             dtype = torch.int8 if config.bits == 8 else torch.uint8
@@ -225,6 +270,20 @@ class QuantizedExperts(StackedExperts):
                 getattr(new, f"{p}_in_scale").copy_(in_scale)
         return new.to(experts.up_proj.device)
 
+    @torch.no_grad()
+    def quantize_into(self, name: str, e: int, w_OI: torch.Tensor) -> None:
+        """Expert ``e``'s ``name`` weight, round to nearest: for a model quantized while it streams in, one
+        expert slice at a time (the dense stack never exists)."""
+        config = self.quant_config
+        scale_OG = compute_scales(w_OI, config)
+        q_OI = quantize_rtn(w_OI, scale_OG, config)
+        getattr(self, f"{name}_q")[e] = pack_int4(q_OI) if config.bits == 4 else q_OI
+        getattr(self, f"{name}_scale")[e] = scale_OG
+
+    def stack_shape(self, name: str) -> tuple[int, int, int]:
+        """``(E, O, I)``: the shape of the dense ``name`` stack these codes stand for."""
+        return (self.num_experts, *self.shapes[name])
+
     def codes(self, name: str, e: int | slice = slice(None)) -> torch.Tensor:
         q = getattr(self, f"{name}_q")[e]
         return unpack_int4(q) if self.quant_config.bits == 4 else q
@@ -233,7 +292,7 @@ class QuantizedExperts(StackedExperts):
         """Expert ``e``'s dequantized ``name`` weight [O, I]."""
         if name not in self.projections:
             return None
-        w = dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e])
+        w = dequantize(self.codes(name, e), getattr(self, f"{name}_scale")[e], self.quant_config.codebook)
         if self.quant_config.method == "awq":
             w = w / getattr(self, f"{name}_in_scale")[e]
         return w.to(dtype)
@@ -241,7 +300,7 @@ class QuantizedExperts(StackedExperts):
     def dequantized_stack(self, name: str) -> torch.Tensor | None:
         if name not in self.projections:
             return None
-        w = dequantize(self.codes(name), getattr(self, f"{name}_scale"))
+        w = dequantize(self.codes(name), getattr(self, f"{name}_scale"), self.quant_config.codebook)
         if self.quant_config.method == "awq":
             w = w / getattr(self, f"{name}_in_scale")[:, None, :]
         return w
@@ -363,3 +422,70 @@ def _read_quant_file(directory: Path) -> dict:
             "(moe-lab quantize --overwrite)"
         )
     return meta
+
+
+# ---------------------------------------------------------------------------------------------- quantized loading
+def load_quantizing_experts(
+    path: str | os.PathLike, config: QuantConfig, dtype: torch.dtype | str | None = None
+) -> MoEForCausalLM:
+    """A full-precision checkpoint (a Hugging Face Mixtral / OLMoE / Qwen2-MoE one, or ours) with its expert stacks
+    quantized while they stream in, one expert slice at a time (round to nearest), for QLoRA: the model is built
+    on the meta device, every expert stack replaced by `QuantizedExperts` before any storage exists, and only
+    the quantized codes, the other weights (in ``dtype``, default the checkpoint's) and one source tensor at a
+    time are ever in memory; the full-precision model never has to fit."""
+    directory = resolve_source(path)
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        raise QuantizationError(f"{directory / 'config.json'}: unreadable ({err})") from None
+    arch = next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
+    if arch is not None:
+        model_config = config_from_hf(arch, *read_hf_config(directory)[1:])
+    elif model_type == MoEConfig.model_type:
+        model_config = MoEConfig.from_pretrained(directory)
+    else:
+        raise QuantizationError(
+            f"{directory}: model_type {model_type!r} is neither ours ({MoEConfig.model_type}) nor a Hugging Face "
+            f"MoE the lab converts ({', '.join(ARCHITECTURES)}); quantizing while loading reads those"
+        )
+    reader = CheckpointReader(directory)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype or source_dtype(reader)
+    with torch.device("meta"):
+        model = MoEForCausalLM._from_config(model_config, dtype=dtype)
+    if arch is not None:
+        plan = weight_plan(model_config, arch)
+    else:  # ours: the file's names are the model's
+        tied = {"lm_head.weight"} if model_config.tie_word_embeddings else set()
+        plan = [(name, (name,)) for name in model.state_dict() if name not in tied]
+    our_tensors(model, plan)  # the plan covers the model exactly
+    check_coverage(directory, reader, plan, model_config)
+    quantized: dict[str, QuantizedExperts] = {}
+    for i, layer in enumerate(model.model.layers):
+        dense = layer.mlp.experts if layer.is_moe else None
+        if isinstance(dense, GroupedExperts):
+            shapes = {
+                p: tuple(getattr(dense, p).shape[1:]) for p in PROJECTIONS if getattr(dense, p) is not None
+            }
+            with torch.device("meta"):
+                layer.mlp.experts = QuantizedExperts(
+                    dense.num_experts, dense.activation, shapes, config, dense.impl
+                )
+            quantized[f"model.layers.{i}.mlp.experts"] = layer.mlp.experts
+    materialize(model, "cpu")
+    model.tie_weights()
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for ours, e, name, source in stream_weights(reader, plan):
+            module, _, projection = ours.rpartition(".")
+            experts = quantized.get(module)
+            if experts is None:
+                check_shape(directory, name, source, ours, state[ours].shape)
+                state[ours].copy_(source)
+                continue
+            E, O, I = experts.stack_shape(projection)
+            check_shape(directory, name, source, ours, (O, I) if e is not None else (E, O, I))
+            for expert, w_OI in [(e, source)] if e is not None else enumerate(source):
+                experts.quantize_into(projection, expert, w_OI)
+    model.config.dtype = dtype
+    model.config.name_or_path = model.name_or_path = str(directory.absolute())
+    return model.eval()

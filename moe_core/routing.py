@@ -481,6 +481,11 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         return scores_TE + self.expert_bias.float()
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """What no checkpoint holds (`moe_core.model.materialize`): no load observed yet."""
+        self.pending_load.zero_()
+
     def observe(self, record: RoutingRecord) -> None:
         counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=self.num_experts)
         self.pending_load += counts_E.to(self.pending_load.dtype)

@@ -17,9 +17,11 @@ PEFT's switches keep their meaning: ``disable_adapter()`` (the DPO reference for
 merged adapters are not applied twice, several active adapters add up. `tests/test_expert_lora.py` holds this
 forward equal to PEFT's own in outputs and gradients.
 
-Reach into PEFT (peft 0.21, `peft/tuners/lora/layer.py` ``ParamWrapper`` and `peft/tuners/lora/config.py`
-``LoraConfig._register_custom_module``, PEFT's documented experimental hook for custom LoRA layers): this module
-is the one place; `tests/test_expert_lora.py::test_peft_seam` fails loudly when PEFT changes what it relies on.
+Reach into PEFT (peft 0.21: `peft/tuners/lora/layer.py` ``ParamWrapper``, `peft/tuners/lora/config.py`
+``LoraConfig._register_custom_module``, PEFT's documented experimental hook for custom LoRA layers, and
+`peft/utils/constants.py` ``DUMMY_TARGET_MODULES``, its marker for a model whose targets come later): this module
+is the one place;
+`tests/test_expert_lora.py::test_peft_seam` fails loudly when PEFT changes what it relies on.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ from typing import Any
 import torch
 from peft import LoraConfig
 from peft.tuners.lora import layer as peft_lora
+from peft.utils.constants import DUMMY_TARGET_MODULES
 
-from moe_core.experts import ExpertLoRA, StackedExperts
+from moe_core.experts import PROJECTIONS, ExpertLoRA, StackedExperts
+
+DUMMY_TARGETS = DUMMY_TARGET_MODULES  # PEFT's "no module targets" marker: the targets are injected afterwards
 
 
 class ParamWrapper(peft_lora.ParamWrapper):
@@ -48,6 +53,29 @@ class ParamWrapper(peft_lora.ParamWrapper):
         super().__init__(base_layer, adapter_name, parameter_name=parameter_name, **kwargs)
         if not self._did_swap_in_out_features:  # our stacks are [E, O, I], as nn.Linear weights
             raise ValueError(f"{parameter_name}: expected an [E, out, in] expert stack")
+
+    def get_param(self) -> torch.Tensor:
+        """The adapted stack; for a stack held in another form (`moe_core.quantized.QuantizedExperts`' 4-bit codes,
+        QLoRA) a stand-in of its ``[E, O, I]`` shape on its device, holding no weights: PEFT reads the factor shapes,
+        device and dtype from it (fp32, the dtype PEFT gives adapters of low-precision models)."""
+        base = self.get_base_layer()
+        param = getattr(base, self.parameter_name, None)
+        if isinstance(param, torch.Tensor):
+            return param
+        device = next(base.buffers()).device
+        return torch.zeros((), device=device).expand(base.stack_shape(self.parameter_name))
+
+    def dense_base(self) -> bool:
+        return isinstance(getattr(self.get_base_layer(), self.parameter_name, None), torch.Tensor)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        if not self.dense_base():
+            raise ValueError(
+                f"{self.parameter_name}: a LoRA adapter on quantized experts (QLoRA) merges into the full-precision "
+                "base, not into the 4-bit codes: save the adapter and apply it to the base it was trained on "
+                "(moe_core.load(<adapter dir>), or PEFT on the full-precision model)"
+            )
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
     def nest(self) -> list[ParamWrapper]:
         """This wrapper and the ones it wraps, outermost first (one per adapted projection)."""
@@ -92,3 +120,34 @@ def register(config: LoraConfig) -> LoraConfig:
     """Make ``config`` adapt every `StackedExperts` stack it targets with `ParamWrapper`."""
     config._register_custom_module({StackedExperts: ParamWrapper})
     return config
+
+
+def inject(peft_model, targets: list[str], adapter_name: str = "default") -> None:
+    """Adapt expert stacks PEFT cannot see (no dense ``nn.Parameter``: `QuantizedExperts`) with the wrappers PEFT
+    would have nested there, in the order it nests them (a module's parameters in registration order, the first
+    innermost), so that the adapter's keys and layout are those of LoRA on the dense stacks: it loads, with stock
+    PEFT too, onto the full-precision model. ``targets``: ``model.layers.{i}.mlp.experts.{proj}`` names."""
+    config = peft_model.peft_config[adapter_name]
+    model = peft_model.base_model.model
+    by_module: dict[str, list[str]] = {}
+    for target in targets:
+        module_name, _, projection = target.rpartition(".")
+        by_module.setdefault(module_name, []).append(projection)
+    for module_name, projections in by_module.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        wrapped = getattr(parent, child)
+        for projection in sorted(projections, key=PROJECTIONS.index):
+            wrapped = ParamWrapper(
+                wrapped,
+                adapter_name,
+                parameter_name=projection,
+                config=config,
+                r=config.r,
+                lora_alpha=config.lora_alpha,
+            )
+        setattr(parent, child, wrapped)
+    config.target_parameters = sorted(set(config.target_parameters or []) | set(targets))
+    peft_model.base_model.targeted_parameter_names.extend(
+        t for t in targets if t not in peft_model.base_model.targeted_parameter_names
+    )

@@ -32,6 +32,7 @@ import torch
 
 from moe_core.experts import PROJECTIONS
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.quantized import QuantizedExperts
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -235,18 +236,26 @@ def apply_lora(
             "lora: nothing to adapt (no attention projection and no selected expert); check "
             "lora.attention, lora.experts and freeze.experts"
         )
+    # 4-bit experts (QLoRA) hold codes, not a Parameter PEFT could find: their wrappers are nested by hand
+    quantized = any(isinstance(m, QuantizedExperts) for m in model.modules())
+    if quantized and not routed:
+        raise FinetuneError("LoRA on quantized experts runs on the routed tokens only (routed=True)")
     peft_config = LoraConfig(
         r=config.lora.r,
         lora_alpha=config.lora.alpha,
         lora_dropout=0.0,
         bias="none",
-        target_modules=target_modules if target_modules is not None else [],
-        target_parameters=target_parameters or None,
+        target_modules=target_modules
+        if target_modules is not None
+        else ([] if not quantized else expert_lora.DUMMY_TARGETS),
+        target_parameters=(target_parameters or None) if not quantized else None,
         modules_to_save=modules_to_save or None,
     )
     if routed:
         expert_lora.register(peft_config)
     peft_model = get_peft_model(model, peft_config)
+    if quantized and target_parameters:
+        expert_lora.inject(peft_model, target_parameters)
     mask = None
     if target_parameters:
         mask = ExpertLoraMask(expert_selection or {})

@@ -1,0 +1,192 @@
+"""QLoRA: NF4 codes, a checkpoint quantized while it streams in, LoRA on the 4-bit experts computed on the routed
+tokens, and the adapter it saves applying to the full-precision base."""
+
+import pytest
+import torch
+
+from moe_core.config import get_config
+from moe_core.convert import from_hf
+from moe_core.experts import PROJECTIONS
+from moe_core.inference.quantize import quantize_experts
+from moe_core.model import MoEForCausalLM, materialize
+from moe_core.quantized import (
+    NF4_LEVELS,
+    QuantConfig,
+    QuantizationError,
+    QuantizedExperts,
+    dequantize,
+    fake_quantize,
+    load_quantizing_experts,
+)
+from tests.helpers import randomize_
+from tests.test_convert import BASE, HF_CASES, make_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+NF4 = QuantConfig(bits=4, group_size=8, codebook="nf4")
+INT4 = QuantConfig(bits=4, group_size=8)
+
+
+def test_nf4_codes_are_the_nearest_level_of_the_group_absmax():
+    torch.manual_seed(0)
+    w = torch.randn(3, 16, 32)
+    from moe_core.quantized import compute_scales, quantize_rtn
+
+    scale = compute_scales(w, NF4)
+    q = quantize_rtn(w, scale, NF4)
+    assert q.min() >= -8 and q.max() <= 7
+    levels = torch.tensor(NF4_LEVELS)
+    normalized = (w.reshape(3, 16, 4, 8) / scale[..., None]).reshape(w.shape)
+    nearest = (normalized[..., None] - levels).abs().argmin(-1) - 8
+    assert torch.equal(q.long(), nearest)
+    torch.testing.assert_close(dequantize(q, scale, "nf4"), fake_quantize(w, NF4))
+    # normally distributed weights: NF4 levels lose less than evenly spaced int4 ones at the same group size
+    nf4_error = (fake_quantize(w, NF4) - w).square().mean()
+    int4_error = (fake_quantize(w, INT4) - w).square().mean()
+    assert nf4_error < int4_error
+
+
+def test_nf4_is_refused_where_it_means_nothing():
+    with pytest.raises(QuantizationError, match="codebook='nf4'"):
+        QuantConfig(bits=8, codebook="nf4")
+    with pytest.raises(QuantizationError, match="codebook='nf4'"):
+        QuantConfig(bits=4, codebook="nf4", method="gptq")
+
+
+def test_a_model_built_on_meta_and_materialized_has_the_buffers_of_one_built_normally():
+    config = get_config("mixtral-tiny", router="aux_free", router_bias_update_rate=0.1)
+    normal = MoEForCausalLM(config)
+    with torch.device("meta"):
+        skeleton = MoEForCausalLM(config)
+    materialize(skeleton)
+    skeleton.load_state_dict(normal.state_dict())
+    for (name, ours), (_, theirs) in zip(skeleton.named_buffers(), normal.named_buffers(), strict=True):
+        assert torch.equal(ours, theirs), name  # non-persistent ones (rotary frequencies, pending load) too
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    built = {}
+    for name in ("mixtral", "olmoe", "qwen2_moe"):
+        config_cls, model_cls, overrides = HF_CASES[name]
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**{**BASE, **overrides}))
+        randomize_(model)
+        directory = tmp_path_factory.mktemp(name)
+        model.save_pretrained(directory)
+        built[name] = directory
+    ours = tmp_path_factory.mktemp("ours")
+    torch.manual_seed(0)
+    native = MoEForCausalLM(get_config("mixtral-tiny", expert_intermediate_size=32, hidden_size=32))
+    randomize_(native)
+    native.save_pretrained(ours)
+    built["ours"] = ours
+    return built
+
+
+@pytest.mark.parametrize("case", ["mixtral", "olmoe", "qwen2_moe", "ours"])
+@pytest.mark.parametrize("config", [NF4, INT4], ids=["nf4", "int4"])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(checkpoints, case, config):
+    directory = checkpoints[case]
+    streamed = load_quantizing_experts(directory, config)
+    reference = from_hf(directory) if case != "ours" else MoEForCausalLM.from_pretrained(directory)
+    quantize_experts(reference, config)
+    assert any(isinstance(m, QuantizedExperts) for m in streamed.modules())
+    state, expected = streamed.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+    input_ids, mask = make_inputs(streamed.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            streamed(input_ids, attention_mask=mask).logits,
+            reference.eval()(input_ids, attention_mask=mask).logits,
+        )
+
+
+def test_quantizing_while_loading_refuses_what_it_cannot_read(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(QuantizationError, match="llama"):
+        load_quantizing_experts(tmp_path, NF4)
+
+
+def test_stack_shape_names_the_dense_stack():
+    experts = QuantizedExperts(
+        4, "swiglu", {p: (16, 32) if p != "down_proj" else (32, 16) for p in PROJECTIONS}, NF4
+    )
+    assert experts.stack_shape("gate_proj") == (4, 16, 32) and experts.stack_shape("down_proj") == (4, 32, 16)
+
+
+# ------------------------------------------------------------------------------------------------ LoRA on 4 bits
+def qlora_pair(config=NF4, lora=None):
+    """A tiny model with 4-bit experts + routed LoRA, and the same model with the dequantized weights as dense
+    stacks + PEFT's own LoRA, with equal factors."""
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.methods import apply_lora
+    from tests.finetune_helpers import tiny_model
+    from tests.test_expert_lora import randomize_lora
+
+    ft = FinetuneConfig.build(
+        lora or {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj"]}}
+    )
+    quantized = tiny_model()
+    quantize_experts(quantized, config)
+    dense = tiny_model()
+    with torch.no_grad():
+        for layer, q_layer in zip(dense.model.layers, quantized.model.layers):
+            for p in PROJECTIONS:
+                getattr(layer.mlp.experts, p).copy_(q_layer.mlp.experts.dequantized_stack(p))
+    selection = {layer: list(range(4)) for layer in dense.config.moe_layer_ids}
+    ours, _ = apply_lora(quantized, ft, selection)
+    reference, _ = apply_lora(dense, ft, selection, routed=False)
+    randomize_lora(ours)
+    reference.load_state_dict(ours.state_dict(), strict=False)
+    return ours, reference
+
+
+def test_lora_on_4_bit_experts_equals_peft_on_the_dequantized_weights():
+    ours, reference = qlora_pair()
+    x = torch.randint(0, 300, (3, 10))
+    for model in (ours, reference):
+        model(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
+        )
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    # only the adapters train: the 4-bit codes have no gradient and stay as they are
+    assert not any(".experts." in n and "lora_" not in n for n in grads)
+
+
+def test_a_qlora_adapter_is_a_peft_adapter_of_the_full_precision_model(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    ours, reference = qlora_pair(lora={"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": []}})
+    ours.save_pretrained(tmp_path / "qlora")
+    reference.save_pretrained(tmp_path / "lora")
+    saved = load_file(tmp_path / "qlora" / "adapter_model.safetensors")
+    assert saved.keys() == load_file(tmp_path / "lora" / "adapter_model.safetensors").keys()
+    # stock PEFT puts it on the dense model (here: the dequantized weights) and gives the QLoRA model's logits
+    from tests.finetune_helpers import tiny_model
+
+    dense = tiny_model()
+    dense.load_state_dict(reference.base_model.model.state_dict() | {}, strict=False)
+    with torch.no_grad():
+        for layer, r_layer in zip(dense.model.layers, reference.base_model.model.model.layers):
+            for p in PROJECTIONS:
+                getattr(layer.mlp.experts, p).copy_(r_layer.mlp.experts.get_base_layer().__getattr__(p))
+    stock = PeftModel.from_pretrained(dense, tmp_path / "qlora")
+    x = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(input_ids=x).logits, ours(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_merging_into_4_bit_experts_is_refused_naming_what_to_do():
+    ours, _ = qlora_pair()
+    with pytest.raises(ValueError, match="full-precision base"):
+        ours.merge_and_unload()
