@@ -648,9 +648,11 @@ def _write_safetensors(
         file = (
             "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        # clone: the per-expert slices of one stacked tensor share storage, which safetensors refuses
+        # the model's own memory, never a copy: a per-expert slice of a stacked [E, F, D] tensor is a contiguous
+        # view, which safetensors writes from its pointer (slices that share a storage without overlapping are
+        # accepted); contiguous() copies only a tensor that is not contiguous, one at a time
         save_file(
-            {name: t.detach().clone().contiguous() for name, t in shard},
+            {name: t.detach().contiguous() for name, t in shard},
             str(directory / file),
             metadata={"format": "pt"},
         )
