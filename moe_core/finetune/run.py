@@ -362,11 +362,11 @@ class LoadedInputs:
 
 def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
     """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name.
-    Every check runs before the weights load: the model's config (read alone: kind, vocabulary, size), the
-    tokenizer, the data, the framing rendered on every example, the prompt lengths; the weights load last."""
+    Every check runs before the weights load: the tokenizer, the data, the framing rendered on every example,
+    the prompt lengths, then the model's config (read alone: its kind, the vocabulary against the tokenizer's,
+    the size that resolves the auto defaults); the weights load last."""
     if model is None and not config.model.path:
         raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
-    config_of_model = model.config if model is not None else base_model_config(config.model.path)
     if tokenizer is None:
         source = config.model.tokenizer or config.model.path
         if not source:
@@ -390,6 +390,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if not plain:
         check_chat_template(tokenizer, template_renderings(framed))
     check_lengths(tokenizer, framed, config.data.max_length)
+    config_of_model = model.config if model is not None else base_model_config(config.model.path)
     tokenizer = prepare_tokenizer(tokenizer, config_of_model)
     size = resolve_size_defaults(config, config_of_model)
     for note in size.notes:
