@@ -10,7 +10,9 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
-(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`.
+(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
+size-dependent auto fields (gradient checkpointing, merged and HF exports) resolve to is decided from the base
+model's config before its weights load (`moe_core.finetune.sizing`), printed, and saved in ``summary.json``.
 
 Written to ``out_dir``: ``finetune_config.json`` (the full config), ``trainable_parameters.json`` (the report),
 ``metrics.jsonl`` (every log step), ``esft_selection.json`` (ESFT: routing counts and the chosen experts),
