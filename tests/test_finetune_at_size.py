@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ import moe_core.finetune.run as run_module
 from moe_core.config import get_config, parameter_counts
 from moe_core.data.framing import FRAMING_FILE, PromptFraming, read_framing
 from moe_core.data.tokenizer import load_tokenizer
+from moe_core.eval.generate import PromptSetConfig, generate_samples
+from moe_core.eval.prompts import Prompt
 from moe_core.finetune import FinetuneConfig, FinetuneError, finetune, sizing
-from moe_core.finetune.objectives import MoEDPOTrainer, MoESFTTrainer, dpo_dataset, sft_dataset, trainer_args
+from moe_core.finetune.objectives import MoESFTTrainer, dpo_dataset, sft_dataset, trainer_args
 from moe_core.finetune.sizing import LARGE_MODEL_PARAMS, resolve_size_defaults
 from moe_core.inference import generate as generate_module
 from moe_core.loading import load
 from tests.finetune_helpers import instruction_records, preference_records, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+REPO = Path(__file__).resolve().parents[1]
 
 # OLMoE-1B-7B's published shape (the config only: 6.9 B parameters, never built here)
 OLMOE_1B_7B = dict(
@@ -80,6 +84,12 @@ def test_auto_defaults_keep_the_old_ones_at_toy_size_and_follow_a_large_model():
     assert kept.notes == []
     # no adapter (full fine-tuning): merged/ is the only output, written at any size
     assert resolve_size_defaults(FinetuneConfig.build({"method": "full"}), large_config).export_merged is True
+
+
+def test_an_hf_export_of_a_model_without_hf_origin_is_refused_before_the_weights_load():
+    config = FinetuneConfig.build({"export": {"hf": True}})
+    with pytest.raises(FinetuneError, match="export.hf=true, but the base model did not come from"):
+        resolve_size_defaults(config, get_config("mixtral-tiny"))
 
 
 def test_checkpointing_follows_large_activations_and_stays_off_with_the_task_bias():
@@ -195,7 +205,11 @@ def test_merge_and_both_exports_hold_no_second_copy_and_write_shards(tmp_path):
     under one model copy (before to_hf stopped cloning each shard it grew by a whole copy), and both are
     sharded at the size asked for."""
     done = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,  # this checkout's moe_core
     )
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -275,6 +289,18 @@ def test_a_chat_template_fine_tune_is_prompted_through_its_template(tmp_path, mo
     assert tokenizer.decode(seen[0][0]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_eval_generations_frame_the_prompt_set_like_training(monkeypatch):
+    tokenizer, model = base_tokenizer(), tiny_model()
+    seen = []
+    real = model.generate
+    monkeypatch.setattr(model, "generate", lambda ids, **k: seen.append(ids[0].tolist()) or real(ids, **k))
+    prompt = Prompt("p", "prose", "Name the color in: the red cat.")
+    config = PromptSetConfig(max_new_tokens=1, modes=("greedy",))
+    generate_samples(model, tokenizer, [prompt], config, framing=PromptFraming("plain"))
+    generate_samples(model, tokenizer, [prompt], config)
+    assert seen == [tokenizer(prompt.text + "\n")["input_ids"], tokenizer(prompt.text)["input_ids"]]
+
+
 def test_a_model_without_a_framing_file_is_prompted_as_before(tmp_path):
     assert read_framing(tmp_path) is None
     (tmp_path / FRAMING_FILE).write_text('{"framing": "jinja"}')
@@ -298,7 +324,6 @@ def test_plain_framing_trains_dpo(tmp_path):
     )
     result = finetune(config, tmp_path / "out", model=tiny_model(), tokenizer=tokenizer, records=records)
     assert result.steps_done == 1 and read_framing(result.adapter_dir) == PromptFraming("plain")
-    assert MoEDPOTrainer  # the trainer TRL's non-conversational preference rows went through
 
 
 # ------------------------------------------------------------------------------------------------ 5: input order

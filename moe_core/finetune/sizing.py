@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moe_core.config import MoEConfig, parameter_counts
-from moe_core.finetune.config import FinetuneConfig
+from moe_core.finetune.config import FinetuneConfig, FinetuneError
 
 # Above 1 B parameters the defaults change. Why there: the frozen weights alone are >= 2 GB in bf16 (4 GB fp32),
 # so on the 16-32 GB machines and 24-80 GB GPUs people fine-tune on, the activations of every layer kept for
@@ -104,6 +104,12 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
             )
 
     merged, hf = config.export.merged, config.export.hf
+    if hf and not model_config.hf_origin:  # save_hf would refuse it after training: say so before
+        raise FinetuneError(
+            "export.hf=true, but the base model did not come from a Hugging Face architecture (its config has "
+            "no hf_origin); leave export.hf unset, or convert merged/ afterwards with "
+            "`moe-lab convert to-hf OUT/merged --arch mixtral --out OUT/hf` (or olmoe, qwen2_moe)"
+        )
     has_adapter = config.method == "lora" and config.export.adapters
     if merged is None:
         merged = not (large and has_adapter)
