@@ -14,6 +14,7 @@ import torch
 
 import moe_core.finetune.run as run_module
 from moe_core.config import get_config, parameter_counts
+from moe_core.convert import copy_companion_files
 from moe_core.data.framing import FRAMING_FILE, PromptFraming, read_framing
 from moe_core.data.tokenizer import load_tokenizer
 from moe_core.eval.generate import PromptSetConfig, generate_samples
@@ -306,6 +307,13 @@ def test_a_model_without_a_framing_file_is_prompted_as_before(tmp_path):
     (tmp_path / FRAMING_FILE).write_text('{"framing": "jinja"}')
     with pytest.raises(Exception, match="framing='jinja'; expected 'chat_template' or 'plain'"):
         read_framing(tmp_path)
+
+
+def test_the_framing_travels_with_quantized_pruned_and_converted_copies(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    PromptFraming("plain").save(tmp_path / "a")
+    assert FRAMING_FILE in copy_companion_files(tmp_path / "a", tmp_path / "b")
+    assert read_framing(tmp_path / "b") == PromptFraming("plain")
 
 
 def test_plain_framing_trains_dpo(tmp_path):

@@ -353,9 +353,7 @@ class LoadedInputs:
     """What the run starts from: the base model, its tokenizer and the training rows, all checked."""
 
     model: Any  # our `MoEForCausalLM` (converted when it came from Hugging Face), in train mode
-    tokenizer: (
-        Any  # with a chat template (unless framing is plain) and a pad token, fits the model's vocabulary
-    )
+    tokenizer: Any  # its chat template (unless plain framing) and a pad token; fits the model's vocabulary
     records: datasets.Dataset  # at least one row
     task_names: list[str]  # sorted values of ``data.task_column``; [] without one
     framing: PromptFraming  # how the data is framed; saved with every output (`moe_core.data.framing`)
