@@ -70,6 +70,7 @@ from transformers import CONFIG_MAPPING, GenerationConfig
 from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
+from moe_core.data.framing import FRAMING_FILE
 from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, check_output_dir
@@ -102,7 +103,8 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Files that make a converted directory usable beyond the weights: tokenizers, chat templates, generation defaults.
+# Files that make a converted directory usable beyond the weights: tokenizers, chat templates, generation defaults,
+# and a fine-tune's prompt framing (moe_core.data.framing), so quantized, pruned and converted copies keep it.
 COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -115,6 +117,7 @@ COMPANION_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "generation_config.json",
+    FRAMING_FILE,
 )
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *COMPANION_FILES]
 # Config keys that describe a file, not the architecture; never carried in hf_origin.
@@ -666,9 +669,11 @@ def _write_safetensors(
         file = (
             "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        # clone: the per-expert slices of one stacked tensor share storage, which safetensors refuses
+        # the model's own memory, never a copy: a per-expert slice of a stacked [E, F, D] tensor is a contiguous
+        # view, which safetensors writes from its pointer (slices that share a storage without overlapping are
+        # accepted); contiguous() copies only a tensor that is not contiguous, one at a time
         save_file(
-            {name: t.detach().clone().contiguous() for name, t in shard},
+            {name: t.detach().contiguous() for name, t in shard},
             str(directory / file),
             metadata={"format": "pt"},
         )

@@ -45,7 +45,7 @@ import torch
 from safetensors import safe_open
 
 from moe_core.config import MoEConfig
-from moe_core.convert import ARCHITECTURES, from_hf, resolve_source
+from moe_core.convert import ARCHITECTURES, config_from_hf, from_hf, read_hf_config, resolve_source
 from moe_core.data.errors import DataError
 from moe_core.data.tokenizer import (
     SPECIAL_TOKEN_FIELDS,
@@ -184,6 +184,22 @@ def tokenizer_dir(path: str | os.PathLike, base: str | os.PathLike | None = None
     if kind == "adapter":
         return tokenizer_dir(base or _adapter_base(directory))
     return None
+
+
+def model_config(path: str | os.PathLike, base: str | os.PathLike | None = None) -> MoEConfig:
+    """The config of the model `load` returns for ``path``, read from its config file alone (no weight is read):
+    what a command checks its inputs against (vocabulary, size) before it pays for loading the weights. A
+    Hugging Face checkpoint's config is converted (`moe_core.convert.config_from_hf`), refusing what does not
+    convert; an adapter's is its base model's (``base``, else the one it records)."""
+    directory = _local(path)
+    kind = detect(directory)
+    if kind in ("run", "finetuned"):
+        return model_config(_inner(directory, kind), base)
+    if kind == "adapter":
+        return model_config(base or _adapter_base(directory))
+    if kind == "hf":
+        return config_from_hf(*read_hf_config(directory))
+    return MoEConfig.from_pretrained(directory)  # model, pruned, quantized, training checkpoint
 
 
 # ------------------------------------------------------------------------------------------------ kinds

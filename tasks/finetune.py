@@ -1,5 +1,5 @@
 """The fine-tuning task over `moe_core.finetune.finetune`: base model in as a path, the merged model out as a
-path, telemetry and the adapter into MLflow."""
+path (the fine-tuning directory when only the adapter was written), telemetry and the adapter into MLflow."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def finetune_model(
         )
         if result.adapter_dir is not None:
             tracking.log_artifacts(run_id, result.adapter_dir, "adapter")
-        model_dir = result.merged_dir or Path(out_dir) / "merged"
-        models = tracking.log_model(run_id, model_dir)
+        # adapter only (the default for a large LoRA base, moe_core.finetune.sizing): the fine-tuning directory
+        # is the model (moe_core.load applies its adapter/), and the adapter above is what MLflow keeps
+        model_dir = result.merged_dir or Path(out_dir)
+        models = tracking.log_model(run_id, model_dir) if result.merged_dir is not None else {}
     return ModelResult(
         run_id, str(out_dir), str(model_dir), models.get("transformers") or models.get("files")
     )

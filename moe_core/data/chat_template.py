@@ -58,7 +58,8 @@ def resolve_chat_template(value: str) -> tuple[str, str]:
     if not path.is_file():
         raise ChatTemplateError(
             f"data.chat_template={value!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) nor "
-            "a file; give one of those names or the path of a Jinja template"
+            "a file; give one of those names, the path of a Jinja template, or 'plain' (no template: "
+            "moe_core.data.framing)"
         )
     try:
         return path.read_text(encoding="utf-8"), str(path)

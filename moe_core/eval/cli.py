@@ -192,10 +192,17 @@ def _evaluate(args, out: Path | None) -> dict[str, Any]:
         raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
     tokenizer = load_tokenizer_for(args, required=bool(args.generate or args.tasks))
     if args.generate:
+        from moe_core.data.framing import read_framing
         from moe_core.eval.generate import PromptSetConfig, generate_samples, write_generations
+        from moe_core.loading import tokenizer_dir
 
+        # a fine-tune's prompts framed as its training framed them (prompt_framing.json beside its tokenizer)
+        framing = read_framing(tokenizer_dir(args.model)) if args.model and not args.tokenizer else None
         generations = generate_samples(
-            model, tokenizer, config=PromptSetConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+            model,
+            tokenizer,
+            config=PromptSetConfig(max_new_tokens=args.max_new_tokens, seed=args.seed),
+            framing=framing,
         )
         report["generations"] = len(generations)
         if out:

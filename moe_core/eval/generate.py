@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moe_core.data.framing import PromptFraming
 from moe_core.eval.prompts import PROMPT_SET_VERSION, PROMPTS, Prompt
 
 
@@ -57,9 +58,15 @@ class Generation:
 
 @torch.no_grad()
 def generate_samples(
-    model, tokenizer, prompts: Sequence[Prompt] = PROMPTS, config: PromptSetConfig | None = None
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt] = PROMPTS,
+    config: PromptSetConfig | None = None,
+    framing: PromptFraming | None = None,
 ) -> list[Generation]:
-    """One generation per prompt and mode; the model's train/eval mode is restored afterwards."""
+    """One generation per prompt and mode; the model's train/eval mode is restored afterwards. ``framing``: a
+    fine-tune's (`moe_core.data.framing.read_framing`), so each prompt is framed as its training framed them;
+    None: the prompt's text as it is."""
     config = config or PromptSetConfig()
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
@@ -69,7 +76,12 @@ def generate_samples(
     model.eval()
     try:
         for i, prompt in enumerate(prompts):
-            ids_1S = torch.tensor([tokenizer.encode(prompt.text, add_special_tokens=False)], device=device)
+            ids = (
+                framing.encode_prompt(tokenizer, prompt.text)
+                if framing is not None
+                else tokenizer.encode(prompt.text, add_special_tokens=False)
+            )
+            ids_1S = torch.tensor([ids], device=device)
             for mode in config.modes:
                 sampled = mode == "sampled"
                 kwargs = dict(

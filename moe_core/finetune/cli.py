@@ -21,6 +21,14 @@ file and --set key=value overrides.
     moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
     moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
 
+A base model without a chat template: --set data.chat_template=plain frames the data without one (the
+prompt's text and a newline, then the answer), or name a template (lab, chatml, or a Jinja file); generate and
+eval frame prompts the same way afterwards.
+
+Above 1 B parameters the defaults suit the size (each says so when it applies): gradient checkpointing on
+(--set gradient_checkpointing=false turns it off) and, for LoRA, the adapter alone (--set export.merged=true
+--set export.hf=true write the merged copies too).
+
 Ctrl-C or SIGTERM finishes the step and writes the outputs of the steps done. --help-config lists every
 field --set takes.
 """

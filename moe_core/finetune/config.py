@@ -64,10 +64,11 @@ class DataSection(_Section):
     split: str = "train"
     max_examples: int | None = Field(None, ge=1)
     max_length: int = Field(512, ge=8)  # tokens per sequence (prompt + completion); longer ones are truncated
-    # the chat template that frames the data: a built-in name (lab, chatml) or a Jinja file; None: the
-    # tokenizer's own (base models such as OLMoE-1B-7B and Mixtral-8x7B ship without one). Saved with the
-    # outputs' tokenizer, so generate and eval frame prompts the same way
-    chat_template: str | None = None
+    # how the data is framed: a built-in chat template (lab, chatml), a Jinja file, or "plain": no template, the
+    # prompt's text and a newline, then the answer and EOS (moe_core.data.framing; for base models such as
+    # OLMoE-1B-7B and Mixtral-8x7B, which ship without a template); None: the tokenizer's own template. Saved
+    # with the outputs (their tokenizer and prompt_framing.json), so generate and eval frame prompts the same way
+    chat_template: str | None = None  # lab, chatml, a Jinja file, or plain; None: the tokenizer's own
     task_column: str | None = None  # a column naming each example's task: multi-task training and task bias
     validate_data: bool = False  # run the moe_core.data expectation suite first (slow on big sets)
 
@@ -135,8 +136,14 @@ class LogSection(_Section):
 
 class ExportSection(_Section):
     adapters: bool = True  # <out>/adapter: the PEFT adapter alone (lora)
-    merged: bool = True  # <out>/merged: our format with the adapter folded in
-    hf: bool | None = None  # <out>/hf: the Hugging Face architecture; None: when the model came from one
+    # <out>/merged: our format with the adapter folded in; None: unless a LoRA fine-tune's base model is large
+    # (`resolve_size_defaults`: above LARGE_MODEL_PARAMS only the adapter is written by default)
+    merged: bool | None = None  # None: written, except for LoRA on a base above 1 B parameters
+    # <out>/hf: the Hugging Face architecture; None: when the model came from one and is not large
+    hf: bool | None = None  # None: for a Hugging Face base up to 1 B parameters
+    # merged/ and hf/ are written in safetensors shards of at most this many MB (10**6 bytes), one tensor at a
+    # time from the model's own memory: a shard is never copied whole
+    max_shard_mb: int = Field(5000, ge=1)  # the largest safetensors shard of merged/ and hf/
 
 
 class FinetuneConfig(_Section, ConfigFile):
@@ -161,7 +168,9 @@ class FinetuneConfig(_Section, ConfigFile):
     batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step
     grad_accum: int = Field(1, ge=1)
     completion_only: bool = True  # SFT loss on the answer tokens only (the prompt is context)
-    gradient_checkpointing: bool = False  # recompute activations in backward (TRL turns it on by default)
+    # recompute activations in backward; None: on for a large base model or large activations, off otherwise
+    # (`resolve_size_defaults`; TRL turns it on always), and off with the task router bias, which it breaks
+    gradient_checkpointing: bool | None = None  # None: on above 1 B parameters or 4 GiB of activations
     seed: int = 0
     version: int = 1
 
@@ -190,7 +199,8 @@ class FinetuneConfig(_Section, ConfigFile):
         if self.gradient_checkpointing and needs_tasks:
             raise ValueError(
                 "gradient_checkpointing does not work with the task-conditioned router bias (the "
-                "recomputed forward has no task ids); set gradient_checkpointing=false"
+                "recomputed forward has no task ids); set gradient_checkpointing=false, or leave it unset (auto "
+                "keeps it off with the task bias)"
             )
         if self.objective == "dpo" and needs_tasks:
             raise ValueError(

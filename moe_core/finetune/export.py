@@ -13,6 +13,13 @@
                  loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
 task_router_bias.{safetensors,json} beside each, when trained: no HF architecture has a per-task bias, so it
                  stays a separate file (`TaskRouterBias.load(dir).attach(model)`)
+prompt_framing.json beside each: how prompts were framed (`moe_core.data.framing`), for generate and eval
+
+Memory: no export holds a second copy of the model. ``merged_model`` folds the adapter into the weights in
+place (PEFT ``merge_and_unload``: one adapted tensor's delta at a time); ``save_merged`` (transformers'
+``save_pretrained``) and ``save_hf`` (`moe_core.convert.to_hf`) hand safetensors the model's own tensors (views,
+no clone, no cast), shard by shard of at most ``max_shard_bytes``, and safetensors writes them from their
+memory. tests/test_finetune_at_size.py holds the peak memory of merge + both saves well under one model copy.
 """
 
 from __future__ import annotations
@@ -85,9 +92,17 @@ def merged_model(model, plan: MethodPlan | None = None):
     return merged.eval()
 
 
-def save_merged(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | None = None) -> Path:
+def save_merged(
+    model,
+    out_dir: str | Path,
+    tokenizer=None,
+    plan: MethodPlan | None = None,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+) -> Path:
+    """The merged model in our format (``save_pretrained``, safetensors shards of at most ``max_shard_bytes``)."""
     out_dir = Path(out_dir)
-    unwrap(model).save_pretrained(str(out_dir))
+    unwrap(model).save_pretrained(str(out_dir), max_shard_size=max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None and plan.task_bias is not None:
@@ -95,15 +110,23 @@ def save_merged(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | N
     return out_dir
 
 
-def save_hf(model, out_dir: str | Path, tokenizer=None, plan: MethodPlan | None = None) -> Path:
-    """The merged model as its Hugging Face architecture (``config.hf_origin``), through `moe_core.convert.to_hf`."""
+def save_hf(
+    model,
+    out_dir: str | Path,
+    tokenizer=None,
+    plan: MethodPlan | None = None,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+) -> Path:
+    """The merged model as its Hugging Face architecture (``config.hf_origin``), through `moe_core.convert.to_hf`
+    (safetensors shards of at most ``max_shard_bytes``)."""
     base = unwrap(model)
     if not base.config.hf_origin:
         raise FinetuneError(
             "save_hf: the model did not come from a Hugging Face architecture (config.hf_origin "
             "is empty); use moe_core.convert.to_hf(model, dir, architecture=...) to pick one"
         )
-    out_dir = Path(to_hf(base, out_dir, overwrite=True))
+    out_dir = Path(to_hf(base, out_dir, overwrite=True, max_shard_size=max_shard_bytes))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None and plan.task_bias is not None:

@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
+from moe_core.data.framing import plain_text
 from moe_core.data.sources import to_messages
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
@@ -71,24 +72,38 @@ def task_names_of(records, task_column: str | None) -> list[str]:
     return sorted({str(r[task_column]) for r in records})
 
 
-def sft_dataset(records, task_column: str | None = None, task_names: list[str] | None = None):
-    """Instruction records (alpaca or chat) as TRL conversational prompt/completion rows: the prompt is every turn
-    before the last assistant answer, the completion that answer; ``task_index`` when tasks are given."""
+def sft_dataset(
+    records, task_column: str | None = None, task_names: list[str] | None = None, *, plain: bool = False
+):
+    """Instruction records (alpaca or chat) as TRL prompt/completion rows: the prompt is every turn before the
+    last assistant answer, the completion that answer; ``task_index`` when tasks are given. Conversational rows
+    (turns, framed by the chat template), or with ``plain`` TRL's non-conversational rows: the prompt as plain
+    text (`moe_core.data.framing.plain_text`) and the answer's text (TRL appends EOS)."""
     rows: dict[str, list[Any]] = {"prompt": [], "completion": []}
     if task_column:
         rows["task_index"] = []
     for i, record in enumerate(records):
         messages = instruction_messages(record, i)
-        rows["prompt"].append(messages[:-1])
-        rows["completion"].append(messages[-1:])
+        if plain:
+            rows["prompt"].append(plain_text(messages[:-1]))
+            rows["completion"].append(messages[-1]["content"])
+        else:
+            rows["prompt"].append(messages[:-1])
+            rows["completion"].append(messages[-1:])
         if task_column:
             rows["task_index"].append(task_names.index(str(record[task_column])))
     return datasets.Dataset.from_dict(rows)
 
 
-def dpo_dataset(records):
+def _turns(value, role: str) -> list[dict[str, Any]]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def dpo_dataset(records, *, plain: bool = False):
     """Preference records (``prompt``, ``chosen``, ``rejected``; strings or chat turns) as conversational rows, so
-    the tokenizer's chat template frames them like the SFT data."""
+    the tokenizer's chat template frames them like the SFT data; with ``plain``, as TRL's non-conversational
+    rows framed like plain SFT data (the prompt's text and a newline; each answer's text, to which TRL appends
+    EOS)."""
     rows: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": []}
     for i, record in enumerate(records):
         prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
@@ -96,13 +111,14 @@ def dpo_dataset(records):
             raise FinetuneError(
                 f"preference example {i}: empty prompt, chosen or rejected; fix or drop that row"
             )
-        rows["prompt"].append(
-            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        )
+        if plain:
+            rows["prompt"].append(plain_text(_turns(prompt, "user")))
+            for key, value in (("chosen", chosen), ("rejected", rejected)):
+                rows[key].append("\n".join(str(t.get("content") or "") for t in _turns(value, "assistant")))
+            continue
+        rows["prompt"].append(_turns(prompt, "user"))
         for key, value in (("chosen", chosen), ("rejected", rejected)):
-            rows[key].append(
-                [{"role": "assistant", "content": value}] if isinstance(value, str) else list(value)
-            )
+            rows[key].append(_turns(value, "assistant"))
     return datasets.Dataset.from_dict(rows)
 
 
@@ -457,7 +473,8 @@ class MoEDPOTrainer(_MoEMetrics, DPOTrainer):
 # ------------------------------------------------------------------------------------------------ build
 def trainer_args(config: FinetuneConfig, out_dir, **extra):
     """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations, no
-    checkpoints (the export writes the outputs)."""
+    checkpoints (the export writes the outputs). ``extra`` overrides a field: `finetune` passes the
+    ``gradient_checkpointing`` it resolved for the model's size (`moe_core.finetune.sizing`)."""
     common = dict(
         output_dir=str(out_dir),
         max_steps=config.steps,
@@ -483,9 +500,12 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         max_length=config.data.max_length,
         remove_unused_columns=False,
         logging_nan_inf_filter=False,  # FiniteStepGuard skips and counts bad steps; no stand-in losses
-        gradient_checkpointing=config.gradient_checkpointing,
+        gradient_checkpointing=bool(config.gradient_checkpointing),
     )
     common.update(extra)
+    if common["gradient_checkpointing"]:
+        # non-reentrant, as pretraining uses (moe_core.train.loop): works with a frozen embedding under LoRA
+        common.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})
     if config.objective == "sft":
         return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
     return DPOConfig(

@@ -10,7 +10,9 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
-(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`.
+(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
+size-dependent auto fields (gradient checkpointing, merged and HF exports) resolve to is decided from the base
+model's config before its weights load (`moe_core.finetune.sizing`), printed, and saved in ``summary.json``.
 
 Written to ``out_dir``: ``finetune_config.json`` (the full config), ``trainable_parameters.json`` (the report),
 ``metrics.jsonl`` (every log step), ``esft_selection.json`` (ESFT: routing counts and the chosen experts),
@@ -46,6 +48,7 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from moe_core.data.chat_template import BUILTIN_TEMPLATES, check_chat_template, resolve_chat_template
+from moe_core.data.framing import PLAIN, PromptFraming, framing_for, plain_text
 from moe_core.data.sources import canonical_json, load_source, quiet_datasets
 from moe_core.data.tokenizer import (
     adopt_special_token_ids,
@@ -80,7 +83,8 @@ from moe_core.finetune.objectives import (
     trainer_args,
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
-from moe_core.loading import load
+from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
+from moe_core.loading import detect, load, model_config
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.telemetry import JsonlSink, read_jsonl
 
@@ -129,40 +133,48 @@ OUTPUTS = (
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _base_model(path: str, dtype: str):
-    """Any full-precision checkpoint `moe_core.load` reads: ours (a training run, checkpoint or export, an
-    earlier fine-tune), or a Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint converted exactly."""
-    loaded = load(path, dtype=dtype)
-    if loaded.kind == "quantized":
+def base_model_config(path: str):
+    """The config of the base model at ``path`` (any full-precision checkpoint `moe_core.load` reads: ours, or a
+    Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint), read without its weights; a quantized model is refused."""
+    if detect(path) == "quantized":
         raise FinetuneError(
             f"model.path={path!r} is a quantized model; fine-tune the full-precision checkpoint it came from"
         )
-    return loaded.model
+    return model_config(path)
 
 
 def frame_with_template(tokenizer, chat_template: str | None):
     """The tokenizer with the template the data is framed with: ``data.chat_template`` when given, else its own;
-    refused, before any model loads, when it has none."""
+    refused, before any model loads, when it has none. ``plain`` frames without a template
+    (`moe_core.data.framing`): the tokenizer is used as it is."""
+    if chat_template == PLAIN:
+        return tokenizer
     if chat_template is not None:
         tokenizer.chat_template, _ = resolve_chat_template(chat_template)
     if getattr(tokenizer, "chat_template", None) is None:
         raise FinetuneError(
             f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or ''} has no chat template, which frames "
             "SFT/DPO data (base models such as OLMoE-1B-7B and Mixtral-8x7B ship without one): set "
-            f"data.chat_template to a built-in one ({', '.join(BUILTIN_TEMPLATES)}) or a Jinja file"
+            f"data.chat_template to a built-in one ({', '.join(BUILTIN_TEMPLATES)}), a Jinja file, or "
+            f"{PLAIN!r} (no template: the prompt's text, a newline, then the answer)"
         )
     return tokenizer
+
+
+def _prompt_length(tokenizer, prompt) -> int:
+    """Tokens of a prompt as TRL tokenizes it: plain text (a string) or turns with the generation prompt."""
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt)["input_ids"])
+    ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def check_lengths(tokenizer, framed, max_length: int) -> None:
     """Refuse data whose every prompt fills ``data.max_length`` (truncation would leave no answer token to
     train on); warn when some do."""
     too_long, shortest = 0, None
-    for _, messages, add_generation_prompt in template_renderings(framed):
-        if not add_generation_prompt:
-            continue  # the prompt alone: what decides whether an answer token survives
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+    for row in framed:  # the prompt alone: what decides whether an answer token survives
+        n = _prompt_length(tokenizer, row["prompt"])
         shortest = n if shortest is None else min(shortest, n)
         too_long += n >= max_length
     if too_long == len(framed):
@@ -181,11 +193,13 @@ def check_lengths(tokenizer, framed, max_length: int) -> None:
         )
 
 
-def prepare_tokenizer(tokenizer, model_config):
-    if len(tokenizer) > model_config.vocab_size:
+def prepare_tokenizer(tokenizer, config_of_model):
+    """The tokenizer checked against the model's config (its vocabulary fits the embedding) and given a pad
+    token; called with the config alone, before the weights load."""
+    if len(tokenizer) > config_of_model.vocab_size:
         raise FinetuneError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-            f"{model_config.vocab_size}; use the model's own tokenizer"
+            f"{config_of_model.vocab_size}; use the model's own tokenizer"
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -221,14 +235,22 @@ def _seed(seed: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ ESFT
+def _framed_text(tokenizer, messages, plain: bool) -> str:
+    """A whole example as training frames it: the chat template, or plain (prompt turns, answer, EOS)."""
+    if plain:
+        return plain_text(messages[:-1]) + messages[-1]["content"] + tokenizer.eos_token
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
 def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: dict[int, list[int]]):
-    """Route the first ``lora.esft_examples`` training examples (full conversations, chat template) through the
-    base model and pick the experts (`select_esft_experts`)."""
+    """Route the first ``lora.esft_examples`` training examples (whole, framed as training frames them) through
+    the base model and pick the experts (`select_esft_experts`)."""
     batches = []
+    plain = config.data.chat_template == PLAIN
     n_examples = min(config.lora.esft_examples, len(records))
     for start in range(0, n_examples, config.batch_size):
         texts = [
-            tokenizer.apply_chat_template(instruction_messages(records[i], i), tokenize=False)
+            _framed_text(tokenizer, instruction_messages(records[i], i), plain)
             for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
@@ -237,7 +259,7 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
             padding=True,
             truncation=True,
             max_length=config.data.max_length,
-            add_special_tokens=False,
+            add_special_tokens=plain,  # plain text is tokenized as TRL does (its BOS); a template has its own
         )
         batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     usage = routing_usage(model, batches)
@@ -331,14 +353,18 @@ class LoadedInputs:
     """What the run starts from: the base model, its tokenizer and the training rows, all checked."""
 
     model: Any  # our `MoEForCausalLM` (converted when it came from Hugging Face), in train mode
-    tokenizer: Any  # with a chat template and a pad token, no larger than the model's vocabulary
+    tokenizer: Any  # its chat template (unless plain framing) and a pad token; fits the model's vocabulary
     records: datasets.Dataset  # at least one row
     task_names: list[str]  # sorted values of ``data.task_column``; [] without one
+    framing: PromptFraming  # how the data is framed; saved with every output (`moe_core.data.framing`)
+    size: SizeDefaults  # gradient checkpointing and exports, resolved for the base model's size
 
 
 def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
     """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name.
-    The cheap inputs first (tokenizer, data, the chat template rendered on every example), the model last."""
+    Every check runs before the weights load: the tokenizer, the data, the framing rendered on every example,
+    the prompt lengths, then the model's config (read alone: its kind, the vocabulary against the tokenizer's,
+    the size that resolves the auto defaults); the weights load last."""
     if model is None and not config.model.path:
         raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
     if tokenizer is None:
@@ -356,17 +382,26 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         raise FinetuneError("the training data has no rows")
     task_names = task_names_of(records, config.data.task_column)
     tokenizer = frame_with_template(tokenizer, config.data.chat_template)
-    framed = sft_dataset(records) if config.objective == "sft" else dpo_dataset(records)
-    check_chat_template(tokenizer, template_renderings(framed))
+    framing = framing_for(config.data.chat_template)
+    plain = framing.kind == PLAIN
+    framed = (
+        sft_dataset(records, plain=plain) if config.objective == "sft" else dpo_dataset(records, plain=plain)
+    )
+    if not plain:
+        check_chat_template(tokenizer, template_renderings(framed))
     check_lengths(tokenizer, framed, config.data.max_length)
+    config_of_model = model.config if model is not None else base_model_config(config.model.path)
+    tokenizer = prepare_tokenizer(tokenizer, config_of_model)
+    size = resolve_size_defaults(config, config_of_model)
+    for note in size.notes:
+        print(f"moe-lab finetune: {note}", flush=True)
     if model is None:
-        model = _base_model(config.model.path, config.model.dtype)
-    tokenizer = prepare_tokenizer(tokenizer, model.config)
+        model = load(config.model.path, dtype=config.model.dtype).model
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
     model.train()
-    return LoadedInputs(model, tokenizer, records, task_names)
+    return LoadedInputs(model, tokenizer, records, task_names, framing, size)
 
 
 # ------------------------------------------------------------------------------------------------ 2. select
@@ -489,7 +524,9 @@ def run_training(
     if config.log.progress != "off":
         callbacks.append(ProgressCallback(config.log.progress))
     trainer_kwargs = dict(
-        args=trainer_args(config, out_dir / "trainer"),
+        args=trainer_args(
+            config, out_dir / "trainer", gradient_checkpointing=inputs.size.gradient_checkpointing
+        ),
         processing_class=inputs.tokenizer,
         callbacks=callbacks,
         plan=plan,
@@ -497,9 +534,10 @@ def run_training(
         per_expert=config.log.per_expert,
     )
     try:
+        plain = inputs.framing.kind == PLAIN
         with quiet_datasets():
             if config.objective == "sft":
-                dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names)
+                dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names, plain=plain)
                 trainer = MoESFTTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
                 if config.data.task_column:
                     trainer.data_collator = TaskCollator(trainer.data_collator)
@@ -507,7 +545,7 @@ def run_training(
                 trainer = MoEDPOTrainer(
                     train_model,
                     ref_model=selected.ref_model,
-                    train_dataset=dpo_dataset(inputs.records),
+                    train_dataset=dpo_dataset(inputs.records, plain=plain),
                     **trainer_kwargs,
                 )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
@@ -539,24 +577,34 @@ class ExportedOutputs:
 def export_outputs(
     config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, out_dir: Path
 ) -> ExportedOutputs:
-    """The adapter (lora), the merged model in our format, and the merged model in the architecture it came from
-    (``export.hf``; on by default for a Hugging Face base), as ``config.export`` asks (`moe_core.finetune.export`)."""
+    """The adapter (lora), the merged model in our format, and the merged model in the architecture it came from,
+    as ``config.export`` asks, its auto fields resolved for the model's size (`inputs.size`: the adapter alone
+    for a large LoRA base; hf/ for a Hugging Face base). Each output gets the framing its prompts need
+    (``prompt_framing.json``). See `moe_core.finetune.export`."""
     train_model, plan = selected.train_model, selected.plan
     exported = ExportedOutputs(train_model)
     if config.method == "lora" and config.export.adapters:
         exported.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan, inputs.tokenizer)
-    want_hf = config.export.hf if config.export.hf is not None else bool(inputs.model.config.hf_origin)
-    if config.export.merged or want_hf:
+    want_merged, want_hf = inputs.size.export_merged, inputs.size.export_hf
+    shard_bytes = config.export.max_shard_mb * 10**6
+    if want_merged or want_hf:
         bias = plan.task_bias
         merged = export.merged_model(train_model, plan)
         check_finite_weights(merged, "merged model")
         exported.model = merged
-        if config.export.merged:
-            exported.merged_dir = export.save_merged(merged, out_dir / "merged", inputs.tokenizer, plan)
+        if want_merged:
+            exported.merged_dir = export.save_merged(
+                merged, out_dir / "merged", inputs.tokenizer, plan, max_shard_bytes=shard_bytes
+            )
         if want_hf:
-            exported.hf_dir = export.save_hf(merged, out_dir / "hf", inputs.tokenizer, plan)
+            exported.hf_dir = export.save_hf(
+                merged, out_dir / "hf", inputs.tokenizer, plan, max_shard_bytes=shard_bytes
+            )
         if bias is not None:
             bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
+    for directory in (exported.adapter_dir, exported.merged_dir, exported.hf_dir):
+        if directory is not None:
+            inputs.framing.save(directory)
     return exported
 
 
@@ -577,4 +625,6 @@ def run_summary(
         "trainable_params": selected.report.trainable_params,
         "final_metrics": final[-1] if final else {},
         "expert_adapters": {str(k): v for k, v in selected.plan.expert_selection.items()},
+        "framing": inputs.framing.kind,  # how prompts were framed (prompt_framing.json beside each output)
+        "size_defaults": inputs.size.to_dict(),  # what the auto fields resolved to, and why
     }

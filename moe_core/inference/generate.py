@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from moe_core.data.framing import read_framing
 from moe_core.errors import MoELabError
 from moe_core.inference.compile import ModelStructure, compile_steps, eager_steps
 from moe_core.inference.expert_cache import offload_experts
@@ -227,6 +228,8 @@ def generate_cli(
     json_lines: bool = True,
 ) -> dict:
     """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream.
+    A fine-tune's prompts are framed the way its training framed them (``prompt_framing.json`` beside its
+    tokenizer: its chat template, or plain text; `moe_core.data.framing`); other models get the text as given.
     ``expert_cache``: keep only this many experts in memory (offloaded to a temporary directory);
     ``events_dir``: write live figures there for the dashboard (`monitor.InferenceMonitor`);
     ``json_lines``: JSON lines (``{"prompt": i, "text": piece}`` while streaming, then one ``completion`` line
@@ -271,8 +274,10 @@ def generate_cli(
         if stream and not json_lines:
             out.write(prompts[0])
             out.flush()
+        framing = read_framing(loaded.tokenizer_dir)
+        inputs = [framing.encode_prompt(tokenizer, p) for p in prompts] if framing is not None else prompts
         result = batch_generate(
-            model, prompts, config, tokenizer=tokenizer, on_token=emit if (stream or monitor) else None
+            model, inputs, config, tokenizer=tokenizer, on_token=emit if (stream or monitor) else None
         )
         if cache is not None:
             result.report["expert_cache"] = cache.stats.to_dict()
