@@ -190,3 +190,80 @@ def test_merging_into_4_bit_experts_is_refused_naming_what_to_do():
     ours, _ = qlora_pair()
     with pytest.raises(ValueError, match="full-precision base"):
         ours.merge_and_unload()
+
+
+# ------------------------------------------------------------------------------------------------ moe-lab finetune
+def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_the_full_precision_base(
+    tmp_path,
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moe_core import load
+    from moe_core.finetune import FinetuneConfig, finetune
+    from tests.finetune_helpers import instruction_records
+    from tests.test_finetune_hf import hf_checkpoint
+
+    source = hf_checkpoint(tmp_path, "olmoe")
+    config = FinetuneConfig.build(
+        {
+            "model": {"path": str(source)},
+            "method": "qlora",
+            "quantize": {"group_size": 16},
+            "lora": {"r": 4, "experts": "all"},
+            "steps": 3,
+            "batch_size": 4,
+            "data": {"max_length": 64, "chat_template": "chatml"},
+            "optim": {"lr": 5e-3},
+            "log": {"progress": "off"},
+        }
+    )
+    assert config.method == "lora" and config.quantize.base == "nf4"  # qlora: LoRA on an NF4 base
+    result = finetune(config, tmp_path / "out", records=instruction_records(16))
+    assert result.adapter_dir is not None and result.merged_dir is None and result.hf_dir is None
+    assert not (tmp_path / "out" / "merged").exists()
+    experts = [m for m in result.model.modules() if isinstance(m, QuantizedExperts)]
+    assert experts and all(m.quant_config.codebook == "nf4" for m in experts)
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in result.metrics if "loss" in row)
+    # the adapter is LoRA on the full-precision model: stock PEFT on the HF model, and our loader, apply it
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        stock = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(source), str(result.adapter_dir)
+        )
+        merged = load(tmp_path / "out").model
+        torch.testing.assert_close(
+            merged(input_ids=x).logits, stock.eval()(input_ids=x).logits, atol=1e-5, rtol=1e-5
+        )
+        original = AutoModelForCausalLM.from_pretrained(source).eval()
+        assert not torch.allclose(original(input_ids=x).logits, merged(input_ids=x).logits, atol=1e-4)
+
+
+def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
+    from moe_core.finetune import FinetuneConfig, FinetuneError, finetune
+    from moe_core.finetune import run as run_module
+    from tests.finetune_helpers import instruction_records
+    from tests.test_finetune_hf import hf_checkpoint
+
+    with pytest.raises(FinetuneError, match="quantize.base=nf4 holds the frozen base"):
+        FinetuneConfig.build({"method": "full", "quantize": {"base": "nf4"}})
+    with pytest.raises(FinetuneError, match="export.merged / export.hf with quantize.base"):
+        FinetuneConfig.build({"method": "qlora", "export": {"merged": True}})
+    source = hf_checkpoint(tmp_path, "olmoe")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the checks")
+
+    monkeypatch.setattr(run_module, "load_quantizing_experts", no_weights)
+    config = FinetuneConfig.build(
+        {
+            "model": {"path": str(source)},
+            "method": "qlora",
+            "quantize": {"group_size": 24},
+            "data": {"chat_template": "chatml"},
+        }
+    )
+    with pytest.raises(
+        FinetuneError, match="quantize.group_size=24 does not divide the model's hidden_size=32"
+    ):
+        finetune(config, tmp_path / "out", records=instruction_records(4))

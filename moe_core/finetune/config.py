@@ -20,6 +20,9 @@ Methods (``method``):
   ``list`` in ``lora.expert_ids``, or ``esft``: the experts the router sends most of the task's own tokens to,
   DeepSeek's Expert-Specialized Fine-Tuning); the base stays frozen; ``freeze.router=false`` trains the router
   as a full copy saved with the adapter (PEFT ``modules_to_save``).
+- ``qlora``: shorthand for ``lora`` with ``quantize.base=nf4`` (QLoRA, Dettmers et al. 2023): the frozen base
+  experts are held in 4 bits (the lab's own grouped NF4 / int4 codes, `moe_core.quantized`), quantized while the
+  checkpoint streams in, and LoRA trains on top; the adapter is that of LoRA on the full-precision model.
 - ``router``: task-adaptive routing by tuning only the router gates.
 - ``router_bias``: only a task-conditioned router bias trains (needs ``data.task_column``).
 ``routing.task_bias=true`` adds the task-conditioned router bias to any method (multi-task training).
@@ -146,6 +149,15 @@ class ExportSection(_Section):
     max_shard_mb: int = Field(5000, ge=1)  # the largest safetensors shard of merged/ and hf/
 
 
+class QuantizeSection(_Section):
+    # the frozen base experts in few bits while LoRA trains (QLoRA); None: in model.dtype. nf4: NormalFloat4
+    # levels (QLoRA's choice for normally distributed weights); int4: evenly spaced; int8: one scale per row
+    base: Literal["nf4", "int4", "int8"] | None = None
+    group_size: int = Field(
+        64, ge=2, multiple_of=2
+    )  # 4-bit codes: inputs sharing one absmax scale (QLoRA: 64)
+
+
 class FinetuneConfig(_Section, ConfigFile):
     error_cls: ClassVar[type[MoELabError]] = FinetuneError
     config_name: ClassVar[str] = "fine-tuning config"
@@ -153,7 +165,7 @@ class FinetuneConfig(_Section, ConfigFile):
 
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
-    method: Literal["full", "lora", "router", "router_bias"] = "lora"
+    method: Literal["full", "lora", "router", "router_bias"] = "lora"  # "qlora": lora + quantize.base=nf4
     objective: Literal["sft", "dpo"] = "sft"
     lora: LoraSection = Field(default_factory=LoraSection)
     freeze: FreezeSection = Field(default_factory=FreezeSection)
@@ -162,6 +174,7 @@ class FinetuneConfig(_Section, ConfigFile):
     optim: OptimSection = Field(default_factory=OptimSection)
     log: LogSection = Field(default_factory=LogSection)
     export: ExportSection = Field(default_factory=ExportSection)
+    quantize: QuantizeSection = Field(default_factory=QuantizeSection)
     faults: FaultSection = Field(default_factory=FaultSection)  # the same rule as pretraining
 
     steps: int = Field(20, ge=1)
@@ -184,8 +197,31 @@ class FinetuneConfig(_Section, ConfigFile):
                     value = {**value, key: {int(k): v for k, v in ids.items()}}
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _qlora_is_lora_on_a_quantized_base(cls, data):
+        if isinstance(data, dict) and data.get("method") == "qlora":
+            quantize = dict(data.get("quantize") or {})
+            quantize.setdefault("base", "nf4")
+            if quantize["base"] is None:
+                raise ValueError("method=qlora needs quantize.base (nf4, int4 or int8); or use method=lora")
+            data = {**data, "method": "lora", "quantize": quantize}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> FinetuneConfig:
+        if self.quantize.base is not None and self.method != "lora":
+            raise ValueError(
+                f"quantize.base={self.quantize.base} holds the frozen base in few bits under LoRA (QLoRA); "
+                f"method={self.method} trains base weights: use method=lora (or qlora), or unset quantize.base"
+            )
+        if self.quantize.base is not None and (self.export.merged or self.export.hf):
+            raise ValueError(
+                "export.merged / export.hf with quantize.base: an adapter trained on a quantized base is merged "
+                "into the full-precision model it came from, not into the quantized copy; leave them unset and "
+                "apply OUT/adapter to the base afterwards (moe_core.load('OUT/adapter') does, on a machine "
+                "that holds the full-precision model)"
+            )
         if self.method == "lora" and self.lora.experts == "list" and not self.lora.expert_ids:
             raise ValueError("lora.experts='list' needs lora.expert_ids, e.g. [0, 3] or {1: [0, 3]}")
         if self.lora.experts != "list" and self.lora.expert_ids:

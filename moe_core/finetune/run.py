@@ -84,7 +84,9 @@ from moe_core.finetune.objectives import (
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
+from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, model_config
+from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.telemetry import JsonlSink, read_jsonl
 
@@ -133,14 +135,37 @@ OUTPUTS = (
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def base_model_config(path: str):
+def base_model_config(path: str, quantize_base: str | None = None):
     """The config of the base model at ``path`` (any full-precision checkpoint `moe_core.load` reads: ours, or a
-    Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint), read without its weights; a quantized model is refused."""
-    if detect(path) == "quantized":
+    Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint), read without its weights; a quantized model is refused,
+    and with ``quantize.base`` (QLoRA, quantized while it loads) one that is not a model directory."""
+    kind = detect(path)
+    if kind == "quantized":
         raise FinetuneError(
             f"model.path={path!r} is a quantized model; fine-tune the full-precision checkpoint it came from"
+            + (" (quantize.base quantizes it while loading)" if quantize_base else "")
+        )
+    if quantize_base and kind not in ("model", "hf"):
+        raise FinetuneError(
+            f"quantize.base={quantize_base} quantizes a model directory (ours or a Hugging Face one) while it "
+            f"loads; model.path={path!r} is a {kind} directory: point at the model inside it (e.g. a fine-tune's "
+            "merged/, a run's final/)"
         )
     return model_config(path)
+
+
+def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
+    """How the frozen base experts are held under QLoRA (``quantize.base``), or None."""
+    base = config.quantize.base
+    if base is None:
+        return None
+    if base == "int8":
+        return QuantConfig(bits=8)
+    group_size = config.quantize.group_size
+    codebook = "nf4" if base == "nf4" else "int"
+    return QuantConfig(
+        bits=4, group_size=group_size, block_size=group_size, codebook=codebook
+    )  # block: GPTQ's
 
 
 def frame_with_template(tokenizer, chat_template: str | None):
@@ -390,13 +415,30 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if not plain:
         check_chat_template(tokenizer, template_renderings(framed))
     check_lengths(tokenizer, framed, config.data.max_length)
-    config_of_model = model.config if model is not None else base_model_config(config.model.path)
+    config_of_model = (
+        model.config if model is not None else base_model_config(config.model.path, config.quantize.base)
+    )
+    quant = base_quant_config(config)
+    if quant is not None and quant.bits == 4:
+        widths = {"hidden_size": config_of_model.hidden_size}
+        if config_of_model.num_experts:
+            widths["expert_intermediate_size"] = config_of_model.expert_intermediate_size
+        for name, width in widths.items():
+            if width % quant.group_size:
+                raise FinetuneError(
+                    f"quantize.group_size={quant.group_size} does not divide the model's {name}={width}; pick a "
+                    "group size that divides it (e.g. 32 or 64)"
+                )
     tokenizer = prepare_tokenizer(tokenizer, config_of_model)
     size = resolve_size_defaults(config, config_of_model)
     for note in size.notes:
         print(f"moe-lab finetune: {note}", flush=True)
-    if model is None:
+    if model is None and quant is not None:
+        model = load_quantizing_experts(config.model.path, quant, config.model.dtype)
+    elif model is None:
         model = load(config.model.path, dtype=config.model.dtype).model
+    elif quant is not None and not any(isinstance(m, QuantizedExperts) for m in model.modules()):
+        quantize_experts(model, quant)  # a model given in memory: its experts quantized in place
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)

@@ -111,10 +111,16 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
             "`moe-lab convert to-hf OUT/merged --arch mixtral --out OUT/hf` (or olmoe, qwen2_moe)"
         )
     has_adapter = config.method == "lora" and config.export.adapters
+    quantized = config.quantize.base is not None  # merging goes into the full-precision model, not the codes
     if merged is None:
-        merged = not (large and has_adapter)
+        merged = not (large and has_adapter) and not quantized
     if hf is None:
-        hf = bool(model_config.hf_origin) and not large
+        hf = bool(model_config.hf_origin) and not large and not quantized
+    if quantized and (config.export.merged is None or config.export.hf is None):
+        notes.append(
+            f"quantize.base={config.quantize.base}: only the adapter is written (it applies to the full-precision "
+            "base: moe_core.load('OUT/adapter') merges it there)"
+        )
     skipped = [
         name
         for name, asked, resolved in (
