@@ -73,6 +73,37 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in the order `stacks` returns them
 
 
+class _FrozenLinearLowPrecisionCPU(torch.autograd.Function):
+    """``y = x W^T`` for a weight that takes no gradient (a frozen expert under LoRA, a dequantized 4-bit one), in
+    bf16/fp16 on CPU. Autograd's input gradient ``dY W`` multiplies by a row-major right operand, for which
+    oneDNN on AVX2 CPUs has no fast low-precision kernel: 96 ms for [8, 1024] x [1024, 2048] in bf16, against 9 ms
+    for the same product as ``F.linear(dY, W^T)`` on a transposed copy (1 ms to make; benchmarks/README.md, "Expert
+    LoRA"). The result is the same product; `tests/test_expert_lora.py` holds it to autograd's."""
+
+    @staticmethod
+    def forward(ctx, x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w_OI)
+        return F.linear(x_NI, w_OI)
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        (w_OI,) = ctx.saved_tensors
+        return F.linear(grad_NO, w_OI.t().contiguous()), None
+
+
+def frozen_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``, with the fast input gradient of `_FrozenLinearLowPrecisionCPU` where it applies."""
+    if (
+        x_NI.requires_grad
+        and not w_OI.requires_grad
+        and x_NI.device.type == "cpu"
+        and x_NI.dtype in (torch.bfloat16, torch.float16)
+        and torch.is_grad_enabled()
+    ):
+        return _FrozenLinearLowPrecisionCPU.apply(x_NI, w_OI)
+    return F.linear(x_NI, w_OI)
+
+
 @dataclass(frozen=True)
 class ExpertLoRA:
     """Low-rank updates of the expert projections: for projection ``p`` and expert ``e``,
@@ -475,7 +506,7 @@ class GroupedExperts(StackedExperts):
         return share_hooks(experts, new)
 
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
-        return F.linear(x_NI, weights[PROJECTIONS.index(p)][e])
+        return frozen_linear(x_NI, weights[PROJECTIONS.index(p)][e])
 
     def stacks(self, dtype: torch.dtype | None = None) -> tuple:
         stacks = self.gate_proj, self.up_proj, self.down_proj

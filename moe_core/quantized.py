@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -45,7 +44,7 @@ from moe_core.convert import (
     weight_plan,
 )
 from moe_core.errors import MoELabError, weight_mismatch
-from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts
+from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, frozen_linear
 from moe_core.fileio import atomic_directory
 from moe_core.model import MoEForCausalLM, materialize
 
@@ -321,7 +320,7 @@ class QuantizedExperts(StackedExperts):
         return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
 
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
-        return F.linear(x_NI, self.weight(p, e, x_NI.dtype))
+        return frozen_linear(x_NI, self.weight(p, e, x_NI.dtype))
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:

@@ -196,3 +196,23 @@ def test_peft_seam():
     B_EOR, A_ERI, scale = nest[0].get_delta_factors("default")
     assert B_EOR.shape == (E, F_, 4) and A_ERI.shape == (E, 4, D) and scale == 2.0
     torch.testing.assert_close(nest[0].get_delta_weight("default"), scale * B_EOR @ A_ERI)
+
+
+def test_the_low_precision_cpu_input_gradient_equals_autograd_s():
+    """`frozen_linear`'s backward (bf16 on CPU: dY W computed as linear(dY, W^T) on a transposed copy) gives
+    autograd's input gradient; a weight that trains keeps autograd's own path."""
+    from moe_core.experts import frozen_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    x = torch.randn(5, 64, requires_grad=True)
+    grad = torch.randn(5, 48)
+    torch.nn.functional.linear(x, w).backward(grad)
+    expected = x.grad.clone()
+    x_bf16 = x.detach().bfloat16().requires_grad_()
+    out = frozen_linear(x_bf16, w.bfloat16())
+    assert out.grad_fn is not None and "FrozenLinear" in type(out.grad_fn).__name__
+    out.backward(grad.bfloat16())
+    torch.testing.assert_close(x_bf16.grad.float(), expected, atol=0.1, rtol=0.02)
+    trainable = w.bfloat16().requires_grad_()
+    assert "FrozenLinear" not in type(frozen_linear(x_bf16, trainable).grad_fn).__name__
