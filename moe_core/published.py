@@ -1,8 +1,13 @@
 """Stand-ins for published Hugging Face MoE checkpoints: the published ``config.json`` with random weights.
 
-    from moe_core.published import build_published
+    from moe_core.published import PUBLISHED, build_published
     directory = build_published("olmoe-1b-7b", layers=4)   # ~/.cache/moe-lab/published/olmoe-1b-7b-4l
     AutoModelForCausalLM.from_pretrained(directory)          # or moe_core.load(directory), moe-lab finetune ...
+    build_published("mixtral-8x7b", layers=1, overrides=PUBLISHED["mixtral-8x7b"].tiny_overrides)  # for tests
+
+From the command line: ``python benchmarks/finetune_scale.py --model NAME [--layers N] --build-only`` (prints
+the directory). This is not a ``moe-lab`` command: a stand-in that cannot say anything true about text is a
+tool for measuring the lab, not part of a user's workflow.
 
 What fine-tuning and inference cost at real size depends on the architecture's shapes, not on what the weights
 learned, and no model hub is reachable where the lab is tested. So this writes a checkpoint directory that
@@ -71,7 +76,8 @@ class PublishedModel:
     name: str
     hub_id: str
     config: dict[str, Any] = field(repr=False)
-    note: str = ""
+    # the same architecture shrunk to a few KiB per layer (``overrides=`` for tests and quick looks)
+    tiny_overrides: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 PUBLISHED: dict[str, PublishedModel] = {
@@ -110,6 +116,15 @@ PUBLISHED: dict[str, PublishedModel] = {
             "use_cache": True,
             "vocab_size": 50304,
         },
+        tiny_overrides=dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+        ),
     ),
     # Qwen/Qwen1.5-MoE-A2.7B config.json: 24 layers, 60 experts top-4 of width 1408 plus one gated shared expert
     # of width 5632, hidden 2048, q/k/v biases, vocab 151936 (14.3 B parameters). Cross-checked: transformers 4.57
@@ -149,6 +164,17 @@ PUBLISHED: dict[str, PublishedModel] = {
             "use_sliding_window": False,
             "vocab_size": 151936,
         },
+        tiny_overrides=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=512,
+        ),
     ),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, 8 experts top-2 of width 14336, hidden 4096, GQA with 8
     # KV heads, vocab 32000 (46.7 B parameters, 87 GiB in bf16). Cross-checked: transformers 4.57 MixtralConfig
@@ -182,6 +208,14 @@ PUBLISHED: dict[str, PublishedModel] = {
             "use_cache": True,
             "vocab_size": 32000,
         },
+        tiny_overrides=dict(
+            hidden_size=64,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
     ),
 }
 
@@ -402,6 +436,7 @@ def _request(name, layers, overrides, seed, std, tokenizer_vocab, max_shard_byte
         "std": std,
         "dtype": "bfloat16",
         "tokenizer_vocab": tokenizer_vocab,
+        "tokenizer_documents": TOKENIZER_DOCUMENTS,
         "max_shard_bytes": max_shard_bytes,
         "format_version": FORMAT_VERSION,
     }

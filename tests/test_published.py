@@ -27,36 +27,6 @@ from moe_core.published import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = {
-    "olmoe-1b-7b": dict(
-        hidden_size=64,
-        intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-    ),
-    "qwen1.5-moe-a2.7b": dict(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-    ),
-    "mixtral-8x7b": dict(
-        hidden_size=64,
-        intermediate_size=32,
-        num_local_experts=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
-}
 CLASSES = {
     "olmoe-1b-7b": "OlmoeForCausalLM",
     "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",
@@ -65,7 +35,7 @@ CLASSES = {
 
 
 def build_small(name, cache_dir, **kwargs):
-    kwargs = {"layers": 1, "overrides": SMALL[name], "tokenizer_vocab": 300, **kwargs}
+    kwargs = {"layers": 1, "overrides": PUBLISHED[name].tiny_overrides, "tokenizer_vocab": 300, **kwargs}
     return build_published(name, cache_dir=cache_dir, **kwargs)
 
 
@@ -84,7 +54,7 @@ def test_stand_in_loads_in_transformers_and_in_the_lab_with_the_same_logits(name
     assert (directory / "model.safetensors.index.json").is_file()
     assert len(list(directory.glob("model-*.safetensors"))) > 1
     written = json.loads((directory / "config.json").read_text())
-    expected = published_config(name, 1, SMALL[name])
+    expected = published_config(name, 1, PUBLISHED[name].tiny_overrides)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     # the architecture as published (with the overrides); only the special-token ids are the tokenizer's
     for key, value in expected.items():
