@@ -23,6 +23,8 @@ AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
   `FinetuneConfig` refuses them.
 
 A step is forward + backward + clip + optimizer step + zero_grad; model load and wrapping are timed apart.
+``--dtype float32`` runs both sides in float32 (on CPUs without AVX-512 BF16, torch's bf16 product in the
+layout of a frozen ``Linear``'s backward is the step's bulk: see benchmarks/README.md).
 The first ``--warmup`` steps are left out of the median. Memory per child: the peak resident set from the
 kernel (``wait4``'s ``ru_maxrss``), and, from ``/proc/<pid>/status`` polled every 50 ms, the anonymous and
 file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen: memory-mapped weights count as
@@ -124,7 +126,7 @@ def child_baseline(spec: dict) -> dict:
 
     torch.manual_seed(spec["seed"])
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
     model = get_peft_model(
         model,
         LoraConfig(
@@ -161,7 +163,7 @@ def child_lab(spec: dict) -> dict:
 
     torch.manual_seed(spec["seed"])
     base = {
-        "model": {"path": spec["checkpoint"], "dtype": "bfloat16"},
+        "model": {"path": spec["checkpoint"], "dtype": spec["dtype"]},
         "method": "lora",
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "experts": "all"},
         "data": {"max_length": max(8, spec["seq"])},
@@ -353,19 +355,19 @@ def _gib(x) -> str:
     return f"{x:.2f}" if isinstance(x, int | float) else "-"
 
 
-def print_table(figures: dict) -> None:
+def print_table(figures: dict, raw: dict) -> None:
     m = figures
     threads = sorted({row["torch_threads"] for row in m["results"].values() if "torch_threads" in row})
     threads = "/".join(map(str, threads)) or "?"
     print(
         f"\n{m['model']} ({m['hub_id']}), {m['layers']} of {m['published_layers']} layers"
         f"{' (tiny: shrunken config)' if m['tiny'] else ''}: {m['parameters'] / 1e9:.3f} B parameters, "
-        f"{m['checkpoint_gib']:.2f} GiB bf16; batch {m['batch']} x {m['seq']} tokens, median of {m['steps']} "
+        f"{m['checkpoint_gib']:.2f} GiB bf16 on disk, run in {m['dtype']}; batch {m['batch']} x {m['seq']} tokens, median of {m['steps']} "
         f"steps after {m['warmup']} warm-up, {threads} torch thread(s) per child on {m['device']}"
     )
     header = (
         f"{'variant':<18}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
-        f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'trainable M':>13}{'loss 0 -> n':>16}"
+        f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'trainable M':>13}{'loss 0 -> n':>20}"
     )
     print(header)
     base = m["results"].get("baseline", {})
@@ -379,13 +381,13 @@ def print_table(figures: dict) -> None:
             f"{row.get('tokens_per_s', 0):>8.0f}{_gib(row.get('load_s')):>8}{_gib(row.get('peak_rss_gib')):>10}"
             f"{_gib(row.get('rss_anon_gib_at_peak')):>7}{_gib(row.get('rss_file_gib_at_peak')):>7}"
             f"{_gib(ratio_m):>8}{row.get('trainable_params', 0) / 1e6:>13.2f}"
-            f"{(f'{losses[0]:.3f} -> {losses[-1]:.3f}' if losses else '-'):>16}"
+            f"{(f'{losses[0]:.3f} -> {losses[-1]:.3f}' if losses else '-'):>20}"
         )
     for name, row in m["results"].items():
         if row.get("status") != "ok":
             print(f"  {name}: {row.get('status')}{': ' + row['reason'] if row.get('reason') else ''}")
-            if row.get("log_tail"):
-                print("    " + row["log_tail"].strip().replace("\n", "\n    ")[-1500:])
+            if raw[name].get("log_tail"):  # not in the JSON line
+                print("    " + raw[name]["log_tail"].strip().replace("\n", "\n    ")[-1500:])
 
 
 def ratio(row: dict, reference: dict) -> dict:
@@ -436,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch CPU threads per child (default: torch's)"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the frozen base, both sides"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="in every variant")
     parser.add_argument(
@@ -512,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "threads": args.threads,
         "device": args.device,
+        "dtype": args.dtype,
         "seed": args.seed,
         "gradient_checkpointing": args.gradient_checkpointing,
         "baseline_targets": baseline_targets(config["model_type"]),
@@ -541,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "device": args.device,
+        "dtype": args.dtype,
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": "q,k,v,o + every expert's gate/up/down"},
         "page_cache_warmed": warmed,
         "machine": machine(args.device),
@@ -554,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "children_max_rss_gib": round(children.ru_maxrss / 2**20, 3),
     }
-    print_table(figures)
+    print_table(figures, results)
     print(json.dumps(figures))
     return 0
 

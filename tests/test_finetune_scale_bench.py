@@ -47,6 +47,7 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "finetune_scale" and result["tiny"] is True
     assert result["model"] == "olmoe-1b-7b" and result["layers"] == 2 and result["published_layers"] == 16
+    assert result["dtype"] == "bfloat16" and result["batch"] == 1 and result["seq"] == 64
     assert {"cpus", "memory_gib", "torch", "transformers", "peft", "device"} <= set(result["machine"])
     assert set(result["results"]) == {"baseline", "lab"}
     for name, row in result["results"].items():
@@ -76,6 +77,7 @@ def test_a_lab_field_that_has_not_landed_reads_not_available(bench):
 
     spec = {
         "checkpoint": "unused",
+        "dtype": "bfloat16",
         "seq": 64,
         "batch": 1,
         "warmup": 0,
