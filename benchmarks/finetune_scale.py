@@ -236,17 +236,22 @@ def run_child(
     over_limit = False
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            sample = proc_status_kib(proc.pid)
-            if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
-                peak_sample = sample
-            if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
-                over_limit = True
-                os.kill(proc.pid, signal.SIGKILL)
-            time.sleep(POLL_S)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                sample = proc_status_kib(proc.pid)
+                if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
+                    peak_sample = sample
+                if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
+                    over_limit = True
+                    os.kill(proc.pid, signal.SIGKILL)
+                time.sleep(POLL_S)
+        except BaseException:  # Ctrl-C or an error here: the child does not outlive the benchmark
+            proc.kill()
+            proc.wait()
+            raise
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
     row: dict = {
         "wall_s": time.perf_counter() - started,
