@@ -1,0 +1,575 @@
+"""Fine-tuning at published sizes: the lab's LoRA step against transformers + PEFT, side by side (issue 31 §4).
+
+For one published MoE architecture (``--model``, optionally cut to its first ``--layers``), the checkpoint is a
+random-weight stand-in with the published config (`moe_core.published.build_published`: sharded bf16
+safetensors and a small tokenizer with a chat template, cached under ``~/.cache/moe-lab/published``; nothing
+is downloaded). Each variant then runs in a child process of its own, one after the other (never two at
+once), on the same tokens (``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl`` framed by the tokenizer's
+chat template, labels = inputs), with the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every
+expert's gate/up/down projections; Qwen2-MoE's shared expert is not adapted, as the lab's default), the same
+AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
+
+- ``baseline``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)`` + PEFT ``get_peft_model`` with
+  ``target_modules`` naming the attention projections and every per-expert ``nn.Linear`` (transformers 4.57's
+  layout; ``--baseline-python`` runs it under another interpreter, e.g. an environment pinned to it).
+- ``lab``: the lab's own fine-tuning path up to the optimizer: ``moe_core.finetune.run.load_inputs`` (the
+  checks, the base model through ``moe_core.load``, in bf16) and ``select_parameters`` (``apply_method``: the
+  lab's LoRA on attention and the stacked experts), from a `FinetuneConfig` (``--lab-set`` adds ``--set``-style
+  fields). The steps are the same hand-written loop as the baseline's, not TRL's trainer, so both measure the
+  same thing: the lab's objective adds its router losses (the published configs' ``output_router_logits`` is
+  false, so the baseline's has none), and the routing statistics the lab's trainer logs are not computed.
+- ``lab-qlora-int4`` / ``lab-qlora-nf4`` (``--qlora``) and ``lab-mmap`` (``--mmap``): the lab with
+  ``quantize.base=...`` / ``model.mmap=true`` (the fields issue 31 names); "not available yet" while
+  `FinetuneConfig` refuses them.
+
+A step is forward + backward + clip + optimizer step + zero_grad; model load and wrapping are timed apart.
+``--dtype float32`` runs both sides in float32 (on CPUs without AVX-512 BF16, torch's bf16 product in the
+layout of a frozen ``Linear``'s backward is the step's bulk: see benchmarks/README.md).
+The first ``--warmup`` steps are left out of the median. Memory per child: the peak resident set from the
+kernel (``wait4``'s ``ru_maxrss``), and, from ``/proc/<pid>/status`` polled every 50 ms, the anonymous and
+file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen: memory-mapped weights count as
+file-backed. ``--max-rss-gib`` stops a child that grows past it (a shared machine). With ``--device cuda`` the
+device's peak allocation is reported too.
+
+Prints a table, then ONE JSON line: each variant's figures, ``lab_over_baseline`` (step time and peak RSS
+ratios) and the machine.
+
+    python benchmarks/finetune_scale.py --model olmoe-1b-7b --layers 2              # ~2.5 GiB checkpoint
+    python benchmarks/finetune_scale.py --model olmoe-1b-7b                         # full size: alone on the machine
+    python benchmarks/finetune_scale.py --model qwen1.5-moe-a2.7b --qlora int4      # 26.7 GiB: alone, with disk
+    python benchmarks/finetune_scale.py --tiny                                      # shrunken config, seconds
+    python benchmarks/finetune_scale.py --model mixtral-8x7b --build-only           # only write the stand-in
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+# Only the standard library at the top: this file is also the children's program, and the baseline child may
+# run under another interpreter (--baseline-python: an environment pinned to another transformers) where only
+# torch, transformers and peft exist. torch and the lab are imported inside the functions that use them.
+
+REPO = Path(__file__).resolve().parents[1]
+SFT_DATA = REPO / "examples" / "sft.jsonl"
+GIB = 2**30
+POLL_S = 0.05
+LORA_R, LORA_ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
+TINY_TOKENIZER_VOCAB = 400
+# the lab's config fields issue 31 names for the optional variants
+QLORA_FIELD, MMAP_FIELD = "quantize.base", "model.mmap"
+
+
+# ================================================================================================ the children
+def proc_status_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmHWM / VmRSS / RssAnon / RssFile (KiB) of a process from /proc/<pid>/status; {} off Linux or once it
+    is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    return {k: int(line.split()[1]) for line in lines for k in keys if line.startswith(k + ":")}
+
+
+def timed_steps(model, spec: dict) -> dict:
+    """The benchmark's step, the same for every variant: forward with labels = inputs, backward, clip, AdamW on
+    the trainable parameters, zero_grad. Returns per-step seconds and losses."""
+    import torch
+
+    device = torch.device(spec["device"])
+    if spec["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    input_ids = torch.tensor(spec["tokens"], dtype=torch.long, device=device)
+    model.train()
+    seconds, losses = [], []
+    for _ in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        print(f"step {len(seconds)}/{spec['warmup'] + spec['steps']}: {seconds[-1]:.2f} s", flush=True)
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "trainable_params": sum(p.numel() for p in params),
+        "step_s_all": seconds,
+        "losses": losses,
+    }
+
+
+def child_baseline(spec: dict) -> dict:
+    """transformers + PEFT, as a user would write it."""
+    import peft
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(spec["seed"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=LORA_R,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=spec["baseline_targets"],
+        ),
+    )
+    model.to(spec["device"])
+    load_s = time.perf_counter() - t0
+    memory_after_load = proc_status_kib()
+    print(f"loaded in {load_s:.1f} s", flush=True)
+    out = timed_steps(model, spec)
+    out.update(
+        load_s=load_s,
+        memory_after_load_kib=memory_after_load,
+        versions={"transformers": transformers.__version__, "peft": peft.__version__},
+    )
+    return out
+
+
+class NotAvailable(Exception):
+    """A variant whose config fields the lab does not take yet."""
+
+
+def child_lab(spec: dict) -> dict:
+    """The lab's fine-tuning path (checks, loading, the LoRA method) up to the optimizer; the benchmark's steps."""
+    import torch
+
+    from moe_core.finetune.config import FinetuneConfig, FinetuneError
+    from moe_core.finetune.run import load_inputs, select_parameters
+
+    torch.manual_seed(spec["seed"])
+    base = {
+        "model": {"path": spec["checkpoint"], "dtype": spec["dtype"]},
+        "method": "lora",
+        "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "experts": "all"},
+        "data": {"max_length": max(8, spec["seq"])},
+        "batch_size": spec["batch"],
+        "steps": spec["warmup"] + spec["steps"],
+        "gradient_checkpointing": spec["gradient_checkpointing"],
+        "optim": {"lr": LR, "grad_clip": CLIP},
+        "seed": spec["seed"],
+    }
+    try:
+        config = FinetuneConfig.build(base).with_overrides(spec["lab_sets"])
+    except FinetuneError as err:
+        if spec["optional"]:  # a variant for a field that has not landed yet
+            raise NotAvailable(str(err).splitlines()[0]) from None
+        raise
+    spec = {**spec, "gradient_checkpointing": config.gradient_checkpointing}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ft-scale-lab-") as scratch:
+        inputs = load_inputs(config, records=spec["records"])
+        selected = select_parameters(config, inputs, Path(scratch))
+    model = selected.train_model.to(spec["device"])
+    load_s = time.perf_counter() - t0
+    memory_after_load = proc_status_kib()
+    print(f"loaded in {load_s:.1f} s", flush=True)
+    out = timed_steps(model, spec)
+    out.update(load_s=load_s, memory_after_load_kib=memory_after_load, lab_config=config.model_dump())
+    return out
+
+
+def child_main(kind: str, spec_path: Path, result_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    if spec["threads"]:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    try:
+        out = child_baseline(spec) if kind == "baseline" else child_lab(spec)
+        out["status"] = "ok"
+    except NotAvailable as err:
+        out = {"status": "not available yet", "reason": str(err)}
+    if spec["device"].startswith("cuda"):
+        import torch
+
+        out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    out["memory_at_end_kib"] = proc_status_kib()
+    result_path.write_text(json.dumps(out))
+    return 0
+
+
+# ================================================================================================ the parent
+def run_child(
+    kind: str, name: str, spec: dict, workdir: Path, python: str, max_rss_gib: float | None
+) -> dict:
+    """Run one variant in a child process and watch its memory; its result with the memory figures added."""
+    spec_path, result_path, log_path = (workdir / f"{name}.{x}" for x in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps(spec))
+    import moe_core  # the children import the same lab as this process
+
+    lab_root = str(Path(moe_core.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [lab_root, os.environ.get("PYTHONPATH")])),
+    }
+    if spec["threads"]:
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+    command = [python, str(Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path)]
+    command += ["--result", str(result_path)]
+    started = time.perf_counter()
+    peak_sample: dict[str, int] = {}
+    over_limit = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                sample = proc_status_kib(proc.pid)
+                if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
+                    peak_sample = sample
+                if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
+                    over_limit = True
+                    os.kill(proc.pid, signal.SIGKILL)
+                time.sleep(POLL_S)
+        except BaseException:  # Ctrl-C or an error here: the child does not outlive the benchmark
+            proc.kill()
+            proc.wait()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    row: dict = {
+        "wall_s": time.perf_counter() - started,
+        "exit_code": proc.returncode,
+        "peak_rss_gib": usage.ru_maxrss * 1024 / GIB,  # ru_maxrss is in KiB on Linux
+        "rss_anon_gib_at_peak": peak_sample.get("RssAnon", 0) * 1024 / GIB,
+        "rss_file_gib_at_peak": peak_sample.get("RssFile", 0) * 1024 / GIB,
+    }
+    if proc.returncode == 0 and result_path.is_file():
+        row.update(json.loads(result_path.read_text()))
+    elif over_limit:
+        row["status"] = f"stopped: resident set over --max-rss-gib {max_rss_gib}"
+    elif proc.returncode == -signal.SIGKILL:
+        row["status"] = "killed (SIGKILL: out of memory?)"
+    else:
+        row["status"] = f"failed (exit {proc.returncode})"
+        row["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    if row.get("status") == "ok":
+        timed = row["step_s_all"][spec["warmup"] :]
+        row["step_s"] = statistics.median(timed)
+        row["tokens_per_s"] = spec["batch"] * spec["seq"] / row["step_s"]
+    return row
+
+
+def benchmark_tokens(checkpoint: Path, batch: int, seq: int) -> tuple[list[list[int]], list[dict]]:
+    """``batch`` rows of ``seq`` token ids: the examples of ``examples/sft.jsonl`` framed by the checkpoint's
+    chat template, back to back (repeated as needed); and those examples as records, for the lab's checks."""
+    from moe_core.data.sources import to_messages
+    from moe_core.data.tokenizer import load_tokenizer
+
+    records = [json.loads(line) for line in SFT_DATA.read_text().splitlines() if line.strip()]
+    tokenizer = load_tokenizer(checkpoint)
+    stream: list[int] = []
+    for record in records:
+        ids = tokenizer.apply_chat_template(to_messages(record), tokenize=True)
+        stream += list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    needed = batch * seq
+    stream = (stream * (needed // len(stream) + 1))[:needed]
+    return [stream[i * seq : (i + 1) * seq] for i in range(batch)], records
+
+
+def baseline_targets(model_type: str) -> str:
+    """PEFT ``target_modules`` (a regex over module names) for q/k/v/o and every expert's three projections, in
+    transformers 4.57's per-expert module names (`moe_core.convert.ARCHITECTURES` knows them)."""
+    from moe_core.convert import ARCHITECTURES
+
+    arch = ARCHITECTURES[model_type]
+    projs = "|".join(arch.expert_weights)
+    return rf"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|{arch.moe_module}\.experts\.\d+\.({projs}))"
+
+
+def warm_page_cache(directory: Path) -> bool:
+    """Read the weight files once so the first child does not pay the disk for the others (file pages only: this
+    process's memory does not grow); skipped when they would not fit in half the available memory."""
+    files = sorted(directory.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    available = _meminfo_kib().get("MemAvailable", 0) * 1024
+    if size > available / 2:
+        return False
+    for file in files:
+        with open(file, "rb", buffering=0) as f:
+            while f.read(16 * 2**20):
+                pass
+    return True
+
+
+def _meminfo_kib() -> dict[str, int]:
+    try:
+        return {
+            line.split(":")[0]: int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+        }
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def machine(device: str) -> dict:
+    """What the figures were taken on (the baseline child reports the versions it ran with, too)."""
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(_meminfo_kib().get("MemTotal", 0) / 2**20, 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        **{name: metadata.version(name) for name in ("torch", "transformers", "peft")},
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        import torch  # the parent imports torch only to name the GPU
+
+        info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none visible"
+    return info
+
+
+def variants(args) -> list[tuple[str, str, list[str], bool]]:
+    """(name, child kind, lab --set fields, optional)."""
+    out = [("baseline", "baseline", [], False), ("lab", "lab", list(args.lab_set), False)]
+    for scheme in args.qlora:
+        out.append((f"lab-qlora-{scheme}", "lab", [*args.lab_set, f"{QLORA_FIELD}={scheme}"], True))
+    if args.mmap:
+        out.append(("lab-mmap", "lab", [*args.lab_set, f"{MMAP_FIELD}=true"], True))
+    return out
+
+
+def _gib(x) -> str:
+    return f"{x:.2f}" if isinstance(x, int | float) else "-"
+
+
+def print_table(figures: dict, raw: dict) -> None:
+    m = figures
+    threads = sorted({row["torch_threads"] for row in m["results"].values() if "torch_threads" in row})
+    threads = "/".join(map(str, threads)) or "?"
+    print(
+        f"\n{m['model']} ({m['hub_id']}), {m['layers']} of {m['published_layers']} layers"
+        f"{' (tiny: shrunken config)' if m['tiny'] else ''}: {m['parameters'] / 1e9:.3f} B parameters, "
+        f"{m['checkpoint_gib']:.2f} GiB bf16 on disk, run in {m['dtype']}; batch {m['batch']} x {m['seq']} tokens, median of {m['steps']} "
+        f"steps after {m['warmup']} warm-up, {threads} torch thread(s) per child on {m['device']}"
+    )
+    header = (
+        f"{'variant':<18}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
+        f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'trainable M':>13}{'loss 0 -> n':>20}"
+    )
+    print(header)
+    base = m["results"].get("baseline", {})
+    for name, row in m["results"].items():
+        ok = row.get("status") == "ok"
+        ratio_t = row["step_s"] / base["step_s"] if ok and base.get("status") == "ok" else None
+        ratio_m = row["peak_rss_gib"] / base["peak_rss_gib"] if base.get("peak_rss_gib") else None
+        losses = row.get("losses") or []
+        print(
+            f"{name:<18}{('ok' if ok else 'see below'):<10}{_gib(row.get('step_s')):>8}{_gib(ratio_t):>8}"
+            f"{row.get('tokens_per_s', 0):>8.0f}{_gib(row.get('load_s')):>8}{_gib(row.get('peak_rss_gib')):>10}"
+            f"{_gib(row.get('rss_anon_gib_at_peak')):>7}{_gib(row.get('rss_file_gib_at_peak')):>7}"
+            f"{_gib(ratio_m):>8}{row.get('trainable_params', 0) / 1e6:>13.2f}"
+            f"{(f'{losses[0]:.3f} -> {losses[-1]:.3f}' if losses else '-'):>20}"
+        )
+    for name, row in m["results"].items():
+        if row.get("status") != "ok":
+            print(f"  {name}: {row.get('status')}{': ' + row['reason'] if row.get('reason') else ''}")
+            if raw[name].get("log_tail"):  # not in the JSON line
+                print("    " + raw[name]["log_tail"].strip().replace("\n", "\n    ")[-1500:])
+
+
+def ratio(row: dict, reference: dict) -> dict:
+    """``row`` over ``reference``: step time (both ran), peak RSS (``row`` ran; a baseline killed for memory still
+    has its peak) and, on a GPU, the device's peak allocation."""
+    out: dict = {}
+    if row.get("status") != "ok":
+        return out
+    if reference.get("status") == "ok":
+        out["step_time"] = round(row["step_s"] / reference["step_s"], 3)
+    if reference.get("peak_rss_gib"):
+        out["peak_rss"] = round(row["peak_rss_gib"] / reference["peak_rss_gib"], 3)
+    if row.get("cuda_peak_gib") and reference.get("cuda_peak_gib"):
+        out["cuda_peak"] = round(row["cuda_peak_gib"] / reference["cuda_peak_gib"], 3)
+    return out
+
+
+def _round(row: dict) -> dict:
+    keep = {}
+    for key, value in row.items():
+        if key in ("memory_after_load_kib", "memory_at_end_kib", "lab_config", "log_tail"):
+            continue
+        if isinstance(value, float):
+            value = round(value, 4)
+        elif isinstance(value, list):
+            value = [round(v, 4) if isinstance(v, float) else v for v in value]
+        keep[key] = value
+    after_load = row.get("memory_after_load_kib") or {}
+    if after_load:
+        keep["rss_after_load_gib"] = round(after_load.get("VmRSS", 0) / 2**20, 3)
+    return keep
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="olmoe-1b-7b", help="a published model (moe_core.published.PUBLISHED)"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="cut to the first N decoder layers")
+    parser.add_argument("--tiny", action="store_true", help="a shrunken config of the same architecture")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads per child (default: torch's)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the frozen base, both sides"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="in every variant")
+    parser.add_argument(
+        "--qlora", action="append", default=[], choices=["int4", "nf4"], help="add a QLoRA variant"
+    )
+    parser.add_argument("--mmap", action="store_true", help="add the lab with its base memory-mapped")
+    parser.add_argument(
+        "--lab-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a FinetuneConfig field for the lab",
+    )
+    parser.add_argument("--only", action="append", default=[], help="run only these variants (repeatable)")
+    parser.add_argument(
+        "--baseline-python", default=sys.executable, help="interpreter for the baseline child"
+    )
+    parser.add_argument(
+        "--max-rss-gib", type=float, default=None, help="stop a child whose RSS grows past this"
+    )
+    parser.add_argument("--cache-dir", default=None, help="default: $MOE_LAB_PUBLISHED_CACHE or ~/.cache/...")
+    parser.add_argument(
+        "--build-only", action="store_true", help="write the stand-in checkpoint, print its path"
+    )
+    parser.add_argument("--child", choices=["baseline", "lab"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child_main(args.child, args.spec, args.result)
+
+    from moe_core.published import PUBLISHED, PublishedError, build_published
+
+    if args.model not in PUBLISHED:
+        parser.error(f"--model {args.model!r}: choose one of {', '.join(PUBLISHED)}")
+    for flag in ("batch", "seq", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 or more")
+    known = [name for name, *_ in variants(args)]
+    unknown = [name for name in args.only if name not in known]
+    if unknown:
+        parser.error(f"--only {unknown}: not among this run's variants {known}")
+    published = PUBLISHED[args.model]
+    layers = args.layers if args.layers is not None else (2 if args.tiny else None)
+    overrides = published.tiny_overrides if args.tiny else None
+    try:
+        checkpoint = build_published(
+            args.model,
+            layers=layers,
+            overrides=overrides,
+            cache_dir=args.cache_dir,
+            seed=args.seed,
+            tokenizer_vocab=TINY_TOKENIZER_VOCAB if args.tiny else 4096,
+            progress=lambda line: print(line, flush=True),
+        )
+    except PublishedError as err:
+        parser.error(str(err))
+    record = json.loads((checkpoint / "published.json").read_text())
+    if args.build_only:
+        print(checkpoint)
+        return 0
+    config = json.loads((checkpoint / "config.json").read_text())
+    tokens, records = benchmark_tokens(checkpoint, args.batch, args.seq)
+    warmed = warm_page_cache(checkpoint)
+    spec_common = {
+        "checkpoint": str(checkpoint),
+        "tokens": tokens,
+        "records": records,
+        "batch": args.batch,
+        "seq": args.seq,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "baseline_targets": baseline_targets(config["model_type"]),
+    }
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="ft-scale-") as tmp:
+        for name, kind, lab_sets, optional in variants(args):
+            if args.only and name not in args.only:
+                continue
+            print(f"running {name} (its log: {Path(tmp) / name}.log) ...", flush=True)
+            spec = {**spec_common, "lab_sets": lab_sets, "optional": optional}
+            python = args.baseline_python if kind == "baseline" else sys.executable
+            results[name] = run_child(kind, name, spec, Path(tmp), python, args.max_rss_gib)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    figures = {
+        "benchmark": "finetune_scale",
+        "model": args.model,
+        "hub_id": published.hub_id,
+        "tiny": args.tiny,
+        "layers": config["num_hidden_layers"],
+        "published_layers": published.config["num_hidden_layers"],
+        "parameters": record["parameters"],
+        "checkpoint_gib": round(record["bytes"] / GIB, 3),
+        "checkpoint": str(checkpoint),
+        "batch": args.batch,
+        "seq": args.seq,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "device": args.device,
+        "dtype": args.dtype,
+        "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": "q,k,v,o + every expert's gate/up/down"},
+        "page_cache_warmed": warmed,
+        "machine": machine(args.device),
+        "results": {name: _round(row) for name, row in results.items()},
+        "lab_over_baseline": ratio(results.get("lab", {}), results.get("baseline", {})),
+        # the optional variants (QLoRA, mmap) against the lab's bf16 LoRA: the issue states QLoRA's slowdown
+        "variants_over_lab": {
+            name: ratio(row, results.get("lab", {}))
+            for name, row in results.items()
+            if name not in ("baseline", "lab")
+        },
+        "children_max_rss_gib": round(children.ru_maxrss / 2**20, 3),
+    }
+    print_table(figures, results)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
