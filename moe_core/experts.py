@@ -51,17 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_core.frozen_linear import frozen_linear, share_hooks
 from moe_core.routing import RoutingRecord
-
-
-def share_hooks(module: nn.Module, replacement: nn.Module) -> nn.Module:
-    """Give ``replacement`` (a module swapped in for ``module``, sharing its parameters) the very hook
-    dictionaries of ``module``: the forward, backward and state-dict hooks a user registered keep firing,
-    and their handles still remove them. Returns ``replacement``."""
-    for name, value in vars(module).items():
-        if "hook" in name and name.startswith("_"):
-            setattr(replacement, name, value)
-    return replacement
 
 
 def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) -> torch.Tensor:
@@ -71,37 +62,6 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in the order `stacks` returns them
-
-
-class _FrozenLinearLowPrecisionCPU(torch.autograd.Function):
-    """``y = x W^T`` for a weight that takes no gradient (a frozen expert under LoRA, a dequantized 4-bit one), in
-    bf16/fp16 on CPU. Autograd's input gradient ``dY W`` multiplies by a row-major right operand, for which
-    oneDNN on AVX2 CPUs has no fast low-precision kernel: 96 ms for [8, 1024] x [1024, 2048] in bf16, against 9 ms
-    for the same product as ``F.linear(dY, W^T)`` on a transposed copy (1 ms to make; benchmarks/README.md, "Expert
-    LoRA"). The result is the same product; `tests/test_expert_lora.py` holds it to autograd's."""
-
-    @staticmethod
-    def forward(ctx, x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(w_OI)
-        return F.linear(x_NI, w_OI)
-
-    @staticmethod
-    def backward(ctx, grad_NO: torch.Tensor):
-        (w_OI,) = ctx.saved_tensors
-        return F.linear(grad_NO, w_OI.t().contiguous()), None
-
-
-def frozen_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)``, with the fast input gradient of `_FrozenLinearLowPrecisionCPU` where it applies."""
-    if (
-        x_NI.requires_grad
-        and not w_OI.requires_grad
-        and x_NI.device.type == "cpu"
-        and x_NI.dtype in (torch.bfloat16, torch.float16)
-        and torch.is_grad_enabled()
-    ):
-        return _FrozenLinearLowPrecisionCPU.apply(x_NI, w_OI)
-    return F.linear(x_NI, w_OI)
 
 
 @dataclass(frozen=True)

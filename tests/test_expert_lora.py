@@ -216,3 +216,37 @@ def test_the_low_precision_cpu_input_gradient_equals_autograd_s():
     torch.testing.assert_close(x_bf16.grad.float(), expected, atol=0.1, rtol=0.02)
     trainable = w.bfloat16().requires_grad_()
     assert "FrozenLinear" not in type(frozen_linear(x_bf16, trainable).grad_fn).__name__
+
+
+def test_bf16_lora_on_cpu_swaps_the_frozen_linears_and_trains_the_same():
+    """`use_frozen_linears` (applied by apply_lora to a bf16 model on CPU) changes no output and no adapter
+    gradient beyond bf16 rounding; the state dict keeps its names."""
+    from moe_core.frozen_linear import FrozenLinear, use_frozen_linears
+
+    config = FinetuneConfig.build(LORA)
+    selection = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    swapped, _ = apply_lora(tiny_model().bfloat16(), config, selection)
+    assert any(isinstance(m, FrozenLinear) for m in swapped.modules())
+    plain = tiny_model().bfloat16()
+    keys = set(plain.state_dict())
+    assert use_frozen_linears(tiny_model()) == 0  # fp32: autograd's own kernels are fast
+    randomize_lora(swapped)
+    # the same adapter on a model left as it is: PEFT's wrapping of plain Linear layers
+    from peft import get_peft_model
+
+    reference = get_peft_model(plain, swapped.peft_config["default"])
+    reference.load_state_dict(swapped.state_dict())
+    assert not any(isinstance(m, FrozenLinear) for m in reference.modules())
+    assert (
+        set(swapped.base_model.model.state_dict()) - keys
+        == set(reference.base_model.model.state_dict()) - keys
+    )
+    x = torch.randint(0, 300, (2, 9))
+    for model in (swapped, reference):
+        model(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(swapped(input_ids=x).logits, reference(input_ids=x).logits)
+    grads = {n: p.grad.float() for n, p in swapped.named_parameters() if p.requires_grad}
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(grads[name], param.grad.float(), atol=2e-2, rtol=5e-2, msg=name)

@@ -32,6 +32,7 @@ import torch
 
 from moe_core.experts import PROJECTIONS
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.frozen_linear import use_frozen_linears
 from moe_core.quantized import QuantizedExperts
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
 
@@ -253,6 +254,7 @@ def apply_lora(
     )
     if routed:
         expert_lora.register(peft_config)
+    use_frozen_linears(model)  # bf16/fp16 on CPU: the frozen base's input gradients on their fast kernel
     peft_model = get_peft_model(model, peft_config)
     if quantized and target_parameters:
         expert_lora.inject(peft_model, target_parameters)

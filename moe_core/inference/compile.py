@@ -56,7 +56,7 @@ from torch.export import Dim, export
 from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
-from moe_core.experts import share_hooks
+from moe_core.frozen_linear import FrozenLinear, share_hooks
 from moe_core.inference.dynamo_seam import (
     SIDE_EFFECT_OPS,
     GraphCall,
@@ -98,7 +98,7 @@ def reduction_gemv(model: nn.Module) -> nn.Module:
     dict); in place, and only in ``model``: other models and the ``nn.Linear`` class are untouched."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) in (nn.Linear, FrozenLinear):  # FrozenLinear: a fine-tuned model's, in memory
                 setattr(parent, name, ReductionLinear.sharing(child))
     return model
 

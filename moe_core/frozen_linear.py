@@ -1,0 +1,93 @@
+"""Linear layers over frozen weights whose input gradient is fast in bf16/fp16 on CPU, and `share_hooks` for the
+modules the lab swaps in for others (sharing their parameters).
+
+Fine-tuning with LoRA (or QLoRA) keeps the base frozen, so backward computes only input gradients, ``dX = dY W``
+for every Linear. On AVX2 CPUs (no AVX-512 BF16), oneDNN has no fast low-precision kernel for a product whose
+right operand is a row-major ``[O, I]`` weight: 96 ms for [8, 1024] x [1024, 2048] in bf16 (minutes per step
+for an LM head), against 9 ms for the same product written ``F.linear(dY, W^T)`` on a transposed copy made in
+about a millisecond (benchmarks/README.md, "Expert LoRA"). `frozen_linear` is that product with that backward;
+the expert paths call it for their per-expert slices, and `use_frozen_linears` swaps a model's plain
+``nn.Linear`` layers for `FrozenLinear` (same parameters, hooks and state dict) from outside the model file.
+Elsewhere (a weight that trains, CUDA, fp32, no gradient) everything is exactly ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def share_hooks(module: nn.Module, replacement: nn.Module) -> nn.Module:
+    """Give ``replacement`` (a module swapped in for ``module``, sharing its parameters) the very hook
+    dictionaries of ``module``: the forward, backward and state-dict hooks a user registered keep firing,
+    and their handles still remove them. Returns ``replacement``."""
+    for name, value in vars(module).items():
+        if "hook" in name and name.startswith("_"):
+            setattr(replacement, name, value)
+    return replacement
+
+
+class _FrozenLinearLowPrecisionCPU(torch.autograd.Function):
+    """``y = x W^T`` for a weight that takes no gradient (a frozen expert under LoRA, a dequantized 4-bit one), in
+    bf16/fp16 on CPU. Autograd's input gradient ``dY W`` multiplies by a row-major right operand, for which
+    oneDNN on AVX2 CPUs has no fast low-precision kernel: 96 ms for [8, 1024] x [1024, 2048] in bf16, against 9 ms
+    for the same product as ``F.linear(dY, W^T)`` on a transposed copy (1 ms to make; benchmarks/README.md, "Expert
+    LoRA"). The result is the same product; `tests/test_expert_lora.py` holds it to autograd's."""
+
+    @staticmethod
+    def forward(ctx, x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w_OI)
+        return F.linear(x_NI, w_OI)
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        (w_OI,) = ctx.saved_tensors
+        return F.linear(grad_NO, w_OI.t().contiguous()), None
+
+
+def frozen_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``, with the fast input gradient of `_FrozenLinearLowPrecisionCPU` where it applies."""
+    if (
+        x_NI.requires_grad
+        and not w_OI.requires_grad
+        and x_NI.device.type == "cpu"
+        and x_NI.dtype in (torch.bfloat16, torch.float16)
+        and torch.is_grad_enabled()
+    ):
+        return _FrozenLinearLowPrecisionCPU.apply(x_NI, w_OI)
+    return F.linear(x_NI, w_OI)
+
+
+class FrozenLinear(nn.Linear):
+    """`nn.Linear` whose input gradient takes `frozen_linear`'s fast path when its weight is frozen
+    (bf16/fp16 on CPU: autograd's ``dY W`` has no fast kernel there; the LM head's alone took minutes per step);
+    otherwise exactly ``F.linear``. Installed by `use_frozen_linears` with the very parameters and hooks of the
+    module it replaces: the state dict, PEFT's wrapping and the outputs are unchanged."""
+
+    @classmethod
+    def sharing(cls, linear: nn.Linear) -> FrozenLinear:
+        with torch.device("meta"):  # the constructor's own weights are replaced at once: allocate nothing
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        new.weight, new.bias = linear.weight, linear.bias
+        return share_hooks(linear, new)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = frozen_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def use_frozen_linears(model: nn.Module) -> int:
+    """Swap every plain ``nn.Linear`` of ``model`` for a `FrozenLinear` sharing it, when the model runs in bf16/fp16
+    on CPU (elsewhere autograd's own kernels are fast); in place, before the weights that train are chosen (a
+    `FrozenLinear` whose weight trains is ``F.linear``). Returns how many."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, FrozenLinear.sharing(child))
+                swapped += 1
+    return swapped
