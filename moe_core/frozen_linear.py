@@ -43,7 +43,36 @@ class _FrozenLinearLowPrecisionCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
         (w_OI,) = ctx.saved_tensors
-        return F.linear(grad_NO, w_OI.t().contiguous()), None
+        return _input_gradient(grad_NO, w_OI), None
+
+
+def _input_gradient(grad_NO: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    """``dY W``: on a transposed copy where oneDNN's own path is slow (bf16/fp16 on CPU), else as it is."""
+    if grad_NO.device.type == "cpu" and grad_NO.dtype in (torch.bfloat16, torch.float16):
+        return F.linear(grad_NO, w_OI.t().contiguous())
+    return grad_NO @ w_OI.to(grad_NO.dtype)
+
+
+class _RecomputedWeightLinear(torch.autograd.Function):
+    """``y = x W^T`` for a frozen weight made on demand (``weight_fn``: a 4-bit expert slice dequantized) and made
+    again in backward instead of kept: what autograd holds for a layer is its activations, not a dense copy of
+    every expert it ran (QLoRA's trade, as bitsandbytes makes it: a second dequantization per step)."""
+
+    @staticmethod
+    def forward(ctx, x_NI: torch.Tensor, weight_fn) -> torch.Tensor:
+        ctx.weight_fn = weight_fn
+        return F.linear(x_NI, weight_fn())
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        return _input_gradient(grad_NO, ctx.weight_fn()), None
+
+
+def recomputed_linear(x_NI: torch.Tensor, weight_fn) -> torch.Tensor:
+    """``F.linear(x, weight_fn())`` whose backward calls ``weight_fn`` again rather than keeping the weight."""
+    if x_NI.requires_grad and torch.is_grad_enabled():
+        return _RecomputedWeightLinear.apply(x_NI, weight_fn)
+    return F.linear(x_NI, weight_fn())
 
 
 def frozen_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:

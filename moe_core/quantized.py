@@ -44,8 +44,9 @@ from moe_core.convert import (
     weight_plan,
 )
 from moe_core.errors import MoELabError, weight_mismatch
-from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, frozen_linear
+from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts
 from moe_core.fileio import atomic_directory
+from moe_core.frozen_linear import recomputed_linear
 from moe_core.model import MoEForCausalLM, materialize
 
 
@@ -320,7 +321,9 @@ class QuantizedExperts(StackedExperts):
         return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
 
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
-        return frozen_linear(x_NI, self.weight(p, e, x_NI.dtype))
+        # the dequantized slice is made again in backward, not kept: a layer's backward would otherwise hold a
+        # dense copy of every expert it ran (768 MiB for an OLMoE-1B-7B layer)
+        return recomputed_linear(x_NI, lambda: self.weight(p, e, x_NI.dtype))
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:

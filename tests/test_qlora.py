@@ -267,3 +267,32 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
         FinetuneError, match="quantize.group_size=24 does not divide the model's hidden_size=32"
     ):
         finetune(config, tmp_path / "out", records=instruction_records(4))
+
+
+def test_a_qlora_step_keeps_no_dequantized_expert_for_backward():
+    """The 4-bit slices are dequantized again in backward, not kept: what autograd holds for a QLoRA step is what
+    it holds for LoRA on the dense model (whose frozen weights it keeps as views of themselves)."""
+
+    def kept_bytes(model) -> int:
+        own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in own:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randint(0, 300, (2, 16))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=x, labels=x).loss.backward()
+        return sum(kept.values())
+
+    lora = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": []}}
+    qlora, dense = qlora_pair(lora=lora)
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.methods import apply_lora
+    from tests.finetune_helpers import tiny_model
+
+    routed_dense, _ = apply_lora(tiny_model(), FinetuneConfig.build(lora), {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
+    F_, D = 32, 32  # tiny_model's experts; kept dequantized slices would add 2 layers x 3 x 4 experts x F x D
+    assert kept_bytes(qlora) <= kept_bytes(routed_dense) + 3 * F_ * D * 4  # at most one expert's slack
