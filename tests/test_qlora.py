@@ -14,9 +14,11 @@ from moe_core.quantized import (
     QuantConfig,
     QuantizationError,
     QuantizedExperts,
+    compute_scales,
     dequantize,
     fake_quantize,
     load_quantizing_experts,
+    quantize_rtn,
 )
 from tests.helpers import randomize_
 from tests.test_convert import BASE, HF_CASES, make_inputs
@@ -30,8 +32,6 @@ INT4 = QuantConfig(bits=4, group_size=8)
 def test_nf4_codes_are_the_nearest_level_of_the_group_absmax():
     torch.manual_seed(0)
     w = torch.randn(3, 16, 32)
-    from moe_core.quantized import compute_scales, quantize_rtn
-
     scale = compute_scales(w, NF4)
     q = quantize_rtn(w, scale, NF4)
     assert q.min() >= -8 and q.max() <= 7
@@ -118,6 +118,22 @@ def test_stack_shape_names_the_dense_stack():
 
 
 # ------------------------------------------------------------------------------------------------ LoRA on 4 bits
+def dequantized_twin(quantized):
+    """tiny_model() (the same seed: the same non-expert weights) with ``quantized``'s experts as dense stacks."""
+    from tests.finetune_helpers import tiny_model
+
+    dense = tiny_model()
+    with torch.no_grad():
+        for layer, q_layer in zip(dense.model.layers, quantized.model.layers):
+            experts = q_layer.mlp.experts
+            experts = (
+                experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts
+            )  # under LoRA
+            for p in PROJECTIONS:
+                getattr(layer.mlp.experts, p).copy_(experts.dequantized_stack(p))
+    return dense
+
+
 def qlora_pair(config=NF4, lora=None):
     """A tiny model with 4-bit experts + routed LoRA, and the same model with the dequantized weights as dense
     stacks + PEFT's own LoRA, with equal factors."""
@@ -131,11 +147,7 @@ def qlora_pair(config=NF4, lora=None):
     )
     quantized = tiny_model()
     quantize_experts(quantized, config)
-    dense = tiny_model()
-    with torch.no_grad():
-        for layer, q_layer in zip(dense.model.layers, quantized.model.layers):
-            for p in PROJECTIONS:
-                getattr(layer.mlp.experts, p).copy_(q_layer.mlp.experts.dequantized_stack(p))
+    dense = dequantized_twin(quantized)
     selection = {layer: list(range(4)) for layer in dense.config.moe_layer_ids}
     ours, _ = apply_lora(quantized, ft, selection)
     reference, _ = apply_lora(dense, ft, selection, routed=False)
@@ -172,15 +184,7 @@ def test_a_qlora_adapter_is_a_peft_adapter_of_the_full_precision_model(tmp_path)
     saved = load_file(tmp_path / "qlora" / "adapter_model.safetensors")
     assert saved.keys() == load_file(tmp_path / "lora" / "adapter_model.safetensors").keys()
     # stock PEFT puts it on the dense model (here: the dequantized weights) and gives the QLoRA model's logits
-    from tests.finetune_helpers import tiny_model
-
-    dense = tiny_model()
-    dense.load_state_dict(reference.base_model.model.state_dict() | {}, strict=False)
-    with torch.no_grad():
-        for layer, r_layer in zip(dense.model.layers, reference.base_model.model.model.layers):
-            for p in PROJECTIONS:
-                getattr(layer.mlp.experts, p).copy_(r_layer.mlp.experts.get_base_layer().__getattr__(p))
-    stock = PeftModel.from_pretrained(dense, tmp_path / "qlora")
+    stock = PeftModel.from_pretrained(dequantized_twin(ours.base_model.model), tmp_path / "qlora")
     x = torch.randint(0, 300, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(stock(input_ids=x).logits, ours(input_ids=x).logits, atol=1e-5, rtol=1e-5)
