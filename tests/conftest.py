@@ -41,3 +41,15 @@ def lab_env(tmp_path_factory):
         with prefect_test_harness(server_startup_timeout=120):
             yield home
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def ep2_run(tmp_path_factory):
+    """One two-process expert-parallel training run (gloo, 20 steps of mixtral-tiny, every step logged), shared:
+    tests/test_train_parallel.py checks that it follows one process, tests/test_dashboard_api.py that the
+    dashboard shows it per rank. Alone in its runs folder."""
+    from tests.test_train_parallel import run_cli
+
+    out = tmp_path_factory.mktemp("ep2-runs") / "ep2"
+    run_cli(out, "--nproc", "2", "--set", "parallel.ep_size=2")
+    return out

@@ -407,28 +407,26 @@ def test_routing_u16_encoding_matches_json(client):
     assert client.get(f"/api/runs/{rid}/routing?layer=1&encoding=bogus").status_code == 422
 
 
-@pytest.mark.slow  # a real two-process expert-parallel run (gloo): ~30-60 s on 2 cores
-def test_distributed_run_is_shown_per_rank(tmp_path):
-    from tests.test_train_parallel import run_cli
-
-    run_cli(tmp_path / "runs" / "ep2", "--nproc", "2", "--set", "parallel.ep_size=2", "--set", "steps=4")
-    client = TestClient(create_app([tmp_path / "runs"]))
+@pytest.mark.slow  # a real two-process expert-parallel run (gloo), shared with test_train_parallel.py
+def test_distributed_run_is_shown_per_rank(ep2_run):
+    steps = list(range(1, 21))
+    client = TestClient(create_app([ep2_run.parent]))
     rid = client.get("/api/runs").json()["runs"][0]["id"]
     assert client.get(f"/api/runs/{rid}").json()["ranks"] == 2
     ranks = client.get(f"/api/runs/{rid}/ranks").json()["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:  # each rank's own all-to-all time and bytes, at every logged step
-        assert r["series"]["a2a_ms"]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
+        assert r["series"]["a2a_ms"]["x"] == steps and all(v > 0 for v in r["series"]["a2a_ms"]["y"])
         assert all(v > 0 for v in r["series"]["a2a_bytes_sent"]["y"])
         for key in ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss"):  # the straggler view
-            assert r["series"][key]["x"] == [1, 2, 3, 4] and all(v > 0 for v in r["series"][key]["y"]), key
-    main = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.jsonl")
+            assert r["series"][key]["x"] == steps and all(v > 0 for v in r["series"][key]["y"]), key
+    main = read_jsonl(ep2_run / "metrics.jsonl")
     own_losses = np.array([r["series"]["rank_loss"]["y"] for r in ranks])
     assert own_losses[0].tolist() != own_losses[1].tolist()  # each rank its own slice of the batch,
     logged = [row["loss"] for row in main if "loss" in row]
     np.testing.assert_allclose(own_losses.mean(0), logged, rtol=1e-6)  # and their mean is the logged loss
-    own = read_jsonl(tmp_path / "runs" / "ep2" / "metrics.rank1.jsonl")  # small: no routing, no other rank's
-    assert [row["step"] for row in own] == [1, 2, 3, 4]
+    own = read_jsonl(ep2_run / "metrics.rank1.jsonl")  # small: no routing, no other rank's
+    assert [row["step"] for row in own] == steps
     assert not any(k.startswith(("moe/", "comm/")) or k == "loss" for k in own[0])  # no all-reduced figure
 
 

@@ -109,7 +109,7 @@ def test_ctrl_c_in_an_in_process_pretrain_flow_checkpoints_and_stops_the_flow(la
     assert finished["step"] == step + 2
 
 
-def test_sigterm_to_moe_lab_run_checkpoints_its_training_process_and_exits_143(tmp_path):
+def test_sigterm_to_moe_lab_run_checkpoints_its_training_process_and_exits_143(lab_env, tmp_path):
     """`moe-lab run` used to die on SIGTERM at once (Python's default), leaving its training process group
     (its own session) training on; now the flow's `finally` stops the group, which checkpoints."""
     import os
@@ -118,20 +118,19 @@ def test_sigterm_to_moe_lab_run_checkpoints_its_training_process_and_exits_143(t
     import sys
     from pathlib import Path
 
+    from prefect.settings import PREFECT_API_URL
+
     from moe_core.train.checkpoint import list_checkpoints
 
-    home, out = tmp_path / "home", tmp_path / "out"
+    # the session's stores and Prefect server (lab_env): a fresh home would spend most of this test migrating
+    # a new MLflow store and starting an ephemeral Prefect server
+    out = tmp_path / "out"
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "OMP_NUM_THREADS": "1",
-        "MOE_LAB_HOME": str(home),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
     }
-    env.pop("PREFECT_API_URL", None)
     sets = ["subprocess=true", f"out_dir={out}", "log_model=false", "train.steps=3000", "train.log.every=1"]
     sets += ["train.log.progress=lines", "train.data.source=synthetic", "train.checkpoint.every=10000"]
     cmd = [sys.executable, "-m", "moe_lab", "run", "pretrain", "--size", "tiny"]

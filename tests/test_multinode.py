@@ -83,5 +83,12 @@ def test_expert_parallel_inside_each_node_data_parallel_across_nodes(tmp_path, o
     # measured at 1.2e-4 of the embedding's norm after 8 steps; every other tensor stays under 4e-5.
     assert_same_run(one_process, tmp_path / "ep2dp2", weights_rel=2e-4)
     assert_comm_metrics(tmp_path / "ep2dp2", world=4, ep_size=2)
-    state = read_trainer_state(tmp_path / "ep2dp2" / "checkpoints" / "step_00000008")
+    ckpt = tmp_path / "ep2dp2" / "checkpoints" / "step_00000008"
+    state = read_trainer_state(ckpt)
     assert (state["world_size"], state["ep_size"]) == (4, 2)  # one group of 4 ranks over both nodes
+    # ranks holding the same experts all-reduce their expert gradients over the data-parallel group; one file
+    # per expert-parallel rank
+    assert {p.name for p in ckpt.glob("experts-*")} == {
+        "experts-ep0-of-2.safetensors",
+        "experts-ep1-of-2.safetensors",
+    }

@@ -7,7 +7,8 @@ accelerator, its collectives over gloo.
   test_train_parallel.py: the gradient average is summed in two halves, so losses agree to ~1e-6 relative and
   weights to ~1e-5 of their norm over a few steps (measured: losses to 2e-7, grad norms to 5e-8).
 - Stop at step 2 and resume equals the uninterrupted run bitwise: the same layout sums in the same order, and the
-  optimizer partitions come back from our weights-only rank files exactly.
+  optimizer partitions come back from our weights-only rank files exactly (tested on the four-process run, whose
+  ZeRO-2 partitions hold both the dense and the MoE parameter groups).
 - Four processes, ep 2 x dp 2 (`deepspeed_experts.py`): the expert shards in DeepSpeed's MoE parameter groups,
   partitioned and reduced over the expert-data-parallel groups; follows the one-process native run as the native
   ep2 x dp2 run does (measured over 4 steps: losses to 1.4e-7, grad norms to 1.6e-6, weights to 4.2e-5 of their
@@ -30,11 +31,13 @@ import torch
 from moe_core.quiet import quiet_deepspeed_cpu_notice
 from moe_core.train import TrainConfig, read_jsonl, train
 from moe_core.train.checkpoint import gather_state_dict, load_rank_files
-from moe_core.train.config import TrainConfigError
+from moe_core.train.config import ParallelSection, TrainConfigError
 from moe_core.train.deepspeed_engine import ds_config
 from moe_core.train.loop import Trainer
 from tests.dist_helpers import assert_comm_metrics, env, run_cli, train_args
 from tests.test_train_loop import PoisonedLoss, assert_bitwise_equal, tiny
+
+DEFAULT_ZERO_STAGE = ParallelSection().zero_stage
 
 
 def test_deepspeed_is_installed_by_the_test_extra():
@@ -128,12 +131,22 @@ def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_ste
         trainer.close()
 
 
-def follows_the_native_run(tmp_path, args, deepspeed) -> list[dict]:
-    """Train natively (1 process) and through DeepSpeed with ``deepspeed``'s flags; the logged rows agree,
-    and the run trained. Returns the DeepSpeed run's rows."""
-    run_cli(tmp_path / "native", *args)
-    run_cli(tmp_path / "ds", *args, *deepspeed)
-    a = [r for r in read_jsonl(tmp_path / "native" / "metrics.jsonl") if "loss" in r]
+ARGS = train_args(steps=4, every=2)
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """The one-process native run both multi-process DeepSpeed runs follow."""
+    out = tmp_path_factory.mktemp("native")
+    run_cli(out, *ARGS)
+    return out
+
+
+def follows_the_native_run(tmp_path, native, deepspeed) -> list[dict]:
+    """Train through DeepSpeed with ``deepspeed``'s flags; the logged rows agree with the native run's, and
+    the run trained. Returns the DeepSpeed run's rows."""
+    run_cli(tmp_path / "ds", *ARGS, *deepspeed)
+    a = [r for r in read_jsonl(native / "metrics.jsonl") if "loss" in r]
     b = [r for r in read_jsonl(tmp_path / "ds" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr"):
@@ -142,9 +155,9 @@ def follows_the_native_run(tmp_path, args, deepspeed) -> list[dict]:
     return b
 
 
-def final_weights(tmp_path, last: str) -> tuple[dict, dict]:
+def final_weights(tmp_path, native, last: str) -> tuple[dict, dict]:
     """Both runs' weights at checkpoint ``last``, equal within float tolerance."""
-    wa, wb = gather_state_dict(tmp_path / "native" / last), gather_state_dict(tmp_path / "ds" / last)
+    wa, wb = gather_state_dict(native / last), gather_state_dict(tmp_path / "ds" / last)
     assert wa.keys() == wb.keys()
     for name in wa:
         assert ((wb[name] - wa[name]).norm() / wa[name].norm()).item() < 1e-4, name
@@ -155,13 +168,13 @@ def optimizer_states(ckpt, rank: int) -> dict:
     return load_rank_files(ckpt, rank)["optimizer"]["state"]
 
 
-def resumes_exactly(tmp_path, args, deepspeed, last: str, rows: list[dict], ranks: int) -> None:
+def resumes_exactly(tmp_path, deepspeed, last: str, rows: list[dict], ranks: int) -> None:
     """Stop at step 2 (its checkpoint is the newest), resume, train to ``last``: the same weights, every
     rank's optimizer state and the same logged rows, bitwise."""
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "ds", resumed)
     shutil.rmtree(resumed / last)
-    run_cli(resumed, *args, *deepspeed, "--resume")
+    run_cli(resumed, *ARGS, *deepspeed, "--resume")
     assert_bitwise_equal(gather_state_dict(resumed / last), gather_state_dict(tmp_path / "ds" / last))
     for rank in range(ranks):
         got, want = optimizer_states(resumed / last, rank), optimizer_states(tmp_path / "ds" / last, rank)
@@ -175,12 +188,11 @@ def resumes_exactly(tmp_path, args, deepspeed, last: str, rows: list[dict], rank
 
 
 @pytest.mark.slow
-def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
-    args = train_args(steps=4, every=2)
+def test_two_process_zero2_follows_the_native_run_and_partitions_the_optimizer(tmp_path, native):
     deepspeed = ("--nproc", "2", "--set", "parallel.backend=deepspeed", "--set", "parallel.zero_stage=2")
-    b = follows_the_native_run(tmp_path, args, deepspeed)
+    follows_the_native_run(tmp_path, native, deepspeed)
     last = "checkpoints/step_00000004"
-    wa, _ = final_weights(tmp_path, last)
+    wa, _ = final_weights(tmp_path, native, last)
     # each rank's optimizer file holds its ZeRO partition (half of the flat state), loaded weights-only
     sizes = [
         sum(
@@ -193,18 +205,17 @@ def test_two_process_zero2_follows_the_native_run_and_resumes_exactly(tmp_path):
     ]
     total = sum(t.numel() for t in wa.values())
     assert abs(sizes[0] - sizes[1]) <= 2 * len(wa) and sum(sizes) >= total - 16  # (tied weights, alignment)
-
-    resumes_exactly(tmp_path, args, deepspeed, last, b, ranks=2)
+    # resuming ZeRO-2 partitions exactly: the ep 2 x dp 2 test below (ZeRO-2 is the default stage)
 
 
 @pytest.mark.slow
-def test_expert_parallel_ep2_by_dp2_follows_the_native_run_and_resumes_exactly(tmp_path):
-    args = train_args(steps=4, every=2)
+def test_expert_parallel_ep2_by_dp2_follows_the_native_run_and_resumes_exactly(tmp_path, native):
     deepspeed = ("--nproc", "4", "--set", "parallel.backend=deepspeed", "--set", "parallel.ep_size=2")
-    b = follows_the_native_run(tmp_path, args, deepspeed)
+    assert DEFAULT_ZERO_STAGE == 2  # this run's resume is also the ZeRO-2 resume test
+    b = follows_the_native_run(tmp_path, native, deepspeed)
     assert_comm_metrics(tmp_path / "ds", world=4, ep_size=2)  # our all-to-all, timed as natively
     last = "checkpoints/step_00000004"
-    wa, _ = final_weights(tmp_path, last)
+    wa, _ = final_weights(tmp_path, native, last)
     assert {p.name for p in (tmp_path / "ds" / last).glob("experts-*")} == {
         "experts-ep0-of-2.safetensors",
         "experts-ep1-of-2.safetensors",
@@ -219,7 +230,7 @@ def test_expert_parallel_ep2_by_dp2_follows_the_native_run_and_resumes_exactly(t
     held = [optimizer_states(tmp_path / "ds" / last, r)[expert_index]["exp_avg"].numel() for r in range(4)]
     assert held == [expert_numel // 4] * 4
 
-    resumes_exactly(tmp_path, args, deepspeed, last, b, ranks=4)
+    resumes_exactly(tmp_path, deepspeed, last, b, ranks=4)
 
 
 def test_only_deepspeeds_cpu_notice_is_silenced():
