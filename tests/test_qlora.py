@@ -16,9 +16,12 @@ from moe_core.quantized import (
     QuantizedExperts,
     compute_scales,
     dequantize,
+    dequantize_int4,
     fake_quantize,
     load_quantizing_experts,
+    pack_int4,
     quantize_rtn,
+    unpack_int4,
 )
 from tests.helpers import randomize_
 from tests.test_convert import BASE, HF_CASES, make_inputs
@@ -44,6 +47,30 @@ def test_nf4_codes_are_the_nearest_level_of_the_group_absmax():
     nf4_error = (fake_quantize(w, NF4) - w).square().mean()
     int4_error = (fake_quantize(w, INT4) - w).square().mean()
     assert nf4_error < int4_error
+
+
+def test_the_byte_table_dequantization_is_the_reference_bitwise():
+    """QLoRA's per-expert dequantization (`dequantize_int4`, one [256, 2] lookup per byte) against the reference
+    (unpack to int8 codes, then `dequantize`): every byte value, both codebooks, with and without a stack dim."""
+    g = torch.Generator().manual_seed(0)
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    for packed, G in (
+        (every_byte, 4),
+        (torch.randint(0, 256, (3, 16, 32), dtype=torch.uint8, generator=g), 8),
+        (torch.randint(0, 256, (5, 8), dtype=torch.uint8, generator=g), 1),
+    ):
+        scale = torch.rand(*packed.shape[:-1], G, generator=g) + 0.01
+        for codebook in ("int", "nf4"):
+            fast = dequantize_int4(packed, scale, codebook)
+            assert torch.equal(fast, dequantize(unpack_int4(packed), scale, codebook)), (
+                packed.shape,
+                codebook,
+            )
+    # and the codes round-trip: what quantizing wrote, dequantizing reads
+    w = torch.randn(4, 16, 32, generator=g)
+    scale = compute_scales(w, NF4)
+    packed = pack_int4(quantize_rtn(w, scale, NF4))
+    torch.testing.assert_close(dequantize_int4(packed, scale, "nf4"), fake_quantize(w, NF4), rtol=0, atol=0)
 
 
 def test_nf4_is_refused_where_it_means_nothing():
