@@ -152,39 +152,39 @@ def run_eval(args) -> int:
 
 def _evaluate(args, out: Path | None) -> dict[str, Any]:
     """What `run_eval` reports, its files written into ``out`` (the staging directory) when given."""
-    from moe_core.eval.perplexity import (
-        comparison_table,
-        evaluate_splits,
-        model_row,
-        to_markdown,
-        unequal_training,
-    )
-    from moe_core.train.checkpoint import tokens_trained
+    from moe_core.eval.compare import compare_models
+    from moe_core.loading import Loaded
 
     model = load_model(args, vocab_size=data_vocab(args))
     report: dict[str, Any] = {"model": args.model or f"preset:{args.preset}"}
     splits = [s for s in args.splits.split(",") if s]
     if args.data:
-        rows = []
-        results = evaluate_splits(model, args.data, splits, args.batch_size, args.max_batches)
-        trained = tokens_trained(args.model) if args.model else None
-        rows.append(model_row(report["model"], model.config, results, tokens_trained=trained))
-        report["splits"] = {k: v.to_dict() for k, v in results.items()}
+        models = {report["model"]: report["model"]}  # name -> what `load_model` reads (the first: loaded)
         for spec in args.compare:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
                 raise MoELabError(f"--compare {spec!r}: expected NAME=PATH, e.g. dense=runs/dense")
-            other = load_model(args, path=str(require_local(path, f"--compare {name}")))
-            other_results = evaluate_splits(other, args.data, splits, args.batch_size, args.max_batches)
-            rows.append(model_row(name, other.config, other_results, tokens_trained=tokens_trained(path)))
-            del other
-        warning = unequal_training(rows)
-        if warning:
-            print(f"moe-lab eval: warning: {warning}", file=sys.stderr)
-            report["warning"] = warning
-        table = comparison_table(rows, reference=report["model"])
-        report["comparison"] = json.loads(table.to_json(orient="records"))
-        markdown = to_markdown(table)
+            models[name] = str(require_local(path, f"--compare {name}"))
+
+        def load_for_comparison(path: str) -> Loaded:
+            other = model if path == report["model"] else load_model(args, path=path)
+            return Loaded(other, "model", Path(path), other.config)
+
+        comparison = compare_models(
+            models,
+            args.data,
+            splits,
+            args.batch_size,
+            args.max_batches,
+            bits_per_byte=False,
+            load=load_for_comparison,
+        )
+        report["splits"] = {k: v.to_dict() for k, v in comparison.results[report["model"]].items()}
+        if comparison.warning:
+            print(f"moe-lab eval: warning: {comparison.warning}", file=sys.stderr)
+            report["warning"] = comparison.warning
+        report["comparison"] = comparison.records()
+        markdown = comparison.markdown()
         print(markdown)
         if out:
             write_text(out / "comparison.md", markdown + "\n")

@@ -26,6 +26,7 @@ from moe_core.data.shards import read_manifest
 from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash
 from moe_core.eval.bits_per_byte import evaluate_bits_per_byte, split_texts
 from moe_core.eval.perplexity import (
+    LossResult,
     comparison_table,
     evaluate_splits,
     model_row,
@@ -42,6 +43,7 @@ class ModelComparison:
     metrics: dict[str, float]  # eval.<split>_loss/_ppl, eval.validation_bpb, baseline.<name>.*
     judged_on: dict[str, str] = field(default_factory=dict)  # the candidate's text and tokenizer (hashes)
     warning: str | None = None  # the models trained on different numbers of tokens
+    results: dict[str, dict[str, LossResult]] = field(default_factory=dict)  # model name -> split -> result
 
     @property
     def nonfinite(self) -> list[str]:
@@ -79,7 +81,7 @@ def compare_models(
     """Evaluate each of ``models`` (name -> any checkpoint `moe_core.load` reads; the first is the candidate)
     on ``data_dir``'s ``splits``. ``load`` reads a model (returns an object with ``.model`` and
     ``.tokenizer``, as `moe_core.load`): a flow passes its per-process cache."""
-    rows, metrics, judged_on = [], {}, {}
+    rows, metrics, judged_on, all_results = [], {}, {}, {}
     seq_len = int(read_manifest(data_dir)["seq_len"])
     texts = None
     if bits_per_byte:
@@ -87,7 +89,7 @@ def compare_models(
     for i, (name, model_dir) in enumerate(models.items()):
         loaded = load(model_dir)
         model = loaded.model
-        results = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
+        results = all_results[name] = evaluate_splits(model, data_dir, splits, batch_size, max_batches)
         row = model_row(name, model.config, results, tokens_trained=tokens_trained(model_dir))
         prefix = "eval" if i == 0 else f"baseline.{name}"
         for split, r in results.items():
@@ -106,4 +108,4 @@ def compare_models(
                     "eval.model_dir": str(model_dir),
                 }
         rows.append(row)
-    return ModelComparison(rows, metrics, judged_on, unequal_training(rows))
+    return ModelComparison(rows, metrics, judged_on, unequal_training(rows), all_results)
