@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dashboard.runs import RunData, _clean, _inside
+from dashboard.runs import RunData, is_inside, json_floats
 from moe_core.analytics.profile import PROFILE_FILES, RouterProfile
 
 
@@ -26,7 +26,7 @@ def _candidates(run: RunData) -> list[Path]:
 def find_profile(run: RunData) -> Path | None:
     for base in _candidates(run):
         d = base / "profile"
-        if all((d / f).is_file() and _inside(d / f, run.root) for f in PROFILE_FILES):
+        if all((d / f).is_file() and is_inside(d / f, run.root) for f in PROFILE_FILES):
             return d
     return None
 
@@ -34,7 +34,7 @@ def find_profile(run: RunData) -> Path | None:
 def find_cost(run: RunData) -> Path | None:
     for base in _candidates(run):
         f = base / "cost.json"
-        if f.is_file() and _inside(f, run.root):
+        if f.is_file() and is_inside(f, run.root):
             return f
     return None
 
@@ -44,7 +44,7 @@ def _rows_normalized(counts: np.ndarray) -> list[list[float | None]]:
     counts = np.asarray(counts, dtype=np.float64)
     sums = counts.sum(axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return [_clean(r) for r in counts / sums]
+        return [json_floats(r) for r in counts / sums]
 
 
 def specialization(run: RunData) -> dict | None:
@@ -63,7 +63,7 @@ def specialization(run: RunData) -> dict | None:
                 "layer": layer.layer_id,
                 "experts": layer.num_experts,
                 "tokens": layer.tokens,
-                "share": _clean(layer.share_E),
+                "share": json_floats(layer.share_E),
                 "mi_class_bits": _num(layer.mi_class_bits),
                 "mi_domain_bits": _num(layer.mi_domain_bits),
                 "drop_rate": _num(layer.drop_rate),
@@ -71,7 +71,7 @@ def specialization(run: RunData) -> dict | None:
                 "dead_experts": layer.dead_experts(),
                 "class_share": _rows_normalized(layer.class_counts_EC),
                 "domain_share": _rows_normalized(layer.domain_counts_EM),
-                "coactivation": [_clean(r) for r in co_given],
+                "coactivation": [json_floats(r) for r in co_given],
             }
         )
     flows = [

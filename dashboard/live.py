@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from dashboard.runs import RECENT_ROWS, RunData, _clean
+from dashboard.runs import RECENT_ROWS, RunData, json_floats
 from moe_core.train.load_log import LAYER_STATS, LoadLogLayout
 
 MAX_BACKLOG = 1000  # load-log rows a new stream gets at once; older ones come from /routing
@@ -36,11 +36,11 @@ def load_records(layout: LoadLogLayout, rows_NC: np.ndarray) -> list[dict]:
     cols = layout.decode(np.asarray(rows_NC, dtype=np.float64))
     out = []
     for n, step in enumerate(cols["step"].tolist()):
-        record = {"step": step, "frac": [_clean(frac_E) for frac_E in cols["frac"][n]]}
+        record = {"step": step, "frac": [json_floats(frac_E) for frac_E in cols["frac"][n]]}
         for name in LAYER_STATS:
-            record[name] = _clean(cols[name][n])
+            record[name] = json_floats(cols[name][n])
         if layout.has_bias:
-            record["bias"] = [_clean(bias_E) for bias_E in cols["bias"][n]]
+            record["bias"] = [json_floats(bias_E) for bias_E in cols["bias"][n]]
         out.append(record)
     return out
 

@@ -14,7 +14,7 @@ import concurrent.futures
 import threading
 from pathlib import Path
 
-from dashboard.runs import RunData, _inside
+from dashboard.runs import RunData, is_inside
 from moe_core.analytics.token_routing import prompt_set_routing
 from moe_core.errors import MoELabError
 from moe_core.loading import load
@@ -32,7 +32,7 @@ def model_dir(run: RunData) -> Path:
     complete checkpoint; inside the runs root, or `NoModelError`."""
     final = run.path / "final"
     found = final if (final / "config.json").is_file() else latest_checkpoint(run.path / "checkpoints")
-    if found is None or not _inside(found, run.root):
+    if found is None or not is_inside(found, run.root):
         raise NoModelError(
             f"run {run.name!r} has no exported model (final/) or complete checkpoint yet; the token-to-expert "
             "view appears after its first checkpoint"

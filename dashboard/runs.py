@@ -101,7 +101,9 @@ class EventTail:
 
     def poll(self) -> list[dict]:
         """New complete rows (numbers only), also folded into `columns`."""
-        if not _inside(self.path, self.root):  # checked on every read: a symlink swapped in later is refused
+        if not is_inside(
+            self.path, self.root
+        ):  # checked on every read: a symlink swapped in later is refused
             return []
         try:
             size = self.path.stat().st_size
@@ -177,7 +179,7 @@ class RunData:
         self.load_lock = threading.Lock()  # the load log's step column and buckets: never waits on a parse
         self.log_lock = threading.Lock()  # the load-log reader (a stat and, when the log grew, a new map)
         self.load_log = LoadLogReader(path)  # one per run, whoever reads it: one map, not one per request
-        self.kind = "train" if (path / EVENTS).is_file() and _inside(path / EVENTS, root) else "inference"
+        self.kind = "train" if (path / EVENTS).is_file() and is_inside(path / EVENTS, root) else "inference"
         # per-layer keys (moe/...) are read from the binary load log: never parsed into memory twice
         self.tail = EventTail(
             path / (EVENTS if self.kind == "train" else INFERENCE_EVENTS), root, skip_prefixes=("moe/",)
@@ -192,7 +194,7 @@ class RunData:
     def _find_rank_files(self) -> None:
         for p in self.path.glob("metrics.rank*.jsonl"):
             m = RANK_FILE.match(p.name)
-            if m and int(m[1]) not in self.rank_tails and _inside(p, self.root):
+            if m and int(m[1]) not in self.rank_tails and is_inside(p, self.root):
                 self.rank_tails[int(m[1])] = EventTail(p, self.root, ("moe/",))
 
     # ------------------------------------------------------------------ reading
@@ -223,7 +225,7 @@ class RunData:
 
     def sidecar(self) -> tuple[LoadLogLayout | None, np.ndarray | None, np.ndarray | None]:
         """The load log: its layout, a read-only map of its whole rows, and their steps (float64)."""
-        if not all(_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
+        if not all(is_inside(self.path / name, self.root) for name in (SIDECAR, SIDECAR_HEADER)):
             return None, None, None  # a symlink out of the runs root is never followed
         with self.log_lock:
             layout, rows = self.load_log.rows()
@@ -262,7 +264,7 @@ class RunData:
     def mlflow_run_id(self) -> str | None:
         """The MLflow run this run directory logged to (``mlflow_run.json``, written by the tracking sink)."""
         file = self.path / "mlflow_run.json"
-        if not file.is_file() or not _inside(file, self.root):
+        if not file.is_file() or not is_inside(file, self.root):
             return None
         try:
             found = orjson.loads(file.read_bytes()).get("run_id")
@@ -282,7 +284,7 @@ class RunData:
         ckpts = self.checkpoints()
         for ck in reversed(ckpts):
             file = self.path / "checkpoints" / ck["name"] / "train_config.json"
-            if file.is_file() and _inside(file, self.root):
+            if file.is_file() and is_inside(file, self.root):
                 return orjson.loads(file.read_bytes())
         return None
 
@@ -349,7 +351,8 @@ class RunData:
         }
 
 
-def _inside(path: Path, root: Path) -> bool:
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` resolves to a place under ``root`` (what a served file must be)."""
     try:
         path.resolve().relative_to(root.resolve())
         return True
@@ -390,10 +393,10 @@ class RunRegistry:
         return sorted(found.values(), key=lambda r: r.listing()["mtime"], reverse=True)
 
     def _walk(self, root: Path, directory: Path, depth: int):
-        if not _inside(directory, root):  # a symlink out of the root
+        if not is_inside(directory, root):  # a symlink out of the root
             return
         events = [directory / EVENTS, directory / INFERENCE_EVENTS]
-        if any(f.is_file() and _inside(f, root) for f in events):  # a symlinked event file must stay inside
+        if any(f.is_file() and is_inside(f, root) for f in events):  # a symlinked event file must stay inside
             yield directory
         if depth >= MAX_DEPTH:
             return
@@ -404,7 +407,7 @@ class RunRegistry:
         for child in children:
             if child.name.startswith(".") or child.name in ("checkpoints", "final", "data"):
                 continue
-            if child.is_dir() and _inside(child, root):
+            if child.is_dir() and is_inside(child, root):
                 yield from self._walk(root, child, depth + 1)
 
     def get(self, rid: str) -> RunData | None:
@@ -429,7 +432,7 @@ def downsample_series(steps: np.ndarray, values: np.ndarray, points: int) -> dic
     """Bucket means with min and max per bucket (so a spike is never averaged away), NaN-aware."""
     n = len(steps)
     if n <= points:
-        return {"x": steps.tolist(), "y": _clean(values), "min": None, "max": None}
+        return {"x": steps.tolist(), "y": json_floats(values), "min": None, "max": None}
     edges = bucket_edges(n, points)
     counts = np.diff(np.append(edges, n))
     finite = np.isfinite(values)
@@ -441,7 +444,7 @@ def downsample_series(steps: np.ndarray, values: np.ndarray, points: int) -> dic
     lo = np.minimum.reduceat(np.where(finite, values, np.inf), edges)
     hi = np.maximum.reduceat(np.where(finite, values, -np.inf), edges)
     x = np.add.reduceat(steps, edges) / counts
-    return {"x": x.tolist(), "y": _clean(mean), "min": _clean(lo), "max": _clean(hi)}
+    return {"x": x.tolist(), "y": json_floats(mean), "min": json_floats(lo), "max": json_floats(hi)}
 
 
 def downsample_rows(rows_NC: np.ndarray, points: int) -> tuple[np.ndarray, np.ndarray]:
@@ -463,6 +466,6 @@ def downsample_rows(rows_NC: np.ndarray, points: int) -> tuple[np.ndarray, np.nd
     return edges, sums / counts
 
 
-def _clean(values) -> list:
+def json_floats(values) -> list:
     """JSON-safe floats: NaN and infinities become null."""
     return [v if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).tolist()]
