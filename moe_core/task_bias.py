@@ -72,7 +72,7 @@ class TaskRouterBias(nn.Module):
         self._handles.clear()
         base = unwrap(model)
         if getattr(base, "task_router_bias", None) is self:
-            del base._modules["task_router_bias"]
+            delattr(base, "task_router_bias")  # nn.Module removes it from its submodules
 
     @contextmanager
     def tasks(self, task_ids_B: torch.Tensor | None):

@@ -373,7 +373,7 @@ def log_dataset(run_id: str, data_dir: str | Path, context: str = "training") ->
 def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
     import mlflow.data  # lazy: mlflow
     import pandas as pd  # lazy: only for MLflow's dataset record
-    from mlflow.entities import DatasetInput, InputTag  # lazy: mlflow
+    from mlflow.entities import Dataset, DatasetInput, InputTag  # lazy: mlflow
 
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
     rows = [
@@ -392,9 +392,12 @@ def _log_dataset_now(run_id: str, data_dir: str | Path, context: str) -> None:
             name=f"{manifest['source']['name']}@{manifest['fingerprint'][:12]}",
             digest=manifest["fingerprint"][:36],
         )
+    fields = dataset.to_dict()  # the public form of the dataset: name, digest, source, schema, profile
+    entity = Dataset(
+        **{k: fields.get(k) for k in ("name", "digest", "source_type", "source", "schema", "profile")}
+    )
     client().log_inputs(
-        run_id,
-        datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])],
+        run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)])]
     )
 
 
