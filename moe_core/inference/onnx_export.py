@@ -492,7 +492,9 @@ class OrtCausalLM:
         Defaults come from the export's ``generation_config.json``, as they do for ``model.generate``."""
         gen = self.generation_config
         eos = gen.eos_token_id if eos_token_id is None else eos_token_id
-        eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        eos_ids = torch.tensor(
+            [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=torch.long
+        )
         pad = pad_token_id if pad_token_id is not None else gen.pad_token_id
         if pad is None and eos_ids.numel():
             pad = int(eos_ids[0])
@@ -519,8 +521,9 @@ class OrtCausalLM:
             out = self(step_ids, attention_mask=mask, position_ids=position_ids, past_key_values=past)
             past = out.past_key_values
             scores_BV = out.logits[:, -1].float()
-            if step < min_new_tokens and eos_ids.numel():
-                scores_BV[:, eos_ids] = -float("inf")
+            if step < min_new_tokens and eos_ids.numel():  # ids past the vocabulary are ignored, as in HF
+                vocab_V = torch.arange(scores_BV.shape[-1])
+                scores_BV[:, torch.isin(vocab_V, eos_ids)] = -float("inf")
             if do_sample:
                 next_B = torch.multinomial(
                     filtered_probs(scores_BV / temperature, top_k, top_p), 1, generator=generator
