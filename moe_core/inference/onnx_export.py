@@ -59,6 +59,7 @@ from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.loading import load
 from moe_core.model import MoEForCausalLM
 from moe_core.progress import Progress
+from moe_core.quiet import quiet_onnx_exporter
 from moe_core.routing import ExpertChoiceRouter
 
 logger = logging.getLogger(__name__)
@@ -204,8 +205,12 @@ def linear_as_matmul(model_proto) -> None:
                     transposed[b] = t_init.name
                 b = transposed[b]
             else:  # a weight computed in the graph (a reshaped expert stack): ONNX Runtime folds it
-                nodes.append(helper.make_node("Transpose", [b], [b + ".T"], name=node.name + "/Transpose"))
-                b = b + ".T"
+                if b not in transposed:
+                    nodes.append(
+                        helper.make_node("Transpose", [b], [b + ".T"], name=node.name + "/Transpose")
+                    )
+                    transposed[b] = b + ".T"
+                b = transposed[b]
         matmul = helper.make_node("MatMul", [a, b], list(node.output), name=node.name)
         matmul.metadata_props.extend(node.metadata_props)
         nodes.append(matmul)
@@ -277,7 +282,7 @@ def export_onnx(
     with atomic_directory(out_dir, overwrite, OnnxExportError) as tmp:
         bar.stage("torch.export and translate (torch.onnx, dynamo)")
         try:
-            with torch.no_grad():
+            with torch.no_grad(), quiet_onnx_exporter():
                 program = torch.onnx.export(
                     DecoderWithPast(model, with_past).eval(),
                     args,
@@ -288,17 +293,21 @@ def export_onnx(
                     opset_version=opset,
                     verbose=False,
                 )
-        except Exception as err:  # the exporter's own report is long; its first line says what failed
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        except Exception as err:  # the exporter wraps the cause in a long report: name the cause
+            cause = err
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
             raise OnnxExportError(
-                f"torch.onnx.export (dynamo) failed: {type(err).__name__}: {first}. A dimension the exporter "
-                "specialized means the model computes a shape-dependent constant (e.g. a Python int from a "
-                "tensor size) on this path"
+                f"torch.onnx.export (dynamo) failed: {type(cause).__name__}: {first}; the model's code on the "
+                "exported path is not torch.export-friendly there (the traceback above says where)"
             ) from err
         bar.stage("MatMul form, write")
         proto = program.model_proto
         linear_as_matmul(proto)
-        onnx.save(proto, str(tmp / "model.onnx"))
+        # protobuf holds at most 2 GiB: larger weights go to model.onnx.data beside the graph
+        large = sum(len(init.raw_data) for init in proto.graph.initializer) > 2**31 - 2**27
+        onnx.save(proto, str(tmp / "model.onnx"), save_as_external_data=large, location="model.onnx.data")
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         if validate:
