@@ -5,8 +5,8 @@ decoding with a KV cache:
   moe-eager          our model with the decode path of moe_core.inference.fast_decode (K experts per token)
   moe-compiled       moe_core.inference.compile_steps: fullgraph prefill (static experts) and decode
                      (gathered experts, reduction GEMVs)                             (--compile)
-  moe-onnx-fp32      optimum-onnx export run in ONNX Runtime                           (--onnx)
-  moe-onnx-int8      the same after ORTQuantizer dynamic int8                          (--onnx)
+  moe-onnx-fp32      torch.onnx (dynamo) export run in ONNX Runtime                    (--onnx)
+  moe-onnx-int8      the same after ONNX Runtime's quantize_dynamic int8               (--onnx)
   dense-total        a dense model with as many FFN parameters as the MoE total
   dense-active       a dense model with as many FFN parameters as the MoE active
   dense-*-compiled   the dense models through the same compile_steps (same GEMV kernel) (--compile)

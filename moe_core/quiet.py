@@ -60,6 +60,21 @@ def quiet_tracer_warnings():
         yield
 
 
+# torch 2.13's ONNX exporter (torch.onnx.export(dynamo=True)): its op registry logs, per torchvision op, that
+# torchvision is absent (ops no model of ours uses); torch.export's pytree warns about its own deprecated LeafSpec check
+ONNX_EXPORTER_NOISE = ("torch.onnx._internal.exporter._registration",)
+
+
+@contextlib.contextmanager
+def quiet_onnx_exporter():
+    """The ONNX exporter's notices (`ONNX_EXPORTER_NOISE`) dropped for the block; its errors stay."""
+    with quiet_loggers(*ONNX_EXPORTER_NOISE), warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
+        yield
+
+
 # what MLflow's transformers flavor logs on every model of ours: the hub model card and license it cannot find
 # for a local directory, the pipeline's "Device set to use cpu", DeepSpeed's accelerator probe (imported on the way)
 MLFLOW_TRANSFORMERS_NOISE = ("mlflow.transformers", "transformers.pipelines.base", "DeepSpeed")

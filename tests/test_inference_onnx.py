@@ -1,4 +1,5 @@
-"""ONNX export through optimum-onnx: every expert in the graph, logits within 1e-4, identical greedy generations.
+"""ONNX export through torch.onnx (dynamo): every expert in the graph, logits within 1e-4, identical greedy
+generations with the KV cache, and the ONNX Runtime wrapper's sampling and end-of-sequence handling.
 
 Weights are re-drawn at a scale where logits are O(1) and routing is spread, and each test first checks that
 its inputs reach every expert of every MoE layer, so a graph missing an expert (what a tracer on the sorted
@@ -24,6 +25,7 @@ from moe_core.cli import main
 from moe_core.convert import from_hf
 from moe_core.inference.onnx_export import (
     OnnxExportError,
+    OrtCausalLM,
     expected_expert_weights,
     expert_weights_in_graph,
     export_onnx,
@@ -75,14 +77,65 @@ def check_export(model: MoEForCausalLM, out_dir) -> None:
     assert torch.equal(ref_ids, got_ids)
 
 
-def test_export_moe_lab_gqa_every_expert(tmp_path):
+@pytest.fixture(scope="module")
+def gqa_export(tmp_path_factory):
+    """One export of a grouped-query model (1 KV head) with 6 experts, shared by the tests that read it."""
     torch.manual_seed(0)
     model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=96, num_experts=6, num_key_value_heads=1))
     randomize_(model)
-    check_export(model, tmp_path / "onnx")
-    assert (
-        "forward" not in model.__dict__
-    )  # optimum's patcher leaves nothing on the model (torch.compile sees it)
+    out = tmp_path_factory.mktemp("gqa") / "onnx"
+    check_export(model, out)
+    return model, out
+
+
+def test_export_moe_lab_gqa_every_expert(gqa_export):
+    model, out = gqa_export
+    assert isinstance(load_onnx(out), OrtCausalLM)
+    assert "forward" not in model.__dict__  # the export leaves nothing on the model (torch.compile sees it)
+
+
+def test_ort_generate_stops_at_eos_like_transformers(gqa_export):
+    """A row that emits eos is padded until every row ends, eos is held back until min_new_tokens, and a
+    left-padded batch decodes as model.generate does (positions from the mask)."""
+    model, out = gqa_export
+    ort = load_onnx(out)
+    input_ids, attention_mask = inputs(96, batch=2, seq=6)
+    greedy = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+    eos = int(greedy[0, 6 + 2])  # row 0's third new token ends it
+    assert (greedy[1, 6:9] != eos).all(), "row 1 would end too: the padding check is vacuous"
+    for kwargs in (dict(), dict(min_new_tokens=5)):
+        ref = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            **kwargs,
+        )
+        got = ort.generate(
+            input_ids, attention_mask, max_new_tokens=8, eos_token_id=eos, pad_token_id=0, **kwargs
+        )
+        assert torch.equal(got, ref), kwargs
+
+
+def test_ort_sampling_repeats_with_a_seed_and_top_k_1_is_greedy(gqa_export):
+    model, out = gqa_export
+    ort = load_onnx(out)
+    prompt = inputs(96)[0][:2, :5]
+    greedy = ort.generate(prompt, max_new_tokens=6)
+    assert torch.equal(ort.generate(prompt, max_new_tokens=6, do_sample=True, top_k=1), greedy)
+
+    def draw(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return ort.generate(
+            prompt, max_new_tokens=6, do_sample=True, top_k=0, temperature=5.0, generator=generator
+        )
+
+    first = draw(0)
+    assert torch.equal(first, draw(0))
+    assert not torch.equal(first, greedy)  # at temperature 5 over the whole vocabulary, it does sample
+    assert first.shape == (2, 11) and int(first.max()) < 96
 
 
 @pytest.mark.slow
@@ -100,23 +153,22 @@ def test_export_refuses_a_data_dependent_expert_path(tmp_path):
         export_onnx(model, tmp_path / "onnx", validate=False)
 
 
-def test_graph_count_sees_a_missing_expert(tmp_path):
+def test_graph_count_sees_a_missing_expert(gqa_export, tmp_path):
     """The graph check can fail: a stack one expert short is not a complete export."""
     import onnx
     from onnx import numpy_helper
 
-    model = MoEForCausalLM(get_config("mixtral-tiny", vocab_size=96)).eval()
-    export_onnx(model, tmp_path / "onnx", validate=False)
-    graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
-    E, F_ = model.config.num_experts, model.config.expert_intermediate_size
+    model, out = gqa_export
+    graph = onnx.load(str(out / "model.onnx"))
+    E, F_, D = model.config.num_experts, model.config.expert_intermediate_size, model.config.hidden_size
     for init in graph.graph.initializer:
-        if E * F_ in init.dims:  # drop the last expert's F rows (or columns) of a wide expert matrix
-            axis = list(init.dims).index(E * F_)
-            cut = np.delete(numpy_helper.to_array(init), np.s_[-F_:], axis=axis)
+        if sorted(init.dims) == sorted((E, F_, D)):  # drop the last expert of a stack (or its transpose)
+            axis = list(init.dims).index(E)
+            cut = np.delete(numpy_helper.to_array(init), -1, axis=axis)
             init.CopyFrom(numpy_helper.from_array(cut, init.name))
             break
     else:
-        pytest.fail("no wide expert matrix in the exported graph")
+        pytest.fail("no expert stack in the exported graph")
     onnx.save(graph, str(tmp_path / "cut.onnx"))
     assert expert_weights_in_graph(tmp_path / "cut.onnx", model.config) != expected_expert_weights(
         model.config

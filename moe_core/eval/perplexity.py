@@ -94,7 +94,7 @@ def evaluate_loss(
                 )
             if torch_module:
                 logits_BSV = model(ids_BS, use_cache=False).logits
-            else:  # an optimum ORTModelForCausalLM: keyword inputs, an explicit mask
+            else:  # an ONNX Runtime model (onnx_export.OrtCausalLM): keyword inputs, an explicit mask
                 logits_BSV = torch.as_tensor(
                     model(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS)).logits
                 )

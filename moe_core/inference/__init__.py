@@ -1,7 +1,8 @@
 """Inference optimization, applied to a model from outside the model file.
 
 - `fast_decode`: a decode path that reads only the chosen experts' weights (`enable_fast_decode`).
-- `onnx_export`: ONNX through optimum-onnx with a KV cache; `load_onnx` gives an `ORTModelForCausalLM`.
+- `onnx_export`: ONNX through ``torch.onnx.export(dynamo=True)`` with a KV cache; `load_onnx` gives the lab's
+  ONNX Runtime wrapper (`OrtCausalLM`: logits and cache from a call, ``generate``).
 - `compile`: ``torch.compile`` of the prefill and decode steps (dynamic or static KV cache), ``torch.export``.
 - `quantize`: weight-only int8/int4 experts (round-to-nearest, GPTQ, AWQ) and ONNX Runtime dynamic int8.
 - `prune`: drop (or merge) experts ranked by routed slots or by REAP saliency.
@@ -11,8 +12,8 @@
 - `cli`: ``moe-lab export onnx|gguf``, ``quantize``, ``prune``, ``generate``.
 
 The names below are resolved on first use (moe_core._lazy): `moe-lab quantize --help` and the other inference
-commands import this package through moe_core.inference.cli and must not pay for torch, transformers, optimum
-and ONNX Runtime they do not need.
+commands import this package through moe_core.inference.cli and must not pay for torch, transformers, optimum,
+onnxscript and ONNX Runtime they do not need.
 """
 
 from __future__ import annotations

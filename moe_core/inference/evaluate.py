@@ -21,8 +21,8 @@ from moe_core.progress import Progress
 def perplexity(model, batches: Iterable[torch.Tensor]) -> float:
     """``exp`` of the mean next-token cross-entropy over every predicted token of ``batches`` ([B, S] ids):
     `moe_core.eval.perplexity.evaluate_loss`, the one perplexity (so a benchmark on the evaluation's batches
-    repeats the evaluation's number). Works for our model, a quantized one, or an optimum
-    `ORTModelForCausalLM`."""
+    repeats the evaluation's number). Works for our model, a quantized one, or an ONNX export
+    (`moe_core.inference.onnx_export.OrtCausalLM`)."""
     return evaluate_loss(model, batches, split="benchmark").perplexity
 
 
