@@ -225,11 +225,12 @@ def test_export_hf_checkpoint(tmp_path, arch):
     randomize_(hf)
     hf.save_pretrained(tmp_path / "hf")
     check_export(from_hf(tmp_path / "hf"), tmp_path / "onnx")
-    # the directory route (what the CLI takes) converts on the fly
-    assert (
-        main(["export", "onnx", str(tmp_path / "hf"), "--out", str(tmp_path / "cli"), "--no-validate"]) == 0
-    )
-    assert (tmp_path / "cli" / "model.onnx").is_file()
+    if arch == "mixtral":  # the directory route (what the CLI takes) converts on the fly: once is enough
+        assert (
+            main(["export", "onnx", str(tmp_path / "hf"), "--out", str(tmp_path / "cli"), "--no-validate"])
+            == 0
+        )
+        assert (tmp_path / "cli" / "model.onnx").is_file()
 
 
 def test_cli_export_errors_clearly(tmp_path, capsys):
