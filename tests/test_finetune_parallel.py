@@ -1,0 +1,227 @@
+"""Fine-tuning on several processes (`moe_core.finetune.parallel`, gloo on CPU, fp32): N processes of batch_size B
+train what one process of batch_size B and grad_accum N trains, loss curve and adapter equal within float
+tolerance; a run whose every process was SIGKILLed mid-run resumes from its newest checkpoint to the same result;
+one process resumes too; what does not compose is refused before anything loads.
+
+Three torchrun launches (2 processes killed, 2 resumed, 4) are the cost of this file: most of it is each process
+importing transformers, TRL and PEFT on 2 cores. The runs are shared by the assertions (module fixtures)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from moe_core import load
+from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.finetune.config import FinetuneError
+from moe_core.finetune.parallel import CHECKPOINTS, check_experts_split, check_world
+from moe_core.finetune.trainer_seam import REPLACED
+from moe_core.train import read_jsonl
+from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+SETS = [
+    f"steps={STEPS}",
+    "batch_size=2",
+    "log.progress=off",
+    "optim.lr=1e-2",
+    "lora.r=4",
+    "data.max_length=64",
+    "checkpoint.every=2",
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A 2-layer, 4-expert model with its tokenizer, and a 16-row instruction file."""
+    root = tmp_path_factory.mktemp("base")
+    tiny_model(num_hidden_layers=2).save_pretrained(root / "model")
+    tiny_tokenizer().save_pretrained(root / "model")
+    with open(root / "data.jsonl", "w") as f:
+        for row in instruction_records(16):
+            f.write(json.dumps(row) + "\n")
+    return root
+
+
+def config_for(base: Path, *extra: str) -> FinetuneConfig:
+    sets = [f"model.path={base / 'model'}", f"data.source={base / 'data.jsonl'}", *SETS, *extra]
+    return FinetuneConfig().with_overrides(sets)
+
+
+def command(base: Path, out: Path, nproc: int, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "moe_core.cli", "finetune", "--nproc", str(nproc), "--out", str(out)]
+    cmd += ["--model", str(base / "model"), "--data", str(base / "data.jsonl")]
+    for item in SETS:
+        cmd += ["--set", item]
+    return cmd + list(extra)
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def one_process(base, tmp_path_factory):
+    """The references: one process, grad_accum 2 and 4 (what 2 and 4 processes of the same batch_size train)."""
+    out = {}
+    for accum in (2, 4):
+        out[accum] = tmp_path_factory.mktemp(f"one_ga{accum}")
+        finetune(config_for(base, f"grad_accum={accum}"), out[accum], overwrite=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_resumed(base, tmp_path_factory) -> dict:
+    """2 processes, experts split over both: every process SIGKILLed once the step-2 checkpoint is complete,
+    then the same command with --resume."""
+    out = tmp_path_factory.mktemp("ep2")
+    cmd = command(base, out, 2, "--set", "parallel.ep_size=2")
+    launcher = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (out / CHECKPOINTS / "step_00000002").is_dir():
+        assert launcher.poll() is None, launcher.stderr.read().decode()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    for process in tree:  # the launcher, torchrun's agent and its workers (in a session of their own)
+        with_gone(process.send_signal, signal.SIGKILL)
+    launcher.wait()
+    left = sorted(p.name for p in out.iterdir() if not p.name.startswith(".staging"))
+    run(cmd + ["--resume"])
+    return {"out": out, "left_by_the_kill": left}
+
+
+def with_gone(fn, *args) -> None:
+    try:
+        fn(*args)
+    except psutil.NoSuchProcess:
+        pass
+
+
+@pytest.fixture(scope="module")
+def four(base, tmp_path_factory) -> Path:
+    """4 processes: experts split over groups of 2 (ep 2 x dp 2)."""
+    out = tmp_path_factory.mktemp("ep2dp2")
+    run(command(base, out, 4, "--set", "parallel.ep_size=2"))
+    return out
+
+
+def assert_same_run(one: Path, many: Path) -> None:
+    a = [r for r in read_jsonl(one / "metrics.jsonl") if "loss" in r]
+    b = [r for r in read_jsonl(many / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lm_loss", "aux_loss"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
+    assert a[-1]["lm_loss"] < a[0]["lm_loss"] - 0.1  # it trained: not a comparison of two idle runs
+    # the adapter: one file, the same keys, shapes and config as one process's, the factors within tolerance
+    wa = load_file(one / "adapter" / "adapter_model.safetensors")
+    wb = load_file(many / "adapter" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in wb.items()} == {k: v.shape for k, v in wa.items()}
+    assert any(".mlp.experts." in k for k in wa)
+    for name in wa:
+        assert ((wb[name] - wa[name]).norm() / wa[name].norm().clamp_min(1e-12)).item() < 1e-5, name
+    config = "adapter_config.json"
+    assert json.loads((many / "adapter" / config).read_text()) == json.loads(
+        (one / "adapter" / config).read_text()
+    )
+    assert not (many / CHECKPOINTS).exists()  # a finished run keeps nothing to resume
+
+
+@pytest.mark.slow
+def test_two_processes_killed_and_resumed_equal_one_process(two_resumed, one_process):
+    assert two_resumed["left_by_the_kill"] == [CHECKPOINTS]  # no output of a run that did not finish
+    assert_same_run(one_process[2], two_resumed["out"])
+    summary = json.loads((two_resumed["out"] / "summary.json").read_text())
+    assert summary["steps_done"] == STEPS and summary["skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_four_processes_expert_and_data_parallel_equal_one_process(four, one_process, base):
+    assert_same_run(one_process[4], four)
+    # the gathered adapter applies to the base model like a one-process run's
+    ours, theirs = load(four / "adapter").model, load(one_process[4] / "adapter").model
+    ids = torch.tensor([[1, 5, 9, 14, 20, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-4, atol=1e-5
+        )
+
+
+@pytest.mark.slow
+def test_one_process_resumes_a_crashed_run(base, tmp_path, one_process):
+    class Crash(RuntimeError):
+        pass
+
+    class CrashAfter:  # a metrics sink that fails the run after step 3 (the checkpoint of step 2 is complete)
+        def log(self, step, metrics):
+            if step == 3 and "loss" in metrics:
+                raise Crash
+
+    config = config_for(base, "grad_accum=2")
+    with pytest.raises(Crash):
+        finetune(config, tmp_path, sinks=[CrashAfter()])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINTS]
+    with pytest.raises(FinetuneError, match="--resume"):  # the checkpoints are not silently replaced
+        finetune(config, tmp_path)
+    finetune(config, tmp_path, resume=True)
+    assert_same_run(one_process[2], tmp_path)
+
+
+def test_what_does_not_compose_is_refused_before_loading():
+    lora = FinetuneConfig()
+    with pytest.raises(FinetuneError, match="--nproc 2"):
+        check_world(lora.with_overrides(["parallel.ep_size=2"]), 1)
+    with pytest.raises(FinetuneError, match="does not divide the 4 processes"):
+        check_world(lora.with_overrides(["parallel.ep_size=3"]), 4)
+    with pytest.raises(FinetuneError, match="only LoRA"):
+        check_world(lora.with_overrides(["method=full"]), 2)
+    with pytest.raises(FinetuneError, match="freeze.router=false"):
+        check_world(lora.with_overrides(["freeze.router=false"]), 2)
+    check_world(lora.with_overrides(["parallel.ep_size=2"]), 4)  # ep 2 x dp 2
+    for sets, match in (
+        (["quantize.base=nf4"], "QLoRA"),
+        (["export.merged=true"], "export.merged"),
+        (["method=full"], "method=full"),
+    ):
+        with pytest.raises(FinetuneError, match=match):
+            lora.with_overrides([*sets, "parallel.ep_size=2"])
+    with pytest.raises(FinetuneError, match="divide the model's 4 experts"):
+        check_experts_split(lora.with_overrides(["parallel.ep_size=3"]), tiny_model().config)
+    with pytest.raises(FinetuneError, match="resume needs checkpoint.every"):
+        finetune(lora, "unused", resume=True)
+
+
+def test_trainer_seam():
+    """transformers still has, and still calls, the Trainer methods `PerRankCheckpoints` replaces (4.57)."""
+    trainer = transformers.Trainer
+    for name in REPLACED:
+        assert callable(getattr(trainer, name, None)), f"transformers.Trainer.{name} is gone"
+    calls = inspect.getsource(trainer.train) + inspect.getsource(trainer._inner_training_loop)
+    calls += inspect.getsource(trainer._maybe_log_save_evaluate)
+    for name in REPLACED:
+        assert f"self.{name}(" in calls, f"transformers.Trainer no longer calls {name}"
+    assert list(inspect.signature(trainer._save_checkpoint).parameters) == ["self", "model", "trial"]
+    assert list(inspect.signature(trainer._load_from_checkpoint).parameters)[:2] == [
+        "self",
+        "resume_from_checkpoint",
+    ]
