@@ -8,7 +8,8 @@ rank and back by all-to-all.
 
 Order of operations, so that a run on N processes trains what one process would:
 1. every rank loads the whole base model and applies the method (PEFT LoRA) with the same seed: identical
-   factors everywhere, exactly those a one-process run starts from;
+   factors everywhere, exactly those a one-process run starts from (the Trainer is built on it: TRL's DPO copies
+   the adapter into its frozen reference adapter);
 2. `shard_experts` then replaces each MoE layer's experts by this rank's `ExpertParallelExperts` slice and cuts
    the LoRA factors of the experts to the same slice (``lora_A [E*R, I]``: rows ``e*R .. e*R+R-1`` per expert;
    ``lora_B [O, R*E]``: columns ``j*E + e``), keeping PEFT's wrappers, names and forward;
@@ -156,7 +157,7 @@ def shard_experts(model, state: ParallelState, plan: MethodPlan) -> None:
                 f"layer {i}: experts of type {type(dense).__name__} cannot be split over ranks (dense stacked "
                 "experts only); use parallel.ep_size=1"
             )
-        sharded = ExpertParallelExperts(dense, state)
+        sharded = ExpertParallelExperts(dense, state).to(dense.up_proj.device)
         sharded.layer_id = i
         for name, param in sharded.local.named_parameters():
             param.requires_grad_(getattr(dense, name).requires_grad)
@@ -178,13 +179,13 @@ def shard_experts(model, state: ParallelState, plan: MethodPlan) -> None:
 def _cut_factors(wrapper, first: int, El: int) -> None:
     E = wrapper.num_experts
     for adapter in list(wrapper.lora_A):
-        A_RI = wrapper.lora_A[adapter].weight  # [E*R, I], expert-major rows
-        B_OR = wrapper.lora_B[adapter].weight  # [O, R*E], expert-minor columns
-        R = A_RI.shape[0] // E
-        A_local = A_RI.detach().view(E, R, -1)[first : first + El].reshape(El * R, -1)
-        B_local = B_OR.detach().view(B_OR.shape[0], R, E)[:, :, first : first + El].reshape(-1, R * El)
-        wrapper.lora_A[adapter].weight = nn.Parameter(A_local.clone(), requires_grad=A_RI.requires_grad)
-        wrapper.lora_B[adapter].weight = nn.Parameter(B_local.clone(), requires_grad=B_OR.requires_grad)
+        A = wrapper.lora_A[adapter].weight  # [E*R, I]: expert e's rows e*R .. e*R+R-1
+        B = wrapper.lora_B[adapter].weight  # [O, R*E]: expert e's columns j*E + e
+        R = A.shape[0] // E
+        A_local = A.detach().view(E, R, -1)[first : first + El].reshape(El * R, -1)
+        B_local = B.detach().view(B.shape[0], R, E)[:, :, first : first + El].reshape(-1, R * El)
+        wrapper.lora_A[adapter].weight = nn.Parameter(A_local.clone(), requires_grad=A.requires_grad)
+        wrapper.lora_B[adapter].weight = nn.Parameter(B_local.clone(), requires_grad=B.requires_grad)
     wrapper.num_experts = El
 
 

@@ -391,6 +391,8 @@ def finetune(
                     ),
                     error_cls=FinetuneError,
                 )
+            if not resume:  # checkpoints here now are an overwritten run's, not this run's
+                shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
             replaced = tuple(name for name in OUTPUTS if name != CHECKPOINTS) if overwrite else ()
             with staged_outputs(out_dir, replace=replaced) as stage:
                 result = _finetune(
@@ -447,7 +449,7 @@ def _finetune(
                 "moe-lab finetune: experts split over ranks: the adapter alone is written (merge it afterwards)"
             )
         inputs.size = replace(inputs.size, export_merged=False, export_hf=False)
-    selected = select_parameters(config, inputs, out_dir, place)
+    selected = select_parameters(config, inputs, out_dir)
     trained = run_training(config, inputs, selected, out_dir, sinks, place)
     exported = export_outputs(config, inputs, selected, out_dir, place)
     summary = run_summary(config, inputs, selected, trained)
@@ -557,13 +559,10 @@ class SelectedParameters:
     )  # DPO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
 
 
-def select_parameters(
-    config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path, place: RunPlace | None = None
-) -> SelectedParameters:
+def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path) -> SelectedParameters:
     """Apply ``config.method`` and ``config.freeze``; refuse a run in which nothing (or no asked-for expert
     adapter) trains. Writes ``esft_selection.json`` (ESFT) and ``trainable_parameters.json`` (the counts of the
-    whole model). On several processes, then split the experts over the ranks (`shard_experts`) and leave them
-    out of DDP."""
+    whole model, also on several processes: `run_training` splits the experts)."""
     model = inputs.model
     ref_model = None
     if config.objective == "dpo" and config.method != "lora":
@@ -594,10 +593,6 @@ def select_parameters(
         report.require_expert_adapters()
     if report.trainable_params == 0:
         raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
-    parallel = place.parallel if place is not None else None
-    if parallel is not None and parallel.sharded:
-        shard_experts(train_model, parallel.state, plan)
-        leave_experts_to_us(train_model)
     return SelectedParameters(train_model, plan, report, ref_model)
 
 
@@ -720,6 +715,11 @@ def run_training(
                     **trainer_kwargs,
                 )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
+        if place.parallel is not None and place.parallel.sharded:
+            # after the trainer is built: TRL's DPO copies the adapter into a frozen "ref" adapter first, and
+            # both are split the same way (its DDP and optimizer come in `train`, after this)
+            shard_experts(trainer.model, place.parallel.state, plan)
+            leave_experts_to_us(trainer.model)
         if place.parallel is not None:
             trainer.use_parallel_gradients(place.parallel.gradients(trainer.model))
         if place.checkpoints is not None:
