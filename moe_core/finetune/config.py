@@ -12,7 +12,8 @@ every output.
 
 Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
 subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``optim``,
-``log`` and ``export``; top-level fields hold the method, objective, batch, steps and seed.
+``log``, ``export``, ``parallel`` (experts split over processes) and ``checkpoint`` (resumable checkpoints);
+top-level fields hold the method, objective, batch, steps and seed.
 
 Methods (``method``):
 - ``full``: every weight trains, except what ``freeze`` holds back (the router, chosen experts, ...).
