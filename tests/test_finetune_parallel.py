@@ -26,7 +26,14 @@ from safetensors.torch import load_file
 from moe_core import load
 from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.finetune.config import FinetuneError
-from moe_core.finetune.parallel import CHECKPOINTS, check_experts_split, check_world
+from moe_core.finetune.parallel import (
+    CHECKPOINTS,
+    CheckpointStore,
+    check_experts_split,
+    check_world,
+    drop_incomplete_checkpoints,
+    has_checkpoint,
+)
 from moe_core.finetune.trainer_seam import REPLACED
 from moe_core.train import read_jsonl
 from tests.finetune_helpers import instruction_records, preference_records, tiny_model, tiny_tokenizer
@@ -217,6 +224,27 @@ def test_what_does_not_compose_is_refused_before_loading():
         check_experts_split(lora.with_overrides(["parallel.ep_size=3"]), tiny_model().config)
     with pytest.raises(FinetuneError, match="resume needs checkpoint.every"):
         finetune(lora, "unused", resume=True)
+
+
+def test_only_complete_checkpoints_are_resumed(tmp_path):
+    root = tmp_path / CHECKPOINTS
+    (root / ".tmp-step_00000004").mkdir(parents=True)  # a save cut short: never resumed from
+    assert not has_checkpoint(root)
+    drop_incomplete_checkpoints(root)
+    assert not root.exists()
+    for step in (2, 4):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    (root / ".tmp-step_00000006").mkdir()
+    store = CheckpointStore(root, None, keep=2)
+    assert store.latest() == root / "step_00000004"
+    drop_incomplete_checkpoints(root)  # a complete one is there: nothing goes
+    assert store.latest() == root / "step_00000004"
+    for rank in (0, 1):
+        (root / "step_00000004" / f"rank_{rank:05d}.pt").touch()
+    with pytest.raises(
+        FinetuneError, match="written by 2 processes and this run has 1; resume with --nproc 2"
+    ):
+        store.check_layout(store.latest())
 
 
 def test_trainer_seam():

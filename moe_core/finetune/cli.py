@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from moe_core.cli import add_config_help, add_router_module_option
 from moe_core.train import launch
@@ -141,10 +142,13 @@ def run_finetune(args) -> int:
                 "--max-restarts restarts a failed group from its newest checkpoint; set checkpoint.every too"
             )
         return run_launcher(launch.torchrun_command(spec, worker_argv(args), command="finetune"))
+    from moe_core.finetune.parallel import CHECKPOINTS, has_checkpoint
     from moe_core.finetune.run import finetune
 
-    # a group torchrun restarted continues from its newest checkpoint when it kept some
-    resume = args.resume or (launch.restart_count() > 0 and config.checkpoint.every is not None)
+    resume = args.resume
+    if launch.restart_count() > 0 and config.checkpoint.every is not None:
+        # a group torchrun restarted continues from its newest checkpoint, or starts again when it has none
+        resume = has_checkpoint(Path(args.out) / CHECKPOINTS)
     result = finetune(config, args.out, overwrite=args.overwrite, resume=resume)
     if int(os.environ.get("RANK", "0")) != 0:
         return result.exit_code

@@ -390,6 +390,17 @@ class CheckpointStore:
             )
 
 
+def has_checkpoint(root: Path) -> bool:
+    """Whether ``root`` (``OUT/checkpoints``) holds a complete checkpoint to resume from."""
+    return CheckpointStore(root, None, 1).latest() is not None
+
+
+def drop_incomplete_checkpoints(root: Path) -> None:
+    """Remove ``root`` when it holds no complete checkpoint (a run killed during its first save)."""
+    if root.is_dir() and not has_checkpoint(root):
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
     if torch.cuda.is_available():

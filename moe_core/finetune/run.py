@@ -95,6 +95,7 @@ from moe_core.finetune.parallel import (
     FinetuneParallel,
     check_experts_split,
     check_world,
+    drop_incomplete_checkpoints,
     gathered_adapter,
     leave_experts_to_us,
     shard_experts,
@@ -378,6 +379,10 @@ def finetune(
             result.out_dir = out_dir
             return result
         with OutputLock(out_dir, "fine-tuning run"):
+            if not resume:
+                drop_incomplete_checkpoints(
+                    out_dir / CHECKPOINTS
+                )  # a first save cut short: nothing to resume
             previous = tuple(name for name in OUTPUTS if not (resume and name == CHECKPOINTS))
             if not overwrite:
                 refuse_previous_outputs(
