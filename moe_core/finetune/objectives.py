@@ -25,6 +25,12 @@ router loss during fine-tuning.
   steps of the interval (absent when there was none), never a stand-in; more than
   ``faults.max_bad_steps_in_a_row`` in a row stops the run with `FinetuneDivergedError`.
 
+- On several processes (`moe_core.finetune.parallel.ExpertGradients`, handed in with `use_parallel_gradients`)
+  the last micro-step of every optimizer step syncs the expert gradients and clips by the global norm (the
+  Trainer's own clip is off); the logged ``loss``, ``grad_norm``, ``lm_loss``, ``aux_loss``, ``z_loss`` and
+  ``mean_token_accuracy`` are the world's, the routing statistics rank 0's. Checkpoints are per rank
+  (`moe_core.finetune.trainer_seam`).
+
 Metrics go through `moe_core.train.telemetry` sinks (`SinkCallback`; the JSONL sink is always on), with per-layer
 routing statistics (`RoutingStats`): numbers only, never text.
 """

@@ -31,7 +31,7 @@ same order), to float tolerance (tests/test_finetune_parallel.py).
 Why the dense frozen weights are replicated, not sharded (FSDP2): the Trainer wraps the model itself
 (accelerate's DDP, or its own FSDP plugin over the whole model), and neither leaves out the rank-local expert
 tensors the way the engine's `wrap_data_parallel` does (``ignored_params``); and in an MoE the routed experts are
-most of the weights (OLMoE-1B-7B 87 %, Mixtral-8x7B 96 %), which expert parallelism already splits.
+most of the weights (OLMoE-1B-7B 93 %, Mixtral-8x7B 97 %), which expert parallelism already splits.
 
 Checkpoints (`CheckpointStore`, ``checkpoint.every``): each rank writes its own trainable tensors, optimizer,
 scheduler and RNG state; rank 0 the Trainer's state and the metrics so far; the directory appears complete or not

@@ -691,6 +691,7 @@ def run_training(
     if place.parallel is not None:
         extra_args["max_grad_norm"] = 0.0  # clipped by the global norm (`ExpertGradients`), not one rank's
         extra_args["ddp_find_unused_parameters"] = False  # every trainable replicated tensor gets a gradient
+        extra_args["ddp_broadcast_buffers"] = False  # as the engine's DDP: buffers are not trained
     trainer_kwargs = dict(
         args=trainer_args(
             config,
