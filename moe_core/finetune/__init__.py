@@ -10,7 +10,8 @@ router-only and task-conditioned router bias; SFT and DPO through TRL with the r
 The same from the command line: ``moe-lab finetune --config finetune.yaml --out runs/ft``. Modules: `config`
 (FinetuneConfig), `methods` (freezing, LoRA targets, expert subsets, ESFT, task router bias), `objectives` (TRL
 SFT/DPO trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
-`sizing` (the defaults that follow the base model's size), `run` (finetune), `cli`.
+`sizing` (the defaults that follow the base model's size), `parallel` (several processes: experts split over
+them, per-rank checkpoints; `trainer_seam` the Trainer hooks it replaces), `run` (finetune), `cli`.
 
 The names above are resolved on first use (moe_core._lazy): `moe-lab finetune --help` imports this package
 through moe_core.finetune.cli and must not pay for pydantic, TRL and transformers it does not need.

@@ -3,6 +3,11 @@
 moe-lab finetune --config finetune.yaml --out runs/ft
 moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
 moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+moe-lab finetune --config finetune.yaml --nproc 8 --set parallel.ep_size=8 --out runs/ep8
+
+With ``--nproc`` (or ``--nnodes`` > 1, or ``--max-restarts``) the command re-runs itself under ``torchrun``
+(`moe_core.train.launch`, as ``moe-lab train`` does); inside torchrun (``WORLD_SIZE`` set) it fine-tunes as one
+rank of the group (`moe_core.finetune.parallel`).
 
 Heavy imports happen inside the handlers (by design), so ``moe-lab --help`` stays fast (tests/test_cli_help.py).
 The command's own help is `HELP` below: it speaks to users.
@@ -11,8 +16,12 @@ The command's own help is `HELP` below: it speaks to users.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from moe_core.cli import add_config_help, add_router_module_option
+from moe_core.train import launch
+from moe_core.train.cli import add_launch_options, launch_spec, run_launcher
 
 HELP = """Fine-tune a model (LoRA on attention and experts, ESFT, router tuning, full; SFT or DPO) from a config
 file and --set key=value overrides.
@@ -20,6 +29,13 @@ file and --set key=value overrides.
     moe-lab finetune --config finetune.yaml --out runs/ft
     moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
     moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+    moe-lab finetune --config finetune.yaml --nproc 8 --set parallel.ep_size=8 --out runs/ep8
+
+--nproc N runs N processes (torchrun, one per GPU): each trains on its own batch_size sequences, and with
+parallel.ep_size the experts and their LoRA factors are split over that many of them; the adapter written is
+the one a single process would write. --set checkpoint.every=K keeps a checkpoint every K steps; after a
+crash, the same command with --resume continues from the newest one (with --max-restarts, torchrun restarts a
+failed group and it resumes by itself).
 
 A base model without a chat template: --set data.chat_template=plain frames the data without one (the
 prompt's text and a newline, then the answer), or name a template (lab, chatml, or a Jinja file); generate and
@@ -64,6 +80,16 @@ def add_cli(subparsers) -> None:
         action="store_true",
         help="replace the outputs of an earlier fine-tune in --out (once this one succeeded)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out/checkpoints (needs checkpoint.every)",
+    )
+    add_launch_options(
+        p,
+        restarts_help="elastic: restart the group up to N times when a worker dies; it resumes from the "
+        "newest checkpoint (needs checkpoint.every)",
+    )
     p.set_defaults(func=run_finetune)
     add_router_module_option(p)
 
@@ -89,15 +115,43 @@ def resolve_config(args):
     return config.with_overrides(overrides) if overrides else config
 
 
+def worker_argv(args) -> list[str]:
+    """The arguments each torchrun worker gets: everything but the launch options."""
+    argv = ["--out", args.out]
+    for flag, value in (("--config", args.config), ("--model", args.model), ("--data", args.data)):
+        if value:
+            argv += [flag, value]
+    for item in args.overrides:
+        argv += ["--set", item]
+    argv += [flag for flag, on in (("--overwrite", args.overwrite), ("--resume", args.resume)) if on]
+    return argv
+
+
 def run_finetune(args) -> int:
     from moe_core.paths import require_model_source
 
     config = resolve_config(args)  # fail fast on a bad config, before loading anything
     if config.model.path:
         require_model_source(config.model.path, "model.path")
+    spec = launch_spec(args)
+    if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
+        if args.max_restarts and config.checkpoint.every is None:
+            from moe_core.finetune.config import FinetuneError
+
+            raise FinetuneError(
+                "--max-restarts restarts a failed group from its newest checkpoint; set checkpoint.every too"
+            )
+        return run_launcher(launch.torchrun_command(spec, worker_argv(args), command="finetune"))
+    from moe_core.finetune.parallel import CHECKPOINTS, has_checkpoint
     from moe_core.finetune.run import finetune
 
-    result = finetune(config, args.out, overwrite=args.overwrite)
+    resume = args.resume
+    if launch.restart_count() > 0 and config.checkpoint.every is not None:
+        # a group torchrun restarted continues from its newest checkpoint, or starts again when it has none
+        resume = has_checkpoint(Path(args.out) / CHECKPOINTS)
+    result = finetune(config, args.out, overwrite=args.overwrite, resume=resume)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return result.exit_code
     loss = f"{result.last_step_loss:.4f}" if result.last_step_loss is not None else "n/a"
     outputs = ", ".join(
         str(p) for p in (result.adapter_dir, result.merged_dir, result.hf_dir) if p is not None

@@ -12,7 +12,8 @@ every output.
 
 Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
 subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``optim``,
-``log`` and ``export``; top-level fields hold the method, objective, batch, steps and seed.
+``log``, ``export``, ``parallel`` (experts split over processes) and ``checkpoint`` (resumable checkpoints);
+top-level fields hold the method, objective, batch, steps and seed.
 
 Methods (``method``):
 - ``full``: every weight trains, except what ``freeze`` holds back (the router, chosen experts, ...).
@@ -158,6 +159,21 @@ class QuantizeSection(_Section):
     )  # 4-bit codes: inputs sharing one absmax scale (QLoRA: 64)
 
 
+class ParallelSection(_Section):
+    # Under torchrun (`moe-lab finetune --nproc N`, `moe_core.finetune.parallel`): the routed experts, and their
+    # LoRA factors, split over groups of ep_size ranks (ep_size must divide N and the expert count); everything
+    # else replicated on every rank, its gradients averaged over all N (each rank a data-parallel replica of
+    # batch_size sequences). 1: every rank holds the whole model (data parallel only)
+    ep_size: int = Field(1, ge=1)
+
+
+class CheckpointSection(_Section):
+    # every this many optimizer steps, a resumable checkpoint in OUT/checkpoints (per rank: trainable weights,
+    # optimizer, scheduler, RNG); `finetune --resume` continues from the newest complete one. None: none
+    every: int | None = Field(None, ge=1)
+    keep: int = Field(2, ge=1)  # the newest checkpoints kept; older ones are removed
+
+
 class FinetuneConfig(_Section, ConfigFile):
     error_cls: ClassVar[type[MoELabError]] = FinetuneError
     config_name: ClassVar[str] = "fine-tuning config"
@@ -176,6 +192,8 @@ class FinetuneConfig(_Section, ConfigFile):
     export: ExportSection = Field(default_factory=ExportSection)
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
     faults: FaultSection = Field(default_factory=FaultSection)  # the same rule as pretraining
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
 
     steps: int = Field(20, ge=1)
     batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step
@@ -222,6 +240,8 @@ class FinetuneConfig(_Section, ConfigFile):
                 "apply OUT/adapter to the base afterwards (moe_core.load('OUT/adapter') does, on a machine "
                 "that holds the full-precision model)"
             )
+        if self.parallel.ep_size > 1:
+            _check_expert_parallel(self)
         if self.method == "lora" and self.lora.experts == "list" and not self.lora.expert_ids:
             raise ValueError("lora.experts='list' needs lora.expert_ids, e.g. [0, 3] or {1: [0, 3]}")
         if self.lora.experts != "list" and self.lora.expert_ids:
@@ -255,6 +275,10 @@ class FinetuneConfig(_Section, ConfigFile):
 
     # ------------------------------------------------------------------ derived
     @property
+    def expert_parallel(self) -> bool:
+        return self.parallel.ep_size > 1
+
+    @property
     def train_router(self) -> bool:
         if self.method == "router":
             return True
@@ -265,3 +289,32 @@ class FinetuneConfig(_Section, ConfigFile):
     @property
     def uses_task_bias(self) -> bool:
         return self.method == "router_bias" or self.routing.task_bias
+
+
+def _check_expert_parallel(config: FinetuneConfig) -> None:
+    """What does not compose with experts sharded over ranks (``parallel.ep_size`` > 1), refused before anything
+    loads."""
+    ep = config.parallel.ep_size
+    if config.method != "lora":
+        raise ValueError(
+            f"parallel.ep_size={ep} shards the frozen experts and their LoRA factors over ranks; method="
+            f"{config.method} trains the expert weights themselves, which a fine-tune does not shard: use "
+            "method=lora, or parallel.ep_size=1 (every rank holds the whole model)"
+        )
+    if config.quantize.base is not None:
+        raise ValueError(
+            f"parallel.ep_size={ep} with quantize.base={config.quantize.base} (QLoRA): the 4-bit experts "
+            "(moe_core.quantized.QuantizedExperts) are not sliced over ranks; use parallel.ep_size=1 or quantize.base "
+            "unset"
+        )
+    if config.export.merged or config.export.hf:
+        raise ValueError(
+            f"export.merged / export.hf with parallel.ep_size={ep}: no rank holds every expert, so none can "
+            "write the merged model; leave them unset (the adapter is written, gathered to one file) and merge "
+            "afterwards on one machine (moe_core.load('OUT/adapter'))"
+        )
+    if config.train_router:
+        raise ValueError(
+            f"freeze.router=false with parallel.ep_size={ep}: a trained router under expert parallelism is not "
+            "supported yet; keep the router frozen, or use parallel.ep_size=1"
+        )

@@ -57,11 +57,15 @@ class ParamWrapper(peft_lora.ParamWrapper):
     def get_param(self) -> torch.Tensor:
         """The adapted stack; for a stack held in another form (`moe_core.quantized.QuantizedExperts`' 4-bit codes,
         QLoRA) a stand-in of its ``[E, O, I]`` shape on its device, holding no weights: PEFT reads the factor shapes,
-        device and dtype from it (fp32, the dtype PEFT gives adapters of low-precision models)."""
+        device and dtype from it (fp32, the dtype PEFT gives adapters of low-precision models). Experts sharded over
+        ranks (`moe_core.train.parallel.ExpertParallelExperts`, under a fine-tune's expert parallelism): this
+        rank's stack."""
         base = self.get_base_layer()
         param = getattr(base, self.parameter_name, None)
         if isinstance(param, torch.Tensor):
             return param
+        if hasattr(base, "local_stack"):
+            return base.local_stack(self.parameter_name)
         device = next(base.buffers()).device
         return torch.zeros((), device=device).expand(base.stack_shape(self.parameter_name))
 

@@ -25,6 +25,12 @@ router loss during fine-tuning.
   steps of the interval (absent when there was none), never a stand-in; more than
   ``faults.max_bad_steps_in_a_row`` in a row stops the run with `FinetuneDivergedError`.
 
+- On several processes (`moe_core.finetune.parallel.ExpertGradients`, handed in with `use_parallel_gradients`)
+  the last micro-step of every optimizer step syncs the expert gradients and clips by the global norm (the
+  Trainer's own clip is off); the logged ``loss``, ``grad_norm``, ``lm_loss``, ``aux_loss``, ``z_loss`` and
+  ``mean_token_accuracy`` are the world's, the routing statistics rank 0's. Checkpoints are per rank
+  (`moe_core.finetune.trainer_seam`).
+
 Metrics go through `moe_core.train.telemetry` sinks (`SinkCallback`; the JSONL sink is always on), with per-layer
 routing statistics (`RoutingStats`): numbers only, never text.
 """
@@ -46,6 +52,8 @@ from moe_core.data.framing import plain_text
 from moe_core.data.sources import to_messages
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.finetune.parallel import ExpertGradients
+from moe_core.finetune.trainer_seam import PerRankCheckpoints
 from moe_core.progress import Progress
 from moe_core.train.telemetry import RoutingStats
 
@@ -225,9 +233,23 @@ class FiniteStepGuard(TrainerCallback):
     def observe(self, loss: torch.Tensor) -> None:
         self.micro_losses.append(float(loss))
 
+    def step_loss(self) -> float:
+        """The loss of the optimizer step so far (its micro-steps' losses, each already divided by them)."""
+        return sum(self.micro_losses)
+
+    def set_step_loss(self, loss: float) -> None:
+        """Stand the step's loss in for its micro-steps' (several processes: the world's mean)."""
+        self.micro_losses = [loss]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped_steps": self.skipped_steps, "bad_in_row": self.bad_in_row}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped_steps, self.bad_in_row = state["skipped_steps"], state["bad_in_row"]
+
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        step_loss = sum(self.micro_losses)
+        step_loss = self.step_loss()
         self.micro_losses = []
         grads_finite = all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
         self.last_step_loss = step_loss
@@ -282,6 +304,13 @@ class _MoEMetrics:
     loss_is_scaled_for_ga = False  # our losses are per-micro-batch means: let Trainer divide by accumulation
 
     _guard: FiniteStepGuard | None = None
+    # several processes (`moe_core.finetune.parallel`): the expert-gradient sync, global clip and loss at the end
+    # of each optimizer step's backward; None on one process
+    _gradients: ExpertGradients | None = None
+
+    def use_parallel_gradients(self, gradients: ExpertGradients) -> None:
+        """Finish every optimizer step's backward with ``gradients`` (the Trainer's own clip must be off)."""
+        self._gradients = gradients
 
     def _setup_moe(self, plan: MethodPlan | None, log_routing: bool, per_expert: bool) -> None:
         self._guard = next(
@@ -300,6 +329,11 @@ class _MoEMetrics:
         loss = super().training_step(*args, **kwargs)
         if self._guard is not None:
             self._guard.observe(loss)
+        if self._gradients is not None and self.accelerator.sync_gradients:  # the step's last micro-step
+            local = self._guard.step_loss() if self._guard is not None else float(loss)
+            world_loss = self._gradients.finish_step(local)
+            if self._guard is not None:
+                self._guard.set_step_loss(world_loss)
         return loss
 
     def _send_telemetry(self):  # TRL pings its usage endpoint from every trainer; a library run stays offline
@@ -327,8 +361,12 @@ class _MoEMetrics:
         ):  # Trainer's loss stands in for NaN steps: ours does not
             del logs["loss"]
             logs.update(self._guard.interval_metrics())
+            if self._gradients is not None and self._gradients.last_norm is not None:
+                logs["grad_norm"] = self._gradients.last_norm  # the global norm (the Trainer's clip is off)
             if "grad_norm" in logs and not math.isfinite(logs["grad_norm"]):
                 del logs["grad_norm"]
+        if self._gradients is not None:
+            self._gradients.average_metrics(self._metrics["train" if self.model.training else "eval"])
         if self._routing is not None and "loss" in logs:
             cfg = self._base.config
             logs.update(self._routing.metrics(cfg.moe_layer_ids, per_expert=self._per_expert))
@@ -353,7 +391,7 @@ def _config_kept(model):
         config.__dict__.update(saved)
 
 
-class MoESFTTrainer(_MoEMetrics, SFTTrainer):
+class MoESFTTrainer(PerRankCheckpoints, _MoEMetrics, SFTTrainer):
     """TRL's SFTTrainer with our model's own loss (LM + router losses); see the module docstring."""
 
     def __init__(
@@ -428,7 +466,7 @@ def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwarg
     )
 
 
-class MoEDPOTrainer(_MoEMetrics, DPOTrainer):
+class MoEDPOTrainer(PerRankCheckpoints, _MoEMetrics, DPOTrainer):
     """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
 
     def __init__(
@@ -472,8 +510,8 @@ class MoEDPOTrainer(_MoEMetrics, DPOTrainer):
 
 # ------------------------------------------------------------------------------------------------ build
 def trainer_args(config: FinetuneConfig, out_dir, **extra):
-    """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations, no
-    checkpoints (the export writes the outputs). ``extra`` overrides a field: `finetune` passes the
+    """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations,
+    checkpoints every ``checkpoint.every`` steps (per rank: `moe_core.finetune.trainer_seam`). ``extra`` overrides a field: `finetune` passes the
     ``gradient_checkpointing`` it resolved for the model's size (`moe_core.finetune.sizing`)."""
     common = dict(
         output_dir=str(out_dir),
@@ -489,7 +527,8 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         max_grad_norm=config.optim.grad_clip or 0.0,
         logging_steps=config.log.every,
         logging_first_step=True,
-        save_strategy="no",
+        save_strategy="steps" if config.checkpoint.every else "no",
+        save_steps=config.checkpoint.every or 500,
         report_to="none",
         seed=config.seed,
         data_seed=config.seed,

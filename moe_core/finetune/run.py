@@ -24,8 +24,13 @@ into ``out_dir`` only when the run succeeded (`moe_core.fileio.staged_outputs`),
 Steps with a non-finite loss or gradient are skipped and counted (`objectives.FiniteStepGuard`); a run whose
 last step was skipped, or whose weights are not finite, raises `FinetuneDivergedError` and writes nothing.
 Ctrl-C (SIGINT) or SIGTERM finishes the optimizer step, stops, and writes the outputs of the steps done, with
-``stopped_by`` and ``steps_done`` in ``summary.json`` (`StopOnSignal`; a fine-tune keeps no checkpoint to
-resume from); a second Ctrl-C stops at once and writes nothing.
+``stopped_by`` and ``steps_done`` in ``summary.json`` (`StopOnSignal`); a second Ctrl-C stops at once and writes
+nothing. With ``checkpoint.every`` the run also keeps resumable checkpoints in ``out_dir/checkpoints`` (outside the
+staging: a killed run leaves them), which ``resume=True`` continues from; a run that succeeded removes them.
+
+Under torchrun (``moe-lab finetune --nproc N``) every rank runs `finetune`: rank 0 holds the lock, stages and
+writes the outputs; the others work in a scratch directory and write only their checkpoint files. Experts are
+split over ``parallel.ep_size`` ranks, everything else replicated (`moe_core.finetune.parallel`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
+import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +89,25 @@ from moe_core.finetune.objectives import (
     template_renderings,
     trainer_args,
 )
+from moe_core.finetune.parallel import (
+    CHECKPOINTS,
+    CheckpointStore,
+    FinetuneParallel,
+    check_experts_split,
+    check_world,
+    drop_incomplete_checkpoints,
+    gathered_adapter,
+    leave_experts_to_us,
+    shard_experts,
+    world_size,
+)
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, model_config
 from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
 from moe_core.train.loop import STOP_SIGNALS
+from moe_core.train.parallel import shutdown_parallel
 from moe_core.train.telemetry import JsonlSink, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -131,6 +151,7 @@ OUTPUTS = (
     "merged",
     "hf",
     "trainer",
+    CHECKPOINTS,
 )
 
 
@@ -295,6 +316,20 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
 
 
 # ------------------------------------------------------------------------------------------------ run
+@dataclass
+class RunPlace:
+    """Where this process stands in the run: its rank's parallel state (None on one process), the checkpoint
+    store and the checkpoint to resume from."""
+
+    parallel: FinetuneParallel | None = None
+    checkpoints: CheckpointStore | None = None
+    resume_from: Path | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.parallel is None or self.parallel.is_main
+
+
 def finetune(
     config: FinetuneConfig,
     out_dir: str | Path,
@@ -304,6 +339,7 @@ def finetune(
     records=None,
     sinks=(),
     overwrite: bool = False,
+    resume: bool = False,
 ) -> FinetuneResult:
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
@@ -311,16 +347,67 @@ def finetune(
     alpaca/chat rows for SFT, prompt/chosen/rejected for DPO) override ``config.model`` / ``config.data``.
     Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
     ``out_dir`` holding an earlier fine-tune's outputs is refused unless ``overwrite`` (then they are replaced
-    once this run succeeded); see the module docstring for the locking and staging rules.
+    once this run succeeded); ``resume`` continues from the newest checkpoint in ``out_dir/checkpoints``; see the
+    module docstring for the locking, staging and several-process rules.
     """
     out_dir = Path(out_dir)
-    with OutputLock(out_dir, "fine-tuning run"):
-        if not overwrite:
-            refuse_previous_outputs(
-                out_dir, OUTPUTS, "pass --overwrite (overwrite=True) to replace them", error_cls=FinetuneError
-            )
-        with staged_outputs(out_dir, replace=OUTPUTS if overwrite else ()) as stage:
-            result = _finetune(config, stage, model=model, tokenizer=tokenizer, records=records, sinks=sinks)
+    world = world_size()
+    check_world(config, world)  # before anything loads or joins a process group
+    if config.checkpoint.every is None and resume:
+        raise FinetuneError("resume needs checkpoint.every (the run to continue kept checkpoints with it)")
+    place = RunPlace(parallel=FinetuneParallel.start(config) if world > 1 else None)
+    try:
+        if config.checkpoint.every is not None:
+            place.checkpoints = CheckpointStore(out_dir / CHECKPOINTS, place.parallel, config.checkpoint.keep)
+            if resume:
+                place.resume_from = place.checkpoints.latest()
+                if place.resume_from is None:
+                    raise FinetuneError(
+                        f"resume: {out_dir / CHECKPOINTS} holds no complete checkpoint; start without resume"
+                    )
+        if not place.is_main:  # the outputs are rank 0's; this rank's own files go to a scratch directory
+            with tempfile.TemporaryDirectory(prefix="moe-lab-finetune-rank-") as scratch:
+                result = _finetune(
+                    config,
+                    Path(scratch),
+                    model=model,
+                    tokenizer=tokenizer,
+                    records=records,
+                    sinks=(),
+                    place=place,
+                )
+            result.out_dir = out_dir
+            return result
+        with OutputLock(out_dir, "fine-tuning run"):
+            if not resume:
+                drop_incomplete_checkpoints(
+                    out_dir / CHECKPOINTS
+                )  # a first save cut short: nothing to resume
+            previous = tuple(name for name in OUTPUTS if not (resume and name == CHECKPOINTS))
+            if not overwrite:
+                refuse_previous_outputs(
+                    out_dir,
+                    previous,
+                    "pass --overwrite (overwrite=True) to replace them"
+                    + (
+                        ""
+                        if resume
+                        else ", or --resume (resume=True) to continue the run that left checkpoints"
+                    ),
+                    error_cls=FinetuneError,
+                )
+            if not resume:  # checkpoints here now are an overwritten run's, not this run's
+                shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
+            replaced = tuple(name for name in OUTPUTS if name != CHECKPOINTS) if overwrite else ()
+            with staged_outputs(out_dir, replace=replaced) as stage:
+                result = _finetune(
+                    config, stage, model=model, tokenizer=tokenizer, records=records, sinks=sinks, place=place
+                )
+            if place.checkpoints is not None:  # the run is complete: nothing left to resume
+                shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
+    finally:
+        if place.parallel is not None:
+            shutdown_parallel(place.parallel.state)
     for name in ("adapter_dir", "merged_dir", "hf_dir"):  # where the outputs are now
         if getattr(result, name) is not None:
             setattr(result, name, out_dir / getattr(result, name).name)
@@ -346,13 +433,30 @@ def check_finite_weights(model, where: str) -> None:
 # `_finetune` reads as the recipe: load -> select -> train -> export, each step a function whose typed result is
 # the next step's input. The RNG is seeded once before loading; the steps run in the order the original single
 # function ran them, so a seeded run repeats exactly.
-def _finetune(config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks) -> FinetuneResult:
+def _finetune(
+    config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks, place: RunPlace | None = None
+) -> FinetuneResult:
+    place = place or RunPlace()
     config.save(out_dir / "finetune_config.json")
+    if place.parallel is not None and place.parallel.sharded:  # before the weights load
+        check_experts_split(
+            config, model.config if model is not None else base_model_config(config.model.path)
+        )
     _seed(config.seed)
     inputs = load_inputs(config, model=model, tokenizer=tokenizer, records=records)
+    if (
+        place.parallel is not None
+        and place.parallel.sharded
+        and (inputs.size.export_merged or inputs.size.export_hf)
+    ):
+        if place.is_main:
+            print(
+                "moe-lab finetune: experts split over ranks: the adapter alone is written (merge it afterwards)"
+            )
+        inputs.size = replace(inputs.size, export_merged=False, export_hf=False)
     selected = select_parameters(config, inputs, out_dir)
-    trained = run_training(config, inputs, selected, out_dir, sinks)
-    exported = export_outputs(config, inputs, selected, out_dir)
+    trained = run_training(config, inputs, selected, out_dir, sinks, place)
+    exported = export_outputs(config, inputs, selected, out_dir, place)
     summary = run_summary(config, inputs, selected, trained)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return FinetuneResult(
@@ -462,7 +566,8 @@ class SelectedParameters:
 
 def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path) -> SelectedParameters:
     """Apply ``config.method`` and ``config.freeze``; refuse a run in which nothing (or no asked-for expert
-    adapter) trains. Writes ``esft_selection.json`` (ESFT) and ``trainable_parameters.json``."""
+    adapter) trains. Writes ``esft_selection.json`` (ESFT) and ``trainable_parameters.json`` (the counts of the
+    whole model, also on several processes: `run_training` splits the experts)."""
     model = inputs.model
     ref_model = None
     if config.objective == "dpo" and config.method != "lora":
@@ -510,10 +615,14 @@ class StopOnSignal(TrainerCallback):
     """Ctrl-C (SIGINT) or SIGTERM while the Trainer runs: a line at once, the optimizer step finishes, training
     stops, and the run goes on to write the outputs of the steps done. A Ctrl-C after that stops at once
     (KeyboardInterrupt: nothing is written); a SIGTERM after it changes nothing. The handlers are in place
-    only while `installed` (and only in the main thread, where Python runs them)."""
+    only while `installed` (and only in the main thread, where Python runs them).
 
-    def __init__(self) -> None:
+    On several processes (``agree``: the world's largest signal number, a collective) every rank stops after the
+    same step, whichever got the signal: one rank going on alone would wait for the others forever."""
+
+    def __init__(self, agree=None) -> None:
         self.stopped_by: str | None = None
+        self.agree = agree
 
     @contextlib.contextmanager
     def installed(self):
@@ -541,11 +650,15 @@ class StopOnSignal(TrainerCallback):
         )
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.agree is not None:
+            signum = self.agree(signal.Signals[self.stopped_by].value if self.stopped_by else 0)
+            self.stopped_by = self.stopped_by or (signal.Signals(signum).name if signum else None)
         if self.stopped_by is not None:
             control.should_training_stop = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # a signal while the step's row is logged
-        self.on_step_end(args, state, control)
+        if self.agree is None:  # several processes agree once per step, in `on_step_end`
+            self.on_step_end(args, state, control)
 
 
 def _say(line: str) -> None:
@@ -554,20 +667,37 @@ def _say(line: str) -> None:
 
 
 def run_training(
-    config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, out_dir: Path, sinks
+    config: FinetuneConfig,
+    inputs: LoadedInputs,
+    selected: SelectedParameters,
+    out_dir: Path,
+    sinks,
+    place: RunPlace | None = None,
 ) -> TrainingOutcome:
-    """SFT or DPO through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``. Raises
-    `FinetuneDivergedError` when the last step was skipped or the trained weights are not finite."""
+    """SFT or DPO through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``; checkpoints and resume
+    as ``place`` says. Raises `FinetuneDivergedError` when the last step was skipped or the trained weights are not
+    finite."""
+    place = place or RunPlace()
     train_model, plan = selected.train_model, selected.plan
+    if place.resume_from is not None and (place.resume_from / "metrics.jsonl").is_file():
+        shutil.copyfile(place.resume_from / "metrics.jsonl", out_dir / "metrics.jsonl")  # the rows so far
     jsonl = JsonlSink(out_dir / "metrics.jsonl")
     guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
-    stop = StopOnSignal()
+    stop = StopOnSignal(place.parallel.agree_on_signal if place.parallel is not None else None)
     callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard), stop]
     if config.log.progress != "off":
         callbacks.append(ProgressCallback(config.log.progress))
+    extra_args = {}
+    if place.parallel is not None:
+        extra_args["max_grad_norm"] = 0.0  # clipped by the global norm (`ExpertGradients`), not one rank's
+        extra_args["ddp_find_unused_parameters"] = False  # every trainable replicated tensor gets a gradient
+        extra_args["ddp_broadcast_buffers"] = False  # as the engine's DDP: buffers are not trained
     trainer_kwargs = dict(
         args=trainer_args(
-            config, out_dir / "trainer", gradient_checkpointing=inputs.size.gradient_checkpointing
+            config,
+            out_dir / "trainer",
+            gradient_checkpointing=inputs.size.gradient_checkpointing,
+            **extra_args,
         ),
         processing_class=inputs.tokenizer,
         callbacks=callbacks,
@@ -591,8 +721,18 @@ def run_training(
                     **trainer_kwargs,
                 )
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
+        if place.parallel is not None and place.parallel.sharded:
+            # after the trainer is built: TRL's DPO copies the adapter into a frozen "ref" adapter first, and
+            # both are split the same way (its DDP and optimizer come in `train`, after this)
+            shard_experts(trainer.model, place.parallel.state, plan)
+            leave_experts_to_us(trainer.model)
+        if place.parallel is not None:
+            trainer.use_parallel_gradients(place.parallel.gradients(trainer.model))
+        if place.checkpoints is not None:
+            trainer.use_checkpoints(place.checkpoints, out_dir / "metrics.jsonl" if place.is_main else None)
+        resume_from = str(place.resume_from) if place.resume_from is not None else None
         with stop.installed():
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume_from)
     finally:
         jsonl.close()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
@@ -617,16 +757,28 @@ class ExportedOutputs:
 
 
 def export_outputs(
-    config: FinetuneConfig, inputs: LoadedInputs, selected: SelectedParameters, out_dir: Path
+    config: FinetuneConfig,
+    inputs: LoadedInputs,
+    selected: SelectedParameters,
+    out_dir: Path,
+    place: RunPlace | None = None,
 ) -> ExportedOutputs:
     """The adapter (lora), the merged model in our format, and the merged model in the architecture it came from,
     as ``config.export`` asks, its auto fields resolved for the model's size (`inputs.size`: the adapter alone
     for a large LoRA base; hf/ for a Hugging Face base). Each output gets the framing its prompts need
-    (``prompt_framing.json``). See `moe_core.finetune.export`."""
+    (``prompt_framing.json``). See `moe_core.finetune.export`. On several processes rank 0 writes them, the
+    adapter gathered from every rank (`gathered_adapter`, a collective: every rank comes here)."""
+    place = place or RunPlace()
     train_model, plan = selected.train_model, selected.plan
     exported = ExportedOutputs(train_model)
     if config.method == "lora" and config.export.adapters:
-        exported.adapter_dir = export.save_adapter(train_model, out_dir / "adapter", plan, inputs.tokenizer)
+        with gathered_adapter(train_model, place.parallel):
+            if place.is_main:
+                exported.adapter_dir = export.save_adapter(
+                    train_model, out_dir / "adapter", plan, inputs.tokenizer
+                )
+    if not place.is_main:
+        return exported
     want_merged, want_hf = inputs.size.export_merged, inputs.size.export_hf
     shard_bytes = config.export.max_shard_mb * 10**6
     if want_merged or want_hf:

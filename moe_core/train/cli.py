@@ -70,6 +70,28 @@ def add_cli(subparsers) -> None:
     add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    add_launch_options(
+        p,
+        restarts_help="elastic: restart the group up to N times when a worker dies; it resumes from the "
+        "newest complete checkpoint",
+    )
+    s = p.add_argument_group("Slurm (writes an sbatch script running srun torchrun)")
+    s.add_argument("--slurm", action="store_true", help="write <out>/launch.sbatch instead of training here")
+    s.add_argument("--submit", action="store_true", help="with --slurm: submit the script with sbatch")
+    s.add_argument("--slurm-partition", default=None)
+    s.add_argument("--slurm-account", default=None)
+    s.add_argument("--slurm-time", default="24:00:00", help="wall-clock limit, [D-]HH:MM:SS")
+    s.add_argument("--slurm-gpus-per-node", type=int, default=0)
+    s.add_argument("--slurm-cpus-per-task", type=int, default=8)
+    s.add_argument(
+        "--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)"
+    )
+    p.set_defaults(func=run_train)
+    add_router_module_option(p)
+
+
+def add_launch_options(p, restarts_help: str) -> None:
+    """The torchrun launch options (`launch_spec` reads them), shared by ``train`` and ``finetune``."""
     g = p.add_argument_group("launch (torchrun)")
     g.add_argument(
         "--nproc",
@@ -89,22 +111,8 @@ def add_cli(subparsers) -> None:
         "--max-restarts",
         type=int,
         default=0,
-        help="elastic: restart the group up to N times when a worker dies; it resumes from the "
-        "newest complete checkpoint",
+        help=restarts_help,
     )
-    s = p.add_argument_group("Slurm (writes an sbatch script running srun torchrun)")
-    s.add_argument("--slurm", action="store_true", help="write <out>/launch.sbatch instead of training here")
-    s.add_argument("--submit", action="store_true", help="with --slurm: submit the script with sbatch")
-    s.add_argument("--slurm-partition", default=None)
-    s.add_argument("--slurm-account", default=None)
-    s.add_argument("--slurm-time", default="24:00:00", help="wall-clock limit, [D-]HH:MM:SS")
-    s.add_argument("--slurm-gpus-per-node", type=int, default=0)
-    s.add_argument("--slurm-cpus-per-task", type=int, default=8)
-    s.add_argument(
-        "--slurm-setup", default="", help="shell lines run on every node before srun (modules, venv)"
-    )
-    p.set_defaults(func=run_train)
-    add_router_module_option(p)
 
 
 def _config_class(namespace):

@@ -81,8 +81,9 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
     return args
 
 
-def torchrun_command(spec: LaunchSpec, worker_argv: list[str]) -> list[str]:
-    """The command that starts this node's torchrun agent, whose workers run ``moe-lab train <worker_argv>``."""
+def torchrun_command(spec: LaunchSpec, worker_argv: list[str], command: str = "train") -> list[str]:
+    """The command that starts this node's torchrun agent, whose workers run ``moe-lab <command> <worker_argv>``
+    (``train``, or ``finetune``)."""
     return [
         sys.executable,
         "-m",
@@ -90,7 +91,7 @@ def torchrun_command(spec: LaunchSpec, worker_argv: list[str]) -> list[str]:
         *torchrun_args(spec),
         "-m",
         "moe_core.cli",
-        "train",
+        command,
         *worker_argv,
     ]
 

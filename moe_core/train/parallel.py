@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_core.errors import MoELabError
-from moe_core.experts import ExpertDispatch, ExpertModule, GroupedExperts, sort_by_expert
+from moe_core.experts import ExpertDispatch, ExpertLoRA, ExpertModule, GroupedExperts, sort_by_expert
 from moe_core.routing import RoutingRecord
 
 # Legend: T = tokens on this rank, D = model dim, E = all experts, El = experts on this rank, K = slots per
@@ -184,13 +184,27 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         self.layer_id = -1  # set by apply_expert_parallel; names the layer in the communication telemetry
         self.comm = CommStats()
 
-    def forward(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        record: RoutingRecord,
+        impl: str | None = None,
+        lora: ExpertLoRA | None = None,
+    ) -> torch.Tensor:
         if self.ep_size == 1:
-            return self.local(x_TD, record, impl)
-        return self.forward_all_to_all(x_TD, record)
+            return self.local(x_TD, record, impl, lora)
+        return self.forward_all_to_all(x_TD, record, lora)
 
-    def forward_all_to_all(self, x_TD: torch.Tensor, record: RoutingRecord) -> torch.Tensor:
-        """Slots to the ranks holding their experts, each expert on what it received, results back."""
+    def local_stack(self, name: str) -> torch.Tensor | None:
+        """This rank's ``[El, O, I]`` stack of projection ``name``: what LoRA on the experts adapts when a
+        fine-tune shards them (`moe_core.finetune.parallel`); ``lora`` factors are then this rank's too."""
+        return getattr(self.local, name)
+
+    def forward_all_to_all(
+        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+    ) -> torch.Tensor:
+        """Slots to the ranks holding their experts, each expert on what it received, results back; ``lora``:
+        low-rank updates of the local experts (indexed by local expert), applied on the slots they received."""
         P, El = self.ep_size, self.num_local
         # sort kept slots by expert: experts are contiguous per rank, so this also groups them by destination
         dispatch = ExpertDispatch.of(record, self.num_experts)
@@ -212,7 +226,8 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         by_local = sort_by_expert(local_ids_R, El)
         chunks = torch.split(x_RD.index_select(0, by_local.order_A), by_local.counts_E.tolist())
         weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
-        out_RD = torch.cat([self.local.expert(e, chunk, weights) for e, chunk in enumerate(chunks)])
+        views = lora.unbound() if lora is not None else None
+        out_RD = torch.cat([self.local.expert(e, chunk, weights, views) for e, chunk in enumerate(chunks)])
         out_RD = out_RD.index_select(0, by_local.inverse())  # back to the received order
         out_AD = TimedAllToAll.apply(out_RD, send_splits, recv_splits, self.group, comm, self.ep_rank)
         return dispatch.combine(out_AD, x_TD)
