@@ -14,8 +14,6 @@ import torch
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
 )
@@ -140,7 +138,8 @@ def test_ort_sampling_repeats_with_a_seed_and_top_k_1_is_greedy(gqa_export):
 
 @pytest.mark.slow
 def test_export_pruned_olmoe_with_its_routers_pruned_softmax_mass(tmp_path):
-    model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=96))
+    # OLMoE's graph: qk-norm, top-8 of 64 without renormalization, clipped q/k/v (OLMoE-1B-7B-0924's clip_qkv)
+    model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=96, clip_qkv=2.0))
     randomize_(model)
     pruned, _ = prune_experts(model, collect_usage(model, [inputs(96)[0]]), PruneConfig(keep_experts=16))
     assert pruned.config.router_pruned_experts == 48  # the denominator rows are in the graph too
@@ -181,11 +180,6 @@ HF_CASES = {
         MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16),
     ),
-    "olmoe": (
-        OlmoeConfig,
-        OlmoeForCausalLM,
-        dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48, clip_qkv=2.0),
-    ),
     "qwen2_moe": (
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
@@ -210,14 +204,8 @@ BASE = dict(
 )
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "mixtral",
-        pytest.param("olmoe", marks=pytest.mark.slow),
-        pytest.param("qwen2_moe", marks=pytest.mark.slow),
-    ],
-)
+# OLMoE's graph is exported above from the olmoe preset (test_export_pruned_olmoe_...)
+@pytest.mark.parametrize("arch", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_export_hf_checkpoint(tmp_path, arch):
     config_cls, model_cls, extra = HF_CASES[arch]
     torch.manual_seed(0)
