@@ -59,6 +59,11 @@ class ModelSection(_Section):
         None  # a tokenizer directory or prepared-data directory; default: the model's directory
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the frozen base stays memory-mapped from its safetensors files instead of copied into memory (moe_core.mapped:
+    # page cache the kernel can drop, so a base larger than RAM fine-tunes when a step touches less than RAM holds).
+    # None: mapped when the method keeps the base frozen (not full) and the files hold dtype, else copied with a
+    # printed reason; true: mapped, or refused before any weight loads; false: copied
+    mmap: bool | None = None
 
 
 class DataSection(_Section):
@@ -221,6 +226,17 @@ class FinetuneConfig(_Section, ConfigFile):
                 "into the full-precision model it came from, not into the quantized copy; leave them unset and "
                 "apply OUT/adapter to the base afterwards (moe_core.load('OUT/adapter') does, on a machine "
                 "that holds the full-precision model)"
+            )
+        if self.model.mmap and self.method == "full":
+            raise ValueError(
+                "model.mmap=true keeps the frozen base memory-mapped from its files; method=full trains every "
+                "base weight (a copy in memory): set model.mmap=false (or leave it unset), or use method=lora"
+            )
+        if self.model.mmap and self.quantize.base is not None:
+            raise ValueError(
+                f"model.mmap=true with quantize.base={self.quantize.base}: the QLoRA loader quantizes the experts "
+                "while they stream in, which is not a mapping; choose one (QLoRA when the 16-bit experts do not "
+                "fit in memory, see the README's fine-tuning section)"
             )
         if self.method == "lora" and self.lora.experts == "list" and not self.lora.expert_ids:
             raise ValueError("lora.experts='list' needs lora.expert_ids, e.g. [0, 3] or {1: [0, 3]}")
