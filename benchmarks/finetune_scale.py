@@ -16,9 +16,10 @@ AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
   checks, the base model through ``moe_core.load``, in bf16, memory-mapped from the safetensors shards as the
   baseline's is: ``model.mmap`` unset maps a frozen base stored in the training dtype, `moe_core.mapped`) and
   ``select_parameters`` (``apply_method``: the lab's LoRA on attention and the stacked experts), from a
-  `FinetuneConfig` (``--lab-set`` adds ``--set``-style fields). The steps are the same hand-written loop as the baseline's, not TRL's trainer, so both measure the
-  same thing: the lab's objective adds its router losses (the published configs' ``output_router_logits`` is
-  false, so the baseline's has none), and the routing statistics the lab's trainer logs are not computed.
+  `FinetuneConfig` (``--lab-set`` adds ``--set``-style fields). The steps are the same hand-written loop as the
+  baseline's, not TRL's trainer, so both measure the same thing: the lab's objective adds its router losses
+  (the published configs' ``output_router_logits`` is false, so the baseline's has none), and the routing
+  statistics the lab's trainer logs are not computed.
 - ``lab-qlora-int4`` / ``lab-qlora-nf4`` (``--qlora``) and ``lab-copy`` (``--copy``): the lab with
   ``quantize.base=...`` / ``model.mmap=false`` (the base copied into memory); "not available yet" while
   `FinetuneConfig` refuses a field.
