@@ -52,8 +52,10 @@ class MappedExperts(StackedExperts):
     run on them as they are, ``grouped_mm`` runs as ``sorted``, and ``static`` / ``gather``, which read whole
     stacks by design, stack a copy per call (export and compiled decoding, not fine-tuning).
 
-    The tensors are non-persistent buffers ``{projection}_{e}`` (``.to(device)`` moves them; a state dict holds
-    none: `densify_experts` turns the module into a `GroupedExperts` before saving)."""
+    The tensors are frozen parameters ``{projection}_{e}``, as a `GroupedExperts`' frozen stacks are parameters:
+    ``.to(device)`` moves them, parameter counts include them, and data-parallel wrappers treat them alike (a
+    buffer would be broadcast at every forward). A state dict names them so, not in the stacked layout a
+    checkpoint has: save after `densify_experts`, which turns the module into a `GroupedExperts`."""
 
     def __init__(
         self,
@@ -68,21 +70,21 @@ class MappedExperts(StackedExperts):
         self.shapes = dict(shapes)  # projection -> (O, I) of one expert's weight
         for name, (O, I) in shapes.items():
             for e in range(num_experts):  # placeholders until `set_expert` (built on the meta device)
-                self.register_buffer(f"{name}_{e}", torch.empty(O, I), persistent=False)
+                self.register_parameter(f"{name}_{e}", nn.Parameter(torch.empty(O, I), requires_grad=False))
 
     def stack_shape(self, name: str) -> tuple[int, int, int]:
         """``(E, O, I)``: the shape of the ``name`` stack these tensors stand for (PEFT's factor shapes)."""
         return (self.num_experts, *self.shapes[name])
 
     def set_expert(self, name: str, e: int, w_OI: torch.Tensor) -> None:
-        """Expert ``e``'s ``name`` weight: ``w_OI`` itself, no copy."""
-        self._buffers[f"{name}_{e}"] = w_OI
+        """Expert ``e``'s ``name`` weight: ``w_OI`` itself (no copy), frozen."""
+        setattr(self, f"{name}_{e}", nn.Parameter(w_OI, requires_grad=False))
 
     def weights(self, name: str) -> tuple[torch.Tensor, ...] | None:
         """The E tensors of projection ``name`` (None when the experts have no such projection)."""
         if name not in self.projections:
             return None
-        return tuple(self._buffers[f"{name}_{e}"] for e in range(self.num_experts))
+        return tuple(getattr(self, f"{name}_{e}") for e in range(self.num_experts))
 
     def unbound(self) -> tuple:
         return tuple(self.weights(p) for p in PROJECTIONS)

@@ -209,6 +209,7 @@ def test_finetune_maps_the_base_by_default_and_leaves_its_files_as_they_were(tmp
         ft_config(source, **{"model.mmap": "false"}), tmp_path / "copied", records=instruction_records(16)
     )
     assert getattr(unwrap(copied.model), "mapped_from", None) is None
+    assert mapped.report.to_dict() == copied.report.to_dict()  # the same parameters, the same ones train
     # the same run: the same adapter, the same merged weights in both exports
     x = torch.randint(0, 300, (2, 10))
     for export in ("merged", "hf"):

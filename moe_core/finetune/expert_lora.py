@@ -26,6 +26,7 @@ is the one place;
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -63,7 +64,7 @@ class ParamWrapper(peft_lora.ParamWrapper):
         param = getattr(base, self.parameter_name, None)
         if isinstance(param, torch.Tensor):
             return param
-        device = next(base.buffers()).device
+        device = next(itertools.chain(base.buffers(), base.parameters())).device
         return torch.zeros((), device=device).expand(base.stack_shape(self.parameter_name))
 
     def dense_base(self) -> bool:
