@@ -228,8 +228,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
 
     Attributes: ``num_experts``, ``activation`` ("swiglu" or "gelu"), ``impl`` (the configured path or
     "auto"), ``max_slots`` (> 0 turns the decode path on for up to that many routed slots).
-    Implementations: `GroupedExperts` (dense parameters; `DecodeExperts` is one with ``max_slots`` set) and
-    `moe_core.inference.quantize.QuantizedExperts`.
+    Implementations: `GroupedExperts` (dense parameters; `DecodeExperts` is one with ``max_slots`` set),
+    `moe_core.inference.quantize.QuantizedExperts` and `moe_core.mapped.MappedExperts` (one memory-mapped tensor
+    per expert, as Hugging Face checkpoints store them).
     """
 
     def __init__(self, num_experts: int, activation: str, impl: str = "auto", max_slots: int = 0) -> None:
