@@ -177,17 +177,16 @@ def load_mapped(path: str | os.PathLike, dtype: torch.dtype | str | None = None)
                 continue
             target = state[ours]
             check_shape(opened.directory, name, source, ours, target.shape)
-            if leaf in module._buffers:  # small, and some change in training (a router's bias): copied
-                module._buffers[leaf] = source.to(target.dtype, copy=True)
+            if leaf in dict(module.named_buffers(recurse=False)):  # small, some change in training: copied
+                setattr(module, leaf, source.to(target.dtype, copy=True))
             elif ".mlp.router." in ours or source.dtype != target.dtype:  # may train, or a cast: copied
-                module._parameters[leaf] = nn.Parameter(source.to(target.dtype, copy=True))
+                setattr(module, leaf, nn.Parameter(source.to(target.dtype, copy=True)))
             else:
-                module._parameters[leaf] = nn.Parameter(source, requires_grad=False)
+                setattr(module, leaf, nn.Parameter(source, requires_grad=False))
     model.tie_weights()
     _materialize_buffers(model)
-    model.mapped_from = (
-        opened.reader
-    )  # the safetensors handles (and their mappings) live as long as the model
+    # the safetensors handles (and their mappings) live as long as the model
+    model.mapped_from = opened.reader
     return opened.finish()
 
 
@@ -196,9 +195,9 @@ def _materialize_buffers(model: nn.Module) -> None:
     device after the assignment: allocated and computed by the modules' ``reset_buffers`` (as
     `moe_core.model.materialize` does for a whole model)."""
     for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device="cpu"))
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
