@@ -213,6 +213,9 @@ class CheckpointReader:
                     self._open[file] = torch.load(file, map_location="cpu", weights_only=True)
         return self._open[file]
 
+    def __deepcopy__(self, memo) -> CheckpointReader:
+        return self  # read-only file handles: a copied model (a DPO reference) shares them, as it shares the files
+
     def names(self) -> set[str]:
         return set(self.file_of)
 
@@ -612,6 +615,68 @@ def stream_weights(reader: CheckpointReader, plan):
     for ours, names in plan:
         for e, name in enumerate(names):
             yield ours, (None if len(names) == 1 else e), name, reader.get(name)
+
+
+@dataclass
+class StreamingLoad:
+    """A model checkpoint directory (a Hugging Face Mixtral / OLMoE / Qwen2-MoE one, or ours) opened for a loader
+    that streams its tensors into a model built on the meta device: the QLoRA loader quantizing the experts as
+    they come (`moe_core.quantized.load_quantizing_experts`) and the memory-mapping one (`moe_core.mapped`). The
+    plan is checked to cover the model and the files exactly before any storage exists."""
+
+    directory: Path
+    arch: HFArchitecture | None  # None: our own checkpoint, whose file names are the model's
+    reader: CheckpointReader
+    model: MoEForCausalLM  # on the meta device, in ``dtype``
+    plan: list[tuple[str, tuple[str, ...]]]  # `weight_plan`'s (our name, checkpoint names)
+    dtype: torch.dtype
+
+    def finish(self) -> MoEForCausalLM:
+        """The model once every tensor is in: its dtype and where it came from recorded, in eval mode."""
+        self.model.config.dtype = self.dtype
+        self.model.config.name_or_path = self.model.name_or_path = str(self.directory.absolute())
+        return self.model.eval()
+
+
+def open_streaming(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    error_cls: type[MoELabError] = ConversionError,
+    purpose: str = "loading",
+) -> StreamingLoad:
+    """Open the checkpoint at ``path`` for streaming (`StreamingLoad`); ``dtype`` default: the checkpoint's own.
+    A directory that is neither ours nor a converted architecture is one ``error_cls`` naming ``purpose``."""
+    directory = resolve_source(path)
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        raise error_cls(f"{directory / 'config.json'}: unreadable ({err})") from None
+    arch = next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
+    if arch is not None:
+        config = config_from_hf(arch, *read_hf_config(directory)[1:])
+    elif model_type == MoEConfig.model_type:
+        config = MoEConfig.from_pretrained(directory)
+    else:
+        raise error_cls(
+            f"{directory}: model_type {model_type!r} is neither ours ({MoEConfig.model_type}) nor a Hugging Face "
+            f"MoE the lab converts ({', '.join(ARCHITECTURES)}); {purpose} reads those"
+        )
+    reader = CheckpointReader(directory)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise error_cls(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or source_dtype(reader)
+    with torch.device("meta"):
+        model = MoEForCausalLM._from_config(config, dtype=dtype)
+    if arch is not None:
+        plan = weight_plan(config, arch)
+    else:  # ours: the file's names are the model's
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        plan = [(name, (name,)) for name in model.state_dict() if name not in tied]
+    our_tensors(model, plan)  # the plan covers the model exactly
+    check_coverage(directory, reader, plan, config)
+    return StreamingLoad(directory, arch, reader, model, plan, dtype)
 
 
 def from_hf(

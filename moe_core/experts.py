@@ -228,8 +228,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
 
     Attributes: ``num_experts``, ``activation`` ("swiglu" or "gelu"), ``impl`` (the configured path or
     "auto"), ``max_slots`` (> 0 turns the decode path on for up to that many routed slots).
-    Implementations: `GroupedExperts` (dense parameters; `DecodeExperts` is one with ``max_slots`` set) and
-    `moe_core.inference.quantize.QuantizedExperts`.
+    Implementations: `GroupedExperts` (dense parameters; `DecodeExperts` is one with ``max_slots`` set),
+    `moe_core.inference.quantize.QuantizedExperts` and `moe_core.mapped.MappedExperts` (one memory-mapped tensor
+    per expert, as Hugging Face checkpoints store them).
     """
 
     def __init__(self, num_experts: int, activation: str, impl: str = "auto", max_slots: int = 0) -> None:
@@ -454,6 +455,10 @@ class GroupedExperts(StackedExperts):
         self.up_proj = nn.Parameter(torch.empty(E, F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{projection: (O, I)}``: one expert's weight shape per projection it has (no gate for GELU)."""
+        return {p: tuple(getattr(self, p).shape[1:]) for p in PROJECTIONS if getattr(self, p) is not None}
+
     @classmethod
     def sharing(cls, experts: GroupedExperts, **overrides) -> GroupedExperts:
         """A ``cls`` holding the very same `nn.Parameter` objects as ``experts`` (no copy, same state dict)
@@ -511,3 +516,15 @@ class GroupedExperts(StackedExperts):
 
         h_gate = proj("gate_proj", x_AD) if self.gate_proj is not None else None
         return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_AD)))
+
+
+def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:
+    """Replace every `GroupedExperts` of ``model`` by ``make(experts)`` (another `StackedExperts`), in place, e.g. on
+    a model built on the meta device before any storage exists; returns the new modules by their names."""
+    replaced = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts):
+            parent_name, _, child = name.rpartition(".")
+            replaced[name] = make(module)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replaced[name])
+    return replaced

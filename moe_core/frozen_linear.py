@@ -46,11 +46,26 @@ class _FrozenLinearLowPrecisionCPU(torch.autograd.Function):
         return _input_gradient(grad_NO, w_OI), None
 
 
+# the most bytes of a weight's transposed copy made at once: a larger weight (an LM head, 50304 x 2048 in bf16 =
+# 196 MiB) is copied a block of rows at a time, so that a frozen base's backward never holds a second copy of it
+# (with the base memory-mapped, that copy was what kept the fine-tuning peak above transformers + PEFT's)
+TRANSPOSE_BLOCK_BYTES = 32 * 2**20
+
+
 def _input_gradient(grad_NO: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-    """``dY W``: on a transposed copy where oneDNN's own path is slow (bf16/fp16 on CPU), else as it is."""
-    if grad_NO.device.type == "cpu" and grad_NO.dtype in (torch.bfloat16, torch.float16):
+    """``dY W``: on a transposed copy where oneDNN's own path is slow (bf16/fp16 on CPU), else as it is. A weight
+    above `TRANSPOSE_BLOCK_BYTES` goes by blocks of O rows, ``sum_b dY[:, b] W[b]``, added up in fp32."""
+    if grad_NO.device.type != "cpu" or grad_NO.dtype not in (torch.bfloat16, torch.float16):
+        return grad_NO @ w_OI.to(grad_NO.dtype)
+    O, I = w_OI.shape
+    rows = max(1, TRANSPOSE_BLOCK_BYTES // (I * w_OI.element_size()))
+    if O <= rows:
         return F.linear(grad_NO, w_OI.t().contiguous())
-    return grad_NO @ w_OI.to(grad_NO.dtype)
+    grad_NI = torch.zeros((*grad_NO.shape[:-1], I), dtype=torch.float32)
+    for start in range(0, O, rows):
+        block = slice(start, start + rows)
+        grad_NI += F.linear(grad_NO[..., block], w_OI[block].t().contiguous())
+    return grad_NI.to(grad_NO.dtype)
 
 
 class _RecomputedWeightLinear(torch.autograd.Function):

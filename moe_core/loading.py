@@ -54,6 +54,7 @@ from moe_core.data.tokenizer import (
     special_token_ids,
 )
 from moe_core.errors import MoELabError, weight_mismatch
+from moe_core.mapped import MappingError, load_mapped, mapping_refusal
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QUANT_FILE, load_quantized
 from moe_core.task_bias import TaskRouterBias
@@ -61,6 +62,12 @@ from moe_core.train import checkpoint as ckpt_io
 
 logger = logging.getLogger(__name__)
 
+MAPPABLE = ("model", "pruned", "hf")  # the kinds whose weight files are the model's own tensors
+_NOT_MAPPED = {
+    "quantized": "codes, not the model's tensors",
+    "adapter": "merged into its base",
+    "checkpoint": "gathered from shards",
+}
 KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
 FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
@@ -130,20 +137,41 @@ def load(
     dtype: torch.dtype | str | None = None,
     tokenizer: str | os.PathLike | None = None,
     base: str | os.PathLike | None = None,
+    memory_map: bool = False,
 ) -> Loaded:
     """Model and tokenizer from any checkpoint kind (see the module docstring), in eval mode.
 
     ``dtype``: None keeps the stored dtype ("auto"); ``device``: where the model goes (default: stays on the
     CPU); ``tokenizer``: a tokenizer (or prepared-data) directory used when the checkpoint names none of its
-    own; ``base``: the base model of a PEFT adapter (default: the path the adapter records)."""
+    own; ``base``: the base model of a PEFT adapter (default: the path the adapter records); ``memory_map``: the
+    weights stay memory-mapped from the safetensors files, frozen (`moe_core.mapped`: a model directory, ours
+    or a Hugging Face one, in its stored dtype; other kinds are refused)."""
     directory = _local(path)
     kind = detect(directory)
     if kind in ("run", "finetuned"):
-        loaded = load(_inner(directory, kind), device=device, dtype=dtype, tokenizer=tokenizer, base=base)
+        loaded = load(
+            _inner(directory, kind),
+            device=device,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            base=base,
+            memory_map=memory_map,
+        )
         if kind == "finetuned":
             loaded.kind = "finetuned"
         return loaded
-    if kind == "quantized":
+    if memory_map:
+        if kind not in MAPPABLE:
+            raise LoadError(
+                f"{directory}: a {kind} checkpoint is not memory-mapped (its weights are {_NOT_MAPPED[kind]}); "
+                f"memory_map reads a model directory ({', '.join(MAPPABLE)}): load without it"
+            )
+        try:
+            model = load_mapped(directory, _torch_dtype(dtype) if dtype is not None else None)
+        except MappingError as err:
+            raise LoadError(str(err)) from None
+        _attach_task_bias(model, directory)
+    elif kind == "quantized":
         model = load_quantized(directory)
         if dtype is not None:
             model = model.to(_torch_dtype(dtype))
@@ -167,6 +195,21 @@ def load(
         except DataError as err:  # the model loads without them; `loaded.tokenizer` raises it when used
             logger.warning("%s: special-token ids not taken from its tokenizer: %s", directory, err)
     return loaded
+
+
+def memory_map_refusal(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> str | None:
+    """Why ``load(path, dtype=dtype, memory_map=True)`` would be refused (None when it maps), from the directory's
+    files and headers alone, before any weight is read."""
+    directory = _local(path)
+    kind = detect(directory)
+    if kind in ("run", "finetuned"):
+        return memory_map_refusal(_inner(directory, kind), dtype)
+    if kind not in MAPPABLE:
+        return f"it is a checkpoint of kind {kind} (its weights are {_NOT_MAPPED[kind]})"
+    try:
+        return mapping_refusal(directory, _torch_dtype(dtype) if dtype is not None else None)
+    except MappingError as err:
+        raise LoadError(str(err)) from None
 
 
 def tokenizer_dir(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Path | None:

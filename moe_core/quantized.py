@@ -29,23 +29,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_core.config import MoEConfig
-from moe_core.convert import (
-    ARCHITECTURES,
-    DTYPES,
-    CheckpointReader,
-    check_coverage,
-    check_shape,
-    config_from_hf,
-    copy_companion_files,
-    our_tensors,
-    read_hf_config,
-    resolve_source,
-    source_dtype,
-    stream_weights,
-    weight_plan,
-)
+from moe_core.convert import check_shape, copy_companion_files, open_streaming, stream_weights
 from moe_core.errors import MoELabError, weight_mismatch
-from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts
+from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, replace_experts
 from moe_core.fileio import atomic_directory
 from moe_core.frozen_linear import recomputed_linear
 from moe_core.model import MoEForCausalLM, materialize
@@ -265,9 +251,7 @@ class QuantizedExperts(StackedExperts):
         """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
         or ``(q, scale, in_scale [E, I])`` for AWQ). The decode path is on (``max_slots`` 64 unless
         ``experts`` has its own): dequantizing only the chosen experts is what makes a decode step cheap."""
-        shapes = {
-            p: tuple(getattr(experts, p).shape[1:]) for p in PROJECTIONS if getattr(experts, p) is not None
-        }
+        shapes = experts.projection_shapes()
         new = cls(
             experts.num_experts,
             experts.activation,
@@ -462,44 +446,15 @@ def load_quantizing_experts(
     on the meta device, every expert stack replaced by `QuantizedExperts` before any storage exists, and only
     the quantized codes, the other weights (in ``dtype``, default the checkpoint's) and one source tensor at a
     time are ever in memory; the full-precision model never has to fit."""
-    directory = resolve_source(path)
-    try:
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError) as err:
-        raise QuantizationError(f"{directory / 'config.json'}: unreadable ({err})") from None
-    arch = next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
-    if arch is not None:
-        model_config = config_from_hf(arch, *read_hf_config(directory)[1:])
-    elif model_type == MoEConfig.model_type:
-        model_config = MoEConfig.from_pretrained(directory)
-    else:
-        raise QuantizationError(
-            f"{directory}: model_type {model_type!r} is neither ours ({MoEConfig.model_type}) nor a Hugging Face "
-            f"MoE the lab converts ({', '.join(ARCHITECTURES)}); quantizing while loading reads those"
+    opened = open_streaming(path, dtype, QuantizationError, "quantizing while loading")
+    directory, reader, model, plan = opened.directory, opened.reader, opened.model, opened.plan
+    with torch.device("meta"):  # before any storage exists
+        quantized = replace_experts(
+            model,
+            lambda dense: QuantizedExperts(
+                dense.num_experts, dense.activation, dense.projection_shapes(), config, dense.impl
+            ),
         )
-    reader = CheckpointReader(directory)
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype or source_dtype(reader)
-    with torch.device("meta"):
-        model = MoEForCausalLM._from_config(model_config, dtype=dtype)
-    if arch is not None:
-        plan = weight_plan(model_config, arch)
-    else:  # ours: the file's names are the model's
-        tied = {"lm_head.weight"} if model_config.tie_word_embeddings else set()
-        plan = [(name, (name,)) for name in model.state_dict() if name not in tied]
-    our_tensors(model, plan)  # the plan covers the model exactly
-    check_coverage(directory, reader, plan, model_config)
-    quantized: dict[str, QuantizedExperts] = {}
-    for i, layer in enumerate(model.model.layers):
-        dense = layer.mlp.experts if layer.is_moe else None
-        if isinstance(dense, GroupedExperts):
-            shapes = {
-                p: tuple(getattr(dense, p).shape[1:]) for p in PROJECTIONS if getattr(dense, p) is not None
-            }
-            with torch.device("meta"):
-                layer.mlp.experts = QuantizedExperts(
-                    dense.num_experts, dense.activation, shapes, config, dense.impl
-                )
-            quantized[f"model.layers.{i}.mlp.experts"] = layer.mlp.experts
     materialize(model, "cpu")
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
@@ -515,6 +470,4 @@ def load_quantizing_experts(
             check_shape(directory, name, source, ours, (O, I) if e is not None else (E, O, I))
             for expert, w_OI in [(e, source)] if e is not None else enumerate(source):
                 experts.quantize_into(projection, expert, w_OI)
-    model.config.dtype = dtype
-    model.config.name_or_path = model.name_or_path = str(directory.absolute())
-    return model.eval()
+    return opened.finish()

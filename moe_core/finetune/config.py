@@ -60,6 +60,11 @@ class ModelSection(_Section):
         None  # a tokenizer directory or prepared-data directory; default: the model's directory
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the frozen base stays memory-mapped from its safetensors files instead of copied into memory (moe_core.mapped:
+    # page cache the kernel can drop, so a base larger than RAM fine-tunes when a step touches less than RAM holds).
+    # None: mapped when the method keeps the base frozen (not full) and the files hold dtype, else copied with a
+    # printed reason; true: mapped, or refused before any weight loads; false: copied
+    mmap: bool | None = None
 
 
 class DataSection(_Section):
@@ -242,6 +247,17 @@ class FinetuneConfig(_Section, ConfigFile):
             )
         if self.parallel.ep_size > 1:
             _check_expert_parallel(self)
+        if self.model.mmap and self.method == "full":
+            raise ValueError(
+                "model.mmap=true keeps the frozen base memory-mapped from its files; method=full trains every "
+                "base weight (a copy in memory): set model.mmap=false (or leave it unset), or use method=lora"
+            )
+        if self.model.mmap and self.quantize.base is not None:
+            raise ValueError(
+                f"model.mmap=true with quantize.base={self.quantize.base}: the QLoRA loader quantizes the experts "
+                "while they stream in, which is not a mapping; choose one (QLoRA when the 16-bit experts do not "
+                "fit in memory, see the README's fine-tuning section)"
+            )
         if self.method == "lora" and self.lora.experts == "list" and not self.lora.expert_ids:
             raise ValueError("lora.experts='list' needs lora.expert_ids, e.g. [0, 3] or {1: [0, 3]}")
         if self.lora.experts != "list" and self.lora.expert_ids:

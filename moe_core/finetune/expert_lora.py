@@ -26,6 +26,7 @@ is the one place;
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from peft.tuners.lora import layer as peft_lora
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from moe_core.experts import PROJECTIONS, ExpertLoRA, StackedExperts
+from moe_core.mapped import MappedExperts
 
 DUMMY_TARGETS = DUMMY_TARGET_MODULES  # PEFT's "no module targets" marker: the targets are injected afterwards
 
@@ -56,23 +58,30 @@ class ParamWrapper(peft_lora.ParamWrapper):
 
     def get_param(self) -> torch.Tensor:
         """The adapted stack; for a stack held in another form (`moe_core.quantized.QuantizedExperts`' 4-bit codes,
-        QLoRA) a stand-in of its ``[E, O, I]`` shape on its device, holding no weights: PEFT reads the factor shapes,
-        device and dtype from it (fp32, the dtype PEFT gives adapters of low-precision models). Experts sharded over
-        ranks (`moe_core.train.parallel.ExpertParallelExperts`, under a fine-tune's expert parallelism): this
-        rank's stack."""
+        QLoRA; `moe_core.mapped.MappedExperts`' per-expert tensors) a stand-in of its ``[E, O, I]`` shape on its
+        device, holding no weights: PEFT reads the factor shapes, device and dtype from it (fp32, the dtype PEFT
+        gives adapters of low-precision models). Experts sharded over ranks
+        (`moe_core.train.parallel.ExpertParallelExperts`, under a fine-tune's expert parallelism): this rank's
+        stack."""
         base = self.get_base_layer()
         param = getattr(base, self.parameter_name, None)
         if isinstance(param, torch.Tensor):
             return param
         if hasattr(base, "local_stack"):
             return base.local_stack(self.parameter_name)
-        device = next(base.buffers()).device
+        device = next(itertools.chain(base.buffers(), base.parameters())).device
         return torch.zeros((), device=device).expand(base.stack_shape(self.parameter_name))
 
     def dense_base(self) -> bool:
         return isinstance(getattr(self.get_base_layer(), self.parameter_name, None), torch.Tensor)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        if isinstance(self.get_base_layer(), MappedExperts):
+            raise ValueError(
+                f"{self.parameter_name}: the experts are memory-mapped one tensor per expert (moe_core.mapped); "
+                "stack them first: moe_core.mapped.densify_experts(model) (moe_core.finetune.export.merged_model "
+                "does), then merge"
+            )
         if not self.dense_base():
             raise ValueError(
                 f"{self.parameter_name}: a LoRA adapter on quantized experts (QLoRA) merges into the full-precision "
@@ -127,7 +136,7 @@ def register(config: LoraConfig) -> LoraConfig:
 
 
 def inject(peft_model, targets: list[str], adapter_name: str = "default") -> None:
-    """Adapt expert stacks PEFT cannot see (no dense ``nn.Parameter``: `QuantizedExperts`) with the wrappers PEFT
+    """Adapt expert stacks PEFT cannot see (no dense ``nn.Parameter``: `QuantizedExperts`, `MappedExperts`) with the wrappers PEFT
     would have nested there, in the order it nests them (a module's parameters in registration order, the first
     innermost), so that the adapter's keys and layout are those of LoRA on the dense stacks: it loads, with stock
     PEFT too, onto the full-precision model. ``targets``: ``model.layers.{i}.mlp.experts.{proj}`` names."""

@@ -32,6 +32,7 @@ from moe_core.fileio import atomic_directory
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.hf_adapter import save_hf_adapter
 from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.mapped import densify_experts
 
 
 def is_peft(model) -> bool:
@@ -78,7 +79,10 @@ def _write_adapter(model, out_dir: Path, plan: MethodPlan | None, tokenizer) -> 
 
 def merged_model(model, plan: MethodPlan | None = None):
     """Our `MoEForCausalLM` with the adapter folded in (PEFT ``merge_and_unload``), frozen-expert hooks removed and
-    the task bias detached (it is saved on its own). Modifies ``model`` in place; returns the plain model."""
+    the task bias detached (it is saved on its own). Modifies ``model`` in place; returns the plain model. A base
+    memory-mapped from its files (`moe_core.mapped`) is never written through: its per-expert tensors are stacked
+    into ordinary memory first (`densify_experts`), and a merge into another mapped weight lands in pages the
+    mapping copies on write (private to the process)."""
     if plan is not None:
         if plan.lora_mask is not None:
             plan.lora_mask.remove()
@@ -86,6 +90,7 @@ def merged_model(model, plan: MethodPlan | None = None):
             plan.expert_freeze.remove()
         if plan.task_bias is not None:
             plan.task_bias.detach(model)
+    densify_experts(model)  # experts memory-mapped one tensor per expert: stacked, so merges add into a copy
     merged = model.merge_and_unload() if is_peft(model) else model
     for param in merged.parameters():
         param.requires_grad_(False)

@@ -33,6 +33,7 @@ import torch
 from moe_core.experts import PROJECTIONS
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.frozen_linear import use_frozen_linears
+from moe_core.mapped import MappedExperts
 from moe_core.quantized import QuantizedExperts
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
 
@@ -237,10 +238,13 @@ def apply_lora(
             "lora: nothing to adapt (no attention projection and no selected expert); check "
             "lora.attention, lora.experts and freeze.experts"
         )
-    # 4-bit experts (QLoRA) hold codes, not a Parameter PEFT could find: their wrappers are nested by hand
-    quantized = any(isinstance(m, QuantizedExperts) for m in model.modules())
+    # 4-bit experts (QLoRA) hold codes, memory-mapped per-expert ones (moe_core.mapped) one tensor per expert, not a
+    # Parameter PEFT could find: their wrappers are nested by hand
+    quantized = any(isinstance(m, (QuantizedExperts, MappedExperts)) for m in model.modules())
     if quantized and not routed:
-        raise FinetuneError("LoRA on quantized experts runs on the routed tokens only (routed=True)")
+        raise FinetuneError(
+            "LoRA on quantized or memory-mapped per-expert experts runs on the routed tokens only (routed=True)"
+        )
     peft_config = LoraConfig(
         r=config.lora.r,
         lora_alpha=config.lora.alpha,

@@ -196,8 +196,11 @@ def _local_selection(selection: dict[int, list[int]], state: ParallelState, E: i
 
 
 def ddp_ignored_names(model) -> list[str]:
-    """Names (in ``model``, the module the Trainer hands to DDP) of every rank-local expert tensor."""
-    names = [n for n, _ in model.named_parameters() if EXPERTS_MARK in n]
+    """Names (in ``model``, the module the Trainer hands to DDP) of every rank-local expert tensor, and of every
+    frozen parameter: each rank read the same base from the same files, so DDP's start-up broadcast of them
+    would only cost time, and, for a base memory-mapped from its files (`moe_core.mapped`), a private copy of
+    every page it writes on each rank but the first."""
+    names = [n for n, p in model.named_parameters() if EXPERTS_MARK in n or not p.requires_grad]
     return names + [n for n, _ in model.named_buffers() if EXPERTS_MARK in n]
 
 

@@ -104,7 +104,7 @@ from moe_core.finetune.parallel import (
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
-from moe_core.loading import detect, load, model_config
+from moe_core.loading import detect, load, memory_map_refusal, model_config
 from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
@@ -173,6 +173,27 @@ def base_model_config(path: str, quantize_base: str | None = None):
             "merged/, a run's final/)"
         )
     return model_config(path)
+
+
+def memory_map_base(config: FinetuneConfig) -> bool:
+    """Whether the base at ``model.path`` loads memory-mapped (``model.mmap``, `moe_core.mapped`), decided from its
+    files alone: unset, it is when the method keeps the base frozen and the files hold ``model.dtype``, else it is
+    copied and one line says why; ``true`` where it cannot be is refused."""
+    if config.model.mmap is False or config.method == "full" or config.quantize.base is not None:
+        return False  # full fine-tuning changes every weight; QLoRA quantizes them as they stream in
+    reason = memory_map_refusal(config.model.path, config.model.dtype)
+    if reason is None:
+        return True
+    if config.model.mmap:
+        raise FinetuneError(
+            f"model.mmap=true, but model.path={config.model.path!r} cannot be memory-mapped: {reason}; set "
+            "model.dtype to the dtype its files hold, or model.mmap=false to copy it into memory"
+        )
+    print(
+        f"moe-lab finetune: the base model is copied into memory, not memory-mapped (model.mmap): {reason}",
+        flush=True,
+    )
+    return False
 
 
 def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
@@ -522,6 +543,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     config_of_model = (
         model.config if model is not None else base_model_config(config.model.path, config.quantize.base)
     )
+    memory_map = model is None and memory_map_base(config)
     quant = base_quant_config(config)
     if quant is not None and quant.bits == 4:
         widths = {"hidden_size": config_of_model.hidden_size}
@@ -540,7 +562,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if model is None and quant is not None:
         model = load_quantizing_experts(config.model.path, quant, config.model.dtype)
     elif model is None:
-        model = load(config.model.path, dtype=config.model.dtype).model
+        model = load(config.model.path, dtype=config.model.dtype, memory_map=memory_map).model
     elif quant is not None and not any(isinstance(m, QuantizedExperts) for m in model.modules()):
         quantize_experts(model, quant)  # a model given in memory: its experts quantized in place
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now

@@ -1,0 +1,220 @@
+"""A frozen base model memory-mapped from its safetensors files: fine-tuning a model larger than memory.
+
+Legend: E = experts, O = output features, I = input features (one expert's weight is ``[O, I]``).
+
+    from moe_core.mapped import load_mapped
+    model = load_mapped("path/to/olmoe", dtype=torch.bfloat16)   # ours or a HF Mixtral / OLMoE / Qwen2-MoE dir
+
+`load_mapped` builds the model on the meta device (`moe_core.convert.open_streaming`, the plan QLoRA's streaming
+loader uses too) and assigns the checkpoint's tensors to it as they are: each weight is a view of safetensors'
+mapping of its file (``safe_open(..., framework="pt")`` maps every file ``MAP_PRIVATE``, read-write and
+copy-on-write: a write would give the process a private copy of the page, never reach the file). Nothing is
+copied, so the base costs page cache, which the kernel fills on first touch and drops under pressure, not
+anonymous memory: a step reads the pages it touches (its tokens' experts, attention, embeddings rows) and a model
+larger than RAM fine-tunes as long as what a step touches fits (the README's fine-tuning section says when that
+pages and when QLoRA is the better choice). What does get copied into ordinary memory, being small or changing:
+the router gates (a method may train them), buffers, and any tensor stored in another dtype than ``dtype``
+(cast). The model keeps the `CheckpointReader` (and so the mappings) referenced as ``model.mapped_from``.
+
+Experts: our own checkpoints store each projection as one ``[E, O, I]`` tensor, mapped as it is into a
+`GroupedExperts` (every path of `moe_core.experts`, grouped_mm included). Hugging Face checkpoints store one
+``[O, I]`` tensor per expert (``experts.{e}.gate_proj.weight``), in no order a stride could stack, so their
+layers get `MappedExperts`: a `StackedExperts` holding those per-expert tensors, the dense stack never formed.
+LoRA on them nests PEFT's wrappers by hand, as for QLoRA's `QuantizedExperts` (`expert_lora.inject`, through
+``stack_shape``). To export merged weights, `densify_experts` first stacks them into ordinary memory
+(`moe_core.finetune.export.merged_model` does), one layer at a time; the files are never written.
+
+Full fine-tuning keeps the copying loader: its weights change at every step. Refusals (`MappingError`, before
+any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from moe_core.convert import StreamingLoad, check_shape, open_streaming, source_dtype, stream_weights
+from moe_core.errors import MoELabError
+from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, replace_experts
+from moe_core.frozen_linear import frozen_linear, share_hooks
+from moe_core.model import MoEForCausalLM
+
+
+class MappingError(MoELabError):
+    """A checkpoint that cannot be memory-mapped as asked; the message says why and what to do instead."""
+
+
+class MappedExperts(StackedExperts):
+    """A `StackedExperts` whose weights are one frozen ``[O, I]`` tensor per expert and projection (views of a
+    checkpoint's file mapping, `load_mapped`), never stacked: the per-expert paths (reference, sorted, decode)
+    run on them as they are, ``grouped_mm`` runs as ``sorted``, and ``static`` / ``gather``, which read whole
+    stacks by design, stack a copy per call (export and compiled decoding, not fine-tuning).
+
+    The tensors are frozen parameters ``{projection}_{e}``, as a `GroupedExperts`' frozen stacks are parameters:
+    ``.to(device)`` moves them, parameter counts include them, and data-parallel wrappers treat them alike (a
+    buffer would be broadcast at every forward). A state dict names them so, not in the stacked layout a
+    checkpoint has: save after `densify_experts`, which turns the module into a `GroupedExperts`."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        activation: str,
+        shapes: dict[str, tuple[int, int]],
+        impl: str = "auto",
+        max_slots: int = 0,
+    ) -> None:
+        super().__init__(num_experts, activation, impl, max_slots)
+        self.projections = tuple(shapes)
+        self.shapes = dict(shapes)  # projection -> (O, I) of one expert's weight
+        for name, (O, I) in shapes.items():
+            for e in range(num_experts):  # placeholders until `set_expert` (built on the meta device)
+                self.register_parameter(f"{name}_{e}", nn.Parameter(torch.empty(O, I), requires_grad=False))
+
+    def stack_shape(self, name: str) -> tuple[int, int, int]:
+        """``(E, O, I)``: the shape of the ``name`` stack these tensors stand for (PEFT's factor shapes)."""
+        return (self.num_experts, *self.shapes[name])
+
+    def set_expert(self, name: str, e: int, w_OI: torch.Tensor) -> None:
+        """Expert ``e``'s ``name`` weight: ``w_OI`` itself (no copy), frozen."""
+        setattr(self, f"{name}_{e}", nn.Parameter(w_OI, requires_grad=False))
+
+    def weights(self, name: str) -> tuple[torch.Tensor, ...] | None:
+        """The E tensors of projection ``name`` (None when the experts have no such projection)."""
+        if name not in self.projections:
+            return None
+        return tuple(getattr(self, f"{name}_{e}") for e in range(self.num_experts))
+
+    def unbound(self) -> tuple:
+        return tuple(self.weights(p) for p in PROJECTIONS)
+
+    def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
+        return frozen_linear(x_NI, weights[PROJECTIONS.index(p)][e])
+
+    def stacks(self, dtype: torch.dtype | None = None) -> tuple:
+        stacks = (torch.stack(w) if w is not None else None for w in self.unbound())  # a copy: see the class
+        return tuple(w.to(dtype) if w is not None and dtype is not None else w for w in stacks)
+
+    def densified(self) -> GroupedExperts:
+        """A `GroupedExperts` of the same weights, stacked into ordinary memory (one copy of this layer), with
+        this module's hooks."""
+        O, I = self.shapes["up_proj"]
+        D, F_ = (I, O)
+        with torch.device("meta"):  # the constructor's stacks are replaced at once: allocate nothing
+            dense = GroupedExperts(self.num_experts, D, F_, self.activation, self.impl, self.max_slots)
+        for p in PROJECTIONS:
+            w = self.weights(p)
+            setattr(dense, p, nn.Parameter(torch.stack(w), requires_grad=False) if w is not None else None)
+        return share_hooks(self, dense)
+
+
+def densify_experts(model: nn.Module) -> int:
+    """Replace every `MappedExperts` of ``model`` (also under PEFT's wrappers) by its `densified` twin, in place,
+    one layer at a time: what a merge (which adds into the stacks) and a save (which writes stacks) need.
+    Returns how many were replaced."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MappedExperts):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.densified())
+            replaced += 1
+    return replaced
+
+
+def mapping_refusal(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> str | None:
+    """Why the checkpoint directory at ``path`` cannot be memory-mapped in ``dtype`` (None when it can; ``dtype``
+    None: its own), from its config, file names and safetensors headers alone: what to tell the user before any
+    weight is read. A directory that is no model checkpoint at all raises `MappingError`."""
+    return _refusal(open_streaming(path, dtype, MappingError, "memory-mapping"))
+
+
+def _refusal(opened: StreamingLoad) -> str | None:
+    files = sorted({f.name for f in opened.reader.file_of.values() if f.suffix != ".safetensors"})
+    if files:
+        return f"its weights are not safetensors ({', '.join(files[:3])}); only safetensors files are mapped"
+    stored = source_dtype(opened.reader)
+    if stored != opened.dtype:
+        return (
+            f"its weights are stored in {str(stored).removeprefix('torch.')}, the model would run in "
+            f"{str(opened.dtype).removeprefix('torch.')}: a cast is a copy"
+        )
+    return None
+
+
+def load_mapped(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> MoEForCausalLM:
+    """Our model from the checkpoint at ``path`` (ours or a Hugging Face MoE, safetensors), its weights
+    memory-mapped from the files (module docstring); ``dtype`` default: the checkpoint's own, and it must be.
+    In eval mode, every mapped weight frozen (``requires_grad`` False)."""
+    opened = open_streaming(path, dtype, MappingError, "memory-mapping")
+    reason = _refusal(opened)
+    if reason is not None:
+        raise MappingError(
+            f"{opened.directory}: cannot memory-map this checkpoint: {reason}. Load it with copying (moe_core.load "
+            "without memory_map; in a fine-tuning config, model.mmap=false), or ask for its stored dtype"
+        )
+    model, dtype = opened.model, opened.dtype
+    if opened.arch is not None:  # one tensor per expert in the files: kept as they are
+        with torch.device("meta"):
+            replace_experts(
+                model,
+                lambda dense: MappedExperts(
+                    dense.num_experts,
+                    dense.activation,
+                    dense.projection_shapes(),
+                    dense.impl,
+                    dense.max_slots,
+                ),
+            )
+    state = model.state_dict(keep_vars=True)  # meta placeholders: names, shapes and dtypes
+    with torch.no_grad():
+        for ours, e, name, source in stream_weights(opened.reader, opened.plan):
+            module_name, _, leaf = ours.rpartition(".")
+            module = model.get_submodule(module_name)
+            if isinstance(module, MappedExperts):
+                check_shape(opened.directory, name, source, ours, module.shapes[leaf])
+                module.set_expert(leaf, e, source if source.dtype == dtype else source.to(dtype))
+                continue
+            target = state[ours]
+            check_shape(opened.directory, name, source, ours, target.shape)
+            if leaf in dict(module.named_buffers(recurse=False)):  # small, some change in training: copied
+                setattr(module, leaf, source.to(target.dtype, copy=True))
+            elif ".mlp.router." in ours or source.dtype != target.dtype:  # may train, or a cast: copied
+                setattr(module, leaf, nn.Parameter(source.to(target.dtype, copy=True)))
+            else:
+                setattr(module, leaf, nn.Parameter(source, requires_grad=False))
+    model.tie_weights()
+    _materialize_buffers(model)
+    # the safetensors handles (and their mappings) live as long as the model
+    model.mapped_from = opened.reader
+    return opened.finish()
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """What no checkpoint holds (non-persistent buffers: rotary frequencies, load counters), still on the meta
+    device after the assignment: allocated and computed by the modules' ``reset_buffers`` (as
+    `moe_core.model.materialize` does for a whole model)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device="cpu"))
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise MappingError(f"internal: {left[:3]} were not loaded; moe_core/mapped.py needs updating")
+
+
+def is_file_backed(tensor: torch.Tensor, file: str | os.PathLike) -> bool:
+    """Whether ``tensor``'s memory lies in this process's mapping of ``file`` (Linux ``/proc/self/maps``)."""
+    target = os.path.realpath(file)
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and os.path.realpath(fields[5].strip()) == target:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                if low <= start and end <= high:
+                    return True
+    return False

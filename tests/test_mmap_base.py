@@ -1,0 +1,288 @@
+"""The frozen base memory-mapped from its safetensors files (`moe_core.mapped`): the same logits and LoRA gradients as
+the copying loader, for Hugging Face per-expert layouts and our stacked one, in fp32 and bf16; the weights really
+are file-backed (views of the mapping, and anonymous memory far below the weights' bytes in a child process); the
+files are byte-identical after training and a merged export; clear refusals."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_core import load
+from moe_core.config import get_config
+from moe_core.experts import PROJECTIONS, GroupedExperts
+from moe_core.finetune import FinetuneConfig, FinetuneError, finetune
+from moe_core.finetune import run as run_module
+from moe_core.finetune.methods import apply_lora, unwrap
+from moe_core.loading import LoadError
+from moe_core.mapped import MappedExperts, densify_experts, is_file_backed, load_mapped
+from moe_core.model import MoEForCausalLM
+from tests.finetune_helpers import instruction_records, tiny_tokenizer
+from tests.helpers import randomize_
+from tests.test_convert import BASE, HF_CASES, make_inputs
+from tests.test_expert_lora import randomize_lora
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj", "v_proj"]}}
+
+
+def write_checkpoint(directory: Path, case: str, dtype: torch.dtype, **fields) -> Path:
+    """A tiny checkpoint in ``dtype``: a Hugging Face one written by transformers' own class (one tensor per
+    expert), or ours (stacked experts)."""
+    torch.manual_seed(0)
+    if case == "ours":
+        model = MoEForCausalLM(get_config("mixtral-tiny", hidden_size=32, expert_intermediate_size=32))
+    else:
+        config_cls, model_cls, overrides = HF_CASES[case]
+        model = model_cls(config_cls(**{**BASE, **overrides, **fields}))
+    randomize_(model)
+    model.to(dtype).save_pretrained(directory)
+    return directory
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.glob("*.safetensors"))
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {
+        (case, dtype): write_checkpoint(tmp_path_factory.mktemp(f"{case}-{dtype}"), case, dtype)
+        for case in ("olmoe", "mixtral", "ours")
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+
+
+# ------------------------------------------------------------------------------------------------ same numbers
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["olmoe", "mixtral", "ours"])
+def test_lora_on_the_mapped_base_equals_lora_on_the_copied_one(checkpoints, case, dtype):
+    directory = checkpoints[case, dtype]
+    before = digest(directory)
+    copied, mapped = load(directory).model, load(directory, memory_map=True).model
+    assert mapped.dtype == dtype and mapped.mapped_from is not None
+    experts = mapped.model.layers[0].mlp.experts
+    assert isinstance(experts, MappedExperts if case != "ours" else GroupedExperts)
+    ft = FinetuneConfig.build(LORA)
+    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
+    ours, _ = apply_lora(mapped.train(), ft, selection)
+    reference, _ = apply_lora(copied.train(), ft, selection)
+    randomize_lora(reference)
+    ours.load_state_dict(reference.state_dict(), strict=False)  # the same factors
+    input_ids, mask = make_inputs(mapped.config.vocab_size)
+    for model in (ours, reference):
+        model(input_ids, attention_mask=mask, labels=input_ids).loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], grad, atol=0, rtol=0, msg=name)  # the same products
+    with torch.no_grad():
+        logits = ours(input_ids, attention_mask=mask).logits
+        assert torch.equal(logits, reference(input_ids, attention_mask=mask).logits)
+    assert digest(directory) == before
+
+
+@pytest.mark.parametrize("impl", ["reference", "sorted", "grouped_mm", "static", "gather", "decode"])
+def test_every_expert_path_of_the_per_expert_tensors_equals_the_dense_stacks(checkpoints, impl):
+    directory = checkpoints["olmoe", torch.float32]
+    mapped, copied = load_mapped(directory), load(directory).model
+    input_ids, mask = make_inputs(mapped.config.vocab_size)
+    if impl == "decode":  # the few-slot loop over the distinct chosen experts (no gradient)
+        for model in (mapped, copied):
+            for layer in model.model.layers:
+                layer.mlp.experts.max_slots = 10_000
+        impl = "sorted"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            mapped(input_ids, attention_mask=mask, expert_impl=impl).logits,
+            copied(input_ids, attention_mask=mask, expert_impl=impl).logits,
+        )
+    densify_experts(mapped)  # stacked into ordinary memory: a GroupedExperts with the same weights
+    assert not any(isinstance(m, MappedExperts) for m in mapped.modules())
+    assert mapped.state_dict().keys() == copied.state_dict().keys()
+    for name, tensor in copied.state_dict().items():
+        assert torch.equal(mapped.state_dict()[name], tensor), name
+
+
+# ------------------------------------------------------------------------------------------------ file-backed
+@pytest.mark.parametrize("case", ["olmoe", "ours"])
+def test_mapped_weights_are_views_of_the_file_and_what_trains_is_not(checkpoints, case):
+    directory = checkpoints[case, torch.bfloat16]
+    file = directory / "model.safetensors"
+    model = load_mapped(directory)
+    layer = model.model.layers[0]
+    frozen = [model.model.embed_tokens.weight, layer.self_attn.q_proj.weight, layer.input_layernorm.weight]
+    experts = layer.mlp.experts
+    frozen += [w for p in PROJECTIONS for w in experts.weights(p)] if case != "ours" else [experts.up_proj]
+    assert all(is_file_backed(w, file) and not w.requires_grad for w in frozen)
+    if (
+        case != "ours"
+    ):  # the test can fail: the converter copies (transformers' from_pretrained maps ours too)
+        assert not is_file_backed(load(directory).model.model.embed_tokens.weight, file)
+    # what a method may train is copied into ordinary memory: the router gates, and the LoRA factors
+    assert not is_file_backed(layer.mlp.router.gate.weight, file)
+    peft_model, _ = apply_lora(model, FinetuneConfig.build(LORA), {0: [0, 1], 1: [2]})
+    lora = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert lora and not any(is_file_backed(p, file) for p in lora)
+
+
+RSS_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from moe_core import load
+
+    def rss_kib():
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return {k: int(fields[k].split()[0]) for k in ("RssAnon", "RssFile")}
+
+    grown = {}
+    for mode in ("mapped", "copied"):  # mapped first: the copy cannot reuse memory the mapped load freed
+        before = rss_kib()
+        model = load(sys.argv[1], memory_map=mode == "mapped").model
+        with torch.no_grad():  # every weight read (a forward would read all but some embedding rows)
+            sum(float(p.sum()) for p in model.parameters())
+        after = rss_kib()
+        grown[mode] = {k: after[k] - before[k] for k in after}
+    print(json.dumps(grown))
+    """
+)
+
+
+def test_a_mapped_model_grows_file_backed_memory_not_anonymous(tmp_path):
+    """In a child process, on a ~100 MB checkpoint: the mapped weights count as file-backed pages, which the kernel
+    may drop, and the anonymous memory grows far less than the weights' bytes; the copying loader's grows by them."""
+    config_cls, model_cls, overrides = HF_CASES["olmoe"]
+    fields = {**BASE, **overrides, "hidden_size": 256, "intermediate_size": 1024, "num_experts": 8}
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**fields, "num_hidden_layers": 4}))
+    model.save_pretrained(tmp_path)
+    weights_kib = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
+    assert weights_kib > 90 * 1024
+    child = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, str(tmp_path)], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    grown = json.loads(child.stdout.strip().splitlines()[-1])
+    assert grown["mapped"]["RssAnon"] < 0.25 * weights_kib, grown
+    assert grown["mapped"]["RssFile"] > 0.9 * weights_kib, grown
+    assert grown["copied"]["RssAnon"] > 0.9 * weights_kib, grown  # what the test tells apart
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning
+def hf_source(tmp_path: Path, dtype: torch.dtype) -> Path:
+    # the tokenizer's vocabulary (300), and room for data.max_length
+    directory = write_checkpoint(
+        tmp_path / "olmoe", "olmoe", dtype, vocab_size=300, max_position_embeddings=128
+    )
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def ft_config(source: Path, **fields) -> FinetuneConfig:
+    base = {
+        "model": {"path": str(source)},
+        "steps": 3,
+        "batch_size": 4,
+        "optim": {"lr": 5e-3},
+        "lora": {"r": 4, "experts": "all"},
+        "data": {"max_length": 64, "chat_template": "chatml"},
+        "log": {"progress": "off"},
+        "export": {"merged": True, "hf": True},
+    }
+    return FinetuneConfig.build(base).with_overrides([f"{k}={v}" for k, v in fields.items()])
+
+
+def test_finetune_maps_the_base_by_default_and_leaves_its_files_as_they_were(tmp_path, capsys):
+    source = hf_source(tmp_path, torch.float32)
+    before = digest(source)
+    mapped = finetune(ft_config(source), tmp_path / "mapped", records=instruction_records(16))
+    assert "not memory-mapped" not in capsys.readouterr().out
+    assert getattr(unwrap(mapped.model), "mapped_from", None) is not None
+    assert json.loads((tmp_path / "mapped" / "finetune_config.json").read_text())["model"]["mmap"] is None
+    assert digest(source) == before  # trained, merged and exported: the files were never written
+    copied = finetune(
+        ft_config(source, **{"model.mmap": "false"}), tmp_path / "copied", records=instruction_records(16)
+    )
+    assert getattr(unwrap(copied.model), "mapped_from", None) is None
+    assert mapped.report.to_dict() == copied.report.to_dict()  # the same parameters, the same ones train
+    # the same run: the same adapter, the same merged weights in both exports
+    x = torch.randint(0, 300, (2, 10))
+    for export in ("merged", "hf"):
+        a, b = load(tmp_path / "mapped" / export).model, load(tmp_path / "copied" / export).model
+        with torch.no_grad():
+            torch.testing.assert_close(a(input_ids=x).logits, b(input_ids=x).logits)
+        original = load(source).model
+        with torch.no_grad():
+            assert not torch.allclose(original(input_ids=x).logits, a(input_ids=x).logits, atol=1e-4)
+
+
+def test_a_dtype_change_is_refused_when_asked_and_falls_back_with_a_reason_when_not(
+    tmp_path, capsys, monkeypatch
+):
+    source = hf_source(tmp_path, torch.bfloat16)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the checks")
+
+    monkeypatch.setattr(run_module, "load", no_weights)
+    with pytest.raises(
+        FinetuneError, match="model.mmap=true, but .* stored in bfloat16, the model would run in float32"
+    ):
+        finetune(
+            ft_config(source, **{"model.mmap": "true"}), tmp_path / "out", records=instruction_records(4)
+        )
+    monkeypatch.undo()
+    run_module.load_inputs(ft_config(source), records=instruction_records(4))  # auto: copied, and says why
+    assert "copied into memory, not memory-mapped (model.mmap): its weights are stored in bfloat16" in (
+        capsys.readouterr().out
+    )
+    inputs = run_module.load_inputs(
+        ft_config(source, **{"model.dtype": "bfloat16"}), records=instruction_records(4)
+    )
+    assert inputs.model.mapped_from is not None and "not memory-mapped" not in capsys.readouterr().out
+
+
+def test_mapping_is_refused_where_it_means_nothing(tmp_path, checkpoints):
+    with pytest.raises(FinetuneError, match="model.mmap=true keeps the frozen base"):
+        FinetuneConfig.build({"method": "full", "model": {"mmap": True}})
+    with pytest.raises(FinetuneError, match="model.mmap=true with quantize.base=nf4"):
+        FinetuneConfig.build({"method": "qlora", "model": {"mmap": True}})
+    # full fine-tuning copies the base whatever the files hold: every weight changes
+    assert not run_module.memory_map_base(ft_config(checkpoints["olmoe", torch.float32], method="full"))
+    with pytest.raises(LoadError, match="stored in float32, the model would run in bfloat16"):
+        load(checkpoints["olmoe", torch.float32], dtype="bfloat16", memory_map=True)
+    (tmp_path / "quantization.json").write_text("{}")
+    with pytest.raises(LoadError, match="quantized checkpoint is not memory-mapped"):
+        load(tmp_path, memory_map=True)
+
+
+# ------------------------------------------------------------------------------------------------ peak memory
+def test_a_large_frozen_weight_s_input_gradient_goes_by_blocks_and_equals_autograd_s(monkeypatch):
+    """With the base mapped, the transposed copy `frozen_linear`'s bf16 backward makes of a weight was what kept
+    the fine-tuning peak above transformers + PEFT's (an LM head: 196 MiB); above TRANSPOSE_BLOCK_BYTES it is
+    made a block of rows at a time, and the gradient is the same."""
+    from moe_core import frozen_linear as module
+
+    torch.manual_seed(0)
+    w, x, grad = torch.randn(48, 64), torch.randn(2, 5, 64, requires_grad=True), torch.randn(2, 5, 48)
+    torch.nn.functional.linear(x, w).backward(grad)
+    grads = {}
+    for block_bytes in (module.TRANSPOSE_BLOCK_BYTES, 10 * 64 * 2):  # one copy; five blocks of 10 rows
+        monkeypatch.setattr(module, "TRANSPOSE_BLOCK_BYTES", block_bytes)
+        x_bf16 = x.detach().bfloat16().requires_grad_()
+        module.frozen_linear(x_bf16, w.bfloat16()).backward(grad.bfloat16())
+        grads[block_bytes] = x_bf16.grad.float()
+    for got in grads.values():
+        torch.testing.assert_close(got, x.grad, atol=0.1, rtol=0.02)
+    blocked, whole = grads[10 * 64 * 2], grads[module.TRANSPOSE_BLOCK_BYTES]
+    torch.testing.assert_close(blocked, whole, atol=0.05, rtol=0.02)
