@@ -18,10 +18,12 @@ from moe_core.config import get_config
 from moe_core.experts import PROJECTIONS, GroupedExperts
 from moe_core.finetune import FinetuneConfig, FinetuneError, finetune
 from moe_core.finetune import run as run_module
-from moe_core.finetune.methods import apply_lora, unwrap
+from moe_core.finetune.methods import MethodPlan, apply_lora, unwrap
+from moe_core.finetune.parallel import shard_experts
 from moe_core.loading import LoadError
 from moe_core.mapped import MappedExperts, densify_experts, is_file_backed, load_mapped
 from moe_core.model import MoEForCausalLM
+from moe_core.train.parallel import ExpertParallelExperts, init_parallel
 from tests.finetune_helpers import instruction_records, tiny_tokenizer
 from tests.helpers import randomize_
 from tests.test_convert import BASE, HF_CASES, make_inputs
@@ -286,3 +288,23 @@ def test_a_large_frozen_weight_s_input_gradient_goes_by_blocks_and_equals_autogr
         torch.testing.assert_close(got, x.grad, atol=0.1, rtol=0.02)
     blocked, whole = grads[10 * 64 * 2], grads[module.TRANSPOSE_BLOCK_BYTES]
     torch.testing.assert_close(blocked, whole, atol=0.05, rtol=0.02)
+
+
+def test_expert_parallel_fine_tuning_stacks_a_mapped_layer_s_experts_first(checkpoints):
+    """`moe_core.finetune.parallel.shard_experts` on a memory-mapped Hugging Face layout (`MappedExperts`): each
+    layer's experts become this rank's stacked slice (a world of one here: all of them), with the same outputs."""
+    directory = checkpoints["olmoe", torch.float32]
+    model = load(directory, memory_map=True).model
+    ft = FinetuneConfig.build(LORA)
+    selection = {layer: list(range(model.config.num_experts)) for layer in model.config.moe_layer_ids}
+    peft_model, lora_mask = apply_lora(model.train(), ft, selection)
+    plan = MethodPlan("lora", expert_selection=selection, lora_mask=lora_mask)
+    randomize_lora(peft_model)
+    input_ids, mask = make_inputs(model.config.vocab_size)
+    with torch.no_grad():
+        before = peft_model(input_ids, attention_mask=mask).logits
+    shard_experts(peft_model, init_parallel(1, backend="gloo", device="cpu"), plan)
+    assert not any(isinstance(m, MappedExperts) for m in peft_model.modules())
+    assert any(isinstance(m, ExpertParallelExperts) for m in peft_model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids, attention_mask=mask).logits, before)

@@ -57,6 +57,7 @@ from torch import nn
 from moe_core.experts import GroupedExperts
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.methods import ExpertLoraMask, MethodPlan, lora_wrappers
+from moe_core.mapped import MappedExperts
 from moe_core.task_bias import unwrap
 from moe_core.train.parallel import ExpertParallelExperts, ParallelState, barrier, init_parallel
 
@@ -152,6 +153,10 @@ def shard_experts(model, state: ParallelState, plan: MethodPlan) -> None:
         outer = layer.mlp.experts
         nest = outer.nest() if hasattr(outer, "nest") else []
         dense = nest[-1].base_layer if nest else outer
+        if isinstance(
+            dense, MappedExperts
+        ):  # a Hugging Face layout memory-mapped: this layer's stacks, briefly
+            dense = dense.densified()
         if not isinstance(dense, GroupedExperts):
             raise FinetuneError(
                 f"layer {i}: experts of type {type(dense).__name__} cannot be split over ranks (dense stacked "
