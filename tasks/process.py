@@ -65,6 +65,28 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
             time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM for the block (starting a child): a stop signal that lands inside
+    `subprocess.Popen`, after the fork and before ``Popen`` returns, would raise where nothing holds the child
+    yet and leave its group running, with this process's pipes open. A signal that came meanwhile is sent again
+    as the block ends, so its own handler runs at once, in the caller's ``try`` that stops the child. Elsewhere
+    than the main thread, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            os.kill(os.getpid(), signum)
+
+
 def run_group(
     cmd: list[str],
     out_dir: Path,
@@ -77,8 +99,10 @@ def run_group(
     `TrainingProcessDied` on a non-zero exit; stops the whole group if anything interrupts the wait."""
     chaos = int(os.environ.get(CHAOS_ENV, "0") or 0) if first_attempt else 0
     poll_s = min(poll_s, 0.05) if chaos else poll_s  # catch the checkpoint before the run ends
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    proc = None
     try:
+        with stop_signals_held():
+            proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         while proc.poll() is None:
             time.sleep(poll_s)
             on_poll()
@@ -87,7 +111,7 @@ def run_group(
                 proc.wait()
         on_poll()
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             stop_group(proc)
     if proc.returncode != 0:
         raise TrainingProcessDied(
@@ -119,16 +143,18 @@ def run_until_stopped(cmd: list[str], env: dict | None = None, grace_s: float = 
     """Run ``cmd`` as its own process group and return its exit status; when this process is asked to stop
     first (Ctrl-C, SIGTERM), stop the whole group (``cmd`` and every process it started: a server's workers)
     and return 128 + the signal's number (130, 143)."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = None
     try:
         with sigterm_exits():
+            with stop_signals_held():
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True)
             return proc.wait()
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except SystemExit as stop:
         return int(stop.code)
     finally:
-        if proc.poll() is None or _group_members(proc.pid):
+        if proc is not None and (proc.poll() is None or _group_members(proc.pid)):
             stop_group(proc, grace_s)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.process import TrainingProcessDied, run_group
+from tasks.process import TrainingProcessDied, run_group, run_until_stopped
 
 
 def _alive(pid: int) -> bool:
@@ -103,3 +103,50 @@ def test_ui_stopped_by_a_signal_stops_the_server_it_started_and_its_workers(tmp_
         for pid in (server, worker):  # what the old code left running
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class _SignalledWhileStarting(subprocess.Popen):
+    """`subprocess.Popen` that gets a stop signal after its child started and before it returns: what a Ctrl-C
+    at the wrong moment (or a test sending its signal as soon as the server is up) does."""
+
+    signum = signal.SIGINT
+    started: list[int] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        type(self).started.append(self.pid)
+        os.kill(os.getpid(), type(self).signum)
+        time.sleep(0.2)  # the handler runs here, inside the constructor, if nothing holds the signal
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_while_the_server_starts_still_stops_it(monkeypatch, signum):
+    monkeypatch.setattr(_SignalledWhileStarting, "signum", signum)
+    monkeypatch.setattr(_SignalledWhileStarting, "started", [])
+    monkeypatch.setattr(subprocess, "Popen", _SignalledWhileStarting)
+    try:
+        code = run_until_stopped([sys.executable, "-c", "import time; time.sleep(60)"], grace_s=5)
+    except (KeyboardInterrupt, SystemExit) as escaped:  # before: raised inside Popen, the server left running
+        code = f"escaped: {escaped!r}"
+    (pid,) = _SignalledWhileStarting.started
+    try:
+        assert code == 128 + signum and not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_training_process_starts_stops_its_group(monkeypatch, tmp_path):
+    monkeypatch.setattr(_SignalledWhileStarting, "started", [])
+    monkeypatch.setattr(subprocess, "Popen", _SignalledWhileStarting)
+    try:
+        with pytest.raises(
+            KeyboardInterrupt
+        ):  # raised in the wait, where the group is stopped on the way out
+            run_group([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, poll_s=0.05)
+        (pid,) = _SignalledWhileStarting.started
+        assert not _alive(pid)
+    finally:
+        for pid in _SignalledWhileStarting.started:
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
