@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from moe_core.train.cli import run_launcher
 from tasks.process import TrainingProcessDied, run_group, run_until_stopped
 
 
@@ -150,3 +152,24 @@ def test_ctrl_c_while_the_training_process_starts_stops_its_group(monkeypatch, t
         for pid in _SignalledWhileStarting.started:
             if _alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_torchrun_launcher_keeps_a_stop_signal_that_lands_while_torchrun_starts(monkeypatch, signum):
+    """`moe-lab train --nproc`'s launcher (`moe_core.train.cli.run_launcher`): its handlers are in place before
+    torchrun starts, so the signal is neither lost nor fatal to the launcher alone; a SIGTERM is passed on."""
+    monkeypatch.setattr(_SignalledWhileStarting, "signum", signum)
+    monkeypatch.setattr(_SignalledWhileStarting, "started", [])
+    monkeypatch.setattr(subprocess, "Popen", _SignalledWhileStarting)
+    # a stand-in for torchrun: ends 1 s after a Ctrl-C (the terminal's reached it: here, by hand), or by SIGTERM
+    stand_in = (
+        "import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(1)); time.sleep(60)"
+    )
+    if signum == signal.SIGINT:  # the terminal's Ctrl-C reaches torchrun too: here, by hand, a second later
+        threading.Timer(1.0, lambda: os.kill(_SignalledWhileStarting.started[0], signal.SIGINT)).start()
+    try:
+        assert run_launcher([sys.executable, "-c", stand_in]) == 128 + signum
+    finally:
+        for pid in _SignalledWhileStarting.started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

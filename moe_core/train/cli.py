@@ -207,26 +207,33 @@ def run_launcher(cmd: list[str]) -> int:
     asked to stop. A Ctrl-C reaches the workers from the terminal too (one foreground process group): they save
     a checkpoint and stop, so this process waits for them rather than killing torchrun (`subprocess.call`
     would). A SIGTERM sent to this process alone is passed on to torchrun, whose agent passes it to the
-    workers."""
-    proc = subprocess.Popen(cmd)
+    workers. Both handlers are in place before torchrun starts: a signal that lands while it starts is not lost
+    (a SIGTERM then is passed on as soon as torchrun exists)."""
     stopped_by: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def pass_on(signum, frame) -> None:
         stopped_by.append(signum)
-        proc.send_signal(signum)
+        if started:
+            started[0].send_signal(signum)
+
+    def note(signum, frame) -> None:  # Ctrl-C: the terminal sent it to the workers too
+        stopped_by.append(signum)
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, pass_on) if main else None
+    previous = {}
+    if main:
+        previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on)}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, note)
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:  # the workers got it too, and stop on their own
-                stopped_by.append(signal.SIGINT)
+        proc = subprocess.Popen(cmd)
+        started.append(proc)
+        if signal.SIGTERM in stopped_by:  # it came while torchrun started
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 128 + stopped_by[0] if stopped_by and code != 0 else code
 
 
