@@ -84,7 +84,9 @@ def stop_signals_held() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for signum in dict.fromkeys(held):
-            os.kill(os.getpid(), signum)
+            # to this (the main) thread: sent to the process, another thread may take it, and the handler
+            # would wait for the main thread's blocking call (the caller's wait) to return on its own
+            signal.raise_signal(signum)
 
 
 def run_group(

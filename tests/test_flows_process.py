@@ -16,6 +16,16 @@ from moe_core.train.cli import run_launcher
 from tasks.process import TrainingProcessDied, run_group, run_until_stopped
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here and in the children started here, as in a terminal: a shell that
+    runs pytest as a background job (``pytest &`` in a script) starts it with SIGINT ignored, which every child
+    inherits, and then nothing these tests send with SIGINT arrives."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -117,7 +127,7 @@ class _SignalledWhileStarting(subprocess.Popen):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         type(self).started.append(self.pid)
-        os.kill(os.getpid(), type(self).signum)
+        signal.raise_signal(type(self).signum)
         time.sleep(0.2)  # the handler runs here, inside the constructor, if nothing holds the signal
 
 
