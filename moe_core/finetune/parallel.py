@@ -43,13 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -385,7 +383,7 @@ class CheckpointStore:
                 f"{checkpoint}: no {path.name}; it was written by a run on fewer processes. Resume with the "
                 "process count and parallel.ep_size it was written with"
             )
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers
 
     def check_layout(self, checkpoint: Path) -> None:
         """The checkpoint was written by as many processes as this run has."""
@@ -407,18 +405,3 @@ def drop_incomplete_checkpoints(root: Path) -> None:
     """Remove ``root`` when it holds no complete checkpoint (a run killed during its first save)."""
     if root.is_dir() and not has_checkpoint(root):
         shutil.rmtree(root, ignore_errors=True)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from moe_core.finetune.config import FinetuneError
-from moe_core.finetune.parallel import CheckpointStore, rng_state, set_rng_state
+from moe_core.finetune.parallel import CheckpointStore
+from moe_core.train.checkpoint import rng_state, set_rng_state
 
 # the Trainer methods `PerRankCheckpoints` replaces, and the Trainer methods that call them (the seam test)
 REPLACED = ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state")
