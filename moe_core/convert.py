@@ -574,6 +574,15 @@ def our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_dtype(dtype: torch.dtype | str | None, reader: CheckpointReader, error_cls=None) -> torch.dtype:
+    """The dtype a load asked for (a torch dtype or one of `DTYPES`' names), else the checkpoint's own."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise (error_cls or ConversionError)(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    return dtype or source_dtype(reader)
+
+
 def source_dtype(reader: CheckpointReader) -> torch.dtype:
     name = (
         "model.embed_tokens.weight" if "model.embed_tokens.weight" in reader.file_of else min(reader.file_of)
@@ -662,11 +671,7 @@ def open_streaming(
             f"MoE the lab converts ({', '.join(ARCHITECTURES)}); {purpose} reads those"
         )
     reader = CheckpointReader(directory)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise error_cls(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    dtype = dtype or source_dtype(reader)
+    dtype = load_dtype(dtype, reader, error_cls)
     with torch.device("meta"):
         model = MoEForCausalLM._from_config(config, dtype=dtype)
     if arch is not None:
@@ -691,11 +696,7 @@ def from_hf(
     arch, hf, raw = read_hf_config(directory)
     config = config_from_hf(arch, hf, raw)
     reader = CheckpointReader(directory)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConversionError(f"dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    dtype = dtype or source_dtype(reader)
+    dtype = load_dtype(dtype, reader, ConversionError)
     with no_init_weights():  # every tensor is overwritten below
         model = MoEForCausalLM._from_config(config, dtype=dtype)
     model.tie_weights()  # post_init skips tying when initialization is off (from_pretrained ties afterwards too)
