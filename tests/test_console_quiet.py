@@ -11,7 +11,9 @@ import torch
 from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers, quiet_tracer_warnings
 
 
-def test_quiet_loggers_is_scoped(caplog):
+def test_quiet_loggers_is_scoped(caplog, monkeypatch):
+    # importing mlflow (any earlier test may have) stops its loggers propagating to caplog's root handler
+    monkeypatch.setattr(logging.getLogger("mlflow"), "propagate", True)
     logger = logging.getLogger("mlflow.transformers")
     logger.setLevel(logging.NOTSET)
     with caplog.at_level(logging.WARNING):
