@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures, and how the suite is spread over pytest-xdist workers (pyproject's ``-n auto``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,28 @@ import os
 
 import pytest
 import torch
+
+# Files whose tests share one expensive session fixture run on the same worker, so it is built once.
+SHARED_FIXTURE_GROUPS = {
+    "test_train_parallel.py": "ep2_run",
+    "test_dashboard_api.py": "ep2_run",
+}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most four. Most of the suite's time is processes starting
+    (importing torch and transformers takes one core ~10 s), which a second worker overlaps; past four,
+    the multi-process tests (2-4 processes each) only oversubscribe the cores."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one unit of work for ``--dist loadgroup`` (its module fixtures are built once), and
+    the files in `SHARED_FIXTURE_GROUPS` share a worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(SHARED_FIXTURE_GROUPS.get(name, name)))
 
 
 @pytest.fixture()
