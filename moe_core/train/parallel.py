@@ -176,10 +176,14 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         self.group = state.ep_group
         first = self.ep_rank * self.num_local
         F_, D = experts.up_proj.shape[1], experts.up_proj.shape[2]
-        self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
-        with torch.no_grad():
-            for name, param in self.local.named_parameters():
-                param.copy_(getattr(experts, name)[first : first + self.num_local])
+        # a model built on the meta device (`moe_core.train.build`) gets a meta shard: nothing is allocated
+        # here, and each rank materializes and initializes only its own experts afterwards
+        with torch.device(experts.up_proj.device):
+            self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
+        if not experts.up_proj.is_meta:
+            with torch.no_grad():
+                for name, param in self.local.named_parameters():
+                    param.copy_(getattr(experts, name)[first : first + self.num_local])
         self.first_expert = first
         self.layer_id = -1  # set by apply_expert_parallel; names the layer in the communication telemetry
         self.comm = CommStats()
