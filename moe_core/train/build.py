@@ -113,9 +113,7 @@ def init_parameters(model: MoEForCausalLM, seed: int) -> None:
     values for the same seed whatever the layout."""
     rule = model._init_weights
     first_expert = {id(m.local): m.first_expert for _, m in par.expert_modules(model)}
-    device = next(model.parameters()).device
-    if isinstance(next(model.parameters()), DTensor):
-        device = next(model.parameters()).to_local().device
+    device = par.local(next(model.parameters())).device
     for name, module in _post_order(model):
         whole_name = par.full_model_name(name + ".").rstrip(".")
         if isinstance(module, GroupedExperts):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -56,7 +57,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moe_core.data.tokenizer import set_model_input_names
 from moe_core.errors import MoELabError
@@ -218,10 +219,11 @@ def split_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
 
 
 def split_optimizer_state(
-    model: torch.nn.Module, optimizer
+    model: torch.nn.Module, optimizer, keep_replicated: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(replicated, expert shard) AdamW state of this rank keyed ``<parameter name>:<state key>``, FSDP2 shards
-    gathered whole (every rank takes part, in the same order)."""
+    gathered whole (every rank takes part, in the same order; without ``keep_replicated``, a rank that does not
+    write them lets each gathered tensor go at once)."""
     replicated, experts = {}, {}
     for name, param in model.named_parameters():  # tied parameters once
         for key, value in sorted(optimizer.state.get(param, {}).items()):
@@ -229,8 +231,9 @@ def split_optimizer_state(
                 continue
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            target = experts if is_expert_param(name) else replicated
-            target[f"{name}:{key}"] = value.detach().cpu().contiguous()
+            expert = is_expert_param(name)
+            if expert or keep_replicated:
+                (experts if expert else replicated)[f"{name}:{key}"] = value.detach().cpu().contiguous()
     return replicated, experts
 
 
@@ -269,26 +272,49 @@ class TensorIndex:
     def names(self) -> list[str]:
         return list(self.pieces)
 
+    def rows(self, name: str) -> int:
+        """Rows (dim 0) of the whole tensor ``name``; 0 for a scalar."""
+        return max(first + rows for _, _, first, rows in self.pieces[name])
+
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         pieces = self.pieces.get(name)
         if not pieces:
             raise CheckpointError(f"{self.ckpt}: no tensor {name}; resume with the same model config")
-        if start is None or pieces[0][3] == 0:
-            if len(pieces) == 1 or pieces[0][3] == 0:
-                path, key, _, _ = pieces[0]
-                return self._handle(path).get_tensor(key)
-            start, stop = 0, max(first + rows for _, _, first, rows in pieces)
+        if pieces[0][3] == 0 or (start is None and len(pieces) == 1):
+            path, key, _, _ = pieces[0]
+            return self._handle(path).get_tensor(key)
+        if start is None:
+            start, stop = 0, self.rows(name)
         parts = []
         for path, key, first, rows in sorted(pieces, key=lambda piece: piece[2]):
             lo, hi = max(start, first), min(stop, first + rows)
-            if lo < hi:
-                parts.append(self._handle(path).get_slice(key)[lo - first : hi - first])
+            if lo < hi or (lo == hi == start and not parts and first <= start <= first + rows):
+                parts.append(self._handle(path).get_slice(key)[lo - first : hi - first])  # (may be empty)
         got = sum(part.shape[0] for part in parts)
-        if got != stop - start:
+        if not parts or got != stop - start:
             raise CheckpointError(
                 f"{self.ckpt}: {name}: rows {start}..{stop - 1} wanted, {got} found; an expert shard is missing"
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_as(self, name: str, target: torch.Tensor, start: int | None = None, stop: int | None = None):
+        """``name`` as ``target`` holds it: rows ``start:stop`` of an expert stack; for an FSDP2 DTensor of the
+        same shape (``Shard(0)`` over a 1-D mesh), only this rank's rows, read as such; else the whole tensor."""
+        if (
+            isinstance(target, DTensor)
+            and start is None
+            and self.rows(name) == (target.shape[0] if target.ndim else 0)
+        ):
+            mesh, placements = target.device_mesh, tuple(target.placements)
+            device = target.to_local().device
+            if mesh.ndim == 1 and placements == (Shard(0),):
+                rows, world, rank = target.shape[0], mesh.size(), mesh.get_local_rank()
+                chunk = math.ceil(rows / world)  # torch.chunk's split, as Shard(0) uses
+                lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+                local = self.read(name, lo, hi).to(device)
+                return DTensor.from_local(local, mesh, placements, shape=target.shape, stride=target.stride())
+            return distribute_tensor(self.read(name).to(device), mesh, placements, src_data_rank=None)
+        return self.read(name, start, stop)
 
 
 def _expert_rows(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -303,34 +329,37 @@ def _rows_of(name: str, rows: dict[str, tuple[int, int]]) -> tuple[int | None, i
     return None, None
 
 
-def _as_placed(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (whole, read by every rank) as ``target`` holds it: an FSDP2 DTensor keeps this rank's shard."""
-    if isinstance(target, DTensor):
-        device = target.to_local().device
-        return distribute_tensor(tensor.to(device), target.device_mesh, target.placements, src_data_rank=None)
-    return tensor
-
-
+@torch.no_grad()
 def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
-    """This rank's weights from ``ckpt``, whatever layout wrote it: whole replicated tensors (FSDP2: this rank's
-    shard of them) and its own experts' rows of every expert stack."""
+    """This rank's weights from ``ckpt``, whatever layout wrote it: replicated tensors whole (FSDP2: this rank's
+    rows of them) and its own experts' rows of every expert stack, copied into the live tensors one at a time
+    (never a second copy of the model)."""
     index, rows = TensorIndex(ckpt, "model.safetensors", "experts-"), _expert_rows(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    state, missing = {}, []
-    for name, target in model.state_dict().items():
-        whole = full_model_name(name)
-        if whole not in index.pieces:
-            if not (tied and name == "lm_head.weight"):
-                missing.append(name)
-            continue
-        state[name] = _as_placed(index.read(whole, *_rows_of(name, rows)), target)
-    unexpected = set(index.names()) - {full_model_name(n) for n in model.state_dict()}
+    current = model.state_dict()  # the live parameters and buffers (FSDP2: this rank's DTensor shards)
+    missing = [
+        n for n in current if full_model_name(n) not in index.pieces and not (tied and n == "lm_head.weight")
+    ]
+    unexpected = set(index.names()) - {full_model_name(n) for n in current}
     if missing or unexpected:
         raise CheckpointError(
             f"{ckpt}: parameters do not match the model (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}); resume with the same model config"
         )
-    model.load_state_dict(state, strict=False)
+    for name, target in current.items():
+        whole = full_model_name(name)
+        if whole not in index.pieces:
+            continue  # the tied head: its embedding is loaded
+        value = index.read_as(whole, target, *_rows_of(name, rows))
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{ckpt}: {whole} has shape {tuple(value.shape)}, the model {tuple(target.shape)}; resume with "
+                f"the same model config"
+            )
+        if isinstance(target, DTensor):
+            target.to_local().copy_(value.to_local())
+        else:
+            target.copy_(value)
 
 
 def load_optimizer_tensors(model: torch.nn.Module, optimizer, ckpt: Path, saved_groups: list | None) -> None:
@@ -350,9 +379,8 @@ def load_optimizer_tensors(model: torch.nn.Module, optimizer, ckpt: Path, saved_
             continue
         whole, (start, stop) = full_model_name(name), _rows_of(name, rows)
         per_param = {}
-        for key in keys.get(whole, []):
-            value = index.read(f"{whole}:{key}", start, stop)
-            per_param[key] = _as_placed(value, param) if value.shape == param.shape else value
+        for key in keys.get(whole, []):  # exp_avg and exp_avg_sq shaped as the parameter; step a scalar
+            per_param[key] = index.read_as(f"{whole}:{key}", param, start, stop)
         if per_param:
             state[position[id(param)]] = per_param
     groups = optimizer.state_dict()["param_groups"]
@@ -438,7 +466,9 @@ def save_rank_files(
         replicated, experts = split_state_dict(model)
         files = {"model.safetensors": replicated, f"experts-ep{ep_rank}-of-{ep_size}.safetensors": experts}
         if not optimizer_in_rank_file:
-            opt_replicated, opt_experts = split_optimizer_state(model, optimizer)
+            opt_replicated, opt_experts = split_optimizer_state(
+                model, optimizer, keep_replicated=write_replicated
+            )
             files[OPTIMIZER_FILE] = opt_replicated
             files[f"optimizer-experts-ep{ep_rank}-of-{ep_size}.safetensors"] = opt_experts
         for name, tensors in files.items():
