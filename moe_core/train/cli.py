@@ -4,6 +4,7 @@
     moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
     moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
     moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # launches torchrun for you
+    moe-lab train --nproc 8 --set parallel.ep_size=8 --dry-run --out runs/x   # per-rank bytes; allocates nothing
     moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
     moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
     moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
@@ -38,6 +39,7 @@ HELP = """Train an MoE (or its dense baseline) from a preset, a config file and 
     moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
     moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
     moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # 2 processes, experts sharded over them
+    moe-lab train --nproc 8 --set parallel.ep_size=8 --dry-run --out runs/x   # what each rank would own
     moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
     moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
     moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
@@ -45,7 +47,8 @@ HELP = """Train an MoE (or its dense baseline) from a preset, a config file and 
 --nproc (or --nnodes > 1, or --max-restarts) starts the processes with torchrun for you; a group restarted
 after a failure resumes from the newest complete checkpoint. --slurm writes <out>/launch.sbatch and, with
 --submit, hands it to sbatch. Ctrl-C or SIGTERM finishes the step, saves a checkpoint and says how to resume
-(a second Ctrl-C stops at once). --help-config lists every field --set takes.
+(a second Ctrl-C stops at once). --resume may change --nproc, parallel.ep_size and parallel.dp_mode: checkpoints
+reshard. --help-config lists every field --set takes.
 """
 
 
