@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -156,13 +155,6 @@ def materialized_bytes(model: nn.Module) -> int:
     return total
 
 
-def _shard_rows(rows: int, world: int, rank: int) -> int:
-    """Rows of dim 0 that rank ``rank`` holds under FSDP2's ``Shard(0)`` (``torch.chunk``: equal chunks of
-    ceil(rows / world), the last ones shorter or empty)."""
-    chunk = math.ceil(rows / world)
-    return max(0, min(chunk, rows - rank * chunk))
-
-
 def rank_parameter_bytes(
     model_config: MoEConfig, world_size: int, ep_size: int, dp_mode: str = "ddp"
 ) -> list[dict[str, int]]:
@@ -190,7 +182,8 @@ def rank_parameter_bytes(
                 whole += size * ep_size
             elif dp_mode == "fsdp2" and world_size > 1:
                 rows = param.shape[0]
-                dense_bytes += size // rows * _shard_rows(rows, world_size, rank)
+                start, stop = par.shard_rows(rows, world_size, rank)
+                dense_bytes += size // rows * (stop - start)
                 whole += size
             else:
                 dense_bytes += size

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import pickle
 import random
@@ -62,7 +61,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from moe_core.data.tokenizer import set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard, fsync_directory, fsync_file
-from moe_core.train.parallel import expert_modules, full_model_name, is_expert_param
+from moe_core.train.parallel import expert_modules, full_model_name, is_expert_param, shard_rows
 
 FORMAT = 3
 READABLE_FORMATS = (2, 3)  # format 2: optimizer state per rank, for the layout that wrote it only
@@ -308,9 +307,7 @@ class TensorIndex:
             mesh, placements = target.device_mesh, tuple(target.placements)
             device = target.to_local().device
             if mesh.ndim == 1 and placements == (Shard(0),):
-                rows, world, rank = target.shape[0], mesh.size(), mesh.get_local_rank()
-                chunk = math.ceil(rows / world)  # torch.chunk's split, as Shard(0) uses
-                lo, hi = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+                lo, hi = shard_rows(target.shape[0], mesh.size(), mesh.get_local_rank())
                 local = self.read(name, lo, hi).to(device)
                 return DTensor.from_local(local, mesh, placements, shape=target.shape, stride=target.stride())
             return distribute_tensor(self.read(name).to(device), mesh, placements, src_data_rank=None)

@@ -290,9 +290,8 @@ class Trainer:
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
-        if (
-            config.parallel.backend != "deepspeed" and not fsdp
-        ):  # DeepSpeed's engine wraps it (`_build_optimization`)
+        # DeepSpeed's engine wraps it (`_build_optimization`)
+        if config.parallel.backend != "deepspeed" and not fsdp:
             self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
 
     def _build_optimization(self) -> None:

@@ -391,6 +391,13 @@ def wrap_data_parallel(model: nn.Module, state: ParallelState, mode: str = "ddp"
     return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 that rank ``rank`` holds under FSDP2's ``Shard(0)`` over ``world``
+    ranks (``torch.chunk``'s split: chunks of ceil(rows / world), the last ones shorter or empty)."""
+    chunk = math.ceil(rows / world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
