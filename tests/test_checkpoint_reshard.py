@@ -24,11 +24,18 @@ import pytest
 import torch
 
 from moe_core.train.build import build_meta_model, rank_parameter_bytes
-from moe_core.train.checkpoint import OPTIMIZER_FILE, TensorIndex, gather_state_dict, load_rank_files
+from moe_core.train.checkpoint import (
+    OPTIMIZER_FILE,
+    CheckpointError,
+    TensorIndex,
+    gather_state_dict,
+    load_rank_files,
+)
 from moe_core.train.config import TrainConfig
 from moe_core.train.loop import Trainer
 from tests.dist_helpers import REPO, env, free_port, run_cli
 from tests.reshard_worker import MEASURE_SETS, TINY_SETS
+from tests.test_hardening_checkpoint import rewrite_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +162,24 @@ def test_a_rank_allocates_only_the_shards_it_owns(fsdp2_ep2):
         row = json.loads((fsdp2_ep2 / "report" / f"rank{rank}.json").read_text())
         assert row["materialized"] == predicted[rank]["params"] < 0.55 * whole
         assert row["materialized"] <= row["rss_growth"] < whole, row
+
+
+def test_a_per_rank_optimizer_checkpoint_of_another_layout_is_refused_by_name(tmp_path):
+    """DeepSpeed's checkpoints (and format 2's) keep the optimizer state per rank: they resume at their own layout
+    only, and a resume at another is refused before anything is loaded, naming what to do."""
+    out = tmp_path / "run"
+    trainer = Trainer(TrainConfig.from_preset("mixtral-tiny").with_overrides(TINY_SETS), out)
+    try:
+        ckpt = trainer.save_checkpoint()
+    finally:
+        trainer.close()
+    state = torch.load(ckpt / "rank0-state.pt", weights_only=True)
+    state["optimizer"] = {"state": {}, "param_groups": state["optimizer_groups"]}  # as DeepSpeed's rank files
+    torch.save(state, ckpt / "rank0-state.pt")
+    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**trainer_state, "world_size": 2, "ep_size": 2}))
+    rewrite_manifest(ckpt)
+    with pytest.raises(
+        CheckpointError, match="written by 2 processes with ep_size=2.*resume with the same --nproc"
+    ):
+        Trainer(TrainConfig.load(ckpt / "train_config.json"), out, resume=True)

@@ -394,22 +394,21 @@ class Trainer:
         st = self.state
         saved = ckpt_io.read_trainer_state(ckpt)
         written_dp_mode = saved.get("dp_mode", self.config.parallel.dp_mode)
-        same_layout = (saved["world_size"], saved["ep_size"], written_dp_mode) == (
-            st.world_size,
-            st.ep_size,
-            self.config.parallel.dp_mode,
+        same_layout = (saved["world_size"], saved["ep_size"]) == (st.world_size, st.ep_size) and (
+            st.world_size == 1 or written_dp_mode == self.config.parallel.dp_mode  # one process: no dp at all
         )
         # at its own layout each rank takes back its own file (its RNG state: a bitwise resume); else the file
         # of the same rank number, or rank 0's (the data position, scheduler and scaler are the same in all)
         rank_state = ckpt_io.load_rank_files(ckpt, st.rank if st.rank < saved["world_size"] else 0)
-        if not same_layout and rank_state.get("optimizer_groups") is None:
+        per_rank_optimizer = rank_state.get("optimizer") is not None  # format 2, or DeepSpeed's own
+        if not same_layout and per_rank_optimizer:
             raise ckpt_io.CheckpointError(
                 f"{ckpt} was written by {saved['world_size']} processes with ep_size={saved['ep_size']}, "
                 f"dp_mode={written_dp_mode}, in a format that keeps the optimizer state per rank "
                 f"(format 2, or parallel.backend=deepspeed); resume with the same --nproc and parallel settings"
             )
         ckpt_io.load_model_state(self.model, ckpt)
-        if rank_state.get("optimizer") is not None:  # format 2 or DeepSpeed: this rank's own optimizer state
+        if per_rank_optimizer:
             ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
         else:
             ckpt_io.load_optimizer_tensors(self.model, self.optimizer, ckpt, rank_state["optimizer_groups"])
