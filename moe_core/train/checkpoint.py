@@ -39,6 +39,9 @@ expert-parallel size or data-parallel mode (DDP or FSDP2), each rank reading onl
 resume is bitwise exact (each rank also takes back its own RNG state); at another layout the RNG states (which
 only jitter and dropout draw from) come from the rank file of the same rank number, or rank 0's.
 Format-2 checkpoints (the optimizer state per rank in ``rank<r>-state.pt``) still resume at their own layout.
+Writing, rank 0 still gathers the whole replicated state (FSDP2 shards all-gathered, one tensor at a time, kept
+until the file is written), as format 2 did for the weights; a writer that streams shard by shard (or
+torch.distributed.checkpoint's per-rank shards) would lift that at the largest sizes.
 """
 
 from __future__ import annotations
