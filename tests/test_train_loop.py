@@ -260,7 +260,7 @@ def test_out_of_memory_names_the_batch_settings(tmp_path, monkeypatch):
 def test_aux_loss_free_bias_moves_in_training_and_not_in_evaluation(tmp_path):
     config = tiny(
         "mixtral-tiny",
-        steps=4,
+        steps=3,  # odd: +-rate steps of a balanced router can cancel to exactly 0 after an even number
         model={
             "overrides": {"router": "aux_free", "router_bias_update_rate": 0.01, "router_aux_loss_coef": 0.0}
         },

@@ -11,8 +11,9 @@ Train a tiny Switch model on the built-in corpus::
 
 The same from the command line: ``moe-lab train --preset switch-tiny --set steps=30 --out runs/switch-tiny``;
 ``--nproc 2 --set parallel.ep_size=2`` shards the experts over two processes; ``--resume`` continues from
-the latest checkpoint. Modules: `config` (TrainConfig), `loop` (Trainer, train), `parallel` (expert and data
-parallelism), `checkpoint`, `optim` (AdamW and the LR schedule), `interval` (what a logged row averages),
+the latest checkpoint (at any layout: checkpoints reshard). Modules: `config` (TrainConfig), `loop` (Trainer,
+train), `build` (the meta-device start: each rank materializes what it owns; the dry run's accounting),
+`parallel` (expert and data parallelism), `checkpoint`, `optim` (AdamW and the LR schedule), `interval` (what a logged row averages),
 `telemetry` (metrics sinks, routing statistics), `batches`, `cli`; the FLOPs model behind throughput and MFU is
 `moe_core.flops`.
 

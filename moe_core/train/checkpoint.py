@@ -1,19 +1,25 @@
 """Checkpoints: everything needed to continue a run exactly, written atomically, loaded without unpickling code.
 
-This file is the one home of the checkpoint format (format 2). Layout of ``<out>/checkpoints/step_<N>/``::
+This file is the one home of the checkpoint format (format 3). Layout of ``<out>/checkpoints/step_<N>/``::
 
     train_config.json        the TrainConfig (also model.config below)
     config.json              the MoEConfig (save_pretrained format)
-    model.safetensors        replicated parameters and buffers (router biases included); the whole model
-                             on one process, so the directory loads with ``from_pretrained`` as is
-    experts-ep<k>-of-<n>.safetensors   expert shard k under expert parallelism (n > 1)
+    model.safetensors        replicated parameters and buffers (router biases included), whole tensors (FSDP2
+                             shards gathered); the whole model on one process, so the directory loads with
+                             ``from_pretrained`` as is
+    experts-ep<k>-of-<n>.safetensors   expert shard k under expert parallelism: global experts
+                             k*E/n .. (k+1)*E/n - 1 of every stack
+    optimizer.safetensors    AdamW's state of the replicated parameters, whole tensors, keyed
+                             ``<parameter name>:exp_avg`` / ``:exp_avg_sq`` / ``:step``
+    optimizer-experts-ep<k>-of-<n>.safetensors   the same for expert shard k
     rank<r>-state.pt         per rank, loaded with ``torch.load(weights_only=True)`` (tensors and plain
-                             containers only; anything else is refused): the optimizer state (this rank's
-                             shards under FSDP2), the LR scheduler, the data position (epoch and sampler),
-                             the fp16 loss scaler, and the RNG states (python, numpy, torch, cuda) as tensors,
-                             ints and tuples
+                             containers only; anything else is refused): the optimizer's group settings, the
+                             LR scheduler, the data position (epoch and sampler), the fp16 loss scaler, and
+                             the RNG states (python, numpy, torch, cuda) as tensors, ints and tuples. Under
+                             ``parallel.backend=deepspeed`` the optimizer state is here instead, in DeepSpeed's
+                             own per-rank form (such a checkpoint resumes at its own layout only)
     trainer_state.json       step, tokens, skipped steps, best validation loss, world and expert-parallel size,
-                             tokenizer and data references
+                             data-parallel mode, tokenizer and data references
     manifest.json            written last: format version, step, and the size and SHA-256 of every other file
 
 A checkpoint is written into ``.tmp-step_<N>`` (every rank writes its own files; a shared filesystem is
@@ -25,6 +31,17 @@ and a damaged or incomplete checkpoint is passed over for the newest complete on
 ``keep_last`` and the best (lowest validation loss) are kept. Checkpoints of the earlier pickle format
 (``rank<r>.pt`` + ``rank<r>-trainer.pt``, no manifest) are refused, never unpickled.
 `export_checkpoint` gathers expert shards into one Hugging Face directory.
+
+Resharding: every tensor is stored whole under its name in the whole model, expert stacks split by global
+expert index in the files' names, and so is the optimizer state: a run resumes at another world size,
+expert-parallel size or data-parallel mode (DDP or FSDP2), each rank reading only its slice (`TensorIndex`:
+``safe_open`` slices, its experts only), with the same weights and AdamW state. At the layout that wrote it a
+resume is bitwise exact (each rank also takes back its own RNG state); at another layout the RNG states (which
+only jitter and dropout draw from) come from the rank file of the same rank number, or rank 0's.
+Format-2 checkpoints (the optimizer state per rank in ``rank<r>-state.pt``) still resume at their own layout.
+Writing, rank 0 still gathers the whole replicated state (FSDP2 shards all-gathered, one tensor at a time, kept
+until the file is written), as format 2 did for the weights; a writer that streams shard by shard (or
+torch.distributed.checkpoint's per-rank shards) would lift that at the largest sizes.
 """
 
 from __future__ import annotations
@@ -40,18 +57,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moe_core.data.tokenizer import set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, disk_full_guard, fsync_directory, fsync_file
-from moe_core.train.parallel import full_model_name, is_expert_param
+from moe_core.train.parallel import expert_modules, full_model_name, is_expert_param, shard_rows
 
-FORMAT = 2
+FORMAT = 3
+READABLE_FORMATS = (2, 3)  # format 2: optimizer state per rank, for the layout that wrote it only
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
 OLD_FORMAT_FILES = ("rank0.pt", "rank0-trainer.pt")  # format 1: pickled optimizer/RNG/scheduler files
 
 
@@ -92,8 +112,8 @@ def incomplete_reason(ckpt: Path) -> str | None:
         return "no manifest.json (the write or a deletion was cut short)"
     except (OSError, ValueError) as err:
         return f"manifest.json is unreadable ({type(err).__name__})"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')!r}, this version reads format {FORMAT}"
+    if manifest.get("format") not in READABLE_FORMATS:
+        return f"format {manifest.get('format')!r}, this version reads formats {READABLE_FORMATS}"
     for name, entry in manifest.get("files", {}).items():
         try:
             size = (ckpt / name).stat().st_size
@@ -200,30 +220,175 @@ def split_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
     return replicated, experts
 
 
-def load_model_state(model: torch.nn.Module, ckpt: Path, ep_rank: int = 0, ep_size: int = 1) -> None:
-    state = load_file(ckpt / "model.safetensors")
-    if ep_size > 1 or any(ckpt.glob("experts-ep*.safetensors")):
-        shard = ckpt / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
-        if not shard.is_file():
-            raise CheckpointError(
-                f"{ckpt}: no expert shard {shard.name}; resume with the same parallel.ep_size "
-                f"as the run that wrote it"
+def split_optimizer_state(
+    model: torch.nn.Module, optimizer, keep_replicated: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(replicated, expert shard) AdamW state of this rank keyed ``<parameter name>:<state key>``, FSDP2 shards
+    gathered whole (every rank takes part, in the same order; without ``keep_replicated``, a rank that does not
+    write them lets each gathered tensor go at once)."""
+    replicated, experts = {}, {}
+    for name, param in model.named_parameters():  # tied parameters once
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if not torch.is_tensor(value):
+                continue
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            expert = is_expert_param(name)
+            if expert or keep_replicated:
+                (experts if expert else replicated)[f"{name}:{key}"] = value.detach().cpu().contiguous()
+    return replicated, experts
+
+
+class TensorIndex:
+    """Where each tensor of a checkpoint lies, by its name in the whole model: ``whole`` (one file of whole
+    tensors) and the expert shards ``<shard_prefix>ep<k>-of-<n>.safetensors`` (global experts k*E/n ..). `read`
+    returns a tensor, or rows ``start:stop`` of an expert stack read from whichever shards hold them
+    (``safe_open`` slices: a rank reads its experts only), whatever layout wrote them."""
+
+    def __init__(self, ckpt: Path, whole: str, shard_prefix: str) -> None:
+        self.ckpt = ckpt
+        self._open: dict[Path, object] = {}
+        # whole-model name -> [(file, name in the file, first global row, rows)]
+        self.pieces: dict[str, list[tuple[Path, str, int, int]]] = {}
+        if (ckpt / whole).is_file():
+            self._add(ckpt / whole, 0, None)
+        shards = sorted(ckpt.glob(f"{shard_prefix}ep*-of-*.safetensors"))
+        for shard in shards:
+            k, n = shard.name[len(shard_prefix) + 2 : -len(".safetensors")].split("-of-")
+            self._add(shard, int(k), int(n))
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def _add(self, path: Path, k: int, n: int | None) -> None:
+        handle = self._handle(path)
+        for key in handle.keys():
+            shape = handle.get_slice(key).get_shape()
+            rows = shape[0] if shape else 0  # 0: a scalar (AdamW's step), the same in every shard
+            self.pieces.setdefault(full_model_name(key), []).append(
+                (path, key, 0 if n is None else k * rows, rows)
             )
-        state.update(load_file(shard))
-    current = model.state_dict()
-    for name, tensor in state.items():
-        target = current.get(name)
-        if isinstance(target, DTensor):  # FSDP2: every rank read the whole tensor; keep this rank's shard
-            state[name] = distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {
-        k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
-    }
-    if set(missing) - tied or unexpected:
+
+    def names(self) -> list[str]:
+        return list(self.pieces)
+
+    def rows(self, name: str) -> int:
+        """Rows (dim 0) of the whole tensor ``name``; 0 for a scalar."""
+        return max(first + rows for _, _, first, rows in self.pieces[name])
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        pieces = self.pieces.get(name)
+        if not pieces:
+            raise CheckpointError(f"{self.ckpt}: no tensor {name}; resume with the same model config")
+        if pieces[0][3] == 0 or (start is None and len(pieces) == 1):
+            path, key, _, _ = pieces[0]
+            return self._handle(path).get_tensor(key)
+        if start is None:
+            start, stop = 0, self.rows(name)
+        parts = []
+        for path, key, first, rows in sorted(pieces, key=lambda piece: piece[2]):
+            lo, hi = max(start, first), min(stop, first + rows)
+            if lo < hi or (lo == hi == start and not parts and first <= start <= first + rows):
+                parts.append(self._handle(path).get_slice(key)[lo - first : hi - first])  # (may be empty)
+        got = sum(part.shape[0] for part in parts)
+        if not parts or got != stop - start:
+            raise CheckpointError(
+                f"{self.ckpt}: {name}: rows {start}..{stop - 1} wanted, {got} found; an expert shard is missing"
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_as(self, name: str, target: torch.Tensor, start: int | None = None, stop: int | None = None):
+        """``name`` as ``target`` holds it: rows ``start:stop`` of an expert stack; for an FSDP2 DTensor of the
+        same shape (``Shard(0)`` over a 1-D mesh), only this rank's rows, read as such; else the whole tensor."""
+        if (
+            isinstance(target, DTensor)
+            and start is None
+            and self.rows(name) == (target.shape[0] if target.ndim else 0)
+        ):
+            mesh, placements = target.device_mesh, tuple(target.placements)
+            device = target.to_local().device
+            if mesh.ndim == 1 and placements == (Shard(0),):
+                lo, hi = shard_rows(target.shape[0], mesh.size(), mesh.get_local_rank())
+                local = self.read(name, lo, hi).to(device)
+                return DTensor.from_local(local, mesh, placements, shape=target.shape, stride=target.stride())
+            return distribute_tensor(self.read(name).to(device), mesh, placements, src_data_rank=None)
+        return self.read(name, start, stop)
+
+
+def _expert_rows(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """State-dict name prefix of each expert shard -> (its first global expert, how many it holds)."""
+    return {f"{name}.local.": (m.first_expert, m.num_local) for name, m in expert_modules(model)}
+
+
+def _rows_of(name: str, rows: dict[str, tuple[int, int]]) -> tuple[int | None, int | None]:
+    for prefix, (first, count) in rows.items():
+        if name.startswith(prefix):
+            return first, first + count
+    return None, None
+
+
+@torch.no_grad()
+def load_model_state(model: torch.nn.Module, ckpt: Path) -> None:
+    """This rank's weights from ``ckpt``, whatever layout wrote it: replicated tensors whole (FSDP2: this rank's
+    rows of them) and its own experts' rows of every expert stack, copied into the live tensors one at a time
+    (never a second copy of the model)."""
+    index, rows = TensorIndex(ckpt, "model.safetensors", "experts-"), _expert_rows(model)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    current = model.state_dict()  # the live parameters and buffers (FSDP2: this rank's DTensor shards)
+    missing = [
+        n for n in current if full_model_name(n) not in index.pieces and not (tied and n == "lm_head.weight")
+    ]
+    unexpected = set(index.names()) - {full_model_name(n) for n in current}
+    if missing or unexpected:
         raise CheckpointError(
-            f"{ckpt}: parameters do not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+            f"{ckpt}: parameters do not match the model (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}); resume with the same model config"
         )
+    for name, target in current.items():
+        whole = full_model_name(name)
+        if whole not in index.pieces:
+            continue  # the tied head: its embedding is loaded
+        value = index.read_as(whole, target, *_rows_of(name, rows))
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{ckpt}: {whole} has shape {tuple(value.shape)}, the model {tuple(target.shape)}; resume with "
+                f"the same model config"
+            )
+        if isinstance(target, DTensor):
+            target.to_local().copy_(value.to_local())
+        else:
+            target.copy_(value)
+
+
+def load_optimizer_tensors(model: torch.nn.Module, optimizer, ckpt: Path, saved_groups: list | None) -> None:
+    """AdamW's state from ``optimizer*.safetensors`` (format 3), resharded to this rank's parameters as
+    `load_model_state` does the weights. ``saved_groups`` (the group settings of the rank file) replace the
+    current groups' where the layout has as many groups (FSDP2 keeps its DTensors in groups of their own)."""
+    index, rows = TensorIndex(ckpt, "optimizer.safetensors", "optimizer-experts-"), _expert_rows(model)
+    keys: dict[str, list[str]] = {}
+    for entry in index.names():
+        name, key = entry.rsplit(":", 1)
+        keys.setdefault(name, []).append(key)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    position = {id(p): i for i, p in enumerate(params)}
+    state = {}
+    for name, param in model.named_parameters():
+        if id(param) not in position:
+            continue
+        whole, (start, stop) = full_model_name(name), _rows_of(name, rows)
+        per_param = {}
+        for key in keys.get(whole, []):  # exp_avg and exp_avg_sq shaped as the parameter; step a scalar
+            per_param[key] = index.read_as(f"{whole}:{key}", param, start, stop)
+        if per_param:
+            state[position[id(param)]] = per_param
+    groups = optimizer.state_dict()["param_groups"]
+    if saved_groups is not None and len(saved_groups) == len(groups):
+        groups = [
+            {**saved, "params": group["params"]} for saved, group in zip(saved_groups, groups, strict=True)
+        ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ------------------------------------------------------------------------------------------------ RNG
@@ -291,21 +456,34 @@ def save_rank_files(
     scheduler=None,
     data_state: dict | None = None,
     scaler=None,
+    optimizer_in_rank_file: bool = False,
 ) -> None:
-    """This rank's files: the weights it owns (safetensors) and ``rank<r>-state.pt`` (optimizer, scheduler, data
-    position, loss scaler, RNG; tensors and plain containers only, so it loads with ``weights_only=True``)."""
+    """This rank's files: the weights and optimizer state it owns (safetensors, by name in the whole model) and
+    ``rank<r>-state.pt`` (optimizer groups, scheduler, data position, loss scaler, RNG; tensors and plain
+    containers only, so it loads with ``weights_only=True``). ``optimizer_in_rank_file``: the whole optimizer
+    state in the rank file instead (DeepSpeed's, whose engine owns its layout)."""
     with disk_full_guard(tmp, estimated_bytes(model, optimizer)):
         replicated, experts = split_state_dict(model)
-        if write_replicated:
-            save_file(replicated, tmp / "model.safetensors", metadata={"format": "pt"})
-            fsync_file(tmp / "model.safetensors")
-        if experts and dp_rank == 0:
-            path = tmp / f"experts-ep{ep_rank}-of-{ep_size}.safetensors"
-            save_file(experts, path, metadata={"format": "pt"})
-            fsync_file(path)
+        files = {"model.safetensors": replicated, f"experts-ep{ep_rank}-of-{ep_size}.safetensors": experts}
+        if not optimizer_in_rank_file:
+            opt_replicated, opt_experts = split_optimizer_state(
+                model, optimizer, keep_replicated=write_replicated
+            )
+            files[OPTIMIZER_FILE] = opt_replicated
+            files[f"optimizer-experts-ep{ep_rank}-of-{ep_size}.safetensors"] = opt_experts
+        for name, tensors in files.items():
+            expert_file = "experts-" in name
+            if (expert_file and tensors and dp_rank == 0) or (not expert_file and write_replicated):
+                save_file(tensors, tmp / name, metadata={"format": "pt"})
+                fsync_file(tmp / name)
+        groups = [
+            {k: v for k, v in group.items() if k != "params"}
+            for group in optimizer.state_dict()["param_groups"]
+        ]
         state = {
             "format": FORMAT,
-            "optimizer": _local_optimizer_state(optimizer),
+            "optimizer": _local_optimizer_state(optimizer) if optimizer_in_rank_file else None,
+            "optimizer_groups": groups,
             "rng": rng_state(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "data": data_state,
@@ -386,8 +564,10 @@ def load_rank_files(ckpt: Path, rank: int) -> dict:
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {str(err)[:200]})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a format-{FORMAT} rank state file")
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(
+            f"{path}: not a rank state file of format {' or '.join(map(str, READABLE_FORMATS))}"
+        )
     return state
 
 

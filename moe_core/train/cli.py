@@ -4,6 +4,7 @@
     moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
     moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
     moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # launches torchrun for you
+    moe-lab train --nproc 8 --set parallel.ep_size=8 --dry-run --out runs/x   # per-rank bytes; allocates nothing
     moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
     moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
     moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
@@ -38,6 +39,7 @@ HELP = """Train an MoE (or its dense baseline) from a preset, a config file and 
     moe-lab train --config train.yaml --set optim.lr=1e-3 --out runs/a
     moe-lab train --out runs/a --resume                            # continue from the latest checkpoint
     moe-lab train --nproc 2 --set parallel.ep_size=2 --out runs/ep # 2 processes, experts sharded over them
+    moe-lab train --nproc 8 --set parallel.ep_size=8 --dry-run --out runs/x   # what each rank would own
     moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
     moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
     moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
@@ -45,7 +47,8 @@ HELP = """Train an MoE (or its dense baseline) from a preset, a config file and 
 --nproc (or --nnodes > 1, or --max-restarts) starts the processes with torchrun for you; a group restarted
 after a failure resumes from the newest complete checkpoint. --slurm writes <out>/launch.sbatch and, with
 --submit, hands it to sbatch. Ctrl-C or SIGTERM finishes the step, saves a checkpoint and says how to resume
-(a second Ctrl-C stops at once). --help-config lists every field --set takes.
+(a second Ctrl-C stops at once). --resume may change --nproc, parallel.ep_size and parallel.dp_mode: checkpoints
+reshard. --help-config lists every field --set takes.
 """
 
 
@@ -70,6 +73,13 @@ def add_cli(subparsers) -> None:
     add_config_help(p, _config_class)
     p.add_argument("--out", required=True, help="output directory (checkpoints, metrics.jsonl, final export)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the model on the meta device, lay it out over the processes --nproc and --nnodes give, "
+        "and print what each rank would own (parameters, gradients, AdamW state), allocating nothing; "
+        "nothing is launched or written",
+    )
     add_launch_options(
         p,
         restarts_help="elastic: restart the group up to N times when a worker dies; it resumes from the "
@@ -202,6 +212,37 @@ def worker_argv(args) -> list[str]:
     return argv
 
 
+def dry_run_report(config, world_size: int) -> str:
+    """What each of ``world_size`` ranks would own under ``config`` (`moe_core.train.build.rank_parameter_bytes`),
+    as a table; the vocabulary is the model config's (a data set's tokenizer may change it at launch)."""
+    from moe_core.train.build import rank_parameter_bytes
+
+    p = config.parallel
+    rows = rank_parameter_bytes(config.model.build_config(), world_size, p.ep_size, p.dp_mode)
+    lines = [
+        f"moe-lab train --dry-run: {world_size} process(es), ep_size={p.ep_size}, dp_mode={p.dp_mode}; "
+        f"whole model {_size(rows[0]['whole_model'])} (fp32); nothing allocated",
+        f"{'rank':>4} {'ep_rank':>7} {'params':>10} {'experts':>10} {'dense':>10} {'grads':>10} {'AdamW':>10} "
+        f"{'params bytes':>14}",
+    ]
+    for r in rows:
+        sizes = (r[k] for k in ("params", "expert_params", "dense_params", "grads", "optimizer"))
+        lines.append(
+            f"{r['rank']:>4} {r['ep_rank']:>7} "
+            + " ".join(f"{_size(b):>10}" for b in sizes)
+            + f" {r['params']:>14}"
+        )
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def run_launcher(cmd: list[str]) -> int:
     """Run torchrun and wait for it; returns its exit status, or 128 + the signal's number when this process was
     asked to stop. A Ctrl-C reaches the workers from the terminal too (one foreground process group): they save
@@ -251,6 +292,9 @@ def run_train(args, config=None) -> int:
             return subprocess.call(["sbatch", str(path)])
         return 0
     spec = launch_spec(args)
+    if args.dry_run:
+        print(dry_run_report(config, spec.world_size), flush=True)
+        return 0
     if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
         return run_launcher(launch.torchrun_command(spec, worker_argv(args)))
 

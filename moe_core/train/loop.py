@@ -46,7 +46,6 @@ from moe_core.errors import MoELabError
 from moe_core.eval.perplexity import perplexity
 from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.flops import flops_per_token, peak_flops
-from moe_core.model import MoEForCausalLM
 from moe_core.router_losses import LoadBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import deepspeed_engine as ds_engine
@@ -60,6 +59,7 @@ from moe_core.train.batches import (
     rank_slice,
     stack_blocks,
 )
+from moe_core.train.build import build_meta_model, materialize_owned
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
@@ -220,12 +220,19 @@ class Trainer:
             )
         if resume_from is not None:
             saved = TrainConfig.load(resume_from / "train_config.json")
+            # the layout (parallel.ep_size, parallel.dp_mode, the number of processes) may change: checkpoints
+            # reshard (`checkpoint.py`); the backend may not (DeepSpeed keeps its own optimizer format)
+            layout = {"ep_size", "dp_mode"}
             for section in ("model", "data", "parallel"):
-                if getattr(saved, section) != getattr(self.config, section):
+                exclude = layout if section == "parallel" else set()
+                if getattr(saved, section).model_dump(exclude=exclude) != getattr(
+                    self.config, section
+                ).model_dump(exclude=exclude):
                     raise MoELabError(
                         f"resume from {resume_from}: the `{section}` section differs from the run "
                         f"that wrote it; resume with its train_config.json (--set may change "
-                        f"steps, optim, log, eval and checkpoint settings)"
+                        f"steps, optim, log, eval and checkpoint settings, and parallel.ep_size, "
+                        f"parallel.dp_mode and --nproc)"
                     )
         return resume_from
 
@@ -260,8 +267,10 @@ class Trainer:
         """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
         data-parallel-wrapped as configured: what the training forward runs)."""
         config, state = self.config, self.state
-        seed_everything(config.seed)  # the same initial weights on every rank
-        model = MoEForCausalLM(self.model_config)
+        seed_everything(config.seed)  # the same random streams on every rank
+        # built on the meta device and laid out before anything is allocated: each rank then materializes and
+        # initializes only what it owns (`build.py`: the same initial weights at every layout for a seed)
+        model = build_meta_model(self.model_config)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # the load-balancing statistics' scope: every rank's tokens are its own, so the data-parallel group of
@@ -270,11 +279,19 @@ class Trainer:
             config.balance_scope, torch.distributed.group.WORLD if state.distributed else None
         )
         model = par.apply_expert_parallel(model, state)
-        self.model = model.to(state.device)
+        fsdp = (
+            state.distributed
+            and config.parallel.dp_mode == "fsdp2"
+            and config.parallel.backend != "deepspeed"
+        )
+        if fsdp:  # sharded while still on meta: each rank then allocates its shards only
+            model = par.wrap_data_parallel(model, state, "fsdp2")
+        self.model = materialize_owned(model, state.device, config.seed)
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
-        if config.parallel.backend != "deepspeed":  # DeepSpeed's engine wraps it (`_build_optimization`)
+        # DeepSpeed's engine wraps it (`_build_optimization`)
+        if config.parallel.backend != "deepspeed" and not fsdp:
             self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
 
     def _build_optimization(self) -> None:
@@ -322,6 +339,7 @@ class Trainer:
             "val_loss": self.last_val_loss,
             "world_size": self.state.world_size,
             "ep_size": self.state.ep_size,
+            "dp_mode": self.config.parallel.dp_mode,
             "tokenizer": str(self.data_dir / "tokenizer") if self.data_dir else None,
             "data_dir": str(self.data_dir) if self.data_dir else None,
         }
@@ -352,6 +370,7 @@ class Trainer:
                 scheduler=self.scheduler,
                 data_state=self.batches.state_dict(),
                 scaler=self.scaler,
+                optimizer_in_rank_file=self.engine is not None,  # DeepSpeed's own per-rank format
             )
             par.barrier(st)
             if st.is_main:
@@ -370,27 +389,52 @@ class Trainer:
         return final
 
     def _load_checkpoint(self, ckpt: Path) -> None:
+        """Weights, optimizer state and the rest from ``ckpt``; at another layout than the one that wrote it, each
+        rank reads its slice of the weights and optimizer state (`checkpoint.py`: resharding)."""
         st = self.state
-        ckpt_io.load_model_state(self.model, ckpt, st.ep_rank, st.ep_size)
-        rank_state = ckpt_io.load_rank_files(ckpt, st.rank)
-        ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
+        saved = ckpt_io.read_trainer_state(ckpt)
+        written_dp_mode = saved.get("dp_mode", self.config.parallel.dp_mode)
+        same_layout = (saved["world_size"], saved["ep_size"]) == (st.world_size, st.ep_size) and (
+            st.world_size == 1 or written_dp_mode == self.config.parallel.dp_mode  # one process: no dp at all
+        )
+        # at its own layout each rank takes back its own file (its RNG state: a bitwise resume); else the file
+        # of the same rank number, or rank 0's (the data position, scheduler and scaler are the same in all)
+        rank_state = ckpt_io.load_rank_files(ckpt, st.rank if st.rank < saved["world_size"] else 0)
+        per_rank_optimizer = rank_state.get("optimizer") is not None  # format 2, or DeepSpeed's own
+        if not same_layout and per_rank_optimizer:
+            raise ckpt_io.CheckpointError(
+                f"{ckpt} was written by {saved['world_size']} processes with ep_size={saved['ep_size']}, "
+                f"dp_mode={written_dp_mode}, in a format that keeps the optimizer state per rank "
+                f"(format 2, or parallel.backend=deepspeed); resume with the same --nproc and parallel settings"
+            )
+        ckpt_io.load_model_state(self.model, ckpt)
+        if per_rank_optimizer:
+            ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
+        else:
+            ckpt_io.load_optimizer_tensors(self.model, self.optimizer, ckpt, rank_state["optimizer_groups"])
         if self.engine is not None:  # DeepSpeed steps fp32 master copies of the weights just loaded
             ds_engine.restore_master_weights(self.engine)
-        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self._load_scheduler(rank_state["scheduler"])
         self.batches.load_state_dict(rank_state["data"])
         if self.scaler is not None and rank_state["scaler"]:
             self.scaler.load_state_dict(rank_state["scaler"])
-        saved = ckpt_io.read_trainer_state(ckpt)
-        if saved["world_size"] != st.world_size or saved["ep_size"] != st.ep_size:
-            raise ckpt_io.CheckpointError(
-                f"{ckpt} was written by {saved['world_size']} processes with ep_size={saved['ep_size']}; resume "
-                f"with the same --nproc and parallel.ep_size"
-            )
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.skipped_steps, self.bad_in_row = saved["skipped_steps"], saved["bad_in_row"]
         self.best, self.last_val_loss = saved["best"], saved["val_loss"]
         ckpt_io.set_rng_state(rank_state["rng"])
         self.last_checkpoint = ckpt
+
+    def _load_scheduler(self, saved: dict) -> None:
+        """The LR schedule's position. A layout with other optimizer groups (FSDP2 keeps its DTensors apart) keeps
+        its own base LRs, and each group's LR is what the schedule gives at that step (LambdaLR's formula)."""
+        if len(saved["base_lrs"]) == len(self.scheduler.base_lrs):
+            self.scheduler.load_state_dict(saved)
+            return
+        factor = lr_lambda(self.config)(saved["last_epoch"])
+        lrs = [base * factor for base in self.scheduler.base_lrs]
+        self.scheduler.load_state_dict({**saved, "base_lrs": list(self.scheduler.base_lrs), "_last_lr": lrs})
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
 
     # ------------------------------------------------------------------------------------ one step
     def _autocast(self):

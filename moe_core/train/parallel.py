@@ -176,10 +176,14 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         self.group = state.ep_group
         first = self.ep_rank * self.num_local
         F_, D = experts.up_proj.shape[1], experts.up_proj.shape[2]
-        self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
-        with torch.no_grad():
-            for name, param in self.local.named_parameters():
-                param.copy_(getattr(experts, name)[first : first + self.num_local])
+        # a model built on the meta device (`moe_core.train.build`) gets a meta shard: nothing is allocated
+        # here, and each rank materializes and initializes only its own experts afterwards
+        with torch.device(experts.up_proj.device):
+            self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
+        if not experts.up_proj.is_meta:
+            with torch.no_grad():
+                for name, param in self.local.named_parameters():
+                    param.copy_(getattr(experts, name)[first : first + self.num_local])
         self.first_expert = first
         self.layer_id = -1  # set by apply_expert_parallel; names the layer in the communication telemetry
         self.comm = CommStats()
@@ -385,6 +389,13 @@ def wrap_data_parallel(model: nn.Module, state: ParallelState, mode: str = "ddp"
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 that rank ``rank`` holds under FSDP2's ``Shard(0)`` over ``world``
+    ranks (``torch.chunk``'s split: chunks of ceil(rows / world), the last ones shorter or empty)."""
+    chunk = math.ceil(rows / world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
