@@ -375,7 +375,7 @@ def _source_bytes(spec: SourceSpec) -> int | None:
 
 def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
+    tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
 
 

@@ -124,20 +124,19 @@ class ShardWriter:
         self._domains.append(domains)
         self._pending += len(tokens)
         self.total_tokens += len(tokens)
-        written = 0
-        while self._pending >= self.shard_tokens:
-            self._write(self.blocks_per_shard)
-            written += 1
-        return written
-
-    def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._pending < self.shard_tokens:
+            return 0
         tokens, domains = np.concatenate(self._tokens), np.concatenate(self._domains)
-        self._tokens, self._domains = [tokens[n:]], [domains[n:]]
-        self._pending = len(tokens) - n
-        return tokens[:n], domains[:n]
+        start = 0
+        while len(tokens) - start >= self.shard_tokens:
+            stop = start + self.shard_tokens
+            self._write(tokens[start:stop], domains[start:stop])
+            start = stop
+        self._tokens, self._domains, self._pending = [tokens[start:]], [domains[start:]], len(tokens) - start
+        return start // self.shard_tokens
 
-    def _write(self, n_blocks: int) -> None:
-        tokens, domains = self._take(n_blocks * self.seq_len)
+    def _write(self, tokens: np.ndarray, domains: np.ndarray) -> None:
+        n_blocks = len(tokens) // self.seq_len
         k = len(self.shards)
         entry: dict[str, Any] = {"num_blocks": n_blocks, "sha256": {}}
         for name, array, dt in (("tokens", tokens, self.dtype), ("domains", domains, "uint8")):
@@ -152,7 +151,8 @@ class ShardWriter:
         """Write the last shard; returns the split's manifest entry (as `write_split_shards`)."""
         n_blocks = self._pending // self.seq_len
         if n_blocks:
-            self._write(n_blocks)
+            tokens, domains = np.concatenate(self._tokens), np.concatenate(self._domains)
+            self._write(tokens[: n_blocks * self.seq_len], domains[: n_blocks * self.seq_len])
         total = sum(s["num_blocks"] for s in self.shards)
         return {
             "num_blocks": total,

@@ -145,7 +145,7 @@ def _json_records(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 raise DataError(
                     f"{path}: line {n}: could not parse as json ({err.msg}, column {err.colno}); "
