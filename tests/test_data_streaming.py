@@ -186,6 +186,7 @@ def test_tokenizer_sample_is_bounded_and_recorded(tmp_path):
     assert manifest["config"]["tokenizer_sample_bytes"] == 20_000
 
 
+@pytest.mark.slow
 def test_the_shards_do_not_depend_on_the_number_of_workers(tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "c.jsonl", 1500)
     in_process = prepare(PrepareConfig(source=str(path), **SMALL), tmp_path / "here")
@@ -209,6 +210,7 @@ p.prepare(config, sys.argv[2])
 """
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_resumes_and_gives_the_uninterrupted_shards(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl", 3000)
     out = tmp_path / "out"

@@ -4,8 +4,11 @@ The recipe datatrove, Dolma and RefinedWeb apply to web corpora (Broder, "On the
 of documents", 1997; Leskovec, Rajaraman & Ullman, "Mining of Massive Datasets", ch. 3):
 
 1. Shingles: a document is the set of its word n-grams (``ngram`` words, lower-cased, punctuation removed).
-2. MinHash: K hash functions h_k(x) = ((a_k * x + b_k) mod p) with p = 2^61 - 1 and a_k, b_k drawn from a
-   seeded generator, applied to each shingle's 32-bit hash x; the signature is min_x h_k(x) for each k.
+2. MinHash: K hash functions h_k(x) = ((a_k * x + b_k) mod p) with p = 2^61 - 1 and a_k in [1, p), b_k in
+   [0, p) drawn from a seeded generator, applied to each shingle's 32-bit hash x; the signature is
+   min_x h_k(x) for each k. a_k must span [1, p): with small multipliers a shingle with a small hash x
+   would give a small h_k(x) for every k and win most minimums. a_k * x needs 93 bits; `_mul_mod_p` computes
+   it exactly in uint64 (datasketch lets it wrap at 2^64 instead).
    P[sig_k(A) = sig_k(B)] = Jaccard(A, B).
 3. LSH: the K values are cut into ``bands`` bands of ``rows`` values; two documents whose signatures agree on
    every value of at least one band are candidates. P[candidate] = 1 - (1 - J^rows)^bands, an S-curve that
@@ -77,9 +80,19 @@ def shingle_hashes(text: str, ngram: int) -> np.ndarray:
     return h_S
 
 
+def _mul_mod_p(x_S: np.ndarray, a_K: np.ndarray) -> np.ndarray:
+    """(a_k * x_s) mod p up to a multiple of p, exactly, in uint64 [S, K] (values < 2^63), for x < 2^32 and
+    a < 2^61: with a = a_hi * 2^29 + a_lo and y = a_hi * x = y_hi * 2^32 + y_lo,
+    a * x = y * 2^29 + a_lo * x = y_hi * 2^61 + y_lo * 2^29 + a_lo * x, and 2^61 = 1 (mod p)."""
+    a_hi_K, a_lo_K = a_K >> np.uint64(29), a_K & np.uint64((1 << 29) - 1)
+    y_SK = x_S[:, None] * a_hi_K[None, :]  # < 2^64
+    low_SK = x_S[:, None] * a_lo_K[None, :]  # < 2^61
+    return (y_SK >> np.uint64(32)) + ((y_SK & np.uint64(MAX_SHINGLE_HASH)) << np.uint64(29)) + low_SK
+
+
 @dataclass(frozen=True)
 class MinHasher:
-    """K hash functions (a_k, b_k) drawn from ``seed``; a_k, b_k < 2^32 so a_k * x + b_k fits in 64 bits."""
+    """K hash functions (a_k, b_k) drawn from ``seed``."""
 
     num_perm: int = 128
     ngram: int = 5
@@ -87,8 +100,8 @@ class MinHasher:
 
     def params(self) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(self.seed)
-        a_K = rng.integers(1, MAX_SHINGLE_HASH, size=self.num_perm, dtype=np.uint64)
-        b_K = rng.integers(0, MAX_SHINGLE_HASH, size=self.num_perm, dtype=np.uint64)
+        a_K = rng.integers(1, MERSENNE_P, size=self.num_perm, dtype=np.uint64)
+        b_K = rng.integers(0, MERSENNE_P, size=self.num_perm, dtype=np.uint64)
         return a_K, b_K
 
 
@@ -100,7 +113,7 @@ def minhash_signature(
     x_S = shingle_hashes(text, hasher.ngram)
     if len(x_S) == 0:
         return np.full(hasher.num_perm, MERSENNE_P, dtype=np.uint64)
-    h_SK = (x_S[:, None] * a_K[None, :] + b_K[None, :]) % np.uint64(MERSENNE_P)
+    h_SK = (_mul_mod_p(x_S, a_K) + b_K[None, :]) % np.uint64(MERSENNE_P)  # < 2^63 + 2^61 before the mod
     return h_SK.min(axis=0)
 
 
