@@ -22,17 +22,21 @@ N_SPLITS = 3
 
 class Encoder:
     """The backend (Rust) tokenizer of a transformers fast tokenizer, from its JSON. ``encode_batch`` with
-    ``add_special_tokens=False`` gives the ids of ``tokenizer(texts, add_special_tokens=False)``."""
+    ``add_special_tokens=False`` gives the ids of ``tokenizer(texts, add_special_tokens=False)``; with
+    ``batch=False`` the documents are encoded one by one (same ids, one core)."""
 
-    def __init__(self, tokenizer_json: str, eos_token_id: int, append_eos: bool) -> None:
+    def __init__(self, tokenizer_json: str, eos_token_id: int, append_eos: bool, batch: bool = True) -> None:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.eos, self.append_eos = eos_token_id, append_eos
+        self.eos, self.append_eos, self.batch = eos_token_id, append_eos, batch
 
     def encode(
         self, texts: list[str], split_ids: list[int], domain_ids: list[int]
     ) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """Per split k: (tokens uint32, domain id per token uint8, documents) of the chunk's documents of k."""
-        ids = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        if self.batch:  # on the library's thread pool (single-threaded in workers: init_worker)
+            ids = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        else:
+            ids = [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
         extra = 1 if self.append_eos else 0
         out = []
         for k in range(N_SPLITS):

@@ -662,7 +662,7 @@ def _tokenize_and_pack(
     needed = _bytes_needed(scan, itemsize, split_N, start)
     backend = tokenizer.backend_tokenizer.to_str()
     append_eos = config.kind == "text"  # rendered chats already end each turn with EOS
-    workers = config.num_proc if scan["kept_chars"] > IN_PROCESS_BYTES else 0
+    workers = config.num_proc if config.num_proc > 1 and scan["kept_chars"] > IN_PROCESS_BYTES else 0
     with (
         disk_full_guard(work, needed),
         Progress(scan["kept_chars"] / MB, "prepare: tokenize", unit="MB") as bar,
@@ -691,7 +691,8 @@ def _bytes_needed(scan: dict[str, Any], itemsize: int, split_N: np.ndarray, star
 
 class _encoder_pool:
     """A function mapping chunks to (end, per-split results, size) in chunk order: in this process
-    (``workers=0``) or in a spawned pool with at most two chunks per worker in flight (bounded memory)."""
+    (``workers=0``: ``num_proc=1``, or too little text to start processes for) or in a spawned pool with at
+    most two chunks per worker in flight (bounded memory)."""
 
     def __init__(self, workers: int, backend: str, eos: int, append_eos: bool) -> None:
         self.workers, self.args = workers, (backend, eos, append_eos)
@@ -705,8 +706,8 @@ class _encoder_pool:
         return self.run
 
     def run(self, chunks):
-        if self.pool is None:
-            encoder = Encoder(*self.args)
+        if self.pool is None:  # one process, one core: documents encoded one by one, not on a thread pool
+            encoder = Encoder(*self.args, batch=False)
             for end, texts, sids, doms, size in chunks:
                 yield end, encoder.encode(texts, sids, doms), size
             return
