@@ -124,7 +124,7 @@ class PrepareConfig:
         "paragraph"  # .txt documents: "paragraph" (blank-line separated), "line" or "document"
     )
     min_eval_bytes_per_block: int = 8  # see assign_splits
-    tokenizer_sample_bytes: int = 32 * 2**20  # a new tokenizer is trained on this much train text at most
+    tokenizer_sample_bytes: int = 32_000_000  # a new tokenizer is trained on this much train text at most
     validation_max_rows: int = 20_000  # rows the suite checks when validation.sample_rows is None
     near_dedup: float | None = None  # MinHash LSH near-duplicate removal at this Jaccard threshold
     minhash_num_perm: int = 128

@@ -502,9 +502,7 @@ def load_source(
         _require_columns(ds, spec, [text_column], "Pass the text column with text_column / --text-column.")
         if domain_column is not None:
             _require_columns(ds, spec, [domain_column], "Pass an existing domain_column or none.")
-        texts = ds[text_column]
-        domains = [str(d) for d in ds[domain_column]] if domain_column else ["text"] * len(ds)
-        ds = datasets.Dataset.from_dict({"text": texts, "domain": domains, "source": ds["source"]})
+        ds = _text_columns(ds, text_column, domain_column)
     elif kind == "instruction":
         if "messages" not in ds.column_names:
             _require_columns(
@@ -521,6 +519,26 @@ def load_source(
             "Preference data needs `prompt`, `chosen` and `rejected` columns.",
         )
     return LoadedSource(ds, spec, fingerprint)
+
+
+def _text_columns(ds: Any, text_column: str, domain_column: str | None) -> Any:
+    """Columns ``text``, ``domain`` (as strings; "text" without a domain column), ``source``, by Arrow column
+    operations: rebuilding the dataset from Python lists (``Dataset.from_dict``) costs time per row."""
+    import datasets
+    import pyarrow as pa
+
+    table = ds.with_format("arrow")[:]  # a pyarrow Table of the rows (a selection's indices applied)
+    domain = (
+        table.column(domain_column).cast(pa.string())
+        if domain_column is not None
+        else pa.repeat(pa.scalar("text"), len(ds))
+    )
+    columns = {
+        "text": table.column(text_column).cast(pa.string()),
+        "domain": domain,
+        "source": table.column("source"),
+    }
+    return datasets.Dataset(datasets.table.InMemoryTable.from_pydict(columns))
 
 
 # ---------------------------------------------------------------------------------------------- records
