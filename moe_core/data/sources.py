@@ -15,6 +15,9 @@ Source strings (`parse_source`):
 Local files are checked before `datasets` reads them (`check_file`), so an empty, binary or non-UTF-8 file,
 or one enormous line, is reported with the file name, byte offset and line instead of a parser traceback.
 
+`load_source` returns the whole source as one in-memory dataset (fine-tuning sets); preparation and
+validation read sources as streams instead (`moe_core.data.stream`), which keeps memory flat at any size.
+
 Where text is stored: `datasets` would keep an Arrow copy of every local file it reads under
 ``~/.cache/huggingface/datasets``, files that fail validation included. Local files are read through a
 scratch cache inside the lab's data directory (`lab_data_dir`) into memory, and the scratch directory is
