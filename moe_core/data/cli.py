@@ -31,7 +31,8 @@ def _source_args(p: argparse.ArgumentParser) -> None:
         "--sample-rows",
         type=int,
         default=None,
-        help="validate a deterministic sample of this many rows (default: all rows)",
+        help="validate a deterministic sample of this many rows, chosen by row hash (default: every row up to "
+        "100,000 for validate, 20,000 for prepare; a sample of that size beyond)",
     )
     p.add_argument("--max-duplicate-ratio", type=float, default=0.1, help="exact-duplicate ratio bound")
     p.add_argument("--min-rows", type=int, default=1, help="fewest rows the data must have")

@@ -226,6 +226,8 @@ def prepare(
             same = False
         if same and not overwrite:
             verify_prepared(out)
+            for left in out.parent.glob(f".{out.name}.partial-*"):  # a killed run's, now superseded
+                remove_abandoned(left)
             return out
         if not same and not overwrite:
             raise DataError(
