@@ -357,7 +357,7 @@ def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], d
 
 
 # ---------------------------------------------------------------------------------------------- build
-def _documents(config: PrepareConfig, spec: SourceSpec):
+def _documents(config: PrepareConfig, spec: SourceSpec, check: bool = True):
     return iter_documents(
         spec,
         config.kind,
@@ -368,6 +368,7 @@ def _documents(config: PrepareConfig, spec: SourceSpec):
         txt_sample_by=config.txt_sample_by,
         max_line_bytes=config.max_line_bytes,
         max_documents=config.max_documents,
+        check=check,
     )
 
 
@@ -586,7 +587,7 @@ def _chunks(config: PrepareConfig, spec: SourceSpec, split_N: np.ndarray, domain
     doms: list[int] = []
     size = 0
     i = -1
-    for doc in _documents(config, spec):
+    for doc in _documents(config, spec, check=False):  # the scan checked the files
         if not doc.text.strip():
             continue
         i += 1
@@ -619,7 +620,7 @@ def _tokenize_and_pack(
     """Pass 2: tokenize chunks (here or in ``num_proc`` workers, results taken in order) into one
     `ShardWriter` per split; a checkpoint after every chunk that completed a shard."""
     dtype = scan["dtype"]
-    args = (work, config.seq_len, dtype, config.blocks_per_shard)
+    layout = (config.seq_len, dtype, config.blocks_per_shard)
     progress_file = work / "progress.json"
     start = 0
     documents = dict.fromkeys(SPLITS, 0)
@@ -628,9 +629,9 @@ def _tokenize_and_pack(
         pending = np.load(work / saved["pending"])
         writers = {
             name: ShardWriter.from_state(
-                *args[:1],
+                work,
                 name,
-                *args[1:],
+                *layout,
                 saved["writers"][name],
                 pending[f"{name}_tokens"],
                 pending[f"{name}_domains"],
@@ -640,9 +641,7 @@ def _tokenize_and_pack(
         start, documents = saved["documents_done"], saved["documents"]
         print(f"prepare: resuming {work} at document {start} of {len(split_N)}", file=sys.stderr, flush=True)
     else:
-        writers = {
-            name: ShardWriter(work, name, config.seq_len, dtype, config.blocks_per_shard) for name in SPLITS
-        }
+        writers = {name: ShardWriter(work, name, *layout) for name in SPLITS}
     checkpoints = [0]
 
     def checkpoint(done: int) -> None:

@@ -70,10 +70,12 @@ def iter_records(
     txt_sample_by: str = "paragraph",
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     columns: tuple[str, ...] | None = None,
+    check: bool = True,
 ) -> Iterator[tuple[dict[str, Any], str]]:
     """(record, where) of every row of the source, in a fixed order. ``columns``: parquet reads only these
     (when present). Local files are checked first (`check_file`: empty, binary, invalid UTF-8, enormous
-    lines), one at a time as the stream reaches them."""
+    lines), one at a time as the stream reaches them, unless ``check=False`` (a second pass over files a
+    first pass checked)."""
     if spec.type == "builtin":
         for doc in iter_builtin_corpus():
             yield {"text": doc.text, "domain": doc.domain, "source": doc.source}, doc.source
@@ -82,7 +84,8 @@ def iter_records(
         yield from iter_hub_records(spec.location, hub_config, split)
         return
     for path in spec.files:
-        check_file(path, spec.builder or "", max_line_bytes)
+        if check:
+            check_file(path, spec.builder or "", max_line_bytes)
         if spec.builder == "json":
             yield from _json_records(path)
         elif spec.builder == "text":
@@ -244,6 +247,7 @@ def iter_documents(
     txt_sample_by: str = "paragraph",
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_documents: int | None = None,
+    check: bool = True,
 ) -> Iterator[StreamDocument]:
     """Documents of one kind, streamed. Text: the ``text_column`` (None counts as empty) labelled with
     ``domain_column`` (the built-in corpus's own labels; "text" otherwise). Instruction: chat ``messages`` or
@@ -262,6 +266,7 @@ def iter_documents(
         txt_sample_by=txt_sample_by,
         max_line_bytes=max_line_bytes,
         columns=columns,
+        check=check,
     )
     for n, (record, where) in enumerate(records):
         if max_documents is not None and n >= max_documents:
