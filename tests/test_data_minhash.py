@@ -83,7 +83,8 @@ def test_prepare_removes_planted_near_duplicates_and_records_the_threshold(tmp_p
         copy[rng.randrange(len(copy))] = rng.choice(VOCAB)
         planted.append(" ".join(copy).upper() + " !!")
     texts = [" ".join(w) for w in originals] + planted
-    assert min(jaccard(t, " ".join(w)) for t, w in zip(planted, originals)) > 0.95  # P[found] > 0.997 each (9 bands of 13)
+    # P[found] > 0.997 for each (9 bands of 13 rows at J > 0.95)
+    assert min(jaccard(t, " ".join(w)) for t, w in zip(planted, originals)) > 0.95
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     common = dict(source=str(path), vocab_size=400, seq_len=32, validate=False)
