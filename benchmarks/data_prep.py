@@ -1,15 +1,24 @@
-"""Tokenization + packing throughput (tokens/s) on the built-in corpus.
+"""Data preparation at scale (issue 34 §3): peak memory and seconds per MB as the corpus grows, `--num-proc`
+scaling, and the tokenizer library's own batch throughput, measured in one run.
 
-Trains one byte-level BPE tokenizer on the documents, then measures, in one process and interleaved round by
-round (so machine noise hits all alike):
-  direct      one batched tokenizer call on all documents + packing (the floor: no `datasets`)
-  map-N       `moe_core.data.prepare.tokenize_documents` (datasets.map, batched, N processes) + packing
-Packing writes the memory-mapped shards (with sha256) into a temporary directory, as `prepare` does.
+Corpora: jsonl files of unique documents, each a header line ("document N: <stdlib file>:<line>") followed by a
+run of 20-80 lines of the running interpreter's standard library (cycled for large sizes), written once per
+size under ``--work-dir`` (reused when present).
 
-Prints tokens/s and ratios against `direct`, then one JSON line.
+Parts (each preparation runs in a child process of its own, one at a time: ``moe-lab data prepare`` as a user
+runs it, with ``--vocab-size 4000`` and validation on):
+  sizes    one preparation per ``--sizes`` (MB): the child's peak resident set (``ru_maxrss``, the reader's
+           process) and its workers' (``RUSAGE_CHILDREN``), seconds per MB; ratios against the smallest size
+           (targets: peak RSS at 320 MB within 1.3x of 40 MB's, s/MB within 1.25x)
+  procs    the ``--procs-mb`` corpus prepared with each ``--procs`` value, interleaved over ``--rounds`` rounds
+           (target: 2 processes >= 1.7x faster than 1 on 2 idle cores), MB/s per core; beside it the
+           tokenizer's own ``encode_batch`` on the same text with one thread (``TOKENIZERS_PARALLELISM=false``),
+           the bound of the tokenize stage per core
 
-    python benchmarks/data_prep.py                        # 400 documents, vocab 8000, seq_len 256
-    python benchmarks/data_prep.py --max-documents 0      # the whole corpus
+    python benchmarks/data_prep.py                                  # sizes 40 320 1000, procs 1 2 on 40 MB
+    python benchmarks/data_prep.py --sizes 40 320 --parts sizes     # memory figures only
+
+Prints a table, then ONE JSON line.
 """
 
 from __future__ import annotations
@@ -18,102 +27,197 @@ import argparse
 import json
 import os
 import platform
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from moe_core.data.prepare import PrepareConfig, tokenize_documents
-from moe_core.data.shards import write_split_shards
-from moe_core.data.sources import builtin_corpus
-from moe_core.data.tokenizer import train_tokenizer
+GIB = 2**30
+HERE = Path(__file__).resolve()
 
 
-def pack(tokens: np.ndarray, domains: np.ndarray, seq_len: int) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        return write_split_shards(Path(tmp), "train", tokens, domains, seq_len, "uint16", 8192)["num_tokens"]
+# ---------------------------------------------------------------------------------------------- corpora
+def _stdlib_lines():
+    from moe_core.data.sources import stdlib_files
+
+    while True:  # cycled: a 1 GB corpus needs the ~30 MB standard library many times over
+        for rel, path in stdlib_files():
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except (UnicodeDecodeError, OSError):
+                continue
+            for n, line in enumerate(lines, start=1):
+                yield rel, n, line
 
 
-def run_direct(tokenizer, texts, domain_ids, seq_len):
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    tokens = np.fromiter((t for x in ids for t in (*x, eos)), dtype=np.int64)
-    domains = np.repeat(np.asarray(domain_ids, np.uint8), [len(x) + 1 for x in ids])
-    return len(tokens), pack(tokens, domains, seq_len)
+def make_corpus(path: Path, megabytes: float) -> Path:
+    """A jsonl file of about ``megabytes`` MB of unique documents (see the module docstring)."""
+    if path.is_file():
+        return path
+    import random
+
+    rng = random.Random(0)
+    target = int(megabytes * 1e6)
+    lines = _stdlib_lines()
+    tmp = path.with_suffix(".tmp")
+    written = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        i = 0
+        while written < target:
+            rel, n, first = next(lines)
+            body = [first] + [next(lines)[2] for _ in range(rng.randint(20, 80))]
+            row = json.dumps({"text": f"document {i}: {rel}:{n}\n" + "\n".join(body)}) + "\n"
+            f.write(row)
+            written += len(row.encode())
+            i += 1
+    os.replace(tmp, path)
+    return path
 
 
-def run_map(config, tokenizer, texts, domain_ids):
-    per_split = tokenize_documents(config, tokenizer, texts, domain_ids, [0] * len(texts))
-    tokens, domains, _ = per_split["train"]
-    return len(tokens), pack(tokens, domains, config.seq_len)
+# ---------------------------------------------------------------------------------------------- children
+def child_prepare(corpus: str, out: str, num_proc: int, vocab_size: int) -> None:
+    from moe_core.data.prepare import PrepareConfig, prepare
+
+    t0 = time.perf_counter()
+    prepare(PrepareConfig(source=corpus, vocab_size=vocab_size, num_proc=num_proc), out, overwrite=True)
+    seconds = time.perf_counter() - t0
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_rss_gib": own.ru_maxrss * 1024 / GIB,  # KiB on Linux
+                "workers_peak_rss_gib": children.ru_maxrss * 1024 / GIB,
+            }
+        )
+    )
 
 
+def child_encode(corpus: str, tokenizer_dir: str, megabytes: float) -> None:
+    """The tokenizer library alone: ``encode_batch`` over the corpus's first ``megabytes`` MB, in batches."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    texts, size = [], 0
+    with open(corpus, encoding="utf-8") as f:
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            size += len(texts[-1])
+            if size >= megabytes * 1e6:
+                break
+    t0 = time.perf_counter()
+    for start in range(0, len(texts), 1024):
+        tok.encode_batch(texts[start : start + 1024], add_special_tokens=False)
+    print(json.dumps({"seconds": time.perf_counter() - t0, "mb": size / 1e6}))
+
+
+def run_child(args: list[str], env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(HERE), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MOE_LAB_PROGRESS": "off", **(env or {})},
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"child {args[:2]} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--max-documents", type=int, default=400, help="0 = the whole corpus")
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="datasets.map process counts")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[40, 320, 1000], help="corpus sizes, MB")
+    parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--procs-mb", type=float, default=40)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the procs part")
+    parser.add_argument("--parts", nargs="+", default=["sizes", "procs"], choices=["sizes", "procs"])
+    parser.add_argument("--vocab-size", type=int, default=4000)
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="corpora and outputs (default: a temp dir)"
+    )
+    parser.add_argument("--child-prepare", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-encode", nargs=2, metavar=("CORPUS", "TOKENIZER"), help=argparse.SUPPRESS)
+    parser.add_argument("--num-proc", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_prepare:
+        return child_prepare(*args.child_prepare, args.num_proc, args.vocab_size)
+    if args.child_encode:
+        return child_encode(*args.child_encode, args.procs_mb)
 
-    t0 = time.perf_counter()
-    docs = builtin_corpus(args.max_documents or None)
-    corpus_s = time.perf_counter() - t0
-    texts = [d.text for d in docs]
-    names = sorted({d.domain for d in docs})
-    domain_ids = [names.index(d.domain) for d in docs]
-    t0 = time.perf_counter()
-    tokenizer = train_tokenizer(texts, args.vocab_size)
-    train_s = time.perf_counter() - t0
-    n_bytes = sum(len(t.encode()) for t in texts)
-    print(
-        f"corpus: {len(docs)} documents, {n_bytes / 1e6:.2f} MB, built in {corpus_s:.1f}s; "
-        f"tokenizer (vocab {args.vocab_size}) trained in {train_s:.1f}s"
-    )
-
-    variants = {"direct": lambda: run_direct(tokenizer, texts, domain_ids, args.seq_len)}
-    for n in args.procs:
-        config = PrepareConfig(seq_len=args.seq_len, num_proc=n)
-        variants[f"map-{n}"] = lambda config=config: run_map(config, tokenizer, texts, domain_ids)
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    n_tokens = {}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            n_tokens[name], _packed = fn()
-            times[name].append(time.perf_counter() - t0)
-    assert len(set(n_tokens.values())) == 1, f"variants disagree on the token count: {n_tokens}"
-    tokens = n_tokens["direct"]
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    print(
-        f"{tokens} tokens ({n_bytes / tokens:.2f} bytes/token), median of {args.rounds} rounds, "
-        f"{os.cpu_count()} CPU cores"
-    )
-    for name, value in tps.items():
-        print(f"  {name:8s} {value / 1e6:7.3f} M tokens/s   x{value / tps['direct']:.2f} of direct")
-    print(
-        json.dumps(
-            {
-                "benchmark": "data_prep",
-                "documents": len(docs),
-                "bytes": n_bytes,
-                "tokens": tokens,
-                "vocab_size": args.vocab_size,
-                "seq_len": args.seq_len,
-                "rounds": args.rounds,
-                "tokens_per_s": {k: round(v) for k, v in tps.items()},
-                "ratio_vs_direct": {k: round(v / tps["direct"], 3) for k, v in tps.items()},
-                "tokenizer_train_s": round(train_s, 2),
-                "cpu_count": os.cpu_count(),
-                "python": platform.python_version(),
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="data_prep_bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "benchmark": "data_prep",
+        "vocab_size": args.vocab_size,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "python": platform.python_version(),
+    }
+    try:
+        if "sizes" in args.parts:
+            sizes = {}
+            for mb in args.sizes:
+                corpus = make_corpus(work / f"corpus-{mb:g}MB.jsonl", mb)
+                actual = corpus.stat().st_size / 1e6
+                figures = run_child(["--child-prepare", str(corpus), str(work / f"out-{mb:g}")])
+                figures.update(mb=round(actual, 1), s_per_mb=figures["seconds"] / actual)
+                sizes[f"{mb:g}"] = {k: round(v, 4) for k, v in figures.items()}
+                shutil.rmtree(work / f"out-{mb:g}", ignore_errors=True)
+                print(
+                    f"{actual:8.1f} MB  peak RSS {figures['peak_rss_gib']:.2f} GiB (workers "
+                    f"{figures['workers_peak_rss_gib']:.2f})  {figures['s_per_mb']:.2f} s/MB",
+                    flush=True,
+                )
+            first = sizes[f"{args.sizes[0]:g}"]
+            result["sizes"] = sizes
+            result["over_smallest"] = {
+                k: {
+                    "peak_rss": round(v["peak_rss_gib"] / first["peak_rss_gib"], 3),
+                    "s_per_mb": round(v["s_per_mb"] / first["s_per_mb"], 3),
+                }
+                for k, v in sizes.items()
             }
-        )
-    )
+        if "procs" in args.parts:
+            corpus = make_corpus(work / f"corpus-{args.procs_mb:g}MB.jsonl", args.procs_mb)
+            actual = corpus.stat().st_size / 1e6
+            times: dict[int, list[float]] = {n: [] for n in args.procs}
+            for _ in range(args.rounds):
+                for n in args.procs:
+                    out = work / f"procs-{n}"
+                    figures = run_child(["--child-prepare", str(corpus), str(out), "--num-proc", str(n)])
+                    times[n].append(figures["seconds"])
+            encode = run_child(
+                ["--child-encode", str(corpus), str(out / "tokenizer"), "--procs-mb", str(args.procs_mb)],
+                env={"TOKENIZERS_PARALLELISM": "false"},
+            )
+            base = statistics.median(times[args.procs[0]])
+            result["procs"] = {
+                str(n): {
+                    "seconds": round(statistics.median(t), 2),
+                    "spread": [round(min(t), 2), round(max(t), 2)],
+                    "mb_per_s_per_core": round(actual / statistics.median(t) / n, 3),
+                    "speedup": round(base / statistics.median(t), 3),
+                }
+                for n, t in times.items()
+            }
+            result["tokenizer_encode_batch_mb_per_s_1_thread"] = round(encode["mb"] / encode["seconds"], 3)
+            for n, v in result["procs"].items():
+                print(
+                    f"--num-proc {n}: {v['seconds']:.1f} s, x{v['speedup']:.2f}, {v['mb_per_s_per_core']} MB/s/core"
+                )
+            print(
+                f"tokenizer encode_batch alone, 1 thread: {result['tokenizer_encode_batch_mb_per_s_1_thread']} MB/s"
+            )
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def _source_args(p: argparse.ArgumentParser) -> None:
         "--sample-rows",
         type=int,
         default=None,
-        help="validate a deterministic sample of this many rows (default: all rows)",
+        help="validate a deterministic sample of this many rows, chosen by row hash (default: every row up to "
+        "100,000 for validate, 20,000 for prepare; a sample of that size beyond)",
     )
     p.add_argument("--max-duplicate-ratio", type=float, default=0.1, help="exact-duplicate ratio bound")
     p.add_argument("--min-rows", type=int, default=1, help="fewest rows the data must have")
@@ -67,7 +68,22 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--test-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-proc", type=int, default=1)
+    p.add_argument(
+        "--num-proc", type=int, default=1, help="tokenizer processes (the shards are the same for any number)"
+    )
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=32.0,
+        help="train a new tokenizer on at most this many MB of train text, chosen by document hash (default 32)",
+    )
+    p.add_argument(
+        "--near-dedup",
+        type=float,
+        default=None,
+        metavar="THRESHOLD",
+        help="also remove near-duplicates (MinHash LSH) at this Jaccard similarity, e.g. 0.8 (default: off)",
+    )
     p.add_argument("--dtype", default="auto", choices=("auto", "uint16", "uint32"))
     p.add_argument("--no-validate", action="store_true", help="skip the expectation suite")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it holds other prepared data")
@@ -130,6 +146,8 @@ def _prepare(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_documents=args.max_documents,
         num_proc=args.num_proc,
+        tokenizer_sample_bytes=round(args.tokenizer_sample_mb * 1e6),
+        near_dedup=args.near_dedup,
         dtype=args.dtype,
         validate=not args.no_validate,
         validation=_validation_config(args, args.seed),

@@ -1,34 +1,50 @@
-"""Prepare a source for training: load -> validate -> split -> dedup -> tokenizer -> tokenize -> pack -> shards.
+"""Prepare a source for training: scan -> validate -> split -> dedup -> tokenizer -> tokenize + pack -> shards.
 
     from moe_core.data.prepare import PrepareConfig, prepare
     data_dir = prepare(PrepareConfig(source="builtin", max_documents=200, vocab_size=2000), "runs/data")
 
-Steps, in order (each count lands in the manifest):
-  1. load the source (`moe_core.data.sources.load_source`); whitespace-only documents are dropped
-     (blank lines separate paragraphs in line-based corpora such as WikiText);
-  2. validate with the kind's great-expectations suite; a failure raises `DataValidationError` before any
-     tokenizer is trained or anything is written;
-  3. split train/validation/test by document hash (sha256 of the text; independent of the seed and of the
-     order of the source), then drop exact duplicates (same hash, first kept);
-  4. train a byte-level BPE tokenizer on the train split, or load ``config.tokenizer``;
-  5. tokenize with ``datasets.map`` (batched, ``num_proc`` processes), documents joined by EOS;
-  6. pack each split into [blocks, seq_len] shards (uint16 when the vocabulary fits, else uint32) with a
-     parallel uint8 array of domain ids per token.
+The source is read as a stream (`moe_core.data.stream.iter_documents`), twice, and memory stays bounded
+whatever its size (a few bytes per document, one tokenizer sample, one shard per split):
 
-Everything is written to a temporary directory beside `out_dir` and renamed into place, so a failure leaves
-no partial output. When `out_dir` already holds data prepared from the same config and source (same
-fingerprint) it is verified against its checksums and reused.
+  1. scan: every document is hashed (sha256 of its text); whitespace-only documents are dropped (blank lines
+     separate paragraphs in line-based corpora such as WikiText). The hash decides the split (train /
+     validation / test; independent of the seed and of the order of the source), exact duplicates (same
+     hash, first kept) and, with ``near_dedup``, near-duplicates (MinHash LSH, `moe_core.data.minhash`).
+     Two bounded samples are kept, chosen by hash (`BottomK`): up to ``tokenizer_sample_bytes`` of train
+     documents for the tokenizer, and up to ``validation_max_rows`` rows (or ``validation.sample_rows``) for
+     the great-expectations suite; a failed suite raises `DataValidationError` before anything is written;
+  2. tokenizer: a byte-level BPE trained on the sample, or ``config.tokenizer`` loaded;
+  3. tokenize + pack: chunks of consecutive documents are tokenized in this process or in ``num_proc``
+     worker processes (`moe_core.data.encode`), and their tokens, documents joined by EOS, are appended in
+     stream order to one `ShardWriter` per split, which writes each [blocks, seq_len] shard (uint16 when the
+     vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full. The
+     shards are byte for byte the same for any ``num_proc``.
+
+Everything is written to ``.<out>.partial-<fingerprint>`` beside `out_dir` and renamed into place at the end,
+so `out_dir` (a previous preparation included) is never seen half written. A preparation that is killed, or
+stops on a full disk, leaves that directory with its checkpoints (after the scan, and after every shard):
+running it again with the same inputs continues where it stopped and gives the same shards as an
+uninterrupted run. Bad input (a malformed record is named by file and line or row group) stops the scan
+before anything expensive, and leaves nothing behind. When `out_dir` already holds data prepared from the
+same config and source (same fingerprint) it is verified against its checksums and reused.
 """
 
 from __future__ import annotations
 
 # Lazy: `datasets` and `transformers` (heavy, seconds) load inside the functions that tokenize; the flows
 # and `moe-lab run --help-config` import this module for `PrepareConfig`.
+import collections
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
+import shutil
+import sys
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,32 +52,46 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from moe_core.data.encode import Encoder, encode_in_worker, init_worker
 from moe_core.data.errors import DataError
+from moe_core.data.minhash import NearDuplicates
 from moe_core.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
+    ShardWriter,
     read_manifest,
     sha256_file,
     verify_prepared,
-    write_split_shards,
 )
 from moe_core.data.sources import (
     DEFAULT_MAX_LINE_BYTES,
     KINDS,
-    LoadedSource,
-    load_source,
+    SourceSpec,
     parse_source,
-    quiet_datasets,
     source_fingerprint,
-    to_messages,
 )
-from moe_core.data.tokenizer import load_tokenizer, render_chat, tokenizer_hash, train_tokenizer
+from moe_core.data.stream import BottomK, iter_documents
+from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 from moe_core.data.validation import ValidationConfig, ValidationResult, validate
-from moe_core.fileio import atomic_directory
+from moe_core.fileio import (
+    IN_USE,
+    DiskFullError,
+    clean_abandoned_temporaries,
+    disk_full_guard,
+    fsync_directory,
+    fsync_tree,
+    remove_abandoned,
+    replace_path,
+)
 from moe_core.progress import Progress
 
 SPLITS = ("train", "validation", "test")
 DTYPES = ("auto", "uint16", "uint32")
+CHUNK_BYTES = 1 << 20  # documents are tokenized in chunks of about this much text
+CHUNK_DOCUMENTS = 4096
+IN_PROCESS_BYTES = 8 << 20  # less text than this is tokenized in this process whatever num_proc says
+VALIDATION_SAMPLE_BYTES = 256 << 20  # the validation sample's size bound, beside its row bound
+MB = 1e6
 
 
 @dataclass
@@ -83,7 +113,7 @@ class PrepareConfig:
     test_fraction: float = 0.05
     seed: int = 0  # validation sample
     max_documents: int | None = None  # None: every document
-    num_proc: int = 1  # processes for datasets.map
+    num_proc: int = 1  # tokenizer processes (the shards are the same for any number)
     dtype: str = "auto"  # token dtype: uint16 when the vocabulary fits, else uint32
     blocks_per_shard: int = 8192
     dedup: bool = True
@@ -94,6 +124,11 @@ class PrepareConfig:
         "paragraph"  # .txt documents: "paragraph" (blank-line separated), "line" or "document"
     )
     min_eval_bytes_per_block: int = 8  # see assign_splits
+    tokenizer_sample_bytes: int = 32_000_000  # a new tokenizer is trained on this much train text at most
+    validation_max_rows: int = 20_000  # rows the suite checks when validation.sample_rows is None
+    near_dedup: float | None = None  # MinHash LSH near-duplicate removal at this Jaccard threshold
+    minhash_num_perm: int = 128
+    minhash_ngram: int = 5  # words per shingle
 
     def __post_init__(self) -> None:
         if isinstance(self.validation, dict):
@@ -108,7 +143,17 @@ class PrepareConfig:
                 "prepare packs 'text' or 'instruction' data; preference pairs are read with "
                 "moe_core.data.sources.load_source(..., kind='preference')",
             )
-        for name in ("seq_len", "vocab_size", "num_proc", "blocks_per_shard", "max_line_bytes"):
+        for name in (
+            "seq_len",
+            "vocab_size",
+            "num_proc",
+            "blocks_per_shard",
+            "max_line_bytes",
+            "tokenizer_sample_bytes",
+            "validation_max_rows",
+            "minhash_num_perm",
+            "minhash_ngram",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise bad(name, "must be a positive integer")
         if self.seq_len < 2:
@@ -124,6 +169,8 @@ class PrepareConfig:
             raise bad("dtype", f"choose one of {DTYPES}")
         if self.txt_sample_by not in ("paragraph", "line", "document"):
             raise bad("txt_sample_by", "choose 'paragraph', 'line' or 'document'")
+        if self.near_dedup is not None and not 0.0 < self.near_dedup < 1.0:
+            raise bad("near_dedup", "a Jaccard threshold between 0 and 1 (e.g. 0.8), or None for off")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -179,6 +226,8 @@ def prepare(
             same = False
         if same and not overwrite:
             verify_prepared(out)
+            for left in out.parent.glob(f".{out.name}.partial-*"):  # a killed run's, now superseded
+                remove_abandoned(left)
             return out
         if not same and not overwrite:
             raise DataError(
@@ -190,216 +239,493 @@ def prepare(
             f"{out}: exists and is not a prepared-data directory; choose an empty or new directory"
         )
 
-    with atomic_directory(out, overwrite=True, error_cls=DataError) as tmp:  # refusals were decided above
-        _build(config, tmp, fingerprint, source_fp, validated)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_abandoned_temporaries(out)
+    work = out.parent / f".{out.name}.partial-{fingerprint[:16]}"
+    for other in out.parent.glob(f".{out.name}.partial-*"):  # left by a preparation of other inputs
+        if other != work and other.is_dir():
+            remove_abandoned(other)
+    with _claimed(work, out):
+        try:
+            _build(config, work, fingerprint, source_fp, spec, validated)
+        except DataError:  # bad input or config: nothing expensive was done, and a rerun would redo it
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        except DiskFullError as err:
+            raise DiskFullError(
+                f"{err}. The work done so far stays in {work} and the same command continues from it; "
+                f"{out} is untouched"
+            ) from None
+        for name in os.listdir(work):  # checkpoints: not part of the prepared data
+            if name.startswith(("scan.", "progress.", "pending-")):
+                os.unlink(work / name)
+        with disk_full_guard(work):
+            fsync_tree(work)
+            replace_path(work, out)
+    os.unlink(out / IN_USE)
+    fsync_directory(out)
+    fsync_directory(out.parent)
     return out
 
 
-# ---------------------------------------------------------------------------------------------- steps
-def _documents(config: PrepareConfig, loaded: LoadedSource) -> tuple[list[str], list[str], dict[str, int]]:
-    """Texts and domain labels of the loaded source (instruction records rendered with the chat template)."""
-    ds = loaded.dataset
-    counts = {"documents_loaded": len(ds)}
-    if config.kind == "instruction":
-        rows = ds.to_list()
-        texts = [render_chat(to_messages(r)) for r in rows]
-        domains = ["instruction"] * len(texts)
-    else:
-        texts, domains = list(ds["text"]), list(ds["domain"])
-    keep = [i for i, t in enumerate(texts) if t is not None and t.strip()]
-    counts["dropped_empty"] = len(texts) - len(keep)
-    return [texts[i] for i in keep], [domains[i] for i in keep], counts
+class _claimed:
+    """Create (or take over) the work directory and hold its ``.in-use`` flock while preparing; a second
+    process preparing the same output at the same time is refused."""
+
+    def __init__(self, work: Path, out: Path) -> None:
+        self.work, self.out = work, out
+
+    def __enter__(self) -> Path:
+        self.work.mkdir(exist_ok=True)
+        self.fd = os.open(self.work / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(self.fd)
+            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise DataError(
+                f"{self.out}: another process is preparing it right now ({self.work}); wait for it to finish"
+            ) from None
+        return self.work
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
 
 
-def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], dict[str, int]]:
-    """Split id per document (0 train, 1 validation, 2 test) from its sha256, and exact-duplicate removal.
+# ---------------------------------------------------------------------------------------------- splits
+def _initial_splits(config: PrepareConfig, u_N: np.ndarray) -> np.ndarray:
+    """Split id (0 train, 1 validation, 2 test) from u in [0, 1), the document's hash as a fraction."""
+    split_N = np.zeros(len(u_N), dtype=np.int8)
+    split_N[u_N < config.test_fraction + config.val_fraction] = 1
+    split_N[u_N < config.test_fraction] = 2
+    return split_N
 
-    A document goes to test when u < test_fraction, to validation when u < test + val fractions, where
-    u in [0, 1) is its hash. So that small corpora still have evaluation blocks, a validation/test split
-    with fewer than ``min_eval_bytes_per_block * seq_len`` bytes takes the train documents nearest to its
-    boundary (by u) until it has them, as long as train keeps more than half of the documents."""
-    digests = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
-    u = [int.from_bytes(d[:8], "big") / 2**64 for d in digests]
-    split = [
-        2 if x < config.test_fraction else 1 if x < config.test_fraction + config.val_fraction else 0
-        for x in u
-    ]
-    seen: set[bytes] = set()
-    for i, d in enumerate(digests):
-        if d in seen:
-            split[i] = -1  # duplicate
-        seen.add(d)
-    counts = {"duplicates_removed": split.count(-1) if config.dedup else 0}
-    if not config.dedup:  # keep duplicates in the split of their first copy (same hash, same split)
-        first = {}
-        for i, d in enumerate(digests):
-            first.setdefault(d, i)
-        split = [split[first[d]] for d in digests]
+
+def _fill_eval_splits(
+    config: PrepareConfig, split_N: np.ndarray, u_N: np.ndarray, chars_N: np.ndarray
+) -> dict[str, int]:
+    """Small corpora still get evaluation blocks: a validation/test split with fewer than
+    ``min_eval_bytes_per_block * seq_len`` characters takes the train documents nearest to its boundary (by u)
+    until it has them, as long as train keeps more than half of the documents. Changes ``split_N`` in place."""
+    counts = {}
     need = config.min_eval_bytes_per_block * config.seq_len
     for sid, fraction in ((1, config.val_fraction), (2, config.test_fraction)):
         if fraction <= 0:
             continue
-        have = sum(len(texts[i]) for i, s in enumerate(split) if s == sid)
+        have = int(chars_N[split_N == sid].sum())
         boundary = config.test_fraction if sid == 2 else config.test_fraction + config.val_fraction
-        train = sorted((i for i, s in enumerate(split) if s == 0), key=lambda i: abs(u[i] - boundary))
+        train = np.flatnonzero(split_N == 0)
+        n_docs, n_train = int((split_N >= 0).sum()), len(train)
         moved = 0
-        n_docs = sum(1 for s in split if s >= 0)
-        while have < need and train and (split.count(0) - 1) * 2 > n_docs:
-            i = train.pop(0)
-            split[i] = sid
-            have += len(texts[i])
-            moved += 1
+        if have < need:
+            nearest = train[np.argsort(np.abs(u_N[train] - boundary), kind="stable")]
+            for i in nearest:
+                if have >= need or (n_train - moved - 1) * 2 <= n_docs:
+                    break
+                split_N[i] = sid
+                have += int(chars_N[i])
+                moved += 1
         counts[f"moved_to_{SPLITS[sid]}"] = moved
-    return split, counts
+    return counts
 
 
-def tokenize_documents(
-    config: PrepareConfig, tokenizer: Any, texts: list[str], domain_ids: list[int], split_ids: list[int]
-) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
-    """Per split: (tokens 1-D int64, domain id per token uint8, documents), documents joined by EOS."""
-    import datasets
-
-    order = sorted((i for i, s in enumerate(split_ids) if s >= 0), key=lambda i: split_ids[i])  # stable
-    ds = datasets.Dataset.from_dict({"text": [texts[i] for i in order]})
-    eos = tokenizer.eos_token_id
-    append_eos = config.kind == "text"  # rendered chats already end each turn with EOS
-
-    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids] if append_eos else ids}
-
-    if config.num_proc > 1:  # worker processes: keep the Rust tokenizer single-threaded in each
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with quiet_datasets():
-        ds = ds.map(
-            encode,
-            batched=True,
-            batch_size=256,
-            num_proc=config.num_proc if config.num_proc > 1 else None,
-            remove_columns=["text"],
-            desc="tokenize",
-        )
-    column = ds.data.column("input_ids").combine_chunks()
-    offsets = column.offsets.to_numpy()
-    values = column.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    lengths = np.diff(offsets)
-    doms = np.repeat(np.asarray([domain_ids[i] for i in order], dtype=np.uint8), lengths)
-    out = {}
-    sid = np.asarray([split_ids[i] for i in order])
-    for k, name in enumerate(SPLITS):
-        docs = np.flatnonzero(sid == k)
-        if len(docs) == 0:
-            out[name] = (np.zeros(0, np.int64), np.zeros(0, np.uint8), 0)
-            continue
-        a, b = offsets[docs[0]], offsets[docs[-1] + 1]
-        out[name] = (values[a:b], doms[a:b], len(docs))
-    return out
+def _hash_fraction(digest: bytes) -> float:
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _build(
-    config: PrepareConfig, tmp: Path, fingerprint: str, source_fp: str, validated: ValidationResult | None
-) -> None:
-    with Progress(6, "prepare data", unit="stage") as bar:
-        _build_stages(config, tmp, fingerprint, source_fp, bar, validated)
-        bar.advance_to(6)
+def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], dict[str, int]]:
+    """Split id per document (0 train, 1 validation, 2 test, -1 duplicate removed) from its sha256, and
+    exact-duplicate removal; what the streaming scan (`_scan`) decides, for a list of texts.
+
+    A document goes to test when u < test_fraction, to validation when u < test + val fractions, where
+    u in [0, 1) is its hash; then `_fill_eval_splits`."""
+    digests = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
+    u_N = np.asarray([_hash_fraction(d) for d in digests], dtype=np.float64)
+    split_N = _initial_splits(config, u_N)
+    seen: set[bytes] = set()
+    duplicates = 0
+    for i, d in enumerate(digests):
+        if d in seen:
+            duplicates += 1
+            if config.dedup:
+                split_N[i] = -1
+        seen.add(d)
+    counts = {"duplicates_removed": duplicates if config.dedup else 0}
+    counts.update(_fill_eval_splits(config, split_N, u_N, np.asarray([len(t) for t in texts])))
+    return split_N.tolist(), counts
 
 
-def _build_stages(
-    config: PrepareConfig,
-    tmp: Path,
-    fingerprint: str,
-    source_fp: str,
-    bar,
-    validated: ValidationResult | None,
-) -> None:
-    bar.stage("load")
-    loaded = load_source(
-        config.source,
-        kind=config.kind,
+# ---------------------------------------------------------------------------------------------- build
+def _documents(config: PrepareConfig, spec: SourceSpec, check: bool = True):
+    return iter_documents(
+        spec,
+        config.kind,
         text_column=config.text_column,
         domain_column=config.domain_column,
         hub_config=config.hub_config,
         split=config.split,
-        max_documents=config.max_documents,
-        max_line_bytes=config.max_line_bytes,
         txt_sample_by=config.txt_sample_by,
+        max_line_bytes=config.max_line_bytes,
+        max_documents=config.max_documents,
+        check=check,
     )
-    texts, domains, counts = _documents(config, loaded)
-    if not texts:
-        raise DataError(f"{loaded.spec.name}: every document is empty; nothing to prepare")
-    report = validated
+
+
+def _source_bytes(spec: SourceSpec) -> int | None:
+    return sum(p.stat().st_size for p in spec.files) if spec.type == "local" else None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def _build(
+    config: PrepareConfig,
+    work: Path,
+    fingerprint: str,
+    source_fp: str,
+    spec: SourceSpec,
+    validated: ValidationResult | None,
+) -> None:
+    with Progress(3, "prepare data", unit="stage") as bar:
+        bar.stage("scan")
+        if (work / "scan.json").is_file():
+            scan = json.loads((work / "scan.json").read_text())
+            arrays = np.load(work / "scan.npz")
+            split_N, domain_N = arrays["split"], arrays["domain"]
+            print(f"prepare: resuming {work} (scan and tokenizer done)", file=sys.stderr, flush=True)
+        else:
+            scan, split_N, domain_N = _scan_and_tokenizer(config, work, spec, validated)
+        tokenizer = load_tokenizer(work / "tokenizer")
+        bar.stage("tokenize")
+        splits = _tokenize_and_pack(config, work, scan, split_N, domain_N, tokenizer, spec)
+        bar.stage("manifest")
+        if splits["train"]["num_blocks"] == 0:
+            raise DataError(
+                f"{spec.name}: the train split has {splits['train']['tokens_total']} tokens, fewer than "
+                f"one block of seq_len={config.seq_len}; use more documents or a shorter seq_len"
+            )
+        for entry in splits.values():
+            entry.pop("tokens_total")
+        tok_dir = work / "tokenizer"
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "source": {"name": spec.name, "type": spec.type, "fingerprint": source_fp},
+            "config": config.to_dict(),
+            "seq_len": config.seq_len,
+            "dtype": scan["dtype"],
+            "domains": scan["domains"],
+            "tokenizer": {
+                "hash": tokenizer_hash(tokenizer),
+                "origin": config.tokenizer or "trained",
+                "vocab_size": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+                "bos_token_id": tokenizer.bos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+                "files": {p.name: sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()},
+                "sample": scan["tokenizer_sample"],
+            },
+            "counts": scan["counts"],
+            "near_dedup": scan["near_dedup"],
+            "splits": splits,
+            "validation": scan["validation"],
+            "versions": {"python": platform.python_version(), **_versions()},
+        }
+        (work / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        bar.advance_to(3)
+
+
+def _scan_and_tokenizer(
+    config: PrepareConfig, work: Path, spec: SourceSpec, validated: ValidationResult | None
+) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    """Pass 1 over the source (see the module docstring), the validation suite, the splits, the tokenizer;
+    checkpointed as ``scan.json`` + ``scan.npz`` + ``tokenizer/``. Per document it keeps a few bytes."""
     if validated is not None:
         validated.raise_for_failure()  # a failed report is never recorded as a passed preparation
-    elif config.validate:
-        bar.stage("validate")
-        records = loaded.dataset if config.kind == "instruction" else [{"text": t} for t in texts]
-        report = validate(records, config.kind, config.validation, source=loaded.spec.name)
-        report.raise_for_failure()
-    bar.stage("split")
-    split_ids, split_counts = assign_splits(config, texts)
-    counts.update(split_counts)
+    u, chars, status, domain = array("d"), array("q"), array("b"), array("B")
+    domain_index: dict[str, int] = {}
+    seen: set[bytes] = set()
+    near = (
+        NearDuplicates(config.near_dedup, config.minhash_num_perm, config.minhash_ngram)
+        if config.near_dedup is not None
+        else None
+    )
+    val_rows = config.validation.sample_rows or config.validation_max_rows
+    check = config.validate and validated is None
+    val_sample = BottomK(max_items=val_rows, max_bytes=VALIDATION_SAMPLE_BYTES) if check else None
+    tok_sample = BottomK(max_bytes=config.tokenizer_sample_bytes) if config.tokenizer is None else None
+    rate_sample = BottomK(max_bytes=1 << 20)  # kept documents, to measure tokens per character
+    loaded = empty = duplicates = near_duplicates = 0
+    total = _source_bytes(spec)
+    with Progress(total / MB if total else None, "prepare: scan", unit="MB") as bar:
+        for doc in _documents(config, spec):
+            loaded += 1
+            bar.update(len(doc.text) / MB)
+            if not doc.text.strip():
+                empty += 1
+                continue
+            raw = doc.text.encode("utf-8", "surrogatepass")
+            digest = hashlib.sha256(raw).digest()
+            i = len(u)
+            # 0 keep, 1 exact duplicate, 2 near-duplicate (removed only when dedup / near_dedup say so)
+            state = 1 if digest[:16] in seen else 0
+            seen.add(digest[:16])
+            if state == 1:
+                duplicates += 1
+            elif near is not None and near.add(doc.text):
+                state = 2
+                near_duplicates += 1
+            if len(domain_index) == 255 and doc.domain not in domain_index:
+                raise DataError(f"{spec.name}: over 255 domains; at most 255 fit the uint8 domain ids")
+            u.append(_hash_fraction(digest))
+            chars.append(len(doc.text))
+            status.append(state)
+            domain.append(domain_index.setdefault(doc.domain, len(domain_index)))
+            if val_sample is not None:
+                record = doc.record if config.kind == "instruction" else {"text": doc.text}
+                val_sample.add(int.from_bytes(digest[8:16], "big"), i, len(raw), record)
+            if (
+                tok_sample is not None
+                and state == 0
+                and _hash_fraction(digest) >= (config.test_fraction + config.val_fraction)
+            ):  # a train document (moves to evaluation splits are undone below)
+                tok_sample.add(int.from_bytes(digest[16:24], "big"), i, len(raw), doc.text)
+            if state == 0:
+                rate_sample.add(int.from_bytes(digest[24:], "big"), i, len(raw), doc.text)
+    if not len(u):
+        raise DataError(f"{spec.name}: every document is empty; nothing to prepare")
+    del seen
 
-    bar.stage("tokenizer")
-    if config.tokenizer is None:
-        tokenizer = train_tokenizer((t for t, s in zip(texts, split_ids) if s == 0), config.vocab_size)
+    report = validated
+    if val_sample is not None:
+        sample = val_sample.items()
+        report = validate(
+            [record for _, record in sample],
+            config.kind,
+            config.validation,
+            source=spec.name,
+            positions=[i for i, _ in sample],
+            rows_total=len(u),
+        )
+        report.raise_for_failure()
+        del val_sample, sample
+    if report is not None:
+        (work / "validation.md").write_text(report.to_markdown())
+        (work / "validation.json").write_text(json.dumps(report.to_dict(), indent=1))
+
+    u_N = np.frombuffer(u, dtype=np.float64)
+    status_N = np.frombuffer(status, dtype=np.int8)
+    split_N = _initial_splits(config, u_N)
+    if config.dedup:
+        split_N[status_N == 1] = -1
+    split_N[status_N == 2] = -1
+    counts = {
+        "documents_loaded": loaded,
+        "dropped_empty": empty,
+        "duplicates_removed": duplicates if config.dedup else 0,
+        "near_duplicates_removed": near_duplicates,
+    }
+    counts.update(_fill_eval_splits(config, split_N, u_N, np.frombuffer(chars, dtype=np.int64)))
+    counts["documents_kept"] = int((split_N >= 0).sum())
+    names = sorted(domain_index)
+    remap = np.asarray([names.index(d) for d in domain_index], dtype=np.uint8)
+    domain_N = remap[np.frombuffer(domain, dtype=np.uint8)]
+
+    if tok_sample is not None:
+        texts = [t for i, t in tok_sample.items() if split_N[i] == 0]
+        sample_info = {
+            "documents": len(texts),
+            "bytes": tok_sample.bytes,
+            "max_bytes": config.tokenizer_sample_bytes,
+        }
+        tokenizer = train_tokenizer(texts, config.vocab_size)
     else:
         tokenizer = load_tokenizer(config.tokenizer)
-    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        sample_info = None
+    staged = work / "tokenizer.tmp"
+    shutil.rmtree(staged, ignore_errors=True)
+    tokenizer.save_pretrained(str(staged))
+    shutil.rmtree(work / "tokenizer", ignore_errors=True)
+    os.replace(staged, work / "tokenizer")
     vocab = len(tokenizer)
     dtype = config.dtype if config.dtype != "auto" else ("uint16" if vocab <= 2**16 else "uint32")
     if dtype == "uint16" and vocab > 2**16:
         raise DataError(
             f"dtype uint16 cannot hold token ids of a {vocab}-token vocabulary; use uint32 or auto"
         )
-
-    domain_names = sorted(set(domains))
-    if len(domain_names) > 255:
-        raise DataError(
-            f"{loaded.spec.name}: {len(domain_names)} domains; at most 255 fit the uint8 domain ids"
-        )
-    domain_index = {d: i for i, d in enumerate(domain_names)}
-    bar.stage("tokenize")
-    per_split = tokenize_documents(config, tokenizer, texts, [domain_index[d] for d in domains], split_ids)
-
-    bar.stage("write")
-    splits = {}
-    for name, (tokens, doms, n_docs) in per_split.items():
-        entry = write_split_shards(tmp, name, tokens, doms, config.seq_len, dtype, config.blocks_per_shard)
-        splits[name] = {"documents": n_docs, **entry}
-    if splits["train"]["num_blocks"] == 0:
-        raise DataError(
-            f"{loaded.spec.name}: the train split has {len(per_split['train'][0])} tokens, fewer than "
-            f"one block of seq_len={config.seq_len}; use more documents or a shorter seq_len"
-        )
-    if report is not None:
-        (tmp / "validation.md").write_text(report.to_markdown())
-        (tmp / "validation.json").write_text(json.dumps(report.to_dict(), indent=1))
-    tok_dir = tmp / "tokenizer"
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint,
-        "source": {"name": loaded.spec.name, "type": loaded.spec.type, "fingerprint": source_fp},
-        "config": config.to_dict(),
-        "seq_len": config.seq_len,
+    kept_chars = int(np.frombuffer(chars, dtype=np.int64)[split_N >= 0].sum())
+    measured = [t for _, t in rate_sample.items()]
+    n_tokens = sum(len(ids) + 1 for ids in tokenizer(measured, add_special_tokens=False)["input_ids"])
+    scan = {
+        "counts": counts,
+        "domains": names,
         "dtype": dtype,
-        "domains": domain_names,
-        "tokenizer": {
-            "hash": tokenizer_hash(tokenizer),
-            "origin": config.tokenizer or "trained",
-            "vocab_size": vocab,
-            "eos_token_id": tokenizer.eos_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            "files": {p.name: sha256_file(p) for p in sorted(tok_dir.iterdir()) if p.is_file()},
-        },
-        "counts": {**counts, "documents_kept": sum(1 for s in split_ids if s >= 0)},
-        "splits": splits,
+        "kept_chars": kept_chars,
+        "tokens_per_char": n_tokens / max(1, sum(len(t) for t in measured)),
+        "tokenizer_sample": sample_info,
+        "near_dedup": near.describe() if near is not None else None,
         "validation": None
         if report is None
         else {"suite": report.suite, "success": report.success, "rows_checked": report.rows_checked},
-        "versions": {"python": platform.python_version(), **_versions()},
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    tmp = work / "scan.tmp.npz"
+    np.savez(tmp, split=split_N, domain=domain_N)
+    os.replace(tmp, work / "scan.npz")
+    _write_json(work / "scan.json", scan)  # last: its presence says the scan is complete
+    return scan, split_N, domain_N
+
+
+def _chunks(config: PrepareConfig, spec: SourceSpec, split_N: np.ndarray, domain_N: np.ndarray, start: int):
+    """(end, texts, split ids, domain ids, chars) of consecutive kept documents from document ``start`` on;
+    ``end`` is the index of the first document after the chunk (where a restart continues)."""
+    texts: list[str] = []
+    sids: list[int] = []
+    doms: list[int] = []
+    size = 0
+    i = -1
+    for doc in _documents(config, spec, check=False):  # the scan checked the files
+        if not doc.text.strip():
+            continue
+        i += 1
+        if i < start or split_N[i] < 0:
+            continue
+        texts.append(doc.text)
+        sids.append(int(split_N[i]))
+        doms.append(int(domain_N[i]))
+        size += len(doc.text)
+        if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCUMENTS:
+            yield i + 1, texts, sids, doms, size
+            texts, sids, doms, size = [], [], [], 0
+    if i + 1 != len(split_N):
+        raise DataError(
+            f"{spec.name}: changed while it was being prepared ({i + 1} documents now, {len(split_N)} in the "
+            "scan); prepare it again with --overwrite once it stops changing"
+        )
+    yield len(split_N), texts, sids, doms, size
+
+
+def _tokenize_and_pack(
+    config: PrepareConfig,
+    work: Path,
+    scan: dict[str, Any],
+    split_N: np.ndarray,
+    domain_N: np.ndarray,
+    tokenizer: Any,
+    spec: SourceSpec,
+) -> dict[str, dict[str, Any]]:
+    """Pass 2: tokenize chunks (here or in ``num_proc`` workers, results taken in order) into one
+    `ShardWriter` per split; a checkpoint after every chunk that completed a shard."""
+    dtype = scan["dtype"]
+    layout = (config.seq_len, dtype, config.blocks_per_shard)
+    progress_file = work / "progress.json"
+    start = 0
+    documents = dict.fromkeys(SPLITS, 0)
+    if progress_file.is_file():
+        saved = json.loads(progress_file.read_text())
+        pending = np.load(work / saved["pending"])
+        writers = {
+            name: ShardWriter.from_state(
+                work,
+                name,
+                *layout,
+                saved["writers"][name],
+                pending[f"{name}_tokens"],
+                pending[f"{name}_domains"],
+            )
+            for name in SPLITS
+        }
+        start, documents = saved["documents_done"], saved["documents"]
+        print(f"prepare: resuming {work} at document {start} of {len(split_N)}", file=sys.stderr, flush=True)
+    else:
+        writers = {name: ShardWriter(work, name, *layout) for name in SPLITS}
+    checkpoints = [0]
+
+    def checkpoint(done: int) -> None:
+        checkpoints[0] += 1
+        states, arrays = {}, {}
+        for name, writer in writers.items():
+            states[name], arrays[f"{name}_tokens"], arrays[f"{name}_domains"] = writer.state()
+        pending_name = f"pending-{checkpoints[0]}-{os.getpid()}.npz"
+        np.savez(work / pending_name, **arrays)
+        previous = json.loads(progress_file.read_text())["pending"] if progress_file.is_file() else None
+        _write_json(
+            progress_file,
+            {"documents_done": done, "documents": documents, "writers": states, "pending": pending_name},
+        )
+        if previous and previous != pending_name:
+            (work / previous).unlink(missing_ok=True)
+
+    itemsize = np.dtype(dtype).itemsize + 1  # token + domain id
+    needed = _bytes_needed(scan, itemsize, split_N, start)
+    backend = tokenizer.backend_tokenizer.to_str()
+    append_eos = config.kind == "text"  # rendered chats already end each turn with EOS
+    workers = config.num_proc if config.num_proc > 1 and scan["kept_chars"] > IN_PROCESS_BYTES else 0
+    with (
+        disk_full_guard(work, needed),
+        Progress(scan["kept_chars"] / MB, "prepare: tokenize", unit="MB") as bar,
+        _encoder_pool(workers, backend, tokenizer.eos_token_id, append_eos) as encode,
+    ):
+        for end, results, size in encode(_chunks(config, spec, split_N, domain_N, start)):
+            shards = 0
+            for name, (tokens, domains, n_docs) in zip(SPLITS, results):
+                shards += writers[name].append(tokens, domains)
+                documents[name] += n_docs
+            bar.update(size / MB)
+            if shards:
+                checkpoint(end)
+        out = {}
+        for name, writer in writers.items():
+            out[name] = {"documents": documents[name], **writer.finish(), "tokens_total": writer.total_tokens}
+    return out
+
+
+def _bytes_needed(scan: dict[str, Any], itemsize: int, split_N: np.ndarray, start: int) -> int:
+    """About how many bytes the shards still need: the kept text not yet tokenized times the tokens per
+    character measured on a sample in the scan, times bytes per token (ids + domain ids), plus 10%."""
+    left = scan["kept_chars"] * (1 - start / max(len(split_N), 1))
+    return int(left * scan["tokens_per_char"] * itemsize * 1.1) + (1 << 20)
+
+
+class _encoder_pool:
+    """A function mapping chunks to (end, per-split results, size) in chunk order: in this process
+    (``workers=0``: ``num_proc=1``, or too little text to start processes for) or in a spawned pool with at
+    most two chunks per worker in flight (bounded memory)."""
+
+    def __init__(self, workers: int, backend: str, eos: int, append_eos: bool) -> None:
+        self.workers, self.args = workers, (backend, eos, append_eos)
+        self.pool = None
+
+    def __enter__(self):
+        if self.workers:
+            self.pool = multiprocessing.get_context("spawn").Pool(
+                self.workers, initializer=init_worker, initargs=self.args
+            )
+        return self.run
+
+    def run(self, chunks):
+        if self.pool is None:  # one process, one core: documents encoded one by one, not on a thread pool
+            encoder = Encoder(*self.args, batch=False)
+            for end, texts, sids, doms, size in chunks:
+                yield end, encoder.encode(texts, sids, doms), size
+            return
+        in_flight: collections.deque = collections.deque()
+        for end, texts, sids, doms, size in chunks:
+            in_flight.append((end, self.pool.apply_async(encode_in_worker, (texts, sids, doms)), size))
+            while len(in_flight) >= 2 * self.workers:
+                end_, result, size_ = in_flight.popleft()
+                yield end_, result.get(), size_
+        while in_flight:
+            end_, result, size_ = in_flight.popleft()
+            yield end_, result.get(), size_
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
 
 
 def _versions() -> dict[str, str]:

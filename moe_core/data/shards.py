@@ -93,6 +93,99 @@ def write_split_shards(
     }
 
 
+class ShardWriter:
+    """`write_split_shards` fed piece by piece: tokens (documents already joined with EOS) arrive in order
+    through `append`, and each [blocks_per_shard, seq_len] shard is written (``np.save`` + sha256) as soon as
+    it is full, so memory holds at most one shard plus the piece. `finish` writes the last, shorter shard and
+    drops the tail that does not fill a block; the files and the manifest entry are byte for byte those of
+    `write_split_shards` on the concatenated tokens (a test holds them equal).
+
+    `state` / `from_state` carry a writer over a restart: the shards written and the pending tokens."""
+
+    def __init__(self, out_dir: Path, split: str, seq_len: int, dtype: str, blocks_per_shard: int) -> None:
+        self.out_dir, self.split, self.seq_len = Path(out_dir), split, seq_len
+        self.dtype, self.blocks_per_shard = dtype, blocks_per_shard
+        self.shards: list[dict[str, Any]] = []
+        self.total_tokens = 0
+        self._tokens: list[np.ndarray] = []
+        self._domains: list[np.ndarray] = []
+        self._pending = 0
+        (self.out_dir / split).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def shard_tokens(self) -> int:
+        return self.blocks_per_shard * self.seq_len
+
+    def append(self, tokens: np.ndarray, domains: np.ndarray) -> int:
+        """Add tokens and their domain ids (same length); returns how many shards this wrote."""
+        if len(tokens) != len(domains):
+            raise ValueError(f"{len(tokens)} tokens but {len(domains)} domain ids")
+        self._tokens.append(tokens)
+        self._domains.append(domains)
+        self._pending += len(tokens)
+        self.total_tokens += len(tokens)
+        if self._pending < self.shard_tokens:
+            return 0
+        tokens, domains = np.concatenate(self._tokens), np.concatenate(self._domains)
+        start = 0
+        while len(tokens) - start >= self.shard_tokens:
+            stop = start + self.shard_tokens
+            self._write(tokens[start:stop], domains[start:stop])
+            start = stop
+        self._tokens, self._domains, self._pending = [tokens[start:]], [domains[start:]], len(tokens) - start
+        return start // self.shard_tokens
+
+    def _write(self, tokens: np.ndarray, domains: np.ndarray) -> None:
+        n_blocks = len(tokens) // self.seq_len
+        k = len(self.shards)
+        entry: dict[str, Any] = {"num_blocks": n_blocks, "sha256": {}}
+        for name, array, dt in (("tokens", tokens, self.dtype), ("domains", domains, "uint8")):
+            rel = f"{self.split}/{self.split}-{k:05d}.{name}.npy"
+            block_BS = np.ascontiguousarray(array.reshape(n_blocks, self.seq_len), dtype=dt)
+            np.save(self.out_dir / rel, block_BS)
+            entry[name] = rel
+            entry["sha256"][name] = sha256_file(self.out_dir / rel)
+        self.shards.append(entry)
+
+    def finish(self) -> dict[str, Any]:
+        """Write the last shard; returns the split's manifest entry (as `write_split_shards`)."""
+        n_blocks = self._pending // self.seq_len
+        if n_blocks:
+            tokens, domains = np.concatenate(self._tokens), np.concatenate(self._domains)
+            self._write(tokens[: n_blocks * self.seq_len], domains[: n_blocks * self.seq_len])
+        total = sum(s["num_blocks"] for s in self.shards)
+        return {
+            "num_blocks": total,
+            "num_tokens": total * self.seq_len,
+            "dropped_tail_tokens": self.total_tokens - total * self.seq_len,
+            "shards": self.shards,
+        }
+
+    def state(self) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """(json-able state, pending tokens, pending domain ids)."""
+        tokens = np.concatenate(self._tokens) if self._tokens else np.zeros(0, np.int64)
+        domains = np.concatenate(self._domains) if self._domains else np.zeros(0, np.uint8)
+        self._tokens, self._domains = [tokens], [domains]
+        return {"shards": self.shards, "total_tokens": self.total_tokens}, tokens, domains
+
+    @classmethod
+    def from_state(
+        cls,
+        out_dir: Path,
+        split: str,
+        seq_len: int,
+        dtype: str,
+        blocks_per_shard: int,
+        state: dict[str, Any],
+        tokens: np.ndarray,
+        domains: np.ndarray,
+    ) -> ShardWriter:
+        writer = cls(out_dir, split, seq_len, dtype, blocks_per_shard)
+        writer.shards, writer.total_tokens = list(state["shards"]), int(state["total_tokens"])
+        writer._tokens, writer._domains, writer._pending = [tokens], [domains], len(tokens)
+        return writer
+
+
 def verify_prepared(data_dir: str | Path, splits: list[str] | None = None) -> dict[str, Any]:
     """Check the tokenizer files and the shards of `splits` (all by default) against the manifest's sha256;
     raise `DataError` naming the first file that is missing or does not match. Returns the manifest."""

@@ -15,6 +15,9 @@ Source strings (`parse_source`):
 Local files are checked before `datasets` reads them (`check_file`), so an empty, binary or non-UTF-8 file,
 or one enormous line, is reported with the file name, byte offset and line instead of a parser traceback.
 
+`load_source` returns the whole source as one in-memory dataset (fine-tuning sets); preparation and
+validation read sources as streams instead (`moe_core.data.stream`), which keeps memory flat at any size.
+
 Where text is stored: `datasets` would keep an Arrow copy of every local file it reads under
 ``~/.cache/huggingface/datasets``, files that fail validation included. Local files are read through a
 scratch cache inside the lab's data directory (`lab_data_dir`) into memory, and the scratch directory is
@@ -502,9 +505,7 @@ def load_source(
         _require_columns(ds, spec, [text_column], "Pass the text column with text_column / --text-column.")
         if domain_column is not None:
             _require_columns(ds, spec, [domain_column], "Pass an existing domain_column or none.")
-        texts = ds[text_column]
-        domains = [str(d) for d in ds[domain_column]] if domain_column else ["text"] * len(ds)
-        ds = datasets.Dataset.from_dict({"text": texts, "domain": domains, "source": ds["source"]})
+        ds = _text_columns(ds, text_column, domain_column)
     elif kind == "instruction":
         if "messages" not in ds.column_names:
             _require_columns(
@@ -521,6 +522,26 @@ def load_source(
             "Preference data needs `prompt`, `chosen` and `rejected` columns.",
         )
     return LoadedSource(ds, spec, fingerprint)
+
+
+def _text_columns(ds: Any, text_column: str, domain_column: str | None) -> Any:
+    """Columns ``text``, ``domain`` (as strings; "text" without a domain column), ``source``, by Arrow column
+    operations: rebuilding the dataset from Python lists (``Dataset.from_dict``) costs time per row."""
+    import datasets
+    import pyarrow as pa
+
+    table = ds.with_format("arrow")[:]  # a pyarrow Table of the rows (a selection's indices applied)
+    domain = (
+        table.column(domain_column).cast(pa.string())
+        if domain_column is not None
+        else pa.repeat(pa.scalar("text"), len(ds))
+    )
+    columns = {
+        "text": table.column(text_column).cast(pa.string()),
+        "domain": domain,
+        "source": table.column("source"),
+    }
+    return datasets.Dataset(datasets.table.InMemoryTable.from_pydict(columns))
 
 
 # ---------------------------------------------------------------------------------------------- records

@@ -31,13 +31,17 @@ from typing import Any
 import numpy as np
 
 from moe_core.data.errors import DataError, DataValidationError
-from moe_core.data.sources import canonical_json, load_source
+from moe_core.data.sources import DEFAULT_MAX_LINE_BYTES, canonical_json, parse_source
+from moe_core.data.stream import BottomK, iter_records
 from moe_core.progress import Progress
 
 SUITES = {"text": "moe_lab.text", "instruction": "moe_lab.instruction", "preference": "moe_lab.preference"}
 CONTROL_CHARS = r"[\x00-\x08\x0B\x0C\x0E-\x1F\x7F]"  # tab, newline and carriage return are allowed
 INVALID_UTF8 = r"[\uFFFD\uD800-\uDFFF]"  # replacement character (bytes lost in decoding) or lone surrogates
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_ROWS = (
+    100_000  # `validate_source` checks a deterministic sample of this many rows of a larger source
+)
 
 
 @dataclass
@@ -378,25 +382,46 @@ def validate(
     config: ValidationConfig | None = None,
     text_column: str = "text",
     source: str = "<records>",
+    positions: list[int] | None = None,
+    rows_total: int | None = None,
 ) -> ValidationResult:
     """Run the suite of `kind` on `records` (a `datasets.Dataset`, pandas DataFrame or list of dicts).
-    Returns the result whether it passed or not; call ``result.raise_for_failure()`` to stop on failure."""
+    Returns the result whether it passed or not; call ``result.raise_for_failure()`` to stop on failure.
+
+    ``positions`` and ``rows_total``: `records` is already a sample (a stream's, `validate_stream`) of
+    ``rows_total`` rows, taken at these positions; they are the row indices reported, and the table minimums
+    are scaled by the sampled fraction. ``config.sample_rows`` then does not sample again."""
     if kind not in SUITES:
         raise DataError(f"unknown data kind {kind!r}; choose one of {tuple(SUITES)}")
+    if (positions is None) != (rows_total is None) or (
+        positions is not None and len(positions) != len(records)
+    ):
+        raise ValueError("validate: pass positions (one per record) together with rows_total, or neither")
     with Progress(3, "validate data", unit="stage") as bar:  # GX's own bars are off (see _context)
-        return _validate(records, kind, config or ValidationConfig(), text_column, source, bar)
+        return _validate(
+            records, kind, config or ValidationConfig(), text_column, source, bar, positions, rows_total
+        )
 
 
 def _validate(
-    records: Any, kind: str, cfg: ValidationConfig, text_column: str, source: str, bar
+    records: Any,
+    kind: str,
+    cfg: ValidationConfig,
+    text_column: str,
+    source: str,
+    bar,
+    positions: list[int] | None = None,
+    rows_total: int | None = None,
 ) -> ValidationResult:
     bar.stage("columns")
     total = len(records)
     indices = None
-    if cfg.sample_rows is not None and cfg.sample_rows < total:
+    if positions is None and cfg.sample_rows is not None and cfg.sample_rows < total:
         rng = np.random.default_rng(cfg.seed)
         indices = np.sort(rng.choice(total, size=cfg.sample_rows, replace=False)).tolist()
     cols, total = _columns(records, indices)
+    if positions is not None:
+        indices, total = list(positions), int(rows_total)
     variant = kind
     if kind == "text":
         frame = _text_frame(cols, text_column)
@@ -478,9 +503,57 @@ def validate_source(
     kind: str = "text",
     config: ValidationConfig | None = None,
     text_column: str = "text",
-    **load_kwargs: Any,
+    *,
+    domain_column: str | None = None,
+    hub_config: str | None = None,
+    split: str = "train",
+    max_documents: int | None = None,
+    txt_sample_by: str = "paragraph",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_rows: int = DEFAULT_MAX_ROWS,
 ) -> ValidationResult:
-    """Load a source (`moe_core.data.sources.load_source`) and validate it."""
-    loaded = load_source(source, kind=kind, text_column=text_column, **load_kwargs)
-    column = "text" if kind == "text" else text_column
-    return validate(loaded.dataset, kind, config, text_column=column, source=loaded.spec.name)
+    """Validate a source read as a stream (`moe_core.data.stream`): every row when it has at most
+    ``config.sample_rows`` (else ``max_rows``) rows, otherwise a deterministic sample of that many chosen by
+    row hash (`BottomK`), so memory does not grow with the source. Row indices are positions in the stream."""
+    cfg = config or ValidationConfig()
+    spec = parse_source(source)
+    sample = BottomK(max_items=cfg.sample_rows or max_rows)
+    total = 0
+    if spec.type == "builtin" and kind != "text":
+        raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
+    records = iter_records(
+        spec,
+        hub_config=hub_config,
+        split=split,
+        txt_sample_by=txt_sample_by,
+        max_line_bytes=max_line_bytes,
+        columns=(text_column,) if kind == "text" else None,
+    )
+    column = "text" if spec.type == "builtin" else text_column
+    for n, (record, where) in enumerate(records):
+        if max_documents is not None and n >= max_documents:
+            break
+        if kind != "text":
+            row = {k: v for k, v in record.items() if k != "source"}
+        elif column in record:
+            row = {"text": record[column]}
+        else:
+            raise DataError(
+                f"{where}: missing column(s) [{column!r}]; found {sorted(record)}. "
+                "Pass the text column with text_column / --text-column."
+            )
+        key = row_hash(row["text"] if kind == "text" else row) if row.get("text", "") is not None else "0"
+        sample.add(int(key, 16), total, 0, row)
+        total += 1
+    if total == 0:
+        raise DataError(f"{spec.name}: no rows; check the file(s) or split")
+    chosen = sample.items()
+    return validate(
+        [r for _, r in chosen],
+        kind,
+        cfg,
+        text_column="text" if kind == "text" else text_column,
+        source=spec.name,
+        positions=[i for i, _ in chosen],
+        rows_total=total,
+    )
