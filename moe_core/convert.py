@@ -67,7 +67,6 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CONFIG_MAPPING, GenerationConfig
-from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
 from moe_core.data.framing import FRAMING_FILE
@@ -75,6 +74,7 @@ from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.model import MoEForCausalLM
+from moe_core.transformers_seam import no_init_weights
 
 logger = logging.getLogger(__name__)
 

@@ -168,10 +168,10 @@ def test_incremental_decoding_logits_equal_full_forward():
     full = model(x).logits
     out = model(x[:, :8], use_cache=True)
     steps = [out.logits]
-    cache = out.past_key_values
+    cache = out.cache
     for t in range(8, 12):
-        out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
+        cache = out.cache
         steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
