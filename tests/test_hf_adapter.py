@@ -158,17 +158,29 @@ def test_our_adapter_loads_in_stock_peft_on_the_hf_model_with_our_logits(hf_dirs
     ours = logits(peft_model)
     adapter_dir = save_adapter(peft_model, tmp_path / "adapter", plan)
 
+    # transformers 5's names: the fused expert parameters through target_parameters, every router mlp.gate
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert not config["target_parameters"] and isinstance(config["target_modules"], str)
+    layers = sorted(plan.expert_selection)
+    assert sorted(config["target_parameters"]) == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("down_proj", "gate_up_proj")
+    ]
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 4}  # our gate and up LoRA (r=2) fused
     assert config["base_model_name_or_path"] == str(hf_dirs[name])
-    assert config["modules_to_save"] == [f"model.layers.{i}.{MOE[name]}.gate" for i in plan.expert_selection]
+    assert config["modules_to_save"] == [f"model.layers.{i}.mlp.gate" for i in layers]
     assert json.loads((adapter_dir / "moe_expert_selection.json").read_text())["router_trained"] is True
-    keys = set(load_file(adapter_dir / "adapter_model.safetensors"))
-    assert not any(".mlp.router." in k or ".base_layer." in k for k in keys)  # HF names only
-    for layer, chosen in plan.expert_selection.items():  # experts left at zero are left out
-        for e in range(4):
-            key = f"base_model.model.model.layers.{layer}.{MOE[name]}.experts.{e}.{EXPERT_PROJS[name][0]}.lora_A.weight"
-            assert (key in keys) == (e in chosen), key
+    factors = load_file(adapter_dir / "adapter_model.safetensors")
+    assert not any(".mlp.router." in k or "block_sparse_moe" in k for k in factors)  # HF names only
+    for layer, chosen in plan.expert_selection.items():  # experts left out have zero factors
+        (key,) = [
+            k
+            for k in factors
+            if k.startswith(f"base_model.model.model.layers.{layer}.mlp.experts.")
+            and k.endswith("lora_A.weight")
+            and factors[k].shape[1] == BASE["hidden_size"]
+            and factors[k].shape[0] == 4 * 4  # gate_up: E * 2r
+        ]
+        trained = factors[key].view(4, 4, -1).abs().sum(dim=(1, 2)) > 0
+        assert trained.tolist() == [e in chosen for e in range(4)], key
 
     stock = PeftModel.from_pretrained(hf_model(name, hf_dirs[name]), str(adapter_dir)).eval()
     assert_same(logits(stock), ours)
