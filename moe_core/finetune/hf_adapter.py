@@ -429,8 +429,19 @@ def hf_named_key(directory: str | Path) -> str | None:
     """The first key of the adapter in ``directory`` that names a module only a HF architecture has (a
     per-expert projection, or ``mlp.gate`` / ``block_sparse_moe.gate``); None when there is none. Needs no
     base model, so what cannot convert is refused before one loads (`check_convertible`)."""
+    fused = any(
+        t.endswith("gate_up_proj")
+        for t in read_adapter_config(Path(directory)).get("target_parameters") or []
+    )
     with safe_open(str(Path(directory) / WEIGHTS_FILE), "pt") as f:
-        return next((key for key in f.keys() if _HF_ONLY_MODULE.search(split_key(key)[0])), None)
+        return next(
+            (
+                key
+                for key in sorted(f.keys())
+                if _HF_ONLY_MODULE.search(split_key(key)[0]) or (fused and ".mlp.experts." in key)
+            ),
+            None,
+        )
 
 
 def check_convertible(directory: str | Path) -> None:
@@ -511,6 +522,13 @@ def _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lor
         A_ERI, B_ORE = A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E)
         projs = split_gate_up(A_ERI, B_ORE, r) if kind == "gate_up_proj" else {kind: (A_ERI, B_ORE)}
         for proj, (A_ERI, B_ORE) in projs.items():
+            rows, cols = tuple(stacks[f"{prefix}.{proj}"].shape[1:])  # our stack is [E, O, I]
+            if (B_ORE.shape[0], A_ERI.shape[2]) != (rows, cols):
+                key = next(k for k, (p, _) in wrapper_factor.items() if p == param)
+                raise AdapterConversionError(
+                    f"{weights_file}: key {key}: its {proj} part is [{B_ORE.shape[0]}, {A_ERI.shape[2]}] (out, in); "
+                    f"the base model's experts need [{rows}, {cols}]: is this the adapter of this base model? (shape)"
+                )
             for e in range(E):
                 if A_ERI[e].any() or B_ORE[:, :, e].any():
                     expert_factors[f"{prefix}.{proj}"][e] = {"A": A_ERI[e], "B": B_ORE[:, :, e]}
