@@ -40,7 +40,7 @@ from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
 from moe_core.quiet import quiet_deepspeed_cpu_notice
 from moe_core.router_losses import LoadBalance, RouterLosses, layer_losses, router_loss
-from moe_core.routing import Router, RoutingRecord, build_router
+from moe_core.routing import RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -171,6 +171,7 @@ class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.router = build_router(config)
+        self.router.gate.is_router_gate = True  # its initialization is the Switch one (_init_weights)
         self.experts = GroupedExperts(
             config.num_experts,
             config.hidden_size,
@@ -282,11 +283,12 @@ class MoEPreTrainedModel(PreTrainedModel):
             # what no checkpoint holds (non-persistent buffers: RoPE frequencies, a router's pending load):
             # transformers 5 builds the model on the meta device and fills these through _init_weights
             module.reset_buffers()
-        if isinstance(module, Router):  # (after its gate Linear: children are initialized first)
+        if getattr(module, "is_router_gate", False):  # (marked by MoEBlock: transformers 5 never calls
+            # _init_weights on a module without parameters of its own, such as the Router around this Linear)
             # Switch Transformer §2.4: truncated normal, std sqrt(s / fan_in) with s = 0.1, "for stability"
-            fan_in = module.gate.weight.shape[1]
+            fan_in = module.weight.shape[1]
             router_std = math.sqrt(0.1 / fan_in)
-            nn.init.trunc_normal_(module.gate.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
+            nn.init.trunc_normal_(module.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
         elif isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:
