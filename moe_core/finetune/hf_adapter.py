@@ -1,4 +1,4 @@
-"""LoRA adapters in a Hugging Face architecture's own module names, both ways, for transformers 4.57 + PEFT.
+"""LoRA adapters in a Hugging Face architecture's own module names, both ways (transformers 5, PEFT 0.21).
 
     from moe_core.finetune.hf_adapter import save_hf_adapter, apply_hf_adapter
     save_hf_adapter(peft_model, "out/adapter")   # our PeftModel of a model converted from HF: HF names
@@ -6,35 +6,41 @@
     peft_model = apply_hf_adapter(from_hf(src), "stock_adapter")   # a stock PEFT adapter of the HF model, on ours
 
 `moe_core.finetune.export.save_adapter` writes this format for every model with ``config.hf_origin``, and
-`moe_core.load` reads it (`is_hf_adapter` tells the two formats apart). Only the module names and the expert
+`moe_core.load` reads it (`is_hf_adapter` tells the formats apart). Only the module names and the expert
 layout change; r, lora_alpha, use_rslora and so the scaling are the same on both sides, so the logits are too.
 
-Module names (`moe_core.convert.weight_plan` is the one name table; layer i, expert e)::
+Module names (layer i, expert e)::
 
-    ours                                              HF (transformers 4.57: one nn.Linear per expert)
-    model.layers.i.mlp.experts.{gate,up,down}_proj    model.layers.i.{moe}.experts.e.{gate,up,down}_proj
-      a stacked [E, O, I] parameter, LoRA through       (Mixtral: block_sparse_moe.experts.e.w1 / w3 / w2),
-      PEFT's ParamWrapper (target_parameters)           one lora.Linear each
-    model.layers.i.mlp.router.gate                    model.layers.i.{moe}.gate (modules_to_save, or LoRA)
+    ours                                              HF, transformers 5 (what is written)
+    model.layers.i.mlp.experts.{gate,up}_proj         model.layers.i.mlp.experts.gate_up_proj [E, 2F, D]
+    model.layers.i.mlp.experts.down_proj              model.layers.i.mlp.experts.down_proj [E, D, F]
+      stacked [E, O, I] parameters, LoRA through        fused parameters, LoRA through PEFT's ParamWrapper
+      PEFT's ParamWrapper (target_parameters)           too (see "transformers 5" below for the fusion)
+    model.layers.i.mlp.router.gate                    model.layers.i.mlp.gate (modules_to_save)
     attention, shared expert, dense FFN, norms, embeddings: the same names on both sides
 
-Expert factors (`peft.tuners.lora.layer.ParamWrapper.get_delta_weight`, peft 0.21)::
+Adapters in transformers 4's per-expert names (one nn.Linear per expert, ``{moe}.experts.e.{gate,up,down}_proj``,
+Mixtral ``block_sparse_moe.experts.e.w1 / w3 / w2``, router ``{moe}.gate``; the hub's adapters trained before
+5.x) are read too (`weight_plan`'s names). Expert factors in ParamWrapper's layout (peft 0.21)::
 
-    ours  lora_A [E*R, I]: A_ERI = lora_A.view(E, R, I)          HF expert e  lora_A [R, I] = A_ERI[e]
-          lora_B [O, R*E]: B_ORE = lora_B.view(O, R, E)                       lora_B [O, R] = B_ORE[:, :, e]
-          delta_e = scaling * B_ORE[:, :, e] @ A_ERI[e]                       delta = scaling * lora_B @ lora_A
+    ours  lora_A [E*R, I]: A_ERI = lora_A.view(E, R, I)          HF 4.x expert e  lora_A [R, I] = A_ERI[e]
+          lora_B [O, R*E]: B_ORE = lora_B.view(O, R, E)                           lora_B [O, R] = B_ORE[:, :, e]
+          delta_e = scaling * B_ORE[:, :, e] @ A_ERI[e]                           delta = scaling * lora_B @ lora_A
 
-Legend: E = experts, R = LoRA rank r, I = input features, O = output features of a projection.
+Legend: E = experts, R = LoRA rank r, I = input features, O = output features of a projection, F = an expert's
+intermediate size, D = model dim.
 
 Experts whose two factors are both all zero (the experts an expert list or ESFT did not select: `ExpertLoraMask`
-keeps them at exactly zero) are left out of the HF adapter, and experts an HF adapter does not cover get zero
+keeps them at exactly zero) stay zero in the fused HF factors, and experts an HF adapter does not cover get zero
 factors on our side: their delta is zero either way. The task router bias has no HF form and stays a separate
 file (`moe_core.task_bias`). What our model cannot represent exactly is refused, with the file and field or key:
-DoRA, LoRA or base-layer biases, per-module ranks or alphas, and modules our converted model does not have;
-``lora_dropout`` is accepted (it does nothing at inference).
+DoRA, LoRA or base-layer biases, per-module ranks or alphas (other than the fused gate_up_proj's this module
+writes), LoRA on a router's weight, and modules our converted model does not have; ``lora_dropout`` is accepted
+(it does nothing at inference).
 
 This module is the one place that knows PEFT's adapter file layout (``base_model.model.<module>.lora_A.weight``;
-a module in ``modules_to_save`` as ``base_model.model.<module>.weight``) and ParamWrapper's factor layout;
+a module in ``modules_to_save`` as ``base_model.model.<module>.weight``) and ParamWrapper's factor layout; the
+nesting of ParamWrappers on the HF side is taken from stock PEFT itself on a meta-device HF model (`hf_layout`).
 tests/test_hf_adapter.py holds both against stock PEFT on the HF models, so a PEFT upgrade that changes them fails
 there.
 """
