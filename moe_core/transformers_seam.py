@@ -5,7 +5,8 @@
 - `generation_default_keys` (``GenerationConfig._get_default_generation_params``,
   ``transformers/generation/configuration_utils.py``; 4.x: ``PretrainedConfig._get_global_generation_defaults``):
   the generation fields a config.json may still carry, which ``PreTrainedConfig`` pops when it loads one
-  (`moe_core.config.model_fields` accepts them).
+  (`moe_core.config.model_fields` accepts them); their values are what ``generate`` uses for a field a
+  generation_config.json leaves unset (`generation_default`, for the lab's ONNX Runtime ``generate``).
 
 tests/test_transformers_seam.py fails loudly when an upgrade moves or renames either.
 """
@@ -17,10 +18,17 @@ from transformers.initialization import no_init_weights
 
 UPSTREAM = "transformers 5.24 (initialization.py, generation/configuration_utils.py)"
 
-__all__ = ["UPSTREAM", "generation_default_keys", "no_init_weights"]
+__all__ = ["UPSTREAM", "generation_default", "generation_default_keys", "no_init_weights"]
 
 
 def generation_default_keys() -> set[str]:
     """The generation parameters ``PreTrainedConfig`` pops from a config.json (they belong in
     generation_config.json)."""
     return set(GenerationConfig._get_default_generation_params())
+
+
+def generation_default(config: GenerationConfig, name: str):
+    """``config.<name>``, or what ``generate`` uses when it is unset: transformers 5's GenerationConfig leaves
+    sampling fields None (temperature, top_k, top_p) and fills them from these defaults at generate time."""
+    value = getattr(config, name, None)
+    return GenerationConfig._get_default_generation_params()[name] if value is None else value

@@ -32,3 +32,12 @@ def test_generation_keys_are_the_ones_a_config_pops():
     assert "_get_default_generation_params" in dict(inspect.getmembers(GenerationConfig))
     config = PreTrainedConfig(max_length=7, do_sample=True)  # generation fields in a config.json: popped
     assert not hasattr(config, "max_length") or config.max_length != 7
+
+
+def test_unset_sampling_fields_take_generates_defaults():
+    from moe_core.transformers_seam import generation_default
+
+    unset = GenerationConfig()  # transformers 5 leaves them None
+    assert (unset.temperature, unset.top_k, unset.top_p) == (None, None, None)
+    assert [generation_default(unset, k) for k in ("temperature", "top_k", "top_p")] == [1.0, 50, 1.0]
+    assert generation_default(GenerationConfig(top_k=3), "top_k") == 3

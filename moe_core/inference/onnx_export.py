@@ -61,6 +61,7 @@ from moe_core.model import MoEForCausalLM
 from moe_core.progress import Progress
 from moe_core.quiet import quiet_onnx_exporter
 from moe_core.routing import ExpertChoiceRouter
+from moe_core.transformers_seam import generation_default
 
 logger = logging.getLogger(__name__)
 
@@ -506,9 +507,10 @@ class OrtCausalLM:
         if pad is None and eos_ids.numel():
             pad = int(eos_ids[0])
         if do_sample:
-            temperature = gen.temperature if temperature is None else temperature
-            top_k = gen.top_k if top_k is None else top_k
-            top_p = gen.top_p if top_p is None else top_p
+            # unset in generation_config.json: transformers 5's defaults, as model.generate takes them
+            temperature = generation_default(gen, "temperature") if temperature is None else temperature
+            top_k = generation_default(gen, "top_k") if top_k is None else top_k
+            top_p = generation_default(gen, "top_p") if top_p is None else top_p
             if not temperature or temperature <= 0:
                 raise OnnxExportError(f"generate: temperature={temperature} must be > 0 when sampling")
         if not self.has_past:
