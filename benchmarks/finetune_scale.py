@@ -11,7 +11,9 @@ AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
 
 - ``baseline``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)`` + PEFT ``get_peft_model`` with
   ``target_modules`` naming the attention projections and every per-expert ``nn.Linear`` (transformers 4.57's
-  layout; ``--baseline-python`` runs it under another interpreter, e.g. an environment pinned to it).
+  layout; ``--baseline-python`` runs it under another interpreter, e.g. an environment pinned to it); under
+  transformers 5, the attention projections and the fused experts (``target_parameters``: gate_up_proj,
+  down_proj), as a user of 5.x writes it.
 - ``lab``: the lab's own fine-tuning path up to the optimizer: ``moe_core.finetune.run.load_inputs`` (the
   checks, the base model through ``moe_core.load``, in bf16, memory-mapped from the safetensors shards as the
   baseline's is: ``model.mmap`` unset maps a frozen base stored in the training dtype, `moe_core.mapped`) and
@@ -129,15 +131,12 @@ def child_baseline(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=getattr(torch, spec["dtype"]))
+    if int(transformers.__version__.split(".")[0]) >= 5:  # fused experts: PEFT's ParamWrapper on them
+        targets = dict(target_modules=ATTENTION_TARGETS, target_parameters=list(FUSED_EXPERT_TARGETS))
+    else:  # transformers 4.x (--baseline-python): one nn.Linear per expert
+        targets = dict(target_modules=spec["baseline_targets"])
     model = get_peft_model(
-        model,
-        LoraConfig(
-            r=LORA_R,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,
-            bias="none",
-            target_modules=spec["baseline_targets"],
-        ),
+        model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", **targets)
     )
     model.to(spec["device"])
     load_s = time.perf_counter() - t0
@@ -288,16 +287,23 @@ def benchmark_tokens(checkpoint: Path, batch: int, seq: int) -> tuple[list[list[
     tokenizer = load_tokenizer(checkpoint)
     stream: list[int] = []
     for record in records:
-        ids = tokenizer.apply_chat_template(to_messages(record), tokenize=True)
-        stream += list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # return_dict=False: the ids (transformers 5 returns a BatchEncoding by default)
+        stream += list(tokenizer.apply_chat_template(to_messages(record), tokenize=True, return_dict=False))
     needed = batch * seq
     stream = (stream * (needed // len(stream) + 1))[:needed]
     return [stream[i * seq : (i + 1) * seq] for i in range(batch)], records
 
 
+# the baseline's LoRA targets under transformers 5, which holds each layer's experts as two fused parameters
+ATTENTION_TARGETS = r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+FUSED_EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
 def baseline_targets(model_type: str) -> str:
     """PEFT ``target_modules`` (a regex over module names) for q/k/v/o and every expert's three projections, in
-    transformers 4.57's per-expert module names (`moe_core.convert.ARCHITECTURES` knows them)."""
+    transformers 4.57's per-expert module names (`moe_core.convert.ARCHITECTURES` knows them): the baseline in an
+    environment pinned to transformers 4.57 (``--baseline-python``); under transformers 5 it adapts the fused
+    experts instead (`ATTENTION_TARGETS`, `FUSED_EXPERT_TARGETS`)."""
     from moe_core.convert import ARCHITECTURES
 
     arch = ARCHITECTURES[model_type]

@@ -153,11 +153,11 @@ def torch_runner(model, prompt, steps):
             t0 = time.perf_counter()
             out = model(prompt, use_cache=True, logits_to_keep=1)
             prefill = time.perf_counter() - t0
-            cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = model(nxt, past_key_values=cache, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(nxt, cache=cache, use_cache=True)
+                cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
             return prefill, (time.perf_counter() - t0) / steps
 
     return run
@@ -191,9 +191,7 @@ def ort_runner(ort_model, prompt, steps):
         t0 = time.perf_counter()
         for _ in range(steps):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-            out = ort_model(
-                input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True
-            )
+            out = ort_model(input_ids=nxt, attention_mask=mask, cache=out.cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         return prefill, (time.perf_counter() - t0) / steps
 

@@ -1,6 +1,6 @@
 """Model configuration and named presets.
 
-`MoEConfig` is a transformers `PretrainedConfig` (``model_type="moe_lab"``), so it is saved as ``config.json``
+`MoEConfig` is a transformers `PreTrainedConfig` (``model_type="moe_lab"``), so it is saved as ``config.json``
 beside every checkpoint and old checkpoints keep loading (unknown keys are kept, missing ones take defaults).
 It checks itself when built: a bad value raises `ValueError` naming the field and what to do, and so does an
 unknown field (``MoEConfig(num_expert=2)``, ``get_config(..., **overrides)``: a typo is never kept silently).
@@ -19,11 +19,12 @@ import math
 from functools import cache
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import PreTrainedConfig
 
 from moe_core.errors import did_you_mean
 from moe_core.presets import FAMILIES, PRESETS, SIZES, family_settings
 from moe_core.routing import pruned_mass_matters, resolve_router
+from moe_core.transformers_seam import generation_default_keys
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ PRUNED_CHOICES = ("refill", "drop")
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 
 
-class MoEConfig(PretrainedConfig):
+class MoEConfig(PreTrainedConfig):
     """Decoder-only transformer whose FFN is a Mixture of Experts every `moe_every_n` layers.
 
     Attention: RoPE, grouped-query attention (`num_key_value_heads`), optional qk-norm (OLMoE: RMSNorm over
@@ -59,7 +60,7 @@ class MoEConfig(PretrainedConfig):
     """
 
     model_type = "moe_lab"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]  # the output field (transformers 5; 4.x: past_key_values)
 
     def __init__(
         self,
@@ -287,12 +288,12 @@ class MoEConfig(PretrainedConfig):
 
 @cache
 def model_fields() -> frozenset[str]:
-    """Every key a user may give `MoEConfig`: its own parameters and those `PretrainedConfig` understands
+    """Every key a user may give `MoEConfig`: its own parameters and those `PreTrainedConfig` understands
     (its parameters, generation defaults it still reads, and the bookkeeping keys of a saved config.json)."""
     own = set(inspect.signature(MoEConfig.__init__).parameters) - {"self", "kwargs"}
-    hf = set(inspect.signature(PretrainedConfig.__init__).parameters) - {"self", "kwargs"}
-    hf |= set(PretrainedConfig().to_dict()) | set(PretrainedConfig._get_global_generation_defaults())
-    # popped by PretrainedConfig.__init__ / from_dict (configuration_utils.py)
+    hf = set(inspect.signature(PreTrainedConfig.__init__).parameters) - {"self", "kwargs"}
+    hf |= set(PreTrainedConfig().to_dict()) | generation_default_keys()
+    # popped by PreTrainedConfig.__init__ / from_dict (configuration_utils.py)
     hf |= {
         "torch_dtype",
         "name_or_path",

@@ -9,9 +9,12 @@ or ``moe-lab convert from-hf SRC --out DIR`` and ``moe-lab convert to-hf SRC --o
 
 Nothing is approximated: a config the other side cannot express exactly is refused with every reason at once
 (`ConversionError`), and the tests hold logits equal within 1e-5 in float32 in both directions. The truth for
-the Hugging Face side is transformers 4.57's ``models/{mixtral,olmoe,qwen2_moe}/modeling_*.py``.
+the Hugging Face side is transformers 5's ``models/{mixtral,olmoe,qwen2_moe}/modeling_*.py`` (checked at 5.24).
 
-Weights (HF name -> ours; every other name is identical on both sides, layer ``i``, expert ``j``)::
+Weights, in the per-expert names hub checkpoints carry and transformers 5 still writes by default (its modeling
+classes hold the experts fused and convert at load; a checkpoint written fused, ``save_pretrained(
+save_original_format=False)``, is read too: `CheckpointReader`). HF name -> ours; every other name is identical on
+both sides, layer ``i``, expert ``j``::
 
     Mixtral    model.layers.i.block_sparse_moe.gate                 -> model.layers.i.mlp.router.gate
                model.layers.i.block_sparse_moe.experts.j.w1/w3/w2   -> mlp.experts.gate_proj/up_proj/down_proj[j]
@@ -24,7 +27,7 @@ Weights (HF name -> ours; every other name is identical on both sides, layer ``i
 Config (HF -> ours)::
 
     all        hidden_act "silu" -> ffn_activation "swiglu"; softmax top-k token choice, dropless -> router
-               "topk"; rope_theta, rms_norm_eps, max_position_embeddings, tie_word_embeddings, pad/bos/eos
+               "topk"; rope_parameters' rope_theta (4.x config.json: rope_theta), rms_norm_eps, max_position_embeddings, tie_word_embeddings, pad/bos/eos
                ids, attention_dropout, initializer_range carry over; router_z_loss_coef = 0 (HF has none)
     Mixtral    num_local_experts -> num_experts; intermediate_size -> expert_intermediate_size; head_dim;
                norm_topk_prob = True (Mixtral always renormalizes); router_jitter_noise -> router_jitter
@@ -56,6 +59,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +71,6 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CONFIG_MAPPING, GenerationConfig
-from transformers.modeling_utils import no_init_weights
 
 from moe_core.config import MoEConfig
 from moe_core.data.framing import FRAMING_FILE
@@ -75,6 +78,7 @@ from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.model import MoEForCausalLM
+from moe_core.transformers_seam import no_init_weights
 
 logger = logging.getLogger(__name__)
 
@@ -169,17 +173,31 @@ def resolve_source(path_or_hub_id: str | os.PathLike, revision: str | None = Non
         ) from None
 
 
+# transformers 5's fused expert layout (``save_pretrained(save_original_format=False)``; its modeling classes
+# hold experts this way): layer i's ``model.layers.i.mlp.experts.gate_up_proj`` [E, 2F, D] (gate rows first, then
+# up, as ``OlmoeExperts.forward`` chunks them), ``...mlp.experts.down_proj`` [E, D, F], router ``...mlp.gate``
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
 class CheckpointReader:
     """Tensors of a Hugging Face checkpoint, read one at a time by name.
 
     safetensors (``model.safetensors`` or shards listed in ``model.safetensors.index.json``) are memory-mapped;
     PyTorch ``.bin`` files are read with ``torch.load(weights_only=True)``, never with a general unpickler.
+
+    With ``arch`` given, a checkpoint in transformers 5's fused expert layout (`_FUSED_EXPERTS`) is read under the
+    per-expert names hub checkpoints use (and transformers writes by default), so one name table
+    (`weight_plan`) serves both: expert j's gate_proj is ``gate_up_proj[j, :F]``, its up_proj
+    ``gate_up_proj[j, F:]``, its down_proj ``down_proj[j]`` (views of the fused tensor, read once per layer).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, arch: HFArchitecture | None = None) -> None:
         self.directory = directory
         self._open: dict[Path, Any] = {}
         self.file_of: dict[str, Path] = {}
+        self._alias: dict[str, tuple[str, tuple]] = {}  # per-expert name -> (fused name, index into it)
+        self._held: tuple[str, torch.Tensor] | None = None  # the fused tensor last read (one layer's stack)
+        self._fused_file: dict[str, Path] = {}  # fused name -> its file (file_of lists the per-expert names)
         for index_name, single_name in (
             ("model.safetensors.index.json", "model.safetensors"),
             ("pytorch_model.bin.index.json", "pytorch_model.bin"),
@@ -199,6 +217,30 @@ class CheckpointReader:
                 f"pytorch_model.bin or pytorch_model.bin.index.json (hub ids fetch safetensors only, never "
                 f"pickled files)"
             )
+        if arch is not None:
+            self._alias_fused(arch)
+
+    def _alias_fused(self, arch: HFArchitecture) -> None:
+        for name in [n for n in self.file_of if _FUSED_EXPERTS.match(n)]:
+            i, kind = _FUSED_EXPERTS.match(name).groups()
+            E, rows = self.shape(name)[:2]
+            moe = f"model.layers.{i}.{arch.moe_module}"
+            gate, up, down = arch.expert_weights
+            parts = (
+                ((gate, slice(0, rows // 2)), (up, slice(rows // 2, rows)))
+                if kind == "gate_up_proj"
+                else ((down, slice(None)),)
+            )
+            for j in range(E):
+                for leaf, rows_slice in parts:
+                    self._alias[f"{moe}.experts.{j}.{leaf}.weight"] = (name, (j, rows_slice))
+            router = f"model.layers.{i}.mlp.gate.weight"
+            if arch.moe_module != "mlp" and router in self.file_of:  # Mixtral: block_sparse_moe in 4.x names
+                self._alias[f"{moe}.gate.weight"] = (router, ())
+        for alias, (name, _) in self._alias.items():
+            self.file_of[alias] = self.file_of[name]
+        for name in {name for name, _ in self._alias.values()}:
+            self._fused_file[name] = self.file_of.pop(name)
 
     def _shard(self, file: Path):
         if file not in self._open:
@@ -220,11 +262,24 @@ class CheckpointReader:
         return set(self.file_of)
 
     def get(self, name: str) -> torch.Tensor:
-        shard = self._shard(self.file_of[name])
+        if name in self._alias:
+            fused, index = self._alias[name]
+            if self._held is None or self._held[0] != fused:
+                self._held = (fused, self._read(fused))
+            return self._held[1][index] if index else self._held[1]
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        shard = self._shard(self._fused_file.get(name) or self.file_of[name])
         return shard.get_tensor(name) if hasattr(shard, "get_tensor") else shard[name]
 
-    def dtype(self, name: str) -> torch.dtype:
+    def shape(self, name: str) -> tuple[int, ...]:
         shard = self._shard(self.file_of[name])
+        return tuple(shard.get_slice(name).get_shape() if hasattr(shard, "get_slice") else shard[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        name = self._alias[name][0] if name in self._alias else name
+        shard = self._shard(self._fused_file.get(name) or self.file_of[name])
         if hasattr(shard, "get_slice"):
             stored = shard.get_slice(name).get_dtype()
             return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[
@@ -257,9 +312,10 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
         reasons.append(
             f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu), so only 'silu' converts"
         )
-    if getattr(hf, "rope_scaling", None):
+    if rope_extras(hf):
         reasons.append(
-            f"rope_scaling={hf.rope_scaling!r}: our RoPE is unscaled; only rope_scaling=None converts"
+            f"rope_parameters={hf.rope_parameters!r} (config.json's rope_scaling or rope_parameters): our RoPE "
+            "is unscaled; only rope_type 'default' (with rope_theta) converts"
         )
     if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
         reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
@@ -272,6 +328,24 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
             "attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for"
         )
     return reasons
+
+
+_LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")  # transformers 4's config.json fields for RoPE
+
+
+def rope_theta(hf) -> float:
+    """RoPE's base of a transformers 5 config (``rope_parameters``; a 4.x config.json's top-level ``rope_theta``
+    is folded into it when the config is built)."""
+    return float((hf.rope_parameters or {}).get("rope_theta", hf.default_theta))
+
+
+def rope_extras(hf) -> dict[str, Any]:
+    """What a config's ``rope_parameters`` says beyond plain RoPE with a base (scaling, partial rotation)."""
+    params = dict(hf.rope_parameters or {})
+    params.pop("rope_theta", None)
+    if params.get("rope_type") == "default":
+        params.pop("rope_type")
+    return params
 
 
 def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) -> MoEConfig:
@@ -289,7 +363,7 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=hf.num_key_value_heads,
         max_position_embeddings=hf.max_position_embeddings,
-        rope_theta=hf.rope_theta,
+        rope_theta=rope_theta(hf),
         rms_norm_eps=hf.rms_norm_eps,
         attention_dropout=hf.attention_dropout,
         initializer_range=hf.initializer_range,
@@ -347,6 +421,9 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
         )
     config = MoEConfig(**common, **specific)
     raw = hf.to_dict() if raw is None else raw
+    # transformers 4's spelling of RoPE (what hub checkpoints carry): the theta is ours, and written back as
+    # transformers 5's rope_parameters; rope_scaling was refused above unless null
+    raw = {k: v for k, v in raw.items() if k not in _LEGACY_ROPE_KEYS}
     mapped = hf_config_fields(arch, config)
     extra = {k: v for k, v in raw.items() if k not in _VOLATILE_KEYS and not (k in mapped and mapped[k] == v)}
     config.hf_origin = {"architecture": arch.class_name, "model_type": arch.model_type, "config": extra}
@@ -430,7 +507,7 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         max_position_embeddings=config.max_position_embeddings,
-        rope_theta=config.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         rms_norm_eps=config.rms_norm_eps,
         attention_dropout=config.attention_dropout,
         initializer_range=config.initializer_range,
@@ -458,7 +535,6 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             clip_qkv=config.clip_qkv,
             norm_topk_prob=_renormalized(config),
             attention_bias=False,
-            rope_scaling=None,
         )
     else:
         fields.update(
@@ -472,7 +548,6 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             qkv_bias=config.attention_bias,
             norm_topk_prob=_renormalized(config),
             use_sliding_window=False,
-            rope_scaling=None,
         )
     return fields
 
@@ -670,7 +745,7 @@ def open_streaming(
             f"{directory}: model_type {model_type!r} is neither ours ({MoEConfig.model_type}) nor a Hugging Face "
             f"MoE the lab converts ({', '.join(ARCHITECTURES)}); {purpose} reads those"
         )
-    reader = CheckpointReader(directory)
+    reader = CheckpointReader(directory, arch)
     dtype = load_dtype(dtype, reader, error_cls)
     with torch.device("meta"):
         model = MoEForCausalLM._from_config(config, dtype=dtype)
@@ -695,7 +770,7 @@ def from_hf(
     directory = resolve_source(path_or_hub_id, revision)
     arch, hf, raw = read_hf_config(directory)
     config = config_from_hf(arch, hf, raw)
-    reader = CheckpointReader(directory)
+    reader = CheckpointReader(directory, arch)
     dtype = load_dtype(dtype, reader, ConversionError)
     with no_init_weights():  # every tensor is overwritten below
         model = MoEForCausalLM._from_config(config, dtype=dtype)

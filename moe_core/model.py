@@ -40,7 +40,7 @@ from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts, ffn_act
 from moe_core.quiet import quiet_deepspeed_cpu_notice
 from moe_core.router_losses import LoadBalance, RouterLosses, layer_losses, router_loss
-from moe_core.routing import Router, RoutingRecord, build_router
+from moe_core.routing import RoutingRecord, build_router
 
 
 # ------------------------------------------------------------------------------------------------ pieces
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x_BSD, cos_sin, mask_BqL, past_key_values: Cache | None, cache_position):
+    def forward(self, x_BSD, cos_sin, mask_BqL, cache: Cache | None):
         B, S, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
         if self.q_norm is not None:
@@ -145,10 +145,8 @@ class Attention(nn.Module):
         k_BGSHd = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
-        if past_key_values is not None:
-            k_BGSHd, v_BGSHd = past_key_values.update(
-                k_BGSHd, v_BGSHd, self.layer_idx, {"cache_position": cache_position}
-            )
+        if cache is not None:  # (each cache layer keeps its own write position, transformers 5)
+            k_BGSHd, v_BGSHd = cache.update(k_BGSHd, v_BGSHd, self.layer_idx)
         if self.num_kv_heads != self.num_heads:  # GQA: each kv head serves H/G query heads
             repeat = self.num_heads // self.num_kv_heads
             k_BGSHd = k_BGSHd.repeat_interleave(repeat, dim=1)
@@ -173,6 +171,7 @@ class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.router = build_router(config)
+        self.router.gate.is_router_gate = True  # its initialization is the Switch one (_init_weights)
         self.experts = GroupedExperts(
             config.num_experts,
             config.hidden_size,
@@ -216,10 +215,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.ffn_activation)
 
-    def forward(self, h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl=None):
-        h_BSD = h_BSD + self.self_attn(
-            self.input_layernorm(h_BSD), cos_sin, mask_BqL, past_key_values, cache_position
-        )
+    def forward(self, h_BSD, cos_sin, mask_BqL, cache, expert_impl=None):
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos_sin, mask_BqL, cache)
         x_BSD = self.post_attention_layernorm(h_BSD)
         if self.is_moe:
             y_BSD, record = self.mlp(x_BSD, expert_impl)
@@ -255,7 +252,7 @@ def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_
 class MoECausalLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None  # transformers 5's name (4.x: past_key_values)
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     lm_loss: torch.Tensor | None = None
@@ -282,11 +279,16 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, Router):  # (after its gate Linear: children are initialized first)
+        if hasattr(module, "reset_buffers"):
+            # what no checkpoint holds (non-persistent buffers: RoPE frequencies, a router's pending load):
+            # transformers 5 builds the model on the meta device and fills these through _init_weights
+            module.reset_buffers()
+        if getattr(module, "is_router_gate", False):  # (marked by MoEBlock: transformers 5 never calls
+            # _init_weights on a module without parameters of its own, such as the Router around this Linear)
             # Switch Transformer §2.4: truncated normal, std sqrt(s / fan_in) with s = 0.1, "for stability"
-            fan_in = module.gate.weight.shape[1]
+            fan_in = module.weight.shape[1]
             router_std = math.sqrt(0.1 / fan_in)
-            nn.init.trunc_normal_(module.gate.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
+            nn.init.trunc_normal_(module.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
         elif isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:
@@ -318,10 +320,9 @@ class MoEModel(MoEPreTrainedModel):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         use_cache=None,
-        cache_position=None,
         expert_impl=None,
     ):
         if (input_ids is None) == (inputs_embeds is None):
@@ -330,37 +331,38 @@ class MoEModel(MoEPreTrainedModel):
         B, S, _ = h_BSD.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
         checkpointing = self.gradient_checkpointing and self.training
-        if use_cache and past_key_values is None and not checkpointing:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None and not checkpointing:
+            cache = DynamicCache(config=self.config)
         if not use_cache:
-            past_key_values = None
-        if cache_position is None:
-            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-            cache_position = torch.arange(past_len, past_len + S, device=h_BSD.device)
+            cache = None
+        # where this step's tokens land in the cache: after what it holds (transformers 5 passes no
+        # cache_position; a StaticCache's length is a tensor, so a compiled graph does not guard on it)
+        past_len = cache.get_seq_length() if cache is not None else 0
+        cache_position_S = torch.arange(S, device=h_BSD.device) + past_len
         if position_ids is None:
-            position_ids = cache_position[None].expand(B, S)
+            position_ids = cache_position_S[None].expand(B, S)
         # keys the attention sees: past + S for a DynamicCache, the preallocated length for a StaticCache
-        key_len = past_key_values.get_mask_sizes(cache_position, 0)[0] if past_key_values is not None else S
-        mask_BqL = attention_mask_for(attention_mask, cache_position, key_len, S)
+        key_len = cache.get_mask_sizes(S, 0)[0] if cache is not None else S
+        mask_BqL = attention_mask_for(attention_mask, cache_position_S, key_len, S)
         cos_sin = self.rotary_emb(h_BSD, position_ids)
 
         records: list[RoutingRecord] = []
         for layer in self.layers:
             if checkpointing:  # non-reentrant, so the records keep their gradient for the router losses
                 h_BSD, record = checkpoint(
-                    layer, h_BSD, cos_sin, mask_BqL, None, cache_position, expert_impl, use_reentrant=False
+                    layer, h_BSD, cos_sin, mask_BqL, None, expert_impl, use_reentrant=False
                 )
             else:
-                h_BSD, record = layer(h_BSD, cos_sin, mask_BqL, past_key_values, cache_position, expert_impl)
+                h_BSD, record = layer(h_BSD, cos_sin, mask_BqL, cache, expert_impl)
             if record is not None:
                 records.append(record)
                 if self.training:
                     layer.mlp.router.observe(record)
-        return self.norm(h_BSD), past_key_values, records
+        return self.norm(h_BSD), cache, records
 
 
 class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = ["lm_head.weight"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # tied -> source (transformers 5)
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__(config)
@@ -388,26 +390,18 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        cache_position: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
         output_routing: bool = False,
         expert_impl: str | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> MoECausalLMOutput:
-        h_BSD, past_key_values, records = self.model(
-            input_ids,
-            attention_mask,
-            position_ids,
-            past_key_values,
-            inputs_embeds,
-            use_cache,
-            cache_position,
-            expert_impl,
+        h_BSD, cache, records = self.model(
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, expert_impl
         )
         h_keep = h_BSD[:, -logits_to_keep:] if logits_to_keep else h_BSD
         logits_BSV = self.lm_head(h_keep)
@@ -435,7 +429,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         return MoECausalLMOutput(
             loss=loss,
             logits=logits_BSV,
-            past_key_values=past_key_values,
+            cache=cache,
             lm_loss=lm_loss,
             aux_loss=None if losses is None else losses.aux,
             z_loss=None if losses is None else losses.z,

@@ -175,6 +175,25 @@ def test_hf_to_ours_logits_match(hf_checkpoints, case):
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))
+def test_transformers_5_fused_checkpoints_convert_the_same(hf_checkpoints, case, tmp_path):
+    """transformers 5 holds experts fused ([E, 2F, D] gate_up_proj, [E, D, F] down_proj) and, by default, writes
+    them back per expert (the hub layout, which the fixture's directory has); with save_original_format=False it
+    writes them fused: both convert to the same model, with the HF model's logits."""
+    hf_model, directory = hf_checkpoints[case]
+    assert any(".experts.0." in name for name in safetensors_dir(directory))  # the default: per expert
+    hf_model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    fused_names = safetensors_dir(tmp_path / "fused")
+    first_moe = EXPECTED_MOE_LAYERS[case].index(True)
+    assert f"model.layers.{first_moe}.mlp.experts.gate_up_proj" in fused_names
+    assert not any(".experts.0." in name for name in fused_names)
+    reference, ours = from_hf(directory), from_hf(tmp_path / "fused")
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, ours.state_dict()[name]), name
+    input_ids, _ = make_inputs(hf_model.config.vocab_size)
+    assert_same_logits(logits(ours, input_ids), logits(hf_model, input_ids))
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
 def test_ours_to_hf_logits_match(hf_checkpoints, case, tmp_path):
     _, directory = hf_checkpoints[case]
     ours = from_hf(directory)
@@ -344,9 +363,11 @@ def test_weights_the_config_does_not_place_are_refused(hf_checkpoints, tmp_path)
 def test_sharded_safetensors_and_weights_only_bin_load_the_same(hf_checkpoints, tmp_path):
     hf_model, directory = hf_checkpoints["qwen2_moe"]
     hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
-    hf_model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    # transformers 5 writes safetensors only: an older checkpoint's pytorch_model.bin, written as 4.x did
+    (tmp_path / "bin").mkdir()
+    torch.save(load_file(directory / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "config.json").write_text((directory / "config.json").read_text())
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    assert (tmp_path / "bin" / "pytorch_model.bin").is_file()
     reference = from_hf(directory).state_dict()
     for source in ("sharded", "bin"):
         loaded = from_hf(tmp_path / source).state_dict()

@@ -54,7 +54,7 @@ def test_outputs_are_the_model_inputs_only_also_for_a_tokenizer_saved_without_th
     config = json.loads((old / "tokenizer_config.json").read_text())
     del config["model_input_names"]
     (old / "tokenizer_config.json").write_text(json.dumps(config))
-    assert "token_type_ids" in AutoTokenizer.from_pretrained(old)("hello")
+    # (transformers 4 then returned token_type_ids too; transformers 5's tokenizers no longer add them unasked)
     loaded = load_tokenizer(old)
     assert set(loaded("hello")) == inputs
     loaded.save_pretrained(tmp_path / "resaved")  # and what it saves keeps them

@@ -18,9 +18,11 @@ def completion_logps(model, tokenizer, records, key: str) -> torch.Tensor:
     with torch.no_grad():
         for r in records:
             prompt = [{"role": "user", "content": r["prompt"]}]
-            prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            prompt_ids = tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             ids = tokenizer.apply_chat_template(
-                prompt + [{"role": "assistant", "content": r[key]}], tokenize=True
+                prompt + [{"role": "assistant", "content": r[key]}], tokenize=True, return_dict=False
             )
             logp = model(input_ids=torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
             targets = torch.tensor(ids[1:])

@@ -242,12 +242,14 @@ def test_only_complete_checkpoints_are_resumed(tmp_path):
 
 
 def test_trainer_seam():
-    """transformers still has, and still calls, the Trainer methods `PerRankCheckpoints` replaces (4.57)."""
+    """transformers still has, and still calls, the Trainer methods `PerRankCheckpoints` replaces (5.24)."""
     trainer = transformers.Trainer
     for name in REPLACED:
         assert callable(getattr(trainer, name, None)), f"transformers.Trainer.{name} is gone"
     calls = inspect.getsource(trainer.train) + inspect.getsource(trainer._inner_training_loop)
     calls += inspect.getsource(trainer._maybe_log_save_evaluate)
+    # 5.x: the optimizer is restored in _prepare_for_training, the RNG state in the epoch loop
+    calls += inspect.getsource(trainer._prepare_for_training) + inspect.getsource(trainer._run_epoch)
     for name in REPLACED:
         assert f"self.{name}(" in calls, f"transformers.Trainer no longer calls {name}"
     assert list(inspect.signature(trainer._save_checkpoint).parameters) == ["self", "model", "trial"]

@@ -26,9 +26,11 @@ def answer_loss(model, tokenizer, records) -> float:
     input_ids, labels = [], []
     for r in records:
         prompt = [{"role": "user", "content": r["instruction"]}]
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        prompt_ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         full_ids = tokenizer.apply_chat_template(
-            prompt + [{"role": "assistant", "content": r["output"]}], tokenize=True
+            prompt + [{"role": "assistant", "content": r["output"]}], tokenize=True, return_dict=False
         )
         input_ids.append(torch.tensor(full_ids))
         labels.append(torch.tensor([-100] * len(prompt_ids) + full_ids[len(prompt_ids) :]))

@@ -158,17 +158,29 @@ def test_our_adapter_loads_in_stock_peft_on_the_hf_model_with_our_logits(hf_dirs
     ours = logits(peft_model)
     adapter_dir = save_adapter(peft_model, tmp_path / "adapter", plan)
 
+    # transformers 5's names: the fused expert parameters through target_parameters, every router mlp.gate
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert not config["target_parameters"] and isinstance(config["target_modules"], str)
+    layers = sorted(plan.expert_selection)
+    assert sorted(config["target_parameters"]) == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in layers for p in ("down_proj", "gate_up_proj")
+    ]
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 4}  # our gate and up LoRA (r=2) fused
     assert config["base_model_name_or_path"] == str(hf_dirs[name])
-    assert config["modules_to_save"] == [f"model.layers.{i}.{MOE[name]}.gate" for i in plan.expert_selection]
+    assert config["modules_to_save"] == [f"model.layers.{i}.mlp.gate" for i in layers]
     assert json.loads((adapter_dir / "moe_expert_selection.json").read_text())["router_trained"] is True
-    keys = set(load_file(adapter_dir / "adapter_model.safetensors"))
-    assert not any(".mlp.router." in k or ".base_layer." in k for k in keys)  # HF names only
-    for layer, chosen in plan.expert_selection.items():  # experts left at zero are left out
-        for e in range(4):
-            key = f"base_model.model.model.layers.{layer}.{MOE[name]}.experts.{e}.{EXPERT_PROJS[name][0]}.lora_A.weight"
-            assert (key in keys) == (e in chosen), key
+    factors = load_file(adapter_dir / "adapter_model.safetensors")
+    assert not any(".mlp.router." in k or "block_sparse_moe" in k for k in factors)  # HF names only
+    for layer, chosen in plan.expert_selection.items():  # experts left out have zero factors
+        (key,) = [
+            k
+            for k in factors
+            if k.startswith(f"base_model.model.model.layers.{layer}.mlp.experts.")
+            and k.endswith("lora_A.weight")
+            and factors[k].shape[1] == BASE["hidden_size"]
+            and factors[k].shape[0] == 4 * 4  # gate_up: E * 2r
+        ]
+        trained = factors[key].view(4, 4, -1).abs().sum(dim=(1, 2)) > 0
+        assert trained.tolist() == [e in chosen for e in range(4)], key
 
     stock = PeftModel.from_pretrained(hf_model(name, hf_dirs[name]), str(adapter_dir)).eval()
     assert_same(logits(stock), ours)
@@ -208,18 +220,23 @@ def test_adapter_of_a_native_model_keeps_our_names(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ (b) HF -> ours
 def stock_lora_config(name: str) -> LoraConfig:
-    """What a user of stock PEFT would train on the HF model: attention and experts by regex, layer 0's experts
-    all, the last layer's experts 1 and 2 only, dropout on; rsLoRA, a router copy or a router LoRA per case."""
-    moe, projs = MOE[name], "|".join(EXPERT_PROJS[name])
+    """What a user of stock PEFT trains on the transformers 5 HF model: attention by regex, the fused experts by
+    target_parameters (layer 0's gate_up_proj and down_proj, the last layer's gate_up_proj only); rsLoRA or a
+    router copy per case; Qwen2-MoE: "all-linear" with dropout (attention, shared expert and its gate, the dense
+    layer's FFN; its experts and router are no nn.Linear in transformers 5)."""
     last = CASES[name][2]["num_hidden_layers"] - 1
-    experts = rf"model\.layers\.0\.{moe}\.experts\.\d+\.({projs})|model\.layers\.{last}\.{moe}\.experts\.[12]\.({projs})"
+    experts = [
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+        f"model.layers.{last}.mlp.experts.gate_up_proj",
+    ]
     attention = r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
-    common = dict(r=4, lora_alpha=8, lora_dropout=0.05)
+    common = dict(r=4, lora_alpha=8, target_modules=attention, target_parameters=experts)
     if name == "mixtral":
-        return LoraConfig(**common, use_rslora=True, target_modules=f"{attention}|{experts}")
+        return LoraConfig(**common, use_rslora=True)
     if name == "olmoe":
-        return LoraConfig(**common, target_modules=f"{attention}|{experts}", modules_to_save=[f"{moe}.gate"])
-    return LoraConfig(**common, target_modules="all-linear")  # Qwen2-MoE: router, shared expert gate, dense
+        return LoraConfig(**common, modules_to_save=["mlp.gate"])
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear")
 
 
 def stock_adapter(name: str, directory, out_dir, config: LoraConfig | None = None, merge: bool = True):
@@ -239,7 +256,9 @@ def stock_adapter(name: str, directory, out_dir, config: LoraConfig | None = Non
 def test_stock_peft_adapter_of_the_hf_model_loads_onto_ours_with_its_logits(hf_dirs, tmp_path, name):
     expected, expected_merged = stock_adapter(name, hf_dirs[name], tmp_path / "stock")
     assert not torch.allclose(logits(hf_model(name, hf_dirs[name])), expected, atol=1e-3)
-    assert is_hf_adapter(tmp_path / "stock", from_hf(hf_dirs[name]).config)
+    # Qwen2-MoE's all-linear adapter names only modules both sides call the same (attention, shared expert, dense
+    # FFN): it reads as ours or as the HF model's alike
+    assert is_hf_adapter(tmp_path / "stock", from_hf(hf_dirs[name]).config) == (name != "qwen2_moe")
 
     loaded = load(tmp_path / "stock")  # base from base_model_name_or_path, converted; adapter merged
     assert loaded.kind == "adapter" and loaded.config.hf_origin["model_type"] == name
@@ -250,25 +269,32 @@ def test_stock_peft_adapter_of_the_hf_model_loads_onto_ours_with_its_logits(hf_d
 
 
 def test_converted_factors_are_each_experts_delta_in_paramwrappers_layout(hf_dirs, tmp_path):
-    """ParamWrapper's layout, held against PEFT itself: the delta PEFT computes for our expert stack is, expert by
-    expert, the stock adapter's scaling * lora_B @ lora_A (experts it did not cover: zero)."""
-    stock_adapter("olmoe", hf_dirs["olmoe"], tmp_path / "stock")
+    """The layouts, held against PEFT itself: the delta PEFT computes for our gate_proj and up_proj stacks is,
+    expert by expert, the gate and up rows of the delta stock PEFT computes for transformers 5's fused
+    gate_up_proj (F = 24 rows each)."""
+    config = stock_lora_config("olmoe")
+    hf_peft = get_peft_model(hf_model("olmoe", hf_dirs["olmoe"]), config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in hf_peft.parameters():
+            if param.requires_grad:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    hf_peft.save_pretrained(str(tmp_path / "stock"))
+    (fused,) = [
+        w
+        for n, w in hf_peft.named_modules()
+        if "layers.1." in n and getattr(w, "parameter_name", "") == "gate_up_proj"
+    ]
+    delta_E2FD = fused.get_delta_weight("default")
     peft_model = apply_hf_adapter(from_hf(hf_dirs["olmoe"]), tmp_path / "stock")
-    factors = load_file(tmp_path / "stock" / "adapter_model.safetensors")
-    scaling = 8 / 4
-    for name, wrapper in lora_wrappers(peft_model):
-        if "layers.1." not in name or wrapper.parameter_name != "gate_proj":
-            continue
-        delta_EOI = wrapper.get_delta_weight("default")
-        for e in range(4):
-            prefix = f"base_model.model.model.layers.1.mlp.experts.{e}.gate_proj"
-            if e in (1, 2):
-                want = scaling * factors[f"{prefix}.lora_B.weight"] @ factors[f"{prefix}.lora_A.weight"]
-                torch.testing.assert_close(delta_EOI[e], want)
-            else:
-                assert f"{prefix}.lora_A.weight" not in factors and not delta_EOI[e].any()
-        return
-    pytest.fail("no ParamWrapper on layer 1's gate_proj")
+    ours = {
+        wrapper.parameter_name: wrapper.get_delta_weight("default")
+        for name, wrapper in lora_wrappers(peft_model)
+        if "layers.1." in name
+    }
+    assert set(ours) == {"gate_proj", "up_proj"}  # layer 1: gate_up_proj only
+    torch.testing.assert_close(ours["gate_proj"], delta_E2FD[:, :24])
+    torch.testing.assert_close(ours["up_proj"], delta_E2FD[:, 24:])
 
 
 # ------------------------------------------------------------------------------------------------ (c) refusals
@@ -283,7 +309,10 @@ def test_converted_factors_are_each_experts_delta_in_paramwrappers_layout(hf_dir
 )
 def test_what_our_model_cannot_represent_is_refused_naming_the_field(hf_dirs, tmp_path, extra, field):
     config = LoraConfig(
-        r=2, target_modules=r"model\.layers\.0\.mlp\.experts\.1\.(gate_proj|up_proj)", **extra
+        r=2,
+        target_modules=["model.layers.0.self_attn.q_proj"],
+        modules_to_save=["model.layers.0.mlp.gate"],  # the router in HF names: an HF-named adapter
+        **extra,
     )
     stock_adapter("olmoe", hf_dirs["olmoe"], tmp_path / "stock", config, merge=False)
     with pytest.raises(LoadError, match=rf"adapter_config\.json.*\n.*{field}"):
@@ -303,14 +332,14 @@ def _add_key(adapter_dir, key: str, tensor: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "key, message",
     [
-        # expert 7 of a 4-expert model
+        # one expert's module: transformers 5 has none (its experts are fused)
         ("model.layers.0.mlp.experts.7.up_proj.lora_A.weight", "does not have"),
-        # a trained copy of one expert (modules_to_save) has no form on our stacked experts
-        ("model.layers.0.mlp.experts.1.up_proj.weight", "only the LoRA factors"),
+        # a trained copy of the fused experts (modules_to_save) has no form on our model
+        ("model.layers.0.mlp.experts.gate_up_proj", "does not have"),
     ],
 )
 def test_keys_our_model_has_no_place_for_are_refused_naming_the_key(hf_dirs, tmp_path, key, message):
-    config = LoraConfig(r=2, target_modules=r"model\.layers\.0\.mlp\.experts\.1\.(gate_proj|up_proj)")
+    config = LoraConfig(r=2, target_parameters=["model.layers.0.mlp.experts.gate_up_proj"])
     stock_adapter("olmoe", hf_dirs["olmoe"], tmp_path / "stock", config, merge=False)
     _add_key(tmp_path / "stock", f"base_model.model.{key}", torch.ones(2, 32))
     with pytest.raises(
@@ -321,21 +350,21 @@ def test_keys_our_model_has_no_place_for_are_refused_naming_the_key(hf_dirs, tmp
 
 def test_an_adapter_of_another_model_is_refused_by_shape(hf_dirs, tmp_path):
     """OLMoE's expert factors read onto a base whose experts are wider: named key, both shapes."""
-    config = LoraConfig(r=2, target_modules=r"model\.layers\.0\.mlp\.experts\.1\.(gate_proj|up_proj)")
+    config = LoraConfig(r=2, target_parameters=["model.layers.0.mlp.experts.gate_up_proj"])
     stock_adapter("olmoe", hf_dirs["olmoe"], tmp_path / "stock", config, merge=False)
     torch.manual_seed(0)
     wider = OlmoeForCausalLM(OlmoeConfig(**BASE, num_hidden_layers=2, num_experts=4, intermediate_size=40))
     wider.save_pretrained(tmp_path / "wider")
-    with pytest.raises(LoadError, match=r"key base_model\.model\.model\.layers\.0\.mlp\.experts\.1\..*shape"):
+    with pytest.raises(LoadError, match=r"key base_model\.model\.model\.layers\.0\.mlp\.experts\..*shape"):
         load(tmp_path / "stock", base=tmp_path / "wider")
 
 
 def test_an_hf_named_adapter_on_a_native_base_is_refused_naming_the_key(hf_dirs, tmp_path):
-    config = LoraConfig(r=2, target_modules=r"model\.layers\.0\.mlp\.experts\.1\.(gate_proj|up_proj)")
+    config = LoraConfig(r=2, target_parameters=["model.layers.0.mlp.experts.gate_up_proj"])
     stock_adapter("olmoe", hf_dirs["olmoe"], tmp_path / "stock", config, merge=False)
     tiny_model("olmoe-tiny", vocab_size=VOCAB).save_pretrained(tmp_path / "native")
     with pytest.raises(
-        LoadError, match=r"key base_model\.model\.model\.layers\.0\.mlp\.experts\.1\..*hf_origin"
+        LoadError, match=r"key base_model\.model\.model\.layers\.0\.mlp\.experts\..*hf_origin"
     ):
         load(tmp_path / "stock", base=tmp_path / "native")
 

@@ -130,7 +130,8 @@ def test_a_model_saved_before_the_ids_were_recorded_gets_them_from_its_tokenizer
     old = tmp_path / "old"
     shutil.copytree(run_dir / "final", old)
     make_old(old)
-    assert "token_type_ids" in AutoTokenizer.from_pretrained(old)("hello")  # what a user saw before
+    # (what a user saw before, on transformers 4: token_type_ids from the tokenizer; transformers 5's tokenizers
+    # no longer add them unasked, so the old files are what this test recreates)
 
     loaded = load(old)
     assert special_ids(loaded.config) == special_ids(loaded.tokenizer) == BUILTIN_IDS

@@ -226,13 +226,13 @@ def test_compile_fullgraph_steps_match_eager():
     with torch.no_grad():
         ref = model(x, use_cache=True)
     torch.testing.assert_close(logits, ref.logits[:, -1], atol=1e-5, rtol=1e-5)
-    ref_cache, nxt = ref.past_key_values, logits.argmax(-1, keepdim=True)
+    ref_cache, nxt = ref.cache, logits.argmax(-1, keepdim=True)
     for _ in range(2):
         logits, cache = steps.decode(nxt, cache)
         with torch.no_grad():
-            ref = model(nxt, past_key_values=ref_cache, use_cache=True)
+            ref = model(nxt, cache=ref_cache, use_cache=True)
         torch.testing.assert_close(logits, ref.logits[:, -1], atol=1e-5, rtol=1e-5)
-        ref_cache, nxt = ref.past_key_values, logits.argmax(-1, keepdim=True)
+        ref_cache, nxt = ref.cache, logits.argmax(-1, keepdim=True)
 
 
 def test_compiled_steps_compile_once_for_every_prompt_and_cache_length():

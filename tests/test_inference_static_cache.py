@@ -44,20 +44,19 @@ def test_static_cache_equals_dynamic_cache_with_left_padding():
         x,
         attention_mask=full_mask,
         position_ids=positions,
-        past_key_values=static,
-        cache_position=torch.arange(S),
+        cache=static,  # (writes after what it holds: transformers 5's StaticCache counts its own length)
         use_cache=True,
     )
     out_d = model(
         x,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=DynamicCache(config=model.config),
+        cache=DynamicCache(config=model.config),
         use_cache=True,
     )
     keep = mask.bool()
     torch.testing.assert_close(out_s.logits[keep], out_d.logits[keep], atol=1e-5, rtol=1e-5)
-    dyn = out_d.past_key_values
+    dyn = out_d.cache
     for t in range(3):
         nxt = out_s.logits[:, -1:].argmax(-1)
         pos = positions[:, -1:] + 1 + t
@@ -65,13 +64,12 @@ def test_static_cache_equals_dynamic_cache_with_left_padding():
             nxt,
             attention_mask=full_mask,
             position_ids=pos,
-            past_key_values=static,
-            cache_position=torch.tensor([S + t]),
+            cache=static,
             use_cache=True,
         )
         mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        out_d = model(nxt, attention_mask=mask, position_ids=pos, past_key_values=dyn, use_cache=True)
-        dyn = out_d.past_key_values
+        out_d = model(nxt, attention_mask=mask, position_ids=pos, cache=dyn, use_cache=True)
+        dyn = out_d.cache
         torch.testing.assert_close(out_s.logits, out_d.logits, atol=1e-5, rtol=1e-5)
     assert static.layers[0].keys.shape[2] == L  # preallocated, never grown
 

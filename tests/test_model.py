@@ -1,5 +1,7 @@
 """The model: fast paths equal the reference, presets build, save/load and generation round-trip."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -168,10 +170,10 @@ def test_incremental_decoding_logits_equal_full_forward():
     full = model(x).logits
     out = model(x[:, :8], use_cache=True)
     steps = [out.logits]
-    cache = out.past_key_values
+    cache = out.cache
     for t in range(8, 12):
-        out = model(x[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
+        cache = out.cache
         steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -277,3 +279,16 @@ def test_gather_path_refuses_to_materialize_a_large_batch_eagerly():
     tokens = 2**28 // (K * F_ * D) + 1
     with pytest.raises(ValueError, match="compiled decoding"):
         block(torch.randn(1, tokens, D))
+
+
+def test_router_gates_get_the_switch_initialization():
+    """Switch Transformer §2.4: truncated normal, std sqrt(0.1 / fan_in), cut at two std; not the 0.02 normal of
+    the other Linears (transformers 5 never calls _init_weights on the parameter-less Router, so the gate
+    Linear carries it)."""
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("mixtral-tiny", num_experts=64))
+    for router in model.routers():
+        weight = router.gate.weight
+        router_std = math.sqrt(0.1 / weight.shape[1])
+        assert weight.abs().max() <= 2 * router_std
+        assert 0.75 * router_std < weight.std() < router_std  # a normal cut at 2 std keeps 88% of its std

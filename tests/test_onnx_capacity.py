@@ -113,7 +113,7 @@ def test_graph_cache_contract_in_plain_onnxruntime(switch_export):
     with torch.no_grad():
         ref = model(prompt, use_cache=True)
     torch.testing.assert_close(torch.from_numpy(outputs["logits"]), ref.logits, atol=1e-4, rtol=0)
-    ref_key = ref.past_key_values.layers[0].keys  # the present cache is the model's own keys
+    ref_key = ref.cache.layers[0].keys  # the present cache is the model's own keys
     torch.testing.assert_close(torch.from_numpy(outputs["present.0.key"]), ref_key, atol=1e-5, rtol=0)
 
 

@@ -68,7 +68,10 @@ def test_stand_in_loads_in_transformers_and_in_the_lab_with_the_same_logits(name
     loaded = moe_core.load(directory, dtype="float32")
     assert loaded.kind == "hf"
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name the animal."}], add_generation_prompt=True, return_tensors="pt"
+        [{"role": "user", "content": "Name the animal."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=False,  # the ids (transformers 5's default is a dict)
     )
     with torch.no_grad():
         theirs = hf(ids).logits

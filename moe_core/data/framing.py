@@ -53,10 +53,15 @@ class PromptFraming:
         encodes it (with its own BOS when it adds one)."""
         if self.kind == PLAIN:
             return list(tokenizer(plain_text([{"role": "user", "content": prompt}]))["input_ids"])
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True
+        ids = (
+            tokenizer.apply_chat_template(  # return_dict=False: the ids (transformers 5's default is a dict)
+                [{"role": "user", "content": prompt}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(ids)
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / FRAMING_FILE

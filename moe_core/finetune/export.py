@@ -3,8 +3,9 @@
 <out>/adapter/   adapter_config.json + adapter_model.safetensors, PEFT's format, with the tokenizer and
                  moe_expert_selection.json (the experts with a non-zero adapter per layer). For a base model
                  converted from Hugging Face (``config.hf_origin``) it names the HF architecture's own modules
-                 (`moe_core.finetune.hf_adapter`: per-expert Linear LoRA, the router as ``mlp.gate`` /
-                 ``block_sparse_moe.gate``), so stock PEFT loads it onto the HF model with our logits:
+                 in transformers 5 (`moe_core.finetune.hf_adapter`: LoRA on the fused experts through
+                 target_parameters, the router as ``mlp.gate``), so stock PEFT loads it onto the HF model with
+                 our logits:
                  ``PeftModel.from_pretrained(OlmoeForCausalLM.from_pretrained(src), "<out>/adapter")``; for
                  our own models it names ours: ``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base),
                  "<out>/adapter")``. ``moe_core.load("<out>/adapter")`` reads either onto our model.

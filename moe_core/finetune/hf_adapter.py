@@ -1,4 +1,4 @@
-"""LoRA adapters in a Hugging Face architecture's own module names, both ways, for transformers 4.57 + PEFT.
+"""LoRA adapters in a Hugging Face architecture's own module names, both ways (transformers 5, PEFT 0.21).
 
     from moe_core.finetune.hf_adapter import save_hf_adapter, apply_hf_adapter
     save_hf_adapter(peft_model, "out/adapter")   # our PeftModel of a model converted from HF: HF names
@@ -6,42 +6,50 @@
     peft_model = apply_hf_adapter(from_hf(src), "stock_adapter")   # a stock PEFT adapter of the HF model, on ours
 
 `moe_core.finetune.export.save_adapter` writes this format for every model with ``config.hf_origin``, and
-`moe_core.load` reads it (`is_hf_adapter` tells the two formats apart). Only the module names and the expert
+`moe_core.load` reads it (`is_hf_adapter` tells the formats apart). Only the module names and the expert
 layout change; r, lora_alpha, use_rslora and so the scaling are the same on both sides, so the logits are too.
 
-Module names (`moe_core.convert.weight_plan` is the one name table; layer i, expert e)::
+Module names (layer i, expert e)::
 
-    ours                                              HF (transformers 4.57: one nn.Linear per expert)
-    model.layers.i.mlp.experts.{gate,up,down}_proj    model.layers.i.{moe}.experts.e.{gate,up,down}_proj
-      a stacked [E, O, I] parameter, LoRA through       (Mixtral: block_sparse_moe.experts.e.w1 / w3 / w2),
-      PEFT's ParamWrapper (target_parameters)           one lora.Linear each
-    model.layers.i.mlp.router.gate                    model.layers.i.{moe}.gate (modules_to_save, or LoRA)
+    ours                                              HF, transformers 5 (what is written)
+    model.layers.i.mlp.experts.{gate,up}_proj         model.layers.i.mlp.experts.gate_up_proj [E, 2F, D]
+    model.layers.i.mlp.experts.down_proj              model.layers.i.mlp.experts.down_proj [E, D, F]
+      stacked [E, O, I] parameters, LoRA through        fused parameters, LoRA through PEFT's ParamWrapper
+      PEFT's ParamWrapper (target_parameters)           too (see "transformers 5" below for the fusion)
+    model.layers.i.mlp.router.gate                    model.layers.i.mlp.gate (modules_to_save)
     attention, shared expert, dense FFN, norms, embeddings: the same names on both sides
 
-Expert factors (`peft.tuners.lora.layer.ParamWrapper.get_delta_weight`, peft 0.21)::
+Adapters in transformers 4's per-expert names (one nn.Linear per expert, ``{moe}.experts.e.{gate,up,down}_proj``,
+Mixtral ``block_sparse_moe.experts.e.w1 / w3 / w2``, router ``{moe}.gate``; the hub's adapters trained before
+5.x) are read too (`weight_plan`'s names). Expert factors in ParamWrapper's layout (peft 0.21)::
 
-    ours  lora_A [E*R, I]: A_ERI = lora_A.view(E, R, I)          HF expert e  lora_A [R, I] = A_ERI[e]
-          lora_B [O, R*E]: B_ORE = lora_B.view(O, R, E)                       lora_B [O, R] = B_ORE[:, :, e]
-          delta_e = scaling * B_ORE[:, :, e] @ A_ERI[e]                       delta = scaling * lora_B @ lora_A
+    ours  lora_A [E*R, I]: A_ERI = lora_A.view(E, R, I)          HF 4.x expert e  lora_A [R, I] = A_ERI[e]
+          lora_B [O, R*E]: B_ORE = lora_B.view(O, R, E)                           lora_B [O, R] = B_ORE[:, :, e]
+          delta_e = scaling * B_ORE[:, :, e] @ A_ERI[e]                           delta = scaling * lora_B @ lora_A
 
-Legend: E = experts, R = LoRA rank r, I = input features, O = output features of a projection.
+Legend: E = experts, R = LoRA rank r, I = input features, O = output features of a projection, F = an expert's
+intermediate size, D = model dim.
 
 Experts whose two factors are both all zero (the experts an expert list or ESFT did not select: `ExpertLoraMask`
-keeps them at exactly zero) are left out of the HF adapter, and experts an HF adapter does not cover get zero
+keeps them at exactly zero) stay zero in the fused HF factors, and experts an HF adapter does not cover get zero
 factors on our side: their delta is zero either way. The task router bias has no HF form and stays a separate
 file (`moe_core.task_bias`). What our model cannot represent exactly is refused, with the file and field or key:
-DoRA, LoRA or base-layer biases, per-module ranks or alphas, and modules our converted model does not have;
-``lora_dropout`` is accepted (it does nothing at inference).
+DoRA, LoRA or base-layer biases, per-module ranks or alphas (other than the fused gate_up_proj's this module
+writes), LoRA on a router's weight, and modules our converted model does not have; ``lora_dropout`` is accepted
+(it does nothing at inference).
 
 This module is the one place that knows PEFT's adapter file layout (``base_model.model.<module>.lora_A.weight``;
-a module in ``modules_to_save`` as ``base_model.model.<module>.weight``) and ParamWrapper's factor layout;
+a module in ``modules_to_save`` as ``base_model.model.<module>.weight``) and ParamWrapper's factor layout; the
+nesting of ParamWrappers on the HF side is taken from stock PEFT itself on a meta-device HF model (`hf_layout`).
 tests/test_hf_adapter.py holds both against stock PEFT on the HF models, so a PEFT upgrade that changes them fails
 there.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -54,9 +62,10 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from peft.tuners.lora.layer import ParamWrapper
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from moe_core.config import MoEConfig
-from moe_core.convert import ARCHITECTURES, HFArchitecture, get_architecture, weight_plan
+from moe_core.convert import ARCHITECTURES, HFArchitecture, config_to_hf, get_architecture, weight_plan
 from moe_core.errors import MoELabError
 from moe_core.task_bias import unwrap
 
@@ -180,6 +189,19 @@ def target_regex(targets: set[str], candidates: Iterable[str]) -> str | list[str
 
 
 # ================================================================================================ refusals
+def _fused_patterns_ok(raw: dict[str, Any]) -> bool:
+    """Whether rank_pattern / alpha_pattern say only what `fused_lora_config` writes: the fused gate_up_proj at
+    twice the rank, its alpha scaled to keep the LoRA scaling."""
+    r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+    rank, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
+    want_alpha = alpha * (math.sqrt(2) if raw.get("use_rslora") else 2)
+    return (
+        set(rank) == set(alphas) == {GATE_UP_PATTERN}
+        and rank[GATE_UP_PATTERN] == 2 * r
+        and math.isclose(alphas[GATE_UP_PATTERN], want_alpha, rel_tol=1e-9)
+    )
+
+
 def _refusals(raw: dict[str, Any]) -> list[str]:
     """What an adapter config asks for that the other side cannot represent exactly (empty when nothing)."""
     reasons = []
@@ -193,15 +215,92 @@ def _refusals(raw: dict[str, Any]) -> list[str]:
         reasons.append(f"bias={raw.get('bias')!r}: trained base-layer biases are not converted; only 'none'")
     if raw.get("lora_bias"):
         reasons.append("lora_bias=true: a bias on lora_B has no form on our stacked experts")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if raw.get(field):
-            reasons.append(f"{field}={raw[field]!r}: per-module ranks or alphas are not converted")
+    if (raw.get("rank_pattern") or raw.get("alpha_pattern")) and not _fused_patterns_ok(raw):
+        for field in ("rank_pattern", "alpha_pattern"):
+            if raw.get(field):
+                reasons.append(
+                    f"{field}={raw[field]!r}: per-module ranks or alphas are not converted (only the fused "
+                    f"gate_up_proj at 2r that this module writes)"
+                )
+
     for field in ("layer_replication", "trainable_token_indices"):
         if raw.get(field):
             reasons.append(f"{field}={raw[field]!r}: not convertible")
     if raw.get("fan_in_fan_out"):
         reasons.append("fan_in_fan_out=true: the HF MoE models have no Conv1D layers")
     return reasons
+
+
+# ================================================================================================ transformers 5
+# transformers 5 holds an MoE layer's experts as two fused parameters, ``model.layers.i.mlp.experts.gate_up_proj``
+# [E, 2F, D] (gate rows, then up) and ``...down_proj`` [E, D, F], and calls every router ``mlp.gate`` (Mixtral's
+# block_sparse_moe is gone); stock PEFT adapts them with ParamWrapper (target_parameters), in the same factor layout
+# as ours. Our gate_proj and up_proj LoRA (rank r each) is exactly one rank-2r LoRA of gate_up_proj: A = [A_gate;
+# A_up], B = [[B_gate, 0], [0, B_up]], alpha doubled (rsLoRA: times sqrt 2) so the scaling stays; one of them alone
+# is rank r with the other's rows of B zero. Read back, a rank-R LoRA of gate_up_proj is gate_proj (A, B[:F]) and
+# up_proj (A, B[F:]) at rank R, or at rank R/2 when B is that block diagonal.
+FUSED_PARAMS = ("gate_up_proj", "down_proj")
+GATE_UP_PATTERN = r".*\.gate_up_proj"  # rank_pattern / alpha_pattern key of the fused projection
+
+
+def v5_module(hf_module: str, arch: HFArchitecture) -> str:
+    """An HF module's name in transformers 5 from its checkpoint (4.x) name: Mixtral's MoE block is ``mlp``."""
+    return hf_module.replace(f".{arch.moe_module}.", ".mlp.")
+
+
+def fuse_expert_factors(
+    projs: dict[str, tuple[torch.Tensor, torch.Tensor]], r: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One layer's LoRA factors of our gate_proj / up_proj / down_proj stacks (``(A_ERI, B_ORE)`` each, those
+    present) as transformers 5's ``gate_up_proj`` / ``down_proj`` factors (module comment above)."""
+    out = {}
+    if "down_proj" in projs:
+        out["down_proj"] = projs["down_proj"]
+    halves = [projs.get("gate_proj"), projs.get("up_proj")]
+    present = [h for h in halves if h is not None]
+    if present:
+        A_ERI = torch.cat([A for A, _ in present], dim=1)
+        F, E = present[0][1].shape[0], A_ERI.shape[0]
+        B_ORE = torch.zeros(2 * F, A_ERI.shape[1], E, dtype=A_ERI.dtype)
+        column = 0
+        for half, pair in enumerate(halves):
+            if pair is not None:
+                B_ORE[half * F : (half + 1) * F, column : column + r] = pair[1]
+                column += r
+        out["gate_up_proj"] = (A_ERI, B_ORE)
+    return out
+
+
+def split_gate_up(
+    A_ERI: torch.Tensor, B_ORE: torch.Tensor, r: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A transformers 5 gate_up_proj LoRA as our gate_proj and up_proj factors, exactly (module comment); rank
+    r when it is rank 2r in the block form `fuse_expert_factors` writes, else its own rank."""
+    F, R = B_ORE.shape[0] // 2, A_ERI.shape[1]
+    if R == 2 * r and not B_ORE[:F, r:].any() and not B_ORE[F:, :r].any():
+        return {"gate_proj": (A_ERI[:, :r], B_ORE[:F, :r]), "up_proj": (A_ERI[:, r:], B_ORE[F:, r:])}
+    return {"gate_proj": (A_ERI, B_ORE[:F]), "up_proj": (A_ERI, B_ORE[F:])}
+
+
+def hf_layout(config: MoEConfig, arch: HFArchitecture, lora_config: LoraConfig):
+    """Stock PEFT's own layout of ``lora_config`` on the transformers 5 model of ``config`` (built on the meta
+    device: no memory): ``({ParamWrapper key prefix: the parameter it adapts}, {adapter key: shape})``."""
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config_to_hf(config, arch))
+        peft_model = get_peft_model(hf_model, copy.deepcopy(lora_config))
+    wrappers = {name: _stack_name(name, wrapper) for name, wrapper in _param_wrappers(peft_model).items()}
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    return wrappers, {key: tuple(t.shape) for key, t in state.items()}
+
+
+def _check_layout(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], target: str) -> None:
+    unplaced = sorted(set(tensors) ^ set(expected))
+    wrong = [k for k in tensors if k in expected and tuple(tensors[k].shape) != expected[k]]
+    if unplaced or wrong:
+        raise AdapterConversionError(
+            f"internal: the converted adapter does not fit stock PEFT's layout on {target} (keys "
+            f"{unplaced[:3]}, shapes {wrong[:3]}); moe_core/finetune/hf_adapter.py needs updating"
+        )
 
 
 # ================================================================================================ ours -> HF
@@ -249,36 +348,52 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
                 f"not map to {names.arch.class_name}; moe_core/finetune/hf_adapter.py needs updating"
             )
         hf = names.modules[module]
-        tensors[f"{PREFIX}{hf}.{rest}"] = tensor.detach().clone()
+        tensors[f"{PREFIX}{v5_module(hf, names.arch)}.{rest}"] = tensor.detach().clone()
         (lora_targets if rest.startswith("lora_") else saved_modules).add(hf)
-    for stack, pair in factors.items():
-        A, B = pair["lora_A.weight"], pair["lora_B.weight"]
+    experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
+    for stack, pair in factors.items():  # ParamWrapper's layout, per our stacked [E, O, I] parameter
         E = len(names.experts[stack])
-        A_ERI = A.detach().view(E, -1, A.shape[-1])
-        B_ORE = B.detach().view(B.shape[0], -1, E)
-        for e, hf in enumerate(names.experts[stack]):
-            A_RI, B_OR = A_ERI[e], B_ORE[:, :, e]
-            if not (A_RI.any() or B_OR.any()):
-                continue  # an expert the adapter does not train: delta exactly zero
-            # copies: B_OR is a strided view, and safetensors refuses tensors that share storage
-            tensors[f"{PREFIX}{hf}.lora_A.weight"] = A_RI.clone(memory_format=torch.contiguous_format)
-            tensors[f"{PREFIX}{hf}.lora_B.weight"] = B_OR.clone(memory_format=torch.contiguous_format)
-            lora_targets.add(hf)
-    if not lora_targets:
+        A, B = pair["lora_A.weight"].detach(), pair["lora_B.weight"].detach()
+        prefix, proj = stack.rsplit(".", 1)  # "model.layers.i.mlp.experts", "gate_proj"
+        experts[prefix][proj] = (A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E))
+    fused = {name: fuse_expert_factors(projs, config.r) for name, projs in experts.items()}
+    hf_params = {
+        f"{prefix}.{param}": pair for prefix, params in fused.items() for param, pair in params.items()
+    }
+    gate_up_ranks = {A.shape[1] for name, (A, _) in hf_params.items() if name.endswith(".gate_up_proj")}
+    if not lora_targets and not any(A.any() for A, _ in hf_params.values()):
         raise AdapterConversionError("the adapter has no non-zero LoRA factors to save")
-    every_hf_module = list(names.hf_modules) + list(names.hf_experts)
     hf_config = LoraConfig(
         r=config.r,
         lora_alpha=config.lora_alpha,
         use_rslora=config.use_rslora,
         lora_dropout=config.lora_dropout,
         bias="none",
-        target_modules=target_regex(lora_targets, every_hf_module),
-        modules_to_save=sorted(saved_modules) or None,
+        # a list, not a regex: PEFT 0.21 resolves a regex to leaf names on Mixtral and OLMoE (its transformers 4
+        # -> 5 adapter conversion), which would widen it to every layer
+        target_modules=sorted(v5_module(hf, names.arch) for hf in lora_targets) or None,
+        target_parameters=sorted(hf_params) or None,
+        modules_to_save=sorted(v5_module(hf, names.arch) for hf in saved_modules) or None,
         task_type="CAUSAL_LM",
         base_model_name_or_path=base.name_or_path or config.base_model_name_or_path,
         inference_mode=True,
     )
+    if gate_up_ranks - {config.r}:
+        if len(gate_up_ranks) != 1 or gate_up_ranks != {2 * config.r}:
+            raise AdapterConversionError(
+                f"LoRA on gate_proj in some layers and on up_proj in others (fused ranks {sorted(gate_up_ranks)})"
+                ": transformers 5 fuses them, and one rank_pattern cannot say that; target both or neither"
+            )
+        scale = math.sqrt(2) if config.use_rslora else 2  # alpha / r (or / sqrt(r)) unchanged at rank 2r
+        hf_config.rank_pattern = {GATE_UP_PATTERN: 2 * config.r}
+        hf_config.alpha_pattern = {GATE_UP_PATTERN: config.lora_alpha * scale}
+    wrappers, expected = hf_layout(base.config, names.arch, hf_config)
+    for wrapper, param in wrappers.items():
+        A_ERI, B_ORE = hf_params[param]
+        E, R, I = A_ERI.shape
+        tensors[f"{wrapper}.lora_A.weight"] = A_ERI.reshape(E * R, I).contiguous()
+        tensors[f"{wrapper}.lora_B.weight"] = B_ORE.reshape(B_ORE.shape[0], R * E).contiguous()
+    _check_layout(tensors, expected, f"{names.arch.class_name} (transformers 5)")
     return tensors, hf_config
 
 
@@ -320,8 +435,19 @@ def hf_named_key(directory: str | Path) -> str | None:
     """The first key of the adapter in ``directory`` that names a module only a HF architecture has (a
     per-expert projection, or ``mlp.gate`` / ``block_sparse_moe.gate``); None when there is none. Needs no
     base model, so what cannot convert is refused before one loads (`check_convertible`)."""
+    fused = any(
+        t.endswith("gate_up_proj")
+        for t in read_adapter_config(Path(directory)).get("target_parameters") or []
+    )
     with safe_open(str(Path(directory) / WEIGHTS_FILE), "pt") as f:
-        return next((key for key in f.keys() if _HF_ONLY_MODULE.search(split_key(key)[0])), None)
+        return next(
+            (
+                key
+                for key in sorted(f.keys())
+                if _HF_ONLY_MODULE.search(split_key(key)[0]) or (fused and ".mlp.experts." in key)
+            ),
+            None,
+        )
 
 
 def check_convertible(directory: str | Path) -> None:
@@ -329,7 +455,7 @@ def check_convertible(directory: str | Path) -> None:
     represent (DoRA, biases, ...): one error, before the base model loads."""
     directory = Path(directory)
     raw = read_adapter_config(directory)
-    if raw.get("target_parameters"):
+    if raw.get("target_parameters") and not is_v5_hf_adapter(directory, raw):
         return
     reasons = _refusals(raw)
     if reasons and hf_named_key(directory) is not None:
@@ -339,15 +465,79 @@ def check_convertible(directory: str | Path) -> None:
         )
 
 
+def is_v5_hf_adapter(directory: Path, raw: dict[str, Any]) -> bool:
+    """Whether an adapter with ``target_parameters`` is in transformers 5's HF names (the fused gate_up_proj, or
+    the router as ``mlp.gate``) rather than ours (``gate_proj`` / ``up_proj`` / ``down_proj`` stacks and
+    ``mlp.router.gate``). An adapter of down_proj alone reads the same either way."""
+    return (
+        any(t.endswith("gate_up_proj") for t in raw["target_parameters"])
+        or hf_named_key(directory) is not None
+    )
+
+
 def is_hf_adapter(directory: str | Path, config: MoEConfig) -> bool:
     """Whether the adapter in ``directory`` names the HF architecture's modules (ours written by
     `save_hf_adapter`, or one stock PEFT trained on the HF model) rather than ours. Attention-only adapters read
     the same either way; an adapter with ``target_parameters`` is ours."""
     directory = Path(directory)
-    if read_adapter_config(directory).get("target_parameters") or not config.hf_origin:
+    raw = read_adapter_config(directory)
+    if not config.hf_origin:
         return False
+    if raw.get("target_parameters"):
+        return is_v5_hf_adapter(directory, raw)
     hf_only = name_map(config).hf_only
     return any(module in hf_only for module in _saved_modules(directory))
+
+
+def _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules):
+    """Fill `apply_hf_adapter`'s tables from an adapter in transformers 5's names: the fused experts' factors
+    split per expert into our gate_proj / up_proj / down_proj stacks (`split_gate_up`; experts whose factors
+    are zero left out, as a 4.x adapter leaves them out), the other modules renamed."""
+    weights_file = directory / WEIGHTS_FILE
+    wrappers, _ = hf_layout(model.config, names.arch, LoraConfig.from_pretrained(str(directory)))
+    wrapper_factor = {
+        f"{w}.{factor}": (param, factor) for w, param in wrappers.items() for factor in LORA_FACTORS
+    }
+    modules = {v5_module(hf, names.arch): ours for hf, ours in names.hf_modules.items()}
+    fused: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    with safe_open(str(weights_file), "pt") as f:
+        for key in f.keys():
+            if key in wrapper_factor:
+                param, factor = wrapper_factor[key]
+                fused[param][factor] = f.get_tensor(key)
+                continue
+            module, rest = split_key(key)
+            if not key.startswith(PREFIX) or module not in modules:
+                raise AdapterConversionError(
+                    f"{weights_file}: key {key} names module {module}, which {names.arch.class_name} (transformers "
+                    "5) as converted for this base model does not have; is this the adapter of this base model?"
+                )
+            ours = modules[module]
+            our_key = f"{PREFIX}{ours}.{rest}"
+            tensors[our_key], source_of[our_key] = f.get_tensor(key), key
+            (lora_targets if rest.startswith("lora_") else saved_modules).add(ours)
+    stacks = dict(model.named_parameters())
+    for param, pair in fused.items():
+        if set(pair) != set(LORA_FACTORS):
+            raise AdapterConversionError(
+                f"{weights_file}: {param} has {sorted(pair)} but not both LoRA factors"
+            )
+        prefix, kind = param.rsplit(".", 1)
+        E = stacks[f"{prefix}.down_proj"].shape[0]
+        A, B = pair["lora_A.weight"], pair["lora_B.weight"]
+        A_ERI, B_ORE = A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E)
+        projs = split_gate_up(A_ERI, B_ORE, r) if kind == "gate_up_proj" else {kind: (A_ERI, B_ORE)}
+        for proj, (A_ERI, B_ORE) in projs.items():
+            rows, cols = tuple(stacks[f"{prefix}.{proj}"].shape[1:])  # our stack is [E, O, I]
+            if (B_ORE.shape[0], A_ERI.shape[2]) != (rows, cols):
+                key = next(k for k, (p, _) in wrapper_factor.items() if p == param)
+                raise AdapterConversionError(
+                    f"{weights_file}: key {key}: its {proj} part is [{B_ORE.shape[0]}, {A_ERI.shape[2]}] (out, in); "
+                    f"the base model's experts need [{rows}, {cols}]: is this the adapter of this base model? (shape)"
+                )
+            for e in range(E):
+                if A_ERI[e].any() or B_ORE[:, :, e].any():
+                    expert_factors[f"{prefix}.{proj}"][e] = {"A": A_ERI[e], "B": B_ORE[:, :, e]}
 
 
 def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"):
@@ -358,8 +548,15 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     raw = read_adapter_config(directory)
     reasons = _refusals(raw)
-    if raw.get("target_parameters"):
+    v5 = bool(raw.get("target_parameters")) and is_v5_hf_adapter(directory, raw)
+    if raw.get("target_parameters") and not v5:
         reasons.append("target_parameters is set: this adapter is in our names, not the HF architecture's")
+    for target in raw.get("target_parameters") or [] if v5 else []:
+        if not target.endswith(FUSED_PARAMS):
+            reasons.append(
+                f"target_parameters has {target!r}: only the experts' {' and '.join(FUSED_PARAMS)} convert (a "
+                "router converts as modules_to_save)"
+            )
     if reasons:
         raise AdapterConversionError(
             f"{config_file}: cannot apply this adapter to our model exactly:\n  - " + "\n  - ".join(reasons)
@@ -374,8 +571,10 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
     expert_factors: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     lora_targets: set[str] = set()
     saved_modules: set[str] = set()
+    if v5:
+        _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules)
     with safe_open(str(weights_file), "pt") as f:
-        for key in f.keys():
+        for key in f.keys() if not v5 else ():
             module, rest = split_key(key)
             if not key.startswith(PREFIX) or (module not in hf_modules and module not in hf_experts):
                 raise AdapterConversionError(

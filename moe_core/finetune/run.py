@@ -232,8 +232,10 @@ def _prompt_length(tokenizer, prompt) -> int:
     """Tokens of a prompt as TRL tokenizes it: plain text (a string) or turns with the generation prompt."""
     if isinstance(prompt, str):
         return len(tokenizer(prompt)["input_ids"])
-    ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-    return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+    # return_dict=False: the ids themselves (transformers 5 returns a BatchEncoding by default)
+    return len(
+        tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
 
 
 def check_lengths(tokenizer, framed, max_length: int) -> None:

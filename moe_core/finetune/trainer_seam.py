@@ -6,10 +6,10 @@ moments, and a resumed rank must get its own back. `PerRankCheckpoints` keeps th
 step count, its batch skipping, ``trainer_state.json``) and replaces what is saved and loaded with
 `moe_core.finetune.parallel.CheckpointStore`'s per-rank files; one process is the case of one rank.
 
-Reach into transformers (4.57, `transformers/trainer.py`): ``Trainer._save_checkpoint(model, trial)`` (called when
+Reach into transformers (5.24, `transformers/trainer.py`): ``Trainer._save_checkpoint(model, trial)`` (called when
 ``save_strategy`` says so), ``Trainer._load_from_checkpoint(resume_from_checkpoint, model=None)``,
 ``Trainer._load_optimizer_and_scheduler(checkpoint)`` and ``Trainer._load_rng_state(checkpoint)`` (called by
-``train(resume_from_checkpoint=...)``). `tests/test_finetune_parallel.py::test_trainer_seam` fails loudly when
+``train(resume_from_checkpoint=...)``, ``_inner_training_loop``, ``_prepare_for_training`` and ``_run_epoch``). `tests/test_finetune_parallel.py::test_trainer_seam` fails loudly when
 transformers renames them or stops calling them.
 """
 

@@ -29,7 +29,8 @@ goes symbolic too (automatic dynamic shapes), so batch 1 keeps its static graph.
 
 ``cache="static"`` decodes into transformers' ``StaticCache`` instead (``compile_steps(model,
 cache="static", max_cache_len=L)``): keys and values preallocated at [B, G, L, Hd] once per batch shape and
-written in place at ``cache_position`` (a tensor input, so the graph does not guard on the length), the
+written in place at the cache's own length (transformers 5: a tensor each layer advances in place, so the
+graph does not guard on it), the
 attention mask spans all L slots (those past the current position are masked out), and the compiled decode
 returns only the logits: no cache object is unpacked or rebuilt per step. The steps then hold one cache,
 reset by each prefill, so one generation at a time per `compile_steps` result; the state a step returns is a
@@ -114,17 +115,17 @@ def _own_code(fn):
 def _step_fn(model: nn.Module, expert_impl: str | None):
     """The model call a step runs (`_own_code`)."""
 
-    def step(input_ids_BS, past_key_values=None, attention_mask_BL=None, position_ids_BS=None):
+    def step(input_ids_BS, cache=None, attention_mask_BL=None, position_ids_BS=None):
         out = model(
             input_ids=input_ids_BS,
-            past_key_values=past_key_values,
+            cache=cache,
             attention_mask=attention_mask_BL,
             position_ids=position_ids_BS,
             use_cache=True,
             logits_to_keep=1,
             expert_impl=expert_impl,
         )
-        return out.logits[:, -1], out.past_key_values
+        return out.logits[:, -1], out.cache
 
     return _own_code(step)
 
@@ -168,13 +169,14 @@ def _static_step_fn(model: nn.Module, expert_impl: str | None):
     """A step on a `StaticCache` that returns only the last logits (the cache is updated in place;
     `_own_code`)."""
 
-    def step(input_ids_BS, cache, cache_position_S, attention_mask_BL=None, position_ids_BS=None):
+    def step(input_ids_BS, cache, attention_mask_BL=None, position_ids_BS=None):
+        # where the tokens land: transformers 5's StaticCache layers count what they hold (a tensor,
+        # ``cumulative_length``, advanced in place by each update), and the model reads it
         out = model(
             input_ids=input_ids_BS,
-            past_key_values=cache,
+            cache=cache,
             attention_mask=attention_mask_BL,
             position_ids=position_ids_BS,
-            cache_position=cache_position_S,
             use_cache=True,
             logits_to_keep=1,
             expert_impl=expert_impl,
@@ -296,12 +298,10 @@ class _StaticCacheSteps:
         self.guarded = None if direct else _checked(compile, make_decode())
         self.structure = ModelStructure(model)
         self.cache: StaticCache | None = None
-        self.positions = torch.arange(max_cache_len)
-        self.position_views: list[torch.Tensor | None] = [None] * max_cache_len  # [l:l+1], made once
 
     def _cache_for(self, batch: int, like: torch.Tensor) -> StaticCache:
         config = self.model.config
-        if self.cache is None or self.cache.layers[0].max_batch_size != batch:
+        if self.cache is None or self.cache.layers[0].batch_size != batch:
             for call in self.graph_calls.values():
                 if call is not None:
                     call.forget_cache()  # (the old cache is freed)
@@ -331,13 +331,9 @@ class _StaticCacheSteps:
         if attention_mask_BS is not None and not bool(attention_mask_BS.all()):
             mask_BL = torch.ones(B, self.max_cache_len, dtype=attention_mask_BS.dtype)
             mask_BL[:, :S] = attention_mask_BS
-        if self.positions.device != input_ids_BS.device:  # the cache's slots, where the cache is
-            self.positions = self.positions.to(input_ids_BS.device)
-            self.position_views = [None] * self.max_cache_len
-        positions_S = self.positions[:S]
-        _mark_lengths((input_ids_BS, 1), (positions_S, 0), (position_ids_BS, 1))
+        _mark_lengths((input_ids_BS, 1), (position_ids_BS, 1))
         with torch.no_grad():
-            logits = self.prefill_fn(input_ids_BS, cache, positions_S, mask_BL, position_ids_BS)
+            logits = self.prefill_fn(input_ids_BS, cache, mask_BL, position_ids_BS)
         return logits, StaticDecodeState(cache, S, mask_BL)
 
     def decode(self, input_ids_BS, state: StaticDecodeState, attention_mask_BL=None, position_ids_BS=None):
@@ -347,10 +343,7 @@ class _StaticCacheSteps:
         length = state.length
         if length >= self.max_cache_len:
             raise CompileError(f"the static cache is full ({self.max_cache_len} tokens); raise max_cache_len")
-        position_S = self.position_views[length]
-        if position_S is None:
-            position_S = self.position_views[length] = self.positions[length : length + 1]
-        args = (input_ids_BS, state.cache, position_S, state.attention_mask_BL, position_ids_BS)
+        args = (input_ids_BS, state.cache, state.attention_mask_BL, position_ids_BS)
         key = signature(input_ids_BS, state.attention_mask_BL, position_ids_BS)
         call = self.graph_calls.get(key)
         if call is not None and not torch.is_grad_enabled():
@@ -469,12 +462,10 @@ def compile_steps(
         with torch.no_grad():
             return prefill(input_ids_BS, None, attention_mask_BS, position_ids_BS)
 
-    def run_decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
+    def run_decode(input_ids_BS, cache, attention_mask_BL=None, position_ids_BS=None):
         _mark_lengths((attention_mask_BL, 1))
         with torch.no_grad():
-            return decode(
-                input_ids_BS, _contiguous_cache(past_key_values), attention_mask_BL, position_ids_BS
-            )
+            return decode(input_ids_BS, _contiguous_cache(cache), attention_mask_BL, position_ids_BS)
 
     return CompiledSteps(run_prefill, run_decode)
 
@@ -488,8 +479,8 @@ def eager_steps(model: nn.Module) -> CompiledSteps:
         return step(input_ids_BS, None, attention_mask_BS, position_ids_BS)
 
     @torch.no_grad()
-    def decode(input_ids_BS, past_key_values, attention_mask_BL=None, position_ids_BS=None):
-        return step(input_ids_BS, past_key_values, attention_mask_BL, position_ids_BS)
+    def decode(input_ids_BS, cache, attention_mask_BL=None, position_ids_BS=None):
+        return step(input_ids_BS, cache, attention_mask_BL, position_ids_BS)
 
     return CompiledSteps(prefill, decode)
 

@@ -136,6 +136,10 @@ class GraphCall:
             return seen[0][1]
 
         scope[names[0]] = recording
+        # transformers 5's StaticCache layers count their length in a tensor each update advances in place
+        # (``StaticLayer.cumulative_length``): a cache slot like the keys and values, put back before the check
+        lengths = [layer.cumulative_length for layer in cache.layers]
+        before = [length.clone() for length in lengths]
         try:
             out = step(*args)
         finally:
@@ -145,6 +149,7 @@ class GraphCall:
         in_cache = {}
         for layer, kv in enumerate(cache.layers):
             in_cache.update({id(kv.keys): (layer, "keys"), id(kv.values): (layer, "values")})
+            in_cache[id(kv.cumulative_length)] = (layer, "cumulative_length")
         owned = {id(t) for t in (*model.parameters(), *model.buffers())}
         arg_slots, cache_slots = [], []
         for j, x in enumerate(inputs):
@@ -169,10 +174,23 @@ class GraphCall:
         if (
             call is None
             or not rewrites <= {j for j, *_ in cache_slots}
-            or not cls._same(call(list(inputs)), outputs)
+            or not cls._same(cls._replay(call, inputs, lengths, before), outputs)
         ):
             call, boxed = graph, False  # not inductor's (or not all its work inside): keep the wrapper
         return out, cls(call, boxed, inputs, arg_slots, cache_slots, out_index, cache)
+
+    @staticmethod
+    def _replay(call, inputs, lengths, before):
+        """The graph's outputs once more, from the cache lengths the step started at (it writes the same slots
+        again and leaves the lengths where the step left them)."""
+        after = [length.clone() for length in lengths]
+        for length, value in zip(lengths, before):
+            length.copy_(value)
+        try:
+            return call(list(inputs))
+        finally:
+            for length, value in zip(lengths, after):
+                length.copy_(value)
 
     @staticmethod
     def _same(outputs, expected) -> bool:

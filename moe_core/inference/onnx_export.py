@@ -61,6 +61,7 @@ from moe_core.model import MoEForCausalLM
 from moe_core.progress import Progress
 from moe_core.quiet import quiet_onnx_exporter
 from moe_core.routing import ExpertChoiceRouter
+from moe_core.transformers_seam import generation_default
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +80,14 @@ class GraphCache:
     """The KV cache `MoEModel` sees inside the exported graph: per-layer key and value tensors [B, G, P, Hd].
 
     It implements what the model calls on a cache (``update``, ``get_seq_length``, ``get_mask_sizes``, the
-    signatures of transformers' ``DynamicCache``), appending each step's keys and values by concatenation,
+    signatures of transformers 5's ``DynamicCache``), appending each step's keys and values by concatenation,
     so the graph takes the past as inputs and returns the present as outputs."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.keys, self.values = list(keys), list(values)
         self.past_length = keys[0].shape[-2] if keys else 0
 
-    def update(self, k_BGSHd, v_BGSHd, layer_idx: int, cache_kwargs=None):
+    def update(self, k_BGSHd, v_BGSHd, layer_idx: int, *args, **kwargs):
         self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k_BGSHd], dim=-2)
         self.values[layer_idx] = torch.cat([self.values[layer_idx], v_BGSHd], dim=-2)
         return self.keys[layer_idx], self.values[layer_idx]
@@ -94,8 +95,8 @@ class GraphCache:
     def get_seq_length(self, layer_idx: int = 0):
         return self.past_length
 
-    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int = 0) -> tuple:
-        return self.past_length + cache_position.shape[0], 0
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple:
+        return self.past_length + query_length, 0
 
 
 class DecoderWithPast(nn.Module):
@@ -119,7 +120,7 @@ class DecoderWithPast(nn.Module):
             input_ids=input_ids_BS,
             attention_mask=attention_mask_BL,
             position_ids=position_ids_BS,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         ).logits
         return logits, list(zip(cache.keys, cache.values))
@@ -385,9 +386,7 @@ def validate_export(
             # against PyTorch's own prefill and cached step: a capacity-bound router's capacity depends on the
             # tokens of one forward, so the full pass is not the reference for a split one
             ref_prefill = model(input_ids[:, :-3], attention_mask=attention_mask[:, :-3], use_cache=True)
-            ref_step = model(
-                input_ids[:, -3:], attention_mask=attention_mask, past_key_values=ref_prefill.past_key_values
-            ).logits
+            ref_step = model(input_ids[:, -3:], attention_mask=attention_mask, cache=ref_prefill.cache).logits
             step_diff = (ref_step - step.logits).abs().max().item()
             if not step_diff <= atol * max(1.0, ref_step.abs().max().item()):
                 raise OnnxExportError(
@@ -508,9 +507,10 @@ class OrtCausalLM:
         if pad is None and eos_ids.numel():
             pad = int(eos_ids[0])
         if do_sample:
-            temperature = gen.temperature if temperature is None else temperature
-            top_k = gen.top_k if top_k is None else top_k
-            top_p = gen.top_p if top_p is None else top_p
+            # unset in generation_config.json: transformers 5's defaults, as model.generate takes them
+            temperature = generation_default(gen, "temperature") if temperature is None else temperature
+            top_k = generation_default(gen, "top_k") if top_k is None else top_k
+            top_p = generation_default(gen, "top_p") if top_p is None else top_p
             if not temperature or temperature <= 0:
                 raise OnnxExportError(f"generate: temperature={temperature} must be > 0 when sampling")
         if not self.has_past:
