@@ -36,6 +36,9 @@ class ModelSection(_Section):
     preset: str = "switch-tiny"
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields, e.g. {"num_experts": 4}
     baseline: Literal["active", "total"] | None = None  # train the dense model with equal active/total params
+    # a dense Llama / Mistral / Qwen2 checkpoint directory to upcycle (`moe_core.upcycle`): its config.json fixes
+    # the architecture, preset + overrides the MoE fields, and its weights start every expert
+    upcycle_from: str | None = None
 
     @field_validator("overrides")
     @classmethod
@@ -50,6 +53,8 @@ class ModelSection(_Section):
         """The `MoEConfig` this section describes; ``vocab_size`` (the tokenizer's) wins over the preset's."""
         from moe_core.config import dense_baseline, get_config
 
+        if self.upcycle_from is not None:
+            return self._upcycled_config(vocab_size)
         overrides = dict(self.overrides)
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
@@ -59,6 +64,21 @@ class ModelSection(_Section):
                 config = dense_baseline(config, self.baseline)
         except (ValueError, TypeError) as err:
             raise TrainConfigError(f"model: {err}; fix model.preset / model.overrides") from None
+        return config
+
+    def _upcycled_config(self, vocab_size: int | None):
+        """The dense checkpoint's vocabulary stays: token ids of a smaller tokenizer index into it, a larger one's
+        would not (tokenize the data with the dense model's tokenizer)."""
+        from moe_core.upcycle import upcycled_config
+
+        if self.baseline is not None:
+            raise TrainConfigError("model.baseline and model.upcycle_from exclude each other; drop one")
+        config = upcycled_config(self.upcycle_from, self.preset, self.overrides)
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            raise TrainConfigError(
+                f"the data's tokenizer has {vocab_size} tokens, the dense model in model.upcycle_from="
+                f"{self.upcycle_from} {config.vocab_size}; tokenize the data with the dense model's tokenizer"
+            )
         return config
 
 

@@ -74,6 +74,7 @@ from moe_core.train.telemetry import (
     rank_row,
     read_jsonl,
 )
+from moe_core.upcycle import load_upcycled
 
 # Signals that ask a run to stop after the step, with a checkpoint (a scheduler's SIGTERM, Ctrl-C's SIGINT);
 # `TrainResult.stopped_by` names the one received
@@ -181,7 +182,7 @@ class Trainer:
         resume_from = self._claim_output_dir(resume)
         # the order below fixes the random streams (data, then the seed, then the weights): keep it
         self._open_data()
-        self._build_model()
+        self._build_model(upcycle=resume_from is None)
         self._build_optimization()
         self._build_telemetry()
 
@@ -263,9 +264,10 @@ class Trainer:
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
 
-    def _build_model(self) -> None:
+    def _build_model(self, upcycle: bool = True) -> None:
         """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
-        data-parallel-wrapped as configured: what the training forward runs)."""
+        data-parallel-wrapped as configured: what the training forward runs). With ``model.upcycle_from`` (and
+        ``upcycle``: not when a checkpoint is resumed), each rank then copies in its part of the dense model."""
         config, state = self.config, self.state
         seed_everything(config.seed)  # the same random streams on every rank
         # built on the meta device and laid out before anything is allocated: each rank then materializes and
@@ -287,6 +289,8 @@ class Trainer:
         if fsdp:  # sharded while still on meta: each rank then allocates its shards only
             model = par.wrap_data_parallel(model, state, "fsdp2")
         self.model = materialize_owned(model, state.device, config.seed)
+        if upcycle and config.model.upcycle_from is not None:
+            load_upcycled(self.model, config.model.upcycle_from)  # this rank's experts / FSDP2 rows only
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
