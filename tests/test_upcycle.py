@@ -6,16 +6,21 @@ dense config the lab cannot express is refused, naming the field, before any wei
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from moe_core.data.tokenizer import load_tokenizer, train_tokenizer
 from moe_core.train import parallel as par
 from moe_core.train.build import build_meta_model, materialize_owned
+from moe_core.train.checkpoint import gather_state_dict
 from moe_core.train.config import TrainConfig
 from moe_core.train.loop import Trainer
-from moe_core.upcycle import UpcycleError, upcycle, upcycled_config
+from moe_core.upcycle import UpcycleError, load_upcycled, upcycle, upcycled_config
+from tests.dist_helpers import REPO, env, free_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,8 +104,6 @@ def test_fine_grained_experts_are_slices_of_the_dense_ffn(tmp_path):
 def test_each_rank_holds_only_its_experts(tmp_path):
     """ep_size=2 laid out in this process (no process group): rank 1 holds global experts 2 and 3 of the
     fine-grained stack (segments 0 and 1), the same values the one-process model holds there."""
-    from moe_core.upcycle import load_upcycled
-
     write_dense(tmp_path)
     config = upcycled_config(tmp_path, "switch-tiny", {**MOE, "expert_intermediate_size": 32})
     whole = upcycle(tmp_path, "switch-tiny", **{**MOE, "expert_intermediate_size": 32})
@@ -170,3 +173,60 @@ def test_moe_fields_that_contradict_the_dense_model_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(UpcycleError, match="model_type 'gpt2'"):
         upcycled_config(tmp_path)
+
+
+@pytest.mark.slow
+def test_two_process_expert_parallel_start_is_the_one_process_upcycled_model(tmp_path):
+    """2 gloo processes at ep_size=2: each rank copies in its own experts (4 distinct slices of the dense FFN:
+    rank 1 holds slices 2 and 3) and writes its expert file; the step-0 checkpoint they write together is the
+    one-process upcycled model, bitwise."""
+    write_dense(tmp_path / "dense")
+    moe = {**MOE, "expert_intermediate_size": 16}
+    sets = [f"model.upcycle_from={tmp_path / 'dense'}"]
+    sets += [f"model.overrides.{k}={json.dumps(v)}" for k, v in moe.items()]  # None as null
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(REPO / "tests" / "reshard_worker.py"),
+        "--fresh",
+        str(tmp_path / "run"),
+        *(a for s in [*sets, "parallel.ep_size=2"] for a in ("--set", s)),
+    ]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
+    assert (ckpt / "experts-ep1-of-2.safetensors").is_file()
+    written = gather_state_dict(ckpt)
+    expected = upcycle(tmp_path / "dense", "mixtral-tiny", **moe).state_dict()
+    assert written.keys() == expected.keys()
+    different = [name for name in written if not torch.equal(written[name], expected[name])]
+    assert not different, different[:5]
+
+
+def test_text_data_is_tokenized_with_the_dense_models_tokenizer(tmp_path):
+    dense_dir = tmp_path / "dense"
+    write_dense(dense_dir, vocab_size=300)
+    base = {
+        "model": {"preset": "switch-tiny", "overrides": MOE, "upcycle_from": str(dense_dir)},
+        "data": {"max_documents": 12, "seq_len": 32, "cache_dir": str(tmp_path / "cache")},
+        "checkpoint": {"export": False},
+        "log": {"progress": "off"},
+        "steps": 1,
+        "batch_size": 2,
+    }
+    with pytest.raises(UpcycleError, match="no tokenizer files"):  # before any data is prepared
+        Trainer(TrainConfig.build(base), tmp_path / "refused")
+    assert not (tmp_path / "cache").exists()
+    tokenizer = train_tokenizer(["the dense model's own text, tokenized its own way"] * 20, vocab_size=300)
+    tokenizer.save_pretrained(dense_dir)
+    trainer = Trainer(TrainConfig.build(base), tmp_path / "run")
+    try:
+        prepared = load_tokenizer(trainer.data_dir)
+        assert prepared.get_vocab() == tokenizer.get_vocab()
+        assert trainer.model.config.vocab_size == 300
+    finally:
+        trainer.close()

@@ -74,7 +74,7 @@ from moe_core.train.telemetry import (
     rank_row,
     read_jsonl,
 )
-from moe_core.upcycle import load_upcycled
+from moe_core.upcycle import dense_tokenizer, load_upcycled
 
 # Signals that ask a run to stop after the step, with a checkpoint (a scheduler's SIGTERM, Ctrl-C's SIGINT);
 # `TrainResult.stopped_by` names the one received
@@ -254,8 +254,15 @@ class Trainer:
         EOS and PAD ids (written into every checkpoint's config.json, so generation stops at EOS)."""
         config, state = self.config, self.state
         model_vocab = config.model.build_config().vocab_size
+        tokenizer = None  # upcycling: text is tokenized as the dense model was trained
+        if (
+            config.model.upcycle_from is not None
+            and config.data.source != "synthetic"
+            and config.data.path is None
+        ):
+            tokenizer = dense_tokenizer(config.model.upcycle_from)
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
-            config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state)
+            config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state), tokenizer
         )
         self.model_config = config.model.build_config(vocab_size=vocab)
         for name, token_id in data_special_token_ids(self.train_data).items():
