@@ -233,17 +233,17 @@ def expert_segment(global_expert: int, granularity: int) -> int:
     return global_expert % granularity
 
 
-def expert_rows(dense_KN: torch.Tensor, name: str, first: int, count: int, width: int) -> torch.Tensor:
+def expert_rows(weight: torch.Tensor, name: str, first: int, count: int, width: int) -> torch.Tensor:
     """Experts ``first .. first+count-1``'s slices of a dense FFN weight, stacked: ``[count, F, D]`` for
     gate/up (rows of the dense ``[I, D]``), ``[count, D, F]`` for down (columns of the dense ``[D, I]``)."""
-    m = (dense_KN.shape[1] if name == "down_proj" else dense_KN.shape[0]) // width
+    m = (weight.shape[1] if name == "down_proj" else weight.shape[0]) // width
     parts = []
     for g in range(first, first + count):
         s = expert_segment(g, m)
         piece = (
-            dense_KN[:, s * width : (s + 1) * width]
+            weight[:, s * width : (s + 1) * width]
             if name == "down_proj"
-            else dense_KN[s * width : (s + 1) * width]
+            else weight[s * width : (s + 1) * width]
         )
         parts.append(piece)
     return torch.stack(parts)

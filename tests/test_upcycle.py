@@ -176,10 +176,13 @@ def test_moe_fields_that_contradict_the_dense_model_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_expert_parallel_start_is_the_one_process_upcycled_model(tmp_path):
-    """2 gloo processes at ep_size=2: each rank copies in its own experts (4 distinct slices of the dense FFN:
-    rank 1 holds slices 2 and 3) and writes its expert file; the step-0 checkpoint they write together is the
-    one-process upcycled model, bitwise."""
+@pytest.mark.parametrize(
+    "layout", [["parallel.ep_size=2"], ["parallel.ep_size=1", "parallel.dp_mode=fsdp2"]], ids=["ep2", "fsdp2"]
+)
+def test_two_process_start_is_the_one_process_upcycled_model(tmp_path, layout):
+    """2 gloo processes: at ep_size=2 each rank copies in its own experts (4 distinct slices of the dense FFN:
+    rank 1 holds slices 2 and 3) and writes its expert file; under FSDP2 each its rows of the dense weights. The
+    step-0 checkpoint they write together is the one-process upcycled model, bitwise."""
     write_dense(tmp_path / "dense")
     moe = {**MOE, "expert_intermediate_size": 16}
     sets = [f"model.upcycle_from={tmp_path / 'dense'}"]
@@ -194,12 +197,12 @@ def test_two_process_expert_parallel_start_is_the_one_process_upcycled_model(tmp
         str(REPO / "tests" / "reshard_worker.py"),
         "--fresh",
         str(tmp_path / "run"),
-        *(a for s in [*sets, "parallel.ep_size=2"] for a in ("--set", s)),
+        *(a for s in [*sets, *layout] for a in ("--set", s)),
     ]
     result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
-    assert (ckpt / "experts-ep1-of-2.safetensors").is_file()
+    assert (ckpt / "experts-ep1-of-2.safetensors").is_file() == ("parallel.ep_size=2" in layout)
     written = gather_state_dict(ckpt)
     expected = upcycle(tmp_path / "dense", "mixtral-tiny", **moe).state_dict()
     assert written.keys() == expected.keys()
