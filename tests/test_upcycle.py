@@ -11,7 +11,14 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from moe_core.data.tokenizer import load_tokenizer, train_tokenizer
 from moe_core.train import parallel as par
@@ -63,6 +70,7 @@ def write_dense(path, cls=LlamaForCausalLM, config_cls=LlamaConfig, **fields):
         (LlamaForCausalLM, LlamaConfig, {}),
         (LlamaForCausalLM, LlamaConfig, {"tie_word_embeddings": True}),
         (Qwen2ForCausalLM, Qwen2Config, {}),  # q/k/v biases
+        (MistralForCausalLM, MistralConfig, {"sliding_window": 64}),  # a window as long as the context
     ],
 )
 def test_step_zero_logits_equal_the_dense_model(tmp_path, cls, config_cls, fields):
@@ -151,6 +159,8 @@ def test_training_moves_the_experts_apart(tmp_path):
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
+        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
     ],
 )
 def test_inexpressible_dense_config_is_refused_before_weights(tmp_path, fields, named):
