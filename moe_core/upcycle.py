@@ -147,7 +147,9 @@ def upcycled_config(
     dense_width = hf.intermediate_size
     width = overrides.get("expert_intermediate_size", dense_width)
     try:
-        config = get_config(preset, **{**overrides, **fields, "expert_intermediate_size": width})
+        # the dense model's special token ids are defaults: the data's tokenizer, or model.overrides, may set them
+        ids = {name: getattr(hf, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+        config = get_config(preset, **{**ids, **overrides, **fields, "expert_intermediate_size": width})
     except (TypeError, ValueError) as err:
         reasons.append(str(err))
         config = None

@@ -77,6 +77,10 @@ def test_step_zero_logits_equal_the_dense_model(tmp_path, cls, config_cls, field
     dense = write_dense(tmp_path, cls, config_cls, **fields)
     moe = upcycle(tmp_path, "switch-tiny", **MOE).eval()
     assert moe.config.num_experts == 4 and moe.config.hidden_size == 32
+    assert (moe.config.bos_token_id, moe.config.eos_token_id) == (
+        dense.config.bos_token_id,
+        dense.config.eos_token_id,
+    )
     stack = moe.model.layers[1].mlp.experts.up_proj
     assert torch.equal(stack[0], dense.model.layers[1].mlp.up_proj.weight)
     assert all(torch.equal(stack[0], stack[e]) for e in range(4))
