@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import CONFIG_MAPPING
 
 from moe_core.config import MoEConfig, get_config
@@ -47,7 +46,7 @@ from moe_core.convert import CheckpointReader
 from moe_core.errors import MoELabError
 from moe_core.model import MoEForCausalLM
 from moe_core.train import parallel as par
-from moe_core.train.build import build_meta_model, materialize_owned
+from moe_core.train.build import build_meta_model, copy_owned, expert_offsets, materialize_owned
 
 
 class UpcycleError(MoELabError):
@@ -257,7 +256,7 @@ def load_upcycled(model: MoEForCausalLM, path: str | os.PathLike) -> MoEForCausa
     laid out by `moe_core.train.parallel`): each rank writes only what it holds (its experts; under FSDP2 its
     rows), one dense tensor read at a time; the routers keep their initial values."""
     reader = open_dense(path, model)
-    first_expert = {f"{name}.local.": m.first_expert for name, m in par.expert_modules(model)}
+    offsets = expert_offsets(model)
     width = model.config.expert_intermediate_size
     for name, param in model.named_parameters():
         whole = par.full_model_name(name)
@@ -266,18 +265,13 @@ def load_upcycled(model: MoEForCausalLM, path: str | os.PathLike) -> MoEForCausa
             continue
         value = reader.get(source)
         if ".mlp.experts." in whole:
-            first = next((f for prefix, f in first_expert.items() if name.startswith(prefix)), 0)
-            value = expert_rows(value, whole.rsplit(".", 1)[1], first, par.local(param).shape[0], width)
-        if tuple(value.shape) != tuple(param.shape):
-            raise UpcycleError(
-                f"{path}: {source} has shape {tuple(value.shape)}; {whole} needs {tuple(param.shape)}"
+            value = expert_rows(
+                value, whole.rsplit(".", 1)[1], offsets(name), par.local(param).shape[0], width
             )
-        if isinstance(param, DTensor):  # FSDP2: this rank's Shard(0) rows
-            lo, hi = par.shard_rows(
-                param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank()
-            )
-            value = value[lo:hi]
-        par.local(param).copy_(value)
+        try:
+            copy_owned(param, value, f"{path}: {source}")
+        except ValueError as err:
+            raise UpcycleError(f"{err}; {whole}") from None
     return model
 
 
