@@ -59,7 +59,6 @@ DENSE_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 _SILU = ("silu", "swish")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 # ================================================================================================ configs
@@ -171,19 +170,6 @@ def upcycled_config(
     if reasons:
         raise UpcycleError(f"cannot upcycle {directory} exactly:\n  - " + "\n  - ".join(reasons))
     return config
-
-
-def dense_tokenizer(path: str | os.PathLike) -> str:
-    """The dense checkpoint's tokenizer directory, which data for the upcycled model must be tokenized with (its
-    embedding rows are that tokenizer's tokens)."""
-    directory = Path(path).expanduser()
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise UpcycleError(
-            f"model.upcycle_from={path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the data must be "
-            "tokenized with the dense model's tokenizer: copy it there, or set data.path to data prepared with "
-            "`moe-lab data prepare --tokenizer` of it"
-        )
-    return str(directory)
 
 
 # ================================================================================================ weights

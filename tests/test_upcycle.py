@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from moe_core.data.tokenizer import load_tokenizer, train_tokenizer
+from moe_core.init_from import InitFromError
 from moe_core.train import parallel as par
 from moe_core.train.build import build_meta_model, materialize_owned
 from moe_core.train.checkpoint import gather_state_dict
@@ -235,7 +236,9 @@ def test_text_data_is_tokenized_with_the_dense_models_tokenizer(tmp_path):
         "steps": 1,
         "batch_size": 2,
     }
-    with pytest.raises(UpcycleError, match="no tokenizer files"):  # before any data is prepared
+    with pytest.raises(
+        InitFromError, match="upcycle_from=.*no tokenizer files"
+    ):  # before any data is prepared
         Trainer(TrainConfig.build(base), tmp_path / "refused")
     assert not (tmp_path / "cache").exists()
     tokenizer = train_tokenizer(["the dense model's own text, tokenized its own way"] * 20, vocab_size=300)

@@ -39,6 +39,9 @@ class ModelSection(_Section):
     # a dense Llama / Mistral / Qwen2 checkpoint directory to upcycle (`moe_core.upcycle`): its config.json fixes
     # the architecture, preset + overrides the MoE fields, and its weights start every expert
     upcycle_from: str | None = None
+    # an MoE checkpoint directory to continue pretraining from (`moe_core.init_from`): ours, or a Hugging Face
+    # Mixtral / OLMoE / Qwen2-MoE; its config.json is the model (overrides: training fields only)
+    init_from: str | None = None
 
     @field_validator("overrides")
     @classmethod
@@ -53,8 +56,8 @@ class ModelSection(_Section):
         """The `MoEConfig` this section describes; ``vocab_size`` (the tokenizer's) wins over the preset's."""
         from moe_core.config import dense_baseline, get_config
 
-        if self.upcycle_from is not None:
-            return self._upcycled_config(vocab_size)
+        if self.upcycle_from is not None or self.init_from is not None:
+            return self._checkpoint_config(vocab_size)
         overrides = dict(self.overrides)
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
@@ -66,18 +69,28 @@ class ModelSection(_Section):
             raise TrainConfigError(f"model: {err}; fix model.preset / model.overrides") from None
         return config
 
-    def _upcycled_config(self, vocab_size: int | None):
-        """The dense checkpoint's vocabulary stays: token ids of a smaller tokenizer index into it, a larger one's
-        would not (tokenize the data with the dense model's tokenizer)."""
+    @property
+    def start_from(self) -> str | None:
+        """The checkpoint directory the weights start from (``upcycle_from`` or ``init_from``), if any."""
+        return self.upcycle_from or self.init_from
+
+    def _checkpoint_config(self, vocab_size: int | None):
+        """The checkpoint's vocabulary stays: token ids of a smaller tokenizer index into it, a larger one's
+        would not (tokenize the data with the checkpoint's tokenizer)."""
+        from moe_core.init_from import initial_config
         from moe_core.upcycle import upcycled_config
 
-        if self.baseline is not None:
-            raise TrainConfigError("model.baseline and model.upcycle_from exclude each other; drop one")
-        config = upcycled_config(self.upcycle_from, self.preset, self.overrides)
+        given = [f for f in ("upcycle_from", "init_from", "baseline") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise TrainConfigError(f"model.{' and model.'.join(given)} exclude each other; keep one")
+        if self.upcycle_from is not None:
+            config = upcycled_config(self.upcycle_from, self.preset, self.overrides)
+        else:
+            config = initial_config(self.init_from, self.overrides)
         if vocab_size is not None and vocab_size > config.vocab_size:
             raise TrainConfigError(
-                f"the data's tokenizer has {vocab_size} tokens, the dense model in model.upcycle_from="
-                f"{self.upcycle_from} {config.vocab_size}; tokenize the data with the dense model's tokenizer"
+                f"the data's tokenizer has {vocab_size} tokens, the checkpoint in model.{given[0]}="
+                f"{self.start_from} {config.vocab_size}; tokenize the data with the checkpoint's tokenizer"
             )
         return config
 
