@@ -1,6 +1,8 @@
 """Continued pretraining: the trainer's model started from an MoE checkpoint (``model.init_from=DIR``), a model
-directory of ours (a run's exported ``<out>/final``, `moe_core.convert.convert_from_hf`'s output) or a Hugging Face
-Mixtral / OLMoE / Qwen2-MoE one (named and mapped as `moe_core.convert` maps them).
+directory of ours (a run's exported ``<out>/final``, `moe_core.convert.convert_from_hf`'s output), a step
+checkpoint of a training run (``<out>/checkpoints/step_N``: its weights, not its optimizer or data position; that
+is ``--resume``) or a Hugging Face Mixtral / OLMoE / Qwen2-MoE one (named and mapped as `moe_core.convert` maps
+them).
 
     config = initial_config("dir", {"router_aux_loss_coef": 0.02})   # the checkpoint's architecture
     load_initial(rank_model, "dir")                                  # this rank's tensors only
@@ -27,6 +29,7 @@ from moe_core.errors import MoELabError
 from moe_core.model import MoEForCausalLM
 from moe_core.train import parallel as par
 from moe_core.train.build import copy_owned, expert_offsets
+from moe_core.train.checkpoint import CheckpointError, load_model_state
 
 
 class InitFromError(MoELabError):
@@ -85,6 +88,11 @@ def initial_config(path: str | os.PathLike, overrides: dict[str, Any] | None = N
     return config
 
 
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    """A step checkpoint a training run wrote (weights whole and in expert shards, `moe_core.train.checkpoint`)."""
+    return (Path(path).expanduser() / "train_config.json").is_file()
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -105,6 +113,14 @@ def checkpoint_tokenizer(path: str | os.PathLike, field: str) -> str:
 def load_initial(model: MoEForCausalLM, path: str | os.PathLike) -> MoEForCausalLM:
     """Copy the checkpoint at ``path`` into ``model`` (built from `initial_config`, materialized, possibly laid
     out): each rank reads and writes only what it holds."""
+    if is_training_checkpoint(
+        path
+    ):  # ``<out>/checkpoints/step_N``: the resharding loader reads this rank's part
+        try:
+            load_model_state(model, Path(path))
+        except CheckpointError as err:
+            raise InitFromError(f"model.init_from: {err}") from None
+        return model
     opened = open_streaming(path, torch.float32, InitFromError, "model.init_from")  # checks names, reads none
     plan, reader = dict(opened.plan), opened.reader
     offsets = expert_offsets(model)

@@ -134,6 +134,30 @@ def test_the_trainer_starts_from_the_checkpoint_and_trains(tmp_path):
         Trainer(config.with_overrides([f"model.upcycle_from={tmp_path / 'hf'}"]), tmp_path / "both")
 
 
+def test_a_training_step_checkpoint_starts_a_new_run_with_its_weights(tmp_path):
+    write_mixtral(tmp_path / "hf")
+    base = {
+        "model": {"init_from": str(tmp_path / "hf")},
+        "data": {"source": "synthetic", "seq_len": 16, "synthetic_blocks": 32},
+        "checkpoint": {"export": False, "every": 1},
+        "log": {"progress": "off"},
+        "steps": 1,
+        "batch_size": 4,
+    }
+    first = Trainer(TrainConfig.build(base), tmp_path / "first")
+    try:
+        first.run()
+    finally:
+        first.close()
+    step = tmp_path / "first" / "checkpoints" / "step_00000001"
+    second = Trainer(TrainConfig.build({**base, "model": {"init_from": str(step)}}), tmp_path / "second")
+    try:
+        assert second.step == 0
+        assert_same_state(dict(second.model.state_dict()), gather_state_dict(step))
+    finally:
+        second.close()
+
+
 @pytest.mark.slow
 def test_two_processes_at_ep2_start_as_the_checkpoint(tmp_path):
     write_mixtral(tmp_path / "hf")
