@@ -125,9 +125,12 @@ def adopt_data_seq_len(config):
     )
 
 
-def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait) -> tuple:
+def open_datasets(
+    data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait, tokenizer: str | None = None
+) -> tuple:
     """(train, val or None, data_dir or None, tokenizer vocab size or None). `wait` is a barrier: rank 0
-    prepares the data, the others reuse it."""
+    prepares the data, the others reuse it. ``tokenizer``: prepare ``data.source`` with this one (an upcycled
+    model's: `moe_core.upcycle`) instead of training one."""
     if data_cfg.source == "synthetic":
         vocab = data_cfg.vocab_size or model_vocab
         train = SyntheticTokens(data_cfg.synthetic_blocks, data_cfg.seq_len, vocab, data_cfg.seed)
@@ -143,7 +146,7 @@ def open_datasets(data_cfg, out_dir: Path, model_vocab: int, is_main: bool, wait
                 f"`moe-lab data prepare` or leave data.path unset to prepare data.source"
             )
     else:
-        prepare_cfg = data_cfg.prepare_config(model_vocab)
+        prepare_cfg = data_cfg.prepare_config(model_vocab, **({"tokenizer": tokenizer} if tokenizer else {}))
         cache = data_cache_dir(data_cfg.cache_dir, prepare_cfg)
         data_dir = None
         if is_main:

@@ -142,6 +142,31 @@ def materialize_owned(model: MoEForCausalLM, device: torch.device, seed: int) ->
     return model
 
 
+# ------------------------------------------------------------------------------------------------ loading
+def expert_offsets(model: nn.Module):
+    """``offset(name)``: the global index of the first expert that parameter ``name``'s stack holds on this rank
+    (0 for a parameter of an unsharded stack or no stack)."""
+    firsts = {f"{name}.local.": m.first_expert for name, m in par.expert_modules(model)}
+
+    def offset(name: str) -> int:
+        return next((first for prefix, first in firsts.items() if name.startswith(prefix)), 0)
+
+    return offset
+
+
+@torch.no_grad()
+def copy_owned(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    """Copy ``value`` (the tensor as this rank holds it: an expert shard's own rows, a dense tensor whole) into
+    ``param``; an FSDP2 DTensor keeps its ``Shard(0)`` rows of it. ``what`` names the source in a shape error."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, the model's parameter {tuple(param.shape)}")
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        lo, hi = par.shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+        value = value[lo:hi]
+    par.local(param).copy_(value)
+
+
 # ------------------------------------------------------------------------------------------------ accounting
 def materialized_bytes(model: nn.Module) -> int:
     """Bytes of this rank's parameters that have storage (FSDP2: its shards; meta parameters count nothing)."""

@@ -36,6 +36,12 @@ class ModelSection(_Section):
     preset: str = "switch-tiny"
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields, e.g. {"num_experts": 4}
     baseline: Literal["active", "total"] | None = None  # train the dense model with equal active/total params
+    # a dense Llama / Mistral / Qwen2 checkpoint directory to upcycle (`moe_core.upcycle`): its config.json fixes
+    # the architecture, preset + overrides the MoE fields, and its weights start every expert
+    upcycle_from: str | None = None
+    # an MoE checkpoint directory to continue pretraining from (`moe_core.init_from`): ours, or a Hugging Face
+    # Mixtral / OLMoE / Qwen2-MoE; its config.json is the model (overrides: training fields only)
+    init_from: str | None = None
 
     @field_validator("overrides")
     @classmethod
@@ -50,6 +56,8 @@ class ModelSection(_Section):
         """The `MoEConfig` this section describes; ``vocab_size`` (the tokenizer's) wins over the preset's."""
         from moe_core.config import dense_baseline, get_config
 
+        if self.upcycle_from is not None or self.init_from is not None:
+            return self._checkpoint_config(vocab_size)
         overrides = dict(self.overrides)
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
@@ -59,6 +67,31 @@ class ModelSection(_Section):
                 config = dense_baseline(config, self.baseline)
         except (ValueError, TypeError) as err:
             raise TrainConfigError(f"model: {err}; fix model.preset / model.overrides") from None
+        return config
+
+    @property
+    def start_from(self) -> str | None:
+        """The checkpoint directory the weights start from (``upcycle_from`` or ``init_from``), if any."""
+        return self.upcycle_from or self.init_from
+
+    def _checkpoint_config(self, vocab_size: int | None):
+        """The checkpoint's vocabulary stays: token ids of a smaller tokenizer index into it, a larger one's
+        would not (tokenize the data with the checkpoint's tokenizer)."""
+        from moe_core.init_from import initial_config
+        from moe_core.upcycle import upcycled_config
+
+        given = [f for f in ("upcycle_from", "init_from", "baseline") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise TrainConfigError(f"model.{' and model.'.join(given)} exclude each other; keep one")
+        if self.upcycle_from is not None:
+            config = upcycled_config(self.upcycle_from, self.preset, self.overrides)
+        else:
+            config = initial_config(self.init_from, self.overrides)
+        if vocab_size is not None and vocab_size > config.vocab_size:
+            raise TrainConfigError(
+                f"the data's tokenizer has {vocab_size} tokens, the checkpoint in model.{given[0]}="
+                f"{self.start_from} {config.vocab_size}; tokenize the data with the checkpoint's tokenizer"
+            )
         return config
 
 

@@ -46,6 +46,7 @@ from moe_core.errors import MoELabError
 from moe_core.eval.perplexity import perplexity
 from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.flops import flops_per_token, peak_flops
+from moe_core.init_from import checkpoint_tokenizer, load_initial
 from moe_core.router_losses import LoadBalance
 from moe_core.train import checkpoint as ckpt_io
 from moe_core.train import deepspeed_engine as ds_engine
@@ -74,6 +75,7 @@ from moe_core.train.telemetry import (
     rank_row,
     read_jsonl,
 )
+from moe_core.upcycle import load_upcycled
 
 # Signals that ask a run to stop after the step, with a checkpoint (a scheduler's SIGTERM, Ctrl-C's SIGINT);
 # `TrainResult.stopped_by` names the one received
@@ -181,7 +183,7 @@ class Trainer:
         resume_from = self._claim_output_dir(resume)
         # the order below fixes the random streams (data, then the seed, then the weights): keep it
         self._open_data()
-        self._build_model()
+        self._build_model(load_start=resume_from is None)
         self._build_optimization()
         self._build_telemetry()
 
@@ -253,8 +255,13 @@ class Trainer:
         EOS and PAD ids (written into every checkpoint's config.json, so generation stops at EOS)."""
         config, state = self.config, self.state
         model_vocab = config.model.build_config().vocab_size
+        tokenizer = None  # a run that starts from a checkpoint: text is tokenized as that model was trained
+        start = config.model.start_from
+        if start is not None and config.data.source != "synthetic" and config.data.path is None:
+            field = "upcycle_from" if config.model.upcycle_from else "init_from"
+            tokenizer = checkpoint_tokenizer(start, field)
         self.train_data, self.val_data, self.data_dir, vocab = open_datasets(
-            config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state)
+            config.data, self.out_dir, model_vocab, state.is_main, lambda: par.barrier(state), tokenizer
         )
         self.model_config = config.model.build_config(vocab_size=vocab)
         for name, token_id in data_special_token_ids(self.train_data).items():
@@ -263,9 +270,11 @@ class Trainer:
         if self.model_config.max_position_embeddings < config.data.seq_len:
             self.model_config.max_position_embeddings = config.data.seq_len
 
-    def _build_model(self) -> None:
+    def _build_model(self, load_start: bool = True) -> None:
         """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
-        data-parallel-wrapped as configured: what the training forward runs)."""
+        data-parallel-wrapped as configured: what the training forward runs). With ``model.upcycle_from`` or
+        ``model.init_from`` (and ``load_start``: not when a checkpoint is resumed), each rank then copies in its part
+        of that checkpoint."""
         config, state = self.config, self.state
         seed_everything(config.seed)  # the same random streams on every rank
         # built on the meta device and laid out before anything is allocated: each rank then materializes and
@@ -287,6 +296,10 @@ class Trainer:
         if fsdp:  # sharded while still on meta: each rank then allocates its shards only
             model = par.wrap_data_parallel(model, state, "fsdp2")
         self.model = materialize_owned(model, state.device, config.seed)
+        if load_start and config.model.upcycle_from is not None:
+            load_upcycled(self.model, config.model.upcycle_from)  # this rank's experts / FSDP2 rows only
+        elif load_start and config.model.init_from is not None:
+            load_initial(self.model, config.model.init_from)
         self.forward_model = self.model
         if config.compile:
             self.forward_model = torch.compile(self.model)
