@@ -42,7 +42,7 @@ import torch
 from transformers import CONFIG_MAPPING
 
 from moe_core.config import MoEConfig, get_config
-from moe_core.convert import CheckpointReader
+from moe_core.convert import CheckpointReader, rope_extras, rope_theta
 from moe_core.errors import MoELabError
 from moe_core.model import MoEForCausalLM
 from moe_core.train import parallel as par
@@ -92,8 +92,11 @@ def dense_refusals(hf) -> list[str]:
             f"attention_bias=True: {DENSE_ARCHITECTURES[hf.model_type]} then biases o_proj too, ours has no "
             "o_proj bias"
         )
-    if getattr(hf, "rope_scaling", None):
-        reasons.append(f"rope_scaling={hf.rope_scaling!r}: our RoPE is unscaled")
+    if rope_extras(hf):
+        reasons.append(
+            f"rope_parameters={hf.rope_parameters!r} (config.json's rope_scaling or rope_parameters): our RoPE "
+            "is unscaled; only rope_type 'default' (with rope_theta) converts"
+        )
     if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
         reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
     window = getattr(hf, "sliding_window", None)
@@ -114,7 +117,7 @@ def dense_fields(hf) -> dict[str, Any]:
         num_key_value_heads=hf.num_key_value_heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         max_position_embeddings=hf.max_position_embeddings,
-        rope_theta=hf.rope_theta,
+        rope_theta=rope_theta(hf),
         rms_norm_eps=hf.rms_norm_eps,
         attention_bias=hf.model_type == "qwen2",  # Qwen2 biases q/k/v (not o), as ours does
         qk_norm=False,

@@ -163,7 +163,7 @@ def test_training_moves_the_experts_apart(tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"mlp_bias": True}, "mlp_bias=True"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters="),
         ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
     ],

@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from moe_core.config import MoEConfig
 from moe_core.experts import GroupedExperts
 from moe_core.model import MoEForCausalLM, materialize
-from moe_core.routing import Router
 from moe_core.train import parallel as par
 
 
@@ -60,32 +59,30 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """(name, module), children before their parent: the order `nn.Module.apply` (and so `post_init`) uses, which
-    lets a parent's rule override a child's (the router re-draws its gate's weight)."""
+    lets a parent's rule override a child's."""
     for name, child in module.named_children():
         yield from _post_order(child, f"{prefix}{name}.")
     yield prefix.rstrip("."), module
 
 
 @contextlib.contextmanager
-def _whole_tensors(module: nn.Module, recurse: bool) -> Iterator[None]:
+def _whole_tensors(module: nn.Module) -> Iterator[None]:
     """Inside: ``module``'s FSDP2-sharded parameters replaced by whole temporaries, for the init rule to draw;
     after: each rank keeps its shard of what was drawn (every rank drew the same whole tensor)."""
     swapped = []
-    owners = module.modules() if recurse else [module]
-    for owner in owners:
-        for pname, param in list(owner.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                whole = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device),
-                    requires_grad=param.requires_grad,
-                )
-                setattr(owner, pname, whole)
-                swapped.append((owner, pname, param, whole))
+    for pname, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            whole = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device),
+                requires_grad=param.requires_grad,
+            )
+            setattr(module, pname, whole)
+            swapped.append((pname, param, whole))
     try:
         yield
     finally:
-        for owner, pname, param, whole in swapped:
-            setattr(owner, pname, param)
+        for pname, param, whole in swapped:
+            setattr(module, pname, param)
             with torch.no_grad():
                 shard = distribute_tensor(
                     whole.detach(), param.device_mesh, param.placements, src_data_rank=None
@@ -121,10 +118,9 @@ def init_parameters(model: MoEForCausalLM, seed: int) -> None:
                 with _seeded(unit_seed(seed, whole_name, first + e), device):
                     rule(_expert_view(module, e))
             continue
-        router = isinstance(module, Router)  # the one rule that reaches into a child (its gate)
-        if not router and not any(True for _ in module.parameters(recurse=False)):
-            continue
-        with _seeded(unit_seed(seed, whole_name), device), _whole_tensors(module, recurse=router):
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue  # (a router's gate is initialized by its own rule: `MoEBlock` marks it)
+        with _seeded(unit_seed(seed, whole_name), device), _whole_tensors(module):
             rule(module)
     for module in model.modules():  # persistent buffers (router biases, pruning masks) start at zero
         for _, buffer in module.named_buffers(recurse=False):
