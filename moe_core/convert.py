@@ -306,7 +306,9 @@ def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]
 
 
 # ================================================================================================ configs
-def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
+def ffn_and_rope_refusals(hf) -> list[str]:
+    """What a transformers config's activation and RoPE say that our model cannot express (SwiGLU experts,
+    unscaled RoPE over the whole head): shared by conversion and upcycling."""
     reasons = []
     if hf.hidden_act not in _SILU:
         reasons.append(
@@ -319,6 +321,11 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
         )
     if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
         reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
+    return reasons
+
+
+def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
+    reasons = ffn_and_rope_refusals(hf)
     if arch.model_type == "mixtral" and hf.sliding_window is not None:
         reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
     if arch.model_type == "qwen2_moe" and hf.use_sliding_window:

@@ -42,7 +42,7 @@ import torch
 from transformers import CONFIG_MAPPING
 
 from moe_core.config import MoEConfig, get_config
-from moe_core.convert import CheckpointReader, rope_extras, rope_theta
+from moe_core.convert import CheckpointReader, ffn_and_rope_refusals, rope_theta
 from moe_core.errors import MoELabError
 from moe_core.model import MoEForCausalLM
 from moe_core.train import parallel as par
@@ -58,7 +58,6 @@ DENSE_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-_SILU = ("silu", "swish")
 
 
 # ================================================================================================ configs
@@ -82,9 +81,7 @@ def read_dense_config(path: str | os.PathLike) -> tuple[Path, Any]:
 
 def dense_refusals(hf) -> list[str]:
     """Every field of a dense transformers config our model cannot express exactly (empty when it can)."""
-    reasons = []
-    if hf.hidden_act not in _SILU:
-        reasons.append(f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu)")
+    reasons = ffn_and_rope_refusals(hf)
     if getattr(hf, "mlp_bias", False):
         reasons.append("mlp_bias=True: our FFNs and experts have no bias")
     if hf.model_type != "qwen2" and getattr(hf, "attention_bias", False):
@@ -92,13 +89,6 @@ def dense_refusals(hf) -> list[str]:
             f"attention_bias=True: {DENSE_ARCHITECTURES[hf.model_type]} then biases o_proj too, ours has no "
             "o_proj bias"
         )
-    if rope_extras(hf):
-        reasons.append(
-            f"rope_parameters={hf.rope_parameters!r} (config.json's rope_scaling or rope_parameters): our RoPE "
-            "is unscaled; only rope_type 'default' (with rope_theta) converts"
-        )
-    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
-        reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
     window = getattr(hf, "sliding_window", None)
     if hf.model_type == "mistral" and window is not None and window < hf.max_position_embeddings:
         reasons.append(f"sliding_window={window}: our attention is full causal attention")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import uuid
 
 import pytest
 import torch
@@ -75,3 +77,17 @@ def ep2_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep2-runs") / "ep2"
     run_cli(out, "--nproc", "2", "--set", "parallel.ep_size=2")
     return out
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs, to fill the disk (needs root to mount; skipped elsewhere)."""
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -54,6 +54,22 @@ def run_cli(out: Path, *extra: str, timeout: float = 400) -> subprocess.Complete
     return result
 
 
+def run_reshard_worker(nproc: int, *args: str) -> None:
+    """``tests/reshard_worker.py`` on ``nproc`` local processes under torchrun (its options: that file)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        str(REPO / "tests" / "reshard_worker.py"),
+        *args,
+    ]
+    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,7 @@ from moe_core.train.checkpoint import (
 )
 from moe_core.train.config import TrainConfig
 from moe_core.train.loop import Trainer
-from tests.dist_helpers import REPO, env, free_port, run_cli
+from tests.dist_helpers import run_cli, run_reshard_worker
 from tests.reshard_worker import MEASURE_SETS, TINY_SETS
 from tests.test_hardening_checkpoint import rewrite_manifest
 
@@ -41,21 +39,6 @@ pytestmark = pytest.mark.slow
 
 STEP = "step_00000002"
 STEP0 = "step_00000000"
-
-
-def launch(nproc: int, *args: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "tests" / "reshard_worker.py"),
-        *args,
-    ]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -67,25 +50,27 @@ def written(tmp_path_factory) -> Path:
     return out
 
 
-def relaunch(tmp: Path, written: Path, nproc: int, sets: list[str], measure: bool = False) -> Path:
+def rerun_reshard_worker(
+    tmp: Path, written: Path, nproc: int, sets: list[str], measure: bool = False
+) -> Path:
     """A copy of ``written`` resumed (and re-checkpointed), and a fresh tiny run's step-0 checkpoint, in ``tmp``."""
     shutil.copytree(written, tmp / "resumed")
     args = ["--fresh", str(tmp / "fresh"), "--resume", str(tmp / "resumed")]
     if measure:
         args += ["--measure", str(tmp / "measure"), str(tmp / "report")]
-    launch(nproc, *args, *[a for s in sets for a in ("--set", s)])
+    run_reshard_worker(nproc, *args, *[a for s in sets for a in ("--set", s)])
     return tmp
 
 
 @pytest.fixture(scope="module")
 def fsdp2_ep2(tmp_path_factory, written) -> Path:
     sets = ["parallel.ep_size=2", "parallel.dp_mode=fsdp2"]
-    return relaunch(tmp_path_factory.mktemp("fsdp2-ep2"), written, 2, sets, measure=True)
+    return rerun_reshard_worker(tmp_path_factory.mktemp("fsdp2-ep2"), written, 2, sets, measure=True)
 
 
 @pytest.fixture(scope="module")
 def ep4(tmp_path_factory, written) -> Path:
-    return relaunch(tmp_path_factory.mktemp("ep4"), written, 4, ["parallel.ep_size=4"])
+    return rerun_reshard_worker(tmp_path_factory.mktemp("ep4"), written, 4, ["parallel.ep_size=4"])
 
 
 @pytest.fixture(scope="module")

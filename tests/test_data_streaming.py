@@ -260,20 +260,6 @@ def test_a_full_disk_mid_way_keeps_the_old_output_and_the_rerun_continues(tmp_pa
     assert splits_of(out) == splits_of(reference)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root to mount; skipped elsewhere)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_too_little_space_is_said_before_tokenizing(tmp_path, small_disk):
     path = write_corpus(tmp_path / "c.jsonl", 8000)  # about 3.5 MB of text: shards of several MB
     with pytest.raises(DiskFullError, match=r"needs about \d+\.\d MiB, .* free there"):

@@ -2,8 +2,6 @@
 errors the libraries raise themselves (safetensors' "os error 28", torch.save's "unexpected pos"), not
 stand-ins for them. Needs root to mount; skipped elsewhere."""
 
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -12,21 +10,6 @@ from safetensors.torch import save_file
 
 from moe_core.fileio import DiskFullError, atomic_directory, disk_full_guard
 from moe_lab.cli import main
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs."""
-    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'})")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
 
 BIG = {"w": torch.zeros(1024, 1024)}  # 4 MiB
 

@@ -6,8 +6,6 @@ overrides that would change the architecture are refused before any weight is re
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from moe_core.train.build import build_meta_model, materialize_owned
 from moe_core.train.checkpoint import gather_state_dict
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.loop import Trainer
-from tests.dist_helpers import REPO, env, free_port
+from tests.dist_helpers import run_reshard_worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,20 +159,8 @@ def test_a_training_step_checkpoint_starts_a_new_run_with_its_weights(tmp_path):
 @pytest.mark.slow
 def test_two_processes_at_ep2_start_as_the_checkpoint(tmp_path):
     write_mixtral(tmp_path / "hf")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "tests" / "reshard_worker.py"),
-        "--fresh",
-        str(tmp_path / "run"),
-        *("--set", f"model.init_from={tmp_path / 'hf'}", "--set", "parallel.ep_size=2"),
-    ]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    sets = ("--set", f"model.init_from={tmp_path / 'hf'}", "--set", "parallel.ep_size=2")
+    run_reshard_worker(2, "--fresh", str(tmp_path / "run"), *sets)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
     assert (ckpt / "experts-ep1-of-2.safetensors").is_file()
     assert_same_state(gather_state_dict(ckpt), from_hf(tmp_path / "hf").state_dict())

@@ -6,8 +6,6 @@ dense config the lab cannot express is refused, naming the field, before any wei
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from moe_core.train.checkpoint import gather_state_dict
 from moe_core.train.config import TrainConfig
 from moe_core.train.loop import Trainer
 from moe_core.upcycle import UpcycleError, load_upcycled, upcycle, upcycled_config
-from tests.dist_helpers import REPO, env, free_port
+from tests.dist_helpers import run_reshard_worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -202,20 +200,9 @@ def test_two_process_start_is_the_one_process_upcycled_model(tmp_path, layout):
     moe = {**MOE, "expert_intermediate_size": 16}
     sets = [f"model.upcycle_from={tmp_path / 'dense'}"]
     sets += [f"model.overrides.{k}={json.dumps(v)}" for k, v in moe.items()]  # None as null
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        str(REPO / "tests" / "reshard_worker.py"),
-        "--fresh",
-        str(tmp_path / "run"),
-        *(a for s in [*sets, *layout] for a in ("--set", s)),
-    ]
-    result = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=500)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    run_reshard_worker(
+        2, "--fresh", str(tmp_path / "run"), *(a for s in [*sets, *layout] for a in ("--set", s))
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000000"
     assert (ckpt / "experts-ep1-of-2.safetensors").is_file() == ("parallel.ep_size=2" in layout)
     written = gather_state_dict(ckpt)
