@@ -53,10 +53,9 @@ def build(args):
     )
     with torch.no_grad():
         hf.gate.weight.copy_(ours.router.gate.weight)
-        for e, expert in enumerate(hf.experts):
-            expert.w1.weight.copy_(ours.experts.gate_proj[e])
-            expert.w3.weight.copy_(ours.experts.up_proj[e])
-            expert.w2.weight.copy_(ours.experts.down_proj[e])
+        # transformers 5 holds the experts fused: gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F]
+        hf.experts.gate_up_proj.copy_(torch.cat([ours.experts.gate_proj, ours.experts.up_proj], dim=1))
+        hf.experts.down_proj.copy_(ours.experts.down_proj)
     dense = FeedForward(args.hidden, args.top_k * args.ffn, "swiglu")
     return ours, hf, dense
 
@@ -72,7 +71,7 @@ def measure(args) -> dict:
         return x.detach().requires_grad_(True)
 
     runs = {f"ours-{impl}": (lambda impl=impl: ours(x_in(), impl)[0]) for impl in args.impls.split(",")}
-    runs["hf-mixtral"] = lambda: hf(x_in())[0]
+    runs["hf-mixtral"] = lambda: hf(x_in())  # (transformers 5 returns the hidden states alone)
     runs["dense-active"] = lambda: dense(x_in())
 
     def step(fn) -> float:

@@ -13,12 +13,19 @@ def did_you_mean(name: str, choices) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _in_order(names) -> list[str]:
+    """Parameter names by name with layer numbers compared as numbers (transformers 5 reports sets)."""
+    return sorted(
+        names, key=lambda name: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+    )
+
+
 def weight_mismatch(missing, unexpected) -> str:
     """What a ``load_state_dict(strict=False)`` found wrong, for an error message: how many tensors are missing
     and unexpected, and the first of each by name (``"missing 12 tensors, first model.layers.0.mlp..."``)."""
     parts = [
         f"{what} {len(keys)} tensor{'s' if len(keys) != 1 else ''}, first {keys[0]}"
-        for what, keys in (("missing", list(missing)), ("unexpected", list(unexpected)))
+        for what, keys in (("missing", _in_order(missing)), ("unexpected", _in_order(unexpected)))
         if keys
     ]
     return "; ".join(parts) or "nothing missing or unexpected"
