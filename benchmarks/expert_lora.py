@@ -6,9 +6,10 @@ experts, frozen) with LoRA rank r on every expert's gate/up/down projection, on 
                the tokens routed to each expert, (x A_e^T) B_e^T
   peft-stack   our experts with PEFT's own ``target_parameters`` forward (``ParamWrapper``: W + s B A formed for
                the whole [E, O, I] stack at every forward)
-  hf-peft      transformers' own sparse MoE block of that architecture (4.57: one nn.Linear per expert, a loop
-               over the experts hit) with stock PEFT LoRA on every expert Linear: what a user of
-               transformers + PEFT runs
+  hf-peft      transformers' own sparse MoE block of that architecture (5.x: the experts fused into
+               gate_up_proj and down_proj, a loop over the experts hit) with stock PEFT LoRA on them
+               (``target_parameters``): what a user of transformers + PEFT runs (the 4.57 per-expert Linear
+               figures in benchmarks/README.md were taken before the move)
 Prints the median step time, tokens/s and the bytes autograd keeps for backward (outside the weights), then the
 ratios against hf-peft and one JSON line.
 
@@ -74,14 +75,17 @@ def build(args):
     ).to(dtype)
     with torch.no_grad():
         hf.gate.weight.copy_(weights.router.gate.weight)
-        for e, expert in enumerate(hf.experts):
-            expert.gate_proj.weight.copy_(weights.experts.gate_proj[e])
-            expert.up_proj.weight.copy_(weights.experts.up_proj[e])
-            expert.down_proj.weight.copy_(weights.experts.down_proj[e])
+        # transformers 5 holds the experts fused: gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F];
+        # PEFT adapts them through target_parameters (one LoRA over gate and up together)
+        hf.experts.gate_up_proj.copy_(torch.cat([weights.experts.gate_proj, weights.experts.up_proj], dim=1))
+        hf.experts.down_proj.copy_(weights.experts.down_proj)
     hf.requires_grad_(False)
     hf = inject_adapter_in_model(
         LoraConfig(
-            r=args.rank, lora_alpha=2 * args.rank, target_modules=["gate_proj", "up_proj", "down_proj"]
+            r=args.rank,
+            lora_alpha=2 * args.rank,
+            target_modules=[],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"],
         ),
         hf,
     )
