@@ -457,6 +457,12 @@ def _require_columns(ds: Any, spec: SourceSpec, columns: list[str], hint: str) -
         raise DataError(f"{where}: missing column(s) {missing}; found {ds.column_names}. {hint}")
 
 
+def refuse_kind_the_source_lacks(spec: SourceSpec, kind: str) -> None:
+    """The built-in corpus holds text only: instruction or preference data must come from a file or the hub."""
+    if spec.type == "builtin" and kind != "text":
+        raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
+
+
 def load_source(
     source: str,
     kind: str = "text",
@@ -478,9 +484,8 @@ def load_source(
         raise DataError(f"unknown data kind {kind!r}; choose one of {KINDS}")
     spec = parse_source(source)
     fingerprint = source_fingerprint(spec, hub_config, split)
+    refuse_kind_the_source_lacks(spec, kind)
     if spec.type == "builtin":
-        if kind != "text":
-            raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
         docs = builtin_corpus(max_documents)
         ds = datasets.Dataset.from_dict(
             {

@@ -44,6 +44,7 @@ from moe_core.data.sources import (
     check_file,
     iter_builtin_corpus,
     lab_data_dir,
+    refuse_kind_the_source_lacks,
     to_messages,
 )
 from moe_core.data.tokenizer import render_chat
@@ -231,7 +232,7 @@ def _parquet_records(path: Path, columns: tuple[str, ...] | None) -> Iterator[tu
 
 
 # ---------------------------------------------------------------------------------------------- documents
-def _missing(where: str, record: dict[str, Any], columns: list[str], hint: str) -> DataError:
+def missing_columns(where: str, record: dict[str, Any], columns: list[str], hint: str) -> DataError:
     missing = [c for c in columns if c not in record]
     return DataError(f"{where}: missing column(s) {missing}; found {sorted(record)}. {hint}")
 
@@ -254,8 +255,7 @@ def iter_documents(
     alpaca records rendered with the chat template, domain "instruction". At most ``max_documents`` records."""
     if kind not in ("text", "instruction"):
         raise DataError(f"documents are 'text' or 'instruction'; {kind!r} records are read with iter_records")
-    if spec.type == "builtin" and kind != "text":
-        raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
+    refuse_kind_the_source_lacks(spec, kind)
     if spec.type == "builtin":
         text_column, domain_column = "text", "domain"
     columns = tuple(c for c in (text_column, domain_column) if c) if kind == "text" else None
@@ -273,7 +273,7 @@ def iter_documents(
             return
         if kind == "instruction":
             if record.get("messages") is None and not {"instruction", "output"} <= set(record):
-                raise _missing(
+                raise missing_columns(
                     where,
                     record,
                     ["instruction", "output"],
@@ -282,11 +282,11 @@ def iter_documents(
             yield StreamDocument(render_chat(to_messages(record)), "instruction", where, record)
             continue
         if text_column not in record:
-            raise _missing(
+            raise missing_columns(
                 where, record, [text_column], "Pass the text column with text_column / --text-column."
             )
         if domain_column is not None and domain_column not in record:
-            raise _missing(where, record, [domain_column], "Pass an existing domain_column or none.")
+            raise missing_columns(where, record, [domain_column], "Pass an existing domain_column or none.")
         text = record[text_column]
         if text is not None and not isinstance(text, str):
             raise DataError(

@@ -31,8 +31,13 @@ from typing import Any
 import numpy as np
 
 from moe_core.data.errors import DataError, DataValidationError
-from moe_core.data.sources import DEFAULT_MAX_LINE_BYTES, canonical_json, parse_source
-from moe_core.data.stream import BottomK, iter_records
+from moe_core.data.sources import (
+    DEFAULT_MAX_LINE_BYTES,
+    canonical_json,
+    parse_source,
+    refuse_kind_the_source_lacks,
+)
+from moe_core.data.stream import BottomK, iter_records, missing_columns
 from moe_core.progress import Progress
 
 SUITES = {"text": "moe_lab.text", "instruction": "moe_lab.instruction", "preference": "moe_lab.preference"}
@@ -519,8 +524,7 @@ def validate_source(
     spec = parse_source(source)
     sample = BottomK(max_items=cfg.sample_rows or max_rows)
     total = 0
-    if spec.type == "builtin" and kind != "text":
-        raise DataError(f"the built-in corpus is text; kind={kind!r} needs a local file or hub dataset")
+    refuse_kind_the_source_lacks(spec, kind)
     records = iter_records(
         spec,
         hub_config=hub_config,
@@ -538,9 +542,8 @@ def validate_source(
         elif column in record:
             row = {"text": record[column]}
         else:
-            raise DataError(
-                f"{where}: missing column(s) [{column!r}]; found {sorted(record)}. "
-                "Pass the text column with text_column / --text-column."
+            raise missing_columns(
+                where, record, [column], "Pass the text column with text_column / --text-column."
             )
         key = row_hash(row["text"] if kind == "text" else row) if row.get("text", "") is not None else "0"
         sample.add(int(key, 16), total, 0, row)
