@@ -88,6 +88,8 @@ def test_the_dry_run_counts_what_each_rank_owns_of_mixtral_8x7b_and_allocates_no
         assert row["ep_rank"] == rank and row["expert_params"] == expert_bytes // 2
         assert row["dense_params"] == row["whole_model"] - expert_bytes
         assert row["optimizer"] == 2 * row["params"]
+    (alone,) = rank_parameter_bytes(config.model.build_config(), world_size=1, ep_size=1)
+    assert alone["expert_params"] == expert_bytes and alone["whole_model"] == rows[0]["whole_model"]
     sharded = rank_parameter_bytes(config.model.build_config(), world_size=2, ep_size=2, dp_mode="fsdp2")
     assert sum(r["dense_params"] for r in sharded) == rows[0]["dense_params"]
     sets = [a for s in MIXTRAL_8X7B for a in ("--set", s)]

@@ -198,7 +198,7 @@ def rank_parameter_bytes(
         expert_bytes = dense_bytes = whole = 0
         for name, param in model.named_parameters():  # tied parameters once
             size = param.numel() * param.element_size()
-            if par.is_expert_param(name):
+            if ".mlp.experts." in par.full_model_name(name):  # (one process keeps the experts unwrapped)
                 expert_bytes += size
                 whole += size * ep_size
             elif dp_mode == "fsdp2" and world_size > 1:
