@@ -69,6 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 SFT_DATA = REPO / "examples" / "sft.jsonl"
 GIB = 2**30
 POLL_S = 0.05
+RESULT_PREFIX = "variant result: "  # one stdout line per finished variant (gpu_suite.py reads them)
 LORA_R, LORA_ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
 TINY_TOKENIZER_VOCAB = 400
 # the lab's config fields issue 31 names for the optional variants
@@ -546,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = {**spec_common, "lab_sets": lab_sets, "optional": optional}
             python = args.baseline_python if kind == "baseline" else sys.executable
             results[name] = run_child(kind, name, spec, Path(tmp), python, args.max_rss_gib)
+            # each variant's figures as it ends: a caller that stops this run at a time limit keeps them
+            print(f"{RESULT_PREFIX}{json.dumps({name: _round(results[name])})}", flush=True)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     figures = {
         "benchmark": "finetune_scale",

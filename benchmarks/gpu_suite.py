@@ -15,10 +15,12 @@
      model cut to 2 layers, each against its dense-active baseline;
    - decode: batch-1 and batch-32 greedy decoding, the compiled static-cache decode against transformers'
      ``generate`` on the same model;
+   - finetune, qlora: LoRA and QLoRA (nf4) steps at OLMoE-1B-7B's full size against transformers + PEFT on the same
+     tokens (`benchmarks/finetune_scale.py` in a child, its random-weight stand-in written first: 13 GiB of
+     disk), each variant's step time and peak CUDA memory;
    - peak CUDA memory of each.
-   LoRA/QLoRA fine-tuning at OLMoE-1B-7B full size against transformers + PEFT needs the real-size fine-tuning
-   benchmark (issue 31), not yet written: the table says so.
-3. One table and one JSON line, printed and written to ``--out`` (default ``runs/gpu_suite/``).
+3. One table and one JSON line, printed and written to ``--out`` (default ``runs/gpu_suite/``); the JSON file is
+   rewritten after every section, so a run stopped at its time limit keeps what it measured.
 
 A package the machine lacks is named with the command that installs it, and its sections are skipped.
 """
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/moe_layer.py
 
 import moe_layer  # noqa: E402
+from finetune_scale import RESULT_PREFIX  # noqa: E402
 
 NEEDED = ("transformers", "safetensors", "peft", "pytest")
 INSTALL = "pip install -c constraints.txt -e '.[test]'"
@@ -50,6 +53,10 @@ INSTALL = "pip install -c constraints.txt -e '.[test]'"
 # (name, D, F, E, K): the MoE layer shapes measured
 LAYER_SHAPES = [("olmoe-1b-7b", 2048, 1024, 64, 8), ("mixtral-8x7b", 4096, 14336, 8, 2)]
 DRY_LAYER_SHAPES = [("tiny", 64, 128, 8, 2)]
+CHECKS_TIMEOUT_S = (
+    300  # a hung check must not eat the half hour: pytest is stopped and the measurements go on
+)
+TABLE_KEYS = ("status", "step_s", "tokens_per_s", "cuda_peak_gib", "peak_rss_gib", "load_s")
 
 
 def environment(device: torch.device) -> dict:
@@ -72,43 +79,55 @@ def synchronize(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------------ 1. checks
 def checks(dry_run: bool) -> dict:
     """tests/test_gpu.py in a child pytest; the outcome of each test."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     if dry_run:
         env.update(MOE_LAB_TEST_DEVICE="cpu", MOE_LAB_TEST_COMPILE_BACKEND="aot_eager")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         start = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "tests/test_gpu.py",
-                f"--junitxml={report}",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
+        try:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "tests/test_gpu.py",
+                    f"--junitxml={report}",
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=CHECKS_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"pytest stopped after {CHECKS_TIMEOUT_S} s", "seconds": CHECKS_TIMEOUT_S}
         seconds = time.perf_counter() - start
         if not report.is_file():
             return {"error": "pytest wrote no report (is pytest installed?)", "seconds": round(seconds, 1)}
         cases = ET.parse(report).getroot().iter("testcase")
-        outcome = {}
+        outcome, messages = {}, {}
         for case in cases:
             status = "passed"
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     status = child.tag
+                if child.tag in ("failure", "error"):  # what a GPU session needs to fix it afterwards
+                    messages[case.get("name")] = ((child.get("message") or "") + "\n" + (child.text or ""))[
+                        -1500:
+                    ]
             outcome[case.get("name")] = status
     counts = {s: sum(v == s for v in outcome.values()) for s in ("passed", "failure", "error", "skipped")}
     return {
         "counts": counts,
         "failed": sorted(k for k, v in outcome.items() if v in ("failure", "error")),
+        "messages": messages,
         "skipped": sorted(k for k, v in outcome.items() if v == "skipped"),
         "seconds": round(seconds, 1),
     }
@@ -195,6 +214,38 @@ def measure_train(device: torch.device, dry_run: bool, workdir: Path) -> dict:
     return results
 
 
+def measure_finetune(
+    device: torch.device, dry_run: bool, workdir: Path, timeout_s: float, variants: tuple[str, ...]
+) -> dict:
+    """benchmarks/finetune_scale.py in a child, for ``variants`` (its stand-in checkpoint is written once into
+    ``workdir`` and shared by the calls): its JSON line, or what stopped it."""
+    if dry_run:
+        size = ["--tiny", "--steps", "1", "--warmup", "0", "--lab-set=quantize.group_size=16"]
+    else:
+        size = ["--model", "olmoe-1b-7b", "--batch", "4", "--seq", "512", "--steps", "5", "--warmup", "2"]
+    qlora = [f"--qlora={v.rsplit('-', 1)[1]}" for v in variants if v.startswith("lab-qlora-")]
+    command = [sys.executable, str(ROOT / "benchmarks" / "finetune_scale.py"), *size, *qlora]
+    command += [f"--only={v}" for v in variants]
+    command += ["--device", device.type, "--cache-dir", str(workdir / "published")]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        tail = err.stdout or b""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        finished = [line for line in tail.splitlines() if line.startswith(RESULT_PREFIX)]
+        results = {k: v for line in finished for k, v in json.loads(line[len(RESULT_PREFIX) :]).items()}
+        return {"error": f"stopped after {timeout_s:.0f} s", "results": results, "tail": tail[-2000:]}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        return {"error": f"exit {done.returncode}", "tail": (done.stdout + done.stderr)[-2000:]}
+    figures = json.loads(lines[-1])
+    if any(row.get("status") != "ok" for row in figures["results"].values()):
+        figures["printed"] = "\n".join(lines[:-1])[-3000:]  # the child's table, with a failed variant's log
+    figures["seconds"] = round(time.perf_counter() - start, 1)
+    return figures
+
+
 @torch.no_grad()
 def measure_decode(device: torch.device, dry_run: bool) -> dict:
     """Greedy decoding tokens/s: the compiled static-cache steps against transformers' generate, same model."""
@@ -269,6 +320,17 @@ def table(result: dict) -> str:
             f"decode {name}: compiled {r['compiled']['tokens_per_s']} tokens/s, transformers generate "
             f"{r['transformers-generate']['tokens_per_s']} ({r['speedup']}x)"
         )
+    for section in ("finetune", "qlora"):
+        figures = result.get(section)
+        if figures and "error" in figures:
+            lines.append(f"{section}: {figures['error']}")
+        for name, row in (figures or {}).get("results", {}).items():
+            cells = ", ".join(f"{k} {v}" for k, v in row.items() if k in TABLE_KEYS)
+            lines.append(
+                f"{section} {name}: {cells}" + (f"; {row['log_tail'][-300:]}" if "log_tail" in row else "")
+            )
+        if figures and figures.get("lab_over_baseline"):
+            lines.append(f"{section} lab over baseline: {figures['lab_over_baseline']}")
     for name, why in result.get("not_measured", {}).items():
         lines.append(f"not measured: {name}: {why}")
     return "\n".join(lines)
@@ -283,7 +345,12 @@ def main() -> int:
     )
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument(
-        "--only", default="moe_layer,train,decode", help="measurements to run (comma-separated)"
+        "--only",
+        default="moe_layer,train,finetune,decode,qlora",
+        help="measurements to run, in this order (comma-separated)",
+    )
+    parser.add_argument(
+        "--finetune-timeout", type=float, default=900, help="seconds before the finetune child is stopped"
     )
     parser.add_argument("--out", default=str(ROOT / "runs" / "gpu_suite"))
     args = parser.parse_args()
@@ -301,29 +368,48 @@ def main() -> int:
         "dry_run": args.dry_run,
         "date": datetime.date.today().isoformat(),
         "environment": environment(device),
-        "not_measured": {"finetune-lora-qlora-olmoe-1b-7b": "needs benchmarks/finetune_scale.py (issue 31)"},
     }
     missing = result["environment"]["missing"]
     if missing:
         print(f"gpu_suite: missing {', '.join(missing)}: {INSTALL}", file=sys.stderr)
         return 2
-    if not args.skip_checks:
-        result["checks"] = checks(args.dry_run)
-    with tempfile.TemporaryDirectory() as workdir:
-        wanted = [w for w in args.only.split(",") if w]
-        if "moe_layer" in wanted:
-            result["moe_layer"] = measure_moe_layer(device, args.dry_run)
-        if "train" in wanted:
-            result["train"] = measure_train(device, args.dry_run, Path(workdir))
-        if "decode" in wanted:
-            result["decode"] = measure_decode(device, args.dry_run)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    text = table(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{result['date']}-{'dry-run' if args.dry_run else result['environment'].get('name', 'cuda').replace(' ', '_')}"
-    (out / f"{stem}.txt").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(result) + "\n")
+
+    def save() -> str:  # after every section: a run stopped at its limit keeps what it measured
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        text = table(result)
+        for suffix, content in ((".txt", text + "\n"), (".json", json.dumps(result) + "\n")):
+            partial = out / f".{stem}{suffix}.partial"
+            partial.write_text(content)
+            partial.replace(out / f"{stem}{suffix}")
+        return text
+
+    if not args.skip_checks:
+        result["checks"] = checks(args.dry_run)
+        print(save().splitlines()[1], flush=True)
+    sections = {
+        "moe_layer": lambda workdir: measure_moe_layer(device, args.dry_run),
+        "train": lambda workdir: measure_train(device, args.dry_run, workdir),
+        "decode": lambda workdir: measure_decode(device, args.dry_run),
+        "finetune": lambda workdir: measure_finetune(
+            device, args.dry_run, workdir, args.finetune_timeout, ("baseline", "lab")
+        ),
+        "qlora": lambda workdir: measure_finetune(
+            device, args.dry_run, workdir, args.finetune_timeout, ("lab-qlora-nf4",)
+        ),
+    }
+    wanted = [w for w in args.only.split(",") if w]
+    unknown = sorted(set(wanted) - set(sections))
+    if unknown:
+        parser.error(f"--only {unknown}: choose from {', '.join(sections)}")
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in wanted:
+            result[name] = sections[name](Path(workdir))
+            print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
+            save()
+    text = save()
     print(text)
     print(json.dumps(result))
     failed = (result.get("checks") or {}).get("failed")

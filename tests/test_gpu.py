@@ -160,3 +160,53 @@ def test_a_checkpoint_resumes_on_the_device_to_the_uninterrupted_weights(tmp_pat
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
+def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
+    """LoRA on the experts computed on the routed tokens (`moe_core.finetune.expert_lora`) against PEFT's dense
+    delta, both on the device: logits and every LoRA gradient. fp32: equal. bf16 (a whole model, where rounding
+    compounds layer by layer): no further from the fp32 result than PEFT's own bf16 run is."""
+    from tests.test_expert_lora import adapted_pair, lora_grads
+
+    x = torch.randint(0, 300, (3, 10), device=DEVICE)
+
+    def run(model):
+        model(input_ids=x, labels=x).loss.backward()
+        with torch.no_grad():
+            logits = model(input_ids=x).logits.float()
+        return {"logits": logits, **{n: g.float() for n, g in lora_grads(model).items()}}
+
+    ours, peft = (m.to(device=DEVICE, dtype=dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl))
+    got, theirs = run(ours), run(peft)
+    assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
+    if dtype == torch.float32:
+        for name, value in got.items():
+            torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+        return
+    exact = run(adapted_pair("mixtral-tiny", expert_impl="reference")[1].to(DEVICE))
+
+    def error(value, name):
+        return ((value - exact[name]).norm() / exact[name].norm().clamp_min(1e-12)).item()
+
+    for name, value in got.items():
+        assert error(value, name) <= 2 * error(theirs[name], name) + 2e-3, name
+
+
+def test_qlora_nf4_experts_train_on_the_device_as_peft_on_the_dequantized_weights():
+    """4-bit NF4 experts + routed LoRA, dequantized slice by slice on the device, against PEFT's LoRA on the
+    dequantized dense stacks."""
+    from tests.test_qlora import qlora_pair
+
+    ours, reference = (m.to(DEVICE) for m in qlora_pair())
+    x = torch.randint(0, 300, (3, 10), device=DEVICE)
+    for model in (ours, reference):
+        model(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        _close(ours(input_ids=x).logits, reference(input_ids=x).logits, torch.float32)
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
+    for name, grad in grads.items():
+        _close(grad, expected[name], torch.float32)

@@ -105,6 +105,23 @@ def test_training_lowers_the_loss_and_telemetry_is_complete(tmp_path):
     assert sum("val_loss" in r for r in rows) == 3
 
 
+def test_a_run_reports_its_own_peak_memory_not_an_earlier_one_s_in_the_same_process(tmp_path):
+    """max_memory_mb is the run's peak: a notebook or sweep that trains twice in one process (or the GPU suite, which
+    did: every run showed the first one's 38.6 GiB) must not inherit what came before."""
+    from moe_core.train.telemetry import max_memory_mb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    before = max_memory_mb(cpu)
+    spike = torch.ones(2**28)  # 1 GiB, touched: the process's peak rises by it
+    del spike
+    if max_memory_mb(cpu) - before < 900:
+        pytest.skip("this kernel keeps no resettable peak resident set (/proc/self/clear_refs)")
+    rows = read_jsonl(train(tiny(steps=2, log={"every": 1}), tmp_path).out_dir / "metrics.jsonl")
+    peaks = [row["max_memory_mb"] for row in rows if "max_memory_mb" in row]
+    assert peaks and max(peaks) < before + 512  # the 1 GiB spike came before the run and is not in its figure
+
+
 def test_checkpoints_keep_the_last_n_and_the_best(tmp_path):
     config = tiny(steps=12, checkpoint={"every": 2, "keep_last": 2}, eval={"every": 2})
     result = train(config, tmp_path)

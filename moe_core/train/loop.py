@@ -74,6 +74,7 @@ from moe_core.train.telemetry import (
     max_memory_mb,
     rank_row,
     read_jsonl,
+    reset_peak_memory,
 )
 from moe_core.upcycle import load_upcycled
 
@@ -161,6 +162,7 @@ class Trainer:
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
         self.engine = None  # the DeepSpeed engine under parallel.backend=deepspeed (`deepspeed_engine.py`)
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
+        reset_peak_memory(self.state.device)  # max_memory_mb is this run's peak, the model's weights included
         self._determinism = (
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),

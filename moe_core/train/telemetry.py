@@ -111,11 +111,30 @@ RANK_FILE = "metrics.rank{rank}.jsonl"  # <out>/: a non-zero rank's own figures,
 RANK_KEYS = ("step_time_s", "tokens_per_s", "max_memory_mb", "rank_loss")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this run's peak memory afresh: a second run in the same process (a notebook, a sweep, a baseline
+    trained beside its MoE, the GPU suite) must not report the first one's. CUDA: the allocator's peak; elsewhere
+    the kernel's peak resident set (``VmHWM``), which Linux resets when "5" is written to /proc/self/clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not allowed: the figure stays the process's peak (see max_memory_mb)
+        pass
+
+
 def max_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far, MiB: the device's allocator peak on CUDA, else the peak resident set
-    (``ru_maxrss``, KiB on Linux)."""
+    """Peak memory since `reset_peak_memory`, MiB: the device's allocator peak on CUDA, else the peak resident set
+    (``VmHWM`` from /proc/self/status; off Linux ``ru_maxrss``, the process's peak, which cannot be reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
