@@ -229,7 +229,7 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="run the compiled static-cache decode without dynamo's per-call guard checks (opt-in, torch "
-        "internals: moe_core.inference.dynamo_seam; compile_steps' default is guarded)",
+        "internals: moe_core.torch_seam; compile_steps' default is guarded)",
     )
     parser.add_argument(
         "--graph-call",

@@ -54,6 +54,9 @@ def tiny(command: str) -> list[str]:
         argv += ["--set", STEPS]
     if argv[0] == "train" and "--config" in argv:
         argv += ["--set", "model.preset=mixtral-tiny"]  # examples/train.yaml names mixtral-small
+    if argv[0] == "train" and "--config" not in argv and not any(a.startswith("data.") for a in argv):
+        # the built-in corpus prepared from scratch (40 s here): tests/test_train_cli.py's README example does it
+        argv += ["--set", "data.path=runs/data"]
     return argv
 
 

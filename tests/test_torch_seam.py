@@ -1,17 +1,17 @@
-"""The torch internals `moe_core.inference.dynamo_seam` reads (torch 2.13.0): each one checked here, so a torch
+"""The torch internals `moe_core.torch_seam` reads (torch 2.13.0): each one checked here, so a torch
 upgrade that moves any of them fails this file by name instead of a compiled step misbehaving silently."""
 
 import dataclasses
 
 import torch
 
-from moe_core.inference import dynamo_seam
+from moe_core import torch_seam
 
 
 def test_the_torch_this_seam_was_written_against():
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert (major, minor) in {(2, 13), (2, 14)}, (
-        f"torch {torch.__version__}: re-check moe_core/inference/dynamo_seam.py against it, then widen this"
+        f"torch {torch.__version__}: re-check moe_core/torch_seam.py against it, then widen this"
     )
 
 
@@ -24,13 +24,13 @@ def test_dynamo_gives_the_bytecode_it_produced_and_its_graph_global():
         return torch.sin(x) + 1
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    with dynamo_seam.bytecode_of(step) as produced:
+    with torch_seam.bytecode_of(step) as produced:
         compiled(torch.randn(3))
     assert len(produced) == 1
-    names, ops = dynamo_seam.global_reads(produced[0])
+    names, ops = torch_seam.global_reads(produced[0])
     assert any(n.startswith("__compiled_fn") for n in names)
     assert any(n.startswith("__compiled_fn") for n in step.__globals__)
-    assert not ops & dynamo_seam.SIDE_EFFECT_OPS  # a pure step stores nothing
+    assert not ops & torch_seam.SIDE_EFFECT_OPS  # a pure step stores nothing
 
 
 def test_inductor_graph_exposes_its_callable_and_mutations():
@@ -40,3 +40,22 @@ def test_inductor_graph_exposes_its_callable_and_mutations():
 
     fields = {f.name for f in dataclasses.fields(CompiledFxGraph)}
     assert {"current_callable", "mutated_input_idxs"} <= fields
+
+
+def test_ddp_skips_the_parameters_the_seam_names(tmp_path):
+    """`ddp_ignore` (torch/nn/parallel/distributed.py ``_set_params_and_buffers_to_ignore_for_model``): DDP
+    built afterwards neither reduces nor broadcasts the named parameters (the rank-local expert shards)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        torch_seam.ddp_ignore(model, ["1.weight", "1.bias"])
+        ddp = DistributedDataParallel(model)
+        assert set(ddp.parameters_to_ignore) == {"1.weight", "1.bias"}
+        ddp(torch.randn(2, 4)).sum().backward()
+        assert model[0].weight.grad is not None and model[1].weight.grad is not None
+    finally:
+        dist.destroy_process_group()

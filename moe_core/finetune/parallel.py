@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_core import torch_seam
 from moe_core.experts import GroupedExperts
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.methods import ExpertLoraMask, MethodPlan, lora_wrappers
@@ -210,9 +211,7 @@ def ddp_ignored_names(model) -> list[str]:
 def leave_experts_to_us(model) -> None:
     """Tell DDP (which the Trainer's accelerate builds around ``model``) to neither broadcast nor reduce the
     rank-local expert tensors: `ExpertGradients` syncs their gradients."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ddp_ignored_names(model))
+    torch_seam.ddp_ignore(model, ddp_ignored_names(model))
 
 
 # ------------------------------------------------------------------------------------------------ gradients

@@ -41,7 +41,7 @@ By default every step is plain ``torch.compile`` with dynamo's guards (as gpt-fa
 runs it without dynamo's frame evaluation and guard checks on every step (`_StaticCacheSteps` says why that
 is safe), then inductor's graph itself on an input list built once (`GraphCall`): 73% -> 94% of the
 memory bound on an olmoe-small batch-1 step on a 2-core CPU (benchmarks/README.md). It reads torch
-internals, kept in `moe_core.inference.dynamo_seam` with the upstream files named and a test that fails when
+internals, kept in `moe_core.torch_seam` with the upstream files named and a test that fails when
 they move.
 """
 
@@ -58,7 +58,7 @@ from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
 from moe_core.frozen_linear import FrozenLinear, share_hooks
-from moe_core.inference.dynamo_seam import (
+from moe_core.torch_seam import (
     SIDE_EFFECT_OPS,
     GraphCall,
     bytecode_of,
@@ -404,7 +404,7 @@ def compile_steps(
     default its decode is guarded torch.compile with static shapes (a graph per batch size).
     Opt-in, ``direct_dispatch=True`` runs each compiled decode step without dynamo's per-call guard checks,
     then, with ``graph_call`` (default), as the compiled graph on a prebuilt input list (`_StaticCacheSteps`,
-    `GraphCall`; False: dynamo's bytecode): torch internals (`moe_core.inference.dynamo_seam`). A model whose step would replay a Python
+    `GraphCall`; False: dynamo's bytecode): torch internals (`moe_core.torch_seam`). A model whose step would replay a Python
     side effect (a hook appending to a list) is refused with `CompileError` at its first call
     (`_refuse_replays`): no step guards on the modules' hooks."""
     if gemv not in ("reduction", "mm"):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_core import torch_seam
 from moe_core.errors import MoELabError
 from moe_core.experts import ExpertDispatch, ExpertLoRA, ExpertModule, GroupedExperts, sort_by_expert
 from moe_core.routing import RoutingRecord
@@ -386,7 +387,7 @@ def wrap_data_parallel(model: nn.Module, state: ParallelState, mode: str = "ddp"
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    torch_seam.ddp_ignore(model, ignored)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 

@@ -1,13 +1,18 @@
-"""What `moe_core.inference.compile` reaches inside torch for, in one place: torch 2.13.0's dynamo and inductor.
+"""What the lab reaches inside torch for, in one place (torch 2.13.0): dynamo and inductor for
+`moe_core.inference.compile`, and DDP's parameter-ignore list for the expert-parallel trainers.
 
-Upstream files this reads (torch 2.13.0): ``torch/_dynamo/convert_frame.py`` (``register_bytecode_hook``: the
+Upstream files this reads (torch 2.13.0): ``torch/nn/parallel/distributed.py``
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: DDP has no public argument for
+parameters it must neither broadcast nor all-reduce; expert-parallel shards are rank-local), ``torch/_dynamo/convert_frame.py`` (``register_bytecode_hook``: the
 bytecode dynamo produces for a frame), ``torch/_dynamo/config.py`` (``automatic_dynamic_shapes``), the
 ``__compiled_fn_*`` / ``__resume_at_*`` globals dynamo installs beside a compiled function's bytecode, and
 ``torch/_inductor/output_code.py`` (``CompiledFxGraph.current_callable`` and ``mutated_input_idxs``: the
 compiled graph under AOT autograd's runtime wrapper). ``tests/test_torch_seam.py`` fails when any of them
 moves. Everything else in the lab uses torch's public API.
 
-Two uses:
+Three uses:
+- `ddp_ignore` keeps DDP off the rank-local expert shards (`moe_core.train.parallel.wrap_data_parallel`, the
+  fine-tune's `moe_core.finetune.parallel.leave_experts_to_us`): their gradients are reduced by the lab itself.
 - `bytecode_of` and `global_reads` let `compile_steps` read what dynamo compiled, to refuse a step that would
   replay a Python side effect (every compiled step, the default path included).
 - `compile_direct` and `GraphCall` are the opt-in direct dispatch of the static-cache decode
@@ -231,3 +236,12 @@ class GraphCall:
 def signature(*tensors) -> tuple:
     """What a static-shape graph is specialized to: each tensor's shape, strides, dtype and device."""
     return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def ddp_ignore(model: nn.Module, names: list[str]) -> None:
+    """Make a `DistributedDataParallel` built around ``model`` afterwards skip the parameters and buffers named
+    ``names`` (fully qualified): no broadcast at construction, no all-reduce in backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
