@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from moe_core.errors import MoELabError
@@ -71,10 +72,21 @@ def require_model_source(name: str | os.PathLike, what: str = "model") -> None:
         ) from None
 
 
-def existing_path(what: str):
-    """An argparse ``type=`` that fails the parse with "not found" (exit 2, before any import)."""
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """``scheme://...``: a location fsspec opens (prepared data: `moe_core.data.shards.prepared_dir`)."""
+    return bool(URL.match(str(location)))
+
+
+def existing_path(what: str, urls: bool = False):
+    """An argparse ``type=`` that fails the parse with "not found" (exit 2, before any import); with ``urls``
+    a URL passes as it is (its reader checks it)."""
 
     def check(value: str) -> str:
+        if urls and is_url(value):
+            return value
         try:
             require_local(value, what)
         except PathNotFoundError as err:
@@ -83,3 +95,9 @@ def existing_path(what: str):
 
     check.__name__ = what.replace(" ", "_")  # argparse names the type in its messages
     return check
+
+
+def lab_data_dir() -> Path:
+    """The lab's own data directory: prepared data, fetched remote data and every `datasets` cache of ours live
+    under it, never in ``~/.cache/huggingface``. ``$MOE_LAB_DATA_CACHE``, else ``~/.cache/moe-lab/data``."""
+    return Path(os.environ.get("MOE_LAB_DATA_CACHE") or Path.home() / ".cache" / "moe-lab" / "data")

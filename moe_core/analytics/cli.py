@@ -29,7 +29,7 @@ def add_cli(subparsers) -> None:
     )
     add_model_options(an)
     an.add_argument(
-        "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
+        "--data", type=existing_path("data", urls=True), help="prepared-data directory (moe-lab data prepare)"
     )
     an.add_argument("--split", default="validation")
     an.add_argument("--batch-size", type=int, default=8)

@@ -12,19 +12,32 @@ Layout of a prepared directory::
 
 `PackedTokens` reads one split; with ``verify=True`` it checks every shard (and the tokenizer files)
 against the manifest's sha256 and raises `DataError` naming the file that does not match.
+
+Every reader here also takes a URL (`prepared_dir`): ``file://`` is read in place; any other fsspec protocol
+(``s3://``, ``gs://``, ``hf://``, ...: the matching fsspec package must be installed, e.g. ``s3fs``) is fetched
+once into the lab's data directory, file by file as the readers ask for them (the manifest and tokenizer first,
+then the shards of the splits read), each file checked against the manifest's sha256 before it is renamed into
+place, and reused while the remote manifest is unchanged. Shards are memory-mapped from that local copy, so a
+node needs disk for the splits it trains on (no eviction: a corpus larger than a node's disk is not served yet).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 
 from moe_core.data.errors import DataError
+from moe_core.paths import is_url, lab_data_dir
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -38,7 +51,98 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# ------------------------------------------------------------------------------------------------ URLs
+def prepared_dir(location: str | os.PathLike, splits: list[str] | None = None) -> Path:
+    """A local prepared-data directory for ``location``: a path as it is; a ``file://`` URL as its path; any
+    other URL fetched into ``<lab data dir>/remote/`` (see the module docstring): the manifest and tokenizer,
+    and the shards of ``splits`` (all when None, none for ``[]``)."""
+    if not is_url(location):
+        return Path(location)
+    url = str(location).rstrip("/")
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as err:
+        raise DataError(
+            f"{url}: cannot open this URL ({err}); install the fsspec implementation of its protocol "
+            "(for example `pip install s3fs` for s3://, gcsfs for gs://)"
+        ) from None
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return Path(root)
+    try:
+        raw = fs.cat_file(f"{root}/{MANIFEST}")
+    except FileNotFoundError:
+        raise DataError(
+            f"{url}: no {MANIFEST}; this is not a prepared-data directory (upload the whole output of "
+            "`moe-lab data prepare`)"
+        ) from None
+    except OSError as err:
+        raise DataError(f"{url}/{MANIFEST}: unreadable ({err.__class__.__name__}: {err})") from None
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", url.split("://", 1)[1])[-60:]
+    local = lab_data_dir() / "remote" / f"{name}-{hashlib.sha256(url.encode() + raw).hexdigest()[:12]}"
+    local.mkdir(parents=True, exist_ok=True)
+    with _locked(local / ".fetch.lock"):  # one fetch per file on a node: other ranks wait, then reuse it
+        if not (local / MANIFEST).is_file():
+            _write_atomic(local / MANIFEST, raw)
+        manifest = read_manifest(local)
+        wanted = [f"tokenizer/{n}" for n in manifest["tokenizer"]["files"]]
+        digests = dict(zip(wanted, manifest["tokenizer"]["files"].values(), strict=True))
+        for split in list(manifest["splits"]) if splits is None else splits:
+            for shard in manifest["splits"].get(split, {}).get("shards", []):
+                for kind in ("tokens", "domains"):
+                    wanted.append(shard[kind])
+                    digests[shard[kind]] = shard["sha256"][kind]
+        for relative in wanted:
+            if not (local / relative).is_file():
+                _fetch_checked(
+                    fs, f"{root}/{relative}", local / relative, digests[relative], f"{url}/{relative}"
+                )
+    return local
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def _fetch_checked(fs, remote: str, path: Path, digest: str, shown: str) -> None:
+    """Copy one remote file next to ``path``, check its sha256, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with fs.open(remote, "rb") as source, open(partial, "wb") as target:
+            while chunk := source.read(1 << 22):
+                h.update(chunk)
+                target.write(chunk)
+        if h.hexdigest() != digest:
+            raise DataError(
+                f"{shown}: checksum mismatch with the manifest; the remote copy is corrupt or was modified "
+                "(upload the prepared directory again)"
+            )
+        partial.replace(path)
+    except FileNotFoundError:
+        raise DataError(
+            f"{shown}: missing in the remote prepared directory (listed in its manifest)"
+        ) from None
+    except OSError as err:
+        raise DataError(f"{shown}: could not be fetched ({err.__class__.__name__}: {err})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    data_dir = prepared_dir(data_dir, splits=[])
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(
@@ -189,7 +293,7 @@ class ShardWriter:
 def verify_prepared(data_dir: str | Path, splits: list[str] | None = None) -> dict[str, Any]:
     """Check the tokenizer files and the shards of `splits` (all by default) against the manifest's sha256;
     raise `DataError` naming the first file that is missing or does not match. Returns the manifest."""
-    data_dir = Path(data_dir)
+    data_dir = prepared_dir(data_dir, splits)
     manifest = read_manifest(data_dir)
     redo = "the prepared data is corrupt or was modified; re-run `moe-lab data prepare` with --overwrite"
     for name, digest in manifest["tokenizer"]["files"].items():
@@ -219,7 +323,7 @@ class PackedTokens(torch.utils.data.Dataset):
     memory-mapped shard; ``ds.domains(i)`` the per-token domain ids (names: ``ds.domain_names``)."""
 
     def __init__(self, data_dir: str | Path, split: str = "train", verify: bool = True) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = prepared_dir(data_dir, [split])
         self.manifest = verify_prepared(self.data_dir, [split]) if verify else read_manifest(self.data_dir)
         if split not in self.manifest["splits"]:
             raise DataError(

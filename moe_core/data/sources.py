@@ -51,6 +51,7 @@ from typing import Any, Literal
 from moe_core.data.errors import DataError
 from moe_core.data.shards import sha256_file
 from moe_core.fileio import scratch_directory
+from moe_core.paths import lab_data_dir
 
 KINDS: tuple[str, ...] = ("text", "instruction", "preference")
 
@@ -339,12 +340,6 @@ def source_fingerprint(spec: SourceSpec, hub_config: str | None = None, split: s
     else:
         h.update(f"hub:{spec.location}:{hub_config}:{split}".encode())
     return h.hexdigest()
-
-
-def lab_data_dir() -> Path:
-    """The lab's own data directory: prepared data and every `datasets` cache of ours live under it, never in
-    ``~/.cache/huggingface``. ``$MOE_LAB_DATA_CACHE``, else ``~/.cache/moe-lab/data``."""
-    return Path(os.environ.get("MOE_LAB_DATA_CACHE") or Path.home() / ".cache" / "moe-lab" / "data")
 
 
 @contextmanager

@@ -43,11 +43,11 @@ from moe_core.data.sources import (
     SourceSpec,
     check_file,
     iter_builtin_corpus,
-    lab_data_dir,
     refuse_kind_the_source_lacks,
     to_messages,
 )
 from moe_core.data.tokenizer import render_chat
+from moe_core.paths import lab_data_dir
 
 READ_BYTES = 1 << 20  # text files are decoded in pieces of this size
 

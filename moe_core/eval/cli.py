@@ -37,7 +37,7 @@ def add_cli(subparsers) -> None:
     )
     add_model_options(ev)
     ev.add_argument(
-        "--data", type=existing_path("data"), help="prepared-data directory (moe-lab data prepare)"
+        "--data", type=existing_path("data", urls=True), help="prepared-data directory (moe-lab data prepare)"
     )
     ev.add_argument(
         "--splits", default="validation,test", help="comma-separated splits (default: %(default)s)"

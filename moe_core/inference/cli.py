@@ -203,7 +203,7 @@ def add_cli(subparsers) -> None:
     quantize.add_argument(
         "--data",
         default=None,
-        type=existing_path("data"),
+        type=existing_path("data", urls=True),
         help="prepared-data directory whose train split calibrates gptq / awq / optimum-gptq",
     )
     quantize.add_argument("--calib-batches", type=int, default=16, help="calibration batches from --data")
@@ -238,7 +238,7 @@ def add_cli(subparsers) -> None:
     prune.add_argument(
         "--data",
         default=None,
-        type=existing_path("data"),
+        type=existing_path("data", urls=True),
         help="prepared-data directory whose train split calibrates the ranking",
     )
     prune.add_argument("--calib-batches", type=int, default=16)

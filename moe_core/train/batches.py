@@ -20,9 +20,9 @@ import torch
 from moe_core.data.prepare import prepare
 from moe_core.data.sampler import ResumableSampler
 from moe_core.data.shards import PackedTokens, read_manifest
-from moe_core.data.sources import lab_data_dir
 from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, load_tokenizer
 from moe_core.errors import MoELabError
+from moe_core.paths import is_url, lab_data_dir
 
 
 class TrainDataError(MoELabError):
@@ -115,8 +115,10 @@ def adopt_data_seq_len(config):
     `open_datasets`, naming both."""
     data = config.data
     default = type(data).model_fields["seq_len"].default
-    if data.path is None or data.seq_len != default or not (Path(data.path) / "manifest.json").is_file():
+    if data.path is None or data.seq_len != default:
         return config
+    if not is_url(data.path) and not (Path(data.path) / "manifest.json").is_file():
+        return config  # open_datasets says what is wrong with it
     seq_len = int(read_manifest(data.path)["seq_len"])
     return (
         config
@@ -139,8 +141,10 @@ def open_datasets(
         )
         return train, val, None, vocab
     if data_cfg.path is not None:
-        data_dir = Path(data_cfg.path)
-        if not data_dir.is_dir():
+        data_dir = (
+            data_cfg.path
+        )  # a directory, or a URL the readers fetch (moe_core.data.shards.prepared_dir)
+        if not is_url(data_dir) and not Path(data_dir).is_dir():
             raise TrainDataError(
                 f"data.path={data_cfg.path!r} is not a directory; prepare it with "
                 f"`moe-lab data prepare` or leave data.path unset to prepare data.source"
@@ -155,6 +159,7 @@ def open_datasets(
         if not is_main:
             data_dir = Path(prepare(prepare_cfg, cache))  # finds rank 0's result and reuses it
     train = PackedTokens(data_dir, "train")
+    data_dir = train.data_dir  # on this machine (a URL's local copy)
     if train.seq_len != data_cfg.seq_len:
         raise TrainDataError(
             f"{data_dir}: blocks are {train.seq_len} tokens but data.seq_len={data_cfg.seq_len}; "
