@@ -72,6 +72,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "--num-proc", type=int, default=1, help="tokenizer processes (the shards are the same for any number)"
     )
     p.add_argument(
+        "--engine",
+        default="local",
+        choices=("local", "ray"),
+        help="where tokenization runs: local processes, or Ray tasks on the cluster RAY_ADDRESS names "
+        "(a local one without it); the shards are the same",
+    )
+    p.add_argument(
         "--tokenizer-sample-mb",
         type=float,
         default=32.0,
@@ -146,6 +153,7 @@ def _prepare(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_documents=args.max_documents,
         num_proc=args.num_proc,
+        engine=args.engine,
         tokenizer_sample_bytes=round(args.tokenizer_sample_mb * 1e6),
         near_dedup=args.near_dedup,
         dtype=args.dtype,

@@ -66,3 +66,18 @@ def encode_in_worker(
     if _worker is None:
         raise RuntimeError("encode_in_worker runs in a pool started with init_worker")
     return _worker.encode(texts, split_ids, domain_ids)
+
+
+_by_tokenizer: dict[tuple[int, int, bool], Encoder] = {}
+
+
+def encode_chunk(
+    tokenizer_json: str, eos_token_id: int, append_eos: bool, texts: list[str], split_ids, domain_ids
+) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """One chunk as a task of a distributed engine (Ray): the encoder is built once per worker process and
+    tokenizer, single-threaded (the engine's workers are the parallelism)."""
+    key = (hash(tokenizer_json), eos_token_id, append_eos)
+    if key not in _by_tokenizer:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        _by_tokenizer[key] = Encoder(tokenizer_json, eos_token_id, append_eos)
+    return _by_tokenizer[key].encode(texts, split_ids, domain_ids)

@@ -14,11 +14,13 @@ whatever its size (a few bytes per document, one tokenizer sample, one shard per
      documents for the tokenizer, and up to ``validation_max_rows`` rows (or ``validation.sample_rows``) for
      the great-expectations suite; a failed suite raises `DataValidationError` before anything is written;
   2. tokenizer: a byte-level BPE trained on the sample, or ``config.tokenizer`` loaded;
-  3. tokenize + pack: chunks of consecutive documents are tokenized in this process or in ``num_proc``
-     worker processes (`moe_core.data.encode`), and their tokens, documents joined by EOS, are appended in
+  3. tokenize + pack: chunks of consecutive documents are tokenized in this process, in ``num_proc``
+     worker processes (`moe_core.data.encode`), or with ``engine="ray"`` as Ray tasks on the cluster that
+     ``RAY_ADDRESS`` names (a local one without it; `pip install .[ray]`), and their tokens, documents joined by EOS, are appended in
      stream order to one `ShardWriter` per split, which writes each [blocks, seq_len] shard (uint16 when the
      vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full. The
-     shards are byte for byte the same for any ``num_proc``.
+     shards are byte for byte the same for any ``num_proc`` and either engine. Tokenization is the stage
+     that bounds preparation (benchmarks/data_prep.py); reading, the scan and packing stay in this process.
 
 Everything is written to ``.<out>.partial-<fingerprint>`` beside `out_dir` and renamed into place at the end,
 so `out_dir` (a previous preparation included) is never seen half written. A preparation that is killed, or
@@ -38,6 +40,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -52,7 +55,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from moe_core.data.encode import Encoder, encode_in_worker, init_worker
+from moe_core.data.encode import Encoder, encode_chunk, encode_in_worker, init_worker
 from moe_core.data.errors import DataError
 from moe_core.data.minhash import NearDuplicates
 from moe_core.data.shards import (
@@ -89,6 +92,7 @@ SPLITS = ("train", "validation", "test")
 DTYPES = ("auto", "uint16", "uint32")
 CHUNK_BYTES = 1 << 20  # documents are tokenized in chunks of about this much text
 CHUNK_DOCUMENTS = 4096
+ENGINES = ("local", "ray")
 IN_PROCESS_BYTES = 8 << 20  # less text than this is tokenized in this process whatever num_proc says
 VALIDATION_SAMPLE_BYTES = 256 << 20  # the validation sample's size bound, beside its row bound
 MB = 1e6
@@ -96,7 +100,8 @@ MB = 1e6
 
 @dataclass
 class PrepareConfig:
-    """Everything that decides the prepared data (all of it except `num_proc` enters the fingerprint)."""
+    """Everything that decides the prepared data (all of it except `num_proc` and `engine` enters the
+    fingerprint)."""
 
     source: str = "builtin"  # "builtin", a local file/dir/glob, or a hub id (hf:owner/name)
     kind: str = "text"  # "text" or "instruction" (rendered with the chat template)
@@ -114,6 +119,7 @@ class PrepareConfig:
     seed: int = 0  # validation sample
     max_documents: int | None = None  # None: every document
     num_proc: int = 1  # tokenizer processes (the shards are the same for any number)
+    engine: str = "local"  # where tokenization runs: "local" processes or "ray" tasks (the same shards)
     dtype: str = "auto"  # token dtype: uint16 when the vocabulary fits, else uint32
     blocks_per_shard: int = 8192
     dedup: bool = True
@@ -169,6 +175,10 @@ class PrepareConfig:
             raise bad("dtype", f"choose one of {DTYPES}")
         if self.txt_sample_by not in ("paragraph", "line", "document"):
             raise bad("txt_sample_by", "choose 'paragraph', 'line' or 'document'")
+        if self.engine not in ENGINES:
+            raise bad("engine", f"choose one of {ENGINES}")
+        if self.engine == "ray" and importlib.util.find_spec("ray") is None:
+            raise bad("engine", "needs Ray: pip install '.[ray]' (or engine='local')")
         if self.near_dedup is not None and not 0.0 < self.near_dedup < 1.0:
             raise bad("near_dedup", "a Jaccard threshold between 0 and 1 (e.g. 0.8), or None for off")
 
@@ -179,6 +189,7 @@ class PrepareConfig:
 def config_fingerprint(config: PrepareConfig, source_fp: str, tokenizer_fp: str | None = None) -> str:
     data = config.to_dict()
     data.pop("num_proc")  # does not change the output
+    data.pop("engine")
     blob = json.dumps(
         {"format": FORMAT_VERSION, "config": data, "source": source_fp, "tokenizer": tokenizer_fp},
         sort_keys=True,
@@ -664,10 +675,15 @@ def _tokenize_and_pack(
     backend = tokenizer.backend_tokenizer.to_str()
     append_eos = config.kind == "text"  # rendered chats already end each turn with EOS
     workers = config.num_proc if config.num_proc > 1 and scan["kept_chars"] > IN_PROCESS_BYTES else 0
+    pool = (
+        _ray_encoder(config.num_proc, backend, tokenizer.eos_token_id, append_eos)
+        if config.engine == "ray"
+        else _encoder_pool(workers, backend, tokenizer.eos_token_id, append_eos)
+    )
     with (
         disk_full_guard(work, needed),
         Progress(scan["kept_chars"] / MB, "prepare: tokenize", unit="MB") as bar,
-        _encoder_pool(workers, backend, tokenizer.eos_token_id, append_eos) as encode,
+        pool as encode,
     ):
         for end, results, size in encode(_chunks(config, spec, split_N, domain_N, start)):
             shards = 0
@@ -726,6 +742,50 @@ class _encoder_pool:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
+
+
+class _ray_encoder:
+    """`_encoder_pool` on a Ray cluster: each chunk a Ray task (the tokenizer's JSON sent once through the object
+    store, one encoder kept per worker process), at most two tasks per cluster CPU in flight (bounded memory),
+    results taken in chunk order. Joins the cluster ``RAY_ADDRESS`` names, or starts a local one (``num_proc``
+    CPUs when more than 1) and shuts it down at the end."""
+
+    def __init__(self, num_proc: int, backend: str, eos: int, append_eos: bool) -> None:
+        self.num_proc, self.backend, self.eos, self.append_eos = num_proc, backend, eos, append_eos
+        self.started = False
+
+    def __enter__(self):
+        import ray  # optional: pip install '.[ray]' (PrepareConfig checks it is there)
+
+        if not ray.is_initialized():
+            local = (
+                {}
+                if os.environ.get("RAY_ADDRESS")
+                else {"num_cpus": self.num_proc if self.num_proc > 1 else None}
+            )
+            ray.init(**local, include_dashboard=False, log_to_driver=False)
+            self.started = True
+        self.ray = ray
+        self.task = ray.remote(num_cpus=1)(encode_chunk)
+        self.tokenizer_ref = ray.put(self.backend)
+        return self.run
+
+    def run(self, chunks):
+        limit = 2 * max(1, int(self.ray.cluster_resources().get("CPU", 1)))
+        in_flight: collections.deque = collections.deque()
+        for end, texts, sids, doms, size in chunks:
+            ref = self.task.remote(self.tokenizer_ref, self.eos, self.append_eos, texts, sids, doms)
+            in_flight.append((end, ref, size))
+            while len(in_flight) >= limit:
+                end_, ref_, size_ = in_flight.popleft()
+                yield end_, self.ray.get(ref_), size_
+        while in_flight:
+            end_, ref_, size_ = in_flight.popleft()
+            yield end_, self.ray.get(ref_), size_
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started:
+            self.ray.shutdown()
 
 
 def _versions() -> dict[str, str]:
