@@ -11,6 +11,8 @@ It binds 127.0.0.1 by default and is read-only. On another host every request mu
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import gc
 import os

@@ -10,6 +10,8 @@ command and its one-line help, and only the module of the command that was asked
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import importlib
 import os

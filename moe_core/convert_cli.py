@@ -7,6 +7,8 @@ model, so it is imported only when a conversion runs).
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 
 # the keys of moe_core.convert.DTYPES and ARCHITECTURES (tests/test_cli_help.py holds them equal)

@@ -31,6 +31,7 @@ import types
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import StaticCache
 
 # opcodes that write Python state: in a step dynamo compiled, a side effect it would replay
@@ -242,6 +243,4 @@ def signature(*tensors) -> tuple:
 def ddp_ignore(model: nn.Module, names: list[str]) -> None:
     """Make a `DistributedDataParallel` built around ``model`` afterwards skip the parameters and buffers named
     ``names`` (fully qualified): no broadcast at construction, no all-reduce in backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

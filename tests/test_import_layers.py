@@ -130,3 +130,40 @@ def test_the_graph_walk_sees_a_function_local_import(tmp_path, monkeypatch):
     assert "moe_core.loading" in _imports("moe_core.fake", top_level_only=False)
     assert "moe_core.loading" not in _imports("moe_core.fake", top_level_only=True)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def _unexplained_local_imports(path: Path) -> list[str]:
+    """Function-local imports of ``path`` with no reason: no comment on the import, in the run of import lines
+    just above it, or at module level in a ``# Lazy:`` line (the policy of a command module, whose commands
+    import the library when they run so that ``--help`` answers at once)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    if any(line.startswith("# Lazy:") for line in lines):
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for sub in ast.walk(node):
+            if not isinstance(sub, ast.Import | ast.ImportFrom):
+                continue
+            row = sub.lineno - 1
+            explained = "#" in lines[row]
+            while not explained and row > 0:
+                row -= 1
+                above = lines[row].strip()
+                if above.startswith("#") or ("#" in above and above.startswith(("import ", "from ", "try:"))):
+                    explained = True
+                elif above and not above.startswith(("import ", "from ", ")", "try:")) and "," not in above:
+                    break  # the code above the run of imports (blank lines inside the run are passed)
+            if not explained:
+                found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{sub.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_every_function_local_import_says_why():
+    """Imports belong at the top (issue 28 §6); one inside a function names its reason: an optional or heavy
+    dependency, a cycle it avoids, a command module's lazy policy."""
+    roots = [PACKAGE_DIR, *(PACKAGE_DIR.parent / name for name in ("moe_lab", "tasks", "flows", "dashboard"))]
+    found = [hit for root in roots for path in sorted(root.rglob("*.py")) for hit in _unexplained_local_imports(path)]
+    assert not found, "function-local imports without a reason:\n" + "\n".join(found)

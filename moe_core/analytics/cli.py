@@ -9,6 +9,8 @@ handler. Output files only hold numbers, hashes and vocabulary entries; nothing 
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import json
 import sys
 from pathlib import Path

@@ -6,6 +6,8 @@ moe-lab data prepare builtin --out runs/data --max-documents 200 --vocab-size 20
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import json
 import sys

@@ -15,6 +15,8 @@ The model options and loaders below (`add_model_options`, `load_model`, `load_to
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import json
 import sys

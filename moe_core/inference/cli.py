@@ -4,6 +4,8 @@ Heavy imports happen inside the handlers so ``moe-lab --help`` stays fast."""
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import json
 import sys

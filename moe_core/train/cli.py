@@ -21,6 +21,8 @@ The command's own help is `HELP` below: it speaks to users.
 
 from __future__ import annotations
 
+# Lazy: each command imports what it runs (torch, the library, servers) inside its function, so `moe-lab --help`
+# and a mistyped argument answer at once.
 import argparse
 import os
 import shutil

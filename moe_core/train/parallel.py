@@ -33,6 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from moe_core import torch_seam
 from moe_core.errors import MoELabError
@@ -376,16 +380,12 @@ def wrap_data_parallel(model: nn.Module, state: ParallelState, mode: str = "ddp"
         return model
     ignored = [name for name, _ in model.named_parameters() if is_expert_param(name)]
     if mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         mesh = init_device_mesh(state.device.type, (state.world_size,))
         ignored_params = {p for name, p in model.named_parameters() if is_expert_param(name)}
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=ignored_params & set(layer.parameters()) or None)
         fully_shard(model, mesh=mesh, ignored_params=ignored_params or None)
         return model
-    from torch.nn.parallel import DistributedDataParallel
 
     torch_seam.ddp_ignore(model, ignored)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
@@ -400,7 +400,6 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
 

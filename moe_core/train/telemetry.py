@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from moe_core.fileio import append_record, cut_torn_tail, disk_full_guard
+from moe_core.progress import Progress
 from moe_core.routing import RoutingRecord
 
 
@@ -169,8 +170,6 @@ class ConsoleSink:
         desc: str = "train",
         log_every: int = 1,
     ) -> None:
-        from moe_core.progress import Progress
-
         self.total = total_steps
         self.log_every = log_every
         self.progress = Progress(
