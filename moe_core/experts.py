@@ -62,6 +62,9 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in the order `stacks` returns them
+# every tensor under a MoE layer's routed experts (`MoEBlock.experts`: the experts, their PEFT wrappers and LoRA
+# factors) carries this in its name (an expert-parallel shard's own mark: `moe_core.train.parallel.EXPERT_MARK`)
+EXPERTS_MARK = ".mlp.experts."
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from transformers import CONFIG_MAPPING
 from moe_core.config import MoEConfig, get_config
 from moe_core.convert import CheckpointReader, ffn_and_rope_refusals, rope_theta
 from moe_core.errors import MoELabError
+from moe_core.experts import EXPERTS_MARK
 from moe_core.model import MoEForCausalLM
 from moe_core.train import parallel as par
 from moe_core.train.build import build_meta_model, copy_owned, expert_offsets, materialize_owned
@@ -171,8 +172,8 @@ def dense_name(whole: str) -> str | None:
     which is new. An expert stack ``model.layers.i.mlp.experts.gate_proj`` maps to the layer's dense FFN."""
     if ".mlp.router." in whole:
         return None
-    if ".mlp.experts." in whole:
-        return whole.replace(".mlp.experts.", ".mlp.") + ".weight"
+    if EXPERTS_MARK in whole:
+        return whole.replace(EXPERTS_MARK, ".mlp.") + ".weight"
     return whole
 
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_core import torch_seam
-from moe_core.experts import GroupedExperts
+from moe_core.experts import EXPERTS_MARK, GroupedExperts
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.methods import ExpertLoraMask, MethodPlan, lora_wrappers
 from moe_core.mapped import MappedExperts
@@ -63,9 +63,7 @@ from moe_core.train.parallel import ExpertParallelExperts, ParallelState, barrie
 # Legend: E = experts, El = experts on this rank, R = LoRA rank, I / O = a projection's input / output width,
 # P = ranks in the expert-parallel group.
 
-# every tensor under a MoE layer's routed experts (`MoEBlock.experts`: the experts, their PEFT wrappers and
-# factors) carries this in its name; under expert parallelism they are all this rank's own
-EXPERTS_MARK = ".mlp.experts."
+# under expert parallelism every tensor whose name carries `EXPERTS_MARK` is this rank's own
 
 
 def world_size() -> int:

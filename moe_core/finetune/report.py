@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_core.experts import EXPERTS_MARK
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.methods import MethodPlan, layer_of, lora_wrappers
 
@@ -85,7 +86,7 @@ def _kind(name: str) -> str:
         return "task_router_bias"
     if ".mlp.router." in name:
         return "router"
-    if ".mlp.experts." in name or name.endswith(".mlp.experts"):
+    if EXPERTS_MARK in name or name.endswith(EXPERTS_MARK.rstrip(".")):
         return "lora_expert" if lora else "experts"
     if ".mlp.shared_expert" in name:
         return "lora_shared_expert" if lora else "shared_expert"

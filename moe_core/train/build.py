@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_core.config import MoEConfig
-from moe_core.experts import GroupedExperts
+from moe_core.experts import EXPERTS_MARK, GroupedExperts
 from moe_core.model import MoEForCausalLM, materialize
 from moe_core.train import parallel as par
 
@@ -198,7 +198,7 @@ def rank_parameter_bytes(
         expert_bytes = dense_bytes = whole = 0
         for name, param in model.named_parameters():  # tied parameters once
             size = param.numel() * param.element_size()
-            if ".mlp.experts." in par.full_model_name(name):  # (one process keeps the experts unwrapped)
+            if EXPERTS_MARK in par.full_model_name(name):  # (one process keeps the experts unwrapped)
                 expert_bytes += size
                 whole += size * ep_size
             elif dp_mode == "fsdp2" and world_size > 1:
