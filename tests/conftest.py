@@ -13,6 +13,8 @@ import torch
 SHARED_FIXTURE_GROUPS = {
     "test_train_parallel.py": "ep2_run",
     "test_dashboard_api.py": "ep2_run",
+    "test_ray_launch.py": "local_ray",
+    "test_data_ray.py": "local_ray",
 }
 
 
@@ -23,6 +25,9 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+@pytest.hookimpl(
+    tryfirst=True
+)  # before xdist's own hook, which turns the marks into the groups it schedules by
 def pytest_collection_modifyitems(config, items):
     """Each test file is one unit of work for ``--dist loadgroup`` (its module fixtures are built once), and
     the files in `SHARED_FIXTURE_GROUPS` share a worker."""
@@ -91,3 +96,13 @@ def small_disk(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray cluster of two CPUs for the tests that run on Ray (starting one takes ~20 s here); the
+    lab's Ray paths join a cluster this process already has."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

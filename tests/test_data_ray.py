@@ -1,5 +1,6 @@
 """Preparation with its tokenize stage on Ray (``engine="ray"``): the same shards, byte for byte, as one
-local process, on a local Ray cluster of two workers."""
+local process, on a local Ray cluster of two workers (the session's, `local_ray` in conftest.py: preparation
+joins a cluster the process already has, as with ``RAY_ADDRESS``)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ def shard_digests(data_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_ray_tasks_give_the_shards_of_one_local_process(tmp_path, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local cluster of two workers, shut down after
+def test_ray_tasks_give_the_shards_of_one_local_process(tmp_path, monkeypatch, local_ray):
     monkeypatch.setattr(prepare_module, "CHUNK_DOCUMENTS", 4)  # many tasks, whose results must come in order
     local = prepare(PrepareConfig(**SMALL, num_proc=1), tmp_path / "local")
     on_ray = prepare(PrepareConfig(**SMALL, num_proc=2, engine="ray"), tmp_path / "ray")

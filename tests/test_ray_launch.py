@@ -2,7 +2,6 @@
 2 workers with the experts sharded over both, following the 1-process run of the same global batch."""
 
 import pytest
-import ray
 import ray.train.torch  # noqa: F401  (the test extra installs ray[train], so this test always runs in CI)
 
 from moe_core.train import TrainConfig, train
@@ -27,15 +26,11 @@ def config(**parallel) -> TrainConfig:
 
 
 @pytest.mark.slow
-def test_ray_torch_trainer_with_two_workers_follows_one_process(tmp_path, monkeypatch):
+def test_ray_torch_trainer_with_two_workers_follows_one_process(tmp_path, monkeypatch, local_ray):
     from moe_core.train.ray_launch import train_with_ray
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     train(config(), tmp_path / "one")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        train_with_ray(config(ep_size=2), tmp_path / "ray", num_workers=2)
-    finally:
-        ray.shutdown()
+    train_with_ray(config(ep_size=2), tmp_path / "ray", num_workers=2)  # on the session's local cluster
     assert_same_run(tmp_path / "one", tmp_path / "ray")
     assert_comm_metrics(tmp_path / "ray", world=2, ep_size=2)
