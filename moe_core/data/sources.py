@@ -52,7 +52,8 @@ from moe_core.data.errors import DataError
 from moe_core.data.shards import sha256_file
 from moe_core.fileio import scratch_directory
 
-KINDS: tuple[str, ...] = ("text", "instruction", "preference")
+# kto: unpaired feedback (prompt, completion, label true/false), what KTO fine-tuning trains on
+KINDS: tuple[str, ...] = ("text", "instruction", "preference", "kto")
 
 # file suffix -> `datasets` packaged builder
 FORMATS: dict[str, str] = {
@@ -519,6 +520,14 @@ def load_source(
                 ["instruction", "output"],
                 "Instruction data needs a chat `messages` column or alpaca `instruction`/`output`.",
             )
+    elif kind == "kto":
+        _require_columns(
+            ds,
+            spec,
+            ["prompt", "completion", "label"],
+            "KTO data needs `prompt`, `completion` and a boolean `label` (true: desirable) column.",
+        )
+        _require_boolean_labels(ds, spec)
     else:
         _require_columns(
             ds,
@@ -527,6 +536,19 @@ def load_source(
             "Preference data needs `prompt`, `chosen` and `rejected` columns.",
         )
     return LoadedSource(ds, spec, fingerprint)
+
+
+def _require_boolean_labels(ds: Any, spec: SourceSpec) -> None:
+    """Every KTO row's ``label`` is true or false; the first that is not is named (row n of the file: line n of a
+    JSON Lines file)."""
+    for i, label in enumerate(ds["label"]):
+        if not isinstance(label, bool):
+            where = str(spec.files[0]) if len(spec.files) == 1 else spec.name
+            got = "missing (null)" if label is None else f"{label!r}"
+            raise DataError(
+                f"{where}: row {i + 1}: label is {got}; KTO data needs label true (a desirable completion) or "
+                "false (an undesirable one) on every row"
+            )
 
 
 def _text_columns(ds: Any, text_column: str, domain_column: str | None) -> Any:

@@ -77,14 +77,16 @@ from moe_core.finetune.methods import (
 from moe_core.finetune.objectives import (
     FiniteStepGuard,
     MoEDPOTrainer,
+    MoEKTOTrainer,
+    MoEORPOTrainer,
+    MoERewardTrainer,
     MoESFTTrainer,
     MoEStepCallback,
     ProgressCallback,
     SinkCallback,
     TaskCollator,
-    dpo_dataset,
     instruction_messages,
-    sft_dataset,
+    objective_dataset,
     task_names_of,
     template_renderings,
     trainer_args,
@@ -106,6 +108,7 @@ from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
 from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
+from moe_core.reward_model import MoEForSequenceClassification, reward_model_from
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
 from moe_core.train.telemetry import JsonlSink, read_jsonl
@@ -275,10 +278,22 @@ def prepare_tokenizer(tokenizer, config_of_model):
     return with_model_input_names(tokenizer)  # a tokenizer given in memory may still add token_type_ids
 
 
+# the data kind (`moe_core.data.sources.KINDS`) each objective trains on
+DATA_KINDS = {
+    "sft": "instruction",
+    "dpo": "preference",
+    "orpo": "preference",
+    "reward": "preference",
+    "kto": "kto",
+}
+
+
 def load_records(config: FinetuneConfig):
     if not config.data.source:
-        raise FinetuneError("data.source is not set; give an instruction (SFT) or preference (DPO) file")
-    kind = "instruction" if config.objective == "sft" else "preference"
+        raise FinetuneError(
+            f"data.source is not set; objective={config.objective} needs a {DATA_KINDS[config.objective]} file"
+        )
+    kind = DATA_KINDS[config.objective]
     loaded = load_source(
         config.data.source,
         kind=kind,
@@ -286,7 +301,7 @@ def load_records(config: FinetuneConfig):
         split=config.data.split,
         max_documents=config.data.max_examples,
     )
-    if config.data.validate_data:
+    if config.data.validate_data and kind != "kto":  # kto: its columns and labels were checked while loading
         validate(loaded.dataset, kind, source=loaded.spec.name).raise_for_failure()
     return loaded.dataset
 
@@ -536,9 +551,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     tokenizer = frame_with_template(tokenizer, config.data.chat_template)
     framing = framing_for(config.data.chat_template)
     plain = framing.kind == PLAIN
-    framed = (
-        sft_dataset(records, plain=plain) if config.objective == "sft" else dpo_dataset(records, plain=plain)
-    )
+    framed = objective_dataset(config.objective, records, plain=plain)
     if not plain:
         check_chat_template(tokenizer, template_renderings(framed))
     check_lengths(tokenizer, framed, config.data.max_length)
@@ -570,6 +583,8 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
+    if config.objective == "reward" and not isinstance(model, MoEForSequenceClassification):
+        model = reward_model_from(model)  # the backbone taken over (no copy), a fresh score head
     model.train()
     return LoadedInputs(model, tokenizer, records, task_names, framing, size)
 
@@ -594,7 +609,7 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
     whole model, also on several processes: `run_training` splits the experts)."""
     model = inputs.model
     ref_model = None
-    if config.objective == "dpo" and config.method != "lora":
+    if config.objective in ("dpo", "kto") and config.method != "lora":
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # before the method changes the model
 
     selection = None
@@ -729,21 +744,30 @@ def run_training(
         log_routing=config.log.routing,
         per_expert=config.log.per_expert,
     )
+    trainer = None
     try:
         plain = inputs.framing.kind == PLAIN
         with quiet_datasets():
+            dataset = objective_dataset(
+                config.objective,
+                inputs.records,
+                plain=plain,
+                task_column=config.data.task_column,
+                task_names=inputs.task_names,
+            )
             if config.objective == "sft":
-                dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names, plain=plain)
                 trainer = MoESFTTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
                 if config.data.task_column:
                     trainer.data_collator = TaskCollator(trainer.data_collator)
-            else:
-                trainer = MoEDPOTrainer(
-                    train_model,
-                    ref_model=selected.ref_model,
-                    train_dataset=dpo_dataset(inputs.records, plain=plain),
-                    **trainer_kwargs,
+            elif config.objective in ("dpo", "kto"):
+                trainer_cls = MoEDPOTrainer if config.objective == "dpo" else MoEKTOTrainer
+                trainer = trainer_cls(
+                    train_model, ref_model=selected.ref_model, train_dataset=dataset, **trainer_kwargs
                 )
+            elif config.objective == "orpo":
+                trainer = MoEORPOTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
+            else:
+                trainer = MoERewardTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
         if place.parallel is not None and place.parallel.sharded:
             # after the trainer is built: TRL's DPO copies the adapter into a frozen "ref" adapter first, and
@@ -759,6 +783,8 @@ def run_training(
             trainer.train(resume_from_checkpoint=resume_from)
     finally:
         jsonl.close()
+        if isinstance(trainer, MoEORPOTrainer):
+            trainer.remove_hooks()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
     if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
         raise FinetuneDivergedError(
