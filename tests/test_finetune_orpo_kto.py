@@ -5,9 +5,14 @@ loads."""
 
 import json
 import math
+import re
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
 
+from moe_core import load
 from moe_core.data.errors import DataError
 from moe_core.finetune import FinetuneConfig, FinetuneDivergedError, finetune
 from moe_core.finetune.objectives import MoEKTOTrainer, MoEORPOTrainer
@@ -17,6 +22,7 @@ from tests.test_finetune_dpo import completion_logps
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
+REPO = Path(__file__).resolve().parents[1]
 AUX, Z = 0.05, 0.01  # the tiny models' router-loss coefficients here
 
 
@@ -144,3 +150,48 @@ def test_orpo_data_without_rejected_is_refused_before_the_model_loads(tmp_path):
     config = config_for("orpo", model={"path": str(tmp_path / "not-loaded")}, data={"source": data})
     with pytest.raises(DataError, match=r"pairs.jsonl: missing column\(s\) \['rejected'\]"):
         finetune(config, tmp_path / "out", tokenizer=tiny_tokenizer())
+
+
+def alignment_commands() -> list[str]:
+    """The README's `moe-lab` lines of its "Alignment objectives" block."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Alignment objectives") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.strip() for line in block.splitlines() if line.startswith("moe-lab ")]
+
+
+def test_the_readme_alignment_commands_run_on_the_bundled_data(tmp_path, monkeypatch, capsys):
+    """Each objective from the command line (`--set objective=...`) on examples/, with a tiny base in place of the
+    pretraining's runs/a/final, and the reward model's held-out accuracy from `moe-lab eval`."""
+    from moe_core.cli import main
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    base = tmp_path / "runs" / "a" / "final"
+    tiny_model().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    monkeypatch.chdir(tmp_path)
+    commands = alignment_commands()
+    objectives = [c.split("objective=")[1].split()[0] for c in commands if "objective=" in c]
+    assert objectives == ["dpo", "orpo", "kto", "reward"]
+    for command in commands:
+        argv = shlex.split(command)[1:]
+        if argv[0] == "finetune":
+            argv += ["--set", "steps=2", "--set", "log.progress=off"]
+        assert main(argv) == 0, command
+    assert all(
+        (tmp_path / "runs" / name / "summary.json").is_file() for name in ("ft-dpo", "ft-orpo", "ft-kto")
+    )
+    assert load(tmp_path / "runs" / "rm").kind == "finetuned"
+    report = json.loads((tmp_path / "runs" / "rm-eval" / "eval.json").read_text())["preferences"]
+    assert report["pairs"] == 16 and 0.0 <= report["pairwise_accuracy"] <= 1.0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "orpo", "kto", "reward"])
+def test_the_finetune_flow_takes_every_objective(objective):
+    from flows.finetune import FinetuneFlowParams
+
+    params = FinetuneFlowParams.model_validate(
+        {"config": {"objective": objective}, "base_model_dir": "runs/a/final"}
+    )
+    assert params.config.objective == objective

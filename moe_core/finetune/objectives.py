@@ -188,6 +188,15 @@ def objective_dataset(objective: str, records, *, plain: bool = False, task_colu
     return dpo_dataset(records, plain=plain)
 
 
+def answered_messages(objective: str, record: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """One training example as turns ending in its answer (preference data: the chosen one; KTO: the completion,
+    desirable or not): what ESFT's routing profile routes through the base model."""
+    if objective == "sft":
+        return instruction_messages(record, index)
+    answer = record["completion"] if objective == "kto" else record["chosen"]
+    return _turns(record["prompt"], "user") + _turns(answer, "assistant")
+
+
 def reward_pair_ids(tokenizer, records, *, plain: bool = False) -> list[tuple[list[int], list[int]]]:
     """(chosen ids, rejected ids) of each preference record, the whole sequence tokenized as TRL's
     RewardTrainer tokenizes it (the chat template over prompt + answer; plain: the text and EOS), for

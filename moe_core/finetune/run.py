@@ -85,7 +85,7 @@ from moe_core.finetune.objectives import (
     ProgressCallback,
     SinkCallback,
     TaskCollator,
-    instruction_messages,
+    answered_messages,
     objective_dataset,
     task_names_of,
     template_renderings,
@@ -334,7 +334,7 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
     n_examples = min(config.lora.esft_examples, len(records))
     for start in range(0, n_examples, config.batch_size):
         texts = [
-            _framed_text(tokenizer, instruction_messages(records[i], i), plain)
+            _framed_text(tokenizer, answered_messages(config.objective, records[i], i), plain)
             for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
