@@ -11,7 +11,8 @@ every output.
     config = config.with_overrides(["lora.r=16", "objective=dpo"])   # the CLI's --set
 
 Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
-subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``optim``,
+subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``orpo``, ``kto``,
+``reward`` (the objectives' own settings), ``optim``,
 ``log``, ``export``, ``parallel`` (experts split over processes) and ``checkpoint`` (resumable checkpoints);
 top-level fields hold the method, objective, batch, steps and seed.
 
@@ -226,7 +227,9 @@ class FinetuneConfig(_Section, ConfigFile):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
 
     steps: int = Field(20, ge=1)
-    batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step
+    batch_size: int = Field(
+        4, ge=1
+    )  # sequences (SFT, KTO) or preference pairs (DPO, ORPO, reward) per micro-step
     grad_accum: int = Field(1, ge=1)
     completion_only: bool = True  # SFT loss on the answer tokens only (the prompt is context)
     # recompute activations in backward; None: on for a large base model or large activations, off otherwise

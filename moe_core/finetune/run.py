@@ -10,7 +10,7 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
-(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
+(TRL SFT/DPO/ORPO/KTO/reward with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
 size-dependent auto fields (gradient checkpointing, merged and HF exports) resolve to is decided from the base
 model's config before its weights load (`moe_core.finetune.sizing`), printed, and saved in ``summary.json``.
 
@@ -382,7 +382,8 @@ def finetune(
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
     ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
-    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO) override ``config.model`` / ``config.data``.
+    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO, ORPO and reward, prompt/completion/label for KTO)
+    override ``config.model`` / ``config.data``.
     Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
     ``out_dir`` holding an earlier fine-tune's outputs is refused unless ``overwrite`` (then they are replaced
     once this run succeeded); ``resume`` continues from the newest checkpoint in ``out_dir/checkpoints``; see the
@@ -593,14 +594,14 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
 @dataclass
 class SelectedParameters:
     """Which parameters train: the method applied to the base model (full, LoRA on attention and experts, ESFT's
-    experts, router-only, task router bias; `freeze` on top), and the frozen DPO reference where one is needed."""
+    experts, router-only, task router bias; `freeze` on top), and the frozen DPO/KTO reference where one is needed."""
 
     train_model: Any  # the model the optimizer sees (a PEFT model for lora)
     plan: MethodPlan  # what the method did: targets, expert selection, task bias
     report: TrainableReport  # trainable counts per group, saved as trainable_parameters.json
     ref_model: (
         Any | None
-    )  # DPO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
+    )  # DPO/KTO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
 
 
 def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path) -> SelectedParameters:
@@ -713,7 +714,7 @@ def run_training(
     sinks,
     place: RunPlace | None = None,
 ) -> TrainingOutcome:
-    """SFT or DPO through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``; checkpoints and resume
+    """The objective through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``; checkpoints and resume
     as ``place`` says. Raises `FinetuneDivergedError` when the last step was skipped or the trained weights are not
     finite."""
     place = place or RunPlace()
