@@ -145,11 +145,25 @@ def test_kto_data_without_labels_is_refused_before_the_model_loads(tmp_path, row
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_orpo_data_without_rejected_is_refused_before_the_model_loads(tmp_path):
-    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "c"}] * 2)
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        ([{"prompt": "p", "chosen": "c"}] * 2, r"pairs.jsonl: missing column\(s\) \['rejected'\]"),
+        (
+            [
+                {"prompt": "p", "chosen": "c", "rejected": "r"},
+                {"prompt": "p", "chosen": "c", "rejected": None},
+            ],
+            r"pairs.jsonl: row 2: rejected is empty",
+        ),
+    ],
+)
+def test_orpo_data_without_rejected_is_refused_before_the_model_loads(tmp_path, rows, message):
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
     config = config_for("orpo", model={"path": str(tmp_path / "not-loaded")}, data={"source": data})
-    with pytest.raises(DataError, match=r"pairs.jsonl: missing column\(s\) \['rejected'\]"):
+    with pytest.raises(DataError, match=message):
         finetune(config, tmp_path / "out", tokenizer=tiny_tokenizer())
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def alignment_commands() -> list[str]:

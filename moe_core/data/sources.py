@@ -527,6 +527,7 @@ def load_source(
             ["prompt", "completion", "label"],
             "KTO data needs `prompt`, `completion` and a boolean `label` (true: desirable) column.",
         )
+        _require_filled(ds, spec, ["prompt", "completion"])
         _require_boolean_labels(ds, spec)
     else:
         _require_columns(
@@ -535,7 +536,23 @@ def load_source(
             ["prompt", "chosen", "rejected"],
             "Preference data needs `prompt`, `chosen` and `rejected` columns.",
         )
+        _require_filled(ds, spec, ["prompt", "chosen", "rejected"])
     return LoadedSource(ds, spec, fingerprint)
+
+
+def _row_where(spec: SourceSpec, i: int) -> str:
+    """Row ``i`` (0-based) as a user finds it: row n of the file (line n of a JSON Lines file)."""
+    return f"{str(spec.files[0]) if len(spec.files) == 1 else spec.name}: row {i + 1}"
+
+
+def _require_filled(ds: Any, spec: SourceSpec, columns: list[str]) -> None:
+    """Every row of preference or KTO data has each of ``columns`` (null or empty text is named, by row)."""
+    for column in columns:
+        for i, value in enumerate(ds[column]):
+            if value is None or (isinstance(value, str | list) and not value):
+                raise DataError(
+                    f"{_row_where(spec, i)}: {column} is empty; every row needs a {column} (fix or drop that row)"
+                )
 
 
 def _require_boolean_labels(ds: Any, spec: SourceSpec) -> None:
@@ -543,10 +560,9 @@ def _require_boolean_labels(ds: Any, spec: SourceSpec) -> None:
     JSON Lines file)."""
     for i, label in enumerate(ds["label"]):
         if not isinstance(label, bool):
-            where = str(spec.files[0]) if len(spec.files) == 1 else spec.name
             got = "missing (null)" if label is None else f"{label!r}"
             raise DataError(
-                f"{where}: row {i + 1}: label is {got}; KTO data needs label true (a desirable completion) or "
+                f"{_row_where(spec, i)}: label is {got}; KTO data needs label true (a desirable completion) or "
                 "false (an undesirable one) on every row"
             )
 
