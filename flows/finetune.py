@@ -1,4 +1,5 @@
-"""Flow: fine-tune a trained model (SFT or DPO; full, LoRA on attention/experts, router-only) and record it."""
+"""Flow: fine-tune a trained model (SFT, DPO, ORPO, KTO, or a reward model: ``config.objective``; full, LoRA on
+attention/experts, router-only) and record it."""
 
 from __future__ import annotations
 

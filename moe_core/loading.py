@@ -18,6 +18,8 @@ The kind is read from the directory's files, never from its name (first match wi
     run          checkpoints/step_* or final/ a training output directory: its exported final/ model, else its
                                               newest complete checkpoint
     pruned       pruning.json + config.json   `moe-lab prune` (moe_core.inference.prune.prune_checkpoint)
+    reward       config.json, model_type "moe_lab", architectures ["MoEForSequenceClassification"]: a reward
+                                              model (moe_core.reward_model; a fine-tune with objective=reward)
     model        config.json, model_type "moe_lab"   our save_pretrained / exported model (a fine-tune's merged/
                                               included: its task router bias is attached when saved beside it)
     hf           config.json, model_type mixtral / olmoe / qwen2_moe   converted exactly (moe_core.convert.from_hf)
@@ -57,6 +59,7 @@ from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.mapped import MappingError, load_mapped, mapping_refusal
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QUANT_FILE, load_quantized
+from moe_core.reward_model import REWARD_ARCHITECTURE, MoEForSequenceClassification, reward_model_from
 from moe_core.task_bias import TaskRouterBias
 from moe_core.train import checkpoint as ckpt_io
 
@@ -67,8 +70,9 @@ _NOT_MAPPED = {
     "quantized": "codes, not the model's tensors",
     "adapter": "merged into its base",
     "checkpoint": "gathered from shards",
+    "reward": "a reward model's, loaded whole",
 }
-KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "model", "hf")
+KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "reward", "model", "hf")
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
 FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -115,7 +119,9 @@ def detect(path: str | os.PathLike) -> str:
     if "config.json" in has:
         model_type = _model_type(directory)
         if model_type == MoEConfig.model_type:
-            return "pruned" if PRUNE_FILE in has else "model"
+            if PRUNE_FILE in has:
+                return "pruned"
+            return "reward" if _architectures(directory) == [REWARD_ARCHITECTURE] else "model"
         if model_type in ARCHITECTURES:
             return "hf"
         raise LoadError(
@@ -181,6 +187,10 @@ def load(
         model = _from_adapter(directory, base, dtype)
     elif kind == "hf":
         model = from_hf(directory, dtype=_torch_dtype(dtype) if dtype is not None else None)
+    elif kind == "reward":
+        model = _from_pretrained(
+            directory, _torch_dtype(dtype) if dtype is not None else "auto", MoEForSequenceClassification
+        )
     else:  # model, pruned
         model = _from_pretrained(directory, _torch_dtype(dtype) if dtype is not None else "auto")
         _attach_task_bias(model, directory)
@@ -265,7 +275,7 @@ def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
     return model.to(_torch_dtype(dtype)) if dtype is not None else model
 
 
-def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
+def _from_pretrained(directory: Path, dtype, model_class=MoEForCausalLM):
     """Our ``save_pretrained`` directory, refused unless its weights cover the model exactly: transformers would
     initialize whatever the files lack at random with only a warning (a tied lm_head is not missing)."""
     weights = next(
@@ -276,7 +286,7 @@ def _from_pretrained(directory: Path, dtype) -> MoEForCausalLM:
             f"{directory}: config.json but no {' or '.join(WEIGHT_FILES)}; the directory is incomplete (left "
             "by a killed writer?): write it again, or load the checkpoint it came from"
         )
-    model, info = MoEForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    model, info = model_class.from_pretrained(directory, dtype=dtype, output_loading_info=True)
     missing, unexpected = info["missing_keys"], info["unexpected_keys"]  # a shape mismatch raises in there
     if missing or unexpected:
         quantized = any(k.endswith(("_q", "_scale")) for k in unexpected)
@@ -334,7 +344,11 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
                     f"architecture's module, but the base model {base_loaded.path} did not come from one "
                     "(config.hf_origin is empty); give base= the HF checkpoint the adapter was trained on"
                 )
-            peft_model = PeftModel.from_pretrained(base_loaded.model, str(directory))
+            model = base_loaded.model
+            if "score" in (_adapter_config(directory).get("modules_to_save") or []):
+                # a reward model's adapter (objective=reward): its score head is saved with it, in full
+                model = reward_model_from(model)
+            peft_model = PeftModel.from_pretrained(model, str(directory))
             _check_adapter_covered(peft_model, weights)
     except AdapterConversionError as err:
         raise LoadError(str(err)) from None
@@ -389,8 +403,12 @@ def _inner(directory: Path, kind: str) -> Path:
     return merged if (merged / "config.json").is_file() else directory / "adapter"
 
 
+def _adapter_config(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "adapter_config.json").read_text())
+
+
 def _adapter_base(directory: Path) -> str:
-    base = json.loads((directory / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = _adapter_config(directory).get("base_model_name_or_path")
     if not base:
         raise LoadError(
             f"{directory}: the adapter names no base model (base_model_name_or_path); pass base=DIR"
@@ -403,6 +421,11 @@ def _model_type(directory: Path) -> str | None:
         return json.loads((directory / "config.json").read_text()).get("model_type")
     except ValueError as err:
         raise LoadError(f"{directory / 'config.json'}: not valid JSON ({err})") from None
+
+
+def _architectures(directory: Path) -> list[str] | None:
+    """config.json's ``architectures`` (read after `_model_type` checked the file is JSON)."""
+    return json.loads((directory / "config.json").read_text()).get("architectures")
 
 
 def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:

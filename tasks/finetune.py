@@ -1,5 +1,6 @@
-"""The fine-tuning task over `moe_core.finetune.finetune`: base model in as a path, the merged model out as a
-path (the fine-tuning directory when only the adapter was written), telemetry and the adapter into MLflow."""
+"""The fine-tuning task over `moe_core.finetune.finetune` (any objective: sft, dpo, orpo, kto, reward): base
+model in as a path, the merged model out as a path (the fine-tuning directory when only the adapter was written),
+telemetry and the adapter into MLflow."""
 
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ def finetune_model(
         # adapter only (the default for a large LoRA base, moe_core.finetune.sizing): the fine-tuning directory
         # is the model (moe_core.load applies its adapter/), and the adapter above is what MLflow keeps
         model_dir = result.merged_dir or Path(out_dir)
-        models = tracking.log_model(run_id, model_dir) if result.merged_dir is not None else {}
+        if result.merged_dir is not None and config.objective == "reward":
+            # a reward model scores text, it generates none: its files, not the text-generation flavor
+            tracking.log_artifacts(run_id, result.merged_dir, "model")
+            models = {"files": f"runs:/{run_id}/model"}
+        else:
+            models = tracking.log_model(run_id, model_dir) if result.merged_dir is not None else {}
     return ModelResult(
         run_id, str(out_dir), str(model_dir), models.get("transformers") or models.get("files")
     )

@@ -94,8 +94,10 @@ def test_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
         assert code == 0, f"{command}\n-> moe-lab {shlex.join(argv)}\n{captured.err[-2000:]}"
         if argv[0] == "train" and "data.path=runs/data" in argv:
             assert "data (with its tokenizer) in runs/data" in captured.out  # TrainResult.data_dir, printed
-        if argv[0] == "eval":
+        if argv[0] == "eval" and "--compare" in argv:
             assert "dense" in captured.out  # the comparison table names the dense baseline
+        if argv[0] == "eval" and "--preferences" in argv:
+            assert "pairwise_accuracy" in captured.out  # a reward model's held-out accuracy
     assert (tmp_path / "runs/a/final/tokenizer.json").is_file()
     assert (tmp_path / "runs/ft").is_dir() and (tmp_path / "runs/a/analysis/profile").is_dir()
     assert (tmp_path / "runs/a/model.gguf").is_file()

@@ -53,7 +53,8 @@ from moe_core.data.shards import sha256_file
 from moe_core.fileio import scratch_directory
 from moe_core.paths import lab_data_dir
 
-KINDS: tuple[str, ...] = ("text", "instruction", "preference")
+# kto: unpaired feedback (prompt, completion, label true/false), what KTO fine-tuning trains on
+KINDS: tuple[str, ...] = ("text", "instruction", "preference", "kto")
 
 # file suffix -> `datasets` packaged builder
 FORMATS: dict[str, str] = {
@@ -514,6 +515,15 @@ def load_source(
                 ["instruction", "output"],
                 "Instruction data needs a chat `messages` column or alpaca `instruction`/`output`.",
             )
+    elif kind == "kto":
+        _require_columns(
+            ds,
+            spec,
+            ["prompt", "completion", "label"],
+            "KTO data needs `prompt`, `completion` and a boolean `label` (true: desirable) column.",
+        )
+        _require_filled(ds, spec, ["prompt", "completion"])
+        _require_boolean_labels(ds, spec)
     else:
         _require_columns(
             ds,
@@ -521,7 +531,35 @@ def load_source(
             ["prompt", "chosen", "rejected"],
             "Preference data needs `prompt`, `chosen` and `rejected` columns.",
         )
+        _require_filled(ds, spec, ["prompt", "chosen", "rejected"])
     return LoadedSource(ds, spec, fingerprint)
+
+
+def _row_where(spec: SourceSpec, i: int) -> str:
+    """Row ``i`` (0-based) as a user finds it: row n of the file (line n of a JSON Lines file)."""
+    return f"{str(spec.files[0]) if len(spec.files) == 1 else spec.name}: row {i + 1}"
+
+
+def _require_filled(ds: Any, spec: SourceSpec, columns: list[str]) -> None:
+    """Every row of preference or KTO data has each of ``columns`` (null or empty text is named, by row)."""
+    for column in columns:
+        for i, value in enumerate(ds[column]):
+            if value is None or (isinstance(value, str | list) and not value):
+                raise DataError(
+                    f"{_row_where(spec, i)}: {column} is empty; every row needs a {column} (fix or drop that row)"
+                )
+
+
+def _require_boolean_labels(ds: Any, spec: SourceSpec) -> None:
+    """Every KTO row's ``label`` is true or false; the first that is not is named (row n of the file: line n of a
+    JSON Lines file)."""
+    for i, label in enumerate(ds["label"]):
+        if not isinstance(label, bool):
+            got = "missing (null)" if label is None else f"{label!r}"
+            raise DataError(
+                f"{_row_where(spec, i)}: label is {got}; KTO data needs label true (a desirable completion) or "
+                "false (an undesirable one) on every row"
+            )
 
 
 def _text_columns(ds: Any, text_column: str, domain_column: str | None) -> Any:

@@ -53,6 +53,12 @@ def add_cli(subparsers) -> None:
         metavar="NAME=PATH",
         help="another model to put in the table, e.g. dense=runs/dense-total (repeatable)",
     )
+    ev.add_argument(
+        "--preferences",
+        default=None,
+        metavar="FILE",
+        help="held-out preference pairs (prompt/chosen/rejected): a reward model's pairwise accuracy",
+    )
     ev.add_argument("--generate", action="store_true", help="greedy + sampled generations for the prompt set")
     ev.add_argument("--max-new-tokens", type=int, default=48)
     ev.add_argument("--seed", type=int, default=0)
@@ -190,8 +196,25 @@ def _evaluate(args, out: Path | None) -> dict[str, Any]:
         print(markdown)
         if out:
             write_text(out / "comparison.md", markdown + "\n")
-    elif not (args.generate or args.tasks):
-        raise MoELabError("nothing to evaluate: pass --data DIR (loss/perplexity), --generate or --tasks")
+    elif not (args.generate or args.tasks or args.preferences):
+        raise MoELabError(
+            "nothing to evaluate: pass --data DIR (loss/perplexity), --generate, --tasks or --preferences FILE "
+            "(a reward model)"
+        )
+    if args.preferences:
+        from moe_core.data.framing import read_framing
+        from moe_core.eval.reward import preference_accuracy
+        from moe_core.loading import tokenizer_dir
+
+        framing = read_framing(tokenizer_dir(args.model)) if args.model and not args.tokenizer else None
+        report["preferences"] = preference_accuracy(
+            model,
+            load_tokenizer_for(args, required=True),
+            args.preferences,
+            framing=framing,
+            batch_size=args.batch_size,
+        )
+        print(json.dumps(report["preferences"], indent=2))
     tokenizer = load_tokenizer_for(args, required=bool(args.generate or args.tasks))
     if args.generate:
         from moe_core.data.framing import read_framing

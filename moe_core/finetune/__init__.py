@@ -1,5 +1,6 @@
 """Fine-tuning MoE models: full, LoRA on attention and experts (all, a chosen list, or ESFT's most-used experts),
-router-only and task-conditioned router bias; SFT and DPO through TRL with the router losses kept in the objective.
+router-only and task-conditioned router bias; SFT, DPO, ORPO, KTO and reward models through TRL with the router
+losses kept in the objective.
 
     from moe_core.finetune import FinetuneConfig, finetune
 
@@ -9,7 +10,7 @@ router-only and task-conditioned router bias; SFT and DPO through TRL with the r
 
 The same from the command line: ``moe-lab finetune --config finetune.yaml --out runs/ft``. Modules: `config`
 (FinetuneConfig), `methods` (freezing, LoRA targets, expert subsets, ESFT, task router bias), `objectives` (TRL
-SFT/DPO trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
+SFT/DPO/ORPO/KTO/reward trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
 `sizing` (the defaults that follow the base model's size), `parallel` (several processes: experts split over
 them, per-rank checkpoints; `trainer_seam` the Trainer hooks it replaces), `run` (finetune), `cli`.
 

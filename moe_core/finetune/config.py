@@ -11,7 +11,8 @@ every output.
     config = config.with_overrides(["lora.r=16", "objective=dpo"])   # the CLI's --set
 
 Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
-subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``optim``,
+subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``orpo``, ``kto``,
+``reward`` (the objectives' own settings), ``optim``,
 ``log``, ``export``, ``parallel`` (experts split over processes) and ``checkpoint`` (resumable checkpoints);
 top-level fields hold the method, objective, batch, steps and seed.
 
@@ -123,6 +124,26 @@ class DpoSection(_Section):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
 
 
+class RewardSection(_Section):
+    # objective=reward (TRL RewardTrainer): a scalar head on the backbone, trained on prompt/chosen/rejected pairs
+    # with the pairwise loss -log sigmoid(r_chosen - r_rejected). center_coefficient: + c * mean((r_c + r_r)^2),
+    # keeping rewards near zero (Eisenstein et al. 2023); None: off
+    center_coefficient: float | None = Field(None, ge=0)
+
+
+class OrpoSection(_Section):
+    # objective=orpo (Hong et al. 2024; TRL's trl.experimental.orpo, experimental upstream): SFT loss on the
+    # chosen answer plus beta (the paper's lambda) times the odds-ratio term; no reference model
+    beta: float = Field(0.1, gt=0)
+
+
+class KtoSection(_Section):
+    # objective=kto (Ethayarajh et al. 2024; TRL KTOTrainer): unpaired prompt/completion/label data
+    beta: float = Field(0.1, gt=0)
+    desirable_weight: float = Field(1.0, gt=0)  # weight of label=true examples' losses
+    undesirable_weight: float = Field(1.0, gt=0)  # weight of label=false examples' losses
+
+
 class OptimSection(_Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -187,11 +208,16 @@ class FinetuneConfig(_Section, ConfigFile):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     method: Literal["full", "lora", "router", "router_bias"] = "lora"  # "qlora": lora + quantize.base=nf4
-    objective: Literal["sft", "dpo"] = "sft"
+    # sft: instruction data; dpo, orpo, reward: preference data (prompt/chosen/rejected); kto: prompt/completion/
+    # label data. reward trains a reward model (moe_core.reward_model), the others the policy
+    objective: Literal["sft", "dpo", "orpo", "kto", "reward"] = "sft"
     lora: LoraSection = Field(default_factory=LoraSection)
     freeze: FreezeSection = Field(default_factory=FreezeSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
     dpo: DpoSection = Field(default_factory=DpoSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    orpo: OrpoSection = Field(default_factory=OrpoSection)
+    kto: KtoSection = Field(default_factory=KtoSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     log: LogSection = Field(default_factory=LogSection)
     export: ExportSection = Field(default_factory=ExportSection)
@@ -201,7 +227,9 @@ class FinetuneConfig(_Section, ConfigFile):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
 
     steps: int = Field(20, ge=1)
-    batch_size: int = Field(4, ge=1)  # sequences (SFT) or preference pairs (DPO) per micro-step
+    batch_size: int = Field(
+        4, ge=1
+    )  # sequences (SFT, KTO) or preference pairs (DPO, ORPO, reward) per micro-step
     grad_accum: int = Field(1, ge=1)
     completion_only: bool = True  # SFT loss on the answer tokens only (the prompt is context)
     # recompute activations in backward; None: on for a large base model or large activations, off otherwise
@@ -274,10 +302,26 @@ class FinetuneConfig(_Section, ConfigFile):
                 "recomputed forward has no task ids); set gradient_checkpointing=false, or leave it unset (auto "
                 "keeps it off with the task bias)"
             )
-        if self.objective == "dpo" and needs_tasks:
+        if self.objective != "sft" and needs_tasks:
             raise ValueError(
-                "the task-conditioned router bias is not supported with objective=dpo yet; "
+                f"the task-conditioned router bias is not supported with objective={self.objective} yet; "
                 "use objective=sft or routing.task_bias=false"
+            )
+        if self.objective in ("orpo", "kto", "reward") and self.parallel.ep_size > 1:
+            raise ValueError(
+                f"objective={self.objective} with parallel.ep_size={self.parallel.ep_size}: experts split over "
+                "processes are supported for sft and dpo only; use parallel.ep_size=1"
+            )
+        if self.objective == "reward" and (self.export.hf or self.quantize.base is not None):
+            raise ValueError(
+                "objective=reward writes a reward model (moe_core.reward_model: the backbone and a score head), "
+                "which has no Hugging Face MoE architecture and is not trained on a quantized base; leave "
+                "export.hf and quantize.base unset"
+            )
+        if self.objective == "kto" and self.batch_size < 2:
+            raise ValueError(
+                "objective=kto estimates its KL reference point from mismatched pairs within a batch; set "
+                "batch_size to 2 or more"
             )
         if (
             self.method == "lora"

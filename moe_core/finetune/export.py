@@ -34,6 +34,7 @@ from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.hf_adapter import save_hf_adapter
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.mapped import densify_experts
+from moe_core.reward_model import MoEForSequenceClassification
 
 
 def is_peft(model) -> bool:
@@ -56,7 +57,8 @@ def save_adapter(model, out_dir: str | Path, plan: MethodPlan | None = None, tok
 
 
 def _write_adapter(model, out_dir: Path, plan: MethodPlan | None, tokenizer) -> None:
-    if unwrap(model).config.hf_origin:
+    # a reward model's adapter (LoRA + its score head) is in our names: no HF architecture has that head
+    if unwrap(model).config.hf_origin and not isinstance(unwrap(model), MoEForSequenceClassification):
         save_hf_adapter(model, out_dir)
     else:
         model.save_pretrained(str(out_dir))

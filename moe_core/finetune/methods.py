@@ -218,6 +218,8 @@ def lora_targets(
         for proj in projs
     ]
     modules_to_save = ["router.gate"] if config.train_router else []
+    if config.objective == "reward":  # the reward model's new head trains in full beside the adapter
+        modules_to_save.append("score")
     return target_modules, target_parameters, modules_to_save
 
 

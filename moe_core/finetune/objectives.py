@@ -1,4 +1,5 @@
-"""SFT and DPO through TRL, with the MoE load-balancing loss kept in the objective and logged.
+"""SFT, DPO, ORPO, KTO and reward models through TRL, with the MoE load-balancing loss kept in the objective and
+logged.
 
 Why subclasses: TRL 1.16 computes both losses through a "fused LM head" it patches onto the model
 (`trl.trainer.utils.add_fused_lm_head`), which expects a transformers backbone returning ``last_hidden_state``
@@ -14,6 +15,17 @@ router loss during fine-tuning.
   (per-token log-probabilities from our logits), and the policy forward's ``router_loss`` is added to the DPO
   loss in training (TRL does the same for Mixtral via ``output_router_logits``), and logged. The reference
   forward never carries router losses.
+- `MoEKTOTrainer` (TRL's KTOTrainer: unpaired prompt/completion/label data) works as `MoEDPOTrainer`: the fused
+  head is `fused_forward`, the policy forward's ``router_loss`` is added to the KTO loss; the KL reference
+  forward (under no_grad) and the reference model's carry none.
+- `MoEORPOTrainer` (ORPO, Hong et al. 2024) uses ``trl.experimental.orpo.ORPOTrainer``: experimental upstream, so
+  its API may change between TRL releases (pinned by constraints.txt). ORPO calls the model's forward and
+  reads its logits; a forward pre-hook asks the policy forward (under autograd) for its routing and a forward
+  hook keeps its output, whose ``router_loss`` is added to the ORPO loss (PyTorch's public module hooks, on our
+  model only).
+- `MoERewardTrainer` trains a reward model (`moe_core.reward_model.MoEForSequenceClassification`) with TRL's
+  RewardTrainer (pairwise loss); the reward forward returns ``router_loss`` like the causal LM's, added to the
+  pairwise loss.
 - Every trainer weighs the router losses alike: the model's ``router_loss`` comes from
   `moe_core.router_losses.router_loss` (the coefficients and the layer reduction in one place), computed over
   the non-padding tokens.
@@ -45,7 +57,17 @@ from typing import Any
 import datasets
 import torch
 from transformers import TrainerCallback
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import (
+    DPOConfig,
+    DPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from moe_core.data.framing import plain_text
@@ -128,6 +150,69 @@ def dpo_dataset(records, *, plain: bool = False):
         for key, value in (("chosen", chosen), ("rejected", rejected)):
             rows[key].append(_turns(value, "assistant"))
     return datasets.Dataset.from_dict(rows)
+
+
+def kto_dataset(records, *, plain: bool = False):
+    """KTO records (``prompt``, ``completion``: strings or chat turns; ``label``: true for a desirable completion,
+    false for an undesirable one) as conversational rows framed by the chat template, or with ``plain`` as TRL's
+    non-conversational rows (as `dpo_dataset`). A row without a boolean label is refused, naming it."""
+    rows: dict[str, list[Any]] = {"prompt": [], "completion": [], "label": []}
+    for i, record in enumerate(records):
+        prompt, completion, label = record.get("prompt"), record.get("completion"), record.get("label")
+        if any(v is None or (isinstance(v, str) and not v) for v in (prompt, completion)):
+            raise FinetuneError(f"KTO example {i}: empty prompt or completion; fix or drop that row")
+        if not isinstance(label, bool):
+            raise FinetuneError(
+                f"KTO example {i}: label is {'missing' if label is None else repr(type(label).__name__)}; "
+                "each row needs label true (a desirable completion) or false (an undesirable one)"
+            )
+        rows["label"].append(label)
+        if plain:
+            rows["prompt"].append(plain_text(_turns(prompt, "user")))
+            rows["completion"].append(
+                "\n".join(str(t.get("content") or "") for t in _turns(completion, "assistant"))
+            )
+            continue
+        rows["prompt"].append(_turns(prompt, "user"))
+        rows["completion"].append(_turns(completion, "assistant"))
+    return datasets.Dataset.from_dict(rows)
+
+
+def objective_dataset(objective: str, records, *, plain: bool = False, task_column=None, task_names=None):
+    """The TRL rows of ``records`` for ``objective``: `sft_dataset`, `dpo_dataset` (dpo, orpo, reward) or
+    `kto_dataset`."""
+    if objective == "sft":
+        return sft_dataset(records, task_column, task_names, plain=plain)
+    if objective == "kto":
+        return kto_dataset(records, plain=plain)
+    return dpo_dataset(records, plain=plain)
+
+
+def answered_messages(objective: str, record: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """One training example as turns ending in its answer (preference data: the chosen one; KTO: the completion,
+    desirable or not): what ESFT's routing profile routes through the base model."""
+    if objective == "sft":
+        return instruction_messages(record, index)
+    answer = record["completion"] if objective == "kto" else record["chosen"]
+    return _turns(record["prompt"], "user") + _turns(answer, "assistant")
+
+
+def reward_pair_ids(tokenizer, records, *, plain: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(chosen ids, rejected ids) of each preference record, the whole sequence tokenized as TRL's
+    RewardTrainer tokenizes it (the chat template over prompt + answer; plain: the text and EOS), for
+    `moe_core.reward_model.pairwise_accuracy`."""
+    pairs = []
+    for row in dpo_dataset(records, plain=plain):
+        ids = []
+        for key in ("chosen", "rejected"):
+            if plain:
+                ids.append(tokenizer(row["prompt"] + row[key] + tokenizer.eos_token)["input_ids"])
+            else:
+                ids.append(
+                    tokenizer.apply_chat_template(row["prompt"] + row[key], tokenize=True, return_dict=False)
+                )
+        pairs.append((ids[0], ids[1]))
+    return pairs
 
 
 def template_renderings(dataset):
@@ -347,7 +432,7 @@ class _MoEMetrics:
 
     def _observe(self, out, mode: str) -> None:
         metrics = self._metrics[mode]
-        if out.lm_loss is not None:
+        if getattr(out, "lm_loss", None) is not None:  # a reward model's output has none
             metrics["lm_loss"].append(out.lm_loss.detach().float().item())
         if out.aux_loss is not None:
             metrics["aux_loss"].append(out.aux_loss.detach().float().item())
@@ -493,19 +578,133 @@ class MoEDPOTrainer(PerRankCheckpoints, _MoEMetrics, DPOTrainer):
         self._base._moe_router_out = None
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         out = self._base.__dict__.pop("_moe_router_out", None)
-        if out is None or out.aux_loss is None:
-            return result
-        loss = result[0] if return_outputs else result
-        if out.router_loss is not None:
-            loss = loss + out.router_loss
-        self._metrics[mode]["aux_loss"].append(out.aux_loss.detach().float().item())
-        self._metrics[mode]["z_loss"].append(out.z_loss.detach().float().item())
-        if self._routing is not None and mode == "train" and out.routing is not None:
-            self._routing.add(out.routing)
-        return (loss, result[1]) if return_outputs else loss
+        return _with_router_loss(self, result, out, mode, return_outputs)
 
     def compute_ref_log_probs(self, model, inputs):  # only with precompute_ref_log_probs, which we leave off
         raise FinetuneError("precompute_ref_log_probs is not supported by MoEDPOTrainer; leave it off")
+
+
+class MoEKTOTrainer(PerRankCheckpoints, _MoEMetrics, KTOTrainer):
+    """TRL's KTOTrainer plus our router losses on the policy forward; see the module docstring."""
+
+    def __init__(
+        self,
+        model,
+        *args,
+        plan: MethodPlan | None = None,
+        log_routing: bool = True,
+        per_expert: bool = False,
+        **kwargs,
+    ) -> None:
+        with _config_kept(model):
+            super().__init__(model, *args, **kwargs)
+        self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
+        base = unwrap(self.model)
+        base.forward = types.MethodType(fused_forward, base)
+        if self.ref_model is not None:
+            ref = unwrap(self.ref_model)
+            ref.forward = types.MethodType(fused_forward, ref)
+        self._setup_moe(plan, log_routing, per_expert)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        self._base._moe_router_out = None
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = self._base.__dict__.pop("_moe_router_out", None)
+        return _with_router_loss(self, result, out, mode, return_outputs)
+
+
+def _with_router_loss(trainer, result, out, mode: str, return_outputs: bool, metrics=None):
+    """``result`` (a loss, or (loss, outputs)) with the policy forward's ``router_loss`` added; its aux and z
+    losses into ``metrics`` (default: the trainer's ``_metrics[mode]``) and its routing into the statistics."""
+    if out is None or out.aux_loss is None:
+        return result
+    loss = result[0] if return_outputs else result
+    if out.router_loss is not None:
+        loss = loss + out.router_loss
+    metrics = trainer._metrics[mode] if metrics is None else metrics
+    metrics["aux_loss"].append(out.aux_loss.detach().float().item())
+    metrics["z_loss"].append(out.z_loss.detach().float().item())
+    if trainer._routing is not None and mode == "train" and out.routing is not None:
+        trainer._routing.add(out.routing)
+    return (loss, result[1]) if return_outputs else loss
+
+
+def _ask_for_routing(module, args, kwargs):
+    """Forward pre-hook: a forward under autograd (the policy's, not the reference or eval) returns its routing."""
+    if torch.is_grad_enabled():
+        kwargs["output_routing"] = True
+    return args, kwargs
+
+
+def _keep_router_out(module, args, kwargs, output):
+    """Forward hook: keep the output of a forward under autograd, for its ``router_loss`` and routing."""
+    if torch.is_grad_enabled():
+        module._moe_router_out = output
+
+
+class MoEORPOTrainer(PerRankCheckpoints, _MoEMetrics, ORPOTrainer):
+    """``trl.experimental.orpo.ORPOTrainer`` (experimental upstream) plus our router losses on the policy forward;
+    see the module docstring."""
+
+    def __init__(
+        self,
+        model,
+        *args,
+        plan: MethodPlan | None = None,
+        log_routing: bool = True,
+        per_expert: bool = False,
+        **kwargs,
+    ) -> None:
+        with _config_kept(model):
+            super().__init__(model, *args, **kwargs)
+        self.aux_loss_enabled = (
+            False  # TRL's own MoE path reads a transformers-style aux loss we do not return
+        )
+        self._setup_moe(plan, log_routing, per_expert)
+        self._hooks = [
+            self._base.register_forward_pre_hook(_ask_for_routing, with_kwargs=True),
+            self._base.register_forward_hook(_keep_router_out, with_kwargs=True),
+        ]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        self._base._moe_router_out = None
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = self._base.__dict__.pop("_moe_router_out", None)
+        metrics = {"aux_loss": [], "z_loss": []}
+        result = _with_router_loss(self, result, out, mode, return_outputs, metrics)
+        self.store_metrics({k: v[0] for k, v in metrics.items() if v}, train_eval=mode)
+        return result
+
+    def remove_hooks(self) -> None:
+        """Take the hooks off the model (`finetune` does after training: the exported model carries none)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class MoERewardTrainer(PerRankCheckpoints, _MoEMetrics, RewardTrainer):
+    """TRL's RewardTrainer on `moe_core.reward_model.MoEForSequenceClassification`, plus its router losses."""
+
+    def __init__(
+        self,
+        model,
+        *args,
+        plan: MethodPlan | None = None,
+        log_routing: bool = True,
+        per_expert: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(model, *args, **kwargs)
+        self._setup_moe(plan, log_routing, per_expert)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        inputs["output_routing"] = self._routing is not None and mode == "train"
+        loss, out = super().compute_loss(model, inputs, True, num_items_in_batch)
+        result = _with_router_loss(self, (loss, out), out, mode, True)
+        return result if return_outputs else result[0]
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -547,6 +746,18 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         common.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})
     if config.objective == "sft":
         return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
+    if config.objective == "reward":
+        return RewardConfig(center_rewards_coefficient=config.reward.center_coefficient, **common)
+    if config.objective == "orpo":
+        return ORPOConfig(beta=config.orpo.beta, **common)
+    if config.objective == "kto":
+        return KTOConfig(
+            beta=config.kto.beta,
+            desirable_weight=config.kto.desirable_weight,
+            undesirable_weight=config.kto.undesirable_weight,
+            precompute_ref_log_probs=False,
+            **common,
+        )
     return DPOConfig(
         beta=config.dpo.beta, loss_type=[config.dpo.loss_type], precompute_ref_log_probs=False, **common
     )

@@ -10,7 +10,7 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
-(TRL SFT/DPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
+(TRL SFT/DPO/ORPO/KTO/reward with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
 size-dependent auto fields (gradient checkpointing, merged and HF exports) resolve to is decided from the base
 model's config before its weights load (`moe_core.finetune.sizing`), printed, and saved in ``summary.json``.
 
@@ -77,14 +77,16 @@ from moe_core.finetune.methods import (
 from moe_core.finetune.objectives import (
     FiniteStepGuard,
     MoEDPOTrainer,
+    MoEKTOTrainer,
+    MoEORPOTrainer,
+    MoERewardTrainer,
     MoESFTTrainer,
     MoEStepCallback,
     ProgressCallback,
     SinkCallback,
     TaskCollator,
-    dpo_dataset,
-    instruction_messages,
-    sft_dataset,
+    answered_messages,
+    objective_dataset,
     task_names_of,
     template_renderings,
     trainer_args,
@@ -106,6 +108,7 @@ from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
 from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
+from moe_core.reward_model import MoEForSequenceClassification, reward_model_from
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
 from moe_core.train.telemetry import JsonlSink, read_jsonl
@@ -275,10 +278,22 @@ def prepare_tokenizer(tokenizer, config_of_model):
     return with_model_input_names(tokenizer)  # a tokenizer given in memory may still add token_type_ids
 
 
+# the data kind (`moe_core.data.sources.KINDS`) each objective trains on
+DATA_KINDS = {
+    "sft": "instruction",
+    "dpo": "preference",
+    "orpo": "preference",
+    "reward": "preference",
+    "kto": "kto",
+}
+
+
 def load_records(config: FinetuneConfig):
     if not config.data.source:
-        raise FinetuneError("data.source is not set; give an instruction (SFT) or preference (DPO) file")
-    kind = "instruction" if config.objective == "sft" else "preference"
+        raise FinetuneError(
+            f"data.source is not set; objective={config.objective} needs a {DATA_KINDS[config.objective]} file"
+        )
+    kind = DATA_KINDS[config.objective]
     loaded = load_source(
         config.data.source,
         kind=kind,
@@ -286,7 +301,7 @@ def load_records(config: FinetuneConfig):
         split=config.data.split,
         max_documents=config.data.max_examples,
     )
-    if config.data.validate_data:
+    if config.data.validate_data and kind != "kto":  # kto: its columns and labels were checked while loading
         validate(loaded.dataset, kind, source=loaded.spec.name).raise_for_failure()
     return loaded.dataset
 
@@ -319,7 +334,7 @@ def esft_selection(model, tokenizer, records, config: FinetuneConfig, frozen: di
     n_examples = min(config.lora.esft_examples, len(records))
     for start in range(0, n_examples, config.batch_size):
         texts = [
-            _framed_text(tokenizer, instruction_messages(records[i], i), plain)
+            _framed_text(tokenizer, answered_messages(config.objective, records[i], i), plain)
             for i in range(start, min(start + config.batch_size, n_examples))
         ]
         enc = tokenizer(
@@ -367,7 +382,8 @@ def finetune(
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
     ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
-    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO) override ``config.model`` / ``config.data``.
+    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO, ORPO and reward, prompt/completion/label for KTO)
+    override ``config.model`` / ``config.data``.
     Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
     ``out_dir`` holding an earlier fine-tune's outputs is refused unless ``overwrite`` (then they are replaced
     once this run succeeded); ``resume`` continues from the newest checkpoint in ``out_dir/checkpoints``; see the
@@ -536,9 +552,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     tokenizer = frame_with_template(tokenizer, config.data.chat_template)
     framing = framing_for(config.data.chat_template)
     plain = framing.kind == PLAIN
-    framed = (
-        sft_dataset(records, plain=plain) if config.objective == "sft" else dpo_dataset(records, plain=plain)
-    )
+    framed = objective_dataset(config.objective, records, plain=plain)
     if not plain:
         check_chat_template(tokenizer, template_renderings(framed))
     check_lengths(tokenizer, framed, config.data.max_length)
@@ -570,6 +584,8 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
+    if config.objective == "reward" and not isinstance(model, MoEForSequenceClassification):
+        model = reward_model_from(model)  # the backbone taken over (no copy), a fresh score head
     model.train()
     return LoadedInputs(model, tokenizer, records, task_names, framing, size)
 
@@ -578,14 +594,14 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
 @dataclass
 class SelectedParameters:
     """Which parameters train: the method applied to the base model (full, LoRA on attention and experts, ESFT's
-    experts, router-only, task router bias; `freeze` on top), and the frozen DPO reference where one is needed."""
+    experts, router-only, task router bias; `freeze` on top), and the frozen DPO/KTO reference where one is needed."""
 
     train_model: Any  # the model the optimizer sees (a PEFT model for lora)
     plan: MethodPlan  # what the method did: targets, expert selection, task bias
     report: TrainableReport  # trainable counts per group, saved as trainable_parameters.json
     ref_model: (
         Any | None
-    )  # DPO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
+    )  # DPO/KTO without LoRA: the frozen policy at step 0 (LoRA's reference is the base itself)
 
 
 def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Path) -> SelectedParameters:
@@ -594,7 +610,7 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
     whole model, also on several processes: `run_training` splits the experts)."""
     model = inputs.model
     ref_model = None
-    if config.objective == "dpo" and config.method != "lora":
+    if config.objective in ("dpo", "kto") and config.method != "lora":
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # before the method changes the model
 
     selection = None
@@ -698,7 +714,7 @@ def run_training(
     sinks,
     place: RunPlace | None = None,
 ) -> TrainingOutcome:
-    """SFT or DPO through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``; checkpoints and resume
+    """The objective through TRL (`objectives`), metrics to ``metrics.jsonl`` and ``sinks``; checkpoints and resume
     as ``place`` says. Raises `FinetuneDivergedError` when the last step was skipped or the trained weights are not
     finite."""
     place = place or RunPlace()
@@ -729,21 +745,30 @@ def run_training(
         log_routing=config.log.routing,
         per_expert=config.log.per_expert,
     )
+    trainer = None
     try:
         plain = inputs.framing.kind == PLAIN
         with quiet_datasets():
+            dataset = objective_dataset(
+                config.objective,
+                inputs.records,
+                plain=plain,
+                task_column=config.data.task_column,
+                task_names=inputs.task_names,
+            )
             if config.objective == "sft":
-                dataset = sft_dataset(inputs.records, config.data.task_column, inputs.task_names, plain=plain)
                 trainer = MoESFTTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
                 if config.data.task_column:
                     trainer.data_collator = TaskCollator(trainer.data_collator)
-            else:
-                trainer = MoEDPOTrainer(
-                    train_model,
-                    ref_model=selected.ref_model,
-                    train_dataset=dpo_dataset(inputs.records, plain=plain),
-                    **trainer_kwargs,
+            elif config.objective in ("dpo", "kto"):
+                trainer_cls = MoEDPOTrainer if config.objective == "dpo" else MoEKTOTrainer
+                trainer = trainer_cls(
+                    train_model, ref_model=selected.ref_model, train_dataset=dataset, **trainer_kwargs
                 )
+            elif config.objective == "orpo":
+                trainer = MoEORPOTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
+            else:
+                trainer = MoERewardTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
         if place.parallel is not None and place.parallel.sharded:
             # after the trainer is built: TRL's DPO copies the adapter into a frozen "ref" adapter first, and
@@ -759,6 +784,8 @@ def run_training(
             trainer.train(resume_from_checkpoint=resume_from)
     finally:
         jsonl.close()
+        if isinstance(trainer, MoEORPOTrainer):
+            trainer.remove_hooks()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
     if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
         raise FinetuneDivergedError(

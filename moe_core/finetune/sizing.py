@@ -115,7 +115,8 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
     if merged is None:
         merged = not (large and has_adapter) and not quantized
     if hf is None:
-        hf = bool(model_config.hf_origin) and not large and not quantized
+        # a reward model (objective=reward) has no Hugging Face MoE architecture to be written as
+        hf = bool(model_config.hf_origin) and not large and not quantized and config.objective != "reward"
     if quantized and (config.export.merged is None or config.export.hf is None):
         notes.append(
             f"quantize.base={config.quantize.base}: only the adapter is written (it applies to the full-precision "
