@@ -165,5 +165,10 @@ def test_every_function_local_import_says_why():
     """Imports belong at the top (issue 28 §6); one inside a function names its reason: an optional or heavy
     dependency, a cycle it avoids, a command module's lazy policy."""
     roots = [PACKAGE_DIR, *(PACKAGE_DIR.parent / name for name in ("moe_lab", "tasks", "flows", "dashboard"))]
-    found = [hit for root in roots for path in sorted(root.rglob("*.py")) for hit in _unexplained_local_imports(path)]
+    found = [
+        hit
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        for hit in _unexplained_local_imports(path)
+    ]
     assert not found, "function-local imports without a reason:\n" + "\n".join(found)
