@@ -91,7 +91,7 @@ def model_params(model_config) -> list[ParamInfo]:
         parts = name.split(".")
         layer = int(parts[2]) if parts[:2] == ["model", "layers"] else None
         out.append(
-            ParamInfo(name, p.numel() * 4, p.shape[0] if p.dim() else 1, par.is_expert_param(name), layer)
+            ParamInfo(name, p.numel() * 4, p.shape[0] if p.dim() else 1, ".mlp.experts." in name, layer)
         )
     return out
 
@@ -250,9 +250,8 @@ class Layout:
 
     @property
     def name(self) -> str:
-        dp = self.world // self.ep_size
         ckpt = "ckpt" if self.activation_checkpointing else "no-ckpt"
-        return f"ep{self.ep_size} x {self.dp_mode}{dp} {ckpt}"
+        return f"ep{self.ep_size} {self.dp_mode}({self.world}) {ckpt}"
 
     @property
     def comm_total(self) -> int:
