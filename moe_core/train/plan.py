@@ -48,8 +48,10 @@ gradients all-reduced over the W/ep data-parallel replicas; FSDP2 all-gathers th
 backward of every micro-step, 2 g (W-1)/W, and reduce-scatters the gradients once, (W-1)/W.
 
 Not modelled: the allocator's fragmentation and caching (CUDA's caching allocator rounds up), CUDA context and
-NCCL buffers (about 0.5-1 GiB a GPU: `headroom_gb`), DeepSpeed, torch.compile, imbalance of routing under
-expert parallelism (R is taken as A, the balanced expectation).
+NCCL buffers (about 0.5-1 GiB a GPU: `headroom_gb`), the process's memory beside tensors (Python objects, gloo,
+threads: 20-40 MiB on CPU, `benchmarks/plan_check.py` measures it), DeepSpeed, torch.compile, imbalance of
+routing under expert parallelism (R is taken as A, the balanced expectation). Predicted against the real
+trainer's peaks: benchmarks/README.md ("Planner").
 """
 
 from __future__ import annotations
