@@ -24,6 +24,10 @@ from moe_core.errors import MoELabError, did_you_mean
 COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("moe_core.data.cli", "validate and prepare training data (tokenizer + packed shards)"),
     "train": ("moe_core.train.cli", "pretrain a model (MoE or dense baseline), one process or many"),
+    "plan": (
+        "moe_core.train.plan_cli",
+        "which parallel layouts fit on N GPUs: per-rank memory, communication",
+    ),
     "finetune": (
         "moe_core.finetune.cli",
         "fine-tune a model (LoRA on experts, ESFT, router tuning; SFT/DPO)",

@@ -8,6 +8,10 @@
     moe-lab train --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --out /shared/runs/b
     moe-lab train --nproc 4 --max-restarts 3 --out runs/c          # elastic: a dead rank restarts the group
     moe-lab train --slurm --nnodes 4 --nproc-per-node 8 --slurm-gpus-per-node 8 --out /shared/runs/d [--submit]
+    moe-lab plan --preset mixtral-base --gpus 8 --gpu-memory 80       # the layouts that fit, a recommendation
+
+Before it launches, ``moe-lab train`` refuses (`moe_core.train.plan.check_layout`) an ep_size that does not divide
+the world and the experts, and a layout whose predicted per-rank peak exceeds the device's memory.
 
 With ``--nproc`` (or ``--nnodes`` > 1, or ``--max-restarts``) the command re-runs itself under ``torchrun``
 (`moe_core.train.launch`); inside torchrun (``WORLD_SIZE`` set) it trains as one rank of the group, and a
@@ -237,6 +241,19 @@ def dry_run_report(config, world_size: int) -> str:
     return "\n".join(lines)
 
 
+def rank_memory_bytes(config, nproc_per_node: int) -> int | None:
+    """What one rank may hold: the first CUDA device's memory when the run trains on CUDA, else this host's
+    memory shared by its processes (None where neither is known)."""
+    import torch
+
+    if config.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(nproc_per_node, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -297,6 +314,10 @@ def run_train(args, config=None) -> int:
     if args.dry_run:
         print(dry_run_report(config, spec.world_size), flush=True)
         return 0
+    if "WORLD_SIZE" not in os.environ:  # once, before torchrun starts and before anything is allocated
+        from moe_core.train.plan import check_layout
+
+        check_layout(config, spec.world_size, rank_memory_bytes(config, spec.nproc_per_node))
     if spec.needs_launcher and "WORLD_SIZE" not in os.environ:
         return run_launcher(launch.torchrun_command(spec, worker_argv(args)))
 
