@@ -11,7 +11,9 @@ re-drawn at a scale where logits are O(1), and the V3 selection bias is drawn to
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -462,3 +464,121 @@ def test_v2_export_refuses_a_selection_bias_it_would_lose(tmp_path):
     with pytest.raises(ConversionError, match="nonzero selection bias"):
         to_hf(ours, tmp_path / "out", architecture="deepseek_v2")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def test_pretraining_steps_move_the_bias_and_the_export_loads(tmp_path):
+    """A few steps of `moe_core.train.train` on deepseek-tiny: finite losses, the aux-loss-free bias moved by the
+    trainer's update (not by a gradient), and the exported model loads through `moe_core.load` unchanged."""
+    from safetensors.torch import load_file
+
+    from moe_core import load
+    from moe_core.train import TrainConfig, train
+
+    config = TrainConfig.build(
+        {
+            "model": {"preset": "deepseek-tiny"},
+            "steps": 4,
+            "batch_size": 4,
+            "data": {"source": "synthetic", "seq_len": 32, "synthetic_blocks": 64},
+            "optim": {"warmup_steps": 1},
+            "log": {"every": 2, "progress": "off"},
+            "checkpoint": {"every": 4, "keep_last": 1},
+            "eval": {"batches": 1},
+        }
+    )
+    result = train(config, tmp_path / "run")
+    assert result.val_loss == result.val_loss and result.val_loss < 10
+    weights = load_file(result.export_dir / "model.safetensors")
+    bias = weights["model.layers.1.mlp.router.expert_bias"]
+    assert bias.abs().max() > 0  # moved by sign(mean load - load) * 0.001 after each step
+    torch.testing.assert_close(bias.abs().max(), torch.tensor(4 * 0.001), atol=4 * 0.001, rtol=0)
+    model = load(result.export_dir).model
+    assert model.config.attention_type == "mla" and model.config.router == "deepseek"
+    assert torch.equal(model.state_dict()["model.layers.1.mlp.router.expert_bias"], bias)
+
+
+def test_save_load_round_trip_keeps_logits_and_the_bias(tmp_path):
+    from moe_core import load
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("deepseek-tiny")).eval()
+    randomize_(model)
+    randomize_bias_(model)
+    model.save_pretrained(tmp_path / "m")
+    input_ids, _ = make_inputs(model.config.vocab_size)
+    for memory_map in (
+        False,
+        True,
+    ):  # from_pretrained, and the memory-mapped streaming loader (`moe_core.mapped`)
+        again = load(tmp_path / "m", memory_map=memory_map).model
+        assert_same_logits(logits(again, input_ids), logits(model, input_ids))
+        assert torch.equal(again.routers()[0].expert_bias, model.routers()[0].expert_bias)
+
+
+def test_lora_on_experts_and_mla_projections_trains_only_the_adapters(tmp_path):
+    """The `moe_core.finetune` API on a DeepSeek model: LoRA on every routed expert and on MLA's projections (by
+    their names), a few SFT steps lower nothing but the adapters, and the router's bias is untouched."""
+    from moe_core.finetune import FinetuneConfig, finetune
+    from tests.finetune_helpers import instruction_records, state, tiny_model, tiny_tokenizer
+
+    model = tiny_model(
+        "deepseek-tiny",
+        num_experts=4,
+        router_groups=2,
+        router_topk_groups=1,
+        num_experts_per_tok=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        head_dim=None,
+        router_bias_update_rate=0.0,
+    )
+    before = state(model)
+    config = FinetuneConfig.build(
+        {
+            "steps": 3,
+            "batch_size": 4,
+            "optim": {"lr": 1e-2},
+            "lora": {
+                "r": 4,
+                "alpha": 8.0,
+                "experts": "all",
+                "attention": ["q_b_proj", "kv_b_proj", "o_proj"],
+            },
+            "export": {"merged": False},
+        }
+    )
+    result = finetune(
+        config, tmp_path, model=model, tokenizer=tiny_tokenizer(), records=instruction_records(8)
+    )
+    rows = [r for r in result.metrics if "lm_loss" in r]
+    assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
+    trained = {n for n, p in result.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert any("experts" in n for n in trained) and any("kv_b_proj" in n for n in trained)
+    after = state(result.model)
+    for name, tensor in before.items():
+        if "expert_bias" in name:
+            match = [k for k in after if k.endswith(name.removeprefix("model."))]
+            assert match and torch.equal(after[match[0]], tensor)
+
+
+def test_router_profile_reads_the_deepseek_routing():
+    from moe_core.analytics.profile import collect_profile
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("deepseek-tiny")).eval()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    profile = collect_profile(model, [input_ids])
+    assert profile.model["moe_layer_ids"] == [1]
+    assert profile.model["router"] == "deepseek"
+    load_LE = profile.load_matrix_LE()
+    assert load_LE.shape == (1, 16)  # the dense first layer has no profile
+    # the shares are the router's own record's (nothing re-derives routing)
+    with torch.no_grad():
+        record = model(input_ids, output_routing=True, use_cache=False).routing[0]
+    expected_E = record.tokens_per_expert_E.double() / (2 * 16 * 4)
+    np.testing.assert_allclose(load_LE[0], expected_E.numpy(), atol=1e-9)
