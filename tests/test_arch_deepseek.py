@@ -582,3 +582,21 @@ def test_router_profile_reads_the_deepseek_routing():
         record = model(input_ids, output_routing=True, use_cache=False).routing[0]
     expected_E = record.tokens_per_expert_E.double() / (2 * 16 * 4)
     np.testing.assert_allclose(load_LE[0], expected_E.numpy(), atol=1e-9)
+
+
+def test_onnx_export_refuses_mla_before_tracing(tmp_path):
+    from moe_core.inference.onnx_export import OnnxExportError, export_onnx
+
+    with pytest.raises(OnnxExportError, match="attention_type='mla'"):
+        export_onnx(MoEForCausalLM(get_config("deepseek-tiny")), tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_gguf_export_refuses_a_deepseek_checkpoint_naming_the_layout(tmp_path):
+    from moe_core.inference.gguf_export import GGUFExportError, export_gguf
+
+    torch.manual_seed(0)
+    to_hf(MoEForCausalLM(get_config("deepseek-tiny")), tmp_path / "hf", architecture="deepseek_v3")
+    with pytest.raises(GGUFExportError, match="'deepseek_v3'.*Mixtral"):
+        export_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
