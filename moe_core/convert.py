@@ -396,7 +396,7 @@ def _deepseek_refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     rope = hf.rope_parameters or {}
     if rope.get("rope_type", "default") == "yarn" or rope.get("type") == "yarn":
         reasons.append(
-            f"rope_parameters rope_type 'yarn' (config.json's rope_scaling {rope.get('factor')=}): YaRN RoPE and "
+            f"rope_parameters rope_type 'yarn' (config.json's rope_scaling, factor {rope.get('factor')}): YaRN RoPE and "
             "DeepSeek's mscale softmax scale are pending in the lab (the shared RotaryEmbedding is gaining YaRN); "
             "until then only rope_type 'default' converts"
         )

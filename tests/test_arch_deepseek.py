@@ -600,3 +600,54 @@ def test_gguf_export_refuses_a_deepseek_checkpoint_naming_the_layout(tmp_path):
     with pytest.raises(GGUFExportError, match="'deepseek_v3'.*Mixtral"):
         export_gguf(tmp_path / "hf", tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()
+
+
+# ------------------------------------------------------------------------------------------------ published
+@pytest.mark.slow
+def test_moonlight_at_full_width_loads_through_moe_core_load(tmp_path):
+    """Moonlight-16B-A3B's published config at full width (hidden 2048, MLA and FFN widths as published), cut to
+    its dense first layer and one MoE layer with 8 of its 64 experts and a 4096-token vocabulary (~380 MiB of
+    bf16), loads through `moe_core.load` as the lab's DeepSeek model, memory-mapped too."""
+    import moe_core
+    from moe_core.published import build_published
+
+    directory = build_published(
+        "moonlight-16b-a3b",
+        layers=2,
+        overrides=dict(n_routed_experts=8, vocab_size=4096),
+        cache_dir=tmp_path,
+        tokenizer_vocab=300,
+    )
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for memory_map in (False, True):
+        loaded = moe_core.load(directory, memory_map=memory_map)
+        config = loaded.model.config
+        assert loaded.kind == "hf" and config.attention_type == "mla" and config.q_lora_rank is None
+        assert (config.hidden_size, config.kv_lora_rank, config.qk_rope_head_dim) == (2048, 512, 64)
+        assert config.dense_layers == [0] and config.moe_layer_ids == [1]
+        assert (config.router, config.router_score, config.routed_scaling_factor) == (
+            "deepseek",
+            "sigmoid",
+            2.446,
+        )
+        assert config.num_shared_experts == 2 and config.intermediate_size == 11264
+        with torch.no_grad():
+            outputs.append(loaded.model(ids).logits.float())
+        del loaded
+    assert torch.isfinite(outputs[0]).all()
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
+
+
+def test_deepseek_v2_lite_s_yarn_is_refused_on_load_naming_it_as_pending(tmp_path):
+    """DeepSeek-V2-Lite as published has YaRN RoPE: the lab refuses it before reading a weight (its tiny
+    stand-in, with YaRN off, is held equal to transformers in tests/test_published.py)."""
+    import moe_core
+    from moe_core.published import PUBLISHED, build_published
+
+    overrides = {k: v for k, v in PUBLISHED["deepseek-v2-lite"].tiny_overrides.items() if k != "rope_scaling"}
+    directory = build_published(
+        "deepseek-v2-lite", layers=2, overrides=overrides, cache_dir=tmp_path, tokenizer_vocab=300
+    )
+    with pytest.raises(ConversionError, match="YaRN .* pending"):
+        moe_core.load(directory)
