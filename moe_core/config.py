@@ -7,7 +7,7 @@ unknown field (``MoEConfig(num_expert=2)``, ``get_config(..., **overrides)``: a 
 Loading a saved ``config.json`` (``from_pretrained`` / ``from_dict``) accepts Hugging Face's standard keys and
 keeps unknown ones with a warning, so files written by other versions keep loading.
 
-Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``dense``; sizes
+Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``deepseek``, ``dense``; sizes
 ``tiny`` (tests, seconds), ``small`` (minutes on a CPU) and ``base`` (a GPU).
 """
 
