@@ -1,4 +1,5 @@
-"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE and Qwen2-MoE checkpoints.
+"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3 and
+DeepSeek-V2 checkpoints.
 
     from moe_core.convert import from_hf, to_hf
     model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
@@ -23,6 +24,10 @@ both sides, layer ``i``, expert ``j``::
                self_attn.q_norm / k_norm (RMSNorm over all heads)   -> self_attn.q_norm / k_norm
     Qwen2-MoE  as OLMoE for gate and experts, plus q/k/v biases, mlp.shared_expert.{gate,up,down}_proj,
                mlp.shared_expert_gate, and dense ``mlp.{gate,up,down}_proj`` in non-sparse layers
+    DeepSeek   (V3 and V2) as OLMoE for gate and experts; MLA's self_attn.{q_proj | q_a_proj, q_a_layernorm,
+               q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (same names on both sides);
+               mlp.shared_experts.*_proj -> mlp.shared_expert.*_proj; V3's mlp.gate.e_score_correction_bias
+               -> mlp.router.expert_bias (V2 has none: read as zeros, refused on the way back unless zero)
 
 Config (HF -> ours)::
 
@@ -37,6 +42,15 @@ Config (HF -> ours)::
                shared_expert_intermediate_size with num_shared_experts = 1 and shared_expert_gate = True;
                decoder_sparse_step -> moe_every_n; mlp_only_layers -> dense_layers; qkv_bias ->
                attention_bias; norm_topk_prob
+    DeepSeek   attention_type "mla" with q_lora_rank, kv_lora_rank, qk_{nope,rope}_head_dim, v_head_dim (head_dim =
+               qk_rope_head_dim), rope_interleave (V2: always); n_routed_experts, moe_intermediate_size, n_shared_experts
+               (ungated, as wide as a routed expert), first_k_dense_replace -> dense_layers; router "deepseek":
+               V3 sigmoid + bias, n_group/topk_group, group score top-2 sum; V2 softmax, topk_method greedy |
+               group_limited_greedy (group score max); norm_topk_prob, routed_scaling_factor. Refused by name:
+               YaRN (pending), other topk_method/scoring_func, moe_layer_freq != 1, V2 norm_topk_prob=True,
+               quantization_config, num_key_value_heads != num_attention_heads, attention/mlp biases. Balancing: V2's
+               aux_loss_alpha is exactly router_aux_loss_coef; V3 gets 0 and router_bias_update_rate 0 (the
+               published bias stays put unless the rate is set: `_deepseek_config_from_hf`)
 
 Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
 (1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
