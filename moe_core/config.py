@@ -7,7 +7,7 @@ unknown field (``MoEConfig(num_expert=2)``, ``get_config(..., **overrides)``: a 
 Loading a saved ``config.json`` (``from_pretrained`` / ``from_dict``) accepts Hugging Face's standard keys and
 keeps unknown ones with a warning, so files written by other versions keep loading.
 
-Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``dense``; sizes
+Presets are ``<family>-<size>``: families ``switch``, ``mixtral``, ``olmoe``, ``shared``, ``deepseek``, ``dense``; sizes
 ``tiny`` (tests, seconds), ``small`` (minutes on a CPU) and ``base`` (a GPU).
 """
 
@@ -34,6 +34,8 @@ TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
 ROUTER_LOSS_REDUCTIONS = ("mean", "sum")
 PRUNED_CHOICES = ("refill", "drop")
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
+ATTENTION_TYPES = ("mha", "mla")  # grouped-query attention; DeepSeek-V2/V3 multi-head latent attention
+ROUTER_GROUP_SCORES = ("top2_sum", "max")  # DeepSeek-V3's group score; DeepSeek-V2's
 
 
 class MoEConfig(PreTrainedConfig):
@@ -77,6 +79,14 @@ class MoEConfig(PreTrainedConfig):
         qk_norm: bool = False,
         clip_qkv: float | None = None,
         attention_dropout: float = 0.0,
+        # --- multi-head latent attention (DeepSeek-V2/V3; attention_type="mla") ---
+        attention_type: str = "mha",
+        q_lora_rank: int | None = None,
+        kv_lora_rank: int = 512,
+        qk_nope_head_dim: int = 128,
+        qk_rope_head_dim: int = 64,
+        v_head_dim: int = 128,
+        rope_interleave: bool = True,
         ffn_activation: str = "swiglu",
         intermediate_size: int = 1024,
         # --- mixture of experts ---
@@ -102,6 +112,11 @@ class MoEConfig(PreTrainedConfig):
         router_loss_reduction: str = "mean",
         router_pruned_experts: int = 0,
         router_pruned_choices: str = "refill",
+        # --- DeepSeek routing (router="deepseek") ---
+        router_groups: int = 1,
+        router_topk_groups: int = 1,
+        router_group_score: str = "top2_sum",
+        routed_scaling_factor: float = 1.0,
         expert_impl: str = "auto",
         # --- misc ---
         initializer_range: float = 0.02,
@@ -130,6 +145,18 @@ class MoEConfig(PreTrainedConfig):
         self.qk_norm = qk_norm
         self.clip_qkv = clip_qkv
         self.attention_dropout = attention_dropout
+        # MLA (model.MultiHeadLatentAttention): q through an optional rank-q_lora_rank bottleneck with its RMSNorm,
+        # k/v compressed to kv_lora_rank plus one RoPE key of qk_rope_head_dim shared by the heads; head_dim is
+        # then the RoPE part's width (what the rotary embedding rotates), as transformers' DeepseekV3Config sets it
+        self.attention_type = attention_type
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.rope_interleave = rope_interleave
+        if attention_type == "mla" and head_dim is None:
+            self.head_dim = qk_rope_head_dim
         self.ffn_activation = ffn_activation
         self.intermediate_size = intermediate_size
         self.num_experts = num_experts
@@ -159,6 +186,13 @@ class MoEConfig(PreTrainedConfig):
         self.router_pruned_experts = router_pruned_experts
         # a token's top-k choice that was pruned: "refill" (next-best kept expert) or "drop" (slot left empty)
         self.router_pruned_choices = router_pruned_choices
+        # DeepSeek group-limited routing (routing.DeepSeekRouter): experts in router_groups equal groups, a token
+        # picks its router_topk_groups best groups (scored by router_group_score) and its top-k inside them;
+        # the combine weights are multiplied by routed_scaling_factor
+        self.router_groups = router_groups
+        self.router_topk_groups = router_topk_groups
+        self.router_group_score = router_group_score
+        self.routed_scaling_factor = routed_scaling_factor
         self.expert_impl = expert_impl
         self.initializer_range = initializer_range
         # None: initializer_range. Why a separate value: see `moe_core.presets.family_settings("switch")` and
@@ -219,6 +253,7 @@ class MoEConfig(PreTrainedConfig):
             raise bad("expert_impl", f"choose one of {EXPERT_IMPLS}")
         if self.num_shared_experts < 0:
             raise bad("num_shared_experts", "must be >= 0")
+        self.validate_mla(bad)
         if self.num_experts == 0:
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -272,6 +307,28 @@ class MoEConfig(PreTrainedConfig):
             router_cls.check_config(self)
         except ValueError as err:
             raise bad("router", str(err)) from None
+
+    def validate_mla(self, bad) -> None:
+        """Multi-head latent attention's fields (`attention_type="mla"`)."""
+        if self.attention_type not in ATTENTION_TYPES:
+            raise bad("attention_type", f"choose one of {ATTENTION_TYPES}")
+        if self.attention_type != "mla":
+            return
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+                raise bad(field, "must be a positive integer (attention_type='mla')")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise bad("q_lora_rank", "must be a positive integer, or None for a full-rank q projection")
+        if self.qk_rope_head_dim % 2:
+            raise bad("qk_rope_head_dim", "RoPE rotates pairs: must be even")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise bad(
+                "head_dim",
+                f"with attention_type='mla' it is the RoPE width: set it to "
+                f"qk_rope_head_dim={self.qk_rope_head_dim} (or leave it None)",
+            )
+        if self.attention_bias or self.qk_norm or self.clip_qkv is not None:
+            raise bad("attention_type", "MLA has no q/k/v bias, qk_norm or clip_qkv here; turn those off")
 
     # ------------------------------------------------------------------ derived
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -369,6 +426,8 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
         attn += hd * (config.num_attention_heads + 2 * config.num_key_value_heads)
     if config.qk_norm:
         attn += hd * (config.num_attention_heads + config.num_key_value_heads)
+    if getattr(config, "attention_type", "mha") == "mla":
+        attn = mla_attention_params(config)
     norms = 2 * d
     total = active = 0
     for i in range(config.num_hidden_layers):
@@ -385,3 +444,13 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
             active += ffn_params(config, config.intermediate_size)
     embed = config.vocab_size * d * (1 if config.tie_word_embeddings else 2)
     return {"total": total + embed + d, "active": active + embed + d, "embedding": embed}
+
+
+def mla_attention_params(config: MoEConfig) -> int:
+    """Weights of one multi-head latent attention (`moe_core.model.MultiHeadLatentAttention`)."""
+    d, H = config.hidden_size, config.num_attention_heads
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    R, Rq = config.kv_lora_rank, config.q_lora_rank
+    q = d * H * qk if Rq is None else d * Rq + Rq + Rq * H * qk  # (+ the q_a_layernorm scale)
+    kv = d * (R + config.qk_rope_head_dim) + R + R * H * (config.qk_nope_head_dim + config.v_head_dim)
+    return q + kv + H * config.v_head_dim * d

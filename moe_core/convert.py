@@ -1,4 +1,5 @@
-"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE and Qwen2-MoE checkpoints.
+"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3 and
+DeepSeek-V2 checkpoints.
 
     from moe_core.convert import from_hf, to_hf
     model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
@@ -23,6 +24,10 @@ both sides, layer ``i``, expert ``j``::
                self_attn.q_norm / k_norm (RMSNorm over all heads)   -> self_attn.q_norm / k_norm
     Qwen2-MoE  as OLMoE for gate and experts, plus q/k/v biases, mlp.shared_expert.{gate,up,down}_proj,
                mlp.shared_expert_gate, and dense ``mlp.{gate,up,down}_proj`` in non-sparse layers
+    DeepSeek   (V3 and V2) as OLMoE for gate and experts; MLA's self_attn.{q_proj | q_a_proj, q_a_layernorm,
+               q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (same names on both sides);
+               mlp.shared_experts.*_proj -> mlp.shared_expert.*_proj; V3's mlp.gate.e_score_correction_bias
+               -> mlp.router.expert_bias (V2 has none: read as zeros, refused on the way back unless zero)
 
 Config (HF -> ours)::
 
@@ -37,6 +42,15 @@ Config (HF -> ours)::
                shared_expert_intermediate_size with num_shared_experts = 1 and shared_expert_gate = True;
                decoder_sparse_step -> moe_every_n; mlp_only_layers -> dense_layers; qkv_bias ->
                attention_bias; norm_topk_prob
+    DeepSeek   attention_type "mla" with q_lora_rank, kv_lora_rank, qk_{nope,rope}_head_dim, v_head_dim (head_dim =
+               qk_rope_head_dim), rope_interleave (V2: always); n_routed_experts, moe_intermediate_size, n_shared_experts
+               (ungated, as wide as a routed expert), first_k_dense_replace -> dense_layers; router "deepseek":
+               V3 sigmoid + bias, n_group/topk_group, group score top-2 sum; V2 softmax, topk_method greedy |
+               group_limited_greedy (group score max); norm_topk_prob, routed_scaling_factor. Refused by name:
+               YaRN (pending), other topk_method/scoring_func, moe_layer_freq != 1, V2 norm_topk_prob=True,
+               quantization_config, num_key_value_heads != num_attention_heads, attention/mlp biases. Balancing: V2's
+               aux_loss_alpha is exactly router_aux_loss_coef; V3 gets 0 and router_bias_update_rate 0 (the
+               published bias stays put unless the rate is set: `_deepseek_config_from_hf`)
 
 Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
 (1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
@@ -95,6 +109,13 @@ class HFArchitecture:
     class_name: str
     moe_module: str  # attribute of the decoder layer holding router + experts
     expert_weights: tuple[str, str, str]  # HF names of our (gate_proj, up_proj, down_proj)
+    shared_experts: str = (
+        "shared_expert"  # HF name of the MoE block's shared-expert FFN (ours: shared_expert)
+    )
+    # the router's selection bias (ours: mlp.router.expert_bias): "none" (the architecture has none), "stored"
+    # (DeepSeek-V3's mlp.gate.e_score_correction_bias), "zeros" (DeepSeek-V2 has none: read as zeros, and
+    # written only while it is zero)
+    router_bias: str = "none"
 
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
@@ -103,7 +124,26 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     "qwen2_moe": HFArchitecture(
         "qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")
     ),
+    # DeepSeek-V3 (Moonlight, Kimi K2) and DeepSeek-V2(-Lite): multi-head latent attention, shared experts, the
+    # first layers dense, group-limited routing (`_deepseek_config_from_hf`)
+    "deepseek_v3": HFArchitecture(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        shared_experts="shared_experts",
+        router_bias="stored",
+    ),
+    "deepseek_v2": HFArchitecture(
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        shared_experts="shared_experts",
+        router_bias="zeros",
+    ),
 }
+DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,8 +257,21 @@ class CheckpointReader:
                 f"pytorch_model.bin or pytorch_model.bin.index.json (hub ids fetch safetensors only, never "
                 f"pickled files)"
             )
+        self._zeros: dict[str, tuple[int, ...]] = {}  # names served as zeros (`_zero_router_biases`)
         if arch is not None:
             self._alias_fused(arch)
+            if arch.router_bias == "zeros":
+                self._zero_router_biases()
+
+    def _zero_router_biases(self) -> None:
+        """DeepSeek-V2 has no selection bias; our router (`moe_core.routing.DeepSeekRouter`) has one, which such
+        a checkpoint gives as zeros, under DeepSeek-V3's name (so one name table serves both)."""
+        for name in list(self.file_of):
+            match = re.match(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", name)
+            if match:
+                self._zeros[f"model.layers.{match.group(1)}.mlp.gate.e_score_correction_bias"] = (
+                    self.shape(name)[0],
+                )
 
     def _alias_fused(self, arch: HFArchitecture) -> None:
         for name in [n for n in self.file_of if _FUSED_EXPERTS.match(n)]:
@@ -259,9 +312,11 @@ class CheckpointReader:
         return self  # read-only file handles: a copied model (a DPO reference) shares them, as it shares the files
 
     def names(self) -> set[str]:
-        return set(self.file_of)
+        return set(self.file_of) | set(self._zeros)
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._zeros:
+            return torch.zeros(self._zeros[name])
         if name in self._alias:
             fused, index = self._alias[name]
             if self._held is None or self._held[0] != fused:
@@ -274,10 +329,14 @@ class CheckpointReader:
         return shard.get_tensor(name) if hasattr(shard, "get_tensor") else shard[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._zeros:
+            return self._zeros[name]
         shard = self._shard(self.file_of[name])
         return tuple(shard.get_slice(name).get_shape() if hasattr(shard, "get_slice") else shard[name].shape)
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self._zeros:
+            return torch.float32
         name = self._alias[name][0] if name in self._alias else name
         shard = self._shard(self._fused_file.get(name) or self.file_of[name])
         if hasattr(shard, "get_slice"):
@@ -334,6 +393,81 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
         reasons.append(
             "attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for"
         )
+    if arch.model_type in DEEPSEEK:
+        reasons += _deepseek_refusals_from_hf(arch, hf)
+    return reasons
+
+
+# What each DeepSeek router variant transformers 5.24 implements (``DeepseekV3TopkRouter``: sigmoid scores,
+# the noaux_tc selection whatever config.json says; ``DeepseekV2TopkRouter``: softmax, topk_method below)
+_DEEPSEEK_SCORING = {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}
+_DEEPSEEK_TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}
+
+
+def _deepseek_refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
+    """What a DeepSeek-V2/V3 config says that the lab cannot express exactly (`_refusals_from_hf`)."""
+    reasons = []
+    rope = hf.rope_parameters or {}
+    if rope.get("rope_type", "default") == "yarn" or rope.get("type") == "yarn":
+        reasons.append(
+            f"rope_parameters rope_type 'yarn' (config.json's rope_scaling, factor {rope.get('factor')}): YaRN RoPE and "
+            "DeepSeek's mscale softmax scale are pending in the lab (the shared RotaryEmbedding is gaining YaRN); "
+            "until then only rope_type 'default' converts"
+        )
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        reasons.append(
+            f"quantization_config (quant_method={method!r}): the lab reads float32/bfloat16/float16 weights "
+            "only; dequantize the checkpoint first (e.g. DeepSeek's fp8_cast_bf16.py) and drop the field"
+        )
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        reasons.append(
+            f"num_key_value_heads={hf.num_key_value_heads}: multi-head latent attention expands the latent into "
+            f"every head; only num_key_value_heads == num_attention_heads ({hf.num_attention_heads}) converts"
+        )
+    if hf.attention_bias:
+        reasons.append(
+            "attention_bias=True: our multi-head latent attention has no biases; only False converts"
+        )
+    if getattr(hf, "mlp_bias", False):
+        reasons.append("mlp_bias=True: our FFNs and experts have no biases; only False converts")
+    freq = getattr(hf, "moe_layer_freq", 1)
+    if freq not in (None, 1):
+        reasons.append(
+            f"moe_layer_freq={freq}: transformers 5.24 ignores it (every layer from first_k_dense_replace on "
+            "is an MoE layer) while DeepSeek's code does not, so the meaning is ambiguous; only 1 converts"
+        )
+    scoring = getattr(hf, "scoring_func", None)
+    if scoring not in (None, _DEEPSEEK_SCORING[arch.model_type]):
+        reasons.append(
+            f"scoring_func={scoring!r}: transformers' {arch.class_name} scores experts with "
+            f"{_DEEPSEEK_SCORING[arch.model_type]!r} only"
+        )
+    method = getattr(hf, "topk_method", None)
+    methods = _DEEPSEEK_TOPK_METHODS[arch.model_type]
+    if method is not None and method not in methods:
+        reasons.append(
+            f"topk_method={method!r}: transformers 5.24's {arch.class_name} implements {', '.join(methods)} only"
+        )
+    grouped = arch.model_type == "deepseek_v3" or method == "group_limited_greedy"
+    E = hf.n_routed_experts
+    if grouped and not (
+        isinstance(hf.n_group, int)
+        and isinstance(hf.topk_group, int)
+        and hf.n_group >= 1
+        and E % hf.n_group == 0
+        and 1 <= hf.topk_group <= hf.n_group
+    ):
+        reasons.append(
+            f"n_group={hf.n_group}, topk_group={hf.topk_group}: group-limited routing needs n_group dividing "
+            f"n_routed_experts={E} and 1 <= topk_group <= n_group"
+        )
+    if arch.model_type == "deepseek_v2" and hf.norm_topk_prob:
+        reasons.append(
+            "norm_topk_prob=True: transformers 5.24's DeepseekV2TopkRouter ignores it while DeepSeek's code "
+            "renormalizes, so the meaning is ambiguous; only False converts"
+        )
     return reasons
 
 
@@ -362,6 +496,8 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
         raise ConversionError(
             f"cannot convert this {arch.class_name} exactly:\n  - " + "\n  - ".join(reasons)
         )
+    if arch.model_type in DEEPSEEK:
+        return _with_origin(arch, MoEConfig(**_deepseek_config_from_hf(arch, hf)), hf, raw)
     K = hf.num_experts_per_tok
     common = dict(
         vocab_size=hf.vocab_size,
@@ -426,7 +562,11 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
             norm_topk_prob=hf.norm_topk_prob,
             head_dim=getattr(hf, "head_dim", None),
         )
-    config = MoEConfig(**common, **specific)
+    return _with_origin(arch, MoEConfig(**common, **specific), hf, raw)
+
+
+def _with_origin(arch: HFArchitecture, config: MoEConfig, hf, raw: dict[str, Any] | None) -> MoEConfig:
+    """`config` with ``hf_origin``: the source architecture and the HF fields our config does not regenerate."""
     raw = hf.to_dict() if raw is None else raw
     # transformers 4's spelling of RoPE (what hub checkpoints carry): the theta is ours, and written back as
     # transformers 5's rope_parameters; rope_scaling was refused above unless null
@@ -437,9 +577,79 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
     return config
 
 
+def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
+    """Our config fields for a DeepSeek-V3 / V2 config (transformers 5.24 ``models/deepseek_v{3,2}``).
+
+    MLA widths carry over (head_dim = qk_rope_head_dim, as HF sets it); V2 rotates interleaved pairs (its
+    complex product), V3 as ``rope_interleave`` says. Layers from ``first_k_dense_replace`` on are MoE layers,
+    the first ones dense of width ``intermediate_size``; ``n_shared_experts`` ungated shared experts of width
+    ``moe_intermediate_size``. Routing (`moe_core.routing.DeepSeekRouter`): V3 sigmoid, group score top-2 sum,
+    ``e_score_correction_bias`` -> the router's ``expert_bias``; V2 softmax, ``greedy`` = one group,
+    ``group_limited_greedy`` scores a group by its best expert. Balancing: transformers has no router loss for
+    either; V2's ``aux_loss_alpha`` (DeepSeek's expert-level balance loss, alpha * sum_i f_i P_i with f_i the
+    load relative to uniform) is exactly our coefficient (its ``seq_aux`` per-sequence statistics excepted),
+    V3 gets 0 and a bias update rate of 0: the published bias stays as it is unless ``router_bias_update_rate``
+    is set (DeepSeek-V3 pretrained with 0.001).
+    """
+    v3 = arch.model_type == "deepseek_v3"
+    grouped = v3 or getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
+    return dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_attention_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=rope_theta(hf),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention_dropout=hf.attention_dropout,
+        initializer_range=hf.initializer_range,
+        use_cache=hf.use_cache,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        pad_token_id=hf.pad_token_id,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        attention_type="mla",
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        head_dim=hf.qk_rope_head_dim,
+        rope_interleave=bool(hf.rope_interleave) if v3 else True,
+        ffn_activation="swiglu",
+        intermediate_size=hf.intermediate_size,
+        num_experts=hf.n_routed_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        expert_intermediate_size=hf.moe_intermediate_size,
+        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
+        num_shared_experts=hf.n_shared_experts,
+        shared_expert_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_gate=False,
+        router="deepseek",
+        router_score=_DEEPSEEK_SCORING[arch.model_type],
+        router_topk_order="softmax_then_topk",
+        norm_topk_prob=bool(hf.norm_topk_prob) if v3 else False,
+        router_groups=hf.n_group if grouped else 1,
+        router_topk_groups=hf.topk_group if grouped else 1,
+        router_group_score="top2_sum" if v3 else "max",
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        capacity_factor=None,
+        router_aux_loss_coef=0.0 if v3 else float(getattr(hf, "aux_loss_alpha", 0.0) or 0.0),
+        router_bias_update_rate=0.0,
+        router_z_loss_coef=0.0,
+    )
+
+
 def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
     """Every reason `config` cannot be written as `arch` exactly (empty when it can)."""
+    if arch.model_type in DEEPSEEK:
+        return _deepseek_refusals_to_hf(config, arch)
     name, reasons = arch.class_name, []
+    if config.attention_type == "mla":
+        reasons.append(
+            f"attention_type='mla': {name} has grouped-query attention; use deepseek_v3 or deepseek_v2"
+        )
     if config.num_experts == 0 and arch.model_type != "qwen2_moe":
         reasons.append(f"num_experts=0 (a dense model): {name} has experts in every layer; use qwen2_moe")
     if config.num_experts > 0:
@@ -496,6 +706,66 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
     return reasons
 
 
+def _deepseek_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """Every reason `config` cannot be written as DeepSeek-V3 / V2 exactly (`refusals_to_hf`)."""
+    name, v3 = arch.class_name, arch.model_type == "deepseek_v3"
+    reasons = []
+    if config.attention_type != "mla":
+        reasons.append(
+            f"attention_type={config.attention_type!r}: {name} uses multi-head latent attention ('mla')"
+        )
+    if not v3 and not config.rope_interleave:
+        reasons.append(f"rope_interleave=False: {name} rotates interleaved pairs (its complex RoPE)")
+    if config.ffn_activation != "swiglu":
+        reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
+    if config.num_experts == 0:
+        reasons.append(f"num_experts=0 (a dense model): {name} has MoE layers after its first dense ones")
+        return reasons
+    if config.router != "deepseek":
+        reasons.append(
+            f"router={config.router!r}: {name} routes with DeepSeek's group-limited top-k ('deepseek')"
+        )
+        return reasons
+    score = _DEEPSEEK_SCORING[arch.model_type]
+    if config.router_score != score:
+        reasons.append(f"router_score={config.router_score!r}: {name} scores experts with {score!r}")
+    grouped = config.router_topk_groups < config.router_groups
+    group_score = "top2_sum" if v3 else "max"
+    if grouped and config.router_group_score != group_score:
+        reasons.append(
+            f"router_group_score={config.router_group_score!r}: {name} scores a group by {group_score!r}"
+        )
+    if not v3 and config.norm_topk_prob:
+        reasons.append(f"norm_topk_prob=True: transformers' {name} router never renormalizes top-k")
+    if not v3 and config.router_bias_update_rate > 0:
+        reasons.append(
+            f"router_bias_update_rate={config.router_bias_update_rate}: {name} has no selection bias "
+            "(e_score_correction_bias); use deepseek_v3"
+        )
+    k = len(config.dense_layers)
+    if config.moe_layer_ids != list(range(k, config.num_hidden_layers)) or sorted(
+        config.dense_layers
+    ) != list(range(k)):
+        reasons.append(
+            f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): {name} has "
+            "its first first_k_dense_replace layers dense and every later one MoE"
+        )
+    if not config.num_shared_experts or config.shared_expert_gate:
+        reasons.append(
+            f"num_shared_experts={config.num_shared_experts}, shared_expert_gate={config.shared_expert_gate}: "
+            f"{name} has >= 1 ungated shared experts in every MoE layer"
+        )
+    if (
+        config.num_shared_experts
+        and config.shared_expert_intermediate_size != config.expert_intermediate_size
+    ):
+        reasons.append(
+            f"shared_expert_intermediate_size={config.shared_expert_intermediate_size}: {name}'s shared experts "
+            f"are as wide as the routed ones (expert_intermediate_size={config.expert_intermediate_size})"
+        )
+    return reasons
+
+
 def _renormalized(config: MoEConfig) -> bool:
     """Whether the top-k weights sum to one: renormalized softmax top-k, or softmax over the top-k logits
     (the same numbers: softmax is monotonic, and renormalizing its top-k is a softmax over those logits)."""
@@ -527,7 +797,39 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
         num_experts_per_tok=K,
         router_aux_loss_coef=config.router_aux_loss_coef / K,
     )
-    if arch.model_type == "mixtral":
+    if arch.model_type in DEEPSEEK:
+        del fields["router_aux_loss_coef"]  # (DeepSeek configs have none; V2's aux_loss_alpha below)
+        v3 = arch.model_type == "deepseek_v3"
+        fields.update(
+            n_routed_experts=config.num_experts,
+            moe_intermediate_size=config.expert_intermediate_size,
+            intermediate_size=config.intermediate_size,
+            n_shared_experts=config.num_shared_experts,
+            first_k_dense_replace=len(config.dense_layers),
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob,
+            num_key_value_heads=config.num_attention_heads,
+            attention_bias=False,
+        )
+        grouped = config.router_topk_groups < config.router_groups
+        if v3:
+            fields.update(
+                n_group=config.router_groups,
+                topk_group=config.router_topk_groups,
+                rope_interleave=config.rope_interleave,
+            )
+        else:
+            fields.update(topk_method="group_limited_greedy" if grouped else "greedy", mlp_bias=False)
+            if config.router_aux_loss_coef > 0:  # not a transformers field; exactly our coefficient
+                fields["aux_loss_alpha"] = config.router_aux_loss_coef
+            if grouped:  # (greedy: n_group/topk_group mean nothing and come from hf_origin as they were)
+                fields.update(n_group=config.router_groups, topk_group=config.router_topk_groups)
+    elif arch.model_type == "mixtral":
         fields.update(
             num_local_experts=config.num_experts,
             intermediate_size=config.expert_intermediate_size,
@@ -614,7 +916,10 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
         same += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        same += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.attention_type == "mla":  # the same names on both sides (DeepseekV3Attention's)
+            same += [f"{p}.self_attn.{x}" for x in mla_weight_names(config)]
+        else:
+            same += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.attention_bias:
             same += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
         if config.qk_norm:
@@ -629,8 +934,16 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
                         tuple(f"{moe}.experts.{j}.{theirs}.weight" for j in range(config.num_experts)),
                     )
                 )
+            if arch.router_bias != "none" and config.router == "deepseek":
+                plan.append((f"{p}.mlp.router.expert_bias", (f"{moe}.gate.e_score_correction_bias",)))
             if config.num_shared_experts:
-                same += [f"{p}.mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+                plan += [
+                    (
+                        f"{p}.mlp.shared_expert.{x}_proj.weight",
+                        (f"{moe}.{arch.shared_experts}.{x}_proj.weight",),
+                    )
+                    for x in ("gate", "up", "down")
+                ]
                 if config.shared_expert_gate:
                     same.append(f"{p}.mlp.shared_expert_gate.weight")
         else:
@@ -639,6 +952,16 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
     if not config.tie_word_embeddings:
         same.append("lm_head.weight")
     return [(name, (name,)) for name in same] + plan
+
+
+def mla_weight_names(config: MoEConfig) -> list[str]:
+    """Multi-head latent attention's weights under ``self_attn`` (`moe_core.model.MultiHeadLatentAttention`)."""
+    q = (
+        ["q_proj.weight"]
+        if config.q_lora_rank is None
+        else ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+    )
+    return q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
 
 
 def our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
@@ -864,6 +1187,14 @@ def to_hf(
         for our_name, names in plan
         for j, hf_name in enumerate(names)
     ]
+    if arch.router_bias == "zeros":  # DeepSeek-V2: no selection bias to write; refuse one that would be lost
+        biased = [n for n, t in tensors if n.endswith(".e_score_correction_bias") and bool(t.detach().any())]
+        if biased:
+            raise ConversionError(
+                f"cannot write this model as {arch.class_name} exactly: its router has a nonzero selection bias "
+                f"({biased[0]} and {len(biased) - 1} more), which {arch.class_name} has no place for; use deepseek_v3"
+            )
+        tensors = [(n, t) for n, t in tensors if not n.endswith(".e_score_correction_bias")]
     hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         _write_safetensors(tmp, tensors, max_shard_size)

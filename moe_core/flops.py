@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from moe_core.config import MoEConfig, ffn_params
+from moe_core.config import MoEConfig, ffn_params, mla_attention_params
 
 # dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity)
 PEAK_FLOPS_BF16 = {
@@ -109,9 +109,12 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
     if moe_layers and config.num_shared_experts:
         shared = config.num_shared_experts * ffn_params(config, config.shared_expert_intermediate_size)
         shared += D if config.shared_expert_gate else 0
+    attention_proj, attention_scores = 2.0 * D * Hd * (2 * H + 2 * G) * L, 2.0 * 2 * seq_len * H * Hd * L
+    if getattr(config, "attention_type", "mha") == "mla":
+        attention_proj, attention_scores = mla_flops(config, seq_len)
     return FlopsBreakdown(
-        attention_proj=2.0 * D * Hd * (2 * H + 2 * G) * L,
-        attention_scores=2.0 * 2 * seq_len * H * Hd * L,
+        attention_proj=attention_proj,
+        attention_scores=attention_scores,
         dense_ffn=2.0 * ffn_params(config, config.intermediate_size) * dense_layers,
         router=2.0 * D * config.num_experts * moe_layers,
         experts_active=2.0 * config.num_experts_per_tok * expert * moe_layers,
@@ -120,6 +123,17 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
         lm_head=2.0 * D * config.vocab_size,
         seq_len=seq_len,
     )
+
+
+def mla_flops(config: MoEConfig, seq_len: int) -> tuple[float, float]:
+    """Multi-head latent attention's projection and score FLOPs per token (`moe_core.model.
+    MultiHeadLatentAttention`): every projection's weights once per token (kv_b_proj expands each token's latent
+    once in a forward; its two RMSNorms are elementwise), and q.k over the nope + RoPE widths plus the weighted
+    sum over the value width."""
+    L, H = config.num_hidden_layers, config.num_attention_heads
+    norms = config.kv_lora_rank + (config.q_lora_rank or 0)
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return 2.0 * (mla_attention_params(config) - norms) * L, 2.0 * seq_len * H * (qk + config.v_head_dim) * L
 
 
 def peak_flops(device_name: str | None) -> float | None:

@@ -4,6 +4,8 @@ Architecture choices (each a field of `MoEConfig`):
 - Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021).
 - Grouped-query attention (Ainslie et al. 2023) through `F.scaled_dot_product_attention`; optional qk-norm
   over the whole q and k projections (OLMoE, Muennighoff et al. 2024), q/k/v bias (Qwen2-MoE), q/k/v clip.
+  Or multi-head latent attention (``attention_type="mla"``; DeepSeek-V2, DeepSeek-AI 2024, §2.1): keys and
+  values from a low-rank latent plus one decoupled RoPE key shared by the heads; the cache holds the latent.
 - FFN: SwiGLU (Shazeer 2020) or GELU; every `moe_every_n`-th layer a Mixture of Experts (Shazeer et al. 2017;
   GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
   with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
@@ -164,6 +166,96 @@ class Attention(nn.Module):
         return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
 
+def apply_rope_interleaved(q_BHSR, k_B1SR, cos_BSR, sin_BSR):
+    """RoPE on interleaved pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout; transformers'
+    ``apply_rotary_pos_emb_interleave`` in ``models/deepseek_v3/modeling_deepseek_v3.py``, and V2's complex
+    product): the rotated pair i comes out at positions i and R/2 + i, as HF writes it, so q and k agree."""
+    cos, sin = (
+        cos_BSR[..., : cos_BSR.shape[-1] // 2][:, None],
+        sin_BSR[..., : sin_BSR.shape[-1] // 2][:, None],
+    )
+
+    def rotate(x):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q_BHSR), rotate(k_B1SR)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1; transformers 5.24
+    ``models/deepseek_v3/modeling_deepseek_v3.py`` ``DeepseekV3Attention``, same names and weights).
+
+    Legend (besides the file's): R = kv_lora_rank (the latent), Rq = q_lora_rank, N = qk_nope_head_dim,
+    P = qk_rope_head_dim (the decoupled RoPE part, one key shared by all heads), Dv = v_head_dim.
+
+    q = q_b(RMSNorm(q_a(x))) (or q_proj(x) when q_lora_rank is None), split per head into [N | P];
+    [c | k_pe] = kv_a_proj_with_mqa(x), c normalized (kv_a_layernorm): the cache stores c and the rotated k_pe
+    only, R + P numbers per token and layer instead of H * (N + P + Dv), and every step expands them through
+    kv_b_proj into per-head k_nope [N] and v [Dv]. Softmax scale (N + P) ** -0.5 (YaRN's mscale is not here:
+    YaRN is refused on conversion until the shared RotaryEmbedding has it).
+    """
+
+    def __init__(self, config: MoEConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        self.interleave = config.rope_interleave
+        self.dropout = config.attention_dropout
+        self.scale = (self.nope + self.rope) ** -0.5
+        D, H, Rq = config.hidden_size, self.num_heads, config.q_lora_rank
+        if Rq is None:
+            self.q_proj = nn.Linear(D, H * (self.nope + self.rope), bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(D, Rq, bias=False)
+            self.q_a_layernorm = RMSNorm(Rq)  # eps 1e-6 as HF's (not rms_norm_eps)
+            self.q_b_proj = nn.Linear(Rq, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+
+    def forward(self, x_BSD, cos_sin, mask_BqL, cache: Cache | None):
+        B, S, _ = x_BSD.shape
+        H = self.num_heads
+        q = (
+            self.q_proj(x_BSD)
+            if self.q_proj is not None
+            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
+        )
+        q_BHSQ = q.view(B, S, H, self.nope + self.rope).transpose(1, 2)
+        q_nope_BHSN, q_pe_BHSP = q_BHSQ.split([self.nope, self.rope], dim=-1)
+        latent_BSR, k_pe_BSP = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_rank, self.rope], dim=-1)
+        # both viewed as one-head 4D tensors, so a transformers cache layer stores them as its "keys"/"values"
+        latent_B1SR = self.kv_a_layernorm(latent_BSR).view(B, 1, S, self.kv_rank)
+        k_pe_B1SP = k_pe_BSP.reshape(B, 1, S, self.rope)
+        if self.interleave:
+            q_pe_BHSP, k_pe_B1SP = apply_rope_interleaved(q_pe_BHSP, k_pe_B1SP, *cos_sin)
+        else:
+            q_pe_BHSP, k_pe_B1SP = apply_rope(q_pe_BHSP, k_pe_B1SP, *cos_sin)
+        if cache is not None:  # MLA's point: the compressed latent and the shared RoPE key are what is cached
+            latent_B1SR, k_pe_B1SP = cache.update(latent_B1SR, k_pe_B1SP, self.layer_idx)
+        L = latent_B1SR.shape[2]
+        kv_BHLK = self.kv_b_proj(latent_B1SR[:, 0]).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope_BHLN, v_BHLV = kv_BHLK.split([self.nope, self.v_dim], dim=-1)
+        k_BHLQ = torch.cat([k_nope_BHLN, k_pe_B1SP.expand(B, H, L, self.rope)], dim=-1)
+        q_BHSQ = torch.cat([q_nope_BHSN, q_pe_BHSP], dim=-1)
+        out_BHSV = F.scaled_dot_product_attention(
+            q_BHSQ,
+            k_BHLQ,
+            v_BHLV,
+            attn_mask=mask_BqL,
+            is_causal=True if mask_BqL is None and S > 1 else False,  # (a Python bool: see `Attention`)
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+        )
+        return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+
 # ------------------------------------------------------------------------------------------------ MoE block
 class MoEBlock(nn.Module):
     """Router -> experts (-> plus shared experts). Returns the output and the layer's `RoutingRecord`."""
@@ -208,7 +300,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_moe = config.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        attention_cls = MultiHeadLatentAttention if config.attention_type == "mla" else Attention
+        self.self_attn = attention_cls(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoEBlock(config)

@@ -124,10 +124,45 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
             attention_bias=True,
             router_aux_loss_coef=0.004,
         )
+    if (
+        name == "deepseek"
+    ):  # DeepSeek-V3 (DeepSeek-AI 2024): MLA, sigmoid group-limited routing, shared expert
+        # The V3 recipe at lab scale: the first layer dense (first_k_dense_replace=1, Moonlight's), 16
+        # fine-grained experts in 4 groups, top-4 within the best 2 groups, one shared expert, weights
+        # renormalized and scaled by 2.5 (V3's routed_scaling_factor); balanced by the aux-loss-free bias at
+        # V3's update speed 0.001 (report §2.1.2), the load-balancing loss only reported. MLA widths follow V3's
+        # proportions: per-head nope 2x the RoPE part, value as wide as nope, latent and q rank a fraction of D.
+        nope = max(16, hidden // 8)
+        return dict(
+            attention_type="mla",
+            q_lora_rank=hidden // 2,
+            kv_lora_rank=hidden // 4,
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=nope // 2,
+            v_head_dim=nope,
+            num_experts=16,
+            num_experts_per_tok=4,
+            ffn_activation="swiglu",
+            expert_intermediate_size=hidden // 2,
+            intermediate_size=3 * hidden,
+            dense_layers=[0],
+            num_shared_experts=1,
+            shared_expert_intermediate_size=hidden // 2,
+            router="deepseek",
+            router_score="sigmoid",
+            norm_topk_prob=True,
+            router_groups=4,
+            router_topk_groups=2,
+            router_group_score="top2_sum",
+            routed_scaling_factor=2.5,
+            router_bias_update_rate=0.001,
+            router_aux_loss_coef=0.0001,
+            router_z_loss_coef=0.0,
+        )
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
 
 
-FAMILIES = ("switch", "mixtral", "olmoe", "shared", "dense")
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "deepseek", "dense")
 PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

@@ -217,6 +217,152 @@ PUBLISHED: dict[str, PublishedModel] = {
             vocab_size=512,
         ),
     ),
+    # moonshotai/Moonlight-16B-A3B config.json (model_type deepseek_v3): 27 layers, the first dense (width 11264),
+    # then 64 experts top-6 of width 1408 plus 2 shared, sigmoid scores with the selection bias, one group,
+    # renormalized weights times 2.446; MLA with a full-rank q (q_lora_rank null), latent 512, RoPE 64, no rope
+    # scaling; vocab 163840 (16.0 B parameters). Cross-checked: the hub file as copied in a Rust MLA inference
+    # port's test ("MOONLIGHT_CONFIG"; its eos 163586 is the Instruct model's) and transformers 5.24's
+    # DeepseekV3Config fields. Left out: ``auto_map`` (remote code the lab never runs).
+    "moonlight-16b-a3b": PublishedModel(
+        "moonlight-16b-a3b",
+        "moonshotai/Moonlight-16B-A3B",
+        {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "aux_loss_alpha": 0.001,
+            "bos_token_id": 163584,
+            "eos_token_id": 163585,
+            "ep_size": 1,
+            "first_k_dense_replace": 1,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 11264,
+            "kv_lora_rank": 512,
+            "max_position_embeddings": 8192,
+            "moe_intermediate_size": 1408,
+            "moe_layer_freq": 1,
+            "n_group": 1,
+            "n_routed_experts": 64,
+            "n_shared_experts": 2,
+            "norm_topk_prob": True,
+            "num_attention_heads": 16,
+            "num_experts_per_tok": 6,
+            "num_hidden_layers": 27,
+            "num_key_value_heads": 16,
+            "num_nextn_predict_layers": 0,
+            "pretraining_tp": 1,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 50000.0,
+            "routed_scaling_factor": 2.446,
+            "scoring_func": "sigmoid",
+            "seq_aux": True,
+            "tie_word_embeddings": False,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "v_head_dim": 128,
+            "vocab_size": 163840,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            vocab_size=512,
+        ),
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite config.json (model_type deepseek_v2): 27 layers, the first dense (width
+    # 10944), then 64 experts top-6 of width 1408 plus 2 shared, softmax greedy top-k, no renormalization; MLA
+    # with a full-rank q, latent 512, RoPE 64; YaRN RoPE (factor 40 over 4096 positions, mscale 0.707); vocab
+    # 102400 (15.7 B parameters). Cross-checked: transformers 5.24's DeepseekV2Config (written for this
+    # checkpoint: "deepseek-ai/DeepSeek-V2-Lite") and the DeepSeek-Coder-V2-Lite hub file as copied in a
+    # hardware-sizing test (the same architecture). The lab refuses its YaRN on load until the shared
+    # RotaryEmbedding has it (`moe_core.convert`); the tiny stand-in turns YaRN off (rope_scaling None) so the
+    # rest of the architecture is exercised now.
+    "deepseek-v2-lite": PublishedModel(
+        "deepseek-v2-lite",
+        "deepseek-ai/DeepSeek-V2-Lite",
+        {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "aux_loss_alpha": 0.001,
+            "bos_token_id": 100000,
+            "eos_token_id": 100001,
+            "first_k_dense_replace": 1,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 10944,
+            "kv_lora_rank": 512,
+            "max_position_embeddings": 163840,
+            "moe_intermediate_size": 1408,
+            "moe_layer_freq": 1,
+            "n_group": 1,
+            "n_routed_experts": 64,
+            "n_shared_experts": 2,
+            "norm_topk_prob": False,
+            "num_attention_heads": 16,
+            "num_experts_per_tok": 6,
+            "num_hidden_layers": 27,
+            "num_key_value_heads": 16,
+            "pretraining_tp": 1,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 40,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 4096,
+                "type": "yarn",
+            },
+            "rope_theta": 10000,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "seq_aux": True,
+            "tie_word_embeddings": False,
+            "topk_group": 1,
+            "topk_method": "greedy",
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "v_head_dim": 128,
+            "vocab_size": 102400,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            vocab_size=512,
+            rope_scaling=None,  # YaRN pending in the lab (see above)
+        ),
+    ),
 }
 
 
@@ -250,7 +396,7 @@ def published_config(
             f"its fields are {sorted(config)}"
         )
     config.update(overrides or {})
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
     problems = [
         f"{key}={config[key]!r} must be a positive integer"
         for key in (

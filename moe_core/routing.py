@@ -21,6 +21,12 @@ Routers here:
 - ``aux_free``: scores plus a per-expert bias used only for selection, and the bias nudged toward uniform
   load after each optimizer step, outside the gradient, in training only (DeepSeek-V3, Wang et al. 2024,
   "Auxiliary-Loss-Free Load Balancing").
+- ``deepseek``: DeepSeek-V2/V3's group-limited token choice (DeepSeek-V3 report §2.1.2, DeepSeek-V2 §2.2;
+  transformers ``models/deepseek_v3/modeling_deepseek_v3.py`` ``DeepseekV3TopkRouter`` and
+  ``models/deepseek_v2/modeling_deepseek_v2.py`` ``DeepseekV2TopkRouter``): sigmoid (V3) or softmax (V2)
+  scores, the aux-loss-free bias (``aux_free``'s, HF's ``e_score_correction_bias``) for selection only, top-k
+  among the best ``router_topk_groups`` of ``router_groups`` expert groups, weights times
+  ``routed_scaling_factor``.
 
 Pruned experts (``config.router_pruned_experts = P > 0``, written by `moe_core.inference.prune`): when the
 top-k weights are raw softmax probabilities (OLMoE, Qwen2-MoE, Switch: ``norm_topk_prob=False``), removing
@@ -496,6 +502,82 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
         if self.update_rate > 0 and load_E.sum() > 0:
             self.expert_bias += self.update_rate * torch.sign(load_E.mean() - load_E)
         self.pending_load.zero_()
+
+
+@register_router("deepseek")
+class DeepSeekRouter(AuxLossFreeRouter):
+    """DeepSeek-V2/V3 routing: group-limited top-k on ``scores + bias``, weighted by the scores alone.
+
+    One implementation for both, as transformers 5.24 implements them:
+    - V3 (``router_score="sigmoid"``, ``router_group_score="top2_sum"``): a group's score is the sum of its two
+      best biased scores; experts outside the chosen groups are masked to -inf; top-k weights renormalized
+      (``norm_topk_prob``, + 1e-20 as HF) and scaled by ``routed_scaling_factor``.
+    - V2 (``router_score="softmax"``, ``router_group_score="max"``): ``topk_method="greedy"`` is one group;
+      ``"group_limited_greedy"`` scores a group by its best softmax score (no bias in V2: it stays 0 unless
+      ``router_bias_update_rate`` moves it); weights are the softmax probabilities times the scaling factor.
+    The bias is `AuxLossFreeRouter`'s ``expert_bias`` (HF's ``e_score_correction_bias``), updated by the same
+    rule after each optimizer step when ``router_bias_update_rate > 0`` (then the layer is balanced by the bias,
+    its load-balancing loss only reported); with a rate of 0 the loss balances (DeepSeek-V2's expert-level
+    balance loss: ``aux_loss_alpha`` is exactly our coefficient, see `moe_core.convert`).
+    """
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        E, G, Gk = config.num_experts, config.router_groups, config.router_topk_groups
+        if not isinstance(G, int) or G < 1 or E % G:
+            raise ValueError(f"router 'deepseek': router_groups={G} must be >= 1 and divide num_experts={E}")
+        if not isinstance(Gk, int) or not 1 <= Gk <= G:
+            raise ValueError(
+                f"router 'deepseek': router_topk_groups={Gk} must be between 1 and router_groups={G}"
+            )
+        if config.num_experts_per_tok > Gk * (E // G):
+            raise ValueError(
+                f"router 'deepseek': num_experts_per_tok={config.num_experts_per_tok} exceeds the "
+                f"{Gk * (E // G)} experts in router_topk_groups={Gk} groups"
+            )
+        if config.router_group_score not in ("top2_sum", "max"):
+            raise ValueError(f"router_group_score={config.router_group_score!r}: choose 'top2_sum' or 'max'")
+        if config.router_group_score == "top2_sum" and G > 1 and E // G < 2:
+            raise ValueError("router_group_score='top2_sum' needs at least 2 experts per group")
+        if config.router_topk_order != "softmax_then_topk":
+            raise ValueError("router 'deepseek' selects on scores: set router_topk_order='softmax_then_topk'")
+        if config.capacity_factor is not None or config.eval_capacity_factor is not None:
+            raise ValueError(
+                "router 'deepseek' is dropless: set capacity_factor and eval_capacity_factor to None"
+            )
+        if not config.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor={config.routed_scaling_factor} must be positive")
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.groups = config.router_groups
+        self.topk_groups = config.router_topk_groups
+        self.group_score = config.router_group_score
+        self.scaling = config.routed_scaling_factor
+        # the bias balances only when it moves; otherwise the load-balancing loss does (an instance attribute:
+        # `MoEForCausalLM` reads ``router.balancing``)
+        self.balancing = "bias" if self.update_rate > 0 else "loss"
+
+    def route(self, logits_TE: torch.Tensor) -> RoutingRecord:
+        T, E = logits_TE.shape
+        G = self.groups
+        probs_TE = self.scores(logits_TE)
+        choice_TE = self.selection_scores(probs_TE)
+        if self.topk_groups < G:  # group-limited (node-limited) routing
+            choice_TGe = choice_TE.view(T, G, E // G)
+            if self.group_score == "top2_sum":
+                group_TG = choice_TGe.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                group_TG = choice_TGe.max(dim=-1).values
+            group_ids = group_TG.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter(1, group_ids, True)
+            keep_TE = keep_TG[:, :, None].expand(T, G, E // G).reshape(T, E)
+            choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
+        _, expert_ids_TK = choice_TE.topk(self.top_k, dim=-1)
+        weights_TK = probs_TE.gather(-1, expert_ids_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return self.record(logits_TE, probs_TE, expert_ids_TK, weights_TK * self.scaling)
 
 
 def build_router(config) -> Router:

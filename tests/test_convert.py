@@ -305,7 +305,7 @@ def test_native_model_needs_a_named_architecture(tmp_path):
     with pytest.raises(ConversionError, match="name the target architecture"):
         to_hf(MoEForCausalLM(get_config("mixtral-tiny")), tmp_path / "out")
     with pytest.raises(ConversionError, match="supported: mixtral"):
-        to_hf(MoEForCausalLM(get_config("mixtral-tiny")), tmp_path / "out", architecture="deepseek_v3")
+        to_hf(MoEForCausalLM(get_config("mixtral-tiny")), tmp_path / "out", architecture="dbrx")
 
 
 @pytest.mark.parametrize(

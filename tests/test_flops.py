@@ -31,6 +31,8 @@ def elementwise_params(config) -> int:
         count += Hd * (H + 2 * G) * layers
     if config.qk_norm:
         count += Hd * (H + G) * layers
+    if config.attention_type == "mla":  # its latent's RMSNorm and the q bottleneck's
+        count += (config.kv_lora_rank + (config.q_lora_rank or 0)) * layers
     return count
 
 
@@ -44,9 +46,11 @@ def test_flops_are_two_per_weight_of_parameter_counts(name, overrides):
     for column, forward in (("active", flops.forward_active), ("total", flops.forward_total)):
         weights = counts[column] - elementwise_params(config) - lookup
         assert forward - flops.attention_scores == 2 * weights, column
-    assert flops.attention_scores == 2 * 2 * S * config.num_attention_heads * config.head_dim * (
-        config.num_hidden_layers
-    )
+    # q.k over the query/key width, then the weighted sum over the value width (the same width, but in MLA)
+    qk, v = config.head_dim, config.head_dim
+    if config.attention_type == "mla":
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    assert flops.attention_scores == 2 * S * config.num_attention_heads * (qk + v) * config.num_hidden_layers
     assert flops.training_active == 3 * flops.forward_active
 
 

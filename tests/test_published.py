@@ -31,6 +31,8 @@ CLASSES = {
     "olmoe-1b-7b": "OlmoeForCausalLM",
     "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",
     "mixtral-8x7b": "MixtralForCausalLM",
+    "moonlight-16b-a3b": "DeepseekV3ForCausalLM",
+    "deepseek-v2-lite": "DeepseekV2ForCausalLM",
 }
 
 
@@ -151,4 +153,6 @@ def test_published_sizes():
         "olmoe-1b-7b": 6.9,
         "qwen1.5-moe-a2.7b": 14.3,
         "mixtral-8x7b": 46.7,
+        "moonlight-16b-a3b": 16.0,  # (the model card's "16B total"; DeepSeek-V2-Lite's card: 15.7 B)
+        "deepseek-v2-lite": 15.7,
     }

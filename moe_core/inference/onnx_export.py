@@ -240,6 +240,13 @@ def check_exportable(model: MoEForCausalLM) -> None:
             f"config.expert_impl={impl!r}: a traced {impl!r} path has shapes that depend on the sample's "
             "routing; set model.config.expert_impl='auto' (static under export) or 'static' before exporting"
         )
+    if getattr(model.config, "attention_type", "mha") == "mla":
+        raise OnnxExportError(
+            "attention_type='mla' (DeepSeek multi-head latent attention): the exported graph's KV-cache inputs "
+            "are per-layer [B, num_key_value_heads, L, head_dim] keys and values, while MLA caches its compressed "
+            "latent [B, 1, L, kv_lora_rank] and RoPE key [B, 1, L, qk_rope_head_dim]; ONNX export of MLA is not "
+            "supported yet (run it with moe_core / transformers, or export a grouped-query-attention model)"
+        )
     if any(isinstance(module, ExpertChoiceRouter) for module in model.modules()):
         raise OnnxExportError(
             "router 'expert_choice' picks each expert's tokens across the whole batch, which the "
