@@ -40,7 +40,7 @@ class MoEConfig(PreTrainedConfig):
     """Decoder-only transformer whose FFN is a Mixture of Experts every `moe_every_n` layers.
 
     Attention: RoPE, grouped-query attention (`num_key_value_heads`), optional qk-norm (OLMoE: RMSNorm over
-    the whole q and k projections), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
+    the whole q and k projections; Qwen3-MoE with `qk_norm_per_head`: over each head's head_dim), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
 
     MoE block: `num_experts` experts of width `expert_intermediate_size`, `num_experts_per_tok` per token,
     chosen by the router named in `router` (a name from `moe_core.routing.ROUTERS` or a dotted path to a
@@ -75,6 +75,7 @@ class MoEConfig(PreTrainedConfig):
         rms_norm_eps: float = 1e-6,
         attention_bias: bool = False,
         qk_norm: bool = False,
+        qk_norm_per_head: bool = False,
         clip_qkv: float | None = None,
         attention_dropout: float = 0.0,
         ffn_activation: str = "swiglu",
@@ -128,6 +129,9 @@ class MoEConfig(PreTrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.attention_bias = attention_bias
         self.qk_norm = qk_norm
+        # Qwen3-MoE: the q/k RMSNorm is over each head's head_dim (one weight of size head_dim shared by the
+        # heads), not over the whole projection as OLMoE's; only meaningful with qk_norm=True
+        self.qk_norm_per_head = qk_norm_per_head
         self.clip_qkv = clip_qkv
         self.attention_dropout = attention_dropout
         self.ffn_activation = ffn_activation
@@ -213,6 +217,8 @@ class MoEConfig(PreTrainedConfig):
             raise bad("moe_every_n", "must be >= 1")
         if self.embedding_init_std is not None and not self.embedding_init_std > 0:
             raise bad("embedding_init_std", "must be positive, or None for initializer_range")
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise bad("qk_norm_per_head", "normalizes per head only with qk_norm=True; set qk_norm=True too")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise bad("clip_qkv", "must be positive or None")
         if self.expert_impl not in EXPERT_IMPLS:
@@ -367,7 +373,9 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
     attn = d * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
     if config.attention_bias:
         attn += hd * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_per_head:  # one head_dim weight each for q and k
+        attn += 2 * hd
+    elif config.qk_norm:
         attn += hd * (config.num_attention_heads + config.num_key_value_heads)
     norms = 2 * d
     total = active = 0

@@ -103,6 +103,9 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     "qwen2_moe": HFArchitecture(
         "qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")
     ),
+    "qwen3_moe": HFArchitecture(
+        "qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")
+    ),
 }
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
 
@@ -330,9 +333,26 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
         reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
     if arch.model_type == "qwen2_moe" and hf.use_sliding_window:
         reasons.append("use_sliding_window=True: our attention is full causal attention")
+    if arch.model_type == "qwen3_moe":
+        reasons += _qwen3_moe_refusals(hf)
     if arch.model_type == "olmoe" and hf.attention_bias:
         reasons.append(
             "attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for"
+        )
+    return reasons
+
+
+def _qwen3_moe_refusals(hf) -> list[str]:
+    """What a Qwen3-MoE config says that our model cannot express (transformers models/qwen3_moe)."""
+    reasons = []
+    if hf.use_sliding_window:
+        reasons.append(
+            "use_sliding_window=True: Qwen3-MoE's sliding window is not supported; set it to false"
+        )
+    if hf.attention_bias:
+        reasons.append(
+            "attention_bias=True: Qwen3-MoE then also biases o_proj, which our attention has no bias for; "
+            "supported: false"
         )
     return reasons
 
@@ -412,6 +432,18 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
             clip_qkv=hf.clip_qkv,
             norm_topk_prob=hf.norm_topk_prob,
         )
+    elif arch.model_type == "qwen3_moe":  # no shared expert, per-head q/k norm, explicit head_dim
+        specific = dict(
+            num_experts=hf.num_experts,
+            expert_intermediate_size=hf.moe_intermediate_size,
+            intermediate_size=hf.intermediate_size,
+            moe_every_n=hf.decoder_sparse_step,
+            dense_layers=list(hf.mlp_only_layers),
+            qk_norm=True,
+            qk_norm_per_head=True,
+            norm_topk_prob=hf.norm_topk_prob,
+            head_dim=getattr(hf, "head_dim", None),
+        )
     else:
         specific = dict(
             num_experts=hf.num_experts,
@@ -440,7 +472,8 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
 def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
     """Every reason `config` cannot be written as `arch` exactly (empty when it can)."""
     name, reasons = arch.class_name, []
-    if config.num_experts == 0 and arch.model_type != "qwen2_moe":
+    dense_layers_ok = arch.model_type in ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers
+    if config.num_experts == 0 and not dense_layers_ok:
         reasons.append(f"num_experts=0 (a dense model): {name} has experts in every layer; use qwen2_moe")
     if config.num_experts > 0:
         if config.router not in ("topk", "switch"):
@@ -462,7 +495,7 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
                 f"experts' softmax mass in its denominator, which {name} cannot express; prune with "
                 "`moe-lab prune --renormalize` for a checkpoint to convert"
             )
-        if arch.model_type != "qwen2_moe" and config.moe_layer_ids != list(range(config.num_hidden_layers)):
+        if not dense_layers_ok and config.moe_layer_ids != list(range(config.num_hidden_layers)):
             reasons.append(
                 f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "
                 f"every {name} layer is an MoE layer; use qwen2_moe"
@@ -476,24 +509,38 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
             )
     if config.ffn_activation != "swiglu":
         reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
-    if config.qk_norm != (arch.model_type == "olmoe"):
-        reasons.append(
-            f"qk_norm={config.qk_norm}: "
-            + (
-                "OLMoE always normalizes q and k"
-                if arch.model_type == "olmoe"
-                else f"{name} has no q/k norm; use olmoe"
-            )
-        )
+    reasons += _qk_norm_refusals(config, arch)
     if config.clip_qkv is not None and arch.model_type != "olmoe":
         reasons.append(f"clip_qkv={config.clip_qkv}: {name} does not clip q/k/v; use olmoe")
     if config.attention_bias and arch.model_type != "qwen2_moe":
         reasons.append(f"attention_bias=True: {name} has no q/k/v bias; use qwen2_moe")
-    if arch.model_type != "mixtral" and config.head_dim * config.num_attention_heads != config.hidden_size:
+    if (
+        arch.model_type not in ("mixtral", "qwen3_moe")  # (these two carry head_dim)
+        and config.head_dim * config.num_attention_heads != config.hidden_size
+    ):
         reasons.append(
             f"head_dim={config.head_dim}: {name} needs head_dim * num_attention_heads == hidden_size"
         )
     return reasons
+
+
+def _qk_norm_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """The q/k norm each target has: OLMoE over the whole projection, Qwen3-MoE per head, the others none."""
+    per_head = config.qk_norm and config.qk_norm_per_head
+    whole = config.qk_norm and not config.qk_norm_per_head
+    if arch.model_type == "olmoe" and not whole:
+        return [
+            f"qk_norm={config.qk_norm}, qk_norm_per_head={config.qk_norm_per_head}: OLMoE always normalizes "
+            "the whole q and k projections (qk_norm=True, qk_norm_per_head=False)"
+        ]
+    if arch.model_type == "qwen3_moe" and not per_head:
+        return [
+            f"qk_norm={config.qk_norm}, qk_norm_per_head={config.qk_norm_per_head}: Qwen3-MoE always "
+            "normalizes q and k per head (qk_norm=True, qk_norm_per_head=True)"
+        ]
+    if arch.model_type not in ("olmoe", "qwen3_moe") and config.qk_norm:
+        return [f"qk_norm=True: {arch.class_name} has no q/k norm; use olmoe or qwen3_moe"]
+    return []
 
 
 def _renormalized(config: MoEConfig) -> bool:
@@ -542,6 +589,18 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             clip_qkv=config.clip_qkv,
             norm_topk_prob=_renormalized(config),
             attention_bias=False,
+        )
+    elif arch.model_type == "qwen3_moe":
+        fields.update(
+            num_experts=config.num_experts,
+            moe_intermediate_size=config.expert_intermediate_size,
+            intermediate_size=config.intermediate_size,
+            decoder_sparse_step=config.moe_every_n,
+            mlp_only_layers=list(config.dense_layers),
+            norm_topk_prob=_renormalized(config),
+            head_dim=config.head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
         )
     else:
         fields.update(

@@ -3,7 +3,8 @@
 Architecture choices (each a field of `MoEConfig`):
 - Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021).
 - Grouped-query attention (Ainslie et al. 2023) through `F.scaled_dot_product_attention`; optional qk-norm
-  over the whole q and k projections (OLMoE, Muennighoff et al. 2024), q/k/v bias (Qwen2-MoE), q/k/v clip.
+  over the whole q and k projections (OLMoE, Muennighoff et al. 2024) or per head (Qwen3, Yang et al. 2025),
+  q/k/v bias (Qwen2-MoE), q/k/v clip.
 - FFN: SwiGLU (Shazeer 2020) or GELU; every `moe_every_n`-th layer a Mixture of Experts (Shazeer et al. 2017;
   GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021; Mixtral, Jiang et al. 2024; OLMoE)
   with a pluggable router (`moe_core.routing`, incl. Expert Choice, Zhou et al. 2022, and DeepSeek-V3's
@@ -128,7 +129,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * Hd, D, bias=False)
-        if config.qk_norm:  # OLMoE: one RMSNorm over all heads' q (and k), before RoPE
+        self.qk_norm_per_head = config.qk_norm and getattr(config, "qk_norm_per_head", False)
+        # Qwen3-MoE (modeling_qwen3_moe.py): RMSNorm over each head's Hd, before RoPE
+        if self.qk_norm_per_head:
+            self.q_norm = RMSNorm(Hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(Hd, config.rms_norm_eps)
+        elif config.qk_norm:  # OLMoE: one RMSNorm over all heads' q (and k), before RoPE
             self.q_norm = RMSNorm(self.num_heads * Hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * Hd, config.rms_norm_eps)
         else:
@@ -137,12 +143,16 @@ class Attention(nn.Module):
     def forward(self, x_BSD, cos_sin, mask_BqL, cache: Cache | None):
         B, S, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q_BHSHd = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGSHd = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BSHHd = q.view(B, S, self.num_heads, self.head_dim)
+        k_BSGHd = k.view(B, S, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_per_head:
+            q_BSHHd, k_BSGHd = self.q_norm(q_BSHHd), self.k_norm(k_BSGHd)
+        q_BHSHd = q_BSHHd.transpose(1, 2)
+        k_BGSHd = k_BSGHd.transpose(1, 2)
         v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
         if cache is not None:  # (each cache layer keeps its own write position, transformers 5)

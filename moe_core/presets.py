@@ -124,10 +124,27 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
             attention_bias=True,
             router_aux_loss_coef=0.004,
         )
+    if name == "qwen3":  # Qwen3-MoE (Yang et al. 2025; transformers models/qwen3_moe): 128 fine-grained
+        # experts, top-8 renormalized, no shared expert, per-head q/k RMSNorm, head_dim 2x hidden/heads and
+        # expert width 3/8 hidden as Qwen3-30B-A3B (2048 hidden, 32 heads of 128, experts of 768). Aux 0.008:
+        # Qwen3's 0.001 on transformers' scale, K times ours (moe_core.convert)
+        return dict(
+            num_experts=128,
+            num_experts_per_tok=8,
+            ffn_activation="swiglu",
+            expert_intermediate_size=3 * hidden // 8,
+            intermediate_size=3 * hidden,
+            router="topk",
+            norm_topk_prob=True,
+            qk_norm=True,
+            qk_norm_per_head=True,
+            router_aux_loss_coef=0.008,
+            router_z_loss_coef=0.0,
+        )
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
 
 
-FAMILIES = ("switch", "mixtral", "olmoe", "shared", "dense")
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "qwen3", "dense")
 PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

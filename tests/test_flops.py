@@ -29,7 +29,9 @@ def elementwise_params(config) -> int:
     H, G, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     if config.attention_bias:
         count += Hd * (H + 2 * G) * layers
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_per_head:  # Qwen3: one head_dim weight each for q and k
+        count += 2 * Hd * layers
+    elif config.qk_norm:
         count += Hd * (H + G) * layers
     return count
 
