@@ -176,6 +176,60 @@ PUBLISHED: dict[str, PublishedModel] = {
             vocab_size=512,
         ),
     ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, 128 experts top-8 of width 768 (renormalized), no shared expert,
+    # hidden 2048, 32 query heads of head_dim 128 (not hidden / heads = 64) and 4 KV heads, per-head q/k RMSNorm,
+    # vocab 151936 (30.5 B parameters, 3.3 B active). Cross-checked: transformers 5.24 Qwen3MoeConfig defaults
+    # equal the architecture fields but the depth, head_dim and renormalization (its generic 24 layers, no
+    # head_dim, norm_topk_prob False); the published 48 / 128 / true / 40960 positions / rope_theta 1e6 as in
+    # the model card (Qwen3 technical report, Table 2: 48 layers, 32/4 heads, 128 experts, 8 activated).
+    "qwen3-30b-a3b": PublishedModel(
+        "qwen3-30b-a3b",
+        "Qwen/Qwen3-30B-A3B",
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "decoder_sparse_step": 1,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 48,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            head_dim=32,  # still != hidden / heads, as published
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, 8 experts top-2 of width 14336, hidden 4096, GQA with 8
     # KV heads, vocab 32000 (46.7 B parameters, 87 GiB in bf16). Cross-checked: transformers 4.57 MixtralConfig
     # defaults equal the architecture fields (its max_position_embeddings 131072 and router_aux_loss_coef 0.001

@@ -31,6 +31,7 @@ CLASSES = {
     "olmoe-1b-7b": "OlmoeForCausalLM",
     "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",
     "mixtral-8x7b": "MixtralForCausalLM",
+    "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
 }
 
 
@@ -151,4 +152,5 @@ def test_published_sizes():
         "olmoe-1b-7b": 6.9,
         "qwen1.5-moe-a2.7b": 14.3,
         "mixtral-8x7b": 46.7,
+        "qwen3-30b-a3b": 30.5,
     }
