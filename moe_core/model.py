@@ -406,8 +406,8 @@ class MoEPreTrainedModel(PreTrainedModel):
             )  # (configs saved before it existed)
             module.weight.data.normal_(0.0, embedding_std or std)
         elif isinstance(module, GroupedExperts):
-            for p in module.parameters(recurse=False):
-                p.data.normal_(0.0, std)
+            for name, p in module.named_parameters(recurse=False):  # biases (gpt-oss) start at zero, as HF's
+                p.data.zero_() if name.endswith("_bias") else p.data.normal_(0.0, std)
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
         if isinstance(module, Attention) and module.sinks is not None:  # (gpt-oss: normal(0, std) as Linear)

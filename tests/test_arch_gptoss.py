@@ -20,6 +20,7 @@ from moe_core.config import MoEConfig, parameter_counts
 from moe_core.convert import ConversionError, dequantize_mxfp4, from_hf, to_hf
 from moe_core.experts import clamped_swiglu
 from moe_core.model import RotaryEmbedding
+from tests.arch_lifecycle import run_lifecycle
 from tests.helpers import randomize_
 
 ATOL = 1e-5
@@ -297,3 +298,8 @@ def test_inexpressible_gptoss_configs_are_refused_before_weights(tmp_path):
 def test_ours_that_the_target_cannot_express_is_refused(preset, arch, expected, tmp_path):
     with pytest.raises(ConversionError, match=expected):
         to_hf(MoEForCausalLM(get_config(preset)), tmp_path / "out", architecture=arch)
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
+    run_lifecycle("gptoss-tiny", tmp_path, tmp_path / "data", attention_window=8)

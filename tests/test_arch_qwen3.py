@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 from moe_core import MoEForCausalLM, get_config
 from moe_core.config import MoEConfig, parameter_counts
 from moe_core.convert import ConversionError, from_hf, to_hf
+from tests.arch_lifecycle import run_lifecycle
 from tests.helpers import randomize_
 
 ATOL = 1e-5
@@ -190,3 +191,8 @@ def test_ours_that_qwen3_cannot_express_is_refused(preset, expected, tmp_path):
     with pytest.raises(ConversionError, match="OLMoE always normalizes the whole"):
         to_hf(MoEForCausalLM(get_config("qwen3-tiny")), tmp_path / "out2", architecture="olmoe")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ lifecycle
+def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
+    run_lifecycle("qwen3-tiny", tmp_path, tmp_path / "data")
