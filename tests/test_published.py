@@ -32,6 +32,7 @@ CLASSES = {
     "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",
     "mixtral-8x7b": "MixtralForCausalLM",
     "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+    "gpt-oss-20b": "GptOssForCausalLM",
 }
 
 
@@ -153,4 +154,5 @@ def test_published_sizes():
         "qwen1.5-moe-a2.7b": 14.3,
         "mixtral-8x7b": 46.7,
         "qwen3-30b-a3b": 30.5,
+        "gpt-oss-20b": 20.9,
     }
