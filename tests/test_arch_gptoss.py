@@ -303,3 +303,17 @@ def test_ours_that_the_target_cannot_express_is_refused(preset, arch, expected, 
 # ------------------------------------------------------------------------------------------------ lifecycle
 def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
     run_lifecycle("gptoss-tiny", tmp_path, tmp_path / "data", attention_window=8)
+
+
+def test_onnx_and_gguf_exports_are_refused_up_front(tmp_path):
+    """ONNX: the static expert path (the one a traced graph holds) has no biases and no clamped SwiGLU; GGUF:
+    the lab writes llama.cpp's Mixtral layout only."""
+    from moe_core.inference.gguf_export import GGUFExportError, export_gguf
+    from moe_core.inference.onnx_export import OnnxExportError, check_exportable
+
+    with pytest.raises(OnnxExportError, match="expert_bias=True"):
+        check_exportable(MoEForCausalLM(get_config("gptoss-tiny")))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt_oss"}')
+    with pytest.raises(GGUFExportError, match="gpt_oss"):
+        export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
