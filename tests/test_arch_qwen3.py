@@ -196,3 +196,14 @@ def test_ours_that_qwen3_cannot_express_is_refused(preset, expected, tmp_path):
 # ------------------------------------------------------------------------------------------------ lifecycle
 def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
     run_lifecycle("qwen3-tiny", tmp_path, tmp_path / "data")
+
+
+def test_onnx_export_validates(tmp_path):
+    """ONNX export (torch.onnx dynamo) of qwen3-tiny: `export_onnx` itself checks every expert at several shapes
+    and a cached step against PyTorch, and raises on any difference (per-head qk-norm is plain ops)."""
+    from moe_core.inference.onnx_export import export_onnx
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("qwen3-tiny", num_experts=8, vocab_size=128)).eval()
+    out = export_onnx(model, tmp_path / "onnx")
+    assert (out / "model.onnx").is_file()
