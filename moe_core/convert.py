@@ -1,4 +1,5 @@
-"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE and Qwen2-MoE checkpoints.
+"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE and gpt-oss
+checkpoints.
 
     from moe_core.convert import from_hf, to_hf
     model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
@@ -24,6 +25,14 @@ both sides, layer ``i``, expert ``j``::
     Qwen2-MoE  as OLMoE for gate and experts, plus q/k/v biases, mlp.shared_expert.{gate,up,down}_proj,
                mlp.shared_expert_gate, and dense ``mlp.{gate,up,down}_proj`` in non-sparse layers
 
+    Qwen3-MoE  as OLMoE for gate and experts, q_norm / k_norm per head ([head_dim]), dense ``mlp.*_proj`` in
+               non-sparse layers; no shared expert
+    gpt-oss    fused experts only (`GPTOSS_EXPERTS`: gate/up interleaved, transposed), with biases; router
+               ``mlp.router.{weight,bias}`` -> mlp.router.gate; ``self_attn.sinks``; q/k/v/o biases. MXFP4
+               experts (``*_blocks`` / ``*_scales``, as published) are dequantized on load to bf16
+               (`dequantize_mxfp4`, equal to transformers' ``convert_moe_packed_tensors``); `to_hf` never
+               writes MXFP4: it writes the model's dtype (bf16 for a published checkpoint loaded as is)
+
 Config (HF -> ours)::
 
     all        hidden_act "silu" -> ffn_activation "swiglu"; softmax top-k token choice, dropless -> router
@@ -37,6 +46,15 @@ Config (HF -> ours)::
                shared_expert_intermediate_size with num_shared_experts = 1 and shared_expert_gate = True;
                decoder_sparse_step -> moe_every_n; mlp_only_layers -> dense_layers; qkv_bias ->
                attention_bias; norm_topk_prob
+
+    Qwen3-MoE  moe_intermediate_size -> expert_intermediate_size; decoder_sparse_step, mlp_only_layers,
+               head_dim, norm_topk_prob; qk_norm = qk_norm_per_head = True; refused: use_sliding_window,
+               attention_bias (it biases o_proj too)
+    gpt-oss    num_local_experts; intermediate_size -> expert_intermediate_size; attention_bias -> attention_bias
+               and o_proj_bias; sliding_window + layer_types -> attention_window + attention_window_layers;
+               rope_parameters (yarn) -> rope_yarn; swiglu_limit/alpha; router_topk_order "topk_then_softmax",
+               router_bias, expert_bias, attention_sinks = True; refused: other rope types, other layer types,
+               a quantization_config other than mxfp4
 
 Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
 (1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
