@@ -580,5 +580,15 @@ def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:
         if isinstance(module, GroupedExperts):
             parent_name, _, child = name.rpartition(".")
             replaced[name] = make(module)
+            new = replaced[name]
+            if module.per_expert_paths_only and (
+                new.swiglu_limit != module.swiglu_limit
+                or (new.expert_bias("up_proj", 0) is None) != (module.expert_bias("up_proj", 0) is None)
+            ):  # never drop gpt-oss's biases or clamp silently
+                raise ValueError(
+                    f"{name}: {type(new).__name__} does not carry expert biases / the clamped SwiGLU (gpt-oss: "
+                    "expert_bias, swiglu_limit); memory-mapped, quantized and cached experts do not support "
+                    "them yet: load the model without them (plain moe_core.load, LoRA without quantize.base)"
+                )
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replaced[name])
     return replaced

@@ -317,3 +317,12 @@ def test_onnx_and_gguf_exports_are_refused_up_front(tmp_path):
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt_oss"}')
     with pytest.raises(GGUFExportError, match="gpt_oss"):
         export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
+
+
+def test_expert_replacements_that_would_drop_biases_are_refused(hf_gptoss):
+    """Memory-mapped (and quantized) experts carry no biases yet: refused, never silently dropped."""
+    from moe_core.mapped import load_mapped
+
+    _, directory = hf_gptoss
+    with pytest.raises(ValueError, match="expert_bias"):
+        load_mapped(directory)
