@@ -43,6 +43,7 @@ ratios) and the machine.
     python benchmarks/finetune_scale.py --model qwen1.5-moe-a2.7b --qlora int4      # 26.7 GiB: alone, with disk
     python benchmarks/finetune_scale.py --tiny                                      # shrunken config, seconds
     python benchmarks/finetune_scale.py --model mixtral-8x7b --build-only           # only write the stand-in
+    python benchmarks/finetune_scale.py --model qwen3-30b-a3b --layers 4            # Qwen3-30B-A3B's shape, 4 layers
 """
 
 from __future__ import annotations

@@ -33,6 +33,17 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 TOPK_ORDERS = ("softmax_then_topk", "topk_then_softmax")
 ROUTER_LOSS_REDUCTIONS = ("mean", "sum")
 PRUNED_CHOICES = ("refill", "drop")
+# YaRN's parameters, named as in transformers' rope_parameters (modeling_rope_utils._compute_yarn_parameters)
+YARN_REQUIRED = ("factor", "original_max_position_embeddings")
+YARN_KEYS = (
+    *YARN_REQUIRED,
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
 EXPERT_IMPLS = ("auto", "reference", "sorted", "grouped_mm", "static", "gather")
 ATTENTION_TYPES = ("mha", "mla")  # grouped-query attention; DeepSeek-V2/V3 multi-head latent attention
 ROUTER_GROUP_SCORES = ("top2_sum", "max")  # DeepSeek-V3's group score; DeepSeek-V2's
@@ -42,7 +53,7 @@ class MoEConfig(PreTrainedConfig):
     """Decoder-only transformer whose FFN is a Mixture of Experts every `moe_every_n` layers.
 
     Attention: RoPE, grouped-query attention (`num_key_value_heads`), optional qk-norm (OLMoE: RMSNorm over
-    the whole q and k projections), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
+    the whole q and k projections; Qwen3-MoE with `qk_norm_per_head`: over each head's head_dim), optional q/k/v bias (Qwen2-MoE), optional clip of q/k/v (OLMoE).
 
     MoE block: `num_experts` experts of width `expert_intermediate_size`, `num_experts_per_tok` per token,
     chosen by the router named in `router` (a name from `moe_core.routing.ROUTERS` or a dotted path to a
@@ -74,9 +85,15 @@ class MoEConfig(PreTrainedConfig):
         head_dim: int | None = None,
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
+        rope_yarn: dict[str, Any] | None = None,
         rms_norm_eps: float = 1e-6,
         attention_bias: bool = False,
+        o_proj_bias: bool = False,
+        attention_sinks: bool = False,
+        attention_window: int | None = None,
+        attention_window_layers: list[int] | None = None,
         qk_norm: bool = False,
+        qk_norm_per_head: bool = False,
         clip_qkv: float | None = None,
         attention_dropout: float = 0.0,
         # --- multi-head latent attention (DeepSeek-V2/V3; attention_type="mla") ---
@@ -93,6 +110,9 @@ class MoEConfig(PreTrainedConfig):
         num_experts: int = 8,
         num_experts_per_tok: int = 2,
         expert_intermediate_size: int = 512,
+        expert_bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
         moe_every_n: int = 1,
         dense_layers: list[int] | None = None,
         num_shared_experts: int = 0,
@@ -101,6 +121,7 @@ class MoEConfig(PreTrainedConfig):
         # --- routing ---
         router: str = "topk",
         router_score: str = "softmax",
+        router_bias: bool = False,
         router_topk_order: str = "softmax_then_topk",
         norm_topk_prob: bool = True,
         capacity_factor: float | None = None,
@@ -140,9 +161,25 @@ class MoEConfig(PreTrainedConfig):
         self.head_dim = head_dim if head_dim is not None else hidden_size // max(num_attention_heads, 1)
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
+        # YaRN RoPE (gpt-oss, DeepSeek): transformers' rope_parameters keys for rope_type "yarn" (`YARN_KEYS`)
+        self.rope_yarn = dict(rope_yarn) if rope_yarn is not None else None
         self.rms_norm_eps = rms_norm_eps
         self.attention_bias = attention_bias
+        self.o_proj_bias = o_proj_bias  # gpt-oss: attention_bias there biases o_proj as well
+        # gpt-oss: a learned logit per head in the softmax's denominator (self_attn.sinks), Xiao et al. 2024
+        self.attention_sinks = attention_sinks
+        # gpt-oss: causal attention over the last `attention_window` keys (the query's own included) in the layers
+        # `attention_window_layers` (None: every layer); full attention elsewhere. Not named sliding_window /
+        # layer_types on purpose: transformers' DynamicCache reads those and would keep only the window's keys,
+        # which our masks do not expect (our cache keeps every key)
+        self.attention_window = attention_window
+        self.attention_window_layers = (
+            list(attention_window_layers) if attention_window_layers is not None else None
+        )
         self.qk_norm = qk_norm
+        # Qwen3-MoE: the q/k RMSNorm is over each head's head_dim (one weight of size head_dim shared by the
+        # heads), not over the whole projection as OLMoE's; only meaningful with qk_norm=True
+        self.qk_norm_per_head = qk_norm_per_head
         self.clip_qkv = clip_qkv
         self.attention_dropout = attention_dropout
         # MLA (model.MultiHeadLatentAttention): q through an optional rank-q_lora_rank bottleneck with its RMSNorm,
@@ -162,6 +199,11 @@ class MoEConfig(PreTrainedConfig):
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
         self.expert_intermediate_size = expert_intermediate_size
+        # gpt-oss experts (modeling_gpt_oss.py GptOssExperts): biases on gate/up/down and the clamped SwiGLU
+        # (`moe_core.experts.clamped_swiglu`; swiglu_limit None: the plain SwiGLU)
+        self.expert_bias = expert_bias
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
         self.moe_every_n = moe_every_n
         self.dense_layers = list(dense_layers or [])
         self.num_shared_experts = num_shared_experts
@@ -173,6 +215,7 @@ class MoEConfig(PreTrainedConfig):
         self.shared_expert_gate = shared_expert_gate
         self.router = router
         self.router_score = router_score
+        self.router_bias = router_bias  # gpt-oss: the gate's logits have a bias per expert
         self.router_topk_order = router_topk_order
         self.norm_topk_prob = norm_topk_prob
         self.capacity_factor = capacity_factor
@@ -247,6 +290,33 @@ class MoEConfig(PreTrainedConfig):
             raise bad("moe_every_n", "must be >= 1")
         if self.embedding_init_std is not None and not self.embedding_init_std > 0:
             raise bad("embedding_init_std", "must be positive, or None for initializer_range")
+        if self.attention_window is not None and (
+            not isinstance(self.attention_window, int) or self.attention_window < 1
+        ):
+            raise bad(
+                "attention_window", "must be a positive integer (keys per query), or None for full attention"
+            )
+        if self.attention_window_layers is not None:
+            if self.attention_window is None:
+                raise bad("attention_window_layers", "needs attention_window; set it or leave this None")
+            outside = [i for i in self.attention_window_layers if not 0 <= i < self.num_hidden_layers]
+            if outside:
+                raise bad(
+                    "attention_window_layers", f"{outside} are not layers 0..{self.num_hidden_layers - 1}"
+                )
+        if self.rope_yarn is not None:
+            missing = [k for k in YARN_REQUIRED if self.rope_yarn.get(k) is None]
+            unknown = sorted(set(self.rope_yarn) - set(YARN_KEYS))
+            if missing or unknown:
+                raise bad(
+                    "rope_yarn",
+                    f"needs {list(YARN_REQUIRED)} and takes only {list(YARN_KEYS)} (missing {missing}, "
+                    f"unknown {unknown}); None for plain RoPE",
+                )
+            if not float(self.rope_yarn["factor"]) >= 1:
+                raise bad("rope_yarn", "factor must be >= 1 (the context extension ratio)")
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise bad("qk_norm_per_head", "normalizes per head only with qk_norm=True; set qk_norm=True too")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             raise bad("clip_qkv", "must be positive or None")
         if self.expert_impl not in EXPERT_IMPLS:
@@ -256,6 +326,8 @@ class MoEConfig(PreTrainedConfig):
         self.validate_mla(bad)
         if self.num_experts == 0:
             return
+        if self.swiglu_limit is not None and (self.ffn_activation != "swiglu" or not self.swiglu_limit > 0):
+            raise bad("swiglu_limit", "the clamped SwiGLU needs ffn_activation='swiglu' and a positive limit")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise bad("num_experts_per_tok", f"must be between 1 and num_experts={self.num_experts}")
         if self.expert_intermediate_size <= 0:
@@ -338,6 +410,12 @@ class MoEConfig(PreTrainedConfig):
             and (layer_idx + 1) % self.moe_every_n == 0
         )
 
+    def is_window_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` attends over the last `attention_window` keys only (gpt-oss's sliding layers)."""
+        window = getattr(self, "attention_window", None)
+        layers = getattr(self, "attention_window_layers", None)
+        return window is not None and (layers is None or layer_idx in layers)
+
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
@@ -388,7 +466,8 @@ def get_config(preset: str, **overrides: Any) -> MoEConfig:
         raise ValueError(
             f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; choose one of: {', '.join(PRESETS)}"
         )
-    kwargs = {**SIZES[size], **family_settings(family, SIZES[size]["hidden_size"]), **overrides}
+    layers = overrides.get("num_hidden_layers", SIZES[size]["num_hidden_layers"])
+    kwargs = {**SIZES[size], **family_settings(family, SIZES[size]["hidden_size"], layers), **overrides}
     return MoEConfig(**kwargs)
 
 
@@ -424,10 +503,16 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
     attn = d * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
     if config.attention_bias:
         attn += hd * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_per_head:  # one head_dim weight each for q and k
+        attn += 2 * hd
+    elif config.qk_norm:
         attn += hd * (config.num_attention_heads + config.num_key_value_heads)
     if getattr(config, "attention_type", "mha") == "mla":
         attn = mla_attention_params(config)
+    if config.o_proj_bias:
+        attn += d
+    if config.attention_sinks:
+        attn += config.num_attention_heads
     norms = 2 * d
     total = active = 0
     for i in range(config.num_hidden_layers):
@@ -437,8 +522,12 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
             expert = ffn_params(config, config.expert_intermediate_size)
             shared = config.num_shared_experts * ffn_params(config, config.shared_expert_intermediate_size)
             shared += d if config.shared_expert_gate and config.num_shared_experts else 0
-            total += config.num_experts * expert + shared + d * config.num_experts
-            active += config.num_experts_per_tok * expert + shared + d * config.num_experts
+            if config.expert_bias:  # gpt-oss: gate and up [F], down [D] per expert
+                gated = 2 if config.ffn_activation == "swiglu" else 1
+                expert += gated * config.expert_intermediate_size + d
+            router = (d + 1) * config.num_experts if config.router_bias else d * config.num_experts
+            total += config.num_experts * expert + shared + router
+            active += config.num_experts_per_tok * expert + shared + router
         else:
             total += ffn_params(config, config.intermediate_size)
             active += ffn_params(config, config.intermediate_size)

@@ -1,5 +1,5 @@
-"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3 and
-DeepSeek-V2 checkpoints.
+"""Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, gpt-oss,
+DeepSeek-V3 and DeepSeek-V2 checkpoints.
 
     from moe_core.convert import from_hf, to_hf
     model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
@@ -29,6 +29,14 @@ both sides, layer ``i``, expert ``j``::
                mlp.shared_experts.*_proj -> mlp.shared_expert.*_proj; V3's mlp.gate.e_score_correction_bias
                -> mlp.router.expert_bias (V2 has none: read as zeros, refused on the way back unless zero)
 
+    Qwen3-MoE  as OLMoE for gate and experts, q_norm / k_norm per head ([head_dim]), dense ``mlp.*_proj`` in
+               non-sparse layers; no shared expert
+    gpt-oss    fused experts only (`GPTOSS_EXPERTS`: gate/up interleaved, transposed), with biases; router
+               ``mlp.router.{weight,bias}`` -> mlp.router.gate; ``self_attn.sinks``; q/k/v/o biases. MXFP4
+               experts (``*_blocks`` / ``*_scales``, as published) are dequantized on load to bf16
+               (`dequantize_mxfp4`, equal to transformers' ``convert_moe_packed_tensors``); `to_hf` never
+               writes MXFP4: it writes the model's dtype (bf16 for a published checkpoint loaded as is)
+
 Config (HF -> ours)::
 
     all        hidden_act "silu" -> ffn_activation "swiglu"; softmax top-k token choice, dropless -> router
@@ -51,6 +59,15 @@ Config (HF -> ours)::
                quantization_config, num_key_value_heads != num_attention_heads, attention/mlp biases. Balancing: V2's
                aux_loss_alpha is exactly router_aux_loss_coef; V3 gets 0 and router_bias_update_rate 0 (the
                published bias stays put unless the rate is set: `_deepseek_config_from_hf`)
+
+    Qwen3-MoE  moe_intermediate_size -> expert_intermediate_size; decoder_sparse_step, mlp_only_layers,
+               head_dim, norm_topk_prob; qk_norm = qk_norm_per_head = True; refused: use_sliding_window,
+               attention_bias (it biases o_proj too)
+    gpt-oss    num_local_experts; intermediate_size -> expert_intermediate_size; attention_bias -> attention_bias
+               and o_proj_bias; sliding_window + layer_types -> attention_window + attention_window_layers;
+               rope_parameters (yarn) -> rope_yarn; swiglu_limit/alpha; router_topk_order "topk_then_softmax",
+               router_bias, expert_bias, attention_sinks = True; refused: other rope types, other layer types,
+               a quantization_config other than mxfp4
 
 Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
 (1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
@@ -86,7 +103,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CONFIG_MAPPING, GenerationConfig
 
-from moe_core.config import MoEConfig
+from moe_core.config import YARN_KEYS, MoEConfig
 from moe_core.data.framing import FRAMING_FILE
 from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, set_model_input_names
 from moe_core.errors import MoELabError
@@ -142,6 +159,11 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         shared_experts="shared_experts",
         router_bias="zeros",
     ),
+    "qwen3_moe": HFArchitecture(
+        "qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")
+    ),
+    # experts always fused (`GPTOSS_EXPERTS`); the per-expert names below are the reader's aliases for them
+    "gpt_oss": HFArchitecture("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
@@ -219,6 +241,60 @@ def resolve_source(path_or_hub_id: str | os.PathLike, revision: str | None = Non
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
+# gpt-oss's experts (always fused; transformers 5.24 models/gpt_oss/modeling_gpt_oss.py GptOssExperts): layer i's
+# ``mlp.experts.gate_up_proj`` [E, D, 2F] (x @ W: transposed against nn.Linear, gate and up interleaved on the
+# last axis), ``gate_up_proj_bias`` [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]; router
+# ``mlp.router.weight`` [E, D] and ``mlp.router.bias`` [E]
+GPTOSS_EXPERTS = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$"
+)
+
+
+@dataclass(frozen=True)
+class _GptOssSlice:
+    """Expert ``expert``'s part of a gpt-oss fused tensor: ``half`` 0 (gate) / 1 (up) of the interleaved last axis
+    or None (all of it), transposed to nn.Linear's [out, in] when ``transpose``."""
+
+    expert: int
+    half: int | None
+    transpose: bool
+
+    def __call__(self, fused: torch.Tensor) -> torch.Tensor:
+        part = fused[self.expert]
+        if self.half is not None:
+            part = part[..., self.half :: 2]
+        return part.transpose(0, 1) if self.transpose else part
+
+
+# MXFP4 (OCP Microscaling, 4-bit E2M1 values in blocks of 32 sharing an E8M0 power-of-two scale), as the published
+# gpt-oss checkpoints store their experts: ``<name>_blocks`` [E, R, G, 16] uint8 (two values per byte, low nibble
+# first) and ``<name>_scales`` [E, R, G] uint8 (exponent + 127). The E2M1 code points, as transformers 5.24
+# integrations/mxfp4.py FP4_VALUES
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(
+    blocks_ERGB: torch.Tensor, scales_ERG: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """MXFP4 blocks and scales to a dense [E, G * 32, R] tensor in ``dtype`` (bf16: exact, every FP4 value times
+    a power of two is a bf16 number), the layout transformers' ``convert_moe_packed_tensors`` returns, i.e. the
+    fused weight of a bf16 gpt-oss checkpoint. One expert at a time, so the scratch is one expert's values."""
+    E, R, G, B = blocks_ERGB.shape
+    if scales_ERG.shape != (E, R, G):
+        raise ConversionError(
+            f"MXFP4 scales of shape {tuple(scales_ERG.shape)} do not match blocks {(E, R, G, B)}"
+        )
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    out_EIR = torch.empty(E, G * B * 2, R, dtype=dtype)
+    for e in range(E):
+        codes = blocks_ERGB[e].to(torch.uint8)
+        values_RGB2 = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1)
+        exponent_RG1 = scales_ERG[e].to(torch.int32)[..., None, None] - 127
+        values_RGB2 = torch.ldexp(values_RGB2.float(), exponent_RG1.float()).to(dtype)
+        out_EIR[e] = values_RGB2.reshape(R, G * B * 2).transpose(0, 1)
+    return out_EIR
+
+
 class CheckpointReader:
     """Tensors of a Hugging Face checkpoint, read one at a time by name.
 
@@ -258,7 +334,10 @@ class CheckpointReader:
                 f"pickled files)"
             )
         self._zeros: dict[str, tuple[int, ...]] = {}  # names served as zeros (`_zero_router_biases`)
-        if arch is not None:
+        self._mxfp4: dict[str, tuple[str, str]] = {}  # gpt-oss: fused name -> its MXFP4 (blocks, scales)
+        if arch is not None and arch.model_type == "gpt_oss":
+            self._alias_gptoss()
+        elif arch is not None:
             self._alias_fused(arch)
             if arch.router_bias == "zeros":
                 self._zero_router_biases()
@@ -272,6 +351,41 @@ class CheckpointReader:
                 self._zeros[f"model.layers.{match.group(1)}.mlp.gate.e_score_correction_bias"] = (
                     self.shape(name)[0],
                 )
+
+    def _alias_gptoss(self) -> None:
+        """gpt-oss's fused experts (`GPTOSS_EXPERTS`) read under per-expert names: expert j's gate_proj is
+        ``gate_up_proj[j, :, 0::2].T`` (gate and up interleaved along the last axis, modeling_gpt_oss.py
+        ``_apply_gate``), its up_proj ``gate_up_proj[j, :, 1::2].T``, its down_proj ``down_proj[j].T``; the biases
+        likewise. MXFP4 weights (``*_blocks`` / ``*_scales``, the published checkpoints) are dequantized on read."""
+        experts_of: dict[str, int] = {}
+        for name in list(self.file_of):
+            if name.endswith("_blocks") and name.removesuffix("_blocks") + "_scales" in self.file_of:
+                fused = name.removesuffix("_blocks")
+                self._mxfp4[fused] = (name, fused + "_scales")
+                self.file_of[fused] = self.file_of[name]
+                experts_of[fused] = self.shape(name)[0]
+        for blocks, scales in self._mxfp4.values():
+            self._fused_file[blocks] = self.file_of.pop(blocks)
+            self._fused_file[scales] = self.file_of.pop(scales)
+        for name in [n for n in self.file_of if GPTOSS_EXPERTS.match(n)]:
+            i, kind = GPTOSS_EXPERTS.match(name).groups()
+            E = experts_of[name] if name in experts_of else self.shape(name)[0]
+            experts = f"model.layers.{i}.mlp.experts"
+            for j in range(E):
+                if kind == "gate_up_proj":
+                    self._alias[f"{experts}.{j}.gate_proj.weight"] = (name, _GptOssSlice(j, 0, True))
+                    self._alias[f"{experts}.{j}.up_proj.weight"] = (name, _GptOssSlice(j, 1, True))
+                elif kind == "gate_up_proj_bias":
+                    self._alias[f"{experts}.{j}.gate_proj.bias"] = (name, _GptOssSlice(j, 0, False))
+                    self._alias[f"{experts}.{j}.up_proj.bias"] = (name, _GptOssSlice(j, 1, False))
+                elif kind == "down_proj":
+                    self._alias[f"{experts}.{j}.down_proj.weight"] = (name, _GptOssSlice(j, None, True))
+                else:
+                    self._alias[f"{experts}.{j}.down_proj.bias"] = (name, _GptOssSlice(j, None, False))
+        for alias, (name, _) in self._alias.items():
+            self.file_of[alias] = self.file_of[name]
+        for name in {name for name, _ in self._alias.values()}:
+            self._fused_file[name] = self.file_of.pop(name)
 
     def _alias_fused(self, arch: HFArchitecture) -> None:
         for name in [n for n in self.file_of if _FUSED_EXPERTS.match(n)]:
@@ -321,10 +435,15 @@ class CheckpointReader:
             fused, index = self._alias[name]
             if self._held is None or self._held[0] != fused:
                 self._held = (fused, self._read(fused))
+            if isinstance(index, _GptOssSlice):
+                return index(self._held[1])
             return self._held[1][index] if index else self._held[1]
         return self._read(name)
 
     def _read(self, name: str) -> torch.Tensor:
+        if name in self._mxfp4:
+            blocks, scales = self._mxfp4[name]
+            return dequantize_mxfp4(self._read(blocks), self._read(scales))
         shard = self._shard(self._fused_file.get(name) or self.file_of[name])
         return shard.get_tensor(name) if hasattr(shard, "get_tensor") else shard[name]
 
@@ -338,6 +457,8 @@ class CheckpointReader:
         if name in self._zeros:
             return torch.float32
         name = self._alias[name][0] if name in self._alias else name
+        if name in self._mxfp4:
+            return torch.bfloat16  # what `dequantize_mxfp4` gives (as transformers without an MXFP4 kernel)
         shard = self._shard(self._fused_file.get(name) or self.file_of[name])
         if hasattr(shard, "get_slice"):
             stored = shard.get_slice(name).get_dtype()
@@ -384,11 +505,15 @@ def ffn_and_rope_refusals(hf) -> list[str]:
 
 
 def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
+    if arch.model_type == "gpt_oss":
+        return _gptoss_refusals(hf)
     reasons = ffn_and_rope_refusals(hf)
     if arch.model_type == "mixtral" and hf.sliding_window is not None:
         reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
     if arch.model_type == "qwen2_moe" and hf.use_sliding_window:
         reasons.append("use_sliding_window=True: our attention is full causal attention")
+    if arch.model_type == "qwen3_moe":
+        reasons += _qwen3_moe_refusals(hf)
     if arch.model_type == "olmoe" and hf.attention_bias:
         reasons.append(
             "attention_bias=True: OLMoE then also biases o_proj, which our attention has no bias for"
@@ -471,6 +596,85 @@ def _deepseek_refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     return reasons
 
 
+def _qwen3_moe_refusals(hf) -> list[str]:
+    """What a Qwen3-MoE config says that our model cannot express (transformers models/qwen3_moe)."""
+    reasons = []
+    if hf.use_sliding_window:
+        reasons.append(
+            "use_sliding_window=True: Qwen3-MoE's sliding window is not supported; set it to false"
+        )
+    if hf.attention_bias:
+        reasons.append(
+            "attention_bias=True: Qwen3-MoE then also biases o_proj, which our attention has no bias for; "
+            "supported: false"
+        )
+    return reasons
+
+
+def _gptoss_refusals(hf) -> list[str]:
+    """What a gpt-oss config says that our model cannot express (transformers models/gpt_oss). Its RoPE is YaRN
+    (or plain), its experts the clamped SwiGLU whatever ``hidden_act`` says (GptOssExperts never reads it)."""
+    reasons = []
+    rope = dict(hf.rope_parameters or {})
+    rope_type = rope.pop("rope_type", "default")
+    rope.pop("rope_theta", None)
+    if rope_type not in ("default", "yarn"):
+        reasons.append(f"rope_parameters rope_type={rope_type!r}: supported 'yarn' and 'default'")
+    elif rope_type == "yarn":
+        unknown = sorted(set(rope) - set(YARN_KEYS))
+        if unknown:
+            reasons.append(f"rope_parameters {unknown}: YaRN takes {list(YARN_KEYS)} only")
+        if rope.get("factor") is None:  # transformers would derive it from max_position_embeddings
+            reasons.append("rope_parameters: YaRN without 'factor' is not supported; give the factor")
+    elif rope:
+        reasons.append(f"rope_parameters {sorted(rope)}: plain RoPE takes rope_theta only")
+    kinds = set(hf.layer_types or [])
+    if kinds - {"sliding_attention", "full_attention"}:
+        reasons.append(
+            f"layer_types {sorted(kinds - {'sliding_attention', 'full_attention'})}: supported "
+            "'sliding_attention' and 'full_attention'"
+        )
+    if getattr(hf, "partial_rotary_factor", 1.0) != 1.0:
+        reasons.append(f"partial_rotary_factor={hf.partial_rotary_factor}: our RoPE rotates the whole head")
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        if method != "mxfp4":
+            reasons.append(
+                f"quantization_config quant_method={method!r}: supported 'mxfp4' (dequantized to bf16 on load)"
+            )
+    return reasons
+
+
+def _gptoss_config(hf) -> dict[str, Any]:
+    """Our fields for a gpt-oss config (every layer MoE, biased router and experts, sinks, windows, YaRN)."""
+    rope = dict(hf.rope_parameters or {})
+    yarn = (
+        {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+        if rope.get("rope_type") == "yarn"
+        else None
+    )
+    window_layers = [i for i, kind in enumerate(hf.layer_types or []) if kind == "sliding_attention"]
+    return dict(
+        num_experts=hf.num_local_experts,
+        expert_intermediate_size=hf.intermediate_size,
+        intermediate_size=hf.intermediate_size,
+        head_dim=hf.head_dim,
+        attention_bias=hf.attention_bias,
+        o_proj_bias=hf.attention_bias,
+        attention_sinks=True,
+        attention_window=hf.sliding_window if window_layers else None,
+        attention_window_layers=window_layers if window_layers else None,
+        rope_yarn=yarn,
+        router_topk_order="topk_then_softmax",  # top-k of the biased logits, softmax over those K
+        norm_topk_prob=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=hf.swiglu_limit,
+        swiglu_alpha=hf.swiglu_alpha,
+    )
+
+
 _LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")  # transformers 4's config.json fields for RoPE
 
 
@@ -548,6 +752,20 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
             clip_qkv=hf.clip_qkv,
             norm_topk_prob=hf.norm_topk_prob,
         )
+    elif arch.model_type == "gpt_oss":
+        specific = _gptoss_config(hf)
+    elif arch.model_type == "qwen3_moe":  # no shared expert, per-head q/k norm, explicit head_dim
+        specific = dict(
+            num_experts=hf.num_experts,
+            expert_intermediate_size=hf.moe_intermediate_size,
+            intermediate_size=hf.intermediate_size,
+            moe_every_n=hf.decoder_sparse_step,
+            dense_layers=list(hf.mlp_only_layers),
+            qk_norm=True,
+            qk_norm_per_head=True,
+            norm_topk_prob=hf.norm_topk_prob,
+            head_dim=getattr(hf, "head_dim", None),
+        )
     else:
         specific = dict(
             num_experts=hf.num_experts,
@@ -562,7 +780,8 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
             norm_topk_prob=hf.norm_topk_prob,
             head_dim=getattr(hf, "head_dim", None),
         )
-    return _with_origin(arch, MoEConfig(**common, **specific), hf, raw)
+    # specific fields win (gpt-oss's top-k order)
+    return _with_origin(arch, MoEConfig(**{**common, **specific}), hf, raw)
 
 
 def _with_origin(arch: HFArchitecture, config: MoEConfig, hf, raw: dict[str, Any] | None) -> MoEConfig:
@@ -650,7 +869,8 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
         reasons.append(
             f"attention_type='mla': {name} has grouped-query attention; use deepseek_v3 or deepseek_v2"
         )
-    if config.num_experts == 0 and arch.model_type != "qwen2_moe":
+    dense_layers_ok = arch.model_type in ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers
+    if config.num_experts == 0 and not dense_layers_ok:
         reasons.append(f"num_experts=0 (a dense model): {name} has experts in every layer; use qwen2_moe")
     if config.num_experts > 0:
         if config.router not in ("topk", "switch"):
@@ -672,7 +892,7 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
                 f"experts' softmax mass in its denominator, which {name} cannot express; prune with "
                 "`moe-lab prune --renormalize` for a checkpoint to convert"
             )
-        if arch.model_type != "qwen2_moe" and config.moe_layer_ids != list(range(config.num_hidden_layers)):
+        if not dense_layers_ok and config.moe_layer_ids != list(range(config.num_hidden_layers)):
             reasons.append(
                 f"dense layers (moe_every_n={config.moe_every_n}, dense_layers={config.dense_layers}): "
                 f"every {name} layer is an MoE layer; use qwen2_moe"
@@ -686,20 +906,16 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
             )
     if config.ffn_activation != "swiglu":
         reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
-    if config.qk_norm != (arch.model_type == "olmoe"):
-        reasons.append(
-            f"qk_norm={config.qk_norm}: "
-            + (
-                "OLMoE always normalizes q and k"
-                if arch.model_type == "olmoe"
-                else f"{name} has no q/k norm; use olmoe"
-            )
-        )
+    reasons += _qk_norm_refusals(config, arch)
+    reasons += _gptoss_feature_refusals(config, arch)
     if config.clip_qkv is not None and arch.model_type != "olmoe":
         reasons.append(f"clip_qkv={config.clip_qkv}: {name} does not clip q/k/v; use olmoe")
-    if config.attention_bias and arch.model_type != "qwen2_moe":
+    if config.attention_bias and arch.model_type not in ("qwen2_moe", "gpt_oss"):
         reasons.append(f"attention_bias=True: {name} has no q/k/v bias; use qwen2_moe")
-    if arch.model_type != "mixtral" and config.head_dim * config.num_attention_heads != config.hidden_size:
+    if (
+        arch.model_type not in ("mixtral", "qwen3_moe", "gpt_oss")  # (these carry head_dim)
+        and config.head_dim * config.num_attention_heads != config.hidden_size
+    ):
         reasons.append(
             f"head_dim={config.head_dim}: {name} needs head_dim * num_attention_heads == hidden_size"
         )
@@ -762,6 +978,56 @@ def _deepseek_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[st
         reasons.append(
             f"shared_expert_intermediate_size={config.shared_expert_intermediate_size}: {name}'s shared experts "
             f"are as wide as the routed ones (expert_intermediate_size={config.expert_intermediate_size})"
+        )
+    return reasons
+
+
+def _qk_norm_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """The q/k norm each target has: OLMoE over the whole projection, Qwen3-MoE per head, the others none."""
+    per_head = config.qk_norm and config.qk_norm_per_head
+    whole = config.qk_norm and not config.qk_norm_per_head
+    if arch.model_type == "olmoe" and not whole:
+        return [
+            f"qk_norm={config.qk_norm}, qk_norm_per_head={config.qk_norm_per_head}: OLMoE always normalizes "
+            "the whole q and k projections (qk_norm=True, qk_norm_per_head=False)"
+        ]
+    if arch.model_type == "qwen3_moe" and not per_head:
+        return [
+            f"qk_norm={config.qk_norm}, qk_norm_per_head={config.qk_norm_per_head}: Qwen3-MoE always "
+            "normalizes q and k per head (qk_norm=True, qk_norm_per_head=True)"
+        ]
+    if arch.model_type not in ("olmoe", "qwen3_moe") and config.qk_norm:
+        return [f"qk_norm=True: {arch.class_name} has no q/k norm; use olmoe or qwen3_moe"]
+    return []
+
+
+def _gptoss_feature_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """gpt-oss's pieces: all of them for gpt_oss (its classes have no switch for any), none for the others."""
+    pieces = {
+        "attention_sinks": config.attention_sinks,
+        "router_bias": config.router_bias,
+        "expert_bias": config.expert_bias,
+        "swiglu_limit": config.swiglu_limit is not None,
+        "o_proj_bias": config.o_proj_bias,
+        "attention_window": config.attention_window is not None,
+        "rope_yarn": config.rope_yarn is not None,
+    }
+    if arch.model_type != "gpt_oss":
+        return [
+            f"{field}={getattr(config, field)!r}: {arch.class_name} has no such piece; use gpt_oss"
+            for field, present in pieces.items()
+            if present
+        ]
+    needed = ("attention_sinks", "router_bias", "expert_bias", "swiglu_limit")
+    reasons = [
+        f"{field}={getattr(config, field)!r}: every gpt-oss layer has it; gpt_oss needs it set"
+        for field in needed
+        if not pieces[field]
+    ]
+    if config.o_proj_bias != config.attention_bias:
+        reasons.append(
+            f"attention_bias={config.attention_bias}, o_proj_bias={config.o_proj_bias}: gpt-oss biases q/k/v "
+            "and o together (one attention_bias); set both the same"
         )
     return reasons
 
@@ -845,6 +1111,38 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             norm_topk_prob=_renormalized(config),
             attention_bias=False,
         )
+    elif arch.model_type == "gpt_oss":
+        fields.update(
+            num_local_experts=config.num_experts,
+            intermediate_size=config.expert_intermediate_size,
+            head_dim=config.head_dim,
+            attention_bias=config.attention_bias,
+            sliding_window=config.attention_window,
+            layer_types=[
+                "sliding_attention" if config.is_window_layer(i) else "full_attention"
+                for i in range(config.num_hidden_layers)
+            ],
+            swiglu_limit=config.swiglu_limit,
+            swiglu_alpha=config.swiglu_alpha,
+        )
+        if config.rope_yarn is not None:
+            fields["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": config.rope_theta,
+                **config.rope_yarn,
+            }
+    elif arch.model_type == "qwen3_moe":
+        fields.update(
+            num_experts=config.num_experts,
+            moe_intermediate_size=config.expert_intermediate_size,
+            intermediate_size=config.intermediate_size,
+            decoder_sparse_step=config.moe_every_n,
+            mlp_only_layers=list(config.dense_layers),
+            norm_topk_prob=_renormalized(config),
+            head_dim=config.head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
+        )
     else:
         fields.update(
             num_experts=config.num_experts,
@@ -922,11 +1220,22 @@ def weight_plan(config: MoEConfig, arch: HFArchitecture) -> list[tuple[str, tupl
             same += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.attention_bias:
             same += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.o_proj_bias:
+            same.append(f"{p}.self_attn.o_proj.bias")
+        if config.attention_sinks:
+            same.append(f"{p}.self_attn.sinks")
         if config.qk_norm:
             same += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
         if config.is_moe_layer(i):
             moe = f"{p}.{arch.moe_module}"
-            plan.append((f"{p}.mlp.router.gate.weight", (f"{moe}.gate.weight",)))
+            router = f"{moe}.router" if arch.model_type == "gpt_oss" else f"{moe}.gate"
+            plan.append((f"{p}.mlp.router.gate.weight", (f"{router}.weight",)))
+            if config.router_bias:
+                plan.append((f"{p}.mlp.router.gate.bias", (f"{router}.bias",)))
+            if config.expert_bias:  # gpt-oss (`CheckpointReader._alias_gptoss` names)
+                for ours in ("gate_proj", "up_proj", "down_proj"):
+                    names = tuple(f"{moe}.experts.{j}.{ours}.bias" for j in range(config.num_experts))
+                    plan.append((f"{p}.mlp.experts.{ours}_bias", names))
             for ours, theirs in zip(("gate_proj", "up_proj", "down_proj"), arch.expert_weights):
                 plan.append(
                     (
@@ -1195,6 +1504,8 @@ def to_hf(
                 f"({biased[0]} and {len(biased) - 1} more), which {arch.class_name} has no place for; use deepseek_v3"
             )
         tensors = [(n, t) for n, t in tensors if not n.endswith(".e_score_correction_bias")]
+    if arch.model_type == "gpt_oss":
+        tensors = gptoss_fused_tensors(tensors)
     hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         _write_safetensors(tmp, tensors, max_shard_size)
@@ -1203,6 +1514,52 @@ def to_hf(
         if "generation_config.json" not in copied:
             GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     return Path(out_dir)
+
+
+def gptoss_fused_tensors(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The per-expert tensors of a plan written in gpt-oss's fused layout (`GPTOSS_EXPERTS`): gate and up
+    interleaved on the last axis and transposed to [E, D, 2F], down to [E, F, D]. Each layer's fused tensors are
+    new storage (at most one layer's experts twice over while it is written)."""
+    per_expert = re.compile(
+        r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
+    )
+    out: list[tuple[str, torch.Tensor]] = []
+    groups: dict[tuple[str, str, str], list[torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = per_expert.match(name)
+        if match is None:
+            out.append((name, tensor))
+            continue
+        prefix, _, proj, kind = match.groups()
+        if not groups.get((prefix, proj, kind)):
+            out.append(((prefix, proj, kind), None))  # placeholder: where this group goes
+        groups.setdefault((prefix, proj, kind), []).append(tensor.detach())
+    result = []
+    for name, tensor in out:
+        if tensor is not None:
+            result.append((name, tensor))
+            continue
+        prefix, proj, kind = name
+        if proj == "up_proj":
+            continue  # written with gate_proj
+        if proj == "down_proj":
+            stack = torch.stack(groups[name])
+            result.append(
+                (
+                    f"{prefix}.down_proj" + ("_bias" if kind == "bias" else ""),
+                    stack.transpose(1, 2) if kind == "weight" else stack,
+                )
+            )
+            continue
+        gate, up = torch.stack(groups[name]), torch.stack(groups[(prefix, "up_proj", kind)])
+        if kind == "weight":  # [E, F, D] each -> [E, D, 2F], gate at even columns
+            fused = torch.stack((gate, up), dim=2).reshape(gate.shape[0], -1, gate.shape[2]).transpose(1, 2)
+            result.append((f"{prefix}.gate_up_proj", fused.contiguous()))
+        else:  # [E, F] each -> [E, 2F]
+            result.append(
+                (f"{prefix}.gate_up_proj_bias", torch.stack((gate, up), dim=2).reshape(gate.shape[0], -1))
+            )
+    return [(n, t.contiguous()) for n, t in result]
 
 
 # ================================================================================================ files

@@ -61,6 +61,15 @@ def ffn_act(activation: str, h_gate: torch.Tensor | None, h_up: torch.Tensor) ->
     return F.gelu(h_up)
 
 
+def clamped_swiglu(h_gate: torch.Tensor, h_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's SwiGLU variant (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py GptOssExperts._apply_gate):
+    the gate clamped above at ``limit``, the up projection to [-limit, limit], ``gate * sigmoid(alpha * gate)``
+    (alpha 1.702: the sigmoid approximation of GELU) times ``up + 1``."""
+    h_gate = h_gate.clamp(max=limit)
+    h_up = h_up.clamp(min=-limit, max=limit)
+    return (h_up + 1) * (h_gate * torch.sigmoid(h_gate * alpha))
+
+
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in the order `stacks` returns them
 # every tensor under a MoE layer's routed experts (`MoEBlock.experts`: the experts, their PEFT wrappers and LoRA
 # factors) carries this in its name (an expert-parallel shard's own mark: `moe_core.train.parallel.EXPERT_MARK`)
@@ -245,6 +254,26 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             max_slots,
         )
 
+    # gpt-oss's clamped SwiGLU (`clamped_swiglu`) when a number; experts with biases answer `expert_bias`. Only the
+    # per-expert paths (reference, sorted, decode) know either: `check_path` refuses the others
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def expert_bias(self, p: str, e: int) -> torch.Tensor | None:
+        """Expert ``e``'s bias of projection ``p`` (gpt-oss), or None."""
+        return None
+
+    @property
+    def per_expert_paths_only(self) -> bool:
+        return self.swiglu_limit is not None or self.expert_bias("up_proj", 0) is not None
+
+    def check_path(self, impl: str) -> None:
+        if self.per_expert_paths_only and impl in ("static", "gather", "grouped_mm"):
+            raise ValueError(
+                f"expert_impl={impl!r}: experts with biases or the clamped SwiGLU (gpt-oss: expert_bias, "
+                "swiglu_limit) run on the per-expert paths only; use 'reference' or 'sorted' (or 'auto')"
+            )
+
     @abstractmethod
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor: ...
 
@@ -256,10 +285,16 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
 
         def proj(p: str, x_NI: torch.Tensor) -> torch.Tensor:
             y_NO = self.project(p, e, x_NI, weights)
+            bias_O = self.expert_bias(p, e)
+            if bias_O is not None:
+                y_NO = y_NO + bias_O
             delta_NO = ExpertLoRA.delta(lora, p, e, x_NI) if lora else None
             return y_NO if delta_NO is None else y_NO + delta_NO
 
         h_gate = proj("gate_proj", x_ND) if self.activation == "swiglu" else None
+        if self.swiglu_limit is not None:
+            h_NF = clamped_swiglu(h_gate, proj("up_proj", x_ND), self.swiglu_limit, self.swiglu_alpha)
+            return proj("down_proj", h_NF)
         return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_ND)))
 
     @abstractmethod
@@ -281,6 +316,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
+        if self.per_expert_paths_only:
+            return "sorted"
         # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
         return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
 
@@ -292,6 +329,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         lora: ExpertLoRA | None = None,
     ) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
+        self.check_path(impl)
         if self.uses_decode_path(x_TD, record, impl):
             return self.forward_decode(x_TD, record, lora)
         if impl == "reference":
@@ -448,6 +486,9 @@ class GroupedExperts(StackedExperts):
         activation: str,
         impl: str = "auto",
         max_slots: int = 0,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
     ):
         super().__init__(num_experts, activation, impl, max_slots)
         E, D, F_ = num_experts, hidden_size, intermediate_size
@@ -457,6 +498,15 @@ class GroupedExperts(StackedExperts):
             self.register_parameter("gate_proj", None)
         self.up_proj = nn.Parameter(torch.empty(E, F_, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, F_))
+        # gpt-oss: a bias per expert and projection ([E, F] gate and up, [E, D] down), the clamped SwiGLU
+        for p, width in (("gate_proj", F_), ("up_proj", F_), ("down_proj", D)):
+            has = bias and getattr(self, p) is not None
+            self.register_parameter(f"{p}_bias", nn.Parameter(torch.empty(E, width)) if has else None)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+
+    def expert_bias(self, p: str, e: int) -> torch.Tensor | None:
+        bias_EO = getattr(self, f"{p}_bias", None)
+        return None if bias_EO is None else bias_EO[e]
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """``{projection: (O, I)}``: one expert's weight shape per projection it has (no gate for GELU)."""
@@ -471,6 +521,10 @@ class GroupedExperts(StackedExperts):
         with torch.device("meta"):  # the constructor's own stacks are replaced at once: allocate nothing
             new = cls(E, D, F_, experts.activation, **options)
         new.gate_proj, new.up_proj, new.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
+        for p in PROJECTIONS:  # gpt-oss's biases, the same objects too
+            if getattr(experts, f"{p}_bias", None) is not None:
+                setattr(new, f"{p}_bias", getattr(experts, f"{p}_bias"))
+        new.swiglu_limit, new.swiglu_alpha = experts.swiglu_limit, experts.swiglu_alpha
         return share_hooks(experts, new)
 
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
@@ -529,5 +583,15 @@ def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:
         if isinstance(module, GroupedExperts):
             parent_name, _, child = name.rpartition(".")
             replaced[name] = make(module)
+            new = replaced[name]
+            if module.per_expert_paths_only and (
+                new.swiglu_limit != module.swiglu_limit
+                or (new.expert_bias("up_proj", 0) is None) != (module.expert_bias("up_proj", 0) is None)
+            ):  # never drop gpt-oss's biases or clamp silently
+                raise ValueError(
+                    f"{name}: {type(new).__name__} does not carry expert biases / the clamped SwiGLU (gpt-oss: "
+                    "expert_bias, swiglu_limit); memory-mapped, quantized and cached experts do not support "
+                    "them yet: load the model without them (plain moe_core.load, LoRA without quantize.base)"
+                )
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replaced[name])
     return replaced

@@ -3,7 +3,8 @@
 Architecture choices (each a field of `MoEConfig`):
 - Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021).
 - Grouped-query attention (Ainslie et al. 2023) through `F.scaled_dot_product_attention`; optional qk-norm
-  over the whole q and k projections (OLMoE, Muennighoff et al. 2024), q/k/v bias (Qwen2-MoE), q/k/v clip.
+  over the whole q and k projections (OLMoE, Muennighoff et al. 2024) or per head (Qwen3, Yang et al. 2025),
+  q/k/v bias (Qwen2-MoE), q/k/v clip.
   Or multi-head latent attention (``attention_type="mla"``; DeepSeek-V2, DeepSeek-AI 2024, §2.1): keys and
   values from a low-rank latent plus one decoupled RoPE key shared by the heads; the cache holds the latent.
 - FFN: SwiGLU (Shazeer 2020) or GELU; every `moe_every_n`-th layer a Mixture of Experts (Shazeer et al. 2017;
@@ -61,17 +62,63 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def yarn_frequencies(
+    inv_freq_h: torch.Tensor, head_dim: int, theta: float, yarn: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of LLMs", §3.2-3.4): the inverse
+    frequencies blended between extrapolation (high frequencies, kept) and interpolation (low frequencies,
+    divided by ``factor``) by a linear ramp over the dimensions whose wavelength completes between ``beta_fast``
+    and ``beta_slow`` rotations in ``original_max_position_embeddings``; and the attention factor that scales
+    cos and sin (sqrt(1/t) = 0.1 ln(s) + 1, or DeepSeek-V2's mscale / mscale_all_dim ratio). As transformers
+    5.24 ``modeling_rope_utils._compute_yarn_parameters`` (gpt-oss, DeepSeek-V2/V3)."""
+    factor = float(yarn["factor"])
+    original = yarn["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        if yarn.get("mscale") and yarn.get("mscale_all_dim"):
+            attention_factor = mscale(factor, yarn["mscale"]) / mscale(factor, yarn["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (as upstream: no zero-width ramp)
+    ramp_h = (torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq_h.device) - low) / (high - low)
+    extrapolate_h = 1 - ramp_h.clamp(0, 1)  # 1: keep the frequency, 0: interpolate it
+    inv_freq_h = (inv_freq_h / factor) * (1 - extrapolate_h) + inv_freq_h * extrapolate_h
+    return inv_freq_h, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
+    """RoPE; with ``yarn`` (`MoEConfig.rope_yarn`) YaRN's frequencies and attention factor (`yarn_frequencies`)."""
+
+    def __init__(self, head_dim: int, theta: float, yarn: dict | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.yarn = head_dim, theta, yarn
+        self.attention_factor = 1.0  # multiplies cos and sin (YaRN's sqrt(1/t))
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)
 
     def frequencies(self, device: torch.device | None = None) -> torch.Tensor:
         exponents = (
             torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         )
-        return 1.0 / (self.theta**exponents)
+        inv_freq_h = 1.0 / (self.theta**exponents)
+        if self.yarn is not None:
+            inv_freq_h, self.attention_factor = yarn_frequencies(
+                inv_freq_h, self.head_dim, self.theta, self.yarn
+            )
+        return inv_freq_h
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -83,6 +130,9 @@ class RotaryEmbedding(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             freqs_BSh = position_ids_BS[..., None].float() * self.inv_freq.float()
             emb_BSHd = torch.cat((freqs_BSh, freqs_BSh), dim=-1)
+            if self.attention_factor != 1.0:
+                cos, sin = emb_BSHd.cos() * self.attention_factor, emb_BSHd.sin() * self.attention_factor
+                return cos.to(x.dtype), sin.to(x.dtype)
             return emb_BSHd.cos().to(x.dtype), emb_BSHd.sin().to(x.dtype)
 
 
@@ -129,8 +179,19 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(D, self.num_heads * Hd, bias=config.attention_bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * Hd, D, bias=False)
-        if config.qk_norm:  # OLMoE: one RMSNorm over all heads' q (and k), before RoPE
+        self.o_proj = nn.Linear(self.num_heads * Hd, D, bias=getattr(config, "o_proj_bias", False))
+        # gpt-oss (modeling_gpt_oss.py, eager_attention_forward): one learned logit per head joins each row's
+        # softmax, so a query may put weight on "nothing"; initialized like the other weights (_init_weights)
+        self.sinks = (
+            nn.Parameter(torch.empty(self.num_heads)) if getattr(config, "attention_sinks", False) else None
+        )
+        self.window = config.attention_window if config.is_window_layer(layer_idx) else None
+        self.qk_norm_per_head = config.qk_norm and getattr(config, "qk_norm_per_head", False)
+        # Qwen3-MoE (modeling_qwen3_moe.py): RMSNorm over each head's Hd, before RoPE
+        if self.qk_norm_per_head:
+            self.q_norm = RMSNorm(Hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(Hd, config.rms_norm_eps)
+        elif config.qk_norm:  # OLMoE: one RMSNorm over all heads' q (and k), before RoPE
             self.q_norm = RMSNorm(self.num_heads * Hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.num_kv_heads * Hd, config.rms_norm_eps)
         else:
@@ -139,12 +200,16 @@ class Attention(nn.Module):
     def forward(self, x_BSD, cos_sin, mask_BqL, cache: Cache | None):
         B, S, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q_BHSHd = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BGSHd = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BSHHd = q.view(B, S, self.num_heads, self.head_dim)
+        k_BSGHd = k.view(B, S, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_per_head:
+            q_BSHHd, k_BSGHd = self.q_norm(q_BSHHd), self.k_norm(k_BSGHd)
+        q_BHSHd = q_BSHHd.transpose(1, 2)
+        k_BGSHd = k_BSGHd.transpose(1, 2)
         v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
         if cache is not None:  # (each cache layer keeps its own write position, transformers 5)
@@ -153,6 +218,11 @@ class Attention(nn.Module):
             repeat = self.num_heads // self.num_kv_heads
             k_BGSHd = k_BGSHd.repeat_interleave(repeat, dim=1)
             v_BGSHd = v_BGSHd.repeat_interleave(repeat, dim=1)
+        if self.sinks is not None:
+            out_BHSHd = attention_with_sinks(
+                q_BHSHd, k_BGSHd, v_BGSHd, mask_BqL, self.sinks, self.dropout, self.training
+            )
+            return self.o_proj(out_BHSHd.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
         out_BHSHd = F.scaled_dot_product_attention(
             q_BHSHd,
             k_BGSHd,
@@ -256,6 +326,24 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 
+def attention_with_sinks(q_BHSHd, k_BHLHd, v_BHLHd, mask_BqL, sinks_H, dropout: float, training: bool):
+    """Softmax attention whose every row also holds the head's sink logit (gpt-oss; transformers 5.24
+    ``models/gpt_oss/modeling_gpt_oss.py`` eager_attention_forward): ``softmax([q k^T / sqrt(Hd), sink_h])``
+    with the sink's column dropped, so the row's weights sum to less than one. Computed eagerly ([B, H, S, L]
+    scores): SDPA has no place for the extra logit. ``mask_BqL``: True = attend, None = causal."""
+    S, L = q_BHSHd.shape[-2], k_BHLHd.shape[-2]
+    scores_BHSL = torch.matmul(q_BHSHd, k_BHLHd.transpose(2, 3)) * q_BHSHd.shape[-1] ** -0.5
+    if mask_BqL is None:  # plain causal: query s (the last S of L positions) sees keys up to L - S + s
+        mask_BqL = torch.ones(S, L, dtype=torch.bool, device=q_BHSHd.device).tril(L - S)[None, None]
+    scores_BHSL = scores_BHSL.masked_fill(~mask_BqL, torch.finfo(scores_BHSL.dtype).min)
+    sinks_BHS1 = sinks_H.to(scores_BHSL.dtype).reshape(1, -1, 1, 1).expand(*scores_BHSL.shape[:-1], 1)
+    combined = torch.cat([scores_BHSL, sinks_BHS1], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values  # (as upstream, for bf16's range)
+    probs_BHSL = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    probs_BHSL = F.dropout(probs_BHSL, p=dropout, training=training).to(v_BHLHd.dtype)
+    return torch.matmul(probs_BHSL, v_BHLHd)
+
+
 # ------------------------------------------------------------------------------------------------ MoE block
 class MoEBlock(nn.Module):
     """Router -> experts (-> plus shared experts). Returns the output and the layer's `RoutingRecord`."""
@@ -270,6 +358,9 @@ class MoEBlock(nn.Module):
             config.expert_intermediate_size,
             config.ffn_activation,
             config.expert_impl,
+            bias=config.expert_bias,
+            swiglu_limit=config.swiglu_limit,
+            swiglu_alpha=config.swiglu_alpha,
         )
         self.shared_expert = None
         self.shared_expert_gate = None
@@ -340,6 +431,20 @@ def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_
     return allowed_BqL | ~allowed_BqL.any(dim=-1, keepdim=True)
 
 
+def window_mask_for(attention_mask_BL, cache_position_S, key_len: int, window: int):
+    """Boolean [B, 1, S, L] mask (True = attend) of causal attention over the last ``window`` keys, the query's own
+    included (gpt-oss's sliding layers; transformers' masking_utils.sliding_window_overlay: k > q - window). Rows
+    with no key left attend everywhere instead, as in `attention_mask_for`."""
+    key_pos_L = torch.arange(key_len, device=cache_position_S.device)
+    query_pos_S1 = cache_position_S[:, None]
+    allowed_BqL = ((key_pos_L[None, :] <= query_pos_S1) & (key_pos_L[None, :] > query_pos_S1 - window))[
+        None, None
+    ]
+    if attention_mask_BL is not None:
+        allowed_BqL = allowed_BqL & attention_mask_BL[:, None, None, :key_len].bool()
+    return allowed_BqL | ~allowed_BqL.any(dim=-1, keepdim=True)
+
+
 # ------------------------------------------------------------------------------------------------ model
 @dataclass
 class MoECausalLMOutput(ModelOutput):
@@ -382,6 +487,8 @@ class MoEPreTrainedModel(PreTrainedModel):
             fan_in = module.weight.shape[1]
             router_std = math.sqrt(0.1 / fan_in)
             nn.init.trunc_normal_(module.weight, 0.0, router_std, -2 * router_std, 2 * router_std)
+            if module.bias is not None:  # (gpt-oss's router bias)
+                module.bias.data.zero_()
         elif isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, std)
             if module.bias is not None:
@@ -392,10 +499,12 @@ class MoEPreTrainedModel(PreTrainedModel):
             )  # (configs saved before it existed)
             module.weight.data.normal_(0.0, embedding_std or std)
         elif isinstance(module, GroupedExperts):
-            for p in module.parameters(recurse=False):
-                p.data.normal_(0.0, std)
+            for name, p in module.named_parameters(recurse=False):  # biases (gpt-oss) start at zero, as HF's
+                p.data.zero_() if name.endswith("_bias") else p.data.normal_(0.0, std)
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
+        if isinstance(module, Attention) and module.sinks is not None:  # (gpt-oss: normal(0, std) as Linear)
+            module.sinks.data.normal_(0.0, std)
 
 
 class MoEModel(MoEPreTrainedModel):
@@ -404,7 +513,9 @@ class MoEModel(MoEPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, getattr(config, "rope_yarn", None)
+        )
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -438,15 +549,20 @@ class MoEModel(MoEPreTrainedModel):
         key_len = cache.get_mask_sizes(S, 0)[0] if cache is not None else S
         mask_BqL = attention_mask_for(attention_mask, cache_position_S, key_len, S)
         cos_sin = self.rotary_emb(h_BSD, position_ids)
+        window = getattr(self.config, "attention_window", None)
+        window_mask_BqL = (
+            window_mask_for(attention_mask, cache_position_S, key_len, window) if window is not None else None
+        )
 
         records: list[RoutingRecord] = []
         for layer in self.layers:
+            mask = window_mask_BqL if layer.self_attn.window is not None else mask_BqL
             if checkpointing:  # non-reentrant, so the records keep their gradient for the router losses
                 h_BSD, record = checkpoint(
-                    layer, h_BSD, cos_sin, mask_BqL, None, expert_impl, use_reentrant=False
+                    layer, h_BSD, cos_sin, mask, None, expert_impl, use_reentrant=False
                 )
             else:
-                h_BSD, record = layer(h_BSD, cos_sin, mask_BqL, cache, expert_impl)
+                h_BSD, record = layer(h_BSD, cos_sin, mask, cache, expert_impl)
             if record is not None:
                 records.append(record)
                 if self.training:

@@ -34,8 +34,9 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def family_settings(name: str, hidden: int) -> dict[str, Any]:
-    """Architecture choices of each family; widths scale with the hidden size."""
+def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
+    """Architecture choices of each family; widths scale with the hidden size (``layers``: the depth, for
+    per-layer patterns such as gpt-oss's alternating attention)."""
     if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
         # Embeddings N(0, 1) as in T5, which Switch builds on (mesh-tf; transformers' SwitchTransformers
         # `_init_weights`), not 0.02: with 0.02, the few Adam steps of warm-up write one direction shared by
@@ -159,10 +160,53 @@ def family_settings(name: str, hidden: int) -> dict[str, Any]:
             router_aux_loss_coef=0.0001,
             router_z_loss_coef=0.0,
         )
+    if name == "qwen3":  # Qwen3-MoE (Yang et al. 2025; transformers models/qwen3_moe): 128 fine-grained
+        # experts, top-8 renormalized, no shared expert, per-head q/k RMSNorm, head_dim 2x hidden/heads and
+        # expert width 3/8 hidden as Qwen3-30B-A3B (2048 hidden, 32 heads of 128, experts of 768). Aux 0.008:
+        # Qwen3's 0.001 on transformers' scale, K times ours (moe_core.convert)
+        return dict(
+            num_experts=128,
+            num_experts_per_tok=8,
+            ffn_activation="swiglu",
+            expert_intermediate_size=3 * hidden // 8,
+            intermediate_size=3 * hidden,
+            router="topk",
+            norm_topk_prob=True,
+            qk_norm=True,
+            qk_norm_per_head=True,
+            router_aux_loss_coef=0.008,
+            router_z_loss_coef=0.0,
+        )
+    if name == "gptoss":
+        # gpt-oss (OpenAI 2025; transformers models/gpt_oss): 32 experts top-4 (gpt-oss-20b),
+        # expert width = hidden, softmax over the top-4 biased logits, biased experts with the clamped SwiGLU
+        # (limit 7), biased q/k/v/o, attention sinks, sliding window of 128 on every other layer from the first,
+        # YaRN RoPE (theta 150000, factor 32 over 4096 positions). Aux 0.004: its 0.001 times K (moe_core.convert)
+        return dict(
+            num_experts=32,
+            num_experts_per_tok=4,
+            ffn_activation="swiglu",
+            expert_intermediate_size=hidden,
+            intermediate_size=hidden,
+            router="topk",
+            router_topk_order="topk_then_softmax",
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=7.0,
+            attention_bias=True,
+            o_proj_bias=True,
+            attention_sinks=True,
+            attention_window=128,
+            attention_window_layers=list(range(0, layers, 2)),
+            rope_theta=150000.0,
+            rope_yarn=dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096),
+            router_aux_loss_coef=0.004,
+            router_z_loss_coef=0.0,
+        )
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
 
 
-FAMILIES = ("switch", "mixtral", "olmoe", "shared", "deepseek", "dense")
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "qwen3", "gptoss", "deepseek", "dense")
 PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

@@ -176,6 +176,122 @@ PUBLISHED: dict[str, PublishedModel] = {
             vocab_size=512,
         ),
     ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 layers, 128 experts top-8 of width 768 (renormalized), no shared expert,
+    # hidden 2048, 32 query heads of head_dim 128 (not hidden / heads = 64) and 4 KV heads, per-head q/k RMSNorm,
+    # vocab 151936 (30.5 B parameters, 3.3 B active). Cross-checked: transformers 5.24 Qwen3MoeConfig defaults
+    # equal the architecture fields but the depth, head_dim and renormalization (its generic 24 layers, no
+    # head_dim, norm_topk_prob False); the published 48 / 128 / true / 40960 positions / rope_theta 1e6 as in
+    # the model card (Qwen3 technical report, Table 2: 48 layers, 32/4 heads, 128 experts, 8 activated).
+    "qwen3-30b-a3b": PublishedModel(
+        "qwen3-30b-a3b",
+        "Qwen/Qwen3-30B-A3B",
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "decoder_sparse_step": 1,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 48,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            head_dim=32,  # still != hidden / heads, as published
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=16,
+            num_experts_per_tok=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
+    # openai/gpt-oss-20b config.json: 24 layers alternating sliding-window (128) and full attention, 32 experts
+    # top-4 of width 2880 with biases and the clamped SwiGLU (limit 7), biased q/k/v/o, attention sinks, 64 query
+    # heads of 64 and 8 KV heads, YaRN RoPE (theta 150000, factor 32 over 4096), vocab 201088 (20.9 B
+    # parameters). Cross-checked: transformers 5.24 GptOssConfig defaults are gpt-oss-120b's (36 layers, 128
+    # experts) and equal the rest; 24 / 32 / pad 199999 / eos 200002 / aux 0.9 as in the model card. The hub
+    # file's quantization_config (quant_method mxfp4: the experts as MXFP4 blocks and scales) is left out: the
+    # stand-in is what transformers and the lab hold after dequantizing, bf16 (`moe_core.convert` reads
+    # MXFP4 files too, `dequantize_mxfp4`)
+    "gpt-oss-20b": PublishedModel(
+        "gpt-oss-20b",
+        "openai/gpt-oss-20b",
+        {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "experts_per_token": 4,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2880,
+            "initial_context_length": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 2880,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "max_position_embeddings": 131072,
+            "num_attention_heads": 64,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 8,
+            "num_local_experts": 32,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-05,
+            # the hub file's rope_scaling + rope_theta (transformers 4's spelling), as transformers 5 writes them
+            "rope_parameters": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_theta": 150000.0,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": 128,
+            "swiglu_limit": 7.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "vocab_size": 201088,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            sliding_window=4,
+        ),
+    ),
     # mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, 8 experts top-2 of width 14336, hidden 4096, GQA with 8
     # KV heads, vocab 32000 (46.7 B parameters, 87 GiB in bf16). Cross-checked: transformers 4.57 MixtralConfig
     # defaults equal the architecture fields (its max_position_embeddings 131072 and router_aux_loss_coef 0.001
@@ -389,6 +505,8 @@ def published_config(
         config["num_hidden_layers"] = layers
         if "max_window_layers" in config:  # Qwen2: layers below it use full attention; keep the same meaning
             config["max_window_layers"] = min(config["max_window_layers"], layers)
+        if "layer_types" in config:  # gpt-oss: one attention kind per layer; the first `layers` of them
+            config["layer_types"] = config["layer_types"][:layers]
     unknown = sorted(set(overrides or {}) - set(config))
     if unknown:
         raise PublishedError(

@@ -324,7 +324,10 @@ class Router(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.eval_capacity_factor = config.eval_capacity_factor
         self.jitter = config.router_jitter
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        # gpt-oss's router has a bias per expert (router_bias); the others none
+        self.gate = nn.Linear(
+            config.hidden_size, config.num_experts, bias=getattr(config, "router_bias", False)
+        )
         P = config.router_pruned_experts
         # pruned experts' gate rows: in the softmax denominator only (module docstring, `keep_pruned_mass`)
         self.register_buffer("pruned_gate_weight", torch.zeros(P, config.hidden_size) if P else None)
@@ -344,7 +347,10 @@ class Router(nn.Module):
             # an fp32 gate runs its own forward: under compile_steps a ReductionLinear, whose single-row form
             # inductor fuses with the norm before it (an extern GEMM call per layer otherwise, 3% of a step)
             weight = self.gate.weight
-            logits_TE = self.gate(x_TD) if weight.dtype == torch.float32 else F.linear(x_TD, weight.float())
+            bias = self.gate.bias.float() if self.gate.bias is not None else None
+            logits_TE = (
+                self.gate(x_TD) if weight.dtype == torch.float32 else F.linear(x_TD, weight.float(), bias)
+            )
             record = self.route(logits_TE)
             if self.pruned_gate_weight is not None:
                 record = self.apply_pruned_rows(record, F.linear(x_TD, self.pruned_gate_weight.float()))

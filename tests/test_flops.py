@@ -22,17 +22,30 @@ VARIANTS = [(name, {}) for name in sorted(PRESETS) if name.endswith("-tiny")] + 
 ]
 
 
-def elementwise_params(config) -> int:
-    """Norm weights and biases: parameters a token is not multiplied through (no matmul FLOPs)."""
+def elementwise_params(config, column: str = "total") -> int:
+    """Norm weights and biases: parameters a token is not multiplied through (no matmul FLOPs); ``column``
+    "active" counts the expert biases of the K experts a token passes through (gpt-oss), "total" of all E."""
     layers = config.num_hidden_layers
     count = 2 * config.hidden_size * layers + config.hidden_size  # two RMSNorms per layer, the final one
     H, G, Hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     if config.attention_bias:
         count += Hd * (H + 2 * G) * layers
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_per_head:  # Qwen3: one head_dim weight each for q and k
+        count += 2 * Hd * layers
+    elif config.qk_norm:
         count += Hd * (H + G) * layers
     if config.attention_type == "mla":  # its latent's RMSNorm and the q bottleneck's
         count += (config.kv_lora_rank + (config.q_lora_rank or 0)) * layers
+    if config.o_proj_bias:  # gpt-oss
+        count += config.hidden_size * layers
+    if config.attention_sinks:  # gpt-oss: one logit per head
+        count += H * layers
+    moe_layers = len(config.moe_layer_ids)
+    if config.router_bias:
+        count += config.num_experts * moe_layers
+    if config.expert_bias:
+        experts = config.num_experts_per_tok if column == "active" else config.num_experts
+        count += experts * (2 * config.expert_intermediate_size + config.hidden_size) * moe_layers
     return count
 
 
@@ -44,7 +57,7 @@ def test_flops_are_two_per_weight_of_parameter_counts(name, overrides):
     counts, flops = parameter_counts(config), flops_per_token(config, S)
     lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     for column, forward in (("active", flops.forward_active), ("total", flops.forward_total)):
-        weights = counts[column] - elementwise_params(config) - lookup
+        weights = counts[column] - elementwise_params(config, column) - lookup
         assert forward - flops.attention_scores == 2 * weights, column
     # q.k over the query/key width, then the weighted sum over the value width (the same width, but in MLA)
     qk, v = config.head_dim, config.head_dim

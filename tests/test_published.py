@@ -33,6 +33,8 @@ CLASSES = {
     "mixtral-8x7b": "MixtralForCausalLM",
     "moonlight-16b-a3b": "DeepseekV3ForCausalLM",
     "deepseek-v2-lite": "DeepseekV2ForCausalLM",
+    "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+    "gpt-oss-20b": "GptOssForCausalLM",
 }
 
 
@@ -155,4 +157,6 @@ def test_published_sizes():
         "mixtral-8x7b": 46.7,
         "moonlight-16b-a3b": 16.0,  # (the model card's "16B total"; DeepSeek-V2-Lite's card: 15.7 B)
         "deepseek-v2-lite": 15.7,
+        "qwen3-30b-a3b": 30.5,
+        "gpt-oss-20b": 20.9,
     }

@@ -252,6 +252,14 @@ def check_exportable(model: MoEForCausalLM) -> None:
             "router 'expert_choice' picks each expert's tokens across the whole batch, which the "
             "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)"
         )
+    config = model.config
+    if config.expert_bias or config.swiglu_limit is not None:
+        # the static path (every expert on every token, the one a traced graph can hold) has no biases and no
+        # clamped SwiGLU; gpt-oss's per-expert paths have data-dependent shapes (`moe_core.experts.check_path`)
+        raise OnnxExportError(
+            f"expert_bias={config.expert_bias}, swiglu_limit={config.swiglu_limit} (gpt-oss experts): the "
+            "export-friendly static expert path does not compute biased or clamped experts; not exportable yet"
+        )
     for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
         if getattr(module, "impl", "auto") not in ("auto", "static"):
             raise OnnxExportError(

@@ -96,8 +96,8 @@ def _expert_view(stack: GroupedExperts, e: int) -> GroupedExperts:
     E, F_, D = stack.up_proj.shape
     with torch.device("meta"):
         view = GroupedExperts(1, D, F_, stack.activation, stack.impl)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        param = getattr(stack, name)
+    for name in ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias"):
+        param = getattr(stack, name, None)  # (the biases: gpt-oss's experts)
         if param is not None:
             setattr(view, name, nn.Parameter(param.data[e : e + 1], requires_grad=False))
     return view

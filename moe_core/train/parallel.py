@@ -184,7 +184,16 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         # a model built on the meta device (`moe_core.train.build`) gets a meta shard: nothing is allocated
         # here, and each rank materializes and initializes only its own experts afterwards
         with torch.device(experts.up_proj.device):
-            self.local = GroupedExperts(self.num_local, D, F_, experts.activation, experts.impl)
+            self.local = GroupedExperts(
+                self.num_local,
+                D,
+                F_,
+                experts.activation,
+                experts.impl,
+                bias=experts.expert_bias("up_proj", 0) is not None,  # gpt-oss: biases and the clamped SwiGLU
+                swiglu_limit=experts.swiglu_limit,
+                swiglu_alpha=experts.swiglu_alpha,
+            )
         if not experts.up_proj.is_meta:
             with torch.no_grad():
                 for name, param in self.local.named_parameters():
