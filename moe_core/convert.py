@@ -54,8 +54,9 @@ Config (HF -> ours)::
                qk_rope_head_dim), rope_interleave (V2: always); n_routed_experts, moe_intermediate_size, n_shared_experts
                (ungated, as wide as a routed expert), first_k_dense_replace -> dense_layers; router "deepseek":
                V3 sigmoid + bias, n_group/topk_group, group score top-2 sum; V2 softmax, topk_method greedy |
-               group_limited_greedy (group score max); norm_topk_prob, routed_scaling_factor. Refused by name:
-               YaRN (pending), other topk_method/scoring_func, moe_layer_freq != 1, V2 norm_topk_prob=True,
+               group_limited_greedy (group score max); norm_topk_prob, routed_scaling_factor; rope_parameters
+               (yarn) -> rope_yarn (MLA's softmax scale times mscale(factor, mscale_all_dim)^2, as transformers).
+               Refused by name: other RoPE scalings, other topk_method/scoring_func, moe_layer_freq != 1, V2 norm_topk_prob=True,
                quantization_config, num_key_value_heads != num_attention_heads, attention/mlp biases. Balancing: V2's
                aux_loss_alpha is exactly router_aux_loss_coef; V3 gets 0 and router_bias_update_rate 0 (the
                published bias stays put unless the rate is set: `_deepseek_config_from_hf`)
@@ -486,15 +487,19 @@ def read_hf_config(directory: Path) -> tuple[HFArchitecture, Any, dict[str, Any]
 
 
 # ================================================================================================ configs
-def ffn_and_rope_refusals(hf) -> list[str]:
+def ffn_and_rope_refusals(hf, yarn: bool = False) -> list[str]:
     """What a transformers config's activation and RoPE say that our model cannot express (SwiGLU experts,
-    unscaled RoPE over the whole head): shared by conversion and upcycling."""
+    RoPE over the whole head, unscaled unless ``yarn``: YaRN for the families that read it into
+    `MoEConfig.rope_yarn`): shared by conversion and upcycling."""
     reasons = []
     if hf.hidden_act not in _SILU:
         reasons.append(
             f"hidden_act={hf.hidden_act!r}: our experts are SwiGLU (silu), so only 'silu' converts"
         )
-    if rope_extras(hf):
+    if yarn:
+        rope = {k: v for k, v in rope_extras(hf).items() if k != "type"}  # (4.x rope_scaling's alias)
+        reasons += _rope_refusals(rope.pop("rope_type", "default"), rope)
+    elif rope_extras(hf):
         reasons.append(
             f"rope_parameters={hf.rope_parameters!r} (config.json's rope_scaling or rope_parameters): our RoPE "
             "is unscaled; only rope_type 'default' (with rope_theta) converts"
@@ -507,7 +512,7 @@ def ffn_and_rope_refusals(hf) -> list[str]:
 def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     if arch.model_type == "gpt_oss":
         return _gptoss_refusals(hf)
-    reasons = ffn_and_rope_refusals(hf)
+    reasons = ffn_and_rope_refusals(hf, yarn=arch.model_type in DEEPSEEK)
     if arch.model_type == "mixtral" and hf.sliding_window is not None:
         reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
     if arch.model_type == "qwen2_moe" and hf.use_sliding_window:
@@ -532,13 +537,6 @@ _DEEPSEEK_TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy"
 def _deepseek_refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     """What a DeepSeek-V2/V3 config says that the lab cannot express exactly (`_refusals_from_hf`)."""
     reasons = []
-    rope = hf.rope_parameters or {}
-    if rope.get("rope_type", "default") == "yarn" or rope.get("type") == "yarn":
-        reasons.append(
-            f"rope_parameters rope_type 'yarn' (config.json's rope_scaling, factor {rope.get('factor')}): YaRN RoPE and "
-            "DeepSeek's mscale softmax scale are pending in the lab (the shared RotaryEmbedding is gaining YaRN); "
-            "until then only rope_type 'default' converts"
-        )
     quantization = getattr(hf, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
@@ -611,6 +609,31 @@ def _qwen3_moe_refusals(hf) -> list[str]:
     return reasons
 
 
+def _rope_refusals(rope_type: str, rope: dict[str, Any]) -> list[str]:
+    """RoPE the lab computes (`moe_core.model.RotaryEmbedding`): plain, or YaRN with transformers' keys."""
+    if rope_type not in ("default", "yarn"):
+        return [f"rope_parameters rope_type={rope_type!r}: supported 'yarn' and 'default'"]
+    if rope_type == "default":
+        return [f"rope_parameters {sorted(rope)}: plain RoPE takes rope_theta only"] if rope else []
+    reasons = []
+    unknown = sorted(set(rope) - set(YARN_KEYS))
+    if unknown:
+        reasons.append(f"rope_parameters {unknown}: YaRN takes {list(YARN_KEYS)} only")
+    if rope.get("factor") is None:  # transformers would derive it from max_position_embeddings
+        reasons.append("rope_parameters: YaRN without 'factor' is not supported; give the factor")
+    return reasons
+
+
+def _yarn_of(hf) -> dict[str, Any] | None:
+    """`MoEConfig.rope_yarn` of a config whose ``rope_parameters`` say YaRN (transformers' key names)."""
+    rope = dict(hf.rope_parameters or {})
+    if rope.get("rope_type") != "yarn":
+        return None
+    return {
+        k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta", "type")
+    }  # (type: 4.x alias)
+
+
 def _gptoss_refusals(hf) -> list[str]:
     """What a gpt-oss config says that our model cannot express (transformers models/gpt_oss). Its RoPE is YaRN
     (or plain), its experts the clamped SwiGLU whatever ``hidden_act`` says (GptOssExperts never reads it)."""
@@ -618,16 +641,7 @@ def _gptoss_refusals(hf) -> list[str]:
     rope = dict(hf.rope_parameters or {})
     rope_type = rope.pop("rope_type", "default")
     rope.pop("rope_theta", None)
-    if rope_type not in ("default", "yarn"):
-        reasons.append(f"rope_parameters rope_type={rope_type!r}: supported 'yarn' and 'default'")
-    elif rope_type == "yarn":
-        unknown = sorted(set(rope) - set(YARN_KEYS))
-        if unknown:
-            reasons.append(f"rope_parameters {unknown}: YaRN takes {list(YARN_KEYS)} only")
-        if rope.get("factor") is None:  # transformers would derive it from max_position_embeddings
-            reasons.append("rope_parameters: YaRN without 'factor' is not supported; give the factor")
-    elif rope:
-        reasons.append(f"rope_parameters {sorted(rope)}: plain RoPE takes rope_theta only")
+    reasons += _rope_refusals(rope_type, rope)
     kinds = set(hf.layer_types or [])
     if kinds - {"sliding_attention", "full_attention"}:
         reasons.append(
@@ -648,12 +662,7 @@ def _gptoss_refusals(hf) -> list[str]:
 
 def _gptoss_config(hf) -> dict[str, Any]:
     """Our fields for a gpt-oss config (every layer MoE, biased router and experts, sinks, windows, YaRN)."""
-    rope = dict(hf.rope_parameters or {})
-    yarn = (
-        {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
-        if rope.get("rope_type") == "yarn"
-        else None
-    )
+    yarn = _yarn_of(hf)
     window_layers = [i for i, kind in enumerate(hf.layer_types or []) if kind == "sliding_attention"]
     return dict(
         num_experts=hf.num_local_experts,
@@ -836,6 +845,7 @@ def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
         v_head_dim=hf.v_head_dim,
         head_dim=hf.qk_rope_head_dim,
         rope_interleave=bool(hf.rope_interleave) if v3 else True,
+        rope_yarn=_yarn_of(hf),
         ffn_activation="swiglu",
         intermediate_size=hf.intermediate_size,
         num_experts=hf.n_routed_experts,
@@ -1010,7 +1020,7 @@ def _gptoss_feature_refusals(config: MoEConfig, arch: HFArchitecture) -> list[st
         "swiglu_limit": config.swiglu_limit is not None,
         "o_proj_bias": config.o_proj_bias,
         "attention_window": config.attention_window is not None,
-        "rope_yarn": config.rope_yarn is not None,
+        "rope_yarn": config.rope_yarn is not None and arch.model_type not in DEEPSEEK,  # (theirs too)
     }
     if arch.model_type != "gpt_oss":
         return [
@@ -1082,6 +1092,12 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             num_key_value_heads=config.num_attention_heads,
             attention_bias=False,
         )
+        if config.rope_yarn is not None:
+            fields["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": config.rope_theta,
+                **config.rope_yarn,
+            }
         grouped = config.router_topk_groups < config.router_groups
         if v3:
             fields.update(

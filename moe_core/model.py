@@ -273,8 +273,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
         self.interleave = config.rope_interleave
+        self.window = None  # every MLA layer attends to the whole past (no sliding window)
         self.dropout = config.attention_dropout
         self.scale = (self.nope + self.rope) ** -0.5
+        yarn = config.rope_yarn or {}
+        if yarn.get(
+            "mscale_all_dim"
+        ):  # YaRN's 0.1 ln(s) + 1 on the softmax too, squared (DeepSeek-V2 §2.1.3 and
+            # transformers' DeepseekV3Attention; the RoPE's attention factor is mscale / mscale_all_dim of it)
+            m = 0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0 if yarn["factor"] > 1 else 1.0
+            self.scale = self.scale * m * m
         D, H, Rq = config.hidden_size, self.num_heads, config.q_lora_rank
         if Rq is None:
             self.q_proj = nn.Linear(D, H * (self.nope + self.rope), bias=False)

@@ -406,9 +406,8 @@ PUBLISHED: dict[str, PublishedModel] = {
     # with a full-rank q, latent 512, RoPE 64; YaRN RoPE (factor 40 over 4096 positions, mscale 0.707); vocab
     # 102400 (15.7 B parameters). Cross-checked: transformers 5.24's DeepseekV2Config (written for this
     # checkpoint: "deepseek-ai/DeepSeek-V2-Lite") and the DeepSeek-Coder-V2-Lite hub file as copied in a
-    # hardware-sizing test (the same architecture). The lab refuses its YaRN on load until the shared
-    # RotaryEmbedding has it (`moe_core.convert`); the tiny stand-in turns YaRN off (rope_scaling None) so the
-    # rest of the architecture is exercised now.
+    # hardware-sizing test (the same architecture). Its YaRN (frequencies, attention factor, MLA's softmax
+    # scale times mscale^2) converts exactly (`moe_core.convert`), the tiny stand-in's too.
     "deepseek-v2-lite": PublishedModel(
         "deepseek-v2-lite",
         "deepseek-ai/DeepSeek-V2-Lite",
@@ -476,7 +475,6 @@ PUBLISHED: dict[str, PublishedModel] = {
             qk_rope_head_dim=8,
             v_head_dim=16,
             vocab_size=512,
-            rope_scaling=None,  # YaRN pending in the lab (see above)
         ),
     ),
 }

@@ -114,12 +114,62 @@ HF_CASES = {
             first_k_dense_replace=1,
         ),
     ),
+    # YaRN as the published V2/V3 configs give it (factor, mscale = mscale_all_dim): the RoPE frequencies, its
+    # attention factor and MLA's softmax scale times mscale^2 (positions past the original 16 are in the inputs)
+    "v3_yarn": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(
+            num_hidden_layers=2,
+            q_lora_rank=24,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            rope_interleave=True,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+    ),
+    "v2_yarn": (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        dict(
+            num_hidden_layers=2,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            topk_method="greedy",
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+    ),
 }
 EXPECTED_MOE_LAYERS = {
     "v3": [False, True, True],
     "v3_plain": [True, True],
     "v2": [False, True, True],
     "v2_greedy": [False, True],
+    "v3_yarn": [False, True],
+    "v2_yarn": [False, True],
 }
 
 
@@ -401,9 +451,9 @@ def _hf(config_cls, **overrides):
                 DeepseekV3Config,
                 n_group=1,
                 topk_group=1,
-                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                rope_scaling={"rope_type": "dynamic", "factor": 4.0},
             ),
-            ["YaRN", "pending"],
+            ["rope_type='dynamic'", "supported 'yarn' and 'default'"],
         ),
         ("deepseek_v2", _hf(DeepseekV2Config, topk_method="noaux_tc"), ["topk_method='noaux_tc'", "greedy"]),
         ("deepseek_v2", _hf(DeepseekV2Config, norm_topk_prob=True), ["norm_topk_prob=True"]),
@@ -637,17 +687,3 @@ def test_moonlight_at_full_width_loads_through_moe_core_load(tmp_path):
         del loaded
     assert torch.isfinite(outputs[0]).all()
     torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
-
-
-def test_deepseek_v2_lite_s_yarn_is_refused_on_load_naming_it_as_pending(tmp_path):
-    """DeepSeek-V2-Lite as published has YaRN RoPE: the lab refuses it before reading a weight (its tiny
-    stand-in, with YaRN off, is held equal to transformers in tests/test_published.py)."""
-    import moe_core
-    from moe_core.published import PUBLISHED, build_published
-
-    overrides = {k: v for k, v in PUBLISHED["deepseek-v2-lite"].tiny_overrides.items() if k != "rope_scaling"}
-    directory = build_published(
-        "deepseek-v2-lite", layers=2, overrides=overrides, cache_dir=tmp_path, tokenizer_vocab=300
-    )
-    with pytest.raises(ConversionError, match="YaRN .* pending"):
-        moe_core.load(directory)
