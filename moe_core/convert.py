@@ -713,21 +713,8 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
         return _with_origin(arch, MoEConfig(**_deepseek_config_from_hf(arch, hf)), hf, raw)
     K = hf.num_experts_per_tok
     common = dict(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
+        **_decoder_fields(hf),
         num_key_value_heads=hf.num_key_value_heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        rope_theta=rope_theta(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        attention_dropout=hf.attention_dropout,
-        initializer_range=hf.initializer_range,
-        use_cache=hf.use_cache,
-        tie_word_embeddings=hf.tie_word_embeddings,
-        pad_token_id=hf.pad_token_id,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
         ffn_activation="swiglu",
         num_experts_per_tok=K,
         router="topk",
@@ -805,6 +792,26 @@ def _with_origin(arch: HFArchitecture, config: MoEConfig, hf, raw: dict[str, Any
     return config
 
 
+def _decoder_fields(hf) -> dict[str, Any]:
+    """The fields every family's config carries under the same names (sizes, RoPE's base, norms, special ids)."""
+    return dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=rope_theta(hf),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention_dropout=hf.attention_dropout,
+        initializer_range=hf.initializer_range,
+        use_cache=hf.use_cache,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        pad_token_id=hf.pad_token_id,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+    )
+
+
 def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
     """Our config fields for a DeepSeek-V3 / V2 config (transformers 5.24 ``models/deepseek_v{3,2}``).
 
@@ -822,21 +829,8 @@ def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
     v3 = arch.model_type == "deepseek_v3"
     grouped = v3 or getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
     return dict(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
+        **_decoder_fields(hf),
         num_key_value_heads=hf.num_attention_heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        rope_theta=rope_theta(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        attention_dropout=hf.attention_dropout,
-        initializer_range=hf.initializer_range,
-        use_cache=hf.use_cache,
-        tie_word_embeddings=hf.tie_word_embeddings,
-        pad_token_id=hf.pad_token_id,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
         attention_type="mla",
         q_lora_rank=hf.q_lora_rank,
         kv_lora_rank=hf.kv_lora_rank,

@@ -578,7 +578,19 @@ class MoEModel(MoEPreTrainedModel):
         return self.norm(h_BSD), cache, records
 
 
-class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
+class RouterAccess:
+    """The routers of a model whose decoder is ``self.model`` (`MoEModel`): the causal LM and the reward model."""
+
+    def routers(self):
+        return [layer.mlp.router for layer in self.model.layers if layer.is_moe]
+
+    def update_router_biases(self, loads_LE: list[torch.Tensor] | None = None) -> None:
+        """After an optimizer step: let stateful routers (aux-loss-free bias) act on the load they saw."""
+        for i, router in enumerate(self.routers()):
+            router.update_bias(None if loads_LE is None else loads_LE[i])
+
+
+class MoEForCausalLM(RouterAccess, MoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # tied -> source (transformers 5)
 
     def __init__(self, config: MoEConfig) -> None:
@@ -654,15 +666,6 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
             router_losses=losses,
             routing=tuple(records) if output_routing else None,
         )
-
-    # ------------------------------------------------------------------------------------ MoE helpers
-    def routers(self):
-        return [layer.mlp.router for layer in self.model.layers if layer.is_moe]
-
-    def update_router_biases(self, loads_LE: list[torch.Tensor] | None = None) -> None:
-        """After an optimizer step: let stateful routers (aux-loss-free bias) act on the load they saw."""
-        for i, router in enumerate(self.routers()):
-            router.update_bias(None if loads_LE is None else loads_LE[i])
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

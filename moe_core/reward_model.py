@@ -27,7 +27,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from moe_core.config import MoEConfig
-from moe_core.model import MoEModel, MoEPreTrainedModel
+from moe_core.model import MoEModel, MoEPreTrainedModel, RouterAccess
 from moe_core.router_losses import LoadBalance, RouterLosses, layer_losses, router_loss
 from moe_core.routing import RoutingRecord
 
@@ -56,7 +56,7 @@ def last_token_index(attention_mask_BS: torch.Tensor | None, input_ids_BS: torch
     return (S - 1 - flipped_BS.argmax(-1)).to(input_ids_BS.device)
 
 
-class MoEForSequenceClassification(MoEPreTrainedModel):
+class MoEForSequenceClassification(RouterAccess, MoEPreTrainedModel):
     """MoE backbone + ``score`` (D -> num_labels, no bias); a reward model when ``config.num_labels == 1``."""
 
     def __init__(self, config: MoEConfig) -> None:
@@ -104,14 +104,6 @@ class MoEForSequenceClassification(MoEPreTrainedModel):
             router_losses=losses,
             routing=tuple(records) if output_routing else None,
         )
-
-    # ------------------------------------------------------------------------------------ MoE helpers
-    def routers(self):
-        return [layer.mlp.router for layer in self.model.layers if layer.is_moe]
-
-    def update_router_biases(self, loads_LE: list[torch.Tensor] | None = None) -> None:
-        for i, router in enumerate(self.routers()):
-            router.update_bias(None if loads_LE is None else loads_LE[i])
 
 
 def reward_model_from(causal_lm) -> MoEForSequenceClassification:

@@ -551,8 +551,10 @@ def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwarg
     )
 
 
-class MoEDPOTrainer(PerRankCheckpoints, _MoEMetrics, DPOTrainer):
-    """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
+class _PolicyAndReference:
+    """What the DPO and KTO trainers add to TRL's: the policy's forward (and the reference model's) through
+    `fused_forward`, and our router losses added to TRL's loss (`_with_router_loss`). First in the bases, so its
+    ``__init__`` and ``compute_loss`` are the ones that run."""
 
     def __init__(
         self,
@@ -579,39 +581,17 @@ class MoEDPOTrainer(PerRankCheckpoints, _MoEMetrics, DPOTrainer):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         out = self._base.__dict__.pop("_moe_router_out", None)
         return _with_router_loss(self, result, out, mode, return_outputs)
+
+
+class MoEDPOTrainer(_PolicyAndReference, PerRankCheckpoints, _MoEMetrics, DPOTrainer):
+    """TRL's DPOTrainer plus our router losses on the policy forward; see the module docstring."""
 
     def compute_ref_log_probs(self, model, inputs):  # only with precompute_ref_log_probs, which we leave off
         raise FinetuneError("precompute_ref_log_probs is not supported by MoEDPOTrainer; leave it off")
 
 
-class MoEKTOTrainer(PerRankCheckpoints, _MoEMetrics, KTOTrainer):
+class MoEKTOTrainer(_PolicyAndReference, PerRankCheckpoints, _MoEMetrics, KTOTrainer):
     """TRL's KTOTrainer plus our router losses on the policy forward; see the module docstring."""
-
-    def __init__(
-        self,
-        model,
-        *args,
-        plan: MethodPlan | None = None,
-        log_routing: bool = True,
-        per_expert: bool = False,
-        **kwargs,
-    ) -> None:
-        with _config_kept(model):
-            super().__init__(model, *args, **kwargs)
-        self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
-        base = unwrap(self.model)
-        base.forward = types.MethodType(fused_forward, base)
-        if self.ref_model is not None:
-            ref = unwrap(self.ref_model)
-            ref.forward = types.MethodType(fused_forward, ref)
-        self._setup_moe(plan, log_routing, per_expert)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if self.model.training else "eval"
-        self._base._moe_router_out = None
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        out = self._base.__dict__.pop("_moe_router_out", None)
-        return _with_router_loss(self, result, out, mode, return_outputs)
 
 
 def _with_router_loss(trainer, result, out, mode: str, return_outputs: bool, metrics=None):
