@@ -102,7 +102,8 @@ def small_disk(tmp_path):
 def local_ray():
     """One local Ray cluster of two CPUs for the tests that run on Ray (starting one takes ~20 s here); the
     lab's Ray paths join a cluster this process already has."""
-    ray = pytest.importorskip("ray")
+    import ray  # the test extra installs it: a missing ray fails these tests rather than skipping them
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -10,8 +10,6 @@ from moe_core.data import prepare as prepare_module
 from moe_core.data.prepare import PrepareConfig, prepare
 from moe_core.data.shards import read_manifest
 
-pytest.importorskip("ray")
-
 SMALL = dict(
     max_documents=60, vocab_size=300, seq_len=32, val_fraction=0.1, test_fraction=0.1, blocks_per_shard=16
 )
