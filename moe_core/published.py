@@ -18,8 +18,8 @@ seeded per tensor (the same seed gives the same bytes). The tokenizer is the lab
 template, far smaller than the model's vocabulary (the lab accepts ``len(tokenizer) <= vocab_size``); the
 config's BOS/EOS/PAD ids are that tokenizer's, everything else is as published.
 
-Memory: the model is never built. The tensor layout comes from transformers' own model class instantiated on
-the meta device, and each safetensors shard is written tensor by tensor, each tensor in row chunks of at most
+Memory: the model is never built. The tensor layout is the hub's (`tensor_layout`: per-expert tensors, as the
+published files have them; the shapes from a model instantiated on the meta device), and each safetensors shard is written tensor by tensor, each tensor in row chunks of at most
 ``CHUNK_ELEMENTS`` (the header first: shapes are known up front), so the peak memory is a few hundred MiB
 whatever the model's size (26.7 GiB for Qwen1.5-MoE-A2.7B, 87 GiB for Mixtral-8x7B: mind the disk).
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,14 +49,16 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+from moe_core.convert import ARCHITECTURES, config_from_hf, weight_plan
 from moe_core.data.sources import builtin_corpus
 from moe_core.data.tokenizer import special_token_ids, train_tokenizer
 from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, atomic_directory, require_free_space
+from moe_core.model import MoEForCausalLM
 
 CACHE_ENV = "MOE_LAB_PUBLISHED_CACHE"
 RECORD = "published.json"  # written last into a complete directory: the request and every file's size
-FORMAT_VERSION = 1  # bump when the bytes written for a request change, so cached directories are rebuilt
+FORMAT_VERSION = 2  # bump when the bytes written for a request change, so cached directories are rebuilt
 CHUNK_ELEMENTS = 1 << 24  # a tensor is drawn in row chunks of at most this many values (64 MiB in float32)
 DEFAULT_SHARD_BYTES = 2 * 2**30  # the hub's files are 2-10 GB; small enough to copy, few enough to list
 DEFAULT_TOKENIZER_VOCAB = 4096
@@ -565,15 +568,41 @@ def hf_config_object(config: dict[str, Any]):
 
 
 def tensor_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor the architecture's Hugging Face checkpoint holds, ``(name, shape)`` in transformers' own
-    order: its model class built on the meta device (no memory), tied weights listed once."""
+    """Every tensor the architecture's published checkpoint holds, ``(name, shape)``, under the names and in
+    the layout hub checkpoints carry, layer by layer. transformers 5's modeling classes hold the experts fused
+    (``mlp.experts.gate_up_proj`` [E, 2F, D]) and convert at load, but hub checkpoints (and transformers 5's
+    ``save_pretrained`` by default) store one ``[O, I]`` tensor per expert under the family's own names
+    (Mixtral's ``block_sparse_moe.experts.{j}.w1``, OLMoE's ``mlp.experts.{j}.gate_proj``, ...: the conversion
+    plan's, `moe_core.convert.weight_plan`); a stand-in in the fused layout would let both the baseline and
+    the lab memory-map what a user's download makes them copy. gpt-oss's checkpoints are fused: its layout is
+    transformers' model class's. Nothing is allocated (meta device)."""
     hf = hf_config_object(config)
+    arch = ARCHITECTURES[config["model_type"]]
+    if arch.model_type == "gpt_oss":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+        tensors = model.state_dict()
+        if hf.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        return [(name, tuple(t.shape)) for name, t in tensors.items()]
+    ours = config_from_hf(arch, hf)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
-    tensors = model.state_dict()
-    if hf.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    return [(name, tuple(t.shape)) for name, t in tensors.items()]
+        model = MoEForCausalLM(ours)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    layout = []
+    for our_name, hf_names in weight_plan(ours, arch):
+        shape = shapes[our_name] if len(hf_names) == 1 else shapes[our_name][1:]  # per-expert slices of dim 0
+        layout += [(name, shape) for name in hf_names]
+    return sorted(layout, key=_checkpoint_order)
+
+
+def _checkpoint_order(entry: tuple[str, tuple[int, ...]]) -> tuple[int, str]:
+    """Embeddings first, then layer by layer, then the final norm and head (so shards hold whole layers)."""
+    name = entry[0]
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer:
+        return int(layer.group(1)), name
+    return (-1, name) if "embed" in name else (1 << 30, name)
 
 
 # ------------------------------------------------------------------------------------------------ the values
