@@ -1,5 +1,8 @@
 """benchmarks/gpu_suite.py cannot rot between the times a GPU is at hand: its --dry-run (the checks of
-tests/test_gpu.py on the CPU, and every measurement at tiny shapes) runs here and ends with its JSON line."""
+tests/test_gpu.py on the CPU, and every measurement at tiny shapes) runs here and ends with its JSON line.
+
+The ``finetune`` section is left out: it is ``measure_finetune`` (which the ``qlora`` section runs) on the
+baseline and lab variants, and that tiny run is tests/test_finetune_scale_bench.py's (about 40 s of CI each)."""
 
 import json
 import subprocess
@@ -14,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_gpu_suite_dry_run_exercises_every_section(tmp_path):
     done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_suite.py", "--dry-run", "--out", str(tmp_path)],
+        [sys.executable, "benchmarks/gpu_suite.py", "--dry-run", "--out", str(tmp_path)]
+        + ["--only", "moe_layer,train,decode,qlora"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -34,4 +38,5 @@ def test_the_gpu_suite_dry_run_exercises_every_section(tmp_path):
         and "vs_dense_active" in result["train"]["olmoe-tiny/moe"]
     )
     assert {"batch1", "batch32"} <= set(result["decode"])
+    assert result["qlora"]["results"]["lab-qlora-nf4"]["status"] == "ok" and "finetune" not in result
     assert len(list(tmp_path.glob("*-dry-run.json"))) == 1 and len(list(tmp_path.glob("*-dry-run.txt"))) == 1
