@@ -35,7 +35,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 BALANCE_SCOPES = ("micro_batch", "data_parallel", "global_batch")
 BalanceScope = Literal["micro_batch", "data_parallel", "global_batch"]
@@ -133,10 +132,30 @@ class LoadBalance:
         tokens. The all-reduce is differentiable: its backward sums every rank's upstream gradient, and the
         data-parallel gradient average then divides by the world size, leaving exactly d(aux)/d(theta)."""
         if self.scope == "data_parallel" and self.group is not None:
-            p_sum_LE = dist_fn.all_reduce(p_sum_LE, group=self.group)
+            p_sum_LE = _AllReduceSum.apply(p_sum_LE, self.group)
             tokens = tokens.detach().clone()
             dist.all_reduce(tokens, group=self.group)
         return p_sum_LE / tokens.clamp_min(1.0)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """A sum over ``group`` that gradients flow through: forward all-reduces the tensor, backward all-reduces
+    the upstream gradient (every rank's loss reads the sum, so each rank's share gets every rank's gradient).
+    What ``torch.distributed.nn.functional.all_reduce`` did, which torch 2.13 deprecates for a private module;
+    written on the public collective instead."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 MICRO_BATCH = LoadBalance()  # the default scope: this forward's tokens, no state
