@@ -11,8 +11,8 @@ AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
 
 - ``baseline``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)`` + PEFT ``get_peft_model`` with
   ``target_modules`` naming the attention projections and every per-expert ``nn.Linear`` (transformers 4.57's
-  layout; ``--baseline-python`` runs it under another interpreter, e.g. an environment pinned to it); under
-  transformers 5, the attention projections and the fused experts (``target_parameters``: gate_up_proj,
+  layout; ``--baseline-env transformers4`` builds and caches an environment pinned to it, ``--baseline-python``
+  runs it under any other interpreter); under transformers 5, the attention projections and the fused experts (``target_parameters``: gate_up_proj,
   down_proj), as a user of 5.x writes it.
 - ``lab``: the lab's own fine-tuning path up to the optimizer: ``moe_core.finetune.run.load_inputs`` (the
   checks, the base model through ``moe_core.load``, in bf16, memory-mapped from the safetensors shards as the
@@ -39,7 +39,7 @@ Prints a table, then ONE JSON line: each variant's figures, ``lab_over_baseline`
 ratios) and the machine.
 
     python benchmarks/finetune_scale.py --model olmoe-1b-7b --layers 2              # ~2.5 GiB checkpoint
-    python benchmarks/finetune_scale.py --model olmoe-1b-7b                         # full size: alone on the machine
+    python benchmarks/finetune_scale.py --model olmoe-1b-7b --baseline-env transformers4   # full size: alone
     python benchmarks/finetune_scale.py --model qwen1.5-moe-a2.7b --qlora int4      # 26.7 GiB: alone, with disk
     python benchmarks/finetune_scale.py --tiny                                      # shrunken config, seconds
     python benchmarks/finetune_scale.py --model mixtral-8x7b --build-only           # only write the stand-in
@@ -313,6 +313,49 @@ def baseline_targets(model_type: str) -> str:
     return rf"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|{arch.moe_module}\.experts\.\d+\.({projs}))"
 
 
+# --baseline-env: the baseline's own environment, pinned, beside this one's torch (a venv that sees the system's
+# site-packages, so torch is the same build; its own transformers/peft shadow ours). transformers 4.57 keeps one
+# nn.Linear per expert, as hub checkpoints store them: memory-mapped and adapted by PEFT's plain LoRA, the layout
+# issue 31 names as the baseline (transformers 5 fuses the experts at load, copying them, and PEFT's
+# target_parameters then forms every expert's delta weight at every forward).
+BASELINE_ENVS = {
+    "transformers4": [
+        "transformers==4.57.6",
+        "peft==0.17.1",
+        "huggingface_hub>=0.34,<1.0",
+        "tokenizers>=0.22,<0.23",
+    ],
+}
+
+
+def baseline_env(name: str, cache_dir: str | None) -> str:
+    """The interpreter of environment ``name`` (`BASELINE_ENVS`), built on first use under the published
+    cache's sibling ``envs/`` (pip from the package index; the torch this script runs under is kept: a
+    constraint pins it). Built in a temporary directory and renamed, so a killed build leaves nothing used."""
+    import venv
+
+    from moe_core.published import cache_root
+
+    root = cache_root(cache_dir).parent / "envs"
+    home = root / f"{name}-{'-'.join(r.split('==')[1] for r in BASELINE_ENVS[name] if '==' in r)}"
+    python = home / "bin" / "python"
+    if python.exists():
+        return str(python)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
+    print(f"building the baseline's environment {home} (once) ...", flush=True)
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(tmp)
+    torch_pin = f"torch=={metadata.version('torch')}"
+    subprocess.run(
+        [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *BASELINE_ENVS[name], torch_pin],
+        check=True,
+    )
+    tmp.rename(
+        home
+    )  # pip and the interpreter run by path from bin/; nothing in the venv records its own path
+    return str(python)
+
+
 def warm_page_cache(directory: Path) -> bool:
     """Read the weight files once so the first child does not pay the disk for the others (file pages only: this
     process's memory does not grow); skipped when they would not fit in half the available memory."""
@@ -473,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", default=[], help="run only these variants (repeatable)")
     parser.add_argument(
+        "--baseline-env",
+        choices=sorted(BASELINE_ENVS),
+        help="run the baseline in an environment this script builds and caches (pinned versions, see top)",
+    )
+    parser.add_argument(
         "--baseline-python", default=sys.executable, help="interpreter for the baseline child"
     )
     parser.add_argument(
@@ -521,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         print(checkpoint)
         return 0
+    if args.baseline_env and (not args.only or "baseline" in args.only):
+        args.baseline_python = baseline_env(args.baseline_env, args.cache_dir)
     config = json.loads((checkpoint / "config.json").read_text())
     tokens, records = benchmark_tokens(checkpoint, args.batch, args.seq)
     warmed = warm_page_cache(checkpoint)
