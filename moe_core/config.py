@@ -86,6 +86,7 @@ class MoEConfig(PreTrainedConfig):
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
         rope_yarn: dict[str, Any] | None = None,
+        rope_partial_factor: float = 1.0,
         rms_norm_eps: float = 1e-6,
         attention_bias: bool = False,
         o_proj_bias: bool = False,
@@ -163,6 +164,9 @@ class MoEConfig(PreTrainedConfig):
         self.rope_theta = rope_theta
         # YaRN RoPE (gpt-oss, DeepSeek): transformers' rope_parameters keys for rope_type "yarn" (`YARN_KEYS`)
         self.rope_yarn = dict(rope_yarn) if rope_yarn is not None else None
+        # GLM-4.5 (transformers' partial_rotary_factor): RoPE rotates the first int(head_dim * factor) dims of each
+        # q/k head and passes the rest through unrotated (`rotary_dim`, `moe_core.model.apply_partial_rope`)
+        self.rope_partial_factor = rope_partial_factor
         self.rms_norm_eps = rms_norm_eps
         self.attention_bias = attention_bias
         self.o_proj_bias = o_proj_bias  # gpt-oss: attention_bias there biases o_proj as well
@@ -324,6 +328,7 @@ class MoEConfig(PreTrainedConfig):
         if self.num_shared_experts < 0:
             raise bad("num_shared_experts", "must be >= 0")
         self.validate_mla(bad)
+        self.validate_partial_rope(bad)
         if self.num_experts == 0:
             return
         if self.swiglu_limit is not None and (self.ffn_activation != "swiglu" or not self.swiglu_limit > 0):
@@ -402,7 +407,34 @@ class MoEConfig(PreTrainedConfig):
         if self.attention_bias or self.qk_norm or self.clip_qkv is not None:
             raise bad("attention_type", "MLA has no q/k/v bias, qk_norm or clip_qkv here; turn those off")
 
+    def validate_partial_rope(self, bad) -> None:
+        """Partial rotary embeddings (`rope_partial_factor`, GLM-4.5)."""
+        factor = self.rope_partial_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise bad(
+                "rope_partial_factor", "must be in (0, 1]: the share of each head's dims that RoPE rotates"
+            )
+        if factor == 1:
+            return
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise bad(
+                "rope_partial_factor",
+                f"rotates int(head_dim={self.head_dim} * factor) = {self.rotary_dim} dims; RoPE rotates pairs, so "
+                "that must be even and at least 2",
+            )
+        if self.attention_type == "mla":
+            raise bad(
+                "rope_partial_factor",
+                "multi-head latent attention has its own RoPE part (qk_rope_head_dim): set 1.0",
+            )
+
     # ------------------------------------------------------------------ derived
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each q/k head that RoPE rotates: the first ``int(head_dim * rope_partial_factor)`` (as
+        transformers computes it), all of them by default."""
+        return int(self.head_dim * getattr(self, "rope_partial_factor", 1.0))
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.num_experts > 0

@@ -1,5 +1,5 @@
 """Exact conversion between our `MoEForCausalLM` and Hugging Face Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, gpt-oss,
-DeepSeek-V3 and DeepSeek-V2 checkpoints.
+DeepSeek-V3, DeepSeek-V2 and GLM-4.5 (glm4_moe) checkpoints.
 
     from moe_core.convert import from_hf, to_hf
     model = from_hf("path/or/hub-id")                 # MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
@@ -36,6 +36,12 @@ both sides, layer ``i``, expert ``j``::
                experts (``*_blocks`` / ``*_scales``, as published) are dequantized on load to bf16
                (`dequantize_mxfp4`, equal to transformers' ``convert_moe_packed_tensors``); `to_hf` never
                writes MXFP4: it writes the model's dtype (bf16 for a published checkpoint loaded as is)
+    GLM-4.5    as DeepSeek-V3 for router, experts, shared experts and dense layers; grouped-query attention with
+               q/k/v biases and q_norm / k_norm per head (``use_qk_norm``), same names on both sides. The
+               multi-token-prediction layers (``num_nextn_predict_layers``, stored as ``model.layers.{L}.*`` after
+               the L decoder layers) are skipped on load, as transformers' Glm4MoeForCausalLM skips them
+               (``_keys_to_ignore_on_load_unexpected``; only its ``generate(use_mtp=True)`` reads them), and never
+               written: `to_hf` writes ``num_nextn_predict_layers: 0`` (`mtp_weight_names`)
 
 Config (HF -> ours)::
 
@@ -69,6 +75,12 @@ Config (HF -> ours)::
                rope_parameters (yarn) -> rope_yarn; swiglu_limit/alpha; router_topk_order "topk_then_softmax",
                router_bias, expert_bias, attention_sinks = True; refused: other rope types, other layer types,
                a quantization_config other than mxfp4
+    GLM-4.5    DeepSeek-V3's routing fields as above (router "deepseek", sigmoid + bias, top-2-sum group score,
+               n_group/topk_group, norm_topk_prob, routed_scaling_factor; V3's balancing: coefficient 0, bias
+               rate 0); num_key_value_heads, head_dim, attention_bias (q/k/v only), use_qk_norm -> qk_norm =
+               qk_norm_per_head; rope_parameters' partial_rotary_factor -> rope_partial_factor (RoPE on the first
+               int(head_dim * factor) dims, rotate-half); yarn -> rope_yarn. Refused: other RoPE types, odd rotary
+               widths, n_shared_experts 0, quantization_config (`_glm4_moe_refusals`)
 
 Load-balancing coefficient: our loss is ``E * sum_e f_e P_e`` with f_e the fraction of the T*K routed slots
 (1.0 under uniform routing, `moe_core.routing`); transformers' ``load_balancing_loss_func`` averages its one-hot
@@ -165,6 +177,16 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
     ),
     # experts always fused (`GPTOSS_EXPERTS`); the per-expert names below are the reader's aliases for them
     "gpt_oss": HFArchitecture("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    # GLM-4.5 / GLM-4.5-Air: DeepSeek-V3's MoE (router with the selection bias, shared experts, dense first layers)
+    # on grouped-query attention with partial RoPE (`_glm4_moe_config_from_hf`)
+    "glm4_moe": HFArchitecture(
+        "glm4_moe",
+        "Glm4MoeForCausalLM",
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        shared_experts="shared_experts",
+        router_bias="stored",
+    ),
 }
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 SUPPORTED = ", ".join(f"{a.model_type} ({a.class_name})" for a in ARCHITECTURES.values())
@@ -512,6 +534,8 @@ def ffn_and_rope_refusals(hf, yarn: bool = False) -> list[str]:
 def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
     if arch.model_type == "gpt_oss":
         return _gptoss_refusals(hf)
+    if arch.model_type == "glm4_moe":
+        return _glm4_moe_refusals(hf)
     reasons = ffn_and_rope_refusals(hf, yarn=arch.model_type in DEEPSEEK)
     if arch.model_type == "mixtral" and hf.sliding_window is not None:
         reasons.append(f"sliding_window={hf.sliding_window}: our attention is full causal attention")
@@ -530,7 +554,7 @@ def _refusals_from_hf(arch: HFArchitecture, hf) -> list[str]:
 
 # What each DeepSeek router variant transformers 5.24 implements (``DeepseekV3TopkRouter``: sigmoid scores,
 # the noaux_tc selection whatever config.json says; ``DeepseekV2TopkRouter``: softmax, topk_method below)
-_DEEPSEEK_SCORING = {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}
+_DEEPSEEK_SCORING = {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax", "glm4_moe": "sigmoid"}
 _DEEPSEEK_TOPK_METHODS = {"deepseek_v3": ("noaux_tc",), "deepseek_v2": ("greedy", "group_limited_greedy")}
 
 
@@ -607,6 +631,110 @@ def _qwen3_moe_refusals(hf) -> list[str]:
             "supported: false"
         )
     return reasons
+
+
+def _glm4_moe_rope(hf) -> tuple[str, dict[str, Any], float]:
+    """A GLM-4.5 config's RoPE: ``(rope_type, its other parameters, partial_rotary_factor)``; transformers 5 moves
+    ``partial_rotary_factor`` (config.json's top-level key, default 0.5 in Glm4MoeConfig) into ``rope_parameters``."""
+    rope = {k: v for k, v in (hf.rope_parameters or {}).items() if k not in ("rope_theta", "type")}
+    factor = rope.pop("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    return rope.pop("rope_type", "default"), rope, float(factor if factor is not None else 1.0)
+
+
+def _glm4_moe_head_dim(hf) -> int:
+    """As Glm4MoeAttention reads it: ``head_dim`` when the config has one (GLM-4.5: 128 with 96 heads over a
+    hidden size of 4096), else hidden_size / num_attention_heads."""
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def _glm4_moe_refusals(hf) -> list[str]:
+    """What a GLM-4.5 config says that the lab cannot express exactly (transformers 5.24
+    ``models/glm4_moe/modeling_glm4_moe.py``): SwiGLU FFNs, plain or YaRN RoPE over an even number of each head's
+    dims, DeepSeek-V3's group-limited routing with at least one shared expert, unquantized weights."""
+    reasons = []
+    if hf.hidden_act not in _SILU:
+        reasons.append(
+            f"hidden_act={hf.hidden_act!r}: our FFNs and experts are SwiGLU (silu); only 'silu' converts"
+        )
+    rope_type, rope, factor = _glm4_moe_rope(hf)
+    reasons += _rope_refusals(rope_type, rope)
+    rotary = int(_glm4_moe_head_dim(hf) * factor)
+    if not 0 < factor <= 1 or rotary < 2 or rotary % 2:
+        reasons.append(
+            f"partial_rotary_factor={factor}: RoPE would rotate int(head_dim={_glm4_moe_head_dim(hf)} * factor) = "
+            f"{rotary} dims of each head; only a factor in (0, 1] giving an even number >= 2 converts"
+        )
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        reasons.append(
+            f"quantization_config (quant_method={method!r}): the lab reads float32/bfloat16/float16 weights only; "
+            "use the unquantized checkpoint (GLM-4.5-Air, not GLM-4.5-Air-FP8) or dequantize it and drop the field"
+        )
+    if not (isinstance(hf.n_shared_experts, int) and hf.n_shared_experts >= 1):
+        reasons.append(
+            f"n_shared_experts={hf.n_shared_experts}: Glm4MoeMoE always adds a shared expert of width "
+            "moe_intermediate_size * n_shared_experts; only >= 1 converts"
+        )
+    E, G, Gk = hf.n_routed_experts, hf.n_group, hf.topk_group
+    if not (isinstance(G, int) and isinstance(Gk, int) and G >= 1 and E % G == 0 and 1 <= Gk <= G):
+        reasons.append(
+            f"n_group={G}, topk_group={Gk}: group-limited routing needs n_group dividing n_routed_experts={E} and "
+            "1 <= topk_group <= n_group"
+        )
+    elif E // G < 2:  # Glm4MoeTopkRouter scores each group by its two best experts
+        reasons.append(
+            f"n_group={G}: Glm4MoeTopkRouter needs at least 2 experts per group (n_routed_experts={E})"
+        )
+    elif hf.num_experts_per_tok > Gk * (E // G):
+        reasons.append(
+            f"num_experts_per_tok={hf.num_experts_per_tok}: more than the {Gk * (E // G)} experts in topk_group={Gk} "
+            "groups"
+        )
+    return reasons
+
+
+def _glm4_moe_config_from_hf(hf) -> dict[str, Any]:
+    """Our config fields for a GLM-4.5 config (transformers 5.24 ``models/glm4_moe``): grouped-query attention with
+    its head_dim, q/k/v biases (``attention_bias``; o_proj has none), RMSNorm per head on q and k when
+    ``use_qk_norm``, RoPE on the first ``int(head_dim * partial_rotary_factor)`` dims; the MoE as DeepSeek-V3's
+    (`_deepseek_config_from_hf`): layers from ``first_k_dense_replace`` on are MoE layers, ``n_shared_experts``
+    ungated shared experts of width ``moe_intermediate_size``, sigmoid scores with the selection bias
+    (``e_score_correction_bias`` -> the router's ``expert_bias``), top-2-sum group scores. Balancing: transformers
+    has no router loss for GLM; the coefficient and the bias update rate are 0, so the published bias stays as it
+    is unless ``router_bias_update_rate`` is set."""
+    rope_type, rope, factor = _glm4_moe_rope(hf)
+    return dict(
+        **_decoder_fields(hf),
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=_glm4_moe_head_dim(hf),
+        attention_bias=bool(hf.attention_bias),
+        qk_norm=bool(hf.use_qk_norm),
+        qk_norm_per_head=bool(hf.use_qk_norm),
+        rope_partial_factor=factor,
+        rope_yarn=rope if rope_type == "yarn" else None,
+        ffn_activation="swiglu",
+        intermediate_size=hf.intermediate_size,
+        num_experts=hf.n_routed_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        expert_intermediate_size=hf.moe_intermediate_size,
+        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
+        num_shared_experts=hf.n_shared_experts,
+        shared_expert_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_gate=False,
+        router="deepseek",
+        router_score="sigmoid",
+        router_topk_order="softmax_then_topk",
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        router_groups=hf.n_group,
+        router_topk_groups=hf.topk_group,
+        router_group_score="top2_sum",
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        capacity_factor=None,
+        router_aux_loss_coef=0.0,
+        router_bias_update_rate=0.0,
+        router_z_loss_coef=0.0,
+    )
 
 
 def _rope_refusals(rope_type: str, rope: dict[str, Any]) -> list[str]:
@@ -711,6 +839,8 @@ def config_from_hf(arch: HFArchitecture, hf, raw: dict[str, Any] | None = None) 
         )
     if arch.model_type in DEEPSEEK:
         return _with_origin(arch, MoEConfig(**_deepseek_config_from_hf(arch, hf)), hf, raw)
+    if arch.model_type == "glm4_moe":
+        return _with_origin(arch, MoEConfig(**_glm4_moe_config_from_hf(hf)), hf, raw)
     K = hf.num_experts_per_tok
     common = dict(
         **_decoder_fields(hf),
@@ -868,7 +998,9 @@ def refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
     """Every reason `config` cannot be written as `arch` exactly (empty when it can)."""
     if arch.model_type in DEEPSEEK:
         return _deepseek_refusals_to_hf(config, arch)
-    name, reasons = arch.class_name, []
+    if arch.model_type == "glm4_moe":
+        return _glm4_moe_refusals_to_hf(config, arch)
+    name, reasons = arch.class_name, _partial_rope_refusals(config, arch)
     if config.attention_type == "mla":
         reasons.append(
             f"attention_type='mla': {name} has grouped-query attention; use deepseek_v3 or deepseek_v2"
@@ -936,6 +1068,15 @@ def _deepseek_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[st
         )
     if not v3 and not config.rope_interleave:
         reasons.append(f"rope_interleave=False: {name} rotates interleaved pairs (its complex RoPE)")
+    return reasons + _deepseek_moe_refusals_to_hf(config, arch)
+
+
+def _deepseek_moe_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """The FFN and MoE half of `_deepseek_refusals_to_hf`, also GLM-4.5's (DeepSeek-V3's MoE, routed as V3):
+    SwiGLU, the 'deepseek' router with the architecture's scores, the first layers dense and every later one MoE,
+    ungated shared experts as wide as the routed ones."""
+    name, v3 = arch.class_name, arch.model_type != "deepseek_v2"
+    reasons = []
     if config.ffn_activation != "swiglu":
         reasons.append(f"ffn_activation={config.ffn_activation!r}: {name} FFNs are SwiGLU")
     if config.num_experts == 0:
@@ -986,6 +1127,31 @@ def _deepseek_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[st
     return reasons
 
 
+def _glm4_moe_refusals_to_hf(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """Every reason `config` cannot be written as GLM-4.5 exactly (`refusals_to_hf`): grouped-query attention with
+    optional q/k/v biases and per-head q/k norm (no o_proj bias, clip or sinks), any partial RoPE factor, plain or
+    YaRN RoPE; DeepSeek-V3's MoE (`_deepseek_moe_refusals_to_hf`)."""
+    name, reasons = arch.class_name, []
+    if config.attention_type != "mha":
+        reasons.append(
+            f"attention_type={config.attention_type!r}: {name} has grouped-query attention ('mha'); use "
+            "deepseek_v3 or deepseek_v2"
+        )
+    reasons += _qk_norm_refusals(config, arch)
+    if config.clip_qkv is not None:
+        reasons.append(f"clip_qkv={config.clip_qkv}: {name} does not clip q/k/v; use olmoe")
+    reasons += _gptoss_feature_refusals(config, arch)
+    return reasons + _deepseek_moe_refusals_to_hf(config, arch)
+
+
+def _partial_rope_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
+    """Partial RoPE (`MoEConfig.rope_partial_factor`): only GLM-4.5's classes rotate part of each head."""
+    factor = getattr(config, "rope_partial_factor", 1.0)
+    if factor == 1 or arch.model_type == "glm4_moe":
+        return []
+    return [f"rope_partial_factor={factor}: {arch.class_name} rotates the whole head; use glm4_moe"]
+
+
 def _qk_norm_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
     """The q/k norm each target has: OLMoE over the whole projection, Qwen3-MoE per head, the others none."""
     per_head = config.qk_norm and config.qk_norm_per_head
@@ -1000,7 +1166,12 @@ def _qk_norm_refusals(config: MoEConfig, arch: HFArchitecture) -> list[str]:
             f"qk_norm={config.qk_norm}, qk_norm_per_head={config.qk_norm_per_head}: Qwen3-MoE always "
             "normalizes q and k per head (qk_norm=True, qk_norm_per_head=True)"
         ]
-    if arch.model_type not in ("olmoe", "qwen3_moe") and config.qk_norm:
+    if arch.model_type == "glm4_moe" and config.qk_norm and not per_head:  # (use_qk_norm: per head, or none)
+        return [
+            f"qk_norm=True, qk_norm_per_head=False: {arch.class_name} normalizes q and k per head "
+            "(use_qk_norm; qk_norm_per_head=True) or not at all"
+        ]
+    if arch.model_type not in ("olmoe", "qwen3_moe", "glm4_moe") and config.qk_norm:
         return [f"qk_norm=True: {arch.class_name} has no q/k norm; use olmoe or qwen3_moe"]
     return []
 
@@ -1014,7 +1185,8 @@ def _gptoss_feature_refusals(config: MoEConfig, arch: HFArchitecture) -> list[st
         "swiglu_limit": config.swiglu_limit is not None,
         "o_proj_bias": config.o_proj_bias,
         "attention_window": config.attention_window is not None,
-        "rope_yarn": config.rope_yarn is not None and arch.model_type not in DEEPSEEK,  # (theirs too)
+        "rope_yarn": config.rope_yarn is not None
+        and arch.model_type not in (*DEEPSEEK, "glm4_moe"),  # (theirs too)
     }
     if arch.model_type != "gpt_oss":
         return [
@@ -1105,6 +1277,28 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
                 fields["aux_loss_alpha"] = config.router_aux_loss_coef
             if grouped:  # (greedy: n_group/topk_group mean nothing and come from hf_origin as they were)
                 fields.update(n_group=config.router_groups, topk_group=config.router_topk_groups)
+    elif arch.model_type == "glm4_moe":
+        del fields["router_aux_loss_coef"]  # (GLM configs have none)
+        rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+        if config.rope_yarn is not None:
+            rope = {"rope_type": "yarn", "rope_theta": config.rope_theta, **config.rope_yarn}
+        fields.update(
+            rope_parameters={**rope, "partial_rotary_factor": config.rope_partial_factor},
+            partial_rotary_factor=config.rope_partial_factor,
+            head_dim=config.head_dim,
+            attention_bias=config.attention_bias,
+            use_qk_norm=config.qk_norm,
+            n_routed_experts=config.num_experts,
+            moe_intermediate_size=config.expert_intermediate_size,
+            intermediate_size=config.intermediate_size,
+            n_shared_experts=config.num_shared_experts,
+            first_k_dense_replace=len(config.dense_layers),
+            n_group=config.router_groups,
+            topk_group=config.router_topk_groups,
+            routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob,
+            num_nextn_predict_layers=0,  # our model has no multi-token-prediction layer to write (`mtp_weight_names`)
+        )
     elif arch.model_type == "mixtral":
         fields.update(
             num_local_experts=config.num_experts,
@@ -1327,12 +1521,40 @@ def check_coverage(directory: Path, reader: CheckpointReader, plan, config: MoEC
     ignorable = (
         {"lm_head.weight"} if config.tie_word_embeddings else set()
     )  # tied: the embedding is the truth
+    mtp = mtp_weight_names(config, available - used)
+    if mtp:
+        logger.info(
+            "%s: skipping the %d weights of its multi-token-prediction layer(s) (num_nextn_predict_layers), as "
+            "transformers' causal LM does",
+            directory,
+            len(mtp),
+        )
+    ignorable |= mtp
     unused = sorted(n for n in available - used - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ConversionError(
             f"{directory}: {len(unused)} weights have no place in the converted model, e.g. "
             f"{unused[:3]}; refusing to drop them silently"
         )
+
+
+_LAYER_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_weight_names(config: MoEConfig, names) -> set[str]:
+    """The names among ``names`` that belong to the multi-token-prediction (MTP) layers a GLM-4.5 or DeepSeek-V3
+    checkpoint stores after its L decoder layers, as ``model.layers.{L .. L + n - 1}.*`` with n =
+    ``num_nextn_predict_layers`` of the source config (`hf_origin`). transformers' causal LMs never build them
+    (``Glm4MoeForCausalLM._keys_to_ignore_on_load_unexpected``; only ``generate(use_mtp=True)`` loads them into a
+    separate draft model); ours neither, so they are skipped, not refused."""
+    origin = (config.hf_origin or {}).get("config") or {}
+    n = int(origin.get("num_nextn_predict_layers", origin.get("num_mtp_layers")) or 0)
+    L = config.num_hidden_layers
+    return {
+        name
+        for name in names
+        if (match := _LAYER_WEIGHT.match(name)) is not None and L <= int(match.group(1)) < L + n
+    }
 
 
 def check_shape(directory: Path, name: str, source: torch.Tensor, ours: str, shape) -> None:

@@ -13,11 +13,20 @@ import argparse
 
 # the keys of moe_core.convert.DTYPES and ARCHITECTURES (tests/test_cli_help.py holds them equal)
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
-ARCH_CHOICES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
+ARCH_CHOICES = (
+    "mixtral",
+    "olmoe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe",
+)
 
 
 HELP = """Exact conversion between the lab's checkpoints and Hugging Face Mixtral / OLMoE / Qwen2-MoE /
-Qwen3-MoE / gpt-oss / DeepSeek-V3 / DeepSeek-V2 ones.
+Qwen3-MoE / gpt-oss / DeepSeek-V3 / DeepSeek-V2 / GLM-4.5 ones.
 
     moe-lab convert from-hf mistralai/Mixtral-8x7B-v0.1 --out runs/mixtral
     moe-lab convert to-hf runs/a/final --arch mixtral --out runs/a/hf

@@ -1,7 +1,8 @@
 """The MoE decoder: one model for Switch, Mixtral, OLMoE, Qwen2-MoE-style shared experts and dense baselines.
 
 Architecture choices (each a field of `MoEConfig`):
-- Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021).
+- Pre-norm decoder with RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings (Su et al. 2021), over
+  the whole head or its first part only (``rope_partial_factor``; GLM-4.5, GLM-4.5 Team 2025).
 - Grouped-query attention (Ainslie et al. 2023) through `F.scaled_dot_product_attention`; optional qk-norm
   over the whole q and k projections (OLMoE, Muennighoff et al. 2024) or per head (Qwen3, Yang et al. 2025),
   q/k/v bias (Qwen2-MoE), q/k/v clip.
@@ -146,6 +147,15 @@ def apply_rope(q_BHSHd, k_BGSHd, cos_BSHd, sin_BSHd):
     return q_BHSHd * cos + rotate_half(q_BHSHd) * sin, k_BGSHd * cos + rotate_half(k_BGSHd) * sin
 
 
+def apply_partial_rope(q_BHSHd, k_BGSHd, cos_BSR, sin_BSR):
+    """RoPE on the first R dims of each head (R = cos's width, `MoEConfig.rotary_dim`), the other Hd - R passed
+    through: GLM-4.5's partial rotary embeddings (transformers 5.24 ``models/glm4_moe/modeling_glm4_moe.py``
+    ``apply_rotary_pos_emb``: rotate-half within those R dims, not interleaved pairs)."""
+    R = cos_BSR.shape[-1]
+    q_rot, k_rot = apply_rope(q_BHSHd[..., :R], k_BGSHd[..., :R], cos_BSR, sin_BSR)
+    return torch.cat([q_rot, q_BHSHd[..., R:]], dim=-1), torch.cat([k_rot, k_BGSHd[..., R:]], dim=-1)
+
+
 class FeedForward(nn.Module):
     """Dense FFN (also the shared expert): SwiGLU ``down(silu(gate x) * up x)`` or GELU ``down(gelu(up x))``."""
 
@@ -175,6 +185,8 @@ class Attention(nn.Module):
         )
         self.clip_qkv = config.clip_qkv
         self.dropout = config.attention_dropout
+        # GLM-4.5: RoPE on the first rotary_dim dims of each head only (`apply_partial_rope`)
+        self.partial_rope = config.rotary_dim < config.head_dim
         D, Hd = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(D, self.num_heads * Hd, bias=config.attention_bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * Hd, bias=config.attention_bias)
@@ -211,7 +223,8 @@ class Attention(nn.Module):
         q_BHSHd = q_BSHHd.transpose(1, 2)
         k_BGSHd = k_BSGHd.transpose(1, 2)
         v_BGSHd = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHSHd, k_BGSHd = apply_rope(q_BHSHd, k_BGSHd, *cos_sin)
+        rope = apply_partial_rope if self.partial_rope else apply_rope
+        q_BHSHd, k_BGSHd = rope(q_BHSHd, k_BGSHd, *cos_sin)
         if cache is not None:  # (each cache layer keeps its own write position, transformers 5)
             k_BGSHd, v_BGSHd = cache.update(k_BGSHd, v_BGSHd, self.layer_idx)
         if self.num_kv_heads != self.num_heads:  # GQA: each kv head serves H/G query heads
@@ -521,8 +534,8 @@ class MoEModel(MoEPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.rope_theta, getattr(config, "rope_yarn", None)
+        self.rotary_emb = RotaryEmbedding(  # (rotary_dim: head_dim unless RoPE is partial, GLM-4.5)
+            config.rotary_dim, config.rope_theta, getattr(config, "rope_yarn", None)
         )
         self.gradient_checkpointing = False
         self.post_init()

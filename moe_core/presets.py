@@ -203,10 +203,43 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             router_aux_loss_coef=0.004,
             router_z_loss_coef=0.0,
         )
+    if name == "glm4moe":
+        # GLM-4.5-Air (GLM-4.5 Team 2025; transformers models/glm4_moe): DeepSeek-V3's routing on grouped-query
+        # attention: the first layer dense, then fine-grained experts top-k on sigmoid scores with the
+        # aux-loss-free selection bias (one group, renormalized, scaling 1.0 as Air) plus one ungated shared
+        # expert as wide as a routed one; biased q/k/v, head_dim 2x hidden / heads (Air: 128 with 96 heads over
+        # a 4096 hidden size), RoPE on the first half of each head (partial_rotary_factor 0.5), theta 1e6.
+        # Balancing as GLM-4.5's report (§2.1: loss-free balance routing plus a 0.0001 sequence-level auxiliary
+        # loss): the bias at DeepSeek-V3's update speed 0.001, the load-balancing loss at 0.0001
+        heads = next((s["num_attention_heads"] for s in SIZES.values() if s["hidden_size"] == hidden), 4)
+        return dict(
+            head_dim=2 * hidden // heads,
+            attention_bias=True,
+            rope_partial_factor=0.5,
+            rope_theta=1000000.0,
+            num_experts=16,
+            num_experts_per_tok=4,
+            ffn_activation="swiglu",
+            expert_intermediate_size=hidden // 2,
+            intermediate_size=3 * hidden,
+            dense_layers=[0],
+            num_shared_experts=1,
+            shared_expert_intermediate_size=hidden // 2,
+            router="deepseek",
+            router_score="sigmoid",
+            norm_topk_prob=True,
+            router_groups=1,
+            router_topk_groups=1,
+            router_group_score="top2_sum",
+            routed_scaling_factor=1.0,
+            router_bias_update_rate=0.001,
+            router_aux_loss_coef=0.0001,
+            router_z_loss_coef=0.0,
+        )
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
 
 
-FAMILIES = ("switch", "mixtral", "olmoe", "shared", "qwen3", "gptoss", "deepseek", "dense")
+FAMILIES = ("switch", "mixtral", "olmoe", "shared", "qwen3", "gptoss", "deepseek", "glm4moe", "dense")
 PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

@@ -51,7 +51,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from moe_core.convert import ARCHITECTURES, config_from_hf, weight_plan
 from moe_core.data.sources import builtin_corpus
-from moe_core.data.tokenizer import special_token_ids, train_tokenizer
+from moe_core.data.tokenizer import SPECIAL_TOKEN_FIELDS, special_token_ids, train_tokenizer
 from moe_core.errors import MoELabError
 from moe_core.fileio import OutputLock, atomic_directory, require_free_space
 from moe_core.model import MoEForCausalLM
@@ -480,6 +480,68 @@ PUBLISHED: dict[str, PublishedModel] = {
             vocab_size=512,
         ),
     ),
+    # zai-org/GLM-4.5-Air config.json (model_type glm4_moe): 46 layers, the first dense (width 10944), then 128
+    # experts top-8 of width 1408 plus 1 shared, sigmoid scores with the selection bias, one group, renormalized,
+    # scaling 1.0; grouped-query attention with 96 query heads of head_dim 128 (12288 wide over a 4096 hidden
+    # size) and 8 KV heads, q/k/v biases, no q/k norm, RoPE on the first half of each head (partial_rotary_factor
+    # 0.5, theta 1e6); vocab 151552 (106.9 B parameters without the MTP layer; the model card's "106B total,
+    # 12B active"). Cross-checked: transformers 5.24's Glm4MoeConfig defaults are Air's shape (46 layers, hidden
+    # 4096, 96/8 heads, 128 experts top-8 of 1408 plus 1 shared, dense width 10944, vocab 151552, scaling 1.0,
+    # partial_rotary_factor 0.5; head_dim is no field there: the hub file's 128) and the GLM-4.5 report's Table 1
+    # for Air (1 dense + 45 MoE layers + 1 MTP layer, head dim 128, no qk-norm). The hub file's
+    # multi-token-prediction layer (num_nextn_predict_layers 1: ``model.layers.46.*``) is not written: transformers
+    # never builds it in Glm4MoeForCausalLM, and the lab skips it on load (`moe_core.convert.mtp_weight_names`)
+    "glm-4.5-air": PublishedModel(
+        "glm-4.5-air",
+        "zai-org/GLM-4.5-Air",
+        {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "eos_token_id": [151329, 151336, 151338],
+            "first_k_dense_replace": 1,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 10944,
+            "max_position_embeddings": 131072,
+            "moe_intermediate_size": 1408,
+            "n_group": 1,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "num_attention_heads": 96,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 46,
+            "num_key_value_heads": 8,
+            "num_nextn_predict_layers": 1,
+            "pad_token_id": 151329,
+            "partial_rotary_factor": 0.5,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "routed_scaling_factor": 1.0,
+            "tie_word_embeddings": False,
+            "topk_group": 1,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+            "use_qk_norm": False,
+            "vocab_size": 151552,
+        },
+        tiny_overrides=dict(
+            hidden_size=64,
+            head_dim=32,  # still != hidden / heads, as published
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        ),
+    ),
 }
 
 
@@ -532,7 +594,8 @@ def published_config(
             problems.append(
                 f"num_experts_per_tok={config['num_experts_per_tok']} is above the {experts} experts"
             )
-        if config["hidden_size"] % config["num_attention_heads"]:
+        # (a config with its own head_dim, as GLM-4.5-Air's 96 heads of 128 over 4096, needs no such multiple)
+        if config.get("head_dim") is None and config["hidden_size"] % config["num_attention_heads"]:
             problems.append("hidden_size must be a multiple of num_attention_heads")
         if config["num_attention_heads"] % config["num_key_value_heads"]:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
@@ -576,7 +639,9 @@ def tensor_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     plan's, `moe_core.convert.weight_plan`); a stand-in in the fused layout would let both the baseline and
     the lab memory-map what a user's download makes them copy. gpt-oss's checkpoints are fused: its layout is
     transformers' model class's. Nothing is allocated (meta device)."""
-    hf = hf_config_object(config)
+    # (pad_token_id names a row of the embedding, no tensor of its own: a published id past a shrunk vocabulary,
+    # as GLM-4.5-Air's 151329 in a test's 512, would only trip nn.Embedding's check)
+    hf = hf_config_object({**config, "pad_token_id": None})
     arch = ARCHITECTURES[config["model_type"]]
     if arch.model_type == "gpt_oss":
         with torch.device("meta"):
@@ -782,7 +847,11 @@ def build_published(
         if is_complete(directory, request):  # another builder finished while we waited for nothing
             return directory
         with atomic_directory(directory, overwrite=True, error_cls=PublishedError) as tmp:
-            config.update(write_tokenizer(tmp, tokenizer_vocab))
+            ids = write_tokenizer(tmp, tokenizer_vocab)
+            # the tokenizer's ids; a published id it has no token for (GLM-4.5-Air's pad_token_id) is unset
+            config.update(
+                {field: ids.get(field) for field in SPECIAL_TOKEN_FIELDS if field in config or field in ids}
+            )
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             generation = {
                 k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config

@@ -81,7 +81,7 @@ def test_help_lists_presets_config_fields_and_defaults(capsys):
     assert cli.main(["train", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert (
-        "families switch, mixtral, olmoe, shared, qwen3, gptoss, deepseek, dense; sizes tiny, small, base"
+        "families switch, mixtral, olmoe, shared, qwen3, gptoss, deepseek, glm4moe, dense; sizes tiny, small, base"
         in out
     )
     assert "(default: 1)" in out and "--help-config" in out  # defaults shown (nproc)

@@ -35,6 +35,7 @@ CLASSES = {
     "deepseek-v2-lite": "DeepseekV2ForCausalLM",
     "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
     "gpt-oss-20b": "GptOssForCausalLM",
+    "glm-4.5-air": "Glm4MoeForCausalLM",
 }
 
 
@@ -161,4 +162,5 @@ def test_published_sizes():
         "deepseek-v2-lite": 15.7,
         "qwen3-30b-a3b": 30.5,
         "gpt-oss-20b": 20.9,
+        "glm-4.5-air": 106.9,  # (the model card's "106B total"; its MTP layer is not in the stand-in)
     }

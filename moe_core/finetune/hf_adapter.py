@@ -17,7 +17,11 @@ Module names (layer i, expert e)::
       stacked [E, O, I] parameters, LoRA through        fused parameters, LoRA through PEFT's ParamWrapper
       PEFT's ParamWrapper (target_parameters)           too (see "transformers 5" below for the fusion)
     model.layers.i.mlp.router.gate                    model.layers.i.mlp.gate (modules_to_save)
-    attention, shared expert, dense FFN, norms, embeddings: the same names on both sides
+    model.layers.i.mlp.router.expert_bias (buffer)    model.layers.i.mlp.gate.e_score_correction_bias, saved
+                                                        with the router's copy (DeepSeek-V3, GLM-4.5: the copy
+                                                        stock PEFT restores must select as ours does)
+    model.layers.i.mlp.shared_expert.*_proj           model.layers.i.mlp.shared_experts.*_proj (DeepSeek, GLM)
+    attention (MLA's q_a_proj ... kv_b_proj too), dense FFN, norms, embeddings: the same names on both sides
 
 Adapters in transformers 4's per-expert names (one nn.Linear per expert, ``{moe}.experts.e.{gate,up,down}_proj``,
 Mixtral ``block_sparse_moe.experts.e.w1 / w3 / w2``, router ``{moe}.gate``; the hub's adapters trained before
@@ -53,7 +57,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +77,10 @@ PREFIX = "base_model.model."  # PEFT's prefix of every key in adapter_model.safe
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 LORA_FACTORS = ("lora_A.weight", "lora_B.weight")
+# the selection bias of DeepSeek-V3 / GLM-4.5 routers: ours `mlp.router.expert_bias`, HF's
+# `mlp.gate.e_score_correction_bias` (`moe_core.convert.weight_plan`): a buffer beside the router's weight, which PEFT
+# saves with a router in modules_to_save (its state_dict), and which moves when the router trains (aux-loss-free)
+ROUTER_BIAS_OURS, ROUTER_BIAS_HF = "router.expert_bias", "e_score_correction_bias"
 
 
 class AdapterConversionError(MoELabError):
@@ -87,6 +95,9 @@ class NameMap:
     arch: HFArchitecture
     modules: dict[str, str]  # our module -> HF module, one to one (router, attention, shared expert, ...)
     experts: dict[str, tuple[str, ...]]  # our stacked expert parameter -> the HF module of each expert
+    # DeepSeek-V3 / GLM-4.5: our router module (its buffer ``expert_bias``) -> the HF router module holding that
+    # bias as ``e_score_correction_bias`` (the module our router's gate maps to)
+    router_biases: dict[str, str] = field(default_factory=dict)
 
     @property
     def hf_modules(self) -> dict[str, str]:
@@ -97,6 +108,11 @@ class NameMap:
     def hf_experts(self) -> dict[str, tuple[str, int]]:
         """HF per-expert module -> (our stacked parameter, expert index)."""
         return {hf: (stack, e) for stack, names in self.experts.items() for e, hf in enumerate(names)}
+
+    @property
+    def hf_router_biases(self) -> dict[str, str]:
+        """HF router module -> our router module, for the routers with a selection bias."""
+        return {hf: ours for ours, hf in self.router_biases.items()}
 
     @property
     def hf_only(self) -> set[str]:
@@ -123,14 +139,18 @@ def name_map(config: MoEConfig, arch: HFArchitecture | None = None) -> NameMap:
     arch = arch or hf_architecture(config)
     modules: dict[str, str] = {}
     experts: dict[str, tuple[str, ...]] = {}
+    router_biases: dict[str, str] = {}
     for ours, theirs in weight_plan(config, arch):
-        if len(theirs) == 1:
+        if ours.endswith(ROUTER_BIAS_OURS):  # a buffer of our router and of HF's router module, not a module
+            if arch.router_bias == "stored":  # (DeepSeek-V2's router has none)
+                router_biases[_module_of(ours)] = _module_of(theirs[0])
+        elif len(theirs) == 1:
             modules[_module_of(ours)] = _module_of(theirs[0])
         else:  # a stacked expert parameter is named without ".weight": it is the parameter, not a module
             experts[ours] = tuple(_module_of(name) for name in theirs)
     if config.tie_word_embeddings:  # lm_head is no weight of its own, but a module PEFT can target
         modules["lm_head"] = "lm_head"
-    return NameMap(arch, modules, experts)
+    return NameMap(arch, modules, experts, router_biases)
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -243,6 +263,21 @@ FUSED_PARAMS = ("gate_up_proj", "down_proj")
 GATE_UP_PATTERN = r".*\.gate_up_proj"  # rank_pattern / alpha_pattern key of the fused projection
 
 
+# stock PEFT 0.21 on transformers 5 (peft/utils/transformers_weight_conversion.py, ``_convert_peft_config_moe``)
+# rewrites every target_modules entry whose last name is an expert projection's or a router's of transformers 4
+# (``gate_proj``, ``up_proj``, ``down_proj``, ``gate``; Mixtral's ``w1`` / ``w2`` / ``w3``) into the fused experts'
+# target_parameters, for the MoE model types it converts (OLMoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5, Mixtral): a
+# dense layer's or a shared expert's FFN named there would silently become LoRA on every layer's experts. Those
+# Linears are written as target_parameters ``<module>.weight`` instead: PEFT's ParamWrapper on a Linear's weight has
+# LoRA's keys, shapes and delta (held equal to a LoRA Linear's in tests/test_hf_adapter_deepseek.py)
+STOCK_PEFT_RENAMED_LEAVES = ("gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3")
+
+
+def renamed_by_stock_peft(hf_module: str) -> bool:
+    """Whether stock PEFT would read a target_modules entry ``hf_module`` as the fused experts (see above)."""
+    return hf_module.rsplit(".", 1)[-1] in STOCK_PEFT_RENAMED_LEAVES
+
+
 def v5_module(hf_module: str, arch: HFArchitecture) -> str:
     """An HF module's name in transformers 5 from its checkpoint (4.x) name: Mixtral's MoE block is ``mlp``."""
     return hf_module.replace(f".{arch.moe_module}.", ".mlp.")
@@ -315,6 +350,30 @@ def _param_wrappers(model) -> dict[str, ParamWrapper]:
     return {name: module for name, module in model.named_modules() if isinstance(module, ParamWrapper)}
 
 
+def _router_bias_tensors(base, names: NameMap, saved_hf_modules: set[str]) -> dict[str, torch.Tensor]:
+    """The selection bias of each router whose trained copy the adapter saves (modules_to_save), as the HF router
+    module's ``e_score_correction_bias``: stock PEFT builds a saved module from the adapter's copy, so the copy
+    must carry the bias our router selects with now (moved by aux-loss-free balancing while the router trained,
+    `MoEStepCallback`), not the base checkpoint's. A router with no bias on the HF side (DeepSeek-V2) is refused
+    unless ours is still zero."""
+    out: dict[str, torch.Tensor] = {}
+    for hf in sorted(saved_hf_modules):
+        ours = names.hf_modules.get(hf, "")
+        if not ours.endswith(".router.gate"):
+            continue
+        router = base.get_submodule(ours.removesuffix(".gate"))
+        bias = getattr(router, "expert_bias", None)
+        if hf in names.hf_router_biases:
+            out[f"{PREFIX}{v5_module(hf, names.arch)}.{ROUTER_BIAS_HF}"] = bias.detach().float().clone()
+        elif bias is not None and bool(bias.detach().any()):
+            raise AdapterConversionError(
+                f"the router {ours.removesuffix('.gate')} has a nonzero selection bias (expert_bias), which "
+                f"{names.arch.class_name}'s router has no place for; write this model as deepseek_v3, or keep "
+                "router_bias_update_rate at 0 when training its router"
+            )
+    return out
+
+
 def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], LoraConfig]:
     """The tensors of adapter_model.safetensors and the LoraConfig, in the HF architecture's names, for our
     PeftModel of a model converted from Hugging Face (``config.hf_origin``)."""
@@ -350,6 +409,7 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         hf = names.modules[module]
         tensors[f"{PREFIX}{v5_module(hf, names.arch)}.{rest}"] = tensor.detach().clone()
         (lora_targets if rest.startswith("lora_") else saved_modules).add(hf)
+    tensors.update(_router_bias_tensors(base, names, saved_modules))
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     for stack, pair in factors.items():  # ParamWrapper's layout, per our stacked [E, O, I] parameter
         E = len(names.experts[stack])
@@ -361,6 +421,7 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         f"{prefix}.{param}": pair for prefix, params in fused.items() for param, pair in params.items()
     }
     gate_up_ranks = {A.shape[1] for name, (A, _) in hf_params.items() if name.endswith(".gate_up_proj")}
+    hf_targets = [v5_module(hf, names.arch) for hf in lora_targets]
     if not lora_targets and not any(A.any() for A, _ in hf_params.values()):
         raise AdapterConversionError("the adapter has no non-zero LoRA factors to save")
     hf_config = LoraConfig(
@@ -371,8 +432,11 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         bias="none",
         # a list, not a regex: PEFT 0.21 resolves a regex to leaf names on Mixtral and OLMoE (its transformers 4
         # -> 5 adapter conversion), which would widen it to every layer
-        target_modules=sorted(v5_module(hf, names.arch) for hf in lora_targets) or None,
-        target_parameters=sorted(hf_params) or None,
+        target_modules=sorted(m for m in hf_targets if not renamed_by_stock_peft(m)) or None,
+        # (FFN Linears stock PEFT would take for the experts: their weights, `renamed_by_stock_peft`)
+        target_parameters=sorted(hf_params)
+        + sorted(f"{m}.weight" for m in hf_targets if renamed_by_stock_peft(m))
+        or None,
         modules_to_save=sorted(v5_module(hf, names.arch) for hf in saved_modules) or None,
         task_type="CAUSAL_LM",
         base_model_name_or_path=base.name_or_path or config.base_model_name_or_path,
@@ -389,6 +453,8 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         hf_config.alpha_pattern = {GATE_UP_PATTERN: config.lora_alpha * scale}
     wrappers, expected = hf_layout(base.config, names.arch, hf_config)
     for wrapper, param in wrappers.items():
+        if param not in hf_params:  # an FFN Linear's weight (`renamed_by_stock_peft`): its factors are placed
+            continue
         A_ERI, B_ORE = hf_params[param]
         E, R, I = A_ERI.shape
         tensors[f"{wrapper}.lora_A.weight"] = A_ERI.reshape(E * R, I).contiguous()
@@ -489,12 +555,26 @@ def is_hf_adapter(directory: str | Path, config: MoEConfig) -> bool:
     return any(module in hf_only for module in _saved_modules(directory))
 
 
-def _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules):
+def _router_bias_of(key: str, names: NameMap) -> str | None:
+    """Our router module when ``key`` is a saved HF router's selection bias (``mlp.gate.e_score_correction_bias``:
+    stock PEFT saves it with a router in modules_to_save), else None."""
+    module, rest = split_key(key)
+    if not key.startswith(PREFIX) or rest != ROUTER_BIAS_HF:
+        return None
+    return {v5_module(hf, names.arch): ours for hf, ours in names.hf_router_biases.items()}.get(module)
+
+
+def _read_v5(
+    model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules, router_biases
+):
     """Fill `apply_hf_adapter`'s tables from an adapter in transformers 5's names: the fused experts' factors
     split per expert into our gate_proj / up_proj / down_proj stacks (`split_gate_up`; experts whose factors
-    are zero left out, as a 4.x adapter leaves them out), the other modules renamed."""
+    are zero left out, as a 4.x adapter leaves them out), the routers' selection biases by our router module,
+    the other modules renamed."""
     weights_file = directory / WEIGHTS_FILE
     wrappers, _ = hf_layout(model.config, names.arch, LoraConfig.from_pretrained(str(directory)))
+    # the fused experts; a Linear's weight in target_parameters (`renamed_by_stock_peft`) is read as its module's LoRA
+    wrappers = {w: param for w, param in wrappers.items() if param.endswith(FUSED_PARAMS)}
     wrapper_factor = {
         f"{w}.{factor}": (param, factor) for w, param in wrappers.items() for factor in LORA_FACTORS
     }
@@ -505,6 +585,9 @@ def _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lor
             if key in wrapper_factor:
                 param, factor = wrapper_factor[key]
                 fused[param][factor] = f.get_tensor(key)
+                continue
+            if _router_bias_of(key, names) is not None:
+                router_biases[_router_bias_of(key, names)] = (f.get_tensor(key), key)
                 continue
             module, rest = split_key(key)
             if not key.startswith(PREFIX) or module not in modules:
@@ -552,10 +635,11 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
     if raw.get("target_parameters") and not v5:
         reasons.append("target_parameters is set: this adapter is in our names, not the HF architecture's")
     for target in raw.get("target_parameters") or [] if v5 else []:
-        if not target.endswith(FUSED_PARAMS):
+        linear = target.endswith(".weight") and not target.endswith((".gate.weight", ".router.weight"))
+        if not (target.endswith(FUSED_PARAMS) or linear):
             reasons.append(
-                f"target_parameters has {target!r}: only the experts' {' and '.join(FUSED_PARAMS)} convert (a "
-                "router converts as modules_to_save)"
+                f"target_parameters has {target!r}: only the experts' {' and '.join(FUSED_PARAMS)} and the "
+                "weights of Linear modules convert (a router converts as modules_to_save)"
             )
     if reasons:
         raise AdapterConversionError(
@@ -571,10 +655,27 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
     expert_factors: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     lora_targets: set[str] = set()
     saved_modules: set[str] = set()
+    router_biases: dict[
+        str, tuple[torch.Tensor, str]
+    ] = {}  # our router -> (its selection bias, the file's key)
     if v5:
-        _read_v5(model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules)
+        _read_v5(
+            model,
+            directory,
+            names,
+            r,
+            tensors,
+            source_of,
+            expert_factors,
+            lora_targets,
+            saved_modules,
+            router_biases,
+        )
     with safe_open(str(weights_file), "pt") as f:
         for key in f.keys() if not v5 else ():
+            if _router_bias_of(key, names) is not None:
+                router_biases[_router_bias_of(key, names)] = (f.get_tensor(key), key)
+                continue
             module, rest = split_key(key)
             if not key.startswith(PREFIX) or (module not in hf_modules and module not in hf_experts):
                 raise AdapterConversionError(
@@ -612,6 +713,13 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
                 )
     if not lora_targets and not expert_factors:
         raise AdapterConversionError(f"{weights_file}: no LoRA factors in the adapter")
+    for router, (bias, key) in router_biases.items():
+        if tuple(bias.shape) != tuple(model.get_submodule(router).expert_bias.shape):
+            raise AdapterConversionError(
+                f"{weights_file}: key {key} has shape {tuple(bias.shape)}, the base model's router "
+                f"{router} has {model.get_submodule(router).expert_bias.numel()} experts; is this the adapter of "
+                "this base model?"
+            )
 
     lora_config = LoraConfig(
         r=r,
@@ -653,4 +761,9 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
                 f"needs {tuple(expected[key].shape)}; is this the adapter of this base model?"
             )
     set_peft_model_state_dict(peft_model, tensors, adapter_name=adapter_name)
+    # a saved router's selection bias: a buffer of our base router (the trained router's copy that PEFT wraps is
+    # its gate alone), written there as fine-tuning moves it there (`MoEStepCallback`)
+    with torch.no_grad():
+        for router, (bias, _) in router_biases.items():
+            model.get_submodule(router).expert_bias.copy_(bias)
     return peft_model
