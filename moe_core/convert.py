@@ -451,6 +451,11 @@ class CheckpointReader:
     def names(self) -> set[str]:
         return set(self.file_of) | set(self._zeros)
 
+    def dequantized_on_read(self) -> list[str]:
+        """The stored tensors this reader dequantizes as it reads them (gpt-oss's MXFP4 experts): what it gives
+        for those is a new tensor each time, never a view of the file (`moe_core.mapped` refuses them)."""
+        return sorted(self._mxfp4)
+
     def get(self, name: str) -> torch.Tensor:
         if name in self._zeros:
             return torch.zeros(self._zeros[name])

@@ -27,6 +27,10 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
   slots without gradient, a loop over the *distinct* chosen experts on views of their weights, so a step reads
   K experts' bytes, not E. Taken instead of ``sorted``/``grouped_mm`` when ``T * K <= max_slots``.
 Tests hold each equal to the reference in forward and backward (decode, which takes no gradient, in forward).
+Every path also computes gpt-oss's experts (a bias per expert and projection, ``{p}_bias`` [E, O], and the clamped
+SwiGLU, `clamped_swiglu`, through the one `StackedExperts.activate`): ``x W_e^T + b_e`` per expert, the grouped
+product plus each sorted row's expert's bias, the wide products of ``static`` / ``gather`` plus the stacked biases
+(`tests/test_arch_gptoss_fast.py`).
 
 LoRA on the experts (`ExpertLoRA`, given as ``forward(..., lora=)``; `moe_core.finetune.expert_lora` builds it from
 PEFT's adapter weights) runs inside every path on the tokens routed to each expert: ``proj_e(x) = x W_e^T +
@@ -254,25 +258,52 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             max_slots,
         )
 
-    # gpt-oss's clamped SwiGLU (`clamped_swiglu`) when a number; experts with biases answer `expert_bias`. Only the
-    # per-expert paths (reference, sorted, decode) know either: `check_path` refuses the others
+    # gpt-oss (transformers 5.24 models/gpt_oss/modeling_gpt_oss.py GptOssExperts): a bias per expert and
+    # projection, stored by each implementation as ``{p}_bias`` [E, O] (None without), and the clamped SwiGLU
+    # (`clamped_swiglu`) when ``swiglu_limit`` is a number. Every path computes both: the per-expert ones (reference,
+    # sorted, decode) in `expert`, grouped_mm adds each sorted row's expert's bias after its grouped product, static
+    # and gather add the biases to their wide products (the down bias weighted by the combine weights)
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
 
+    def bias_stack(self, p: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Projection ``p``'s biases [E, O] of every expert (in ``dtype`` when given), or None (no biases)."""
+        bias_EO = getattr(self, f"{p}_bias", None)
+        return bias_EO if bias_EO is None or dtype is None else bias_EO.to(dtype)
+
     def expert_bias(self, p: str, e: int) -> torch.Tensor | None:
         """Expert ``e``'s bias of projection ``p`` (gpt-oss), or None."""
-        return None
+        bias_EO = self.bias_stack(p)
+        return None if bias_EO is None else bias_EO[e]
 
-    @property
-    def per_expert_paths_only(self) -> bool:
-        return self.swiglu_limit is not None or self.expert_bias("up_proj", 0) is not None
+    def ffn_options(self) -> dict:
+        """What an expert FFN is besides its weights (gpt-oss: biases, the clamped SwiGLU), as the constructors of
+        `GroupedExperts`, `moe_core.mapped.MappedExperts` and `moe_core.quantized.QuantizedExperts` take it: a
+        module replacing another is built with its ``ffn_options()``."""
+        return {
+            "bias": self.bias_stack("up_proj") is not None,
+            "swiglu_limit": self.swiglu_limit,
+            "swiglu_alpha": self.swiglu_alpha,
+        }
 
-    def check_path(self, impl: str) -> None:
-        if self.per_expert_paths_only and impl in ("static", "gather", "grouped_mm"):
-            raise ValueError(
-                f"expert_impl={impl!r}: experts with biases or the clamped SwiGLU (gpt-oss: expert_bias, "
-                "swiglu_limit) run on the per-expert paths only; use 'reference' or 'sorted' (or 'auto')"
+    def init_frozen_biases(
+        self, shapes: dict[str, tuple[int, int]], bias: bool, dtype: torch.dtype | None = None
+    ) -> None:
+        """Frozen ``{p}_bias`` [E, O] parameters (zeros until a loader fills them) for the projections in
+        ``shapes`` when ``bias``, else None: the biases of experts whose weights are held otherwise (memory-mapped,
+        quantized), kept in ``dtype`` as they are (a few numbers per expert: never quantized)."""
+        for p in PROJECTIONS:
+            has = bias and p in shapes
+            bias_EO = torch.zeros(self.num_experts, shapes[p][0], dtype=dtype) if has else None
+            self.register_parameter(
+                f"{p}_bias", nn.Parameter(bias_EO, requires_grad=False) if bias_EO is not None else None
             )
+
+    def activate(self, h_gate: torch.Tensor | None, h_up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation, for every path: SwiGLU or GELU (`ffn_act`), or gpt-oss's clamped SwiGLU."""
+        if self.swiglu_limit is not None:
+            return clamped_swiglu(h_gate, h_up, self.swiglu_limit, self.swiglu_alpha)
+        return ffn_act(self.activation, h_gate, h_up)
 
     @abstractmethod
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor: ...
@@ -292,10 +323,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             return y_NO if delta_NO is None else y_NO + delta_NO
 
         h_gate = proj("gate_proj", x_ND) if self.activation == "swiglu" else None
-        if self.swiglu_limit is not None:
-            h_NF = clamped_swiglu(h_gate, proj("up_proj", x_ND), self.swiglu_limit, self.swiglu_alpha)
-            return proj("down_proj", h_NF)
-        return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_ND)))
+        return proj("down_proj", self.activate(h_gate, proj("up_proj", x_ND)))
 
     @abstractmethod
     def unbound(self) -> tuple: ...
@@ -316,8 +344,6 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
-        if self.per_expert_paths_only:
-            return "sorted"
         # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
         return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
 
@@ -329,7 +355,6 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         lora: ExpertLoRA | None = None,
     ) -> torch.Tensor:
         impl = impl or self.resolved_impl(x_TD)
-        self.check_path(impl)
         if self.uses_decode_path(x_TD, record, impl):
             return self.forward_decode(x_TD, record, lora)
         if impl == "reference":
@@ -442,16 +467,25 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         # matmuls whatever E, every expert in the graph, and each weight a plain 2-D matrix (so ONNX
         # Runtime's int8 quantizer gets one per-channel MatMul per projection, not E small ones)
         gate, up, down = self.stacks_with(lora, x_TD.dtype)
+        gate_b, up_b, down_b = (self.bias_stack(p, x_TD.dtype) for p in PROJECTIONS)  # gpt-oss's, or None
         E, F_, D = up.shape
         T = x_TD.shape[0]
         weights_TK = record.weights_TK.masked_fill(record.dropped_TK, 0.0).to(x_TD.dtype)
         experts_E = torch.arange(E, device=x_TD.device)
         combine_TE = (weights_TK[:, :, None] * (record.expert_ids_TK[:, :, None] == experts_E)).sum(1)
-        h_up_TEF = F.linear(x_TD, up.reshape(E * F_, D)).view(T, E, F_)
-        h_gate_TEF = F.linear(x_TD, gate.reshape(E * F_, D)).view(T, E, F_) if gate is not None else None
-        h_TEF = ffn_act(self.activation, h_gate_TEF, h_up_TEF) * combine_TE[:, :, None]
+
+        def wide(w_EFD: torch.Tensor, b_EF: torch.Tensor | None) -> torch.Tensor:
+            # the bias added apart: a bias-free product exports as a plain MatMul, which ONNX Runtime's int8 takes
+            h_TEF = F.linear(x_TD, w_EFD.reshape(E * F_, D)).view(T, E, F_)
+            return h_TEF if b_EF is None else h_TEF + b_EF
+
+        h_up_TEF = wide(up, up_b)
+        h_gate_TEF = wide(gate, gate_b) if gate is not None else None
+        h_TEF = self.activate(h_gate_TEF, h_up_TEF) * combine_TE[:, :, None]
         down_DEF = down.transpose(0, 1).reshape(D, E * F_)
-        return F.linear(h_TEF.reshape(T, E * F_), down_DEF)
+        y_TD = F.linear(h_TEF.reshape(T, E * F_), down_DEF)
+        # sum_e c_te (down_e h_te + b_e): each expert's down bias as much as the token chose it (zero if not)
+        return y_TD if down_b is None else y_TD + combine_TE @ down_b
 
     def forward_gather(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
@@ -465,14 +499,21 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
                 f"expert_impl='gather' would materialize {gathered:,} weights for {ids_TK.shape[0]} "
                 "tokens outside torch.compile; it is for compiled decoding: use 'auto' here"
             )
+        gate_b, up_b, down_b = (self.bias_stack(p, x_TD.dtype) for p in PROJECTIONS)  # gpt-oss's, or None
         x_T11D = x_TD[:, None, None, :]
-        h_up_TKF = (x_T11D * up[ids_TK]).sum(-1)
-        h_gate_TKF = (x_T11D * gate[ids_TK]).sum(-1) if gate is not None else None
+
+        def project(w_EFD: torch.Tensor, b_EF: torch.Tensor | None) -> torch.Tensor:
+            h_TKF = (x_T11D * w_EFD[ids_TK]).sum(-1)
+            return h_TKF if b_EF is None else h_TKF + b_EF[ids_TK]
+
+        h_up_TKF = project(up, up_b)
+        h_gate_TKF = project(gate, gate_b) if gate is not None else None
         # the combine weight scales h before the down projection, and y_td = sum_{k,f} h_tkf w_{e_tk} df is
         # one reduction over K*F per output: one horizontal sum per d (not K), the K experts' rows streamed
         # side by side, no separate combine loop (3-6% off the olmoe-small decode step, benchmarks/README.md)
-        h_T1KF = (ffn_act(self.activation, h_gate_TKF, h_up_TKF) * weights_TK[:, :, None])[:, None]
-        return (h_T1KF * down[ids_TK].transpose(1, 2)).sum((-2, -1))
+        h_T1KF = (self.activate(h_gate_TKF, h_up_TKF) * weights_TK[:, :, None])[:, None]
+        y_TD = (h_T1KF * down[ids_TK].transpose(1, 2)).sum((-2, -1))
+        return y_TD if down_b is None else y_TD + (weights_TK[:, :, None] * down_b[ids_TK]).sum(1)
 
 
 class GroupedExperts(StackedExperts):
@@ -503,10 +544,6 @@ class GroupedExperts(StackedExperts):
             has = bias and getattr(self, p) is not None
             self.register_parameter(f"{p}_bias", nn.Parameter(torch.empty(E, width)) if has else None)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
-
-    def expert_bias(self, p: str, e: int) -> torch.Tensor | None:
-        bias_EO = getattr(self, f"{p}_bias", None)
-        return None if bias_EO is None else bias_EO[e]
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """``{projection: (O, I)}``: one expert's weight shape per projection it has (no gate for GELU)."""
@@ -552,11 +589,18 @@ class GroupedExperts(StackedExperts):
             return self.forward_sorted(x_TD, record, lora)
         dispatch = ExpertDispatch.of(record, self.num_experts)
         offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
-        return dispatch.combine(self._grouped_ffn(dispatch.gather(x_TD), offs_E, lora), x_TD)
+        out_AD = self._grouped_ffn(dispatch.gather(x_TD), offs_E, lora, dispatch.expert_ids_A)
+        return dispatch.combine(out_AD, x_TD)
 
     def _grouped_ffn(
-        self, x_AD: torch.Tensor, offs_E: torch.Tensor, lora: ExpertLoRA | None = None
+        self,
+        x_AD: torch.Tensor,
+        offs_E: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+        expert_ids_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The sorted rows ``x_AD`` through every projection as one grouped matmul each (``offs_E``: where each
+        expert's rows end); ``expert_ids_A`` (each row's expert) places gpt-oss's biases."""
         device = x_AD.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
 
@@ -568,11 +612,15 @@ class GroupedExperts(StackedExperts):
 
         def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
             y_AO = gmm(x_AI, getattr(self, p))
+            bias_EO = self.bias_stack(p)
+            # the rows are sorted by expert: each gets its expert's bias (a gather: no host sync)
+            if bias_EO is not None:
+                y_AO = y_AO + bias_EO.to(y_AO.dtype).index_select(0, expert_ids_A)
             delta_AO = lora.grouped_delta(p, x_AI, gmm) if lora is not None else None
             return y_AO if delta_AO is None else y_AO + delta_AO
 
         h_gate = proj("gate_proj", x_AD) if self.gate_proj is not None else None
-        return proj("down_proj", ffn_act(self.activation, h_gate, proj("up_proj", x_AD)))
+        return proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD)))
 
 
 def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:
@@ -584,14 +632,11 @@ def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:
             parent_name, _, child = name.rpartition(".")
             replaced[name] = make(module)
             new = replaced[name]
-            if module.per_expert_paths_only and (
-                new.swiglu_limit != module.swiglu_limit
-                or (new.expert_bias("up_proj", 0) is None) != (module.expert_bias("up_proj", 0) is None)
-            ):  # never drop gpt-oss's biases or clamp silently
+            if new.ffn_options() != module.ffn_options():  # never drop gpt-oss's biases or clamp silently
                 raise ValueError(
-                    f"{name}: {type(new).__name__} does not carry expert biases / the clamped SwiGLU (gpt-oss: "
-                    "expert_bias, swiglu_limit); memory-mapped, quantized and cached experts do not support "
-                    "them yet: load the model without them (plain moe_core.load, LoRA without quantize.base)"
+                    f"{name}: the replacement {type(new).__name__} was built with {new.ffn_options()}, the experts "
+                    f"it replaces have {module.ffn_options()} (gpt-oss: expert_bias, swiglu_limit); build it "
+                    "with the replaced module's ffn_options()"
                 )
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replaced[name])
     return replaced

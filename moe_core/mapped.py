@@ -20,12 +20,16 @@ Experts: our own checkpoints store each projection as one ``[E, O, I]`` tensor, 
 `GroupedExperts` (every path of `moe_core.experts`, grouped_mm included). Hugging Face checkpoints store one
 ``[O, I]`` tensor per expert (``experts.{e}.gate_proj.weight``), in no order a stride could stack, so their
 layers get `MappedExperts`: a `StackedExperts` holding those per-expert tensors, the dense stack never formed.
+gpt-oss stores its experts fused and transposed, gate and up interleaved (``gate_up_proj`` [E, D, 2F]): each
+expert's gate / up / down weight is a strided view of that mapping (`moe_core.convert.CheckpointReader`), and its
+biases ([E, O] per projection, a few numbers per expert) are copied, with the clamped SwiGLU kept.
 LoRA on them nests PEFT's wrappers by hand, as for QLoRA's `QuantizedExperts` (`expert_lora.inject`, through
 ``stack_shape``). To export merged weights, `densify_experts` first stacks them into ordinary memory
 (`moe_core.finetune.export.merged_model` does), one layer at a time; the files are never written.
 
 Full fine-tuning keeps the copying loader: its weights change at every step. Refusals (`MappingError`, before
-any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked.
+any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked, or
+whose experts are MXFP4 (gpt-oss as published: dequantized on read, nothing would stay mapped; QLoRA fits them).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ class MappedExperts(StackedExperts):
         shapes: dict[str, tuple[int, int]],
         impl: str = "auto",
         max_slots: int = 0,
+        *,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
+        bias_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_experts, activation, impl, max_slots)
         self.projections = tuple(shapes)
@@ -71,6 +80,9 @@ class MappedExperts(StackedExperts):
         for name, (O, I) in shapes.items():
             for e in range(num_experts):  # placeholders until `set_expert` (built on the meta device)
                 self.register_parameter(f"{name}_{e}", nn.Parameter(torch.empty(O, I), requires_grad=False))
+        # gpt-oss: its biases ([E, O] per projection, a few numbers per expert: copied, `set_bias`), the clamp
+        self.init_frozen_biases(shapes, bias, bias_dtype)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def stack_shape(self, name: str) -> tuple[int, int, int]:
         """``(E, O, I)``: the shape of the ``name`` stack these tensors stand for (PEFT's factor shapes)."""
@@ -79,6 +91,16 @@ class MappedExperts(StackedExperts):
     def set_expert(self, name: str, e: int, w_OI: torch.Tensor) -> None:
         """Expert ``e``'s ``name`` weight: ``w_OI`` itself (no copy), frozen."""
         setattr(self, f"{name}_{e}", nn.Parameter(w_OI, requires_grad=False))
+
+    def set_bias(self, name: str, e: int | None, b: torch.Tensor) -> None:
+        """Expert ``e``'s bias of projection ``name`` (``name_bias``; ``e`` None: all experts' [E, O]), copied in
+        the bias's dtype; the first call for a projection allocates its [E, O] storage (built on the meta device)."""
+        bias_EO = getattr(self, f"{name}_bias")
+        if bias_EO.is_meta:
+            bias_EO = nn.Parameter(torch.zeros(bias_EO.shape, dtype=bias_EO.dtype), requires_grad=False)
+            setattr(self, f"{name}_bias", bias_EO)
+        with torch.no_grad():
+            (bias_EO if e is None else bias_EO[e]).copy_(b)
 
     def weights(self, name: str) -> tuple[torch.Tensor, ...] | None:
         """The E tensors of projection ``name`` (None when the experts have no such projection)."""
@@ -102,10 +124,14 @@ class MappedExperts(StackedExperts):
         O, I = self.shapes["up_proj"]
         D, F_ = (I, O)
         with torch.device("meta"):  # the constructor's stacks are replaced at once: allocate nothing
-            dense = GroupedExperts(self.num_experts, D, F_, self.activation, self.impl, self.max_slots)
+            dense = GroupedExperts(
+                self.num_experts, D, F_, self.activation, self.impl, self.max_slots, **self.ffn_options()
+            )
         for p in PROJECTIONS:
             w = self.weights(p)
             setattr(dense, p, nn.Parameter(torch.stack(w), requires_grad=False) if w is not None else None)
+            if self.bias_stack(p) is not None:  # gpt-oss: the biases, the same tensors
+                setattr(dense, f"{p}_bias", self.bias_stack(p))
         return share_hooks(self, dense)
 
 
@@ -133,6 +159,12 @@ def _refusal(opened: StreamingLoad) -> str | None:
     files = sorted({f.name for f in opened.reader.file_of.values() if f.suffix != ".safetensors"})
     if files:
         return f"its weights are not safetensors ({', '.join(files[:3])}); only safetensors files are mapped"
+    mxfp4 = opened.reader.dequantized_on_read()
+    if mxfp4:  # gpt-oss as published: MXFP4 experts, dequantized as they are read
+        return (
+            f"its experts are stored as MXFP4 blocks ({mxfp4[0]}, ...), dequantized on read into ordinary memory, "
+            "so nothing of them would stay mapped; QLoRA (quantize.base=nf4) holds them in 4 bits instead"
+        )
     stored = source_dtype(opened.reader)
     if stored != opened.dtype:
         return (
@@ -164,6 +196,8 @@ def load_mapped(path: str | os.PathLike, dtype: torch.dtype | str | None = None)
                     dense.projection_shapes(),
                     dense.impl,
                     dense.max_slots,
+                    **dense.ffn_options(),
+                    bias_dtype=dtype,
                 ),
             )
     state = model.state_dict(keep_vars=True)  # meta placeholders: names, shapes and dtypes
@@ -171,6 +205,11 @@ def load_mapped(path: str | os.PathLike, dtype: torch.dtype | str | None = None)
         for ours, e, name, source in stream_weights(opened.reader, opened.plan):
             module_name, _, leaf = ours.rpartition(".")
             module = model.get_submodule(module_name)
+            if isinstance(module, MappedExperts) and leaf.endswith("_bias"):  # gpt-oss: small, copied
+                E, O = getattr(module, leaf).shape
+                check_shape(opened.directory, name, source, ours, (O,) if e is not None else (E, O))
+                module.set_bias(leaf.removesuffix("_bias"), e, source)
+                continue
             if isinstance(module, MappedExperts):
                 check_shape(opened.directory, name, source, ours, module.shapes[leaf])
                 module.set_expert(leaf, e, source if source.dtype == dtype else source.to(dtype))

@@ -218,7 +218,9 @@ class QuantizedExperts(StackedExperts):
 
     Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte), ``p_scale``
     (fp32 [E, O, G]) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
-    the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``."""
+    the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``.
+    gpt-oss's experts keep their biases unquantized (frozen ``{p}_bias`` [E, O] parameters in the model's dtype)
+    and their clamped SwiGLU (``bias``, ``swiglu_limit``, ``swiglu_alpha``: `StackedExperts.ffn_options`)."""
 
     def __init__(
         self,
@@ -228,6 +230,11 @@ class QuantizedExperts(StackedExperts):
         config: QuantConfig,
         impl: str = "auto",
         max_slots: int = 64,
+        *,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
+        bias_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_experts, activation, impl, max_slots)
         self.quant_config = config
@@ -240,6 +247,8 @@ class QuantizedExperts(StackedExperts):
             self.register_buffer(f"{name}_scale", torch.ones(num_experts, O, config.groups(I)))
             if config.method == "awq":
                 self.register_buffer(f"{name}_in_scale", torch.ones(num_experts, I))
+        self.init_frozen_biases(shapes, bias, bias_dtype)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     @classmethod
     def from_experts(
@@ -259,8 +268,12 @@ class QuantizedExperts(StackedExperts):
             config,
             experts.impl,
             experts.max_slots or 64,
+            **experts.ffn_options(),
+            bias_dtype=experts.up_proj.dtype,
         )
         for p in shapes:
+            if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
+                getattr(new, f"{p}_bias").copy_(experts.bias_stack(p).detach())
             w = getattr(experts, p).detach()
             in_scale = None
             if codes is not None and p in codes:
@@ -452,7 +465,13 @@ def load_quantizing_experts(
         quantized = replace_experts(
             model,
             lambda dense: QuantizedExperts(
-                dense.num_experts, dense.activation, dense.projection_shapes(), config, dense.impl
+                dense.num_experts,
+                dense.activation,
+                dense.projection_shapes(),
+                config,
+                dense.impl,
+                **dense.ffn_options(),
+                bias_dtype=dense.up_proj.dtype,
             ),
         )
     materialize(model, "cpu")
@@ -462,9 +481,11 @@ def load_quantizing_experts(
         for ours, e, name, source in stream_weights(reader, plan):
             module, _, projection = ours.rpartition(".")
             experts = quantized.get(module)
-            if experts is None:
-                check_shape(directory, name, source, ours, state[ours].shape)
-                state[ours].copy_(source)
+            # not a quantized stack: copied as it is (gpt-oss's expert biases too, one expert's row at a time)
+            if experts is None or projection not in experts.projections:
+                target = state[ours] if e is None else state[ours][e]
+                check_shape(directory, name, source, ours, target.shape)
+                target.copy_(source)
                 continue
             E, O, I = experts.stack_shape(projection)
             check_shape(directory, name, source, ours, (O, I) if e is not None else (E, O, I))

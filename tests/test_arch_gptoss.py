@@ -126,12 +126,6 @@ def test_gptoss_preset_and_parameter_counts():
         MoEConfig(swiglu_limit=-1.0)
 
 
-def test_biased_experts_refuse_the_paths_that_ignore_biases():
-    model = MoEForCausalLM(get_config("gptoss-tiny", expert_impl="grouped_mm")).eval()
-    with pytest.raises(ValueError, match="per-expert paths"):
-        model(input_ids(vocab=512))
-
-
 def test_reference_and_sorted_expert_paths_agree_forward_and_backward():
     torch.manual_seed(0)
     model = MoEForCausalLM(get_config("gptoss-tiny", num_hidden_layers=1)).train()
@@ -305,24 +299,11 @@ def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
     run_lifecycle("gptoss-tiny", tmp_path, tmp_path / "data", attention_window=8)
 
 
-def test_onnx_and_gguf_exports_are_refused_up_front(tmp_path):
-    """ONNX: the static expert path (the one a traced graph holds) has no biases and no clamped SwiGLU; GGUF:
-    the lab writes llama.cpp's Mixtral layout only."""
+def test_gguf_export_is_refused_up_front(tmp_path):
+    """GGUF: the lab writes llama.cpp's Mixtral layout only (ONNX export: tests/test_arch_gptoss_fast.py)."""
     from moe_core.inference.gguf_export import GGUFExportError, export_gguf
-    from moe_core.inference.onnx_export import OnnxExportError, check_exportable
 
-    with pytest.raises(OnnxExportError, match="expert_bias=True"):
-        check_exportable(MoEForCausalLM(get_config("gptoss-tiny")))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt_oss"}')
     with pytest.raises(GGUFExportError, match="gpt_oss"):
         export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
-
-
-def test_expert_replacements_that_would_drop_biases_are_refused(hf_gptoss):
-    """Memory-mapped (and quantized) experts carry no biases yet: refused, never silently dropped."""
-    from moe_core.mapped import load_mapped
-
-    _, directory = hf_gptoss
-    with pytest.raises(ValueError, match="expert_bias"):
-        load_mapped(directory)

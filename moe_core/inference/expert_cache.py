@@ -266,6 +266,12 @@ def offload_experts(
     """Move ``model``'s experts to disk behind one LRU `ExpertCache` of ``capacity`` experts; in place.
 
     ``write=False`` reuses files an earlier call wrote (the model's expert weights are still dropped)."""
+    config = model.config
+    if config.expert_bias or config.swiglu_limit is not None:  # OffloadedExperts computes the plain FFN only
+        raise ExpertCacheError(
+            f"expert_bias={config.expert_bias}, swiglu_limit={config.swiglu_limit} (gpt-oss experts): the expert "
+            "cache stores and runs weights without biases or the clamped SwiGLU; run this model without it"
+        )
     directory = Path(directory)
     if write:
         write_experts(model, directory)

@@ -20,6 +20,9 @@ onnxscript's translation; no optimum, so the lab is not tied to the transformers
   on every token: one wide FFN), so every expert's weights are in the graph whatever the sample input routed
   (`expert_weights_in_graph` checks that from the ONNX file). The ``sorted`` path's dispatch has shapes that
   depend on the routing; `export_onnx` refuses an explicit non-static ``expert_impl``.
+- gpt-oss exports as it runs: its attention sinks and sliding-window masks are plain tensor ops of the model's
+  attention, and the static path adds the experts' biases and applies the clamped SwiGLU
+  (`tests/test_arch_gptoss_fast.py` validates a windowed layer past its window, with the cache).
 - Capacity-bound routers (Switch, top-k with a capacity factor) drop the tokens over each expert's capacity,
   ``ceil(capacity_factor * T * K / E)``. ``T`` is symbolic under ``torch.export``, so the graph computes the
   capacity from each input's token count (`moe_core.routing.capacity_for`). A capacity computed as a Python
@@ -251,14 +254,6 @@ def check_exportable(model: MoEForCausalLM) -> None:
         raise OnnxExportError(
             "router 'expert_choice' picks each expert's tokens across the whole batch, which the "
             "traced graph does not reproduce; export a token-choice model (topk, switch, aux_free)"
-        )
-    config = model.config
-    if config.expert_bias or config.swiglu_limit is not None:
-        # the static path (every expert on every token, the one a traced graph can hold) has no biases and no
-        # clamped SwiGLU; gpt-oss's per-expert paths have data-dependent shapes (`moe_core.experts.check_path`)
-        raise OnnxExportError(
-            f"expert_bias={config.expert_bias}, swiglu_limit={config.swiglu_limit} (gpt-oss experts): the "
-            "export-friendly static expert path does not compute biased or clamped experts; not exportable yet"
         )
     for module in model.modules():  # a model swapped by enable_fast_decode/quantize keeps its own impl field
         if getattr(module, "impl", "auto") not in ("auto", "static"):

@@ -284,6 +284,9 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
         stacks = {
             p: getattr(experts, p).detach().clone() for p in PROJECTIONS if getattr(experts, p) is not None
         }
+        for p in PROJECTIONS:  # gpt-oss's expert biases [E, O]: kept (or merged) with their experts
+            if experts.bias_stack(p) is not None:
+                stacks[f"{p}_bias"] = experts.bias_stack(p).detach().clone()
         if prune.merge_similar:
             report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
         for p, stack in stacks.items():

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_core.experts import ffn_act
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.progress import Progress
 from moe_core.quantized import (
@@ -155,10 +154,19 @@ def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, t
     return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in seen.items()}
 
 
+def _hidden(module, e: int, x_ND: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s hidden activation on ``x_ND`` in fp32: what its down projection reads (with gpt-oss's biases
+    and clamped SwiGLU, `StackedExperts.activate`)."""
+
+    def proj(p: str) -> torch.Tensor:
+        bias_O = module.expert_bias(p, e)
+        return F.linear(x_ND, getattr(module, p)[e].float(), None if bias_O is None else bias_O.float())
+
+    return module.activate(proj("gate_proj") if module.gate_proj is not None else None, proj("up_proj"))
+
+
 def _gptq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, _alphas: list) -> dict[str, tuple]:
-    h_up = F.linear(x_ND, module.up_proj[e].float())
-    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
-    a_NF = ffn_act(module.activation, h_gate, h_up)
+    a_NF = _hidden(module, e, x_ND)
     H_in, H_hidden = x_ND.T @ x_ND, a_NF.T @ a_NF
     return {
         p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
@@ -173,9 +181,7 @@ def _awq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, alphas:
     inputs = [p for p in ("gate_proj", "up_proj") if getattr(module, p) is not None]
     w_in = torch.cat([getattr(module, p)[e].float() for p in inputs])
     s_in, alpha_in, _ = awq_search_scale(w_in, x_ND, config)
-    h_up = F.linear(x_ND, module.up_proj[e].float())
-    h_gate = F.linear(x_ND, module.gate_proj[e].float()) if module.gate_proj is not None else None
-    a_NF = ffn_act(module.activation, h_gate, h_up)
+    a_NF = _hidden(module, e, x_ND)
     s_hidden, alpha_hidden, _ = awq_search_scale(module.down_proj[e], a_NF, config)
     alphas.append([alpha_in, alpha_hidden])
     codes = {p: awq_quantize(getattr(module, p)[e], s_in, config) for p in inputs}

@@ -63,7 +63,7 @@ def quantize_experts(
     for name, module in modules:
         if isinstance(module, QuantizedExperts):
             continue
-        report.params_quantized += sum(p.numel() for p in module.parameters(recurse=False))
+        report.params_quantized += sum(w.numel() for w in module.stacks() if w is not None)  # (not biases)
         report.experts_quantized += module.num_experts
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
