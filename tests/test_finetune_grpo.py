@@ -128,6 +128,22 @@ def test_the_mean_reward_rises_and_replay_leaves_no_routing_mismatch(learned):
     assert json.loads((out / "finetune_config.json").read_text())["objective"] == "grpo"
 
 
+def test_the_dashboard_run_page_gets_the_routing_shift(learned):
+    """The run page asks the scalars API for the GRPO keys beside the router losses (RunPage.svelte's KEYS)."""
+    from fastapi.testclient import TestClient
+
+    from dashboard.server import create_app
+
+    out = learned[0]
+    client = TestClient(create_app([out.parent]))
+    runs = {r["name"]: r["id"] for r in client.get("/api/runs").json()["runs"]}
+    keys = "routing_shift,routing_replay_changed,routing_mismatch,aux_loss"
+    series = client.get(f"/api/runs/{runs[out.name]}/scalars?keys={keys}").json()["series"]
+    assert len(series["routing_shift"]["y"]) == 16 and series["routing_mismatch"]["y"] == [0.0] * 16
+    page = (REPO / "dashboard" / "web" / "src" / "RunPage.svelte").read_text()
+    assert all(f'"{key}"' in page for key in keys.split(","))
+
+
 def test_gspo_with_a_reward_model_and_lora_runs(tokenizer, tmp_path):
     """GSPO's sequence-level ratio (TRL's importance_sampling_level="sequence") with a reward model from
     objective=reward beside the function, under LoRA, replay off: the drift replay would remove is measured."""
