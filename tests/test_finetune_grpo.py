@@ -10,6 +10,7 @@ import math
 import re
 import shlex
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,14 @@ from trl import GRPOTrainer
 from moe_core.config import get_config
 from moe_core.data.errors import DataError
 from moe_core.data.tokenizer import train_tokenizer
-from moe_core.finetune import FinetuneConfig, FinetuneError, finetune
-from moe_core.finetune.grpo import LabRollout, RewardError, RolloutRouting
+from moe_core.finetune import FinetuneConfig, FinetuneDivergedError, FinetuneError, finetune
+from moe_core.finetune.grpo import LabRollout, MoEGRPOTrainer, RewardError, RolloutRouting
 from moe_core.finetune.rewards import sum_of_two
 from moe_core.inference.generate import GenerationConfig, batch_generate
 from moe_core.model import MoEForCausalLM
 from moe_core.reward_model import reward_model_from
 from moe_core.routing import RoutingReplay, RoutingReplayError, build_router, replay_weights
+from moe_core.train.telemetry import read_jsonl
 from tests.finetune_helpers import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -165,6 +167,36 @@ def test_gspo_with_a_reward_model_and_lora_runs(tokenizer, tmp_path):
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_a_non_finite_step_is_skipped_and_counted(tokenizer, tmp_path, monkeypatch):
+    original = MoEGRPOTrainer.compute_loss
+    calls = []
+
+    def poisoned(self, model, inputs, *args, **kwargs):
+        loss = original(self, model, inputs, *args, **kwargs)
+        calls.append(1)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    monkeypatch.setattr(MoEGRPOTrainer, "compute_loss", poisoned)
+    model = tiny_model(vocab_size=len(tokenizer))
+    result = finetune(
+        grpo_config(steps=3), tmp_path, model=model, tokenizer=tokenizer, records=sums_records()
+    )
+    assert result.skipped_steps == 1 and result.summary["skipped_steps"] == 1
+    rows = [row for row in read_jsonl(tmp_path / "metrics.jsonl") if "train_runtime" not in row]
+    assert [row.get("skipped_steps") for row in rows] == [0.0, 1.0, 1.0]
+    assert "loss" not in rows[1] and rows[1]["routing_shift"] == 0.0  # nothing moved
+    assert all(math.isfinite(row["loss"]) for row in rows if "loss" in row)
+
+
+def test_a_diverging_run_writes_nothing(tokenizer, tmp_path):
+    (tmp_path / "mlflow_run.json").write_text("{}")  # what a caller put there first
+    config = grpo_config(steps=3, optim={"lr": 1e30, "grad_clip": None})
+    with pytest.raises(FinetuneDivergedError, match="logits are not finite.*nothing written"):
+        model = tiny_model(vocab_size=len(tokenizer))
+        finetune(config, tmp_path, model=model, tokenizer=tokenizer, records=sums_records())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow_run.json"]
+
+
 # ------------------------------------------------------------------------------------------------ replay
 def _rollout_batch(model, tokenizer, prompts):
     """Sample like `LabRollout` does and lay the rows out as TRL's training batch (prompts left-padded,
@@ -173,11 +205,8 @@ def _rollout_batch(model, tokenizer, prompts):
     config = grpo_config(grpo={"max_completion_length": 4, "temperature": 1.5})
     rollout = LabRollout(tokenizer, config, replay)
 
-    class Trainer:  # what `rollout_func` reads of the trainer
-        pass
-
-    Trainer.model = model
-    out = rollout(prompts, Trainer())
+    trainer = types.SimpleNamespace(model=model, state=types.SimpleNamespace(global_step=0))  # what it reads
+    out = rollout(prompts, trainer)
     prompt_ids, completions = out["prompt_ids"], out["completion_ids"]
     P, C = max(map(len, prompt_ids)), max(map(len, completions))
     pad = tokenizer.pad_token_id

@@ -48,7 +48,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from moe_core.data.framing import PLAIN, read_framing
-from moe_core.finetune.config import FinetuneConfig, FinetuneError
+from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.finetune.objectives import (
     EXAMPLE_INDEX,
@@ -314,11 +314,33 @@ class LabRollout:
 
         self.routing.clear()
         recording = self.replay.recording() if self.replay is not None else contextlib.nullcontext()
-        with recording as trace:
-            result = batch_generate(trainer.model, prompt_ids, generation, on_token=on_token)
+        head = unwrap(trainer.model).get_output_embeddings()
+        guard = head.register_forward_hook(FiniteLogits(trainer.state.global_step))
+        try:
+            with recording as trace:
+                result = batch_generate(trainer.model, prompt_ids, generation, on_token=on_token)
+        finally:
+            guard.remove()
         if trace is not None:
             self.routing.add(trace, order, prompt_ids, result.token_ids)
         return {"prompt_ids": prompt_ids, "completion_ids": result.token_ids, "logprobs": None}
+
+
+class FiniteLogits:
+    """A forward hook on the LM head while the rollout samples: logits that are not finite stop the run with
+    `FinetuneDivergedError` before a token is drawn from them (a step too large for the optimizer: its loss and
+    gradient were finite, so `FiniteStepGuard` let it through, and sampling would fail on NaN probabilities)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __call__(self, module, args, logits) -> None:
+        if not bool(torch.isfinite(logits).all()):
+            raise FinetuneDivergedError(
+                f"after step {self.step} the policy's logits are not finite (the last step was too large: its loss "
+                "and gradient were finite); nothing written. Lower optim.lr, keep optim.grad_clip on, or use "
+                "method=lora"
+            )
 
 
 def grpo_forward(self, *args, temperature: float = 1.0, fused_lm_head: bool = False, **kwargs):
