@@ -1,5 +1,5 @@
-"""Flow: fine-tune a trained model (SFT, DPO, ORPO, KTO, or a reward model: ``config.objective``; full, LoRA on
-attention/experts, router-only) and record it."""
+"""Flow: fine-tune a trained model (SFT, DPO, ORPO, KTO, GRPO, or a reward model: ``config.objective``; full, LoRA
+on attention/experts, router-only) and record it."""
 
 from __future__ import annotations
 

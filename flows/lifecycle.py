@@ -1,5 +1,6 @@
 """Flow: the whole life of a model in one run: validate, prepare, pretrain (+ the dense baseline with equal
-active parameters, unless ``baseline=none``), evaluate, fine-tune (optional, then evaluated again), optimize,
+active parameters, unless ``baseline=none``), evaluate, fine-tune (optional, then evaluated again), align (optional:
+GRPO or another objective after fine-tuning, then evaluated again), optimize,
 register, promote. One MLflow parent run, one nested run per stage. What is registered is the model last evaluated: a stage that changes the model is followed by
 an evaluation, and a model with non-finite weights or metrics is never registered."""
 
@@ -100,6 +101,21 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 stage="evaluate_finetuned",
             )
 
+        if p.align.enabled:  # alignment (GRPO, DPO, ...) on the model so far: the fine-tuned one, if any
+            model = finetune_model(
+                p.align.config, model.export_dir, str(out / "align"), run_id, stage="align"
+            )
+            evaluation = ev.evaluate_model(
+                {"aligned": model.export_dir},
+                data_dir,
+                str(out / "eval-aligned"),
+                p.evaluate.splits,
+                p.evaluate.batch_size,
+                p.evaluate.max_batches,
+                run_id,
+                stage="evaluate_aligned",
+            )
+
         refusal = registry.check_model(model.export_dir, evaluation, run_id)  # NaN weights or metrics
         bench = None
         if p.optimize is not None and refusal is None:
@@ -131,7 +147,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             routing,
             cost,
             bench,  # compares in the runs table
-            finetuned=evaluation if p.finetune.enabled else None,
+            finetuned=evaluation if p.finetune.enabled or p.align.enabled else None,
         )
         version, decision = None, {"promoted": False, "reason": f"not registered: {refusal}"}
         if refusal is None:

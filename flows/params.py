@@ -147,6 +147,20 @@ class FinetuneParams(FlowParams):
     config: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
 
+def default_alignment() -> FinetuneConfig:
+    """GRPO with the bundled verifiable reward (the README's example, `moe_core.finetune.rewards`)."""
+    return FinetuneConfig(objective="grpo", grpo={"rewards": ["moe_core.finetune.rewards:sum_of_two"]})
+
+
+class AlignParams(FlowParams):
+    enabled: bool = Field(
+        False,
+        description="an alignment stage after fine-tuning (or pretraining): GRPO, DPO, ... (config.objective; "
+        "needs config.data.source, e.g. examples/sums.jsonl for the default GRPO reward)",
+    )
+    config: FinetuneConfig = Field(default_factory=default_alignment)
+
+
 class PromotionParams(FlowParams):
     model_name: str = settings.REGISTERED_MODEL
     metric: str = Field(
@@ -166,7 +180,7 @@ class PromotionParams(FlowParams):
 
 class LifecycleParams(FlowParams):
     """Everything the lifecycle does, in one form: validate, prepare, pretrain (+ dense baseline), evaluate,
-    fine-tune, optimize, register, promote."""
+    fine-tune, align (off by default), optimize, register, promote."""
 
     train: TrainConfig = Field(default_factory=tiny_train_config)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
@@ -184,6 +198,7 @@ class LifecycleParams(FlowParams):
     )
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     finetune: FinetuneParams = Field(default_factory=FinetuneParams)
+    align: AlignParams = Field(default_factory=AlignParams)
     optimize: OptimizeParams | None = Field(
         default_factory=OptimizeParams, description="null skips the stage"
     )

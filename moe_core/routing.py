@@ -38,6 +38,10 @@ they are never selected and have no expert. A token whose top-k included a prune
 kept expert in that slot (``router_pruned_choices="refill"``), or, with ``"drop"``, the slot stays empty
 (`drop_pruned_choices`): the unpruned routing with the pruned experts' outputs taken as zero.
 
+Routing replay (`RoutingReplay`, R3; Ma et al. 2025): the experts recorded while a rollout was sampled are routed to
+again in the training forward over the same tokens, the gate weights recomputed from its logits (`replay_weights`);
+hooks on the token-choice routers, from outside them (GRPO fine-tuning, `moe_core.finetune.grpo`).
+
 Losses: a router says how its layer is balanced (``balancing``: ``"loss"``, the Switch/GShard load-balancing
 loss with its gradient; ``"bias"``, aux-loss-free, the loss only reported; ``"none"``, balanced by
 construction); `moe_core.router_losses` computes the losses from the records, in one place for every trainer.
@@ -60,6 +64,7 @@ Adding a router (register it, then name it in the config: ``MoEConfig(router="my
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -590,3 +595,154 @@ def build_router(config) -> Router:
     cls = resolve_router(config.router)
     cls.check_config(config)
     return cls(config)
+
+
+# ------------------------------------------------------------------------------------------------ routing replay
+class RoutingReplayError(RuntimeError):
+    """Routing replay asked of a router it cannot replay, or replayed routing that does not fit the forward."""
+
+
+def replay_weights(router: Router, record: RoutingRecord, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """Combine weights of the experts ``expert_ids_TK`` computed from this forward's logits, by the rule
+    ``router`` applies to its own choice: softmax over the k logits (``topk_then_softmax``), or the scores
+    gathered, renormalized over the k when the router renormalizes, times DeepSeek's scaling factor. For the
+    routers that renormalize over their k (Mixtral, Qwen3, DeepSeek-V3) this is R3's gate,
+    ``g_i = I_i exp(s_i) / sum_j I_j exp(s_j)`` with ``I`` the replayed mask and ``s`` the training logits (Ma
+    et al. 2025, arXiv:2510.11370, §3): the experts are fixed, the weights and so the router keep their gradient."""
+    if router.topk_order == "topk_then_softmax":
+        return record.logits_TE.gather(-1, expert_ids_TK).softmax(dim=-1)
+    weights_TK = record.probs_TE.gather(-1, expert_ids_TK)
+    if router.norm_topk_prob:
+        eps = 1e-20 if isinstance(router, DeepSeekRouter) else 0.0  # as each router's own `route`
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + eps)
+    return weights_TK * getattr(router, "scaling", 1.0)
+
+
+@dataclass
+class ReplayCounts:
+    """Routing decisions (a token's top-k set in one MoE layer) of the tokens that had a recorded routing."""
+
+    decisions: int = 0
+    changed: int = 0  # the router's own top-k set differs from the recorded one (what replay overrode)
+    mismatched: int = (
+        0  # the routing the forward used differs from the recorded one (0 whenever replay is on)
+    )
+
+
+class RoutingReplay:
+    """Rollout routing replay (R3; Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training
+    and Inference Routers", arXiv:2510.11370): the experts each token was routed to while the rollout was
+    sampled are recorded, and the training forward over the same tokens routes them to those experts again,
+    with the gate weights recomputed from the training forward's logits (`replay_weights`), so the policy whose
+    log-probabilities the loss uses routes as the policy that sampled, and the router still learns.
+
+    An option on the routers, from outside them: forward hooks on the given routers (a model's MoE layers; dense
+    layers have none), removed by `close`. Three states:
+    - `recording`: every forward's ``expert_ids_TK`` and ``dropped_TK`` per layer are kept, in call order (the
+      rollout: a prefill, then one call per decoded token);
+    - `load`: the next forwards over exactly ``T`` tokens take the routing given per layer (``-1`` rows: no
+      recorded routing, the router's own choice stays), until `unload`; each layer's first such forward counts
+      the decisions replay changed (`ReplayCounts`; a recomputation under gradient checkpointing does not count
+      twice). With ``apply=False`` nothing is replaced, only counted (how far training would drift unreplayed);
+    - neither: the routers route as always.
+    Token-choice routers only (topk, switch, aux_free, deepseek; not pruned): an expert-choice router's selection
+    depends on the whole batch, so a token's experts are not its own to replay.
+    """
+
+    def __init__(self, routers, *, apply: bool = True) -> None:
+        self.routers = list(routers)
+        for i, router in enumerate(self.routers):
+            if not isinstance(router, TokenChoiceTopKRouter):
+                raise RoutingReplayError(
+                    f"routing replay: MoE layer {i} has router {router.registry_name!r}; replay needs a token-choice "
+                    "router (topk, switch, aux_free, deepseek), whose experts for a token depend on that token alone"
+                )
+            if router.pruned_gate_weight is not None:
+                raise RoutingReplayError(
+                    f"routing replay: MoE layer {i}'s router is pruned; replay a model before pruning"
+                )
+        self.apply = apply
+        self.counts = ReplayCounts()
+        self._trace: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._ids_LTK: torch.Tensor | None = None
+        self._dropped_LTK: torch.Tensor | None = None
+        self._counted: set[int] = set()
+        self._handles = [
+            router.register_forward_hook(lambda m, args, rec, i=i: self._hook(i, m, rec))
+            for i, router in enumerate(self.routers)
+        ]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Yields ``trace``: per MoE layer, the ``(expert_ids_TK, dropped_TK)`` of each forward, in call order."""
+        if self._ids_LTK is not None:
+            raise RoutingReplayError(
+                "routing replay: recording while replayed routing is loaded; unload it first"
+            )
+        trace: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.routers]
+        self._trace = trace
+        try:
+            yield trace
+        finally:
+            self._trace = None
+
+    def load(self, expert_ids_LTK: torch.Tensor, dropped_LTK: torch.Tensor | None = None) -> None:
+        """Route the next forwards' T tokens as ``expert_ids_LTK`` says ([MoE layers, T, K]; ``-1`` rows keep the
+        router's own choice), with ``dropped_LTK`` the recorded capacity drops (none when omitted)."""
+        if expert_ids_LTK.shape[0] != len(self.routers):
+            raise RoutingReplayError(
+                f"routing replay: routing for {expert_ids_LTK.shape[0]} MoE layers, the model has {len(self.routers)}"
+            )
+        self._ids_LTK = expert_ids_LTK
+        self._dropped_LTK = (
+            dropped_LTK if dropped_LTK is not None else torch.zeros_like(expert_ids_LTK, dtype=torch.bool)
+        )
+        self._counted = set()
+
+    def unload(self) -> None:
+        self._ids_LTK = self._dropped_LTK = None
+
+    def take_counts(self) -> ReplayCounts:
+        """The counts since the last call, and a fresh start."""
+        counts, self.counts = self.counts, ReplayCounts()
+        return counts
+
+    def _hook(self, i: int, router: Router, record: RoutingRecord) -> RoutingRecord | None:
+        if self._trace is not None:
+            self._trace[i].append((record.expert_ids_TK.detach().clone(), record.dropped_TK.detach().clone()))
+            return None
+        if self._ids_LTK is None:
+            return None
+        ids_TK = self._ids_LTK[i].to(record.expert_ids_TK.device, torch.long)
+        if ids_TK.shape != record.expert_ids_TK.shape:
+            raise RoutingReplayError(
+                f"routing replay: MoE layer {i} routes {tuple(record.expert_ids_TK.shape)} [tokens, slots], the "
+                f"loaded routing is {tuple(ids_TK.shape)}; load the routing of this very batch"
+            )
+        kept_T = ids_TK[:, 0] >= 0  # tokens with a recorded routing
+        own_TK = record.expert_ids_TK
+        if self.apply:
+            use_TK = torch.where(kept_T[:, None], ids_TK, own_TK)
+            dropped_TK = torch.where(
+                kept_T[:, None], self._dropped_LTK[i].to(own_TK.device), record.dropped_TK
+            )
+            weights_TK = torch.where(
+                kept_T[:, None], replay_weights(router, record, use_TK), record.weights_TK
+            )
+            record = router.record(
+                record.logits_TE, record.probs_TE, use_TK, weights_TK, dropped_TK, record.capacity
+            )
+        if i not in self._counted:
+            self._counted.add(i)
+            recorded_TK = ids_TK.sort(dim=-1).values
+            changed_T = (own_TK.sort(dim=-1).values != recorded_TK).any(dim=-1) & kept_T
+            used_T = (record.expert_ids_TK.sort(dim=-1).values != recorded_TK).any(dim=-1) & kept_T
+            self.counts.decisions += int(kept_T.sum())
+            self.counts.changed += int(changed_T.sum())
+            self.counts.mismatched += int(used_T.sum())
+        return record

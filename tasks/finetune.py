@@ -1,4 +1,4 @@
-"""The fine-tuning task over `moe_core.finetune.finetune` (any objective: sft, dpo, orpo, kto, reward): base
+"""The fine-tuning task over `moe_core.finetune.finetune` (any objective: sft, dpo, orpo, kto, reward, grpo): base
 model in as a path, the merged model out as a path (the fine-tuning directory when only the adapter was written),
 telemetry and the adapter into MLflow."""
 
@@ -18,14 +18,19 @@ from tasks.stages import stage_run
 
 @task(name="finetune", retries=1, retry_delay_seconds=3, cache_policy=NO_CACHE)
 def finetune_model(
-    config: FinetuneConfig, base_model_dir: str, out_dir: str, parent_run_id: str | None
+    config: FinetuneConfig,
+    base_model_dir: str,
+    out_dir: str,
+    parent_run_id: str | None,
+    stage: str = "finetune",
 ) -> ModelResult:
-    """Fine-tune ``base_model_dir`` (unless ``config.model.path`` names another base) into ``out_dir``."""
+    """Fine-tune ``base_model_dir`` (unless ``config.model.path`` names another base) into ``out_dir``; ``stage``
+    names the nested MLflow run (the lifecycle's alignment stage is ``align``)."""
     from moe_core.finetune import finetune  # lazy: TRL and datasets (~2 s), only when a finetune stage runs
 
     if config.model.path is None:
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": base_model_dir})})
-    with stage_run("finetune", parent_run_id) as run_id:
+    with stage_run(stage, parent_run_id) as run_id:
         tracking.log_config(run_id, config, prefix="finetune")
         result = finetune(config, out_dir, sinks=[tracking.MlflowSink(run_id, out_dir)])
         stop_as_the_signal_asked(result.stopped_by)  # its outputs cover the steps done: not a model to ship

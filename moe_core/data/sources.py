@@ -53,8 +53,9 @@ from moe_core.data.shards import sha256_file
 from moe_core.fileio import scratch_directory
 from moe_core.paths import lab_data_dir
 
-# kto: unpaired feedback (prompt, completion, label true/false), what KTO fine-tuning trains on
-KINDS: tuple[str, ...] = ("text", "instruction", "preference", "kto")
+# kto: unpaired feedback (prompt, completion, label true/false), what KTO fine-tuning trains on; prompt: prompts alone
+# (and any columns a reward reads), what GRPO samples completions for
+KINDS: tuple[str, ...] = ("text", "instruction", "preference", "kto", "prompt")
 
 # file suffix -> `datasets` packaged builder
 FORMATS: dict[str, str] = {
@@ -524,6 +525,14 @@ def load_source(
         )
         _require_filled(ds, spec, ["prompt", "completion"])
         _require_boolean_labels(ds, spec)
+    elif kind == "prompt":
+        _require_columns(
+            ds,
+            spec,
+            ["prompt"],
+            "Prompt data needs a `prompt` column (text or chat turns); other columns reach the reward functions.",
+        )
+        _require_filled(ds, spec, ["prompt"])
     else:
         _require_columns(
             ds,

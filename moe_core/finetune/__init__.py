@@ -1,6 +1,6 @@
 """Fine-tuning MoE models: full, LoRA on attention and experts (all, a chosen list, or ESFT's most-used experts),
-router-only and task-conditioned router bias; SFT, DPO, ORPO, KTO and reward models through TRL with the router
-losses kept in the objective.
+router-only and task-conditioned router bias; SFT, DPO, ORPO, KTO, reward models and GRPO (online RL with MoE
+routing replay) through TRL with the router losses kept in the objective.
 
     from moe_core.finetune import FinetuneConfig, finetune
 
@@ -11,7 +11,8 @@ losses kept in the objective.
 The same from the command line: ``moe-lab finetune --config finetune.yaml --out runs/ft``. Modules: `config`
 (FinetuneConfig), `methods` (freezing, LoRA targets, expert subsets, ESFT, task router bias), `objectives` (TRL
 SFT/DPO/ORPO/KTO/reward trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
-`sizing` (the defaults that follow the base model's size), `parallel` (several processes: experts split over
+`grpo` (GRPO: the lab's decode path as TRL's rollout, routing replay, routing-shift telemetry, checked
+rewards; `rewards` the bundled reward functions; `trl_seam` what it relies on in TRL), `sizing` (the defaults that follow the base model's size), `parallel` (several processes: experts split over
 them, per-rank checkpoints; `trainer_seam` the Trainer hooks it replaces), `run` (finetune), `cli`.
 
 The names above are resolved on first use (moe_core._lazy): `moe-lab finetune --help` imports this package

@@ -25,12 +25,13 @@ from moe_core.cli import add_config_help, add_router_module_option
 from moe_core.train import launch
 from moe_core.train.cli import add_launch_options, launch_spec, run_launcher
 
-HELP = """Fine-tune a model (LoRA on attention and experts, ESFT, router tuning, full; SFT or DPO) from a config
-file and --set key=value overrides.
+HELP = """Fine-tune a model (LoRA on attention and experts, ESFT, router tuning, full; SFT, DPO, ORPO, KTO, a
+reward model, or GRPO with MoE routing replay) from a config file and --set key=value overrides.
 
     moe-lab finetune --config finetune.yaml --out runs/ft
     moe-lab finetune --config finetune.yaml --set method=full --set freeze.router=true --out runs/full
     moe-lab finetune --config dpo.yaml --set objective=dpo --set dpo.beta=0.2 --out runs/dpo
+    moe-lab finetune --config examples/grpo.yaml --set grpo.importance_sampling=sequence --out runs/gspo
     moe-lab finetune --config finetune.yaml --nproc 8 --set parallel.ep_size=8 --out runs/ep8
 
 --nproc N runs N processes (torchrun, one per GPU): each trains on its own batch_size sequences, and with

@@ -12,7 +12,7 @@ every output.
 
 Sections: ``model`` (where the base model and tokenizer come from), ``data``, ``lora`` (LoRA targets and expert
 subsets), ``freeze`` (router and expert freezing), ``routing`` (task-conditioned router bias), ``dpo``, ``orpo``, ``kto``,
-``reward`` (the objectives' own settings), ``optim``,
+``reward``, ``grpo`` (the objectives' own settings), ``optim``,
 ``log``, ``export``, ``parallel`` (experts split over processes) and ``checkpoint`` (resumable checkpoints);
 top-level fields hold the method, objective, batch, steps and seed.
 
@@ -144,6 +144,60 @@ class KtoSection(_Section):
     undesirable_weight: float = Field(1.0, gt=0)  # weight of label=false examples' losses
 
 
+class GrpoSection(_Section):
+    # objective=grpo (Group Relative Policy Optimization, Shao et al. 2024, DeepSeekMath §4.1; TRL GRPOTrainer):
+    # prompt data; each prompt sampled num_generations times with the lab's decode path
+    # (`moe_core.inference.generate.batch_generate`), each completion scored by the rewards, and its advantage its
+    # reward against its group's (`moe_core.finetune.grpo`)
+    # reward functions as import paths "package.module:function" (TRL's signature: prompts, completions, **columns ->
+    # one float per completion); the module is imported, so name only code you trust
+    rewards: list[str] = Field(default_factory=list)
+    # a reward model (objective=reward's output: its merged/ or the fine-tuning directory), scoring each
+    # prompt + completion; its reward adds to the functions'
+    reward_model: str | None = None
+    num_generations: int = Field(4, ge=2)  # completions per prompt (the group)
+    max_completion_length: int = Field(32, ge=1)  # new tokens per completion
+    temperature: float = Field(1.0, gt=0)  # sampling, and the log-probabilities the loss takes
+    top_k: int = Field(0, ge=0)  # 0: no top-k filter while sampling
+    beta: float = Field(
+        0.0, ge=0
+    )  # KL to the reference policy; above 0 needs method=lora (the base is the reference)
+    epsilon: float = Field(0.2, gt=0)  # the ratio's clip range
+    # token: a ratio per token (GRPO); sequence: one ratio per sequence, the length-normalized sequence likelihood
+    # ratio of GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), TRL's importance_sampling_level
+    importance_sampling: Literal["token", "sequence"] = "token"
+    # how token losses are aggregated (TRL's loss_type); None: grpo with sequence ratios (GSPO's setup), else dapo
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] | None = None
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantages divided by the group's reward std
+    # R3 (`moe_core.routing.RoutingReplay`): the training pass routes each token to the experts it was routed to
+    # while the rollout was sampled; the routing decisions replay changed are logged either way
+    routing_replay: bool = True
+    probe_prompts: int = Field(8, ge=1)  # the fixed prompts the per-step routing shift is measured on
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _one_reward(cls, value):  # --set grpo.rewards=pkg.module:function
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("rewards")
+    @classmethod
+    def _import_paths(cls, value):
+        for path in value:
+            module, _, name = path.partition(":")
+            if not module or not name or not all(p.isidentifier() for p in module.split(".")):
+                raise ValueError(
+                    f"grpo.rewards: {path!r} is not an import path 'package.module:function' (e.g. "
+                    "'moe_core.finetune.rewards:sum_of_two')"
+                )
+        return value
+
+    @property
+    def resolved_loss_type(self) -> str:
+        if self.loss_type is not None:
+            return self.loss_type
+        return "grpo" if self.importance_sampling == "sequence" else "dapo"
+
+
 class OptimSection(_Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -209,8 +263,9 @@ class FinetuneConfig(_Section, ConfigFile):
     data: DataSection = Field(default_factory=DataSection)
     method: Literal["full", "lora", "router", "router_bias"] = "lora"  # "qlora": lora + quantize.base=nf4
     # sft: instruction data; dpo, orpo, reward: preference data (prompt/chosen/rejected); kto: prompt/completion/
-    # label data. reward trains a reward model (moe_core.reward_model), the others the policy
-    objective: Literal["sft", "dpo", "orpo", "kto", "reward"] = "sft"
+    # label data; grpo: prompts (and columns its reward functions read). reward trains a reward model
+    # (moe_core.reward_model), the others the policy
+    objective: Literal["sft", "dpo", "orpo", "kto", "reward", "grpo"] = "sft"
     lora: LoraSection = Field(default_factory=LoraSection)
     freeze: FreezeSection = Field(default_factory=FreezeSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
@@ -218,6 +273,7 @@ class FinetuneConfig(_Section, ConfigFile):
     reward: RewardSection = Field(default_factory=RewardSection)
     orpo: OrpoSection = Field(default_factory=OrpoSection)
     kto: KtoSection = Field(default_factory=KtoSection)
+    grpo: GrpoSection = Field(default_factory=GrpoSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     log: LogSection = Field(default_factory=LogSection)
     export: ExportSection = Field(default_factory=ExportSection)
@@ -229,7 +285,7 @@ class FinetuneConfig(_Section, ConfigFile):
     steps: int = Field(20, ge=1)
     batch_size: int = Field(
         4, ge=1
-    )  # sequences (SFT, KTO) or preference pairs (DPO, ORPO, reward) per micro-step
+    )  # sequences (SFT, KTO), preference pairs (DPO, ORPO, reward) or completions (GRPO) per micro-step
     grad_accum: int = Field(1, ge=1)
     completion_only: bool = True  # SFT loss on the answer tokens only (the prompt is context)
     # recompute activations in backward; None: on for a large base model or large activations, off otherwise
@@ -307,7 +363,9 @@ class FinetuneConfig(_Section, ConfigFile):
                 f"the task-conditioned router bias is not supported with objective={self.objective} yet; "
                 "use objective=sft or routing.task_bias=false"
             )
-        if self.objective in ("orpo", "kto", "reward") and self.parallel.ep_size > 1:
+        if self.objective == "grpo":
+            _check_grpo(self)
+        if self.objective in ("orpo", "kto", "reward", "grpo") and self.parallel.ep_size > 1:
             raise ValueError(
                 f"objective={self.objective} with parallel.ep_size={self.parallel.ep_size}: experts split over "
                 "processes are supported for sft and dpo only; use parallel.ep_size=1"
@@ -349,6 +407,38 @@ class FinetuneConfig(_Section, ConfigFile):
     @property
     def uses_task_bias(self) -> bool:
         return self.method == "router_bias" or self.routing.task_bias
+
+
+def _check_grpo(config: FinetuneConfig) -> None:
+    """What objective=grpo needs, refused before anything loads."""
+    grpo = config.grpo
+    if not grpo.rewards and grpo.reward_model is None:
+        raise ValueError(
+            "objective=grpo needs a reward: grpo.rewards (import paths 'package.module:function', e.g. "
+            "'moe_core.finetune.rewards:sum_of_two') and/or grpo.reward_model (a reward model directory)"
+        )
+    completions = config.batch_size * config.grad_accum
+    if completions % grpo.num_generations:
+        raise ValueError(
+            f"objective=grpo samples batch_size x grad_accum = {completions} completions per optimizer step in "
+            f"groups of grpo.num_generations={grpo.num_generations}: make the product a multiple of it"
+        )
+    if grpo.max_completion_length >= config.data.max_length:
+        raise ValueError(
+            f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for the prompt in "
+            f"data.max_length={config.data.max_length}; raise data.max_length or lower grpo.max_completion_length"
+        )
+    if grpo.beta > 0 and config.method != "lora":
+        raise ValueError(
+            f"grpo.beta={grpo.beta} with method={config.method}: the KL reference is the base model under the "
+            "adapter (method=lora); TRL would reload a full reference from the model's path. Use method=lora, or "
+            "grpo.beta=0"
+        )
+    if config.checkpoint.every is not None:
+        raise ValueError(
+            "checkpoint.every with objective=grpo: resumable GRPO runs are not supported yet (the rollout buffer "
+            "and sampling state are not checkpointed); leave checkpoint.every unset"
+        )
 
 
 def _check_expert_parallel(config: FinetuneConfig) -> None:

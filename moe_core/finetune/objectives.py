@@ -60,6 +60,7 @@ from transformers import TrainerCallback
 from trl import (
     DPOConfig,
     DPOTrainer,
+    GRPOConfig,
     KTOConfig,
     KTOTrainer,
     RewardConfig,
@@ -178,41 +179,90 @@ def kto_dataset(records, *, plain: bool = False):
     return datasets.Dataset.from_dict(rows)
 
 
+# the column `grpo_dataset` adds: each row's index in the data, for errors that name the example (the reward
+# checks in `moe_core.finetune.grpo` take it out before a reward function sees the columns)
+EXAMPLE_INDEX = "example_index"
+
+
+def grpo_dataset(records, *, plain: bool = False):
+    """Prompt records (``prompt``: a string or chat turns; any other columns, which reach the reward functions)
+    as TRL's GRPO rows: the prompt as conversational turns framed by the chat template, or with ``plain`` as
+    plain text (`moe_core.data.framing.plain_text`); plus `EXAMPLE_INDEX`. A row without a prompt is refused,
+    naming it."""
+    columns = getattr(records, "column_names", None) or (list(records[0]) if len(records) else [])
+    if "prompt" not in columns:
+        raise FinetuneError(
+            f"objective=grpo reads prompt data: a `prompt` column (text or chat turns), found {columns}"
+        )
+    extra = [c for c in columns if c not in ("prompt", EXAMPLE_INDEX)]
+    rows: dict[str, list[Any]] = {"prompt": [], **{c: [] for c in extra}, EXAMPLE_INDEX: []}
+    for i, record in enumerate(records):
+        prompt = record["prompt"]
+        if prompt is None or (isinstance(prompt, str | list) and not prompt):
+            raise FinetuneError(f"prompt example {i}: empty prompt; fix or drop that row")
+        turns = _turns(prompt, "user")
+        rows["prompt"].append(plain_text(turns) if plain else turns)
+        for c in extra:
+            rows[c].append(record[c])
+        rows[EXAMPLE_INDEX].append(i)
+    return datasets.Dataset.from_dict(rows)
+
+
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    """A TRL prompt row's token ids as training frames it: plain text (a string) as ``tokenizer`` encodes it, or
+    turns with the chat template and the generation prompt."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    # return_dict=False: the ids themselves (transformers 5 returns a BatchEncoding by default)
+    return list(
+        tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+    )
+
+
 def objective_dataset(objective: str, records, *, plain: bool = False, task_column=None, task_names=None):
-    """The TRL rows of ``records`` for ``objective``: `sft_dataset`, `dpo_dataset` (dpo, orpo, reward) or
-    `kto_dataset`."""
+    """The TRL rows of ``records`` for ``objective``: `sft_dataset`, `dpo_dataset` (dpo, orpo, reward),
+    `kto_dataset` or `grpo_dataset`."""
     if objective == "sft":
         return sft_dataset(records, task_column, task_names, plain=plain)
     if objective == "kto":
         return kto_dataset(records, plain=plain)
+    if objective == "grpo":
+        return grpo_dataset(records, plain=plain)
     return dpo_dataset(records, plain=plain)
 
 
 def answered_messages(objective: str, record: dict[str, Any], index: int) -> list[dict[str, Any]]:
     """One training example as turns ending in its answer (preference data: the chosen one; KTO: the completion,
-    desirable or not): what ESFT's routing profile routes through the base model."""
+    desirable or not; GRPO: none, an empty turn): what ESFT's routing profile routes through the base model."""
     if objective == "sft":
         return instruction_messages(record, index)
+    if objective == "grpo":  # prompts only: an empty answer
+        return _turns(record["prompt"], "user") + [{"role": "assistant", "content": ""}]
     answer = record["completion"] if objective == "kto" else record["chosen"]
     return _turns(record["prompt"], "user") + _turns(answer, "assistant")
 
 
+def answer_token_ids(tokenizer, prompt, answer) -> list[int]:
+    """A TRL row's prompt followed by an answer, tokenized as TRL's RewardTrainer tokenizes a preference pair's
+    side: plain text (strings) with EOS appended, or the chat template over the prompt's and the answer's turns.
+    What a reward model scores (`reward_pair_ids`; GRPO's `moe_core.finetune.grpo.RewardModelScorer`)."""
+    if isinstance(prompt, str):
+        text = answer if isinstance(answer, str) else "\n".join(str(t.get("content") or "") for t in answer)
+        return list(tokenizer(prompt + text + tokenizer.eos_token)["input_ids"])
+    turns = _turns(answer, "assistant")
+    return list(tokenizer.apply_chat_template(prompt + turns, tokenize=True, return_dict=False))
+
+
 def reward_pair_ids(tokenizer, records, *, plain: bool = False) -> list[tuple[list[int], list[int]]]:
     """(chosen ids, rejected ids) of each preference record, the whole sequence tokenized as TRL's
-    RewardTrainer tokenizes it (the chat template over prompt + answer; plain: the text and EOS), for
-    `moe_core.reward_model.pairwise_accuracy`."""
-    pairs = []
-    for row in dpo_dataset(records, plain=plain):
-        ids = []
-        for key in ("chosen", "rejected"):
-            if plain:
-                ids.append(tokenizer(row["prompt"] + row[key] + tokenizer.eos_token)["input_ids"])
-            else:
-                ids.append(
-                    tokenizer.apply_chat_template(row["prompt"] + row[key], tokenize=True, return_dict=False)
-                )
-        pairs.append((ids[0], ids[1]))
-    return pairs
+    RewardTrainer tokenizes it (`answer_token_ids`), for `moe_core.reward_model.pairwise_accuracy`."""
+    return [
+        (
+            answer_token_ids(tokenizer, row["prompt"], row["chosen"]),
+            answer_token_ids(tokenizer, row["prompt"], row["rejected"]),
+        )
+        for row in dpo_dataset(records, plain=plain)
+    ]
 
 
 def template_renderings(dataset):
@@ -520,16 +570,19 @@ class MoESFTTrainer(PerRankCheckpoints, _MoEMetrics, SFTTrainer):
         return (loss, out) if return_outputs else loss
 
 
-def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, **kwargs):
+def fused_forward(self, *args, fused_lm_head: bool = False, labels=None, temperature: float = 1.0, **kwargs):
     """Stands in for TRL's fused LM head on our model: with ``fused_lm_head=True`` returns TRL's
     `FusedCausalLMOutput` (per-token log-probabilities of the labels, entropy, mean logits, top-1 hits) computed
-    from our logits; the router losses of a forward under autograd are kept in ``self._moe_router_out``."""
+    from our logits divided by ``temperature`` (as TRL's head: GRPO scores completions at the temperature they were
+    sampled at); the router losses of a forward under autograd are kept in ``self._moe_router_out``."""
     kwargs.pop("output_router_logits", None)
     if not fused_lm_head:
         return type(self).forward(self, *args, labels=labels, **kwargs)
     kwargs["use_cache"] = False
     out = type(self).forward(self, *args, output_routing=True, **kwargs)
     logits_BSV = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits_BSV = logits_BSV / temperature
     labels_BS = labels[:, 1:].to(logits_BSV.device)
     mask = labels_BS != -100
     logp_BSV = logits_BSV.log_softmax(-1)
@@ -594,14 +647,17 @@ class MoEKTOTrainer(_PolicyAndReference, PerRankCheckpoints, _MoEMetrics, KTOTra
     """TRL's KTOTrainer plus our router losses on the policy forward; see the module docstring."""
 
 
-def _with_router_loss(trainer, result, out, mode: str, return_outputs: bool, metrics=None):
-    """``result`` (a loss, or (loss, outputs)) with the policy forward's ``router_loss`` added; its aux and z
-    losses into ``metrics`` (default: the trainer's ``_metrics[mode]``) and its routing into the statistics."""
+def _with_router_loss(
+    trainer, result, out, mode: str, return_outputs: bool, metrics=None, router_scale: float = 1.0
+):
+    """``result`` (a loss, or (loss, outputs)) with the policy forward's ``router_loss`` added (times
+    ``router_scale``: GRPO's loss comes already divided by the accumulation steps); its aux and z losses into
+    ``metrics`` (default: the trainer's ``_metrics[mode]``) and its routing into the statistics."""
     if out is None or out.aux_loss is None:
         return result
     loss = result[0] if return_outputs else result
     if out.router_loss is not None:
-        loss = loss + out.router_loss
+        loss = loss + router_scale * out.router_loss
     metrics = trainer._metrics[mode] if metrics is None else metrics
     metrics["aux_loss"].append(out.aux_loss.detach().float().item())
     metrics["z_loss"].append(out.z_loss.detach().float().item())
@@ -730,6 +786,23 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         return RewardConfig(center_rewards_coefficient=config.reward.center_coefficient, **common)
     if config.objective == "orpo":
         return ORPOConfig(beta=config.orpo.beta, **common)
+    if config.objective == "grpo":
+        grpo = config.grpo
+        common.pop("max_length")  # prompt + grpo.max_completion_length (checked when the config is built)
+        return GRPOConfig(
+            num_generations=grpo.num_generations,
+            max_completion_length=grpo.max_completion_length,
+            temperature=grpo.temperature,
+            top_k=grpo.top_k,
+            beta=grpo.beta,
+            epsilon=grpo.epsilon,
+            importance_sampling_level=grpo.importance_sampling,
+            loss_type=grpo.resolved_loss_type,
+            scale_rewards=grpo.scale_rewards,
+            num_iterations=1,  # each generation trains one optimizer step (on-policy: old = current policy)
+            log_completions=False,  # never log text
+            **common,
+        )
     if config.objective == "kto":
         return KTOConfig(
             beta=config.kto.beta,

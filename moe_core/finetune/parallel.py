@@ -81,6 +81,11 @@ def check_world(config: FinetuneConfig, world: int) -> None:
                 "under torchrun)"
             )
         return
+    if config.objective == "grpo":
+        raise FinetuneError(
+            f"objective=grpo on {world} processes: GRPO fine-tunes on one process yet (each rank's rollout and "
+            "its recorded routing are not gathered over ranks); use one process"
+        )
     if world % ep:
         raise FinetuneError(
             f"parallel.ep_size={ep} does not divide the {world} processes; use a divisor of {world}"

@@ -10,7 +10,7 @@ telemetry, and an exact export back to the architecture it came from (`<out>/hf`
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
-(TRL SFT/DPO/ORPO/KTO/reward with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
+(TRL SFT/DPO/ORPO/KTO/reward/GRPO with the router losses) -> `export_outputs` (adapter, merged, HF); then `run_summary`. What the
 size-dependent auto fields (gradient checkpointing, merged and HF exports) resolve to is decided from the base
 model's config before its weights load (`moe_core.finetune.sizing`), printed, and saved in ``summary.json``.
 
@@ -67,6 +67,7 @@ from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
 from moe_core.finetune import export
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
+from moe_core.finetune.grpo import MoEGRPOTrainer, grpo_trainer, load_rewards
 from moe_core.finetune.methods import (
     MethodPlan,
     apply_method,
@@ -87,6 +88,7 @@ from moe_core.finetune.objectives import (
     TaskCollator,
     answered_messages,
     objective_dataset,
+    prompt_token_ids,
     task_names_of,
     template_renderings,
     trainer_args,
@@ -231,29 +233,21 @@ def frame_with_template(tokenizer, chat_template: str | None):
     return tokenizer
 
 
-def _prompt_length(tokenizer, prompt) -> int:
-    """Tokens of a prompt as TRL tokenizes it: plain text (a string) or turns with the generation prompt."""
-    if isinstance(prompt, str):
-        return len(tokenizer(prompt)["input_ids"])
-    # return_dict=False: the ids themselves (transformers 5 returns a BatchEncoding by default)
-    return len(
-        tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
-    )
-
-
-def check_lengths(tokenizer, framed, max_length: int) -> None:
-    """Refuse data whose every prompt fills ``data.max_length`` (truncation would leave no answer token to
-    train on); warn when some do."""
+def check_lengths(tokenizer, framed, max_length: int, reserved: int = 0) -> None:
+    """Refuse data whose every prompt fills ``data.max_length`` (less ``reserved`` tokens: GRPO's completions)
+    (truncation would leave no answer token to train on); warn when some do."""
     too_long, shortest = 0, None
+    limit = max_length - reserved
     for row in framed:  # the prompt alone: what decides whether an answer token survives
-        n = _prompt_length(tokenizer, row["prompt"])
+        n = len(prompt_token_ids(tokenizer, row["prompt"]))
         shortest = n if shortest is None else min(shortest, n)
-        too_long += n >= max_length
+        too_long += n >= limit
     if too_long == len(framed):
+        less = f" less grpo.max_completion_length={reserved}" if reserved else ""
         raise FinetuneError(
-            f"every example's prompt fills data.max_length={max_length} tokens (the shortest has {shortest}): "
-            f"no answer token would be left to train on; raise data.max_length above {shortest} or shorten "
-            "the prompts"
+            f"every example's prompt fills data.max_length={max_length}{less} tokens (the shortest has "
+            f"{shortest}): no answer token would be left to train on; raise data.max_length above "
+            f"{shortest + reserved} or shorten the prompts"
         )
     if too_long:
         logger.warning(
@@ -285,6 +279,7 @@ DATA_KINDS = {
     "orpo": "preference",
     "reward": "preference",
     "kto": "kto",
+    "grpo": "prompt",
 }
 
 
@@ -301,7 +296,7 @@ def load_records(config: FinetuneConfig):
         split=config.data.split,
         max_documents=config.data.max_examples,
     )
-    if config.data.validate_data and kind != "kto":  # kto: its columns and labels were checked while loading
+    if config.data.validate_data and kind not in ("kto", "prompt"):  # checked while loading
         validate(loaded.dataset, kind, source=loaded.spec.name).raise_for_failure()
     return loaded.dataset
 
@@ -382,7 +377,8 @@ def finetune(
     """Fine-tune per ``config`` and write the outputs to ``out_dir``.
 
     ``model`` (our `MoEForCausalLM`), ``tokenizer`` and ``records`` (a `datasets.Dataset` or list of dicts:
-    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO, ORPO and reward, prompt/completion/label for KTO)
+    alpaca/chat rows for SFT, prompt/chosen/rejected for DPO, ORPO and reward, prompt/completion/label for KTO,
+    prompts (and the columns its rewards read) for GRPO)
     override ``config.model`` / ``config.data``.
     Extra ``sinks`` (`moe_core.train.telemetry.MetricsSink`) receive the metrics beside ``metrics.jsonl``.
     ``out_dir`` holding an earlier fine-tune's outputs is refused unless ``overwrite`` (then they are replaced
@@ -526,6 +522,7 @@ class LoadedInputs:
     task_names: list[str]  # sorted values of ``data.task_column``; [] without one
     framing: PromptFraming  # how the data is framed; saved with every output (`moe_core.data.framing`)
     size: SizeDefaults  # gradient checkpointing and exports, resolved for the base model's size
+    rewards: list = field(default_factory=list)  # GRPO's reward functions, checked (`grpo.CheckedReward`)
 
 
 def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
@@ -555,7 +552,10 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     framed = objective_dataset(config.objective, records, plain=plain)
     if not plain:
         check_chat_template(tokenizer, template_renderings(framed))
-    check_lengths(tokenizer, framed, config.data.max_length)
+    reserved = config.grpo.max_completion_length if config.objective == "grpo" else 0
+    check_lengths(tokenizer, framed, config.data.max_length, reserved)
+    # GRPO's rewards: imported (and a reward model loaded) before the policy's weights load
+    rewards = load_rewards(config, plain) if config.objective == "grpo" else []
     config_of_model = (
         model.config if model is not None else base_model_config(config.model.path, config.quantize.base)
     )
@@ -587,7 +587,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     if config.objective == "reward" and not isinstance(model, MoEForSequenceClassification):
         model = reward_model_from(model)  # the backbone taken over (no copy), a fresh score head
     model.train()
-    return LoadedInputs(model, tokenizer, records, task_names, framing, size)
+    return LoadedInputs(model, tokenizer, records, task_names, framing, size, rewards)
 
 
 # ------------------------------------------------------------------------------------------------ 2. select
@@ -767,6 +767,17 @@ def run_training(
                 )
             elif config.objective == "orpo":
                 trainer = MoEORPOTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
+            elif config.objective == "grpo":
+                del trainer_kwargs["processing_class"], trainer_kwargs["callbacks"]
+                trainer = grpo_trainer(
+                    config,
+                    train_model,
+                    inputs.tokenizer,
+                    dataset,
+                    inputs.rewards,
+                    callbacks,
+                    **trainer_kwargs,
+                )
             else:
                 trainer = MoERewardTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
         trainer.remove_callback(PrinterCallback)  # metrics go to the sinks; the log line is ours
@@ -786,6 +797,8 @@ def run_training(
         jsonl.close()
         if isinstance(trainer, MoEORPOTrainer):
             trainer.remove_hooks()
+        if isinstance(trainer, MoEGRPOTrainer):
+            trainer.close()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
     if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
         raise FinetuneDivergedError(
