@@ -283,11 +283,22 @@ def v5_module(hf_module: str, arch: HFArchitecture) -> str:
     return hf_module.replace(f".{arch.moe_module}.", ".mlp.")
 
 
+def gate_up_rows(F: int, interleaved: bool) -> tuple[slice, slice]:
+    """The gate and up rows of a fused gate_up_proj's output features: halves (gate first, as transformers 5's
+    OlmoeExperts / MixtralExperts chunk them) or interleaved (gpt-oss's GptOssExperts: gate at even features, up
+    at odd, ``gate_up[..., ::2]`` / ``[..., 1::2]``; its [E, D, 2F] parameter is transposed against nn.Linear,
+    which PEFT's ParamWrapper reads from the experts' ``is_transposed``, so the factors keep our shapes)."""
+    if interleaved:
+        return slice(0, 2 * F, 2), slice(1, 2 * F, 2)
+    return slice(0, F), slice(F, 2 * F)
+
+
 def fuse_expert_factors(
-    projs: dict[str, tuple[torch.Tensor, torch.Tensor]], r: int
+    projs: dict[str, tuple[torch.Tensor, torch.Tensor]], r: int, interleaved: bool = False
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One layer's LoRA factors of our gate_proj / up_proj / down_proj stacks (``(A_ERI, B_ORE)`` each, those
-    present) as transformers 5's ``gate_up_proj`` / ``down_proj`` factors (module comment above)."""
+    present) as transformers 5's ``gate_up_proj`` / ``down_proj`` factors (module comment above): rank 2r, A the
+    two A's stacked, B block-diagonal with its rows in the fused parameter's order (`gate_up_rows`)."""
     out = {}
     if "down_proj" in projs:
         out["down_proj"] = projs["down_proj"]
@@ -298,23 +309,25 @@ def fuse_expert_factors(
         F, E = present[0][1].shape[0], A_ERI.shape[0]
         B_ORE = torch.zeros(2 * F, A_ERI.shape[1], E, dtype=A_ERI.dtype)
         column = 0
-        for half, pair in enumerate(halves):
+        for rows, pair in zip(gate_up_rows(F, interleaved), halves):
             if pair is not None:
-                B_ORE[half * F : (half + 1) * F, column : column + r] = pair[1]
+                B_ORE[rows, column : column + r] = pair[1]
                 column += r
         out["gate_up_proj"] = (A_ERI, B_ORE)
     return out
 
 
 def split_gate_up(
-    A_ERI: torch.Tensor, B_ORE: torch.Tensor, r: int
+    A_ERI: torch.Tensor, B_ORE: torch.Tensor, r: int, interleaved: bool = False
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A transformers 5 gate_up_proj LoRA as our gate_proj and up_proj factors, exactly (module comment); rank
     r when it is rank 2r in the block form `fuse_expert_factors` writes, else its own rank."""
     F, R = B_ORE.shape[0] // 2, A_ERI.shape[1]
-    if R == 2 * r and not B_ORE[:F, r:].any() and not B_ORE[F:, :r].any():
-        return {"gate_proj": (A_ERI[:, :r], B_ORE[:F, :r]), "up_proj": (A_ERI[:, r:], B_ORE[F:, r:])}
-    return {"gate_proj": (A_ERI, B_ORE[:F]), "up_proj": (A_ERI, B_ORE[F:])}
+    gate, up = gate_up_rows(F, interleaved)
+    B_gate, B_up = B_ORE[gate], B_ORE[up]
+    if R == 2 * r and not B_gate[:, r:].any() and not B_up[:, :r].any():
+        return {"gate_proj": (A_ERI[:, :r], B_gate[:, :r]), "up_proj": (A_ERI[:, r:], B_up[:, r:])}
+    return {"gate_proj": (A_ERI, B_gate), "up_proj": (A_ERI, B_up)}
 
 
 def hf_layout(config: MoEConfig, arch: HFArchitecture, lora_config: LoraConfig):
@@ -416,7 +429,8 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         A, B = pair["lora_A.weight"].detach(), pair["lora_B.weight"].detach()
         prefix, proj = stack.rsplit(".", 1)  # "model.layers.i.mlp.experts", "gate_proj"
         experts[prefix][proj] = (A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E))
-    fused = {name: fuse_expert_factors(projs, config.r) for name, projs in experts.items()}
+    interleaved = names.arch.model_type == "gpt_oss"
+    fused = {name: fuse_expert_factors(projs, config.r, interleaved) for name, projs in experts.items()}
     hf_params = {
         f"{prefix}.{param}": pair for prefix, params in fused.items() for param, pair in params.items()
     }
@@ -609,7 +623,10 @@ def _read_v5(
         E = stacks[f"{prefix}.down_proj"].shape[0]
         A, B = pair["lora_A.weight"], pair["lora_B.weight"]
         A_ERI, B_ORE = A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E)
-        projs = split_gate_up(A_ERI, B_ORE, r) if kind == "gate_up_proj" else {kind: (A_ERI, B_ORE)}
+        interleaved = names.arch.model_type == "gpt_oss"
+        projs = (
+            split_gate_up(A_ERI, B_ORE, r, interleaved) if kind == "gate_up_proj" else {kind: (A_ERI, B_ORE)}
+        )
         for proj, (A_ERI, B_ORE) in projs.items():
             rows, cols = tuple(stacks[f"{prefix}.{proj}"].shape[1:])  # our stack is [E, O, I]
             if (B_ORE.shape[0], A_ERI.shape[2]) != (rows, cols):
