@@ -20,8 +20,8 @@ file, and ``moe-lab sync RUN_DIR`` (`sync_events`) uploads the rest of ``metrics
 
 Imports: MLflow is imported inside the functions that talk to it (marked ``# lazy: mlflow``): it takes ~5 s
 (``python -X importtime -c "import mlflow"``) and every task module imports this adapter, so importing a task
-or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers): ``moe-lab
-sync`` imports this module and does not need it.
+or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers) and
+`tasks.models_in_memory` (the model stack): ``moe-lab sync`` imports this module and needs neither.
 
 Outages: a flow probes the server first (`probe`, a few seconds at most) and opens its journal
 (`tasks.pending.Journal`, the flow's own: nothing here remembers an outage between calls). From the moment MLflow is found
@@ -412,9 +412,8 @@ def _in_run(run_id: str):
 
 
 def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
-    """Log a Hugging Face model directory in MLflow's transformers flavor, from its files (MLflow copies the
-    directory: safetensors weights, config and tokenizer, so loading it unpickles nothing; the model is not
-    loaded to log it); returns ``{"transformers": model_uri}``.
+    """Log a Hugging Face model directory in MLflow's transformers flavor (``save_pretrained``: safetensors
+    weights, config and tokenizer, so loading it unpickles nothing); returns ``{"transformers": model_uri}``.
     A directory without a tokenizer is logged as plain files under ``model`` (``{"files": runs:/...}``).
     No pickled flavor is logged (MLflow's PyTorch flavor would be one). The run is finished afterwards
     (MLflow's log_model needs it active). While MLflow is unreachable: ``{}``, and the model is pending."""
@@ -430,12 +429,18 @@ def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
 def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
     import mlflow  # lazy: mlflow
 
+    from tasks import models_in_memory  # lazy: loads the model stack (moe_core.loading), see the module note
+
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
+    # MLflow's local-checkpoint mode (a path instead of the loaded model) fails under transformers 5.24 in a
+    # flow (flavor_config.build_flavor_config_from_local_checkpoint reads pipelines.check_task's "impl" as a
+    # class; it can be a string there): the model is loaded once and reused by the evaluation tasks that follow
+    loaded = models_in_memory.get(str(model_dir))
     with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
         info = mlflow.transformers.log_model(
-            str(Path(model_dir).resolve()),  # a local checkpoint: its files are copied as they are
+            {"model": loaded.model, "tokenizer": loaded.tokenizer},
             name="transformers",
             task="text-generation",
             pip_requirements=PIP_REQUIREMENTS,
