@@ -206,7 +206,10 @@ def run_flow(args, params=None) -> int:
 
 def _print_where_to_look(flow: str, result: dict, where: dict) -> None:
     print(f"\nmoe-lab run {flow}: done")
-    if run_id := result.get("mlflow_run_id"):
+    run_id = result.get("mlflow_run_id")
+    if run_id and result.get("mlflow_pending"):  # the flow's journal holds its records, MLflow not yet
+        print(f"  MLflow run        {run_id}  (not in MLflow yet: see MLflow pending below)")
+    elif run_id:
         from tasks import tracking
 
         print(f"  MLflow run        {tracking.run_url(run_id)}  (tracking: {where['mlflow']}; `moe-lab ui`)")

@@ -10,7 +10,7 @@ from flows.common import out_dir_for
 from flows.params import EvaluateParams
 from moe_core.data.shards import read_manifest
 from tasks import evaluate as ev
-from tasks.stages import flow_record, pending_summary, record_summary
+from tasks.stages import flow_record, open_journal, record_summary
 
 
 class EvaluateFlowParams(EvaluateParams):
@@ -24,27 +24,11 @@ class EvaluateFlowParams(EvaluateParams):
 @flow(name="evaluate")
 def evaluate(params: EvaluateFlowParams) -> dict:
     out = out_dir_for("evaluate", params.out_dir)
-    with flow_record("evaluate", params, out_dir=out) as run_id:
-        result = ev.evaluate_model(
-            {"model": params.model_dir, **params.baselines},
-            params.data_dir,
-            str(out / "eval"),
-            params.splits,
-            params.batch_size,
-            params.max_batches,
-            run_id,
-        )
-        profile = ev.profile_router(
-            params.model_dir,
-            params.data_dir,
-            str(out / "analysis"),
-            "validation",
-            params.batch_size,
-            params.profile_batches,
-            params.plots,
-            run_id,
-            params.vocab_pieces,
-        )
+    journal = open_journal(out)  # where MLflow's records wait while it is unreachable
+    with flow_record("evaluate", params, journal) as run_id:
+        models = {"model": params.model_dir, **params.baselines}
+        result = ev.evaluate_model(models, params.data_dir, str(out / "eval"), params, run_id)
+        profile = ev.profile_router(params.model_dir, params.data_dir, str(out / "analysis"), params, run_id)
         cost = ev.cost_report(
             params.model_dir,
             params.events,
@@ -61,7 +45,7 @@ def evaluate(params: EvaluateFlowParams) -> dict:
         "run_id": cost.run_id,
         "usd_per_million_tokens": cost.usd_per_million_tokens,
         "mlflow_run_id": run_id,
-        **pending_summary(),
+        **journal.summary(),
     }
 
 

@@ -12,7 +12,7 @@ from flows.common import out_dir_for
 from flows.params import FlowParams
 from moe_core.finetune import FinetuneConfig
 from tasks.finetune import finetune_model
-from tasks.stages import flow_record, pending_summary
+from tasks.stages import flow_record, open_journal
 
 
 class FinetuneFlowParams(FlowParams):
@@ -24,6 +24,7 @@ class FinetuneFlowParams(FlowParams):
 @flow(name="finetune")
 def finetune(params: FinetuneFlowParams) -> dict:
     out = out_dir_for("finetune", params.out_dir)
-    with flow_record("finetune", params, out_dir=out) as run_id:
+    journal = open_journal(out)  # where MLflow's records wait while it is unreachable
+    with flow_record("finetune", params, journal) as run_id:
         result = finetune_model(params.config, params.base_model_dir, str(out), run_id)
-    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}
+    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **journal.summary()}

@@ -16,7 +16,7 @@ from tasks import evaluate as ev
 from tasks import optimize as opt
 from tasks.finetune import finetune_model
 from tasks.results import ModelResult
-from tasks.stages import flow_record, pending_summary, record_summary
+from tasks.stages import flow_record, open_journal, record_summary
 
 DEFAULTS = LifecycleParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -26,7 +26,8 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
     out = out_dir_for("lifecycle", params.out_dir)
     link_dashboard("lifecycle")
     p, t = params, params.train
-    with flow_record("lifecycle", params, out_dir=out) as run_id:
+    journal = open_journal(out)  # where MLflow's records wait while it is unreachable
+    with flow_record("lifecycle", params, journal) as run_id:
         validation = data.validate_data(
             t.data.source, "text", p.validation, t.data.max_documents, str(out / "validation"), run_id
         )
@@ -53,30 +54,12 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             )
             models[f"dense-{p.baseline}"] = baseline.export_dir
 
-        evaluation = ev.evaluate_model(
-            models,
-            data_dir,
-            str(out / "eval"),
-            p.evaluate.splits,
-            p.evaluate.batch_size,
-            p.evaluate.max_batches,
-            run_id,
-        )
+        evaluation = ev.evaluate_model(models, data_dir, str(out / "eval"), p.evaluate, run_id)
         # the MoE's analysis goes inside its own run directory: it describes that run and no other (the
         # dashboard reads a run's analysis from the run, never from a folder above it, where the dense
         # baseline beside it would find it too)
         analysis_dir = str(out / "pretrain" / "analysis")
-        routing = ev.profile_router(
-            trained.export_dir,
-            data_dir,
-            analysis_dir,
-            "validation",
-            p.evaluate.batch_size,
-            p.evaluate.profile_batches,
-            p.evaluate.plots,
-            run_id,
-            p.evaluate.vocab_pieces,
-        )
+        routing = ev.profile_router(trained.export_dir, data_dir, analysis_dir, p.evaluate, run_id)
         cost = ev.cost_report(
             trained.export_dir,
             trained.metrics_path,
@@ -94,9 +77,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
                 {"finetuned": model.export_dir},
                 data_dir,
                 str(out / "eval-finetuned"),
-                p.evaluate.splits,
-                p.evaluate.batch_size,
-                p.evaluate.max_batches,
+                p.evaluate,
                 run_id,
                 stage="evaluate_finetuned",
             )
@@ -120,13 +101,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
         bench = None
         if p.optimize is not None and refusal is None:
             quantized = opt.quantize_model(
-                model.export_dir,
-                str(out / "quantized"),
-                p.optimize.quantize_bits,
-                p.optimize.quantize_method,
-                p.optimize.group_size,
-                run_id,
-                data_dir,
+                model.export_dir, str(out / "quantized"), p.optimize.quant_config(), run_id, data_dir
             )
             variants = {"pytorch": model.export_dir, "quantized": quantized}
             if p.optimize.onnx:
@@ -192,7 +167,7 @@ def lifecycle(params: LifecycleParams = DEFAULTS) -> dict:
             },
         },
         "summary_metrics": headline,
-        **pending_summary(),
+        **journal.summary(),
     }
     create_markdown_artifact(_summary_markdown(summary), key="lifecycle-summary", description="where to look")
     return summary

@@ -8,7 +8,7 @@ from pydantic import Field
 from flows.common import out_dir_for
 from flows.params import OptimizeParams
 from tasks import optimize as opt
-from tasks.stages import flow_record, pending_summary, record_summary
+from tasks.stages import flow_record, open_journal, record_summary
 
 
 class OptimizeFlowParams(OptimizeParams):
@@ -20,19 +20,14 @@ class OptimizeFlowParams(OptimizeParams):
 @flow(name="optimize")
 def optimize(params: OptimizeFlowParams) -> dict:
     out = out_dir_for("optimize", params.out_dir)
-    with flow_record("optimize", params, out_dir=out) as run_id:
+    journal = open_journal(out)  # where MLflow's records wait while it is unreachable
+    with flow_record("optimize", params, journal) as run_id:
         quantized = opt.quantize_model(
-            params.model_dir,
-            str(out / "quantized"),
-            params.quantize_bits,
-            params.quantize_method,
-            params.group_size,
-            run_id,
-            params.data_dir,
+            params.model_dir, str(out / "quantized"), params.quant_config(), run_id, params.data_dir
         )
         variants = {"pytorch": params.model_dir, "quantized": quantized}
         if params.onnx:
             variants["onnx"] = opt.export_onnx_model(params.model_dir, str(out / "onnx"), run_id)
         bench = opt.benchmark(variants, params.data_dir, params.benchmark_batches, str(out), run_id)
         record_summary(run_id, bench)  # the flow's run compares in the runs table
-    return {"variants": variants, "benchmark": bench.rows, "mlflow_run_id": run_id, **pending_summary()}
+    return {"variants": variants, "benchmark": bench.rows, "mlflow_run_id": run_id, **journal.summary()}

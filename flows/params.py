@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from moe_core.data.validation import ValidationConfig
 from moe_core.errors import MoELabError
 from moe_core.finetune import FinetuneConfig
+from moe_core.quantized import QuantConfig
 from moe_core.train import TrainConfig
 from tasks import settings
+from tasks.sections import EvaluateParams, FlowParams  # the sections stage tasks take whole
 
 
 class FlowParamsError(MoELabError):
     """Flow parameters that cannot be read: a malformed params file or ``--set`` item, or invalid values."""
-
-
-class FlowParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 def tiny_train_config(**fields) -> TrainConfig:
@@ -115,20 +113,6 @@ class PretrainParams(FlowParams):
     )
 
 
-class EvaluateParams(FlowParams):
-    splits: list[str] = Field(default_factory=lambda: ["validation", "test"])
-    batch_size: int = Field(8, ge=1)
-    max_batches: int | None = Field(8, ge=1)
-    profile_batches: int = Field(8, ge=1)
-    plots: bool = True
-    vocab_pieces: bool = Field(
-        False,
-        description="record the router profile's top tokens as vocabulary "
-        "pieces (strings) too, not only ids and counts",
-    )
-    device_name: str | None = Field(None, description="device to price (default: this machine's)")
-
-
 class OptimizeParams(FlowParams):
     quantize_bits: Literal[4, 8] = 8
     quantize_method: Literal["rtn", "gptq", "awq"] = "rtn"  # gptq/awq calibrate on the prepared data
@@ -140,6 +124,10 @@ class OptimizeParams(FlowParams):
         description="unused by the lifecycle, which benchmarks on the "
         "evaluation's batches (one perplexity per model and split)",
     )
+
+    def quant_config(self) -> QuantConfig:
+        """The library's quantization config these settings choose (what the quantize task takes)."""
+        return QuantConfig(bits=self.quantize_bits, method=self.quantize_method, group_size=self.group_size)
 
 
 class FinetuneParams(FlowParams):

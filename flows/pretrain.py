@@ -10,7 +10,7 @@ from prefect import flow
 from flows.common import data_dir_for, link_dashboard, out_dir_for, prepare_config_for, with_data
 from flows.params import PretrainParams
 from tasks import data, train
-from tasks.stages import flow_record, pending_summary
+from tasks.stages import flow_record, open_journal
 
 DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify their parameters
 
@@ -19,7 +19,8 @@ DEFAULTS = PretrainParams()  # what the Prefect form shows; flows never modify t
 def pretrain(params: PretrainParams = DEFAULTS) -> dict:
     out = out_dir_for("pretrain", params.out_dir)
     link_dashboard("pretrain")
-    with flow_record("pretrain", params, out_dir=out) as run_id:
+    journal = open_journal(out)  # where MLflow's records wait while it is unreachable
+    with flow_record("pretrain", params, journal) as run_id:
         config = params.train
         if config.data.source != "synthetic" and config.data.path is None:
             prepare_cfg = prepare_config_for(config)
@@ -36,4 +37,4 @@ def pretrain(params: PretrainParams = DEFAULTS) -> dict:
             ray_address=params.ray_address,
             log_checkpoint=params.log_checkpoint,
         )
-    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **pending_summary()}
+    return {**asdict(result), "mlflow_run_id": run_id, "out_dir": str(out), **journal.summary()}

@@ -18,6 +18,7 @@ from moe_core.eval.perplexity import to_markdown
 from moe_core.fileio import staged_outputs
 from tasks import models_in_memory, tracking
 from tasks.results import CostResult, Evaluation, RouterProfile
+from tasks.sections import EvaluateParams
 from tasks.stages import stage_run
 
 
@@ -26,20 +27,24 @@ def evaluate_model(
     models: dict[str, str],
     data_dir: str,
     out_dir: str,
-    splits: list[str],
-    batch_size: int,
-    max_batches: int | None,
+    settings: EvaluateParams,
     parent_run_id: str | None,
     stage: str = "evaluate",
 ) -> Evaluation:
-    """Loss and perplexity per split of each model (the first is the candidate, the others baselines), and
+    """Loss and perplexity per split of each model (the first is the candidate, the others baselines) on
+    ``settings.splits`` (``batch_size``, at most ``max_batches`` batches each), and
     bits per byte on the raw validation text with each model's own tokenizer (comparable across
     tokenizers; a model without one of its own is read with the data's). Returns the metrics, which text
     and tokenizer the candidate was judged on, and the names of metrics that are not finite (a diverged
     model). Each model is read once per process (`tasks.models_in_memory`): profiling and pricing reuse it."""
     with stage_run(stage, parent_run_id) as run_id:
         comparison = compare_models(
-            models, data_dir, splits, batch_size, max_batches, load=models_in_memory.get
+            models,
+            data_dir,
+            settings.splits,
+            settings.batch_size,
+            settings.max_batches,
+            load=models_in_memory.get,
         )
         if comparison.warning:
             get_run_logger().warning(comparison.warning)
@@ -65,24 +70,22 @@ def profile_router(
     model_dir: str,
     data_dir: str,
     out_dir: str,
-    split: str,
-    batch_size: int,
-    max_batches: int,
-    plots: bool,
+    settings: EvaluateParams,
     parent_run_id: str | None,
-    vocab_pieces: bool = False,
+    split: str = "validation",
 ) -> RouterProfile:
-    """The router profile on a split (versioned directory), its plots, and per-layer summary metrics.
-    Top tokens per expert are recorded as ids and counts; their vocabulary pieces only with ``vocab_pieces``."""
+    """The router profile on a split (versioned directory; ``settings.batch_size``, at most
+    ``profile_batches`` batches), its plots (``settings.plots``), and per-layer summary metrics. Top tokens
+    per expert are recorded as ids and counts; their vocabulary pieces only with ``settings.vocab_pieces``."""
     with stage_run("profile", parent_run_id) as run_id:
         model, tokenizer = models_in_memory.get(model_dir).model, load_tokenizer(Path(data_dir) / "tokenizer")
         profile = profile_split(
             model,
             data_dir,
             split,
-            batch_size,
-            max_batches,
-            profile_config=ProfileConfig(include_vocab_pieces=vocab_pieces),
+            settings.batch_size,
+            settings.profile_batches,
+            profile_config=ProfileConfig(include_vocab_pieces=settings.vocab_pieces),
             tokenizer=tokenizer,
         )
         out = Path(out_dir)
@@ -103,7 +106,7 @@ def profile_router(
             "router.normalized_entropy": float(summary["normalized_entropy"].mean()),
         }
         tracking.log_artifacts(run_id, out / "profile", "routing_profile")
-        if plots:
+        if settings.plots:
             # lazy: matplotlib and plotly (~2 s), only when plots are asked for
             from moe_core.analytics.plots import portable_copies, render_all
 

@@ -20,16 +20,9 @@ from tasks.stages import stage_run
 
 @task(name="quantize-experts", retries=1, retry_delay_seconds=2)
 def quantize_model(
-    model_dir: str,
-    out_dir: str,
-    bits: int,
-    method: str,
-    group_size: int,
-    parent_run_id: str | None,
-    data_dir: str | None = None,
+    model_dir: str, out_dir: str, config: QuantConfig, parent_run_id: str | None, data_dir: str | None = None
 ) -> str:
     with stage_run("quantize", parent_run_id) as run_id:
-        config = QuantConfig(bits=bits, method=method, group_size=group_size)
         # gptq/awq calibrate on data_dir; the stage owns out_dir, so a retry replaces its own staged output
         report = quantize_checkpoint(model_dir, out_dir, config, data_dir=data_dir, overwrite=True)
         tracking.log_config(run_id, config, prefix="quant")

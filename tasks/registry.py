@@ -92,18 +92,19 @@ def register_model(
         "tags": tags,
         "gate": gate_settings,
     }
-    if pending.offline_reason() is not None or pending.is_local(parent_run_id) or model_uri is None:
-        if model_uri is None and pending.offline_reason() is None:
+    journal = pending.current()
+    if journal.offline(parent_run_id) or model_uri is None:
+        if model_uri is None and journal.offline_reason is None:
             raise UnregistrableModel(f"{model_dir}: no model was logged to MLflow, nothing to register")
-        pending.record("register", parent_run_id, **later)
+        journal.record("register", parent_run_id, **later)
         return None
     try:
         version = tracking.register(model_uri, name, tags=tags)
     except Exception:
         if (reason := tracking.probe()) is None:
             raise
-        pending.go_offline(reason)
-        pending.record("register", parent_run_id, **later)
+        journal.go_offline(reason)
+        journal.record("register", parent_run_id, **later)
         return None
     return record_registration(name, version, parent_run_id)
 
@@ -190,15 +191,16 @@ def promote(
 ) -> dict:
     """Move ``champion`` to ``version`` when it wins; otherwise keep the champion. The decision and its
     reason are recorded on the version, on the lifecycle's MLflow run and as a Prefect artifact."""
+    journal = pending.current()
     try:
-        if (offline := pending.offline_reason()) is not None:
-            raise ConnectionError(offline)
+        if journal.offline_reason is not None:
+            raise ConnectionError(journal.offline_reason)
         decision = gate(name, version, metric, margin, higher_is_better)
     except Exception:
-        if (offline := pending.offline_reason() or tracking.probe()) is None:
+        if (offline := journal.offline_reason or tracking.probe()) is None:
             raise
-        pending.go_offline(offline)
-        pending.record(
+        journal.go_offline(offline)
+        journal.record(
             "promote",
             parent_run_id,
             name=name,

@@ -1,9 +1,11 @@
 """What every stage task shares: a nested MLflow run tagged with the Prefect run it belongs to, closed as
-FAILED (with the reason) when the stage raises, and links from Prefect to MLflow."""
+FAILED (with the reason) when the stage raises, and links from Prefect to MLflow. And what a flow shares with
+its stages: its offline journal (`open_journal`, made current for the flow's block by `flow_record`)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import deployment, flow_run, task_run
@@ -42,52 +44,46 @@ def stage_run(name: str, parent_run_id: str | None):
 def link_to_run(run_id: str, key: str, description: str) -> None:
     """A Prefect link artifact to the MLflow run (keys: lowercase letters, digits and dashes); none while
     the run waits for MLflow (it has no address yet)."""
-    if pending.offline_reason() is not None or pending.is_local(run_id):
+    if pending.current().offline(run_id):
         return
     create_link_artifact(
         tracking.run_url(run_id), link_text=f"MLflow run {run_id[:8]}", key=key, description=description
     )
 
 
+def open_journal(out_dir: str | Path) -> pending.Journal:
+    """A top-level flow's offline journal in ``out_dir``, after a fresh look at the server (`tracking.probe`:
+    seconds, not MLflow's minutes of retries): when MLflow cannot be reached, or stops answering mid-flow,
+    the flow goes on and its records wait in ``<out_dir>/mlflow_pending.jsonl`` for ``moe-lab sync <out_dir>``
+    (see `tasks.pending`). The flow passes it to `flow_record` and reads `Journal.summary` for its result."""
+    journal = pending.Journal(out_dir, offline_reason=tracking.probe())
+    if journal.offline_reason is not None:
+        tracking.warn_offline(journal.offline_reason, journal)
+    return journal
+
+
 @contextmanager
-def flow_record(name: str, params, parent_run_id: str | None = None, out_dir=None):
+def flow_record(name: str, params, journal: pending.Journal | None, parent_run_id: str | None = None):
     """The MLflow run of one flow run (nested under ``parent_run_id`` when given): tagged with the Prefect
-    flow run and deployment, the full parameters as params, closed FAILED/KILLED with the reason.
-
-    MLflow is probed first (seconds, not MLflow's minutes of retries): when it cannot be reached, or stops
-    answering mid-flow, the flow goes on and its records wait in ``<out_dir>/mlflow_pending.jsonl`` for
-    ``moe-lab sync <out_dir>`` (see `tasks.pending`)."""
-    if parent_run_id is None:  # a top-level flow: a fresh look at the server, a fresh pending manifest
-        pending.reset(out_dir, reason := tracking.probe())
-        if reason is not None:
-            tracking.warn_offline(reason)
-    run_id = tracking.start_run(name, parent_run_id, tags={**prefect_tags(), "moe_lab.flow": name})
-    tracking.log_config(run_id, params)
-    link_to_run(run_id, f"mlflow-{name.replace('_', '-')}", f"MLflow run of this {name} flow run")
-    try:
-        yield run_id
-    except Exception as err:
-        tracking.end_run(run_id, "FAILED", reason=f"{type(err).__name__}: {str(err)[:400]}")
-        raise
-    except BaseException as err:  # cancelled (Prefect's TerminationSignal), interrupted
-        tracking.end_run(run_id, "KILLED", reason=type(err).__name__)
-        raise
-    finally:
-        if parent_run_id is None:  # the flow run's models leave memory with it
-            models_in_memory.forget()
-    tracking.end_run(run_id)
-
-
-def pending_summary() -> dict:
-    """For a flow's result: where its records wait for ``moe-lab sync`` (empty when MLflow has them all)."""
-    journal = pending.pending_journal()
-    if journal is None:
-        return {}
-    return {
-        "mlflow_pending": str(journal),
-        "mlflow_offline": pending.offline_reason() or "MLflow failed mid-run",
-        "sync_command": f"moe-lab sync {journal.parent}",
-    }
+    flow run and deployment, the full parameters as params, closed FAILED/KILLED with the reason. Inside the
+    block ``journal`` (`open_journal`) is the current one, so every stage's records that MLflow cannot take
+    go there; None for a flow nested in another, which keeps its parent's."""
+    with pending.use(journal) if journal is not None else nullcontext():
+        run_id = tracking.start_run(name, parent_run_id, tags={**prefect_tags(), "moe_lab.flow": name})
+        tracking.log_config(run_id, params)
+        link_to_run(run_id, f"mlflow-{name.replace('_', '-')}", f"MLflow run of this {name} flow run")
+        try:
+            yield run_id
+        except Exception as err:
+            tracking.end_run(run_id, "FAILED", reason=f"{type(err).__name__}: {str(err)[:400]}")
+            raise
+        except BaseException as err:  # cancelled (Prefect's TerminationSignal), interrupted
+            tracking.end_run(run_id, "KILLED", reason=type(err).__name__)
+            raise
+        finally:
+            if journal is not None:  # a top-level flow run's models leave memory with it
+                models_in_memory.forget()
+        tracking.end_run(run_id)
 
 
 def record_summary(run_id: str, *results, **prefixed) -> dict[str, float]:

@@ -25,8 +25,9 @@ class SyncError(MoELabError):
 
 
 def sync(directory: str | Path, run_id: str | None = None, everything: bool = False) -> dict[str, Any]:
-    """Replay ``directory``'s pending manifest and upload its event files; returns what was sent."""
-    with pending.no_deferral():
+    """Replay ``directory``'s pending manifest and upload its event files; returns what was sent. Under a
+    strict journal: an MLflow failure stops the sync (the next one resumes), nothing is deferred again."""
+    with pending.use(pending.Journal(directory, strict=True)):
         return _sync(Path(directory), run_id, everything)
 
 

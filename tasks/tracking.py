@@ -23,14 +23,16 @@ Imports: MLflow is imported inside the functions that talk to it (marked ``# laz
 or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers) and
 `tasks.models_in_memory` (the model stack): ``moe-lab sync`` imports this module and needs neither.
 
-Outages: a flow probes the server first (`probe`, a few seconds at most). From the moment MLflow is found
-unreachable, every write here is kept in the flow's pending manifest instead (`tasks.pending`), runs started
-meanwhile get local ids, and the flow finishes; ``moe-lab sync <flow dir>`` sends the rest (`tasks.sync`).
+Outages: a flow probes the server first (`probe`, a few seconds at most) and opens its journal
+(`tasks.pending.Journal`, the flow's own: nothing here remembers an outage between calls). From the moment MLflow is found
+unreachable, every write here is kept in that journal instead, runs started meanwhile get local ids, and the
+flow finishes; ``moe-lab sync <flow dir>`` sends the rest (`tasks.sync`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import queue
@@ -61,21 +63,20 @@ PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # s
 
 
 # ------------------------------------------------------------------------------------------------ runs
-_READY_STORES: set[str] = set()  # tracking URIs whose database this process has seen initialized
-
-
 def client():
     from mlflow import MlflowClient  # lazy: mlflow
 
-    uri = tracking_uri()
-    if uri in _READY_STORES:
-        return MlflowClient()
-    # constructing the first client creates (migrates) a SQLite database: one process at a time
+    _initialize_store(tracking_uri())
+    return MlflowClient()
+
+
+@functools.cache  # once per store and process (a failed attempt is tried again)
+def _initialize_store(uri: str) -> None:
+    """Constructing the first client creates (migrates) a SQLite database: one process at a time."""
+    from mlflow import MlflowClient  # lazy: mlflow
+
     with store_lock(uri, "store initialization"):
-        c = MlflowClient()
-        _ = c._get_registry_client().store  # the registry tables too
-    _READY_STORES.add(uri)
-    return c
+        _ = MlflowClient()._get_registry_client().store  # the registry tables too
 
 
 def tracking_uri() -> str:
@@ -120,25 +121,26 @@ def probe(uri: str | None = None, timeout: float = 3.0) -> str | None:
 def _send(
     op: str, run_id: str | None, payload: dict[str, Any], call: Callable[[], Any], pending_result: Any = None
 ):
-    """``call()`` MLflow, or keep ``op`` in the pending manifest when MLflow is (or just became) unreachable.
-    An error while the server answers is a real error and is raised."""
-    if not pending.deferral_allowed():
+    """``call()`` MLflow, or keep ``op`` in the current flow's journal when MLflow is (or just became)
+    unreachable. An error while the server answers is a real error and is raised."""
+    journal = pending.current()
+    if not journal.deferral_allowed:
         return call()
-    if pending.offline_reason() is None and not pending.is_local(run_id):
+    if not journal.offline(run_id):
         try:
             return call()
         except Exception:
             reason = probe()
             if reason is None:
                 raise
-            pending.go_offline(reason)
-            warn_offline(reason)
-    pending.record(op, run_id, **payload)
+            journal.go_offline(reason)
+            warn_offline(reason, journal)
+    journal.record(op, run_id, **payload)
     return pending_result
 
 
-def warn_offline(reason: str) -> None:
-    where = pending.journal_path()
+def warn_offline(reason: str, journal: pending.Journal) -> None:
+    where = journal.path
     print(
         f"moe-lab: {reason}; going on without it. Records are kept in {where}; upload them with "
         f"`moe-lab sync {where.parent}` once MLflow is back.",
@@ -183,9 +185,9 @@ def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
 
 def run_url(run_id: str) -> str:
     """A link to the run in the MLflow UI (``moe-lab ui`` for the embedded store)."""
-    uri = tracking_uri()
-    if pending.offline_reason() is not None or pending.is_local(run_id):
-        return f"(not in MLflow yet: `moe-lab sync {pending.journal_path().parent}` once {uri} is back)"
+    uri, journal = tracking_uri(), pending.current()
+    if journal.offline(run_id):
+        return f"(not in MLflow yet: `moe-lab sync {journal.directory}` once {uri} is back)"
     run = client().get_run(run_id)
     base = uri.rstrip("/") if uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
@@ -432,7 +434,10 @@ def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
-    loaded = models_in_memory.get(str(model_dir))  # the evaluation tasks that follow reuse it
+    # MLflow's local-checkpoint mode (a path instead of the loaded model) fails under transformers 5.24 in a
+    # flow (flavor_config.build_flavor_config_from_local_checkpoint reads pipelines.check_task's "impl" as a
+    # class; it can be a string there): the model is loaded once and reused by the evaluation tasks that follow
+    loaded = models_in_memory.get(str(model_dir))
     with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
         info = mlflow.transformers.log_model(
             {"model": loaded.model, "tokenizer": loaded.tokenizer},
@@ -574,9 +579,10 @@ class MlflowSink:
         self._client = mlflow_client
         self._close_timeout = close_timeout
         self._queue: queue.Queue = queue.Queue()
+        self._journal = pending.current()  # the flow's: the sink's thread does not see the flow's context
         write_run_file(self.run_dir, run_id)
-        if pending.offline_reason() is not None or pending.is_local(run_id):  # MLflow already known down
-            self._go_offline(0, pending.offline_reason() or "the MLflow run is pending")
+        if self._journal.offline(run_id):  # MLflow already known down
+            self._go_offline(0, self._journal.offline_reason or "the MLflow run is pending")
         self._thread = threading.Thread(target=self._forward, name="mlflow-sink", daemon=True)
         self._thread.start()
 
@@ -596,7 +602,7 @@ class MlflowSink:
                     step, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 )
                 if self._client is None and (reason := probe()) is not None:
-                    pending.go_offline(reason)  # the flow's next records go straight to its pending manifest
+                    self._journal.go_offline(reason)  # the flow's next records go straight to its journal
 
     def _go_offline(self, step: int, error: str) -> None:
         self.offline_from_step, self.error = step, error
@@ -637,10 +643,11 @@ class EventFollower:
         self.skip_upto = self.last_step  # rows up to this step are sent already
         self.offline_from_step: int | None = None
         write_run_file(self.run_dir, run_id)
-        if pending.offline_reason() is not None or pending.is_local(run_id):
+        journal = pending.current()
+        if journal.offline(run_id):
             self.offline_from_step = 0
             write_run_file(
-                self.run_dir, run_id, offline_from_step=0, error=pending.offline_reason() or "pending"
+                self.run_dir, run_id, offline_from_step=0, error=journal.offline_reason or "pending"
             )
 
     def poll(self) -> None:

@@ -119,7 +119,7 @@ def test_one_process_deepspeed_equals_the_native_loop_and_skips_a_non_finite_ste
 
     trainer = Trainer(tiny(steps=4, parallel={"backend": "deepspeed"}), tmp_path / "skip")
     try:
-        trainer.forward_model = PoisonedLoss(trainer.engine, bad_calls={2})
+        trainer.forward_model = PoisonedLoss(trainer.backend.engine, bad_calls={2})
         trainer.train_step()
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         stats = trainer.train_step()  # the poisoned one: DeepSpeed finds the NaN gradient and does not step

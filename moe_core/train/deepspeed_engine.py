@@ -3,7 +3,7 @@ data, AdamW and LR schedule, trained through a DeepSpeed engine with ZeRO stage 
 stage 2 gradients, partitioned over the data-parallel ranks; Rajbhandari et al. 2020, "ZeRO") and optionally the
 optimizer step offloaded to the CPU (ZeRO-Offload, Ren et al. 2021).
 
-What `Trainer` (loop.py) does differently under this backend:
+What `Trainer` (loop.py) does differently under this backend (through `backends.DeepSpeedBackend`):
 - ``build_engine`` wraps the plain model and our own `torch.optim.AdamW` (`optim.build_optimizer`: the same
   groups and hyperparameters) in a `DeepSpeedEngine`. DeepSpeed accumulates over ``grad_accum`` micro-batches
   (it divides each micro-batch loss by it, as the native loop does), averages gradients over the world, clips

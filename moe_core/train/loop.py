@@ -12,8 +12,9 @@ One optimizer step (in the spirit of torchtitan's `train.py`):
    checkpoint whose weights still gave a finite step);
 4. clip, AdamW step, LR schedule step, then the aux-loss-free router bias update with the load all-reduced
    over every rank.
-Under ``parallel.backend=deepspeed`` a DeepSpeed engine does the backward, the gradient average, clipping and
-the step of 2-4 (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
+Where the native step and DeepSpeed's differ (wrapping, backward, the gradient average, clipping and the
+step of 2-4, the optimizer's state) the trainer calls its backend (`backends.py`): under
+``parallel.backend=deepspeed`` a DeepSpeed engine does them (ZeRO 1-2, `deepspeed_engine.py`); the rest is the same.
 Every `log.every` steps: losses, LR, grad norm (averaged over the interval's finite steps: `interval.py`),
 tokens/s, FLOPs and MFU, per-layer routing statistics, to the JSONL event file, the console and any extra
 `MetricsSink`. Every `checkpoint.every` steps, at the end and on SIGTERM or SIGINT (Ctrl-C; a second one stops at
@@ -48,8 +49,8 @@ from moe_core.fileio import OutputLock, refuse_previous_outputs
 from moe_core.flops import flops_per_token, peak_flops
 from moe_core.init_from import checkpoint_tokenizer, load_initial
 from moe_core.router_losses import LoadBalance
+from moe_core.train import backends
 from moe_core.train import checkpoint as ckpt_io
-from moe_core.train import deepspeed_engine as ds_engine
 from moe_core.train import parallel as par
 from moe_core.train.alerts import RoutingMonitor
 from moe_core.train.batches import (
@@ -64,7 +65,7 @@ from moe_core.train.build import build_meta_model, materialize_owned
 from moe_core.train.config import TrainConfig, TrainConfigError
 from moe_core.train.interval import LogInterval
 from moe_core.train.launch import restart_count
-from moe_core.train.optim import build_optimizer, lr_lambda
+from moe_core.train.optim import lr_lambda
 from moe_core.train.telemetry import (
     RANK_FILE,
     ConsoleSink,
@@ -160,8 +161,9 @@ class Trainer:
         self.lock: OutputLock | None = None
         self._discarded: list[str] = []  # half-written checkpoints rank 0 removed when it took the directory
         self.monitor: RoutingMonitor | None = None  # rank 0's routing alerts and load log
-        self.engine = None  # the DeepSpeed engine under parallel.backend=deepspeed (`deepspeed_engine.py`)
         self.state = par.init_parallel(config.parallel.ep_size, config.parallel.backend, config.device)
+        # native or DeepSpeed: wrapping, backward, step and optimizer state (`backends.py`)
+        self.backend = backends.for_config(config, self.state)
         reset_peak_memory(self.state.device)  # max_memory_mb is this run's peak, the model's weights included
         self._determinism = (
             torch.are_deterministic_algorithms_enabled(),
@@ -273,8 +275,7 @@ class Trainer:
             self.model_config.max_position_embeddings = config.data.seq_len
 
     def _build_model(self, load_start: bool = True) -> None:
-        """``self.model`` (the plain module: state dicts, routers, eval) and ``self.forward_model`` (compiled and
-        data-parallel-wrapped as configured: what the training forward runs). With ``model.upcycle_from`` or
+        """``self.model`` (the plain module: state dicts, routers, eval). With ``model.upcycle_from`` or
         ``model.init_from`` (and ``load_start``: not when a checkpoint is resumed), each rank then copies in its part
         of that checkpoint."""
         config, state = self.config, self.state
@@ -290,36 +291,21 @@ class Trainer:
             config.balance_scope, torch.distributed.group.WORLD if state.distributed else None
         )
         model = par.apply_expert_parallel(model, state)
-        fsdp = (
-            state.distributed
-            and config.parallel.dp_mode == "fsdp2"
-            and config.parallel.backend != "deepspeed"
-        )
-        if fsdp:  # sharded while still on meta: each rank then allocates its shards only
-            model = par.wrap_data_parallel(model, state, "fsdp2")
+        # FSDP2 shards it while still on meta: each rank then allocates its shards only
+        model = self.backend.shard(model)
         self.model = materialize_owned(model, state.device, config.seed)
         if load_start and config.model.upcycle_from is not None:
             load_upcycled(self.model, config.model.upcycle_from)  # this rank's experts / FSDP2 rows only
         elif load_start and config.model.init_from is not None:
             load_initial(self.model, config.model.init_from)
-        self.forward_model = self.model
-        if config.compile:
-            self.forward_model = torch.compile(self.model)
-        # DeepSpeed's engine wraps it (`_build_optimization`)
-        if config.parallel.backend != "deepspeed" and not fsdp:
-            self.forward_model = par.wrap_data_parallel(self.forward_model, state, config.parallel.dp_mode)
 
     def _build_optimization(self) -> None:
-        """Optimizer, LR schedule, fp16 loss scaler and the order of the training batches."""
-        config, state = self.config, self.state
-        fsdp = state.distributed and config.parallel.dp_mode == "fsdp2"
-        if config.parallel.backend == "deepspeed":  # self.optimizer: the AdamW the engine steps
-            self.engine, self.optimizer = ds_engine.build_engine(self.model, config, state, self.micro_batch)
-            self.forward_model = self.engine
-        else:
-            self.optimizer = build_optimizer(self.model, config, state.device, allow_fused=not fsdp)
+        """``self.forward_model`` (what the training forward runs: compiled and data-parallel-wrapped as
+        configured, or DeepSpeed's engine) and the AdamW it steps, the LR schedule and the order of the
+        training batches."""
+        config = self.config
+        self.forward_model, self.optimizer = self.backend.wrap(self.model)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
         self.batches = GlobalBatches(len(self.train_data), config.batch_size, config.seed)
 
     def _build_telemetry(self) -> None:
@@ -384,8 +370,8 @@ class Trainer:
                 write_replicated=st.is_main,
                 scheduler=self.scheduler,
                 data_state=self.batches.state_dict(),
-                scaler=self.scaler,
-                optimizer_in_rank_file=self.engine is not None,  # DeepSpeed's own per-rank format
+                scaler=self.backend.scaler,
+                optimizer_in_rank_file=self.backend.optimizer_in_rank_file,  # DeepSpeed's own per-rank format
             )
             par.barrier(st)
             if st.is_main:
@@ -427,12 +413,11 @@ class Trainer:
             ckpt_io.load_optimizer_state(self.optimizer, rank_state["optimizer"])
         else:
             ckpt_io.load_optimizer_tensors(self.model, self.optimizer, ckpt, rank_state["optimizer_groups"])
-        if self.engine is not None:  # DeepSpeed steps fp32 master copies of the weights just loaded
-            ds_engine.restore_master_weights(self.engine)
+        self.backend.after_load()  # DeepSpeed: its fp32 master copies of the weights just loaded
         self._load_scheduler(rank_state["scheduler"])
         self.batches.load_state_dict(rank_state["data"])
-        if self.scaler is not None and rank_state["scaler"]:
-            self.scaler.load_state_dict(rank_state["scaler"])
+        if self.backend.scaler is not None and rank_state["scaler"]:
+            self.backend.scaler.load_state_dict(rank_state["scaler"])
         self.step, self.tokens = saved["step"], saved["tokens"]
         self.skipped_steps, self.bad_in_row = saved["skipped_steps"], saved["bad_in_row"]
         self.best, self.last_val_loss = saved["best"], saved["val_loss"]
@@ -476,14 +461,9 @@ class Trainer:
         if self.model.load_balance is not None:
             self.model.load_balance.reset()  # a new global batch
         loss_sums = self._accumulate_gradients(indices)
-        if self.engine is None:
-            par.sync_expert_grads(self.model, state)
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            grad_norm = par.global_grad_norm(self.model, state).cpu()
+        # complete gradients and their norm (DeepSpeed clips and steps here, or skips a non-finite gradient)
+        grad_norm = self.backend.finish_gradients(self.model)
         mean_losses = par.all_reduce_(loss_sums / (config.grad_accum * state.world_size), state)
-        if self.engine is not None:  # clips and steps, or skips a non-finite gradient itself (inf norm)
-            grad_norm = ds_engine.boundary_step(self.engine)
         finite = bool(torch.isfinite(mean_losses).all() and torch.isfinite(grad_norm))
         loads = self._router_loads()
         if finite:
@@ -492,8 +472,7 @@ class Trainer:
             self._skip_update(losses_finite=bool(torch.isfinite(mean_losses).all()))
             loads = [None if load is None else torch.zeros_like(load) for load in loads]
         self.model.update_router_biases(loads)
-        if self.engine is None:  # DeepSpeed clears its own buffers (and offload keeps fp32 .grad allocated)
-            self.optimizer.zero_grad(set_to_none=True)
+        self.backend.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -517,23 +496,13 @@ class Trainer:
                 self.train_data, rank_slice(indices, micro, state.rank, state.world_size, self.micro_batch)
             )
             ids_BS = ids_BS.to(state.device, non_blocking=True)
-            sync = (
-                par.no_gradient_sync(self.forward_model, self.model)
-                if micro < config.grad_accum - 1 and self.engine is None  # DeepSpeed knows its boundary
-                else contextlib.nullcontext()
-            )
-            with sync:
+            last = micro == config.grad_accum - 1
+            with self.backend.accumulating(self.forward_model, self.model, last):
                 with self._autocast():
                     out = self.forward_model(
                         input_ids=ids_BS, labels=ids_BS, output_routing=True, use_cache=False
                     )
-                if self.engine is not None:
-                    self.engine.backward(out.loss)  # divides by grad_accum itself
-                    if micro < config.grad_accum - 1:
-                        self.engine.step()  # a micro-step; the last one steps (`ds_engine.boundary_step`)
-                else:
-                    loss = out.loss / config.grad_accum
-                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.backend.backward(out.loss, last)  # of the mean over this rank's grad_accum micro-batches
             parts = [out.loss, out.lm_loss, out.aux_loss, out.z_loss]  # STEP_LOSSES
             loss_sums += torch.tensor(
                 [0.0 if p is None else p.detach().float().item() for p in parts], dtype=torch.float64
@@ -544,29 +513,15 @@ class Trainer:
 
     def _apply_update(self, grad_norm: torch.Tensor) -> None:
         """A finite step: clip to ``optim.grad_clip`` by the global norm, then the optimizer (or scaler) step
-        (under DeepSpeed both happened in `ds_engine.boundary_step`)."""
+        (under DeepSpeed both happened in `finish_gradients`)."""
         self.bad_in_row = 0
-        if self.engine is not None:
-            return
-        grad_clip = self.config.optim.grad_clip
-        if grad_clip is not None and grad_norm > grad_clip:
-            scale = grad_clip / (grad_norm.item() + 1e-6)
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(scale)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.backend.apply_update(self.model, grad_norm)
 
     def _skip_update(self, losses_finite: bool) -> None:
         """A non-finite step: no update, counted. Under fp16 a finite loss with an overflowing gradient is the
         loss scale's fault, so the scaler backs off instead of the step counting towards divergence."""
         self.skipped_steps += 1
-        if self.scaler is not None and losses_finite:
-            self.scaler.update(self.scaler.get_scale() / 2)
-        else:
+        if self.backend.skip_update(losses_finite):
             self.bad_in_row += 1
 
     def _diverged_error(self, loss: float, grad_norm: float) -> TrainingDivergedError:
@@ -852,9 +807,7 @@ class Trainer:
         if self.monitor is not None:
             self.monitor.close()
         torch.use_deterministic_algorithms(self._determinism[0], warn_only=self._determinism[1])
-        if self.engine is not None:  # ends the process group the DeepSpeed way
-            ds_engine.close_engine(self.engine)
-            self.engine = None
+        self.backend.close()  # DeepSpeed: releases its engine and ends the process group its way
         par.shutdown_parallel(self.state)
         if self.lock is not None:
             self.lock.release()
