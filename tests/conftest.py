@@ -18,6 +18,22 @@ SHARED_FIXTURE_GROUPS = {
 }
 
 
+def _share_the_cores() -> None:
+    """Under xdist each worker takes its share of the cores, for its own torch and for the processes its tests
+    start (``OMP_NUM_THREADS``, unless set): with every worker's torch on every core, 2 workers on 2 cores ran
+    each in-process matmul oversubscribed (up to 30x slower for tiny ones, see `one_thread`), and a module
+    fixture that trains a model runs before any function fixture could lower it. Set at import, before any
+    fixture; a run without xdist (``-n 0``) keeps torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_share_the_cores()
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most four. Most of the suite's time is processes starting
     (importing torch and transformers takes one core ~10 s), which a second worker overlaps; past four,
