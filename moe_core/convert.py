@@ -718,27 +718,13 @@ def _glm4_moe_config_from_hf(hf) -> dict[str, Any]:
         qk_norm_per_head=bool(hf.use_qk_norm),
         rope_partial_factor=factor,
         rope_yarn=rope if rope_type == "yarn" else None,
-        ffn_activation="swiglu",
-        intermediate_size=hf.intermediate_size,
-        num_experts=hf.n_routed_experts,
-        num_experts_per_tok=hf.num_experts_per_tok,
-        expert_intermediate_size=hf.moe_intermediate_size,
-        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
-        num_shared_experts=hf.n_shared_experts,
-        shared_expert_intermediate_size=hf.moe_intermediate_size,
-        shared_expert_gate=False,
-        router="deepseek",
+        **_deepseek_moe_fields(hf),
         router_score="sigmoid",
-        router_topk_order="softmax_then_topk",
         norm_topk_prob=bool(hf.norm_topk_prob),
         router_groups=hf.n_group,
         router_topk_groups=hf.topk_group,
         router_group_score="top2_sum",
-        routed_scaling_factor=float(hf.routed_scaling_factor),
-        capacity_factor=None,
         router_aux_loss_coef=0.0,
-        router_bias_update_rate=0.0,
-        router_z_loss_coef=0.0,
     )
 
 
@@ -947,6 +933,31 @@ def _decoder_fields(hf) -> dict[str, Any]:
     )
 
 
+def _deepseek_moe_fields(hf) -> dict[str, Any]:
+    """The MoE fields DeepSeek-V3/V2 and GLM-4.5 configs share (their scoring, groups and balancing differ and are
+    the callers'): the first ``first_k_dense_replace`` layers dense of width ``intermediate_size``, routed SwiGLU
+    experts of width ``moe_intermediate_size`` with as many ungated shared experts of that width, the ``deepseek``
+    router selecting from softmax/sigmoid scores and scaling by ``routed_scaling_factor``; no capacity, no z-loss,
+    and a bias update rate of 0 (the published selection bias stays as it is unless set)."""
+    return dict(
+        ffn_activation="swiglu",
+        intermediate_size=hf.intermediate_size,
+        num_experts=hf.n_routed_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        expert_intermediate_size=hf.moe_intermediate_size,
+        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
+        num_shared_experts=hf.n_shared_experts,
+        shared_expert_intermediate_size=hf.moe_intermediate_size,
+        shared_expert_gate=False,
+        router="deepseek",
+        router_topk_order="softmax_then_topk",
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        capacity_factor=None,
+        router_bias_update_rate=0.0,
+        router_z_loss_coef=0.0,
+    )
+
+
 def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
     """Our config fields for a DeepSeek-V3 / V2 config (transformers 5.24 ``models/deepseek_v{3,2}``).
 
@@ -975,27 +986,13 @@ def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
         head_dim=hf.qk_rope_head_dim,
         rope_interleave=bool(hf.rope_interleave) if v3 else True,
         rope_yarn=_yarn_of(hf),
-        ffn_activation="swiglu",
-        intermediate_size=hf.intermediate_size,
-        num_experts=hf.n_routed_experts,
-        num_experts_per_tok=hf.num_experts_per_tok,
-        expert_intermediate_size=hf.moe_intermediate_size,
-        dense_layers=list(range(min(hf.first_k_dense_replace or 0, hf.num_hidden_layers))),
-        num_shared_experts=hf.n_shared_experts,
-        shared_expert_intermediate_size=hf.moe_intermediate_size,
-        shared_expert_gate=False,
-        router="deepseek",
+        **_deepseek_moe_fields(hf),
         router_score=_DEEPSEEK_SCORING[arch.model_type],
-        router_topk_order="softmax_then_topk",
         norm_topk_prob=bool(hf.norm_topk_prob) if v3 else False,
         router_groups=hf.n_group if grouped else 1,
         router_topk_groups=hf.topk_group if grouped else 1,
         router_group_score="top2_sum" if v3 else "max",
-        routed_scaling_factor=float(hf.routed_scaling_factor),
-        capacity_factor=None,
         router_aux_loss_coef=0.0 if v3 else float(getattr(hf, "aux_loss_alpha", 0.0) or 0.0),
-        router_bias_update_rate=0.0,
-        router_z_loss_coef=0.0,
     )
 
 
