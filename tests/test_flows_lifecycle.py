@@ -3,6 +3,7 @@ asserted through MlflowClient (nested runs, metrics, artifacts, registry aliases
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,7 @@ def test_failing_validation_stops_before_training_and_shows_in_mlflow(lab_env):
     params = LifecycleParams(
         validation=ValidationConfig(min_rows=10**6), promotion=PromotionParams(model_name="never-registered")
     )
+    started_ms = int(time.time() * 1000)  # the session's store may hold other tests' failed lifecycles
     state = lifecycle(params, return_state=True)
     assert state.is_failed()
     with pytest.raises(DataValidationError):
@@ -159,7 +161,8 @@ def test_failing_validation_stops_before_training_and_shows_in_mlflow(lab_env):
     client = MlflowClient()
     failed = client.search_runs(
         [client.get_experiment_by_name("moe-lab").experiment_id],
-        "tags.`moe_lab.flow` = 'lifecycle' and attributes.status = 'FAILED'",
+        "tags.`moe_lab.flow` = 'lifecycle' and attributes.status = 'FAILED' "
+        f"and attributes.start_time >= {started_ms}",
     )
     assert len(failed) == 1 and "DataValidationError" in failed[0].data.tags["failure_reason"]
     stages = stage_runs(client, failed[0].info.run_id)
