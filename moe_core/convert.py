@@ -958,6 +958,18 @@ def _deepseek_moe_fields(hf) -> dict[str, Any]:
     )
 
 
+def _deepseek_moe_hf_fields(config: MoEConfig) -> dict[str, Any]:
+    """`_deepseek_moe_fields` the other way: the MoE widths and layer split of a DeepSeek-V3/V2 or GLM-4.5
+    config (the dense layers are the first ``first_k_dense_replace``; refusals check that)."""
+    return dict(
+        n_routed_experts=config.num_experts,
+        moe_intermediate_size=config.expert_intermediate_size,
+        intermediate_size=config.intermediate_size,
+        n_shared_experts=config.num_shared_experts,
+        first_k_dense_replace=len(config.dense_layers),
+    )
+
+
 def _deepseek_config_from_hf(arch: HFArchitecture, hf) -> dict[str, Any]:
     """Our config fields for a DeepSeek-V3 / V2 config (transformers 5.24 ``models/deepseek_v{3,2}``).
 
@@ -1245,11 +1257,7 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
         del fields["router_aux_loss_coef"]  # (DeepSeek configs have none; V2's aux_loss_alpha below)
         v3 = arch.model_type == "deepseek_v3"
         fields.update(
-            n_routed_experts=config.num_experts,
-            moe_intermediate_size=config.expert_intermediate_size,
-            intermediate_size=config.intermediate_size,
-            n_shared_experts=config.num_shared_experts,
-            first_k_dense_replace=len(config.dense_layers),
+            **_deepseek_moe_hf_fields(config),
             q_lora_rank=config.q_lora_rank,
             kv_lora_rank=config.kv_lora_rank,
             qk_nope_head_dim=config.qk_nope_head_dim,
@@ -1290,11 +1298,7 @@ def hf_config_fields(arch: HFArchitecture, config: MoEConfig) -> dict[str, Any]:
             head_dim=config.head_dim,
             attention_bias=config.attention_bias,
             use_qk_norm=config.qk_norm,
-            n_routed_experts=config.num_experts,
-            moe_intermediate_size=config.expert_intermediate_size,
-            intermediate_size=config.intermediate_size,
-            n_shared_experts=config.num_shared_experts,
-            first_k_dense_replace=len(config.dense_layers),
+            **_deepseek_moe_hf_fields(config),
             n_group=config.router_groups,
             topk_group=config.router_topk_groups,
             routed_scaling_factor=config.routed_scaling_factor,
