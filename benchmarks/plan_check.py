@@ -124,7 +124,9 @@ def predicted_peak(args, preset: str, seq_len: int, nproc: int, ep: int, mode: s
     config = train_config(
         argparse.Namespace(**{**vars(args), "preset": preset, "seq_len": seq_len}), ep, mode, ckpt
     )
-    return plan.evaluate_layout(config, plan.model_params(config.model.build_config()), nproc, ep, mode, ckpt)
+    return plan.evaluate_layout(
+        config, plan.model_params(config.model.build_config()), nproc, ep, mode, ckpt, device="cpu"
+    )
 
 
 def run_layout(args, name: str, nproc: int, ep: int, mode: str, ckpt: bool, tmp: Path) -> dict:

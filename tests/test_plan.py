@@ -133,4 +133,16 @@ def test_check_layout_accepts_what_the_plan_recommends():
     p = plan.make_plan(config, gpus=2, gpu_memory_gb=1)
     rec = p.recommended
     chosen = config.with_overrides([f"parallel.ep_size={rec.ep_size}", f"parallel.dp_mode={rec.dp_mode}"])
-    assert plan.check_layout(chosen, 2, int(1 * plan.GIB)).peak == rec.peak
+    checked = plan.check_layout(chosen, 2, int(1 * plan.GIB))
+    assert checked.peak - checked.process == rec.peak  # a CPU run's check adds the process (rec: GPUs)
+
+
+def test_cpu_ranks_count_the_process_beside_the_tensors():
+    """On CPU the rank's peak adds the process's own memory (measured by benchmarks/plan_check.py); on CUDA the
+    device holds only tensors (the context is the headroom)."""
+    config = TrainConfig.from_preset("mixtral-tiny")
+    params = plan.model_params(config.model.build_config())
+    on_cuda = plan.evaluate_layout(config, params, 1, 1, "ddp", False)
+    on_cpu = plan.evaluate_layout(config, params, 1, 1, "ddp", False, device="cpu")
+    assert (on_cuda.process, on_cpu.process) == (0, plan.CPU_PROCESS_BYTES)
+    assert on_cpu.peak - on_cuda.peak == plan.CPU_PROCESS_BYTES

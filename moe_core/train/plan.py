@@ -47,10 +47,13 @@ recompute dispatches again); DDP an all-reduce of the dense gradients, 2 (W-1)/W
 gradients all-reduced over the W/ep data-parallel replicas; FSDP2 all-gathers the dense weights in forward and
 backward of every micro-step, 2 g (W-1)/W, and reduce-scatters the gradients once, (W-1)/W.
 
+On CPU ranks the peak adds what a training process holds beside its tensors (`CPU_PROCESS_BYTES`: Python
+objects of the model and trainer, gloo's buffers, threads, code loaded on first use; measured by
+`benchmarks/plan_check.py`'s near-empty launches). On CUDA that memory is the host's, not the device's.
+
 Not modelled: the allocator's fragmentation and caching (CUDA's caching allocator rounds up), CUDA context and
-NCCL buffers (about 0.5-1 GiB a GPU: `headroom_gb`), the process's memory beside tensors (Python objects, gloo,
-threads: 20-40 MiB on CPU, `benchmarks/plan_check.py` measures it), DeepSpeed, torch.compile, imbalance of
-routing under expert parallelism (R is taken as A, the balanced expectation). Predicted against the real
+NCCL buffers (about 0.5-1 GiB a GPU: `headroom_gb`), DeepSpeed, torch.compile, imbalance of routing under
+expert parallelism (R is taken as A, the balanced expectation). Predicted against the real
 trainer's peaks: benchmarks/README.md ("Planner").
 """
 
@@ -61,12 +64,19 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from moe_core.train import parallel as par
 from moe_core.train.build import build_meta_model
 from moe_core.train.config import TrainConfig
 
 GIB = 1024**3
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# A CPU training process's memory beside its tensors: 24-35 MiB per rank in benchmarks/plan_check.py's launches
+# of a model of a few hundred KiB (torch 2.13, gloo, 1-4 ranks; benchmarks/README.md "Planner")
+CPU_PROCESS_BYTES = 32 * 2**20
 
 
 class PlanError(par.ParallelError):
@@ -248,6 +258,7 @@ class Layout:
     data_parallel_buffers: int
     peak: int
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    process: int = 0  # the process's memory beside tensors, in `peak` (CPU ranks: CPU_PROCESS_BYTES)
     fits: bool = True
 
     @property
@@ -292,8 +303,10 @@ def evaluate_layout(
     ep_size: int,
     dp_mode: str,
     checkpointing: bool,
+    device: str = "cuda",
 ) -> Layout:
-    """Per-rank bytes and communication of one layout (rank 0: under FSDP2 its shards are the widest)."""
+    """Per-rank bytes and communication of one layout (rank 0: under FSDP2 its shards are the widest), on
+    ``device`` ranks ("cpu": the peak includes `CPU_PROCESS_BYTES`)."""
     c = config.model.build_config()
     a = ACT_BYTES[config.precision]
     micro = config.micro_batch_size(world)
@@ -333,7 +346,8 @@ def evaluate_layout(
         forward_extra = root + 2 * layer_dense
         grads_extra = root + 3 * layer_dense
     steady = weights + 2 * weights + dp_buffers
-    peak = step_peak(
+    process = CPU_PROCESS_BYTES if device == "cpu" else 0
+    peak = process + step_peak(
         by_layer, layer_acts, model_acts, head_transient, recompute, steady, grads_extra, forward_extra + a2a
     )
     g = config.grad_accum
@@ -352,7 +366,7 @@ def evaluate_layout(
     acts = sum(layer_acts) + model_acts
     return Layout(
         ep_size, dp_mode, checkpointing, world, micro, weights, weights, 2 * weights, acts, a2a,
-        dp_buffers, peak, comm,
+        dp_buffers, peak, comm, process=process,
     )  # fmt: skip
 
 
@@ -498,8 +512,9 @@ def check_layout(config: TrainConfig, world: int, memory_bytes: int | None) -> L
             f"{c.num_experts}; the planner's choices here: {', '.join(map(str, valid))} "
             f"(`moe-lab plan --gpus {world} --gpu-memory GB` compares them)"
         )
+    device = "cpu" if config.device == "cpu" or not torch.cuda.is_available() else "cuda"
     layout = evaluate_layout(
-        config, model_params(c), world, p.ep_size, p.dp_mode, config.activation_checkpointing
+        config, model_params(c), world, p.ep_size, p.dp_mode, config.activation_checkpointing, device
     )
     if memory_bytes is not None and layout.peak > memory_bytes:
         raise PlanError(
