@@ -67,7 +67,6 @@ from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
 from moe_core.finetune import export
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
-from moe_core.finetune.grpo import MoEGRPOTrainer, grpo_trainer, load_rewards
 from moe_core.finetune.methods import (
     MethodPlan,
     apply_method,
@@ -555,7 +554,12 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     reserved = config.grpo.max_completion_length if config.objective == "grpo" else 0
     check_lengths(tokenizer, framed, config.data.max_length, reserved)
     # GRPO's rewards: imported (and a reward model loaded) before the policy's weights load
-    rewards = load_rewards(config, plain) if config.objective == "grpo" else []
+    rewards = []
+    if config.objective == "grpo":
+        # TRL's GRPOTrainer imports MLflow (~50 MB resident): only GRPO runs load it
+        from moe_core.finetune import grpo
+
+        rewards = grpo.load_rewards(config, plain)
     config_of_model = (
         model.config if model is not None else base_model_config(config.model.path, config.quantize.base)
     )
@@ -768,8 +772,11 @@ def run_training(
             elif config.objective == "orpo":
                 trainer = MoEORPOTrainer(train_model, train_dataset=dataset, **trainer_kwargs)
             elif config.objective == "grpo":
+                # TRL's GRPOTrainer imports MLflow (~50 MB resident): only GRPO runs load it
+                from moe_core.finetune import grpo
+
                 del trainer_kwargs["processing_class"], trainer_kwargs["callbacks"]
-                trainer = grpo_trainer(
+                trainer = grpo.grpo_trainer(
                     config,
                     train_model,
                     inputs.tokenizer,
@@ -797,7 +804,7 @@ def run_training(
         jsonl.close()
         if isinstance(trainer, MoEORPOTrainer):
             trainer.remove_hooks()
-        if isinstance(trainer, MoEGRPOTrainer):
+        if config.objective == "grpo" and trainer is not None:
             trainer.close()
     metrics = read_jsonl(out_dir / "metrics.jsonl")
     if guard.last_step_skipped:  # the weights gave a non-finite loss or gradient: not a model to write
