@@ -27,6 +27,8 @@ AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
   `FinetuneConfig` refuses a field.
 
 A step is forward + backward + clip + optimizer step + zero_grad; model load and wrapping are timed apart.
+``--generate N``: after its steps each lab variant decodes N greedy tokens with its adapter on the base it trained
+on (QLoRA: the 4-bit experts, unmerged, which is what `moe_core.load(OUT)` rebuilds from a QLoRA output).
 ``--dtype float32`` runs both sides in float32 (on CPUs without AVX-512 BF16, torch's bf16 product in the
 layout of a frozen ``Linear``'s backward is the step's bulk: see benchmarks/README.md).
 The first ``--warmup`` steps are left out of the median. Memory per child: the peak resident set from the
@@ -193,7 +195,37 @@ def child_lab(spec: dict) -> dict:
     print(f"loaded in {load_s:.1f} s", flush=True)
     out = timed_steps(model, spec)
     out.update(load_s=load_s, memory_after_load_kib=memory_after_load, lab_config=config.model_dump())
+    if spec["generate"]:
+        out["generation"] = generate_after_training(model, spec)
     return out
+
+
+def generate_after_training(model, spec: dict) -> dict:
+    """``--generate N``: the trained model (the adapter over the base it trained on: 4-bit experts under
+    QLoRA, unmerged, as `moe_core.load(OUT)` rebuilds it) decodes N greedy tokens after the first 16 of the
+    benchmark's tokens, with a KV cache."""
+    import torch
+
+    from moe_core.finetune.methods import unwrap
+
+    trained = unwrap(model).eval()
+    prompt_BS = torch.tensor(spec["tokens"][:1], dtype=torch.long, device=spec["device"])[:, :16]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out_BS = trained.generate(
+            input_ids=prompt_BS,
+            max_new_tokens=spec["generate"],
+            min_new_tokens=spec["generate"],
+            do_sample=False,
+        )
+    seconds = time.perf_counter() - t0
+    new = out_BS[0, prompt_BS.shape[1] :].tolist()
+    print(f"generated {len(new)} tokens in {seconds:.1f} s", flush=True)
+    return {
+        "new_tokens": len(new),
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(len(new) / seconds, 3),
+    }
 
 
 def child_main(kind: str, spec_path: Path, result_path: Path) -> int:
@@ -516,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", default=[], help="run only these variants (repeatable)")
     parser.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        help="after its steps, each lab variant greedily decodes this many tokens with its adapter",
+    )
+    parser.add_argument(
         "--baseline-env",
         choices=sorted(BASELINE_ENVS),
         help="run the baseline in an environment this script builds and caches (pinned versions, see top)",
@@ -588,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "gradient_checkpointing": args.gradient_checkpointing,
         "baseline_targets": baseline_targets(config["model_type"]),
+        "generate": args.generate,
     }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ft-scale-") as tmp:

@@ -13,6 +13,8 @@ The kind is read from the directory's files, never from its name (first match wi
                                               (ours for a HF-origin model, or stock PEFT's on OlmoeForCausalLM
                                               etc.: finetune/hf_adapter.py converts it exactly or refuses)
     finetuned    finetune_config.json         a fine-tuning output directory: its merged/ model, else adapter/
+                                              (a QLoRA fine-tune's on its base quantized again as it trained:
+                                              finetune/qlora.py, unmerged)
     checkpoint   manifest.json + trainer_state.json   a training checkpoint (format 2, moe_core.train.checkpoint):
                                               replicated weights and expert shards gathered into one model
     run          checkpoints/step_* or final/ a training output directory: its exported final/ model, else its
@@ -154,7 +156,18 @@ def load(
     or a Hugging Face one, in its stored dtype; other kinds are refused)."""
     directory = _local(path)
     kind = detect(directory)
-    if kind in ("run", "finetuned"):
+    if kind == "finetuned" and _trained_on_quantized_base(directory):
+        if memory_map:
+            raise LoadError(
+                f"{directory}: a QLoRA fine-tune loads on its quantized base, not memory-mapped: load without "
+                "memory_map (or give its adapter/ directory to merge it into the full-precision base)"
+            )
+        # the fine-tuning stack (peft, the LoRA wrappers), imported only for a QLoRA output; it does not import
+        # this module back
+        from moe_core.finetune.qlora import load_qlora
+
+        model = load_qlora(directory, base=base, dtype=dtype)
+    elif kind in ("run", "finetuned"):
         loaded = load(
             _inner(directory, kind),
             device=device,
@@ -166,7 +179,7 @@ def load(
         if kind == "finetuned":
             loaded.kind = "finetuned"
         return loaded
-    if memory_map:
+    elif memory_map:
         if kind not in MAPPABLE:
             raise LoadError(
                 f"{directory}: a {kind} checkpoint is not memory-mapped (its weights are {_NOT_MAPPED[kind]}); "
@@ -205,6 +218,18 @@ def load(
         except DataError as err:  # the model loads without them; `loaded.tokenizer` raises it when used
             logger.warning("%s: special-token ids not taken from its tokenizer: %s", directory, err)
     return loaded
+
+
+def _trained_on_quantized_base(directory: Path) -> bool:
+    """A fine-tuning output of QLoRA (``quantize.base`` recorded) holding its adapter and no merged model: it
+    loads on the quantized base it trained on (`moe_core.finetune.qlora`)."""
+    if (directory / "merged").is_dir() or not (directory / "adapter").is_dir():
+        return False
+    try:
+        recorded = json.loads((directory / FINETUNE_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise LoadError(f"{directory / FINETUNE_CONFIG}: unreadable ({err})") from None
+    return (recorded.get("quantize") or {}).get("base") is not None
 
 
 def memory_map_refusal(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> str | None:

@@ -227,11 +227,14 @@ def test_merging_into_4_bit_experts_is_refused_naming_what_to_do():
 def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_the_full_precision_base(
     tmp_path,
 ):
+    """... and the output directory loads on the base it trained on (quantized again, the adapter unmerged):
+    the trained model's logits and greedy tokens, where the full-precision merge differs."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from moe_core import load
     from moe_core.finetune import FinetuneConfig, finetune
+    from moe_core.finetune.methods import unwrap
     from tests.finetune_helpers import instruction_records
     from tests.test_finetune_hf import hf_checkpoint
 
@@ -262,12 +265,23 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
         stock = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(source), str(result.adapter_dir)
         )
-        merged = load(tmp_path / "out").model
+        merged = load(tmp_path / "out" / "adapter").model
         torch.testing.assert_close(
             merged(input_ids=x).logits, stock.eval()(input_ids=x).logits, atol=1e-5, rtol=1e-5
         )
         original = AutoModelForCausalLM.from_pretrained(source).eval()
         assert not torch.allclose(original(input_ids=x).logits, merged(input_ids=x).logits, atol=1e-4)
+        # the output directory: the 4-bit base it trained on, with the adapter, as training left it
+        loaded = load(tmp_path / "out")
+        trained = unwrap(result.model).eval()
+        assert loaded.kind == "finetuned" and any(
+            isinstance(m, QuantizedExperts) for m in loaded.model.modules()
+        )
+        torch.testing.assert_close(loaded.model(input_ids=x).logits, trained(input_ids=x).logits)
+        assert not torch.allclose(loaded.model(input_ids=x).logits, merged(input_ids=x).logits, atol=1e-4)
+        prompt = loaded.tokenizer("hello", return_tensors="pt")
+        tokens = loaded.model.generate(**prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, trained.generate(**prompt, max_new_tokens=6, do_sample=False))
 
 
 def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):

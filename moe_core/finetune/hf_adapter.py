@@ -578,6 +578,19 @@ def _router_bias_of(key: str, names: NameMap) -> str | None:
     return {v5_module(hf, names.arch): ours for hf, ours in names.hf_router_biases.items()}.get(module)
 
 
+def stack_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter, and of every expert stack held in another form (`QuantizedExperts`' codes,
+    `MappedExperts`' per-expert tensors: ``stack_shape``) as the dense ``[E, O, I]`` stack it stands for."""
+    unwrapped = lambda name: name.replace(".base_layer", "")  # noqa: E731  (under PEFT's wrappers too)
+    shapes = {unwrapped(name): tuple(p.shape) for name, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if hasattr(module, "stack_shape") and hasattr(module, "projections"):
+            shapes.update(
+                {unwrapped(f"{name}.{proj}"): module.stack_shape(proj) for proj in module.projections}
+            )
+    return shapes
+
+
 def _read_v5(
     model, directory, names, r, tensors, source_of, expert_factors, lora_targets, saved_modules, router_biases
 ):
@@ -613,14 +626,14 @@ def _read_v5(
             our_key = f"{PREFIX}{ours}.{rest}"
             tensors[our_key], source_of[our_key] = f.get_tensor(key), key
             (lora_targets if rest.startswith("lora_") else saved_modules).add(ours)
-    stacks = dict(model.named_parameters())
+    stacks = stack_shapes(model)
     for param, pair in fused.items():
         if set(pair) != set(LORA_FACTORS):
             raise AdapterConversionError(
                 f"{weights_file}: {param} has {sorted(pair)} but not both LoRA factors"
             )
         prefix, kind = param.rsplit(".", 1)
-        E = stacks[f"{prefix}.down_proj"].shape[0]
+        E = stacks[f"{prefix}.down_proj"][0]
         A, B = pair["lora_A.weight"], pair["lora_B.weight"]
         A_ERI, B_ORE = A.view(E, -1, A.shape[-1]), B.view(B.shape[0], -1, E)
         interleaved = names.arch.model_type == "gpt_oss"
@@ -628,7 +641,7 @@ def _read_v5(
             split_gate_up(A_ERI, B_ORE, r, interleaved) if kind == "gate_up_proj" else {kind: (A_ERI, B_ORE)}
         )
         for proj, (A_ERI, B_ORE) in projs.items():
-            rows, cols = tuple(stacks[f"{prefix}.{proj}"].shape[1:])  # our stack is [E, O, I]
+            rows, cols = stacks[f"{prefix}.{proj}"][1:]  # our stack is [E, O, I]
             if (B_ORE.shape[0], A_ERI.shape[2]) != (rows, cols):
                 key = next(k for k, (p, _) in wrapper_factor.items() if p == param)
                 raise AdapterConversionError(
@@ -640,10 +653,12 @@ def _read_v5(
                     expert_factors[f"{prefix}.{proj}"][e] = {"A": A_ERI[e], "B": B_ORE[:, :, e]}
 
 
-def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"):
+def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default", *, into=None):
     """Our PeftModel: ``model`` (our `MoEForCausalLM` converted from the HF architecture) with the HF-named LoRA
     adapter in ``directory`` applied exactly (per-expert factors stacked into ParamWrapper's layout, zeros for
-    experts it does not cover). Refuses, naming the file and field or key, what our model cannot represent."""
+    experts it does not cover). Refuses, naming the file and field or key, what our model cannot represent.
+    ``into``: a PeftModel of ``model`` already holding the adapter's wrappers (a QLoRA model rebuilt the way it
+    trained, `moe_core.finetune.qlora`): the factors are placed there, and its keys must be the file's."""
     directory = Path(directory)
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     raw = read_adapter_config(directory)
@@ -664,7 +679,7 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
         )
     names = name_map(model.config)
     hf_modules, hf_experts = names.hf_modules, names.hf_experts
-    stacks = dict(model.named_parameters())
+    stacks = stack_shapes(model)
     r = int(raw.get("r", 8))  # LoraConfig's default
 
     tensors: dict[str, torch.Tensor] = {}  # our keys, as get_peft_model_state_dict names them
@@ -709,7 +724,7 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
                 stack, e = hf_experts[module]
                 tensor = f.get_tensor(key)
                 A_or_B = "A" if rest == "lora_A.weight" else "B"
-                rows, cols = tuple(stacks[stack].shape[1:])  # our stack is [E, O, I]
+                rows, cols = stacks[stack][1:]  # our stack is [E, O, I]
                 expected = (r, cols) if A_or_B == "A" else (rows, r)
                 if tuple(tensor.shape) != expected:
                     raise AdapterConversionError(
@@ -749,12 +764,12 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
         modules_to_save=sorted(saved_modules) or None,
         base_model_name_or_path=raw.get("base_model_name_or_path"),
     )
-    peft_model = get_peft_model(model, lora_config, adapter_name=adapter_name)
+    peft_model = into if into is not None else get_peft_model(model, lora_config, adapter_name=adapter_name)
     for name, wrapper in _param_wrappers(peft_model).items():
         stack = _stack_name(name, wrapper)
         if stack not in expert_factors:
             continue
-        E, O, I = stacks[stack].shape
+        E, O, I = stacks[stack]
         A_ERI = torch.zeros(E, r, I, dtype=torch.float32)
         B_ORE = torch.zeros(O, r, E, dtype=torch.float32)
         for e, pair in expert_factors[stack].items():

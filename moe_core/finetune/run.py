@@ -104,11 +104,12 @@ from moe_core.finetune.parallel import (
     shard_experts,
     world_size,
 )
+from moe_core.finetune.qlora import base_quant_config
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
-from moe_core.quantized import QuantConfig, QuantizedExperts, load_quantizing_experts
+from moe_core.quantized import QuantizedExperts, load_quantizing_experts
 from moe_core.reward_model import MoEForSequenceClassification, reward_model_from
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
@@ -198,20 +199,6 @@ def memory_map_base(config: FinetuneConfig) -> bool:
         flush=True,
     )
     return False
-
-
-def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
-    """How the frozen base experts are held under QLoRA (``quantize.base``), or None."""
-    base = config.quantize.base
-    if base is None:
-        return None
-    if base == "int8":
-        return QuantConfig(bits=8)
-    group_size = config.quantize.group_size
-    codebook = "nf4" if base == "nf4" else "int"
-    return QuantConfig(
-        bits=4, group_size=group_size, block_size=group_size, codebook=codebook
-    )  # block: GPTQ's
 
 
 def frame_with_template(tokenizer, chat_template: str | None):

@@ -119,8 +119,9 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
         hf = bool(model_config.hf_origin) and not large and not quantized and config.objective != "reward"
     if quantized and (config.export.merged is None or config.export.hf is None):
         notes.append(
-            f"quantize.base={config.quantize.base}: only the adapter is written (it applies to the full-precision "
-            "base: moe_core.load('OUT/adapter') merges it there)"
+            f"quantize.base={config.quantize.base}: only the adapter is written; `moe-lab generate OUT` and "
+            "moe_core.load('OUT') run it on the base quantized again as it trained, moe_core.load('OUT/adapter') "
+            "merges it into the full-precision base"
         )
     skipped = [
         name
