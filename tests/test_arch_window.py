@@ -1,0 +1,178 @@
+"""Sliding-window layers keep only their window (gpt-oss; issue 32), window-aware FLOPs, and the aux-loss-free
+bias kept in fp32.
+
+The KV cache: `MoEConfig.layer_types` / `sliding_window` (views of `attention_window`) make transformers'
+``DynamicCache(config=)`` give each window layer a ``DynamicSlidingWindowLayer`` that keeps its last window - 1
+keys; the model masks each layer against the keys it kept (`window_mask_for`). Held equal, past twice the
+window, to the keep-everything cache (plain ``DynamicCache()``: every layer a growing ``DynamicLayer``) and to
+transformers' own ``GptOssForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+from moe_core.convert import from_hf
+from moe_core.inference.compile import full_attention_layout
+from tests.helpers import randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+ATOL = 1e-5
+WINDOW = 4
+HF_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    swiglu_limit=1.5,
+)
+PROMPT, NEW = 5, 8  # 13 tokens > 2 x window
+GREEDY = dict(
+    max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    torch.manual_seed(0)
+    hf_model = GptOssForCausalLM(GptOssConfig(**HF_TINY)).eval()
+    randomize_(hf_model)
+    directory = tmp_path_factory.mktemp("gptoss-window")
+    hf_model.save_pretrained(directory)
+    return hf_model, from_hf(directory)
+
+
+def prompt(batch=1, seed=3) -> torch.Tensor:
+    return torch.randint(
+        1, HF_TINY["vocab_size"], (batch, PROMPT), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def assert_same(a, b) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ the KV cache
+def test_the_config_speaks_transformers_cache_vocabulary(models):
+    _, ours = models
+    config = ours.config
+    assert config.attention_window == WINDOW and config.sliding_window == WINDOW
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (
+        "layer_types" not in config.to_dict() and "sliding_window" not in config.to_dict()
+    )  # views, not saved
+    kinds = [type(layer) for layer in DynamicCache(config=config).layers]
+    assert kinds == [DynamicSlidingWindowLayer, DynamicLayer, DynamicSlidingWindowLayer]
+
+
+def test_generation_past_twice_the_window_keeps_only_the_window(models):
+    hf_model, ours = models
+    ids = prompt()
+    with torch.no_grad():
+        windowed = ours.generate(ids, **GREEDY)  # generate's own cache, built from the config
+        kept = DynamicCache()  # keep everything: every layer a growing DynamicLayer
+        everything = ours.generate(ids, cache=kept, **GREEDY)
+        theirs = hf_model.generate(ids, **GREEDY)
+    assert_same(windowed, everything)
+    assert_same(windowed, theirs)
+    total = windowed.sequences.shape[1]
+    assert total > 2 * WINDOW
+    cache = windowed.cache
+    lengths = [layer.keys.shape[-2] for layer in cache.layers]
+    # the last token is never fed back; a window layer keeps its last window - 1 keys, a full layer all of them
+    assert lengths == [WINDOW - 1, total - 1, WINDOW - 1]
+    assert [layer.keys.shape[-2] for layer in kept.layers] == [
+        total - 1
+    ] * 3  # (the comparison meant something)
+
+
+def test_the_cached_length_stays_within_the_window_at_every_step(models):
+    _, ours = models
+    ids = torch.randint(1, HF_TINY["vocab_size"], (1, 3 * WINDOW), generator=torch.Generator().manual_seed(5))
+    cache = DynamicCache(config=ours.config)
+    with torch.no_grad():
+        full = ours(ids, use_cache=False).logits
+        for t in range(ids.shape[1]):
+            step = ours(ids[:, t : t + 1], cache=cache, use_cache=True).logits
+            torch.testing.assert_close(step[:, -1], full[:, t], atol=ATOL, rtol=0)
+            assert (
+                cache.layers[0].keys.shape[-2] <= WINDOW - 1 and cache.layers[2].keys.shape[-2] <= WINDOW - 1
+            )
+            assert cache.layers[1].keys.shape[-2] == t + 1
+
+
+def test_a_left_padded_batch_past_the_window_matches_keep_everything_and_transformers(models):
+    hf_model, ours = models
+    ids = prompt(batch=2, seed=7)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # the second prompt is 2 tokens shorter, padded on the left
+    with torch.no_grad():
+        windowed = ours.generate(ids, attention_mask=mask, **GREEDY)
+        everything = ours.generate(ids, attention_mask=mask, cache=DynamicCache(), **GREEDY)
+        theirs = hf_model.generate(ids, attention_mask=mask, **GREEDY)
+    assert_same(windowed, everything)
+    assert_same(windowed, theirs)
+    assert windowed.cache.layers[0].keys.shape[-2] == WINDOW - 1
+
+
+def test_a_prompt_longer_than_the_window_then_decoding(models):
+    """Prefill past the window (the sliding layer hands back every new key once, then keeps window - 1)."""
+    hf_model, ours = models
+    ids = torch.randint(
+        1, HF_TINY["vocab_size"], (1, 2 * WINDOW + 1), generator=torch.Generator().manual_seed(9)
+    )
+    with torch.no_grad():
+        windowed = ours.generate(ids, **{**GREEDY, "max_new_tokens": 3})
+        theirs = hf_model.generate(ids, **{**GREEDY, "max_new_tokens": 3})
+    assert_same(windowed, theirs)
+
+
+def test_static_caches_window_layers_and_the_compiled_path_full_layers(models):
+    """transformers' static cache (``generate(cache_implementation="static")``) gives a window layer a
+    window-sized StaticSlidingWindowLayer, and the model masks against it; the lab's compiled decode keeps
+    full-length static layers (`full_attention_layout` says why), masked by the window."""
+    _, ours = models
+    ids = prompt(seed=11)
+    with torch.no_grad():
+        dynamic = ours.generate(ids, **GREEDY)
+        static = ours.generate(ids, cache_implementation="static", **GREEDY)
+    assert_same(static, dynamic)
+    assert [type(layer) for layer in static.cache.layers] == [
+        StaticSlidingWindowLayer,
+        StaticLayer,
+        StaticSlidingWindowLayer,
+    ]
+    assert static.cache.layers[0].keys.shape[-2] == WINDOW
+
+    total = PROMPT + NEW
+    cache = StaticCache(config=full_attention_layout(ours.config), max_cache_len=total)
+    assert all(type(layer) is StaticLayer for layer in cache.layers)
+    sequence = dynamic.sequences
+    with torch.no_grad():
+        full = ours(sequence, use_cache=False).logits
+        ours(sequence[:, :PROMPT], cache=cache, use_cache=True)
+        for t in range(PROMPT, total):
+            step = ours(sequence[:, t : t + 1], cache=cache, use_cache=True).logits
+            torch.testing.assert_close(step[:, -1], full[:, t], atol=ATOL, rtol=0)
