@@ -22,7 +22,10 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from moe_core.analytics.cost import cost_report
+from moe_core.config import get_config
 from moe_core.convert import from_hf
+from moe_core.flops import flops_per_token
 from moe_core.inference.compile import full_attention_layout
 from tests.helpers import randomize_
 
@@ -176,3 +179,35 @@ def test_static_caches_window_layers_and_the_compiled_path_full_layers(models):
         for t in range(PROMPT, total):
             step = ours(sequence[:, t : t + 1], cache=cache, use_cache=True).logits
             torch.testing.assert_close(step[:, -1], full[:, t], atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def test_attention_flops_count_each_layers_keys_by_hand():
+    """A sliding layer's query sees at most `attention_window` keys, a full layer's the whole context (PaLM's
+    count, not halved for causality): 2 (QK^T) + 2 (AV) FLOPs per key per head dim per head."""
+    config = get_config("gptoss-tiny", attention_window=4, attention_window_layers=[0])  # 2 layers
+    H, Hd = config.num_attention_heads, config.head_dim
+    assert (config.num_hidden_layers, H, Hd) == (2, 4, 16)
+    # layer 0 (window 4) sees 4 keys at a context of 10, layer 1 (full) all 10
+    assert flops_per_token(config, 10).attention_scores == 4 * H * Hd * (4 + 10) == 3584
+    # within the window both see the whole context
+    assert flops_per_token(config, 3).attention_scores == 4 * H * Hd * (3 + 3)
+    every_layer = get_config("gptoss-tiny", attention_window=4, attention_window_layers=None)
+    assert flops_per_token(every_layer, 10).attention_scores == 4 * H * Hd * (4 + 4)
+    full = get_config("gptoss-tiny", attention_window=None, attention_window_layers=None)
+    assert flops_per_token(full, 10).attention_scores == 4 * H * Hd * (10 + 10)
+    # the rest of the count does not move, and the cost report reads the same numbers
+    windowed, unwindowed = flops_per_token(config, 10), flops_per_token(full, 10)
+    assert (
+        windowed.forward_active - windowed.attention_scores
+        == unwindowed.forward_active - unwindowed.attention_scores
+    )
+    report = cost_report(config, tokens_per_s=1000.0, device="cpu", seq_len=10)
+    assert report.flops.attention_scores == 3584
+
+
+def test_mla_attention_flops_count_its_own_widths():
+    config = get_config("deepseek-tiny")
+    L, H = config.num_hidden_layers, config.num_attention_heads
+    widths = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    assert flops_per_token(config, 10).attention_scores == 2 * 10 * H * widths * L
