@@ -502,6 +502,9 @@ class MoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True
     _supports_cache_class = True
+    # the aux-loss-free selection bias is fp32 whatever the dtype (`moe_core.routing.AuxLossFreeRouter` keeps it so
+    # through every cast); declared to transformers' loader too, as DeepSeek-V3 declares e_score_correction_bias
+    _keep_in_fp32_modules_strict = ["expert_bias"]
 
     def save_pretrained(self, *args, **kwargs):
         # transformers unwraps the model through accelerate, which imports DeepSpeed where it is installed: its

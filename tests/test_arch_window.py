@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.cache_utils import (
     DynamicCache,
@@ -22,9 +23,10 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from moe_core import MoEForCausalLM, load
 from moe_core.analytics.cost import cost_report
 from moe_core.config import get_config
-from moe_core.convert import from_hf
+from moe_core.convert import from_hf, to_hf
 from moe_core.flops import flops_per_token
 from moe_core.inference.compile import full_attention_layout
 from tests.helpers import randomize_
@@ -211,3 +213,68 @@ def test_mla_attention_flops_count_its_own_widths():
     L, H = config.num_hidden_layers, config.num_attention_heads
     widths = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
     assert flops_per_token(config, 10).attention_scores == 2 * 10 * H * widths * L
+
+
+# ------------------------------------------------------------------------------------------------ fp32 bias
+RATE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def bf16_deepseek():
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("deepseek-tiny", router_bias_update_rate=RATE)).to(torch.bfloat16)
+    with torch.no_grad():  # where bf16's spacing (2**-8 at 0.5) is wider than a step: bf16 would not move
+        model.routers()[0].expert_bias.fill_(0.5)
+    return model
+
+
+def expert_biases(model) -> list[torch.Tensor]:
+    return [router.expert_bias for router in model.routers()]
+
+
+def test_the_selection_bias_of_a_bf16_model_moves_by_update_rate_steps(bf16_deepseek):
+    model = bf16_deepseek
+    assert torch.tensor(0.5, dtype=torch.bfloat16) + RATE == 0.5  # (why it must stay fp32)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert all(bias.dtype == torch.float32 for bias in expert_biases(model))
+    model.half().bfloat16()  # every cast keeps it, and keeps its value
+    (bias,) = expert_biases(model)
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.full_like(bias, 0.5))
+    before = bias.clone()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    try:
+        model(ids, labels=ids).loss.backward()
+        model.update_router_biases()
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    (after,) = expert_biases(model)
+    steps = (after - before) / RATE
+    assert after.dtype == torch.float32
+    torch.testing.assert_close(steps.abs(), torch.ones_like(steps), atol=1e-4, rtol=0)  # every expert moved
+    assert (steps > 0).any() and (steps < 0).any()
+
+
+def test_the_fp32_bias_survives_save_load_and_conversion_both_ways(bf16_deepseek, tmp_path):
+    model = bf16_deepseek
+    with torch.no_grad():
+        model.routers()[0].expert_bias.copy_(0.5 + RATE * torch.arange(model.config.num_experts))
+    (saved,) = [bias.clone() for bias in expert_biases(model)]
+    model.save_pretrained(tmp_path / "ours")
+    with safe_open(tmp_path / "ours" / "model.safetensors", "pt") as f:
+        stored = [f.get_tensor(k) for k in f.keys() if k.endswith("expert_bias")]
+    assert [t.dtype for t in stored] == [torch.float32] and torch.equal(stored[0], saved)
+    reloaded = [
+        MoEForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16),
+        load(tmp_path / "ours", dtype=torch.bfloat16).model,
+    ]
+    to_hf(model, tmp_path / "hf", "deepseek_v3")
+    reloaded.append(from_hf(tmp_path / "hf", dtype=torch.bfloat16))
+    for loaded in reloaded:
+        assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+        (bias,) = expert_biases(loaded)
+        assert bias.dtype == torch.float32 and torch.equal(bias, saved)
+    with safe_open(next((tmp_path / "hf").glob("*.safetensors")), "pt") as f:
+        (name,) = [k for k in f.keys() if k.endswith("e_score_correction_bias")]
+        assert f.get_tensor(name).dtype == torch.float32
