@@ -173,9 +173,9 @@ class MoEConfig(PreTrainedConfig):
         # gpt-oss: a learned logit per head in the softmax's denominator (self_attn.sinks), Xiao et al. 2024
         self.attention_sinks = attention_sinks
         # gpt-oss: causal attention over the last `attention_window` keys (the query's own included) in the layers
-        # `attention_window_layers` (None: every layer); full attention elsewhere. Not named sliding_window /
-        # layer_types on purpose: transformers' DynamicCache reads those and would keep only the window's keys,
-        # which our masks do not expect (our cache keeps every key)
+        # `attention_window_layers` (None: every layer); full attention elsewhere. transformers' names for the
+        # same thing, `layer_types` and `sliding_window`, are read-only views of these two (below), so its caches
+        # keep only the window's keys in those layers
         self.attention_window = attention_window
         self.attention_window_layers = (
             list(attention_window_layers) if attention_window_layers is not None else None
@@ -447,6 +447,22 @@ class MoEConfig(PreTrainedConfig):
         window = getattr(self, "attention_window", None)
         layers = getattr(self, "attention_window_layers", None)
         return window is not None and (layers is None or layer_idx in layers)
+
+    # transformers' vocabulary for the windows, derived from ours (read-only, never saved): DynamicCache(config=)
+    # and StaticCache(config=) read them (cache_utils.get_layer_types_and_kwargs) and give each window layer a
+    # DynamicSlidingWindowLayer / StaticSlidingWindowLayer that keeps only its last `attention_window` - 1 keys;
+    # `generate` builds its cache that way, and so does `MoEModel.forward` (the mask follows each layer's kept
+    # keys: `moe_core.model.window_mask_for`)
+    @property
+    def layer_types(self) -> list[str] | None:
+        layers = getattr(self, "num_hidden_layers", None)
+        if layers is None:  # (PreTrainedConfig.__init__ reads it before ours has set the fields)
+            return None
+        return ["sliding_attention" if self.is_window_layer(i) else "full_attention" for i in range(layers)]
+
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self, "attention_window", None)
 
     @property
     def moe_layer_ids(self) -> list[int]:

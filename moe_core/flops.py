@@ -5,17 +5,18 @@ A matmul of an [n, m] weight costs ``2 * n * m`` FLOPs per token in the forward 
 training costs 3x the forward (backward = 2x forward). Per token:
 
 - attention projections: ``2 * D * Hd * (2H + 2G)`` per layer (q, o: H heads; k, v: G kv heads);
-- attention scores: ``2 * 2 * S * H * Hd`` per layer (QK^T and AV over a context of S tokens, not halved
-  for causality, as PaLM appendix B counts it);
+- attention scores: ``2 * 2 * S_l * H * Hd`` per layer (QK^T and AV over the S_l keys a query sees, not
+  halved for causality, as PaLM appendix B counts it): S_l = S in a full-attention layer, min(S, window) in a
+  sliding-window one (gpt-oss's ``attention_window`` layers; `attended_keys`);
 - dense FFN layers: ``2 * ffn_params``; MoE layers: router ``2 * D * E``, routed experts
   ``2 * K * expert_params`` active (``2 * E * expert_params`` if every expert ran on every token: the
   ``total`` column, what the dense-equal-total model pays), shared experts and their gate;
 - LM head ``2 * D * V`` (the input embedding is a lookup).
 
 Norm weights, biases, softmax, RoPE and the expert-dispatch bookkeeping are elementwise work and left out. So
-``training_active = 6 * N + 12 * L * H * Hd * S`` with N the weights a token is multiplied through (PaLM,
-Chowdhery et al. 2022, appendix B; N is `moe_core.config.parameter_counts`' active count without the input
-embedding, norms and biases).
+``training_active = 6 * N + 12 * H * Hd * sum_l S_l`` (``12 * L * H * Hd * S`` without windows) with N the weights
+a token is multiplied through (PaLM, Chowdhery et al. 2022, appendix B; N is `moe_core.config.parameter_counts`'
+active count without the input embedding, norms and biases).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
     if moe_layers and config.num_shared_experts:
         shared = config.num_shared_experts * ffn_params(config, config.shared_expert_intermediate_size)
         shared += D if config.shared_expert_gate else 0
-    attention_proj, attention_scores = 2.0 * D * Hd * (2 * H + 2 * G) * L, 2.0 * 2 * seq_len * H * Hd * L
+    attention_proj = 2.0 * D * Hd * (2 * H + 2 * G) * L
+    attention_scores = 2.0 * 2 * H * Hd * attended_keys(config, seq_len)
     if getattr(config, "attention_type", "mha") == "mla":
         attention_proj, attention_scores = mla_flops(config, seq_len)
     return FlopsBreakdown(
@@ -125,6 +127,19 @@ def flops_per_token(config: MoEConfig, seq_len: int) -> FlopsBreakdown:
     )
 
 
+def attended_keys(config: MoEConfig, seq_len: int) -> int:
+    """Keys one query attends to at context length ``seq_len``, summed over the layers: ``seq_len`` in a
+    full-attention layer, at most ``attention_window`` in a sliding-window one (`MoEConfig.is_window_layer`;
+    the model's `window_mask_for`). Multi-head latent attention has no window (`MultiHeadLatentAttention`)."""
+    if getattr(config, "attention_type", "mha") == "mla":
+        return seq_len * config.num_hidden_layers
+    window = getattr(config, "attention_window", None)
+    return sum(
+        min(seq_len, window) if config.is_window_layer(i) else seq_len
+        for i in range(config.num_hidden_layers)
+    )
+
+
 def mla_flops(config: MoEConfig, seq_len: int) -> tuple[float, float]:
     """Multi-head latent attention's projection and score FLOPs per token (`moe_core.model.
     MultiHeadLatentAttention`): every projection's weights once per token (kv_b_proj expands each token's latent
@@ -133,7 +148,8 @@ def mla_flops(config: MoEConfig, seq_len: int) -> tuple[float, float]:
     L, H = config.num_hidden_layers, config.num_attention_heads
     norms = config.kv_lora_rank + (config.q_lora_rank or 0)
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    return 2.0 * (mla_attention_params(config) - norms) * L, 2.0 * seq_len * H * (qk + config.v_head_dim) * L
+    scores = 2.0 * attended_keys(config, seq_len) * H * (qk + config.v_head_dim)
+    return 2.0 * (mla_attention_params(config) - norms) * L, scores
 
 
 def peak_flops(device_name: str | None) -> float | None:

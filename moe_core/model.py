@@ -448,21 +448,34 @@ def attention_mask_for(attention_mask_BL, cache_position_S, key_len: int, query_
     key_pos_L = torch.arange(key_len, device=cache_position_S.device)
     allowed_BqL = (key_pos_L[None, :] <= cache_position_S[:, None])[None, None]
     if attention_mask_BL is not None:
-        allowed_BqL = allowed_BqL & attention_mask_BL[:, None, None, :key_len].bool()
+        allowed_BqL = allowed_BqL & padding_mask_for(attention_mask_BL, 0, key_len)[:, None, None, :]
     return allowed_BqL | ~allowed_BqL.any(dim=-1, keepdim=True)
 
 
-def window_mask_for(attention_mask_BL, cache_position_S, key_len: int, window: int):
+def padding_mask_for(attention_mask_BL, key_offset: int, key_len: int):
+    """Boolean [B, L] (True = a real token) for the L keys from cache position ``key_offset`` on. A mask shorter
+    than the keys (transformers' ``generate`` on a StaticCache passes the tokens so far, the cache holds
+    max_cache_len slots) counts the slots past it as real: they lie in the future, which the causal part masks."""
+    padding_BL = attention_mask_BL[:, key_offset : key_offset + key_len].bool()
+    missing = key_len - padding_BL.shape[-1]
+    return F.pad(padding_BL, (0, missing), value=True) if missing > 0 else padding_BL
+
+
+def window_mask_for(attention_mask_BL, cache_position_S, key_len: int, window: int, key_offset: int = 0):
     """Boolean [B, 1, S, L] mask (True = attend) of causal attention over the last ``window`` keys, the query's own
     included (gpt-oss's sliding layers; transformers' masking_utils.sliding_window_overlay: k > q - window). Rows
-    with no key left attend everywhere instead, as in `attention_mask_for`."""
-    key_pos_L = torch.arange(key_len, device=cache_position_S.device)
+    with no key left attend everywhere instead, as in `attention_mask_for`.
+
+    The L keys are those the layer's cache hands back, from cache position ``key_offset`` on: a sliding cache
+    layer (transformers' DynamicSlidingWindowLayer) keeps only the last window - 1, so its keys start later than
+    a full layer's (``Cache.get_mask_sizes(S, layer) -> (key_len, key_offset)``, as masking_utils reads it)."""
+    key_pos_L = torch.arange(key_len, device=cache_position_S.device) + key_offset
     query_pos_S1 = cache_position_S[:, None]
     allowed_BqL = ((key_pos_L[None, :] <= query_pos_S1) & (key_pos_L[None, :] > query_pos_S1 - window))[
         None, None
     ]
     if attention_mask_BL is not None:
-        allowed_BqL = allowed_BqL & attention_mask_BL[:, None, None, :key_len].bool()
+        allowed_BqL = allowed_BqL & padding_mask_for(attention_mask_BL, key_offset, key_len)[:, None, None, :]
     return allowed_BqL | ~allowed_BqL.any(dim=-1, keepdim=True)
 
 
@@ -489,6 +502,9 @@ class MoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
     _supports_sdpa = True
     _supports_cache_class = True
+    # the aux-loss-free selection bias is fp32 whatever the dtype (`moe_core.routing.AuxLossFreeRouter` keeps it so
+    # through every cast); declared to transformers' loader too, as DeepSeek-V3 declares e_score_correction_bias
+    _keep_in_fp32_modules_strict = ["expert_bias"]
 
     def save_pretrained(self, *args, **kwargs):
         # transformers unwraps the model through accelerate, which imports DeepSpeed where it is installed: its
@@ -557,6 +573,7 @@ class MoEModel(MoEPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         checkpointing = self.gradient_checkpointing and self.training
         if use_cache and cache is None and not checkpointing:
+            # (the config's layer_types / sliding_window: a window layer keeps only its last window - 1 keys)
             cache = DynamicCache(config=self.config)
         if not use_cache:
             cache = None
@@ -566,18 +583,25 @@ class MoEModel(MoEPreTrainedModel):
         cache_position_S = torch.arange(S, device=h_BSD.device) + past_len
         if position_ids is None:
             position_ids = cache_position_S[None].expand(B, S)
-        # keys the attention sees: past + S for a DynamicCache, the preallocated length for a StaticCache
-        key_len = cache.get_mask_sizes(S, 0)[0] if cache is not None else S
-        mask_BqL = attention_mask_for(attention_mask, cache_position_S, key_len, S)
+        # keys the attention sees, per kind of layer (full, or a sliding window): past + S for a DynamicCache's
+        # full layers, at most window - 1 + S for its sliding ones (from a later offset), the preallocated length
+        # for a StaticCache; one mask per kind, built for the first layer of that kind
+        masks_BqL: dict[int | None, torch.Tensor | None] = {}
+        for i, layer in enumerate(self.layers):
+            window = layer.self_attn.window
+            if window in masks_BqL:
+                continue
+            key_len, key_offset = cache.get_mask_sizes(S, i) if cache is not None else (S, 0)
+            masks_BqL[window] = (
+                attention_mask_for(attention_mask, cache_position_S, key_len, S)
+                if window is None
+                else window_mask_for(attention_mask, cache_position_S, key_len, window, key_offset)
+            )
         cos_sin = self.rotary_emb(h_BSD, position_ids)
-        window = getattr(self.config, "attention_window", None)
-        window_mask_BqL = (
-            window_mask_for(attention_mask, cache_position_S, key_len, window) if window is not None else None
-        )
 
         records: list[RoutingRecord] = []
         for layer in self.layers:
-            mask = window_mask_BqL if layer.self_attn.window is not None else mask_BqL
+            mask = masks_BqL[layer.self_attn.window]
             if checkpointing:  # non-reentrant, so the records keep their gradient for the router losses
                 h_BSD, record = checkpoint(
                     layer, h_BSD, cos_sin, mask, None, expert_impl, use_reentrant=False
@@ -614,6 +638,13 @@ class MoEForCausalLM(RouterAccess, MoEPreTrainedModel, GenerationMixin):
         # the trainer, from outside); None: each forward balances its own tokens
         self.load_balance: LoadBalance | None = None
         self.post_init()
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """What ``generate`` passes as the attention mask on a compileable (static) cache: the [B, L] padding mask
+        as it is. transformers' hook (generation/utils.py, prepare_inputs_for_generation) would otherwise build its
+        own 4D masks, per ``config.layer_types``, for attention functions this model does not use: the model
+        builds its masks itself from the padding mask and each layer's cache (`MoEModel.forward`)."""
+        return attention_mask
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

@@ -485,6 +485,12 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     After each optimizer step, ``bias_e += rate * sign(mean_load - load_e)`` over the load seen since the
     last update (in training only; eval forwards never touch it). The bias is a buffer, saved with the
     checkpoint. With several data-parallel ranks, pass the all-reduced load to `update_bias`.
+
+    The bias stays fp32 whatever the model's dtype, as transformers keeps ``e_score_correction_bias``
+    (modeling_deepseek_v3.py / modeling_glm4_moe.py: an fp32 buffer, ``_keep_in_fp32_modules_strict``): in
+    bf16 (8 bits of mantissa) a step of rate 1e-3 rounds away once the bias passes about 0.25, so a bf16
+    model would stop balancing. Built fp32, it stays so through ``model.to(bf16)``, ``.half()`` and the loaders
+    that build the model in a dtype (`_apply`), and is updated in fp32.
     """
 
     balancing = "bias"  # its load-balancing loss is reported, detached: the bias balances, not a gradient
@@ -492,8 +498,23 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.update_rate = config.router_bias_update_rate
-        self.register_buffer("expert_bias", torch.zeros(config.num_experts))
-        self.register_buffer("pending_load", torch.zeros(config.num_experts), persistent=False)
+        # (explicitly fp32: transformers builds the model under the requested default dtype)
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "pending_load", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False
+        )
+
+    def _apply(self, fn, recurse=True):
+        # every dtype/device move of the module (to, half, bfloat16, cuda, to_empty) passes here (torch's RNNBase
+        # overrides it the same way); the bias, and the load counts it is updated from (bf16 counts exactly only
+        # up to 256), take the move's device and stay fp32, converted from their values before the move
+        before = {name: getattr(self, name) for name in ("expert_bias", "pending_load")}
+        out = super()._apply(fn, recurse)
+        for name, fp32 in before.items():
+            moved = getattr(self, name)
+            if moved is not None and moved.dtype != torch.float32:
+                setattr(self, name, fp32.to(device=moved.device, dtype=torch.float32))
+        return out
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         return scores_TE + self.expert_bias.float()
@@ -511,7 +532,7 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
         load_E = self.pending_load if load_E is None else load_E.to(self.pending_load)
         if self.update_rate > 0 and load_E.sum() > 0:
-            self.expert_bias += self.update_rate * torch.sign(load_E.mean() - load_E)
+            self.expert_bias += self.update_rate * torch.sign(load_E.mean() - load_E).float()
         self.pending_load.zero_()
 
 

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim, export
+from transformers import PretrainedConfig
 from transformers.cache_utils import StaticCache
 
 from moe_core.errors import MoELabError
@@ -267,6 +268,21 @@ def _checked(compile, fn):
     return run
 
 
+def full_attention_layout(config) -> PretrainedConfig:
+    """What `StaticCache` reads from a config (``layer_types``), every layer full attention: a preallocated
+    ``StaticLayer`` of ``max_cache_len`` slots even for a sliding-window layer, whose window the model's mask
+    keeps (`moe_core.model.window_mask_for`).
+
+    Deliberately not transformers' ``StaticSlidingWindowLayer`` (what ``StaticCache(config=config)`` gives a
+    gpt-oss window layer, and what ``generate(cache_implementation="static")`` uses): it counts its length in a
+    Python int and branches on it (full or not, one token or several) and returns a key offset that moves every
+    step, which a compiled step would bake in (direct dispatch keeps no guards, `_StaticCacheSteps`) or
+    recompile on; and `GraphCall` replays a step by resetting the tensor lengths only. The memory is bounded by
+    ``max_cache_len`` either way."""
+    n = config.num_hidden_layers
+    return PretrainedConfig(num_hidden_layers=n, layer_types=["full_attention"] * n)
+
+
 class _StaticCacheSteps:
     """Prefill and decode on one reusable `StaticCache` of ``max_cache_len`` slots.
 
@@ -305,7 +321,7 @@ class _StaticCacheSteps:
             for call in self.graph_calls.values():
                 if call is not None:
                     call.forget_cache()  # (the old cache is freed)
-            self.cache = StaticCache(config=config, max_cache_len=self.max_cache_len)
+            self.cache = StaticCache(config=full_attention_layout(config), max_cache_len=self.max_cache_len)
             dtype = next(self.model.parameters()).dtype
             self.cache.early_initialization(
                 batch, config.num_key_value_heads, config.head_dim, dtype, like.device
