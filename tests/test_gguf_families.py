@@ -434,6 +434,13 @@ def _config(tmp_path, preset, arch, overrides=None, edit=None):
             "n_group=4.*sum of its two best",
         ),
         ("deepseek-tiny", "deepseek_v3", {}, {"kv_lora_rank": None}, "lacks kv_lora_rank"),
+        (
+            "gptoss-tiny",
+            "gpt_oss",
+            {},
+            {"quantization_config": {"quant_method": "mxfp4"}},
+            "'mxfp4'.*from-hf",
+        ),
     ],
 )
 def test_what_llama_cpp_cannot_run_is_refused_before_any_weight(

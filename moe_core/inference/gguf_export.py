@@ -54,6 +54,7 @@ more than one group (llama.cpp scores a group by the sum of its two best experts
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -63,8 +64,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
+from moe_core.convert import CheckpointReader
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_file, check_output_file
 
@@ -194,18 +195,19 @@ _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.exper
 
 
 def _stack_experts(
-    tensors: dict[str, torch.Tensor], n_experts: int, where: Path
+    names: list[str], get: Callable[[str], torch.Tensor], n_experts: int, where: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, with the per-expert projections of a layer stacked [E, ...] under
-    ``<layer>.experts.<proj>.weight`` (llama.cpp's converters' merged names); consumes ``tensors``."""
-    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for name in list(tensors):
+    """Every tensor, read with ``get`` one at a time, with the per-expert projections of a layer stacked
+    [E, ...] under ``<layer>.experts.<proj>.weight`` (llama.cpp's converters' merged names): at most one layer's
+    projection stack is held at once."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for name in names:
         match = _PER_EXPERT.match(name)
         if match is None:
-            yield name, tensors.pop(name)
+            yield name, get(name)
         else:
             prefix, expert, proj = match.groups()
-            groups.setdefault((prefix, proj), {})[int(expert)] = tensors.pop(name)
+            groups.setdefault((prefix, proj), {})[int(expert)] = name
     for (prefix, proj), experts in groups.items():
         if sorted(experts) != list(range(n_experts)):
             missing = sorted(set(range(n_experts)) - set(experts))
@@ -213,7 +215,7 @@ def _stack_experts(
                 f"{where}: {prefix}.*.{proj}.weight has experts {len(experts)} of {n_experts} "
                 f"(missing {missing[:5]}); not a complete checkpoint"
             )
-        yield f"{prefix}.{proj}.weight", torch.stack([experts.pop(e) for e in range(n_experts)])
+        yield f"{prefix}.{proj}.weight", torch.stack([get(experts[e]) for e in range(n_experts)])
 
 
 def _plain(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -493,18 +495,6 @@ def layout_for(model_type: str | None, mla: str = "split") -> GGUFLayout:
 
 
 # ================================================================================================ export
-def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise GGUFExportError(
-            f"{hf_dir}: no *.safetensors; write the checkpoint with `moe-lab convert to-hf`"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
 def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
@@ -546,24 +536,39 @@ def refusals(cfg: dict, layout: GGUFLayout) -> list[str]:
     missing = [f for f in _COMMON_FIELDS + layout.required if cfg.get(f) is None]
     if missing:
         return [f"config.json lacks {', '.join(missing)}, which the {layout.arch_name!r} metadata needs"]
-    return _rope_refusals(cfg, layout.yarn) + layout.refusals(cfg)
+    reasons = _rope_refusals(cfg, layout.yarn) + layout.refusals(cfg)
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method")
+        reasons.append(
+            f"quantization_config (quant_method={method!r}): this export writes float weights; load the checkpoint "
+            "(`moe-lab convert from-hf`, which dequantizes MXFP4) and write it back with `moe-lab convert to-hf`, "
+            "then quantize the GGUF with llama.cpp's llama-quantize"
+        )
+    return reasons
 
 
-def gguf_tensors(tensors: dict[str, torch.Tensor], cfg: dict, layout: GGUFLayout, where: Path):
-    """``(GGUF name, float32 array)`` for every weight, in llama.cpp's layout; consumes ``tensors``."""
+def gguf_tensors(
+    reader: CheckpointReader, cfg: dict, layout: GGUFLayout, where: Path, *, meta: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(GGUF name, tensor)`` for every weight in llama.cpp's layout, read one at a time; with ``meta``, the
+    same sequence on the meta device (names and shapes, nothing read): the plan the file's header is written
+    from before the weights stream into it."""
     name_map = gguf.get_tensor_name_map(layout.arch, cfg["num_hidden_layers"])
-    out: list[tuple[str, np.ndarray]] = []
-    for hf_name, t in _stack_experts(tensors, _n_experts(cfg), where):
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
+
+    def get(name: str) -> torch.Tensor:
+        if meta:
+            return torch.empty(reader.shape(name), dtype=reader.dtype(name), device="meta")
+        return reader.get(name)
+
+    names = sorted(n for n in reader.names() if not n.endswith("rotary_emb.inv_freq"))
+    for hf_name, t in _stack_experts(names, get, _n_experts(cfg), where):
         for name, piece in layout.tensor(hf_name, t, cfg):
             gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
                 raise GGUFExportError(
-                    f"{where}: tensor {hf_name!r} has no name in llama.cpp's {layout.arch_name}"
+                    f"{where}: tensor {hf_name!r} has no name in llama.cpp's {layout.arch_name!r} layout"
                 )
-            out.append((gguf_name, np.ascontiguousarray(piece.float().numpy())))
-    return out
+            yield gguf_name, piece
 
 
 def export_gguf(
@@ -572,7 +577,10 @@ def export_gguf(
     """Write the Hugging Face MoE checkpoint in ``hf_dir`` (a `LAYOUTS` model_type) as one float32 GGUF file in
     llama.cpp's layout for its architecture, staged (`atomic_file`: ``out_file`` is the old file or the complete
     new one); an existing ``out_file`` is replaced only with ``overwrite``. ``mla``: DeepSeek's attention layout
-    (module docstring). What llama.cpp cannot run is refused, with every reason, before any weight is read."""
+    (module docstring). What llama.cpp cannot run is refused, with every reason, before any weight is read.
+
+    Streams: the header is written from a plan made on the meta device, then each tensor is read, transformed,
+    written and dropped, so memory holds one layer's stack of one expert projection at most, never the model."""
     hf_dir, out_file = Path(hf_dir), Path(out_file)
     check_output_file(out_file, overwrite, GGUFExportError)  # before anything expensive
     cfg = read_config(hf_dir)
@@ -584,7 +592,15 @@ def export_gguf(
             f"{layout.arch_name!r} GGUF:\n  - " + "\n  - ".join(reasons)
         )
     tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
-    out = gguf_tensors(_load_hf_tensors(hf_dir), cfg, layout, hf_dir)
+    reader = CheckpointReader(hf_dir)  # the raw stored names: the layouts handle fused and per-expert experts
+    packed = sorted(n for n in reader.names() if n.endswith(("_blocks", "_scales")))
+    if packed:
+        raise GGUFExportError(
+            f"{hf_dir}: {packed[0]} and {len(packed) - 1} more are MXFP4-packed; this export writes float weights: "
+            "load the checkpoint (`moe-lab convert from-hf`, which dequantizes them) and write it back with "
+            "`moe-lab convert to-hf` first"
+        )
+    plan = [(name, tuple(t.shape)) for name, t in gguf_tensors(reader, cfg, layout, hf_dir, meta=True)]
 
     with atomic_file(out_file, overwrite, GGUFExportError) as tmp:
         writer = gguf.GGUFWriter(str(tmp), layout.arch_name)
@@ -592,11 +608,14 @@ def export_gguf(
             writer.add_name(hf_dir.name)
             layout.metadata(writer, cfg)
             _write_vocab(writer, hf_dir, cfg, tokens, types, merges)
-            for name, array in out:
-                writer.add_tensor(name, array)
+            for name, shape in plan:
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
+            writer.write_ti_data_to_file()
+            for (name, _), (written, t) in zip(plan, gguf_tensors(reader, cfg, layout, hf_dir), strict=True):
+                assert name == written  # the same sequence as the plan
+                writer.write_tensor_data(np.ascontiguousarray(t.float().numpy()))
         finally:
             writer.close()
     return out_file
