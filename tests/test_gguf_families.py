@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_core import MoEForCausalLM, get_config
+from moe_core.cli import main
 from moe_core.convert import to_hf
 from moe_core.inference.gguf_export import GGUFExportError, export_gguf
 
@@ -85,7 +86,8 @@ def tokenizer_dir(tmp_path_factory):
 
 def _export(case, tmp_path, tokenizer_dir):
     """A lab model of the case (weights large enough that routing and tokens are decisive, a nonzero selection
-    bias where the family has one) -> `to_hf` -> `export_gguf`; returns the model, the HF directory, the file."""
+    bias where the family has one) -> `to_hf` -> `moe-lab export gguf`; returns the model, the HF directory, the
+    file."""
     preset, arch, overrides, mla = case
     torch.manual_seed(0)
     model = MoEForCausalLM(get_config(preset, vocab_size=VOCAB, **overrides)).eval()
@@ -98,7 +100,11 @@ def _export(case, tmp_path, tokenizer_dir):
                 if name.endswith("expert_bias"):
                     b.normal_(0.0, 0.05)
     to_hf(model, tmp_path / "hf", architecture=arch, tokenizer_dir=tokenizer_dir)
-    export_gguf(tmp_path / "hf", tmp_path / "model.gguf", mla=mla)
+    # `moe-lab export gguf`, its --mla flag included
+    assert (
+        main(["export", "gguf", str(tmp_path / "hf"), "--out", str(tmp_path / "model.gguf"), "--mla", mla])
+        == 0
+    )
     return model, tmp_path / "hf", tmp_path / "model.gguf"
 
 
