@@ -458,6 +458,25 @@ def test_what_llama_cpp_cannot_run_is_refused_before_any_weight(
     assert not list(tmp_path.glob("*.gguf"))
 
 
+def test_published_gpt_oss_yarn_without_truncation_is_written_and_said(tmp_path, tokenizer_dir, caplog):
+    """gpt-oss's published ``truncate: false``: llama.cpp always truncates YaRN's correction range, so the file
+    runs slightly differently there; written (as llama.cpp's converter does), with a warning naming why."""
+    torch.manual_seed(0)
+    to_hf(
+        MoEForCausalLM(get_config("gptoss-tiny", vocab_size=VOCAB)),
+        tmp_path / "hf",
+        "gpt_oss",
+        tokenizer_dir=tokenizer_dir,
+    )
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["rope_parameters"]["truncate"] = False
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="moe_core.inference.gguf_export"):
+        export_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    assert "truncate=false" in caplog.text and "always truncates" in caplog.text
+    assert _field(gguf.GGUFReader(tmp_path / "model.gguf"), "gpt-oss.rope.scaling.type") == "yarn"
+
+
 def test_unknown_mla_layout_is_refused(tmp_path):
     with pytest.raises(GGUFExportError, match="mla='absorbed'.*split, unsplit"):
         export_gguf(_config(tmp_path, "deepseek-tiny", "deepseek_v3"), tmp_path / "m.gguf", mla="absorbed")

@@ -43,8 +43,11 @@ for every layer count except V2-Lite's own.
 
 gpt-oss: the experts are written as F32 (the dequantized values, not MXFP4); llama.cpp's converter accepts
 non-MXFP4 experts (it warns that performance may be degraded) and llama.cpp runs F32/F16 experts;
-``llama-quantize`` can make them MXFP4 again. llama.cpp hard-codes the clamped SwiGLU (alpha 1.702, limit 7),
-the sliding-window pattern (even layers) and YaRN without truncation, so other values are refused.
+``llama-quantize`` can make them MXFP4 again. llama.cpp hard-codes the clamped SwiGLU (alpha 1.702, limit 7)
+and the sliding-window pattern (even layers), so other values are refused. It always truncates YaRN's correction
+range (floor / ceil, transformers' ``truncate=True``, the lab's default); the published gpt-oss config says
+``truncate: false``, which llama.cpp (and every gpt-oss GGUF its converter writes) runs with slightly different
+frequencies in the correction range: logged, not refused.
 
 What llama.cpp cannot run as written is refused before any weight is read, with the reason (`refusals`):
 other RoPE scalings, dense (non-MoE) layers in the Qwen families, DeepSeek-V2's group-limited routing with
@@ -54,6 +57,7 @@ more than one group (llama.cpp scores a group by the sum of its two best experts
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -68,6 +72,8 @@ import torch
 from moe_core.convert import CheckpointReader
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_file, check_output_file
+
+logger = logging.getLogger(__name__)
 
 
 class GGUFExportError(MoELabError):
@@ -180,11 +186,18 @@ def _gptoss_refusals(cfg: dict) -> list[str]:
         reasons.append(
             f"layer_types={cfg['layer_types']}: llama.cpp's gpt-oss slides on the even layers only ({expected})"
         )
-    if _rope_type(cfg) == "yarn" and _rope(cfg).get("truncate", False):
-        reasons.append(
-            "rope_parameters.truncate=true: llama.cpp's YaRN does not truncate the correction range"
-        )
     return reasons
+
+
+def _gptoss_warnings(cfg: dict) -> list[str]:
+    if _rope_type(cfg) == "yarn" and _rope(cfg).get("truncate", True) is False:
+        # ggml_rope_yarn_corr_dims floors / ceils the correction range: transformers' truncate=True
+        return [
+            "rope_parameters.truncate=false (the published gpt-oss config): llama.cpp always truncates YaRN's "
+            "correction range, so the RoPE frequencies of the dims inside it differ slightly from transformers' "
+            "(as in every gpt-oss GGUF llama.cpp's own converter writes)"
+        ]
+    return []
 
 
 # ================================================================================================ tensors
@@ -429,6 +442,8 @@ class GGUFLayout:
     refusals: Callable[[dict], list[str]] = _no_refusals  # what llama.cpp cannot run, from config.json
     yarn: bool = False  # YaRN RoPE written (gpt-oss)
     required: tuple[str, ...] = ()  # config.json fields the metadata needs beyond `_COMMON_FIELDS`
+    # what llama.cpp runs slightly differently from transformers: said (logged), not refused
+    warnings: Callable[[dict], list[str]] = _no_refusals
 
     @property
     def arch_name(self) -> str:
@@ -470,7 +485,13 @@ LAYOUTS: dict[str, GGUFLayout] = {
     "deepseek_v3": _deepseek_layout("split"),
     "deepseek_v2": _deepseek_layout("split"),
     "gpt_oss": GGUFLayout(
-        A.GPT_OSS, _gptoss_metadata, _gptoss_tensor, _gptoss_refusals, yarn=True, required=("sliding_window",)
+        A.GPT_OSS,
+        _gptoss_metadata,
+        _gptoss_tensor,
+        _gptoss_refusals,
+        yarn=True,
+        required=("sliding_window",),
+        warnings=_gptoss_warnings,
     ),
     "glm4_moe": GGUFLayout(
         A.GLM4_MOE, _glm4moe_metadata, _glm4moe_tensor, required=("moe_intermediate_size",)
@@ -591,6 +612,8 @@ def export_gguf(
             f"{hf_dir}: cannot write this {cfg['model_type']!r} checkpoint as llama.cpp's "
             f"{layout.arch_name!r} GGUF:\n  - " + "\n  - ".join(reasons)
         )
+    for warning in layout.warnings(cfg):
+        logger.warning("%s: %s", hf_dir, warning)
     tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
     reader = CheckpointReader(hf_dir)  # the raw stored names: the layouts handle fused and per-expert experts
     packed = sorted(n for n in reader.names() if n.endswith(("_blocks", "_scales")))
