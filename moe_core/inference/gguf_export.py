@@ -68,8 +68,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
 
-from moe_core.convert import CheckpointReader
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_file, check_output_file
 
@@ -543,6 +543,45 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     return tokens, types, merges
 
 
+class SafetensorsCheckpoint:
+    """The tensors of a Hugging Face safetensors checkpoint (``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` lists), memory-mapped and read one at a time by name.
+
+    `moe_core.convert.CheckpointReader` does this and more (``.bin`` files, fused-expert aliases, MXFP4), but
+    importing `moe_core.convert` brings in the model and transformers (about 3x this command's start-up);
+    this export reads only what `moe-lab convert to-hf` writes."""
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / "model.safetensors").is_file():
+            with safe_open(str(directory / "model.safetensors"), "pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), directory / "model.safetensors")
+        else:
+            raise GGUFExportError(
+                f"{directory}: no model.safetensors or model.safetensors.index.json; write the checkpoint with "
+                "`moe-lab convert to-hf`"
+            )
+        self._open: dict[Path, object] = {}
+
+    def _file(self, name: str):
+        path = self.file_of[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def names(self) -> list[str]:
+        return sorted(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+
 def read_config(hf_dir: Path) -> dict:
     path = hf_dir / "config.json"
     if not path.is_file():
@@ -569,7 +608,7 @@ def refusals(cfg: dict, layout: GGUFLayout) -> list[str]:
 
 
 def gguf_tensors(
-    reader: CheckpointReader, cfg: dict, layout: GGUFLayout, where: Path, *, meta: bool = False
+    reader: SafetensorsCheckpoint, cfg: dict, layout: GGUFLayout, where: Path, *, meta: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(GGUF name, tensor)`` for every weight in llama.cpp's layout, read one at a time; with ``meta``, the
     same sequence on the meta device (names and shapes, nothing read): the plan the file's header is written
@@ -578,10 +617,10 @@ def gguf_tensors(
 
     def get(name: str) -> torch.Tensor:
         if meta:
-            return torch.empty(reader.shape(name), dtype=reader.dtype(name), device="meta")
+            return torch.empty(reader.shape(name), device="meta")  # written as float32 either way
         return reader.get(name)
 
-    names = sorted(n for n in reader.names() if not n.endswith("rotary_emb.inv_freq"))
+    names = [n for n in reader.names() if not n.endswith("rotary_emb.inv_freq")]
     for hf_name, t in _stack_experts(names, get, _n_experts(cfg), where):
         for name, piece in layout.tensor(hf_name, t, cfg):
             gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -615,7 +654,7 @@ def export_gguf(
     for warning in layout.warnings(cfg):
         logger.warning("%s: %s", hf_dir, warning)
     tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
-    reader = CheckpointReader(hf_dir)  # the raw stored names: the layouts handle fused and per-expert experts
+    reader = SafetensorsCheckpoint(hf_dir)  # stored names: the layouts handle fused and per-expert experts
     packed = sorted(n for n in reader.names() if n.endswith(("_blocks", "_scales")))
     if packed:
         raise GGUFExportError(
