@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moe_core import MoEForCausalLM, get_config
 from moe_core.cli import main
@@ -388,6 +388,28 @@ def test_gguf_has_llama_cpps_layout_keys_and_the_hf_values(name, tmp_path, token
         )
 
 
+def test_transformers_5_fused_experts_give_the_same_file(tmp_path, tokenizer_dir):
+    """A directory in transformers 5's fused expert layout (``save_original_format=False``: gate_up_proj
+    [E, 2F, D], gate rows first; down_proj [E, D, F]) is written exactly as its per-expert twin."""
+    _, hf_dir, path = _export(CASES["qwen3_moe"], tmp_path, tokenizer_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    E = json.loads((hf_dir / "config.json").read_text())["num_local_experts"]
+    for i in range(2):
+        m = f"model.layers.{i}.mlp.experts"
+        gate, up, down = (
+            [tensors.pop(f"{m}.{e}.{x}_proj.weight") for e in range(E)] for x in ("gate", "up", "down")
+        )
+        tensors[f"{m}.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
+        tensors[f"{m}.down_proj"] = torch.stack(down)
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    export_gguf(hf_dir, tmp_path / "fused.gguf")
+    per_expert = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    fused = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(tmp_path / "fused.gguf").tensors}
+    assert per_expert.keys() == fused.keys()
+    for name in per_expert:
+        np.testing.assert_array_equal(fused[name], per_expert[name], err_msg=name)
+
+
 def test_split_mla_tensors_rebuild_kv_b(tmp_path, tokenizer_dir):
     """The split layout loses nothing: per head, k_b transposed back over v_b is kv_b_proj's rows."""
     model, hf_dir, path = _export(CASES["deepseek_v3"], tmp_path, tokenizer_dir)
@@ -440,6 +462,7 @@ def _config(tmp_path, preset, arch, overrides=None, edit=None):
             "n_group=4.*sum of its two best",
         ),
         ("deepseek-tiny", "deepseek_v3", {}, {"kv_lora_rank": None}, "lacks kv_lora_rank"),
+        ("deepseek-tiny", "deepseek_v3", {}, {"scoring_func": "sqrtsoftplus"}, "scoring_func='sqrtsoftplus'"),
         (
             "gptoss-tiny",
             "gpt_oss",

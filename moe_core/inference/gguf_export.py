@@ -142,7 +142,7 @@ def _all_moe_refusals(cfg: dict) -> list[str]:
     return reasons
 
 
-def _no_refusals(cfg: dict) -> list[str]:
+def _none(cfg: dict) -> list[str]:
     return []
 
 
@@ -157,8 +157,16 @@ def _olmoe_refusals(cfg: dict) -> list[str]:
     return []
 
 
+def _deepseek_scoring(cfg: dict) -> str:
+    """The router's score function: config.json's ``scoring_func`` where the hub config has one, else the
+    family's (transformers' DeepseekV3 scores with sigmoid, DeepseekV2 with softmax)."""
+    return cfg.get("scoring_func") or ("softmax" if cfg.get("model_type") == "deepseek_v2" else "sigmoid")
+
+
 def _deepseek_refusals(cfg: dict) -> list[str]:
     reasons = []
+    if _deepseek_scoring(cfg) not in ("softmax", "sigmoid"):
+        reasons.append(f"scoring_func={_deepseek_scoring(cfg)!r}: written are 'softmax' and 'sigmoid'")
     if (
         cfg.get("model_type") == "deepseek_v2"
         and _groups_used(cfg)
@@ -201,6 +209,8 @@ def _gptoss_warnings(cfg: dict) -> list[str]:
 
 
 # ================================================================================================ tensors
+# Shapes in names: E = experts, F = expert width, D = model dim, H = heads, R = kv_lora_rank,
+# X = nope + v_head_dim (kv_b_proj's rows per head)
 # transformers 5's fused expert layout (moe_core.convert `_FUSED_EXPERTS`): gate_up_proj [E, 2F, D] (gate rows
 # first), down_proj [E, D, F]
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -395,8 +405,7 @@ def _deepseek_metadata(mla: str) -> Callable:
             # (llama.cpp multiplies it by log(1 / freq_scale) = 0)
             writer.add_rope_scaling_yarn_log_mul(0.0)
         writer.add_rope_dimension_count(rope)
-        gating = "softmax" if cfg["model_type"] == "deepseek_v2" else "sigmoid"
-        _routing_metadata(writer, cfg, _GATING[gating])
+        _routing_metadata(writer, cfg, _GATING[_deepseek_scoring(cfg)])
 
     return metadata
 
@@ -408,7 +417,9 @@ def _glm4moe_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
     """``Glm4MoeModel.set_gguf_parameters``: RoPE on the first partial_rotary_factor of each head."""
     _common_metadata(writer, cfg)
     _head_lengths(writer, cfg)
-    writer.add_rope_dimension_count(int(_head_dim(cfg) * _rope(cfg).get("partial_rotary_factor", 0.5)))
+    # transformers 5 keeps the factor in rope_parameters, transformers 4 beside it; GLM-4.5's default 0.5
+    factor = _rope(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    writer.add_rope_dimension_count(int(_head_dim(cfg) * factor))
     _routing_metadata(writer, cfg, gguf.ExpertGatingFuncType.SIGMOID)
 
 
@@ -439,11 +450,11 @@ class GGUFLayout:
     arch: gguf.MODEL_ARCH
     metadata: Callable[[gguf.GGUFWriter, dict], None]  # hyperparameter keys
     tensor: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]]  # HF -> mappable names
-    refusals: Callable[[dict], list[str]] = _no_refusals  # what llama.cpp cannot run, from config.json
+    refusals: Callable[[dict], list[str]] = _none  # what llama.cpp cannot run, from config.json
     yarn: bool = False  # YaRN RoPE written (gpt-oss)
     required: tuple[str, ...] = ()  # config.json fields the metadata needs beyond `_COMMON_FIELDS`
     # what llama.cpp runs slightly differently from transformers: said (logged), not refused
-    warnings: Callable[[dict], list[str]] = _no_refusals
+    warnings: Callable[[dict], list[str]] = _none
 
     @property
     def arch_name(self) -> str:
