@@ -2,7 +2,7 @@
 
 The path from a lab checkpoint: ``moe-lab convert to-hf CKPT --arch ARCH --out HF`` (exact, see
 `moe_core.convert`), then ``moe-lab export gguf HF --out model.gguf``. The file is what llama.cpp's own
-converter (``convert_hf_to_gguf.py``; since 2026 split into ``conversion/*.py``) writes for the same directory,
+converter (``convert_hf_to_gguf.py``, in newer versions split into ``conversion/*.py``) writes for the same directory,
 one `GGUFLayout` per Hugging Face ``model_type`` (`LAYOUTS`):
 
 ==============  ==============  =====================================================================
@@ -24,7 +24,8 @@ Common to all: experts stacked [E, ...] per projection (``blk.N.ffn_{gate,up,dow
 stacks them; transformers 5's fused ``gate_up_proj`` [E, 2F, D] is split gate-first as ``Qwen2MoeModel`` does),
 tensor names from the ``gguf`` package's `TensorNameMap` for the architecture, hyperparameters under the
 converter's keys; the byte-level BPE tokenizer (``tokenizer.json``) as ``tokenizer.ggml.model = gpt2`` padded
-with unused tokens up to the vocabulary size; float32 weights (``general.file_type = ALL_F32``): quantize with
+with unused tokens up to the vocabulary size, its pre-tokenizer as ``default`` (llama.cpp's converter names a
+published tokenizer's own, e.g. ``qwen2`` or ``deepseek-v3``, by hashing its output: not done here); float32 weights (``general.file_type = ALL_F32``): quantize with
 llama.cpp's ``llama-quantize`` afterwards.
 
 RoPE: llama.cpp runs ``llama`` with interleaved (NORM) RoPE, hence the Mixtral permute; ``olmoe``, ``qwen*moe``,
@@ -50,8 +51,14 @@ range (floor / ceil, transformers' ``truncate=True``, the lab's default); the pu
 frequencies in the correction range: logged, not refused.
 
 What llama.cpp cannot run as written is refused before any weight is read, with the reason (`refusals`):
-other RoPE scalings, dense (non-MoE) layers in the Qwen families, DeepSeek-V2's group-limited routing with
-more than one group (llama.cpp scores a group by the sum of its two best experts, V2 by its best one).
+other RoPE scalings, dense (non-MoE) layers in the Qwen families, OLMoE with grouped-query attention (llama.cpp's
+olmoe normalizes k over the whole hidden size), DeepSeek-V2's group-limited routing with more than one group
+(llama.cpp scores a group by the sum of its two best experts, V2 by its best one), quantized checkpoints.
+
+Checked in tests/test_gguf_families.py (every family read back against llama.cpp's loader shapes and keys, values
+equal to the HF tensors after these transforms) and, in llama.cpp itself (the prebuilt 0.4.17 build of
+tests/llama_cpp_engine.py), greedy tokens equal to ours from olmoe, qwen2moe and deepseek2 (unsplit) files.
+That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups.
 """
 
 from __future__ import annotations
