@@ -299,11 +299,19 @@ def test_lifecycle_on_the_tiny_preset(tmp_path, one_thread):
     run_lifecycle("gptoss-tiny", tmp_path, tmp_path / "data", attention_window=8)
 
 
-def test_gguf_export_is_refused_up_front(tmp_path):
-    """GGUF: the lab writes llama.cpp's Mixtral layout only (ONNX export: tests/test_arch_gptoss_fast.py)."""
-    from moe_core.inference.gguf_export import GGUFExportError, export_gguf
+def test_gguf_export_takes_the_lab_checkpoint_and_refuses_a_clamp_llama_cpp_hard_codes(tmp_path):
+    """GGUF (llama.cpp's 'gpt-oss' layout; the whole export read back: tests/test_gguf_families.py; ONNX export:
+    tests/test_arch_gptoss_fast.py): the config.json `to_hf` writes is accepted as it is; a clamped SwiGLU other
+    than gpt-oss's limit 7, which the lab trains and transformers runs, is refused before any weight is read,
+    as llama.cpp hard-codes the limit."""
+    from moe_core.inference.gguf_export import GGUFExportError, export_gguf, layout_for, read_config, refusals
 
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt_oss"}')
-    with pytest.raises(GGUFExportError, match="gpt_oss"):
-        export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
+    to_hf(MoEForCausalLM(get_config("gptoss-tiny")), tmp_path / "hf", architecture="gpt_oss")
+    cfg = read_config(tmp_path / "hf")
+    assert layout_for("gpt_oss").arch_name == "gpt-oss" and refusals(cfg, layout_for("gpt_oss")) == []
+    to_hf(
+        MoEForCausalLM(get_config("gptoss-tiny", swiglu_limit=5.0)), tmp_path / "hf5", architecture="gpt_oss"
+    )
+    with pytest.raises(GGUFExportError, match="swiglu_limit=5.0"):
+        export_gguf(tmp_path / "hf5", tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()

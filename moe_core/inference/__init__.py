@@ -6,7 +6,8 @@
 - `compile`: ``torch.compile`` of the prefill and decode steps (dynamic or static KV cache), ``torch.export``.
 - `quantize`: weight-only int8/int4 experts (round-to-nearest, GPTQ, AWQ) and ONNX Runtime dynamic int8.
 - `prune`: drop (or merge) experts ranked by routed slots or by REAP saliency.
-- `gguf_export`: a Hugging Face Mixtral directory as GGUF for llama.cpp.
+- `gguf_export`: a Hugging Face MoE directory (Mixtral, OLMoE, Qwen2/3-MoE, DeepSeek-V3/V2, gpt-oss, GLM-4.5) as
+  GGUF for llama.cpp.
 - `expert_cache`: experts on disk, an LRU of resident experts, graceful degradation.
 - `generate`: batched generation with padding-aware scheduling and streaming.
 - `cli`: ``moe-lab export onnx|gguf``, ``quantize``, ``prune``, ``generate``.

@@ -30,7 +30,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
 def _export_gguf(args: argparse.Namespace) -> int:
     from moe_core.inference.gguf_export import export_gguf
 
-    print(f"wrote {export_gguf(args.hf_dir, args.out, overwrite=args.overwrite)}")
+    print(f"wrote {export_gguf(args.hf_dir, args.out, overwrite=args.overwrite, mla=args.mla)}")
     return 0
 
 
@@ -175,11 +175,18 @@ def add_cli(subparsers) -> None:
     add_router_module_option(onnx)
     gguf = export_sub.add_parser(
         "gguf",
-        help="GGUF for llama.cpp, from a Hugging Face Mixtral directory "
-        "(moe-lab convert to-hf --arch mixtral)",
+        help="GGUF for llama.cpp (fp32), from a Hugging Face directory written by `moe-lab convert to-hf`: "
+        "mixtral, olmoe, qwen2_moe, qwen3_moe, deepseek_v3/v2, gpt_oss, glm4_moe",
     )
     gguf.add_argument(
-        "hf_dir", type=existing_path("model"), help="a Hugging Face Mixtral checkpoint with tokenizer.json"
+        "hf_dir", type=existing_path("model"), help="a Hugging Face MoE checkpoint with tokenizer.json"
+    )
+    gguf.add_argument(
+        "--mla",
+        choices=["split", "unsplit"],
+        default="split",
+        help="DeepSeek attention: split (llama.cpp's current attn_k_b/attn_v_b) or unsplit (one attn_kv_b, "
+        "for llama.cpp builds before mid-2025)",
     )
     gguf.add_argument("--out", required=True, help="the .gguf file to write (must not exist)")
     gguf.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

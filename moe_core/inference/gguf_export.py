@@ -1,43 +1,90 @@
-"""GGUF export of a Hugging Face Mixtral checkpoint, for llama.cpp (and the engines built on it).
+"""GGUF export of a Hugging Face MoE checkpoint, for llama.cpp (and the engines built on it).
 
-The path from a lab checkpoint: ``moe-lab convert to-hf CKPT --arch mixtral --out HF`` (exact, see
-`moe_core.convert`), then ``moe-lab export gguf HF --out model.gguf``. The file follows llama.cpp's own
-converter (``convert_hf_to_gguf.py``, class ``LlamaModel``, which also handles ``MixtralForCausalLM``):
+The path from a lab checkpoint: ``moe-lab convert to-hf CKPT --arch ARCH --out HF`` (exact, see
+`moe_core.convert`), then ``moe-lab export gguf HF --out model.gguf``. The file is what llama.cpp's own
+converter (``convert_hf_to_gguf.py``, in newer versions split into ``conversion/*.py``) writes for the same directory,
+one `GGUFLayout` per Hugging Face ``model_type`` (`LAYOUTS`):
 
-- architecture ``llama`` with ``llama.expert_count`` / ``llama.expert_used_count``; tensor names from the
-  ``gguf`` package's `TensorNameMap` (``blk.N.attn_q``, ``blk.N.ffn_gate_inp`` for the router,
-  ``blk.N.ffn_{gate,up,down}_exps`` for the experts stacked [E, ...] as llama.cpp's converter stacks them);
-- q_proj and k_proj rows permuted from Hugging Face's rotate-half RoPE layout to llama.cpp's interleaved
-  one (``LlamaModel.permute``), so the file is what llama.cpp's converter would write;
-- the byte-level BPE tokenizer (``tokenizer.json``) as ``tokenizer.ggml.model = gpt2`` with its merges, padded
-  with unused tokens up to the model's vocabulary size;
-- float32 weights (``general.file_type = ALL_F32``); quantize with llama.cpp's ``llama-quantize`` afterwards.
+==============  ==============  =====================================================================
+model_type      llama.cpp arch  converter class, and what differs from a plain stack of tensors
+==============  ==============  =====================================================================
+mixtral         ``llama``       ``LlamaModel``: q/k rows permuted from rotate-half to interleaved RoPE
+olmoe           ``olmoe``       ``OlmoeModel``: q/k norms over the whole projection; NEOX RoPE, no permute
+qwen2_moe       ``qwen2moe``    ``Qwen2MoeModel``: gated shared expert (``ffn_*_shexp``, ``ffn_gate_inp_shexp``)
+qwen3_moe       ``qwen3moe``    ``Qwen3MoeModel``: per-head q/k norms, ``key_length`` = head_dim
+deepseek_v3     ``deepseek2``   ``DeepseekV2Model``: MLA (below), ``exp_probs_b`` (the selection bias),
+deepseek_v2                     shared experts, leading dense layers, sigmoid (V3) / softmax (V2) gating
+gpt_oss         ``gpt-oss``     ``GptOssModel``: fused gate_up split (gate = even columns), biases,
+                                ``attn_sinks``, sliding window on even layers, YaRN keys
+glm4_moe        ``glm4moe``     ``Glm4MoeModel``: partial RoPE (``rope.dimension_count``), biased q/k/v,
+                                DeepSeek-V3's routing and shared expert, ``post_attention_norm``
+==============  ==============  =====================================================================
 
-Only the Mixtral layout is written (OLMoE's q/k norms and Qwen2-MoE's shared expert have their own llama.cpp
-architectures, not handled here): convert with ``--arch mixtral``.
+Common to all: experts stacked [E, ...] per projection (``blk.N.ffn_{gate,up,down}_exps``, as the converter
+stacks them; transformers 5's fused ``gate_up_proj`` [E, 2F, D] is split gate-first as ``Qwen2MoeModel`` does),
+tensor names from the ``gguf`` package's `TensorNameMap` for the architecture, hyperparameters under the
+converter's keys; the byte-level BPE tokenizer (``tokenizer.json``) as ``tokenizer.ggml.model = gpt2`` padded
+with unused tokens up to the vocabulary size, its pre-tokenizer as ``default`` (llama.cpp's converter names a
+published tokenizer's own, e.g. ``qwen2`` or ``deepseek-v3``, by hashing its output: not done here); float32 weights (``general.file_type = ALL_F32``): quantize with
+llama.cpp's ``llama-quantize`` afterwards.
+
+RoPE: llama.cpp runs ``llama`` with interleaved (NORM) RoPE, hence the Mixtral permute; ``olmoe``, ``qwen*moe``,
+``gpt-oss`` and ``glm4moe`` use NEOX (rotate-half) RoPE like transformers, and ``deepseek2`` uses NORM RoPE on
+the decoupled rope dims, which DeepSeek's HF weights already assume (``rope_interleave``), so none of those is
+permuted (as the converter).
+
+DeepSeek MLA is written in llama.cpp's current layout by default (``mla="split"``): ``kv_b_proj`` split per
+head into ``attn_k_b`` (transposed, [H, kv_lora_rank, nope]) and ``attn_v_b`` ([H, v_head_dim, kv_lora_rank]),
+with ``head_count_kv = 1``, ``key_length = kv_lora_rank + rope``, ``value_length = kv_lora_rank`` and the
+``*_mla`` lengths: the absorbed-MLA form whose KV cache holds the latent. ``mla="unsplit"`` writes the older
+layout (one ``attn_kv_b``, MHA head counts and lengths, no ``*_mla`` keys), which current llama.cpp still loads
+(as plain multi-head attention) and builds from before mid-2025 require. A q projection without LoRA
+(DeepSeek-V2-Lite's ``q_proj`` -> ``attn_q``) gets ``attention.q_lora_rank = 0``: llama.cpp reads that key
+for every layer count except V2-Lite's own.
+
+gpt-oss: the experts are written as F32 (the dequantized values, not MXFP4); llama.cpp's converter accepts
+non-MXFP4 experts (it warns that performance may be degraded) and llama.cpp runs F32/F16 experts;
+``llama-quantize`` can make them MXFP4 again. llama.cpp hard-codes the clamped SwiGLU (alpha 1.702, limit 7)
+and the sliding-window pattern (even layers), so other values are refused. It always truncates YaRN's correction
+range (floor / ceil, transformers' ``truncate=True``, the lab's default); the published gpt-oss config says
+``truncate: false``, which llama.cpp (and every gpt-oss GGUF its converter writes) runs with slightly different
+frequencies in the correction range: logged, not refused.
+
+What llama.cpp cannot run as written is refused before any weight is read, with the reason (`refusals`):
+other RoPE scalings, dense (non-MoE) layers in the Qwen families, OLMoE with grouped-query attention (llama.cpp's
+olmoe normalizes k over the whole hidden size), DeepSeek-V2's group-limited routing with more than one group
+(llama.cpp scores a group by the sum of its two best experts, V2 by its best one), quantized checkpoints.
+
+Checked in tests/test_gguf_families.py (every family read back against llama.cpp's loader shapes and keys, values
+equal to the HF tensors after these transforms) and, in llama.cpp itself (the prebuilt 0.4.17 build of
+tests/llama_cpp_engine.py), greedy tokens equal to ours from olmoe, qwen2moe and deepseek2 (unsplit) files.
+That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from moe_core.errors import MoELabError
 from moe_core.fileio import atomic_file, check_output_file
 
+logger = logging.getLogger(__name__)
+
 
 class GGUFExportError(MoELabError):
     """A checkpoint that cannot be written as GGUF; the message says why and what to do."""
-
-
-# Hugging Face Mixtral's per-expert projections and the merged name llama.cpp's converter gives their stack
-_EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 def permute_rope_rows(w_OI: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -52,18 +99,441 @@ def unpermute_rope_rows(w_OI: torch.Tensor, n_head: int) -> torch.Tensor:
     return w_OI.reshape(n_head, O // n_head // 2, 2, *w_OI.shape[1:]).swapaxes(1, 2).reshape(w_OI.shape)
 
 
-def _load_hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise GGUFExportError(
-            f"{hf_dir}: no *.safetensors; write the checkpoint with `moe-lab convert to-hf`"
+# ================================================================================================ config.json
+def _n_experts(cfg: dict) -> int:
+    """Routed experts, under the name each family's config.json uses."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    raise GGUFExportError(
+        "config.json names no expert count (num_local_experts / num_experts / n_routed_experts)"
+    )
+
+
+def _rope(cfg: dict) -> dict:
+    """RoPE parameters as transformers 5 writes them (``rope_parameters``), or transformers 4's two fields."""
+    if isinstance(cfg.get("rope_parameters"), dict):
+        return dict(cfg["rope_parameters"])
+    return {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
+
+
+def _rope_type(cfg: dict) -> str:
+    rope = _rope(cfg)
+    return rope.get("rope_type", rope.get("type")) or "default"
+
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+# ================================================================================================ refusals
+def _rope_refusals(cfg: dict, yarn: bool) -> list[str]:
+    allowed = ("default", "yarn") if yarn else ("default",)
+    if _rope_type(cfg) not in allowed:
+        return [
+            f"rope_parameters.rope_type={_rope_type(cfg)!r}: written are {', '.join(allowed)} "
+            "(llama.cpp's converter keys for other scalings are not carried here)"
+        ]
+    return []
+
+
+def _all_moe_refusals(cfg: dict) -> list[str]:
+    """Qwen-MoE: llama.cpp's qwen2moe / qwen3moe have a MoE block in every layer."""
+    reasons = []
+    if cfg.get("mlp_only_layers"):
+        reasons.append(
+            f"mlp_only_layers={cfg['mlp_only_layers']}: llama.cpp's layout has experts in every layer"
         )
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        reasons.append(f"decoder_sparse_step={cfg['decoder_sparse_step']}: llama.cpp's layout needs 1")
+    return reasons
 
 
+def _none(cfg: dict) -> list[str]:
+    return []
+
+
+def _olmoe_refusals(cfg: dict) -> list[str]:
+    # llama.cpp's olmoe: attn_k_norm of {n_embd}, i.e. as many KV heads as query heads (OLMoE-1B-7B's)
+    n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if n_kv != cfg["num_attention_heads"]:
+        return [
+            f"num_key_value_heads={n_kv} < num_attention_heads={cfg['num_attention_heads']}: llama.cpp's olmoe "
+            "normalizes k over the whole hidden size (no grouped-query attention)"
+        ]
+    return []
+
+
+def _deepseek_scoring(cfg: dict) -> str:
+    """The router's score function: config.json's ``scoring_func`` where the hub config has one, else the
+    family's (transformers' DeepseekV3 scores with sigmoid, DeepseekV2 with softmax)."""
+    return cfg.get("scoring_func") or ("softmax" if cfg.get("model_type") == "deepseek_v2" else "sigmoid")
+
+
+def _deepseek_refusals(cfg: dict) -> list[str]:
+    reasons = []
+    if _deepseek_scoring(cfg) not in ("softmax", "sigmoid"):
+        reasons.append(f"scoring_func={_deepseek_scoring(cfg)!r}: written are 'softmax' and 'sigmoid'")
+    if (
+        cfg.get("model_type") == "deepseek_v2"
+        and _groups_used(cfg)
+        and cfg.get("topk_group", 1) < cfg["n_group"]
+    ):
+        reasons.append(
+            f"topk_method='group_limited_greedy' with n_group={cfg['n_group']}: DeepSeek-V2 scores a group by its "
+            "best expert, llama.cpp by the sum of its two best (DeepSeek-V3's); use n_group=1 or deepseek_v3"
+        )
+    return reasons
+
+
+def _gptoss_refusals(cfg: dict) -> list[str]:
+    reasons = []
+    # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE (src/llama-graph.cpp): constexpr alpha = 1.702f, limit = 7.0f
+    if float(cfg.get("swiglu_limit", 7.0)) != 7.0 or float(cfg.get("swiglu_alpha", 1.702)) != 1.702:
+        reasons.append(
+            f"swiglu_limit={cfg.get('swiglu_limit')}, swiglu_alpha={cfg.get('swiglu_alpha')}: llama.cpp's gpt-oss "
+            "hard-codes limit 7.0 and alpha 1.702"
+        )
+    # llama.cpp's gpt-oss: set_swa_pattern(2), i.e. layers 0, 2, 4, ... slide; the window from sliding_window
+    n = cfg["num_hidden_layers"]
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if cfg.get("layer_types") is not None and list(cfg["layer_types"]) != expected:
+        reasons.append(
+            f"layer_types={cfg['layer_types']}: llama.cpp's gpt-oss slides on the even layers only ({expected})"
+        )
+    return reasons
+
+
+def _gptoss_warnings(cfg: dict) -> list[str]:
+    if _rope_type(cfg) == "yarn" and _rope(cfg).get("truncate", True) is False:
+        # ggml_rope_yarn_corr_dims floors / ceils the correction range: transformers' truncate=True
+        return [
+            "rope_parameters.truncate=false (the published gpt-oss config): llama.cpp always truncates YaRN's "
+            "correction range, so the RoPE frequencies of the dims inside it differ slightly from transformers' "
+            "(as in every gpt-oss GGUF llama.cpp's own converter writes)"
+        ]
+    return []
+
+
+# ================================================================================================ tensors
+# Shapes in names: E = experts, F = expert width, D = model dim, H = heads, R = kv_lora_rank,
+# X = nope + v_head_dim (kv_b_proj's rows per head)
+# transformers 5's fused expert layout (moe_core.convert `_FUSED_EXPERTS`): gate_up_proj [E, 2F, D] (gate rows
+# first), down_proj [E, D, F]
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _stack_experts(
+    names: list[str], get: Callable[[str], torch.Tensor], n_experts: int, where: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor, read with ``get`` one at a time, with the per-expert projections of a layer stacked
+    [E, ...] under ``<layer>.experts.<proj>.weight`` (llama.cpp's converters' merged names): at most one layer's
+    projection stack is held at once."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for name in names:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, get(name)
+        else:
+            prefix, expert, proj = match.groups()
+            groups.setdefault((prefix, proj), {})[int(expert)] = name
+    for (prefix, proj), experts in groups.items():
+        if sorted(experts) != list(range(n_experts)):
+            missing = sorted(set(range(n_experts)) - set(experts))
+            raise GGUFExportError(
+                f"{where}: {prefix}.*.{proj}.weight has experts {len(experts)} of {n_experts} "
+                f"(missing {missing[:5]}); not a complete checkpoint"
+            )
+        yield f"{prefix}.{proj}.weight", torch.stack([get(experts[e]) for e in range(n_experts)])
+
+
+def _plain(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face names the `TensorNameMap` knows as they are; transformers 5's fused experts split gate-first
+    (``Qwen2MoeModel.modify_tensors``)."""
+    match = _FUSED_EXPERTS.match(name)
+    if match is None:
+        yield name, t
+    elif match.group(2) == "down_proj":
+        yield f"{match.group(1)}.down_proj.weight", t
+    else:
+        F = t.shape[-2] // 2
+        yield f"{match.group(1)}.gate_proj.weight", t[..., :F, :]
+        yield f"{match.group(1)}.up_proj.weight", t[..., F:, :]
+
+
+def _llama_tensor(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Mixtral: q/k rows to llama.cpp's interleaved RoPE (``LlamaModel.permute``)."""
+    n_head = cfg["num_attention_heads"]
+    if name.endswith("self_attn.q_proj.weight"):
+        t = permute_rope_rows(t, n_head)
+    elif name.endswith("self_attn.k_proj.weight"):
+        t = permute_rope_rows(t, cfg.get("num_key_value_heads") or n_head)
+    yield from _plain(name, t, cfg)
+
+
+def _selection_bias_name(name: str) -> str:
+    """DeepSeek-V3 / GLM-4.5's ``mlp.gate.e_score_correction_bias`` under the name the `TensorNameMap` maps to
+    ``blk.N.exp_probs_b.bias`` (the converters' ``e_score_correction.bias``)."""
+    return name.replace("e_score_correction_bias", "e_score_correction.bias")
+
+
+def _glm4moe_tensor(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from _plain(_selection_bias_name(name), t, cfg)
+
+
+def _deepseek_tensor(mla: str) -> Callable:
+    def tensor(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        name = _selection_bias_name(name)
+        if mla == "split" and name.endswith("self_attn.kv_b_proj.weight"):
+            # DeepseekV2Model.modify_tensors: kv_b [H * (nope + v), r] -> k_b [H, r, nope] (transposed), v_b [H, v, r]
+            H, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            kv_b_HXR = t.reshape(H, nope + v, t.shape[-1])
+            k_b, v_b = kv_b_HXR[:, :nope], kv_b_HXR[:, nope:]
+            yield name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)
+            yield name.replace("kv_b_proj", "v_b_proj"), v_b
+        else:
+            yield from _plain(name, t, cfg)
+
+    return tensor
+
+
+def _gptoss_tensor(name: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """``GptOssModel.modify_tensors`` on unquantized experts: gate_up_proj [E, D, 2F] (x @ W, gate at even
+    columns) -> gate and up [E, F, D]; down_proj [E, F, D] -> [E, D, F]; biases split the same way; the sinks
+    get a ``.weight`` suffix (``attn_sinks.weight``)."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf == "sinks":
+        yield f"{name}.weight", t
+    elif leaf == "gate_up_proj":
+        w = t.transpose(-1, -2)
+        yield f"{prefix}.gate_proj.weight", w[:, 0::2, :]
+        yield f"{prefix}.up_proj.weight", w[:, 1::2, :]
+    elif leaf == "gate_up_proj_bias":
+        yield f"{prefix}.gate_proj.bias", t[..., 0::2]
+        yield f"{prefix}.up_proj.bias", t[..., 1::2]
+    elif leaf == "down_proj":
+        yield f"{prefix}.down_proj.weight", t.transpose(-1, -2)
+    elif leaf == "down_proj_bias":
+        yield f"{prefix}.down_proj.bias", t
+    else:
+        yield name, t
+
+
+# ================================================================================================ metadata
+def _common_metadata(writer: gguf.GGUFWriter, cfg: dict, head_count_kv: int | None = None) -> None:
+    """``TextModel.set_gguf_parameters``: the keys every architecture reads."""
+    n_head = cfg["num_attention_heads"]
+    writer.add_context_length(cfg.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(head_count_kv or cfg.get("num_key_value_heads") or n_head)
+    writer.add_rope_freq_base(float(_rope(cfg).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_expert_count(_n_experts(cfg))
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def _head_lengths(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    if cfg.get("head_dim") is not None:  # the converter writes config.json's head_dim as it is
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+
+
+def _llama_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    _common_metadata(writer, cfg)
+    head_dim = _head_dim(cfg)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _olmoe_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    _common_metadata(writer, cfg)  # llama.cpp's olmoe sizes its experts by feed_forward_length
+    _head_lengths(writer, cfg)
+
+
+def _qwen_moe_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """``Qwen2MoeModel.set_gguf_parameters`` (``Qwen3MoeModel`` inherits it)."""
+    _common_metadata(writer, cfg)
+    _head_lengths(writer, cfg)
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _groups_used(cfg: dict) -> bool:
+    """Whether the router picks groups first (DeepSeek-V3's noaux_tc, V2's group_limited_greedy, GLM-4.5)."""
+    limited = cfg.get("model_type") != "deepseek_v2" or cfg.get("topk_method") == "group_limited_greedy"
+    return limited and (cfg.get("n_group") or 1) > 1
+
+
+def _routing_metadata(writer: gguf.GGUFWriter, cfg: dict, gating: gguf.ExpertGatingFuncType) -> None:
+    """DeepSeek-V3-style routing keys shared by deepseek2 and glm4moe."""
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_shared_count(cfg.get("n_shared_experts") or 0)
+    writer.add_leading_dense_block_count(cfg.get("first_k_dense_replace") or 0)
+    writer.add_expert_gating_func(gating)
+    if cfg.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    if cfg.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if _groups_used(cfg):
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+
+
+def _deepseek_metadata(mla: str) -> Callable:
+    def metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+        """``DeepseekV2Model.set_gguf_parameters``; ``mla="unsplit"``: the pre-absorption head counts."""
+        r, rope, nope, v = (
+            cfg["kv_lora_rank"],
+            cfg["qk_rope_head_dim"],
+            cfg["qk_nope_head_dim"],
+            cfg["v_head_dim"],
+        )
+        _common_metadata(writer, cfg, head_count_kv=1 if mla == "split" else cfg["num_attention_heads"])
+        writer.add_q_lora_rank(cfg.get("q_lora_rank") or 0)
+        writer.add_kv_lora_rank(r)
+        if mla == "split":  # MLA as MQA over the latent: one KV head of the latent (+ rope part)
+            writer.add_key_length(r + rope)
+            writer.add_value_length(r)
+            writer.add_key_length_mla(nope + rope)
+            writer.add_value_length_mla(v)
+        else:
+            writer.add_key_length(nope + rope)
+            writer.add_value_length(v)
+            # builds before mid-2025 read this key unconditionally; with no RoPE scaling it changes nothing
+            # (llama.cpp multiplies it by log(1 / freq_scale) = 0)
+            writer.add_rope_scaling_yarn_log_mul(0.0)
+        writer.add_rope_dimension_count(rope)
+        _routing_metadata(writer, cfg, _GATING[_deepseek_scoring(cfg)])
+
+    return metadata
+
+
+_GATING = {"softmax": gguf.ExpertGatingFuncType.SOFTMAX, "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}
+
+
+def _glm4moe_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """``Glm4MoeModel.set_gguf_parameters``: RoPE on the first partial_rotary_factor of each head."""
+    _common_metadata(writer, cfg)
+    _head_lengths(writer, cfg)
+    # transformers 5 keeps the factor in rope_parameters, transformers 4 beside it; GLM-4.5's default 0.5
+    factor = _rope(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    writer.add_rope_dimension_count(int(_head_dim(cfg) * factor))
+    _routing_metadata(writer, cfg, gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _gptoss_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """``GptOssModel.set_gguf_parameters`` and the converter's YaRN keys."""
+    _common_metadata(writer, cfg)
+    _head_lengths(writer, cfg)
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    rope = _rope(cfg)
+    if _rope_type(cfg) == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(float(rope["attention_factor"]))
+
+
+# ================================================================================================ layouts
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How one Hugging Face ``model_type`` is written as one llama.cpp architecture."""
+
+    arch: gguf.MODEL_ARCH
+    metadata: Callable[[gguf.GGUFWriter, dict], None]  # hyperparameter keys
+    tensor: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]]  # HF -> mappable names
+    refusals: Callable[[dict], list[str]] = _none  # what llama.cpp cannot run, from config.json
+    yarn: bool = False  # YaRN RoPE written (gpt-oss)
+    required: tuple[str, ...] = ()  # config.json fields the metadata needs beyond `_COMMON_FIELDS`
+    # what llama.cpp runs slightly differently from transformers: said (logged), not refused
+    warnings: Callable[[dict], list[str]] = _none
+
+    @property
+    def arch_name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+_COMMON_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "rms_norm_eps",
+    "num_experts_per_tok",
+    "vocab_size",
+)
+_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size")
+
+
+def _deepseek_layout(mla: str) -> GGUFLayout:
+    return GGUFLayout(
+        gguf.MODEL_ARCH.DEEPSEEK2,
+        _deepseek_metadata(mla),
+        _deepseek_tensor(mla),
+        _deepseek_refusals,
+        required=_MLA_FIELDS,
+    )
+
+
+A = gguf.MODEL_ARCH
+LAYOUTS: dict[str, GGUFLayout] = {
+    "mixtral": GGUFLayout(A.LLAMA, _llama_metadata, _llama_tensor),
+    "olmoe": GGUFLayout(A.OLMOE, _olmoe_metadata, _plain, _olmoe_refusals),
+    "qwen2_moe": GGUFLayout(
+        A.QWEN2MOE, _qwen_moe_metadata, _plain, _all_moe_refusals, required=("moe_intermediate_size",)
+    ),
+    "qwen3_moe": GGUFLayout(
+        A.QWEN3MOE, _qwen_moe_metadata, _plain, _all_moe_refusals, required=("moe_intermediate_size",)
+    ),
+    "deepseek_v3": _deepseek_layout("split"),
+    "deepseek_v2": _deepseek_layout("split"),
+    "gpt_oss": GGUFLayout(
+        A.GPT_OSS,
+        _gptoss_metadata,
+        _gptoss_tensor,
+        _gptoss_refusals,
+        yarn=True,
+        required=("sliding_window",),
+        warnings=_gptoss_warnings,
+    ),
+    "glm4_moe": GGUFLayout(
+        A.GLM4_MOE, _glm4moe_metadata, _glm4moe_tensor, required=("moe_intermediate_size",)
+    ),
+}
+del A
+MLA_LAYOUTS = ("split", "unsplit")
+
+
+def layout_for(model_type: str | None, mla: str = "split") -> GGUFLayout:
+    """The `GGUFLayout` of a config.json's ``model_type``; ``mla`` picks DeepSeek's attention layout."""
+    if mla not in MLA_LAYOUTS:
+        raise GGUFExportError(f"mla={mla!r}: choose one of {', '.join(MLA_LAYOUTS)}")
+    if model_type not in LAYOUTS:
+        raise GGUFExportError(
+            f"model_type {model_type!r} has no GGUF layout here; written are {', '.join(LAYOUTS)} "
+            "(convert with `moe-lab convert to-hf CKPT --arch ARCH`)"
+        )
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        return _deepseek_layout(mla)
+    return LAYOUTS[model_type]
+
+
+# ================================================================================================ export
 def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
@@ -91,91 +561,147 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
     return tokens, types, merges
 
 
-def export_gguf(hf_dir: str | os.PathLike, out_file: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write the Hugging Face Mixtral checkpoint in ``hf_dir`` as one float32 GGUF file, staged (`atomic_file`:
-    ``out_file`` is the old file or the complete new one); an existing ``out_file`` is replaced only with
-    ``overwrite``."""
-    hf_dir, out_file = Path(hf_dir), Path(out_file)
-    check_output_file(out_file, overwrite, GGUFExportError)  # before anything expensive
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
+class SafetensorsCheckpoint:
+    """The tensors of a Hugging Face safetensors checkpoint (``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` lists), memory-mapped and read one at a time by name.
+
+    `moe_core.convert.CheckpointReader` does this and more (``.bin`` files, fused-expert aliases, MXFP4), but
+    importing `moe_core.convert` brings in the model and transformers (about 3x this command's start-up);
+    this export reads only what `moe-lab convert to-hf` writes."""
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / "model.safetensors").is_file():
+            with safe_open(str(directory / "model.safetensors"), "pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), directory / "model.safetensors")
+        else:
+            raise GGUFExportError(
+                f"{directory}: no model.safetensors or model.safetensors.index.json; write the checkpoint with "
+                "`moe-lab convert to-hf`"
+            )
+        self._open: dict[Path, object] = {}
+
+    def _file(self, name: str):
+        path = self.file_of[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path]
+
+    def names(self) -> list[str]:
+        return sorted(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+
+def read_config(hf_dir: Path) -> dict:
+    path = hf_dir / "config.json"
+    if not path.is_file():
         raise GGUFExportError(
             f"{hf_dir}: no config.json; give a directory written by `moe-lab convert to-hf`"
         )
-    cfg = json.loads(config_path.read_text())
-    if cfg.get("model_type") != "mixtral":
-        raise GGUFExportError(
-            f"{hf_dir}: model_type {cfg.get('model_type')!r}; GGUF export writes the Mixtral "
-            "layout: convert with `moe-lab convert to-hf CKPT --arch mixtral`"
-        )
-    n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_head
-    E, D = cfg["num_local_experts"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or D // n_head
-    tensors = _load_hf_tensors(hf_dir)
-    tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
+    return json.loads(path.read_text())
 
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layer)
-    out: list[tuple[str, np.ndarray]] = []
-    for layer in range(n_layer):  # stack each projection's experts: [E, O, I], as llama.cpp's converter
-        for w, _ in _EXPERT_PROJ.items():
-            names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(E)]
-            missing = [n for n in names if n not in tensors]
-            if missing:
+
+def refusals(cfg: dict, layout: GGUFLayout) -> list[str]:
+    """Why llama.cpp's architecture cannot run this config as written (empty: it can)."""
+    missing = [f for f in _COMMON_FIELDS + layout.required if cfg.get(f) is None]
+    if missing:
+        return [f"config.json lacks {', '.join(missing)}, which the {layout.arch_name!r} metadata needs"]
+    reasons = _rope_refusals(cfg, layout.yarn) + layout.refusals(cfg)
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method")
+        reasons.append(
+            f"quantization_config (quant_method={method!r}): this export writes float weights; load the checkpoint "
+            "(`moe-lab convert from-hf`, which dequantizes MXFP4) and write it back with `moe-lab convert to-hf`, "
+            "then quantize the GGUF with llama.cpp's llama-quantize"
+        )
+    return reasons
+
+
+def gguf_tensors(
+    reader: SafetensorsCheckpoint, cfg: dict, layout: GGUFLayout, where: Path, *, meta: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(GGUF name, tensor)`` for every weight in llama.cpp's layout, read one at a time; with ``meta``, the
+    same sequence on the meta device (names and shapes, nothing read): the plan the file's header is written
+    from before the weights stream into it."""
+    name_map = gguf.get_tensor_name_map(layout.arch, cfg["num_hidden_layers"])
+
+    def get(name: str) -> torch.Tensor:
+        if meta:
+            return torch.empty(reader.shape(name), device="meta")  # written as float32 either way
+        return reader.get(name)
+
+    names = [n for n in reader.names() if not n.endswith("rotary_emb.inv_freq")]
+    for hf_name, t in _stack_experts(names, get, _n_experts(cfg), where):
+        for name, piece in layout.tensor(hf_name, t, cfg):
+            gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
                 raise GGUFExportError(
-                    f"{hf_dir}: missing {missing[:3]}; not a Mixtral checkpoint of {E} experts"
+                    f"{where}: tensor {hf_name!r} has no name in llama.cpp's {layout.arch_name!r} layout"
                 )
-            stacked = torch.stack([tensors.pop(n) for n in names])
-            out.append(
-                (
-                    name_map.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{w}") + ".weight",
-                    stacked.float().numpy(),
-                )
-            )
-    for hf_name, t in tensors.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
-        t = t.float()
-        if hf_name.endswith("self_attn.q_proj.weight"):
-            t = permute_rope_rows(t, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
-            t = permute_rope_rows(t, n_kv)
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise GGUFExportError(f"{hf_dir}: tensor {hf_name!r} has no llama.cpp name")
-        out.append((name, t.numpy()))
+            yield gguf_name, piece
+
+
+def export_gguf(
+    hf_dir: str | os.PathLike, out_file: str | os.PathLike, *, overwrite: bool = False, mla: str = "split"
+) -> Path:
+    """Write the Hugging Face MoE checkpoint in ``hf_dir`` (a `LAYOUTS` model_type) as one float32 GGUF file in
+    llama.cpp's layout for its architecture, staged (`atomic_file`: ``out_file`` is the old file or the complete
+    new one); an existing ``out_file`` is replaced only with ``overwrite``. ``mla``: DeepSeek's attention layout
+    (module docstring). What llama.cpp cannot run is refused, with every reason, before any weight is read.
+
+    Streams: the header is written from a plan made on the meta device, then each tensor is read, transformed,
+    written and dropped, so memory holds one layer's stack of one expert projection at most, never the model."""
+    hf_dir, out_file = Path(hf_dir), Path(out_file)
+    check_output_file(out_file, overwrite, GGUFExportError)  # before anything expensive
+    cfg = read_config(hf_dir)
+    layout = layout_for(cfg.get("model_type"), mla)
+    reasons = refusals(cfg, layout)
+    if reasons:
+        raise GGUFExportError(
+            f"{hf_dir}: cannot write this {cfg['model_type']!r} checkpoint as llama.cpp's "
+            f"{layout.arch_name!r} GGUF:\n  - " + "\n  - ".join(reasons)
+        )
+    for warning in layout.warnings(cfg):
+        logger.warning("%s: %s", hf_dir, warning)
+    tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
+    reader = SafetensorsCheckpoint(hf_dir)  # stored names: the layouts handle fused and per-expert experts
+    packed = sorted(n for n in reader.names() if n.endswith(("_blocks", "_scales")))
+    if packed:
+        raise GGUFExportError(
+            f"{hf_dir}: {packed[0]} and {len(packed) - 1} more are MXFP4-packed; this export writes float weights: "
+            "load the checkpoint (`moe-lab convert from-hf`, which dequantizes them) and write it back with "
+            "`moe-lab convert to-hf` first"
+        )
+    plan = [(name, tuple(t.shape)) for name, t in gguf_tensors(reader, cfg, layout, hf_dir, meta=True)]
 
     with atomic_file(out_file, overwrite, GGUFExportError) as tmp:
-        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        writer = gguf.GGUFWriter(str(tmp), layout.arch_name)
         try:
-            _write(writer, hf_dir, cfg, out, tokens, types, merges, head_dim)
+            writer.add_name(hf_dir.name)
+            layout.metadata(writer, cfg)
+            _write_vocab(writer, hf_dir, cfg, tokens, types, merges)
+            for name, shape in plan:
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for (name, _), (written, t) in zip(plan, gguf_tensors(reader, cfg, layout, hf_dir), strict=True):
+                assert name == written  # the same sequence as the plan
+                writer.write_tensor_data(np.ascontiguousarray(t.float().numpy()))
         finally:
             writer.close()
     return out_file
 
 
-def _write(writer, hf_dir: Path, cfg: dict, out, tokens, types, merges, head_dim: int) -> None:
-    """The GGUF header, metadata and tensors (llama.cpp's ``LlamaModel`` layout), through ``writer``."""
-    n_layer, n_head = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_head
-    E, D = cfg["num_local_experts"], cfg["hidden_size"]
-    writer.add_name(hf_dir.name)
-    writer.add_context_length(cfg.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(D)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim != D // n_head:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+def _write_vocab(writer: gguf.GGUFWriter, hf_dir: Path, cfg: dict, tokens, types, merges) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -185,8 +711,3 @@ def _write(writer, hf_dir: Path, cfg: dict, out, tokens, types, merges, head_dim
     # then config.json (`gguf.SpecialVocab`), so a checkpoint whose config lacks them still stops at EOS
     special = gguf.SpecialVocab(hf_dir, load_merges=False, n_vocab=cfg["vocab_size"])
     special.add_to_gguf(writer, quiet=True)
-    for name, array in out:
-        writer.add_tensor(name, np.ascontiguousarray(array))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
