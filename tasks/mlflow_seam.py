@@ -1,5 +1,5 @@
-"""The one place the lab reaches past MLflow's public API (MLflow 3.17.2, with transformers 5.24): a Hugging Face
-model directory logged in MLflow's transformers flavor from its files, without loading the model.
+"""The one place the lab reaches past MLflow's public API (MLflow 3.17.2, with transformers 5.24): a Hugging
+Face model directory logged in MLflow's transformers flavor from its files, without loading the model.
 
 Why: MLflow's own way to do that, ``mlflow.transformers.log_model("<a local directory>", task=...)`` (its
 "local checkpoint" mode), fails under transformers 5: ``build_flavor_config_from_local_checkpoint``
@@ -16,7 +16,7 @@ layout `save_model` writes, which is the transformers flavor's own (``mlflow/tra
 ``save_model``, ``flavor_config.py`` ``FlavorKey``, ``model_io.py`` ``_MODEL_BINARY_FILE_NAME`` and
 ``_COMPONENTS_BINARY_DIR_NAME``): the checkpoint's files under ``model/``, the tokenizer under
 ``components/tokenizer/``, the flavor's keys in ``MLmodel``, and the pyfunc flavor that loads it with
-``mlflow.transformers``. It is the same layout MLflow's local-checkpoint mode writes (a copy of the directory).
+``mlflow.transformers``. It is the layout MLflow's local-checkpoint mode writes (a copy of the directory).
 ``tests/test_mlflow_seam.py`` holds it equal to what ``mlflow.transformers.save_model`` writes for the loaded
 model, loads it back with ``mlflow.transformers.load_model``, and fails once MLflow's local-checkpoint mode
 works again (then log with ``mlflow.transformers.log_model(path)`` and delete this module).
@@ -36,15 +36,15 @@ import yaml
 
 from moe_core.data.tokenizer import load_tokenizer
 
-UPSTREAM = "mlflow 3.17.2 (transformers/__init__.py save_model, transformers/flavor_config.py, transformers/model_io.py)"
+UPSTREAM = "mlflow 3.17.2 (mlflow/transformers/__init__.py save_model, flavor_config.py, model_io.py)"
 
 FLAVOR = "transformers"  # mlflow.transformers.FLAVOR_NAME
 TASK = "text-generation"
 PIPELINE = "TextGenerationPipeline"  # the pipeline class MLflow records for the task (its ``instance_type``)
 # MLflow's loader takes the model class by this name from the `transformers` package (model_io._load_model).
-# differs from MLflow, which records config.json's architecture ("MoEForCausalLM", not in `transformers`, and
-# the lab writes no remote-code auto_map, so MLflow could not load it back): the Auto class is in
-# `transformers` and builds the lab's model once ``moe_core.model`` is imported (it registers model_type moe_lab)
+# differs from MLflow: it records config.json's architecture, "MoEForCausalLM", which is not in `transformers`
+# (and the lab writes no remote-code auto_map), so MLflow could not load the model back; the Auto class is
+# there, and builds the lab's model once ``moe_core.model`` is imported (it registers model_type "moe_lab")
 MODEL_CLASS = "AutoModelForCausalLM"
 MODEL_DIR = "model"  # model_io._MODEL_BINARY_FILE_NAME: the checkpoint's files
 COMPONENTS_DIR = "components"  # model_io._COMPONENTS_BINARY_DIR_NAME: <components>/tokenizer/
@@ -52,9 +52,10 @@ REQUIREMENTS, CONDA_ENV, PYTHON_ENV = "requirements.txt", "conda.yaml", "python_
 
 
 def log_model(client, run_id: str, checkpoint_dir: str | Path, name: str, pip_requirements: list[str]) -> str:
-    """Log ``checkpoint_dir`` (config.json, weights, tokenizer) as a transformers-flavor model of run ``run_id``
-    named ``name``, from its files, through ``client`` (an `MlflowClient` of the current tracking URI, the one `Model.log` uses); returns
-    its ``models:/`` URI. The run is addressed by id: no active run is needed, and it stays as it is."""
+    """Log ``checkpoint_dir`` (config.json, weights, tokenizer) as a transformers-flavor model of run
+    ``run_id`` named ``name``, from its files; returns its ``models:/`` URI. ``client``: an `MlflowClient` of
+    the current tracking URI (the one `Model.log` uses). The run is addressed by id: no active run is needed,
+    and it stays as it is (running)."""
     from mlflow.models import Model  # lazy: mlflow (seconds to import, see tasks/tracking.py)
 
     check_checkpoint(checkpoint_dir)  # before anything is created in MLflow
@@ -95,8 +96,9 @@ def check_checkpoint(checkpoint_dir: str | Path) -> dict:
 def save_model(
     path: str | Path, mlflow_model, checkpoint_dir: str | Path, pip_requirements: list[str]
 ) -> None:
-    """The flavor's ``save_model`` (`mlflow.models.Model.log` calls it with a fresh ``path``): the transformers
-    flavor's layout, with the checkpoint's files linked (or copied) as they are; no weight is read."""
+    """The flavor's ``save_model`` (`mlflow.models.Model.log` calls it with a fresh ``path``): the
+    transformers flavor's layout, with the checkpoint's files linked (or copied) as they are; no weight is
+    read."""
     import transformers  # lazy: transformers (the version recorded in the flavor)
     from mlflow.models import ModelSignature  # lazy: mlflow
     from mlflow.pyfunc import add_to_model  # lazy: mlflow
@@ -152,7 +154,7 @@ def _link_or_copy_tree(source: Path, target: Path) -> None:
 
 
 def _write_environment(path: Path, requirements: list[str]) -> None:
-    """requirements.txt, python_env.yaml and conda.yaml as MLflow writes them (mlflow/utils/environment.py)."""
+    """requirements.txt, python_env.yaml and conda.yaml, as mlflow/utils/environment.py writes them."""
     python = platform.python_version()
     (path / REQUIREMENTS).write_text("\n".join(requirements))
     build = [

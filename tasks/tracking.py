@@ -78,7 +78,8 @@ def _initialize_store(uri: str) -> None:
     """Constructing the first client creates (migrates) a SQLite database: one process at a time. Both of
     MLflow's stores are built here, with public calls: the client builds the tracking store (whose migration
     creates every table in MLflow 3.17) and its first registry call the registry store (which creates the
-    registry tables where they are missing). A tracking server creates its own (and a call would wait on it)."""
+    registry tables where they are missing). A tracking server creates its own (and a call would wait on
+    it)."""
     from mlflow import MlflowClient  # lazy: mlflow
 
     if uri.startswith(("http://", "https://", "databricks")):
@@ -440,8 +441,8 @@ def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
-    # from its files (tasks.mlflow_seam): mlflow.transformers.log_model(<directory>) raises under transformers 5,
-    # and logging the loaded model read every weight into memory (as float32) to write it out again
+    # from its files (tasks.mlflow_seam): mlflow.transformers.log_model(<directory>) raises under
+    # transformers 5, and logging the loaded model read every weight into memory (as float32) to write it out
     with quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
         uri = mlflow_seam.log_model(client(), run_id, model_dir, "transformers", pip_requirements())
     return {"transformers": uri}

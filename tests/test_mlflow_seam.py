@@ -58,8 +58,8 @@ def test_mlflows_local_checkpoint_mode_still_fails_under_transformers_5(checkpoi
     else:
         pytest.fail(
             "mlflow.transformers.save_model(<a model directory>) works now: log with "
-            "mlflow.transformers.log_model(model_dir, task='text-generation') in tasks/tracking.py and delete "
-            "tasks/mlflow_seam.py (see its docstring)"
+            "mlflow.transformers.log_model(model_dir, task='text-generation') in tasks/tracking.py and "
+            "delete tasks/mlflow_seam.py (see its docstring)"
         )
 
 
