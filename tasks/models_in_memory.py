@@ -2,7 +2,7 @@
 
 Tasks still pass paths to each other (a task can run in another process, and a retry must find its input);
 this cache only saves the reloads when they run in the same process, as the lifecycle's tasks do (its export
-is logged to MLflow, evaluated, profiled and priced: one read instead of four). A cached model is shared:
+is evaluated, profiled and priced: one read instead of three; MLflow logs its files, unread). A cached model is shared:
 tasks use it for inference only (evaluation restores train/eval mode, profiling removes its hooks); a stage
 that changes a model (quantization, pruning, ONNX export) loads its own copy through `moe_core.load`.
 

@@ -9,7 +9,9 @@
     tracking.end_run(stage)
 
 Runs are addressed by id through `MlflowClient` (no fluent "active run" state shared between threads),
-except around the model flavors' ``log_model``, which need one; those open the run by id for the call.
+except around the ONNX flavor's ``log_model``, which needs one; it opens the run by id for the call. Models
+in the transformers flavor are logged from their files (`tasks.mlflow_seam`: MLflow's own way to do that
+fails under transformers 5), never loaded to be logged.
 
 What may be recorded: params are configs (numbers, names, paths: never training text), metrics are numbers,
 tags are ids and short reasons. Reports, profiles, plots, tokenizer and models are artifacts.
@@ -20,8 +22,8 @@ file, and ``moe-lab sync RUN_DIR`` (`sync_events`) uploads the rest of ``metrics
 
 Imports: MLflow is imported inside the functions that talk to it (marked ``# lazy: mlflow``): it takes ~5 s
 (``python -X importtime -c "import mlflow"``) and every task module imports this adapter, so importing a task
-or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers) and
-`tasks.models_in_memory` (the model stack): ``moe-lab sync`` imports this module and needs neither.
+or a flow would pay for it before anything is sent. Likewise `parameter_counts` (transformers): ``moe-lab
+sync`` imports this module and does not need it.
 
 Outages: a flow probes the server first (`probe`, a few seconds at most) and opens its journal
 (`tasks.pending.Journal`, the flow's own: nothing here remembers an outage between calls). From the moment MLflow is found
@@ -41,6 +43,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ import requests
 
 from moe_core.quiet import MLFLOW_TRANSFORMERS_NOISE, quiet_loggers
 from moe_core.train.telemetry import read_jsonl
-from tasks import pending, settings
+from tasks import mlflow_seam, pending, settings
 from tasks.storelock import store_lock
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
@@ -59,7 +62,7 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 # the experiment opened on the traces overview); this query in a link opens the "Model training" view
 UI_TRAINING_VIEW = "workflowType=machine_learning"
 RUN_FILE = "mlflow_run.json"  # beside metrics.jsonl: which MLflow run the events belong to
-PIP_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "safetensors"]  # skips MLflow's slow inference
+MODEL_REQUIREMENTS = ("torch", "transformers", "safetensors")  # what a logged model needs, pinned when logged
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -72,11 +75,17 @@ def client():
 
 @functools.cache  # once per store and process (a failed attempt is tried again)
 def _initialize_store(uri: str) -> None:
-    """Constructing the first client creates (migrates) a SQLite database: one process at a time."""
+    """Constructing the first client creates (migrates) a SQLite database: one process at a time. Both of
+    MLflow's stores are built here, with public calls: the client builds the tracking store (whose migration
+    creates every table in MLflow 3.17) and its first registry call the registry store (which creates the
+    registry tables where they are missing). A tracking server creates its own (and a call would wait on
+    it)."""
     from mlflow import MlflowClient  # lazy: mlflow
 
+    if uri.startswith(("http://", "https://", "databricks")):
+        return
     with store_lock(uri, "store initialization"):
-        _ = MlflowClient()._get_registry_client().store  # the registry tables too
+        MlflowClient().search_registered_models(max_results=1)
 
 
 def tracking_uri() -> str:
@@ -412,11 +421,13 @@ def _in_run(run_id: str):
 
 
 def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
-    """Log a Hugging Face model directory in MLflow's transformers flavor (``save_pretrained``: safetensors
-    weights, config and tokenizer, so loading it unpickles nothing); returns ``{"transformers": model_uri}``.
+    """Log a Hugging Face model directory in MLflow's transformers flavor, from its files (safetensors
+    weights, config and tokenizer, copied as they are: the model is not loaded, and loading it unpickles
+    nothing); returns ``{"transformers": model_uri}``. ``mlflow.transformers.load_model(model_uri)`` gives a
+    text-generation pipeline once ``moe_core.model`` is imported (it registers the lab's model class).
     A directory without a tokenizer is logged as plain files under ``model`` (``{"files": runs:/...}``).
-    No pickled flavor is logged (MLflow's PyTorch flavor would be one). The run is finished afterwards
-    (MLflow's log_model needs it active). While MLflow is unreachable: ``{}``, and the model is pending."""
+    No pickled flavor is logged (MLflow's PyTorch flavor would be one). While MLflow is unreachable: ``{}``,
+    and the model is pending."""
     return _send(
         "log_model",
         run_id,
@@ -427,25 +438,20 @@ def log_model(run_id: str, model_dir: str | Path) -> dict[str, str]:
 
 
 def _log_model_now(run_id: str, model_dir: str | Path) -> dict[str, str]:
-    import mlflow  # lazy: mlflow
-
-    from tasks import models_in_memory  # lazy: loads the model stack (moe_core.loading), see the module note
-
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         client().log_artifacts(run_id, str(model_dir), "model")
         return {"files": f"runs:/{run_id}/model"}
-    # MLflow's local-checkpoint mode (a path instead of the loaded model) fails under transformers 5.24 in a
-    # flow (flavor_config.build_flavor_config_from_local_checkpoint reads pipelines.check_task's "impl" as a
-    # class; it can be a string there): the model is loaded once and reused by the evaluation tasks that follow
-    loaded = models_in_memory.get(str(model_dir))
-    with _in_run(run_id), quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
-        info = mlflow.transformers.log_model(
-            {"model": loaded.model, "tokenizer": loaded.tokenizer},
-            name="transformers",
-            task="text-generation",
-            pip_requirements=PIP_REQUIREMENTS,
-        )
-    return {"transformers": info.model_uri}
+    # from its files (tasks.mlflow_seam): mlflow.transformers.log_model(<directory>) raises under
+    # transformers 5, and logging the loaded model read every weight into memory (as float32) to write it out
+    with quiet_loggers(*MLFLOW_TRANSFORMERS_NOISE):
+        uri = mlflow_seam.log_model(client(), run_id, model_dir, "transformers", pip_requirements())
+    return {"transformers": uri}
+
+
+def pip_requirements() -> list[str]:
+    """`MODEL_REQUIREMENTS` pinned to the installed versions (without a local label: ``2.13.0``, not
+    ``2.13.0+cpu``, which no package index serves)."""
+    return [f"{name}=={metadata.version(name).split('+')[0]}" for name in MODEL_REQUIREMENTS]
 
 
 def log_onnx_model(run_id: str, onnx_file: str | Path) -> str | None:
