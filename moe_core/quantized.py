@@ -478,7 +478,7 @@ def load_quantizing_experts(
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for ours, e, name, source in stream_weights(reader, plan):
+        for ours, e, name, source in stream_weights(reader, plan, release=True):
             module, _, projection = ours.rpartition(".")
             experts = quantized.get(module)
             # not a quantized stack: copied as it is (gpt-oss's expert biases too, one expert's row at a time)

@@ -341,3 +341,26 @@ def test_a_qlora_step_keeps_no_dequantized_expert_for_backward():
     routed_dense, _ = apply_lora(tiny_model(), FinetuneConfig.build(lora), {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
     F_, D = 32, 32  # tiny_model's experts; kept dequantized slices would add 2 layers x 3 x 4 experts x F x D
     assert kept_bytes(qlora) <= kept_bytes(routed_dense) + 3 * F_ * D * 4  # at most one expert's slack
+
+
+def test_quantizing_while_loading_keeps_one_shard_mapped_at_a_time(tmp_path):
+    """Every file the stream has moved past is unmapped (its pages stay page cache, out of the resident set, which
+    otherwise grew to the checkpoint's size by the end of a 26.7 GiB load), and a file visited again reopens."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    from moe_core.convert import open_streaming, stream_weights
+
+    torch.manual_seed(0)
+    config = OlmoeConfig(**BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    OlmoeForCausalLM(config).save_pretrained(tmp_path, max_shard_size="60KB")
+    opened = open_streaming(tmp_path)
+    files = set(opened.reader.file_of.values())
+    assert len(files) > 2
+    open_at_each, seen = [], 0
+    for _ in stream_weights(opened.reader, opened.plan, release=True):
+        open_at_each.append(len(opened.reader._open))
+        seen += 1
+    assert max(open_at_each) == 1 and opened.reader._open == {}
+    assert seen == sum(len(names) for _, names in opened.plan)
+    kept = [len(opened.reader._open) for _ in stream_weights(opened.reader, opened.plan)]
+    assert max(kept) == len(files)  # without release every file stays mapped (the mapped loader needs them)
