@@ -1,0 +1,123 @@
+"""One rank of tests/test_arch_parallel.py's multi-process runs, under ``python -m torch.distributed.run``: every
+family preset of `PRESETS` trained in one launch (a launch costs more than the tiny runs it holds).
+
+--out ROOT          each preset's run in ROOT/<preset>/<layout> (`LAYOUTS`: ep2 with DDP, ep2 with FSDP2)
+--layout NAME       a layout of `LAYOUTS` (repeatable; all of them by default)
+--finetune BASE OUT LoRA on the experts of the model in BASE/model (`FINETUNE_SETS`, its data BASE/data.jsonl) at
+                    ep 2, into OUT: `moe-lab finetune --nproc 2`'s run, in this launch rather than another one
+--ports P,P,...     a free port per run (the test picks them): each run's process group gets its own store.
+                    torchrun's agent store is one per launch and keeps every key a group wrote, so the third
+                    group opened on it in one process read stale keys and hung; a fresh TCPStore per run does not
+
+After each run, every rank compares what should be replicated with rank 0's copy (every parameter and
+persistent buffer that is not an expert shard: attention, norms, dense leading layers, shared experts, routers
+and their aux-loss-free biases) and rank 0 writes the largest difference per tensor into
+ROOT/<preset>/<layout>/replicas.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.train import parallel as par
+from moe_core.train.config import TrainConfig
+from moe_core.train.loop import Trainer
+
+PRESETS = ("qwen3-tiny", "deepseek-tiny", "gptoss-tiny", "glm4moe-tiny")
+SETS = [
+    "steps=4",
+    "batch_size=8",
+    "log.every=1",
+    "log.progress=off",
+    "data.source=synthetic",
+    "data.seq_len=32",
+    "data.synthetic_blocks=64",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=3",
+    "checkpoint.export=false",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=1",
+    "eval.batches=1",
+]
+# tests/test_finetune_parallel.py's settings: 4 steps of LoRA (r 4) on every expert and attention projection
+FINETUNE_SETS = [
+    "steps=4",
+    "batch_size=2",
+    "log.progress=off",
+    "optim.lr=1e-2",
+    "lora.r=4",
+    "data.max_length=64",
+    "checkpoint.every=2",
+]
+LAYOUTS = {
+    "ep2": ["parallel.ep_size=2"],
+    "fsdp2": ["parallel.ep_size=2", "parallel.dp_mode=fsdp2"],
+}
+
+
+def config_for(preset: str, layout: list[str]) -> TrainConfig:
+    return TrainConfig.from_preset(preset).with_overrides(SETS + layout)
+
+
+@torch.no_grad()
+def replica_differences(trainer: Trainer) -> dict[str, float]:
+    """Per replicated tensor (FSDP2 shards gathered), the largest absolute difference from rank 0's copy."""
+    out = {}
+    tensors = [*trainer.model.named_parameters(), *trainer.model.named_buffers()]
+    for name, tensor in tensors:
+        if par.is_expert_param(name):
+            continue
+        whole = tensor.full_tensor() if par.is_sharded(tensor) else tensor.detach().clone()
+        reference = whole.clone()
+        dist.broadcast(reference, src=0)
+        out[name] = (whole.float() - reference.float()).abs().max().item()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
+    p.add_argument("--finetune", nargs=2, metavar=("BASE", "OUT"))
+    p.add_argument("--ports", required=True)
+    args = p.parse_args()
+    runs = [(preset, layout) for preset in PRESETS for layout in args.layout or sorted(LAYOUTS)]
+    ports = args.ports.split(",")
+    if len(ports) < len(runs) + bool(args.finetune):
+        raise SystemExit(
+            f"--ports: {len(runs) + bool(args.finetune)} runs need as many ports, got {len(ports)}"
+        )
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # (see --ports)
+    for (preset, layout), port in zip(runs, ports, strict=False):
+        os.environ["MASTER_PORT"] = port
+        out = Path(args.out) / preset / layout
+        trainer = Trainer(config_for(preset, LAYOUTS[layout]), out)
+        try:
+            trainer.save_checkpoint()  # step 0: the initial weights of this layout
+            trainer.run()
+            differences = replica_differences(trainer)
+        finally:
+            trainer.close()
+        if trainer.state.is_main:
+            (out / "replicas.json").write_text(json.dumps(differences, indent=1))
+
+    if args.finetune:
+        os.environ["MASTER_PORT"] = ports[len(runs)]
+        base, out = map(Path, args.finetune)
+        finetune(finetune_config(base, ["parallel.ep_size=2"]), out)
+
+
+def finetune_config(base: Path, extra: list[str]) -> FinetuneConfig:
+    sets = [f"model.path={base / 'model'}", f"data.source={base / 'data.jsonl'}", *FINETUNE_SETS, *extra]
+    return FinetuneConfig().with_overrides(sets)
+
+
+if __name__ == "__main__":
+    main()
