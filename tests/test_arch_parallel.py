@@ -1,5 +1,5 @@
 """The families of issue 32 (qwen3, deepseek, gptoss, glm4moe tiny presets) under expert parallelism on CPU (gloo):
-2 processes at ep 2 (DDP, and FSDP2 for the dense weights) train what one process trains, from the same initial
+2 processes at ep 2 (DDP; FSDP2 for the dense weights on deepseek and gptoss) train what one process trains, from the same initial
 weights; a checkpoint written at ep 2 resumes at one process; LoRA on gpt-oss's experts at ep 2 equals one process.
 
 One torchrun launch holds every multi-process run (`tests/arch_parallel_worker.py`: 4 presets x 2 layouts, then
@@ -28,15 +28,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from moe_core.config import get_config
 from moe_core.finetune import finetune
-from moe_core.train import read_jsonl
+from moe_core.model import MoEForCausalLM
+from moe_core.train import plan, read_jsonl
 from moe_core.train.checkpoint import gather_state_dict
 from moe_core.train.loop import Trainer
 from moe_core.train.parallel import EXPERT_MARK
-from tests.arch_parallel_worker import LAYOUTS, PRESETS, config_for, finetune_config
+from tests.arch_parallel_worker import LAYOUTS, PRESETS, RUNS, config_for, finetune_config
 from tests.dist_helpers import free_port
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 from tests.test_finetune_parallel import assert_same_run as assert_same_finetune
+from tests.test_plan import saved_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -69,7 +72,7 @@ def finetune_base(tmp_path_factory) -> Path:
 def launched(tmp_path_factory, finetune_base) -> Path:
     """The one torchrun launch: ROOT/<preset>/<layout> runs and ROOT/finetune."""
     root = tmp_path_factory.mktemp("two")
-    ports = ",".join(str(free_port()) for _ in range(len(PRESETS) * len(LAYOUTS) + 1))
+    ports = ",".join(str(free_port()) for _ in range(len(RUNS) + 1))
     cmd = [
         sys.executable,
         "-m",
@@ -116,7 +119,7 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_family_at_ep2_starts_and_trains_as_one_process(launched, one_process, layout):
-    for preset in PRESETS:
+    for preset in [p for p, runs_layout in RUNS if runs_layout == layout]:
         one, two = one_process / preset, launched / preset / layout
         # the meta-device start: every tensor drawn from its own stream, so ep 2 holds the same weights bitwise
         initial = gather_state_dict(step_dir(one, 0))
@@ -168,10 +171,9 @@ def test_the_meta_start_initializes_the_new_modules_by_their_rules(one_process):
 def test_what_is_replicated_is_the_same_on_every_rank(launched):
     """Attention, the dense first layer, shared experts, routers and their aux-loss-free biases: after the run,
     rank 1's copy equals rank 0's bitwise (FSDP2's shards gathered)."""
-    for preset in PRESETS:
-        for layout in LAYOUTS:
-            differences = json.loads((launched / preset / layout / "replicas.json").read_text())
-            assert differences and not any(differences.values()), (preset, layout)
+    for preset, layout in RUNS:
+        differences = json.loads((launched / preset / layout / "replicas.json").read_text())
+        assert differences and not any(differences.values()), (preset, layout)
     deepseek = json.loads((launched / "deepseek-tiny" / "ep2" / "replicas.json").read_text())
     assert "model.layers.1.mlp.router.expert_bias" in deepseek
     assert "model.layers.0.mlp.up_proj.weight" in deepseek  # the dense first layer
@@ -183,7 +185,7 @@ def test_the_aux_loss_free_bias_follows_the_global_load(launched, one_process):
         name = "model.layers.1.mlp.router.expert_bias"
         one = gather_state_dict(step_dir(one_process / preset, STEPS))[name]
         assert one.any(), preset  # it moved
-        for layout in LAYOUTS:
+        for layout in [layout for p, layout in RUNS if p == preset]:
             assert torch.equal(gather_state_dict(step_dir(launched / preset / layout, STEPS))[name], one)
 
 
@@ -227,3 +229,34 @@ def test_lora_on_gptoss_experts_at_ep2_equals_one_process(launched, finetune_bas
     the same global batch (grad_accum 2)."""
     finetune(finetune_config(finetune_base, ["grad_accum=2"]), tmp_path / "one", overwrite=True)
     assert_same_finetune(tmp_path / "one", launched / "finetune")
+
+
+# gpt-oss without what the planner approximates (biases, clamped SwiGLU, windows): sinks and its router order exact
+GPTOSS_EXACT = dict(
+    expert_bias=False,
+    router_bias=False,
+    swiglu_limit=None,
+    attention_window=None,
+    attention_window_layers=None,
+)
+
+
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [(preset, {}) for preset in PRESETS] + [("gptoss-tiny", GPTOSS_EXACT)],
+)
+def test_the_planner_counts_each_family_exactly_or_names_what_it_approximates(preset, overrides):
+    """`plan.activation_parts` against what autograd saves (tests/test_plan.py's probe), at two shapes (the sinks'
+    term is quadratic in S): equal where `activation_caveats` is empty, within 30% where it names the ops."""
+    config = get_config(preset, **overrides)
+    caveats = plan.activation_caveats(config)
+    assert bool(caveats) == (preset in ("deepseek-tiny", "glm4moe-tiny", "gptoss-tiny") and not overrides)
+    torch.manual_seed(0)
+    model = MoEForCausalLM(config).train()
+    for B, S in ((2, 16), (1, 40)):
+        measured = saved_bytes(model, torch.randint(0, config.vocab_size, (B, S)))
+        predicted = sum(plan.activation_parts(config, B, S).values())
+        if caveats:
+            assert abs(predicted - measured) <= 0.3 * measured, (preset, B, S, predicted, measured)
+        else:
+            assert predicted == measured, (preset, B, S, predicted, measured)
