@@ -1,12 +1,10 @@
 """One rank of tests/test_arch_parallel.py's multi-process runs, under ``python -m torch.distributed.run``: every
-family preset of `PRESETS` trained in one launch (a launch costs more than the tiny runs it holds).
+family preset of `PRESETS` trained in one launch (a launch costs more than the tiny runs it holds), one trainer
+after another (each opens and closes its process group: `moe_core.train.parallel._attempt_store`).
 
 --out ROOT          each run of `RUNS` in ROOT/<preset>/<layout> (`LAYOUTS`: ep2 with DDP, ep2 with FSDP2)
 --finetune BASE OUT LoRA on the experts of the model in BASE/model (`FINETUNE_SETS`, its data BASE/data.jsonl) at
                     ep 2, into OUT: `moe-lab finetune --nproc 2`'s run, in this launch rather than another one
---ports P,P,...     a free port per run (the test picks them): each run's process group gets its own store.
-                    torchrun's agent store is one per launch and keeps every key a group wrote, so the third
-                    group opened on it in one process read stale keys and hung; a fresh TCPStore per run does not
 
 After each run, every rank compares what should be replicated with rank 0's copy (every parameter and
 persistent buffer that is not an expert shard: attention, norms, dense leading layers, shared experts, routers
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -93,17 +90,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--finetune", nargs=2, metavar=("BASE", "OUT"))
-    p.add_argument("--ports", required=True)
     args = p.parse_args()
-    runs = RUNS
-    ports = args.ports.split(",")
-    if len(ports) < len(runs) + bool(args.finetune):
-        raise SystemExit(
-            f"--ports: {len(runs) + bool(args.finetune)} runs need as many ports, got {len(ports)}"
-        )
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # (see --ports)
-    for (preset, layout), port in zip(runs, ports, strict=False):
-        os.environ["MASTER_PORT"] = port
+    for preset, layout in RUNS:
         out = Path(args.out) / preset / layout
         trainer = Trainer(config_for(preset, LAYOUTS[layout]), out)
         try:
@@ -116,7 +104,6 @@ def main() -> None:
             (out / "replicas.json").write_text(json.dumps(differences, indent=1))
 
     if args.finetune:
-        os.environ["MASTER_PORT"] = ports[len(runs)]
         base, out = map(Path, args.finetune)
         finetune(finetune_config(base, ["parallel.ep_size=2"]), out)
 

@@ -72,7 +72,6 @@ def finetune_base(tmp_path_factory) -> Path:
 def launched(tmp_path_factory, finetune_base) -> Path:
     """The one torchrun launch: ROOT/<preset>/<layout> runs and ROOT/finetune."""
     root = tmp_path_factory.mktemp("two")
-    ports = ",".join(str(free_port()) for _ in range(len(RUNS) + 1))
     cmd = [
         sys.executable,
         "-m",
@@ -83,8 +82,6 @@ def launched(tmp_path_factory, finetune_base) -> Path:
         str(REPO / "tests" / "arch_parallel_worker.py"),
         "--out",
         str(root),
-        "--ports",
-        ports,
         "--finetune",
         str(finetune_base),
         str(root / "finetune"),
