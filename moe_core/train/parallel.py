@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import os
 import time
@@ -155,7 +156,14 @@ def _attempt_store(timeout: datetime.timedelta):
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"moe-lab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # and per process group this process opened in the attempt: a process that opens a group again (several
+    # trainers in one worker) would otherwise read its previous group's gloo addresses ("Connection refused",
+    # or a hang, at the second or third). Every rank opens its groups in the same order, so the counts agree
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"moe-lab/attempt_{attempt}/group_{next(_GROUPS_OPENED)}", store)
+
+
+_GROUPS_OPENED = itertools.count()  # (`_attempt_store`)
 
 
 def shutdown_parallel(state: ParallelState) -> None:

@@ -25,8 +25,10 @@ matmul outputs: an approximation there), j = 2 for a SwiGLU FFN (gate, up, silu,
     RMSNorm over width n (input, normalized, 1/rms)       (2 n + 1) T * 4
     attention: q/k/v input, q, k, v (expanded to H), out   T D a + 4 T H Hd a + T H * 4 (log-sum-exp)
       qk-norm (OLMoE)                                      (2 H Hd + 1) T * 4 + (2 G Hd + 1) T * 4
+      qk-norm per head (Qwen3)                             (2 H Hd + H) T * 4 + (2 G Hd + G) T * 4
+      attention sinks (gpt-oss, eager): instead of T H 4   B H S (S+1) 4 + T H 8 + S S (softmax, argmax, mask)
     router (fp32): gate input, probs, top-k ids, mask      T D 4 [+ T D 4 jitter noise] + T E 4 + T K 8 + T K
-      renormalized top-k weights                           T K 4 + T 4
+      renormalized top-k weights                           T K 4 + T 4 (softmax over the top-k logits: T K 4)
       load-balancing and z losses                          T 4 + (T E 4 + T 4) per layer; L_moe E 4 + 4 once
     dispatch (sorted by expert)                            2 A 8 (slot and token indices)
     experts, one process                                   A D a + 2 j A Fe a + 2 A D a + A 4
@@ -50,6 +52,9 @@ backward of every micro-step, 2 g (W-1)/W, and reduce-scatters the gradients onc
 On CPU ranks the peak adds what a training process holds beside its tensors (`CPU_PROCESS_BYTES`: Python
 objects of the model and trainer, gloo's buffers, threads, code loaded on first use; measured by
 `benchmarks/plan_check.py`'s near-empty launches). On CUDA that memory is the host's, not the device's.
+
+Approximated, with the reason, where a model has them (`activation_caveats`, shown by the plan): MLA, sigmoid /
+group-limited routing, biased experts and the clamped SwiGLU, sliding-window layers, partial RoPE.
 
 Not modelled: the allocator's fragmentation and caching (CUDA's caching allocator rounds up), CUDA context and
 NCCL buffers (about 0.5-1 GiB a GPU: `headroom_gb`), DeepSpeed, torch.compile, imbalance of routing under
@@ -154,8 +159,16 @@ def layer_activation_bytes(
     norm = lambda n: (2 * n + 1) * T * 4  # noqa: E731  (input, normalized, 1/rms)
     parts = {"norms": 2 * norm(D)}
     attention = T * D * a + 4 * T * H * Hd * a + T * H * 4
-    if c.qk_norm:
+    if c.qk_norm and getattr(c, "qk_norm_per_head", False):  # Qwen3: a 1/rms per head and token
+        attention += (2 * H * Hd + H) * T * 4 + (2 * G * Hd + G) * T * 4
+    elif c.qk_norm:
         attention += norm(H * Hd) + norm(G * Hd)
+    if getattr(c, "attention_sinks", False):
+        # gpt-oss's sinks are computed eagerly (`moe_core.model.attention_with_sinks`): instead of SDPA's
+        # log-sum-exp, the softmax over [B, H, S, S + 1] scores with the sink column, the row maxima's indices and
+        # the causal mask (bool [S, S]): quadratic in S, the term that dominates at long context
+        B = micro_batch
+        attention += B * H * seq_len * (seq_len + 1) * 4 + T * H * 8 + seq_len * seq_len - T * H * 4
     parts["attention"] = attention
     if not c.is_moe_layer(layer):
         parts["dense_ffn"] = T * D * a + 2 * j * T * c.intermediate_size * a
@@ -164,7 +177,9 @@ def layer_activation_bytes(
     router = T * D * 4 + T * E * 4 + T * K * 8 + T * K
     if c.router_jitter > 0:
         router += T * D * 4
-    if c.norm_topk_prob or c.router_topk_order == "topk_then_softmax":
+    if c.router_topk_order == "topk_then_softmax":  # (gpt-oss) softmax over the k logits: its output only
+        router += T * K * 4
+    elif c.norm_topk_prob:
         router += T * K * 4 + T * 4
     router += T * 4 + T * E * 4 + T * 4  # load balancing (P_e), z-loss (logits, log-partition)
     parts["router"] = router
@@ -183,6 +198,31 @@ def layer_activation_bytes(
             shared += T * 4 + T * D * a
         parts["shared_experts"] = shared
     return parts
+
+
+def activation_caveats(model_config) -> list[str]:
+    """What the per-op count above does not model exactly for this config, each with its reason: the plan's
+    activations are then an approximation (held within 30% at the tiny presets by tests/test_arch_parallel.py's
+    probe; the probe of tests/test_plan.py holds the rest exact)."""
+    c = model_config
+    out = []
+    if getattr(c, "attention_type", "mha") == "mla":
+        out.append(
+            "multi-head latent attention: counted as attention of H heads of head_dim; its low-rank q and kv "
+            "projections, their norms and the expanded keys are not, and whether SDPA takes a fused kernel with "
+            "v_head_dim != qk head dim (else it keeps the B H S S probabilities) depends on the device"
+        )
+    if getattr(c, "router_score", "softmax") == "sigmoid" or getattr(c, "router_groups", 1) > 1:
+        out.append(
+            "sigmoid / group-limited routing (DeepSeek-V3, GLM-4.5): counted as a softmax top-k router"
+        )
+    if getattr(c, "router_bias", False) or getattr(c, "expert_bias", False) or c.swiglu_limit is not None:
+        out.append("biased router and experts, clamped SwiGLU (gpt-oss): counted as unbiased SwiGLU experts")
+    if getattr(c, "attention_window", None) is not None:
+        out.append("sliding-window layers: counted as full causal layers (their mask path is not counted)")
+    if c.rotary_dim < c.head_dim:
+        out.append("partial RoPE (GLM-4.5): counted as RoPE over the whole head")
+    return out
 
 
 def model_activation_bytes(
@@ -392,6 +432,8 @@ class Plan:
     whole_model_bytes: int
     layouts: list[Layout]
     skipped: list[str]
+    # what the activation count approximates for this model, with the reasons (`activation_caveats`)
+    activation_caveats: list[str] = field(default_factory=list)
 
     @property
     def fitting(self) -> list[Layout]:
@@ -453,7 +495,7 @@ def make_plan(
     return Plan(
         config.model.preset, world, gpus, nodes, gpu_memory_gb, headroom_gb, config.batch_size,
         config.grad_accum, config.data.seq_len, config.precision, sum(p.nbytes for p in params),
-        layouts, skipped,
+        layouts, skipped, activation_caveats(c),
     )  # fmt: skip
 
 
@@ -488,6 +530,7 @@ def plan_table(plan: Plan) -> str:
             + f" {_gib(x.peak):>8} {_gib(x.comm_total):>10} {'yes' if x.fits else 'no':>4}"
         )
     lines += [f"skipped: {s}" for s in plan.skipped]
+    lines += [f"activations approximate: {caveat}" for caveat in plan.activation_caveats]
     rec = plan.recommended
     lines.append(
         f"recommended: {rec.name} (peak {_gib(rec.peak)} GiB per rank; set parallel.ep_size={rec.ep_size} "
