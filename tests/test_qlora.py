@@ -364,3 +364,22 @@ def test_quantizing_while_loading_keeps_one_shard_mapped_at_a_time(tmp_path):
     assert seen == sum(len(names) for _, names in opened.plan)
     kept = [len(opened.reader._open) for _ in stream_weights(opened.reader, opened.plan)]
     assert max(kept) == len(files)  # without release every file stays mapped (the mapped loader needs them)
+
+
+@pytest.mark.parametrize("codebook", ["int", "nf4"])
+def test_the_dequantization_qlora_runs_is_the_reference_in_reused_buffers(codebook):
+    """`scratch_weight` (what a QLoRA step dequantizes ~13k times) gives `weight`'s values bitwise, in buffers
+    reused from slice to slice: allocating each slice left glibc's heap 1.8 GiB larger after 3 steps of a 2-layer
+    Qwen1.5-MoE-A2.7B (benchmarks/README.md, "Fine-tuning at real size")."""
+    from moe_core.quantized import _SCRATCH
+
+    quantized, _ = qlora_pair(QuantConfig(bits=4, group_size=16, block_size=16, codebook=codebook))
+    experts = next(m for m in quantized.modules() if isinstance(m, QuantizedExperts))
+    for dtype in (torch.float32, torch.bfloat16):
+        for p in experts.projections:
+            for e in range(experts.num_experts):
+                assert torch.equal(experts.scratch_weight(p, e, dtype), experts.weight(p, e, dtype))
+    buffers = len(_SCRATCH)
+    x = torch.randint(0, 300, (2, 16))
+    quantized(input_ids=x, labels=x).loss.backward()
+    assert len(_SCRATCH) == buffers  # a step reuses them: no buffer per slice
