@@ -34,7 +34,7 @@ from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, replace_experts
 from moe_core.fileio import atomic_directory
 from moe_core.frozen_linear import recomputed_linear
-from moe_core.model import MoEForCausalLM, materialize
+from moe_core.model import FeedForward, MoEForCausalLM, materialize
 
 
 class QuantizationError(MoELabError):
@@ -509,15 +509,87 @@ def _read_quant_file(directory: Path) -> dict:
     return meta
 
 
+# ---------------------------------------------------------------------------------------------- shared experts
+class QuantizedLinear(nn.Module):
+    """A frozen bias-free ``nn.Linear`` [O, I] held as codes (``weight_q``: int4 packed two a byte, or int8) and
+    absmax scales (``weight_scale`` [O, G]): under QLoRA, the shared experts' projections (Qwen2-MoE's 5632-wide
+    shared expert: 1.6 GiB of bf16 over Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits). Dequantized into
+    reused buffers at each use and again in backward (`recomputed_linear`), as the routed experts' slices are."""
+
+    def __init__(self, in_features: int, out_features: int, config: QuantConfig) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.quant_config = in_features, out_features, config
+        width = in_features if config.bits == 8 else in_features // 2
+        dtype = torch.int8 if config.bits == 8 else torch.uint8
+        self.register_buffer("weight_q", torch.zeros(out_features, width, dtype=dtype))
+        self.register_buffer("weight_scale", torch.ones(out_features, config.groups(in_features)))
+
+    @torch.no_grad()
+    def quantize_from(self, w_OI: torch.Tensor) -> None:
+        """Round to nearest, as `QuantizedExperts.quantize_into` does for one expert slice."""
+        scale_OG = compute_scales(w_OI, self.quant_config)
+        q_OI = quantize_rtn(w_OI, scale_OG, self.quant_config)
+        self.weight_q.copy_(pack_int4(q_OI) if self.quant_config.bits == 4 else q_OI)
+        self.weight_scale.copy_(scale_OG)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference: the dense [O, I] weight these codes stand for, newly allocated."""
+        codebook = self.quant_config.codebook
+        if self.quant_config.bits == 4:
+            return dequantize_int4(self.weight_q, self.weight_scale, codebook).to(dtype)
+        return dequantize(self.weight_q, self.weight_scale, codebook).to(dtype)
+
+    def _scratch_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.quant_config.bits != 4:
+            return self.dequantized(dtype)
+        w_OI = dequantize_int4_scratch(self.weight_q, self.weight_scale, self.quant_config.codebook)
+        return w_OI if dtype == torch.float32 else scratch(w_OI.shape, dtype, w_OI.device).copy_(w_OI)
+
+    def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
+        return recomputed_linear(x_NI, lambda: self._scratch_weight(x_NI.dtype))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.quant_config.bits}"
+        )
+
+
+def quantize_shared_experts(model: nn.Module, config: QuantConfig) -> dict[str, QuantizedLinear]:
+    """Replace every shared expert's projections (``...mlp.shared_expert.{gate,up,down}_proj``, the always-on
+    `FeedForward` of Qwen2-MoE / DeepSeekMoE) by `QuantizedLinear`, in place: quantized from their weights, or,
+    on the meta device (a model about to stream in), empty codes to fill with `QuantizedLinear.quantize_from`.
+    Returns the new modules by their names (``...shared_expert.up_proj``)."""
+    replaced: dict[str, QuantizedLinear] = {}
+    for name, module in list(model.named_modules()):
+        if not name.endswith(".mlp.shared_expert") or not isinstance(module, FeedForward):
+            continue
+        for proj in PROJECTIONS:
+            linear = getattr(module, proj, None)
+            if not isinstance(linear, nn.Linear):
+                continue
+            quantized = QuantizedLinear(linear.in_features, linear.out_features, config)
+            if linear.weight.device.type != "meta":
+                quantized = quantized.to(linear.weight.device)
+                quantized.quantize_from(linear.weight.detach())
+            setattr(module, proj, quantized)
+            replaced[f"{name}.{proj}"] = quantized
+    return replaced
+
+
 # ---------------------------------------------------------------------------------------------- quantized loading
 def load_quantizing_experts(
-    path: str | os.PathLike, config: QuantConfig, dtype: torch.dtype | str | None = None
+    path: str | os.PathLike,
+    config: QuantConfig,
+    dtype: torch.dtype | str | None = None,
+    *,
+    shared_experts: bool = False,
 ) -> MoEForCausalLM:
     """A full-precision checkpoint (a Hugging Face Mixtral / OLMoE / Qwen2-MoE one, or ours) with its expert stacks
     quantized while they stream in, one expert slice at a time (round to nearest), for QLoRA: the model is built
     on the meta device, every expert stack replaced by `QuantizedExperts` before any storage exists, and only
     the quantized codes, the other weights (in ``dtype``, default the checkpoint's) and one source tensor at a
-    time are ever in memory; the full-precision model never has to fit."""
+    time are ever in memory; the full-precision model never has to fit. ``shared_experts``: the shared experts'
+    projections too (`quantize_shared_experts`)."""
     opened = open_streaming(path, dtype, QuantizationError, "quantizing while loading")
     directory, reader, model, plan = opened.directory, opened.reader, opened.model, opened.plan
     with torch.device("meta"):  # before any storage exists
@@ -533,12 +605,19 @@ def load_quantizing_experts(
                 bias_dtype=dense.up_proj.dtype,
             ),
         )
+        shared = quantize_shared_experts(model, config) if shared_experts else {}
     materialize(model, "cpu")
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for ours, e, name, source in stream_weights(reader, plan, release=True):
             module, _, projection = ours.rpartition(".")
+            if module in shared and projection == "weight":
+                check_shape(
+                    directory, name, source, ours, (shared[module].out_features, shared[module].in_features)
+                )
+                shared[module].quantize_from(source)
+                continue
             experts = quantized.get(module)
             # not a quantized stack: copied as it is (gpt-oss's expert biases too, one expert's row at a time)
             if experts is None or projection not in experts.projections:

@@ -383,3 +383,38 @@ def test_the_dequantization_qlora_runs_is_the_reference_in_reused_buffers(codebo
     x = torch.randint(0, 300, (2, 16))
     quantized(input_ids=x, labels=x).loss.backward()
     assert len(_SCRATCH) == buffers  # a step reuses them: no buffer per slice
+
+
+@pytest.mark.parametrize("config", [NF4, INT4], ids=["nf4", "int4"])
+def test_shared_experts_quantize_while_loading_as_in_memory(checkpoints, config):
+    """QLoRA holds Qwen2-MoE's shared expert in the routed experts' bits too (`QuantizedLinear`): streamed in, it
+    equals quantizing the loaded model; its forward is the dequantized weight's ``F.linear``, gradient included."""
+    from moe_core.quantized import QuantizedLinear, quantize_shared_experts
+
+    directory = checkpoints["qwen2_moe"]
+    streamed = load_quantizing_experts(directory, config, shared_experts=True)
+    reference = from_hf(directory)
+    dense_shared = reference.model.layers[0].mlp.shared_expert.up_proj.weight.detach().clone()
+    quantize_experts(reference, config)
+    replaced = quantize_shared_experts(reference, config)
+    assert len(replaced) == 3 * len(reference.config.moe_layer_ids)  # gate, up, down of each MoE layer
+    state, expected = streamed.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys() and any(
+        k.endswith("shared_expert.up_proj.weight_q") for k in state
+    )
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+    up = streamed.model.layers[0].mlp.shared_expert.up_proj
+    assert isinstance(up, QuantizedLinear)
+    assert (up.dequantized() - dense_shared).abs().max() <= up.weight_scale.max() * 1.01  # within a step
+    x = torch.randn(5, up.in_features, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    up(x).sum().backward()
+    torch.nn.functional.linear(x_ref, up.dequantized()).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    input_ids, mask = make_inputs(streamed.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            streamed(input_ids, attention_mask=mask).logits,
+            reference.eval()(input_ids, attention_mask=mask).logits,
+        )

@@ -7,8 +7,8 @@ keys stock PEFT reads. Merged into the full-precision base it is the usual fine-
 than memory (Qwen1.5-MoE-A2.7B's 26.7 GiB here) cannot be merged into, and the codes cannot hold a merge (the
 delta is far below a 4-bit step). So the output is loaded the way it trained:
 
-    base     the checkpoint ``model.path`` names, its experts quantized while they stream in, with the recorded
-             ``quantize.*`` (round to nearest: the same codes as training's, bit for bit)
+    base     the checkpoint ``model.path`` names, its experts (and shared experts) quantized while they stream
+             in, with the recorded ``quantize.*`` (round to nearest: the same codes as training's, bit for bit)
     wrappers `apply_method` with the recorded config (ESFT's selection from ``moe_expert_selection.json``)
     factors  the adapter's tensors placed into those wrappers (HF-named ones through `hf_adapter`), every key
              of the file placed and every wrapper's factor given, else refused
@@ -53,6 +53,12 @@ def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
     )  # block: GPTQ's
 
 
+def quantizes_shared_experts(config: FinetuneConfig) -> bool:
+    """QLoRA holds the shared experts in the same bits as the routed ones (`quantize_shared_experts`) unless
+    they carry an adapter (``lora.shared_expert``: LoRA on a frozen ``nn.Linear``, PEFT's own)."""
+    return config.quantize.base is not None and not config.lora.shared_expert
+
+
 def is_qlora_output(directory: str | os.PathLike) -> bool:
     """A fine-tuning output directory whose base trained quantized and which holds the adapter, no merged model."""
     directory = Path(directory)
@@ -89,7 +95,12 @@ def load_qlora(
             "adapter into the full-precision base (moe_core.load(OUT / 'adapter'))"
         )
     source = str(base) if base is not None else config.model.path
-    model = load_quantizing_experts(source, base_quant_config(config), dtype or config.model.dtype)
+    model = load_quantizing_experts(
+        source,
+        base_quant_config(config),
+        dtype or config.model.dtype,
+        shared_experts=quantizes_shared_experts(config),
+    )
     selection = None
     if config.lora.experts == "esft":  # the experts ESFT chose for this run, recorded beside the adapter
         saved = json.loads((adapter / "moe_expert_selection.json").read_text())["expert_adapters"]

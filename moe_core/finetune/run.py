@@ -104,12 +104,12 @@ from moe_core.finetune.parallel import (
     shard_experts,
     world_size,
 )
-from moe_core.finetune.qlora import base_quant_config
+from moe_core.finetune.qlora import base_quant_config, quantizes_shared_experts
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
-from moe_core.quantized import QuantizedExperts, load_quantizing_experts
+from moe_core.quantized import QuantizedExperts, load_quantizing_experts, quantize_shared_experts
 from moe_core.reward_model import MoEForSequenceClassification, reward_model_from
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
@@ -567,11 +567,15 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     for note in size.notes:
         print(f"moe-lab finetune: {note}", flush=True)
     if model is None and quant is not None:
-        model = load_quantizing_experts(config.model.path, quant, config.model.dtype)
+        model = load_quantizing_experts(
+            config.model.path, quant, config.model.dtype, shared_experts=quantizes_shared_experts(config)
+        )
     elif model is None:
         model = load(config.model.path, dtype=config.model.dtype, memory_map=memory_map).model
     elif quant is not None and not any(isinstance(m, QuantizedExperts) for m in model.modules()):
         quantize_experts(model, quant)  # a model given in memory: its experts quantized in place
+        if quantizes_shared_experts(config):
+            quantize_shared_experts(model, quant)
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
