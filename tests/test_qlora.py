@@ -258,6 +258,7 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
     assert not (tmp_path / "out" / "merged").exists()
     experts = [m for m in result.model.modules() if isinstance(m, QuantizedExperts)]
     assert experts and all(m.quant_config.codebook == "nf4" for m in experts)
+    assert all(m.up_proj_scale.dtype == torch.bfloat16 for m in experts)  # QLoRA's scales: half the bytes
     assert all(torch.isfinite(torch.tensor(row["loss"])) for row in result.metrics if "loss" in row)
     # the adapter is LoRA on the full-precision model: stock PEFT on the HF model, and our loader, apply it
     x = torch.randint(0, 300, (2, 10))

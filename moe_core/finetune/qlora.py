@@ -48,9 +48,9 @@ def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
         return QuantConfig(bits=8)
     group_size = config.quantize.group_size
     codebook = "nf4" if base == "nf4" else "int"
-    return QuantConfig(
-        bits=4, group_size=group_size, block_size=group_size, codebook=codebook
-    )  # block: GPTQ's
+    return QuantConfig(  # block: GPTQ's; scales in bf16 (QuantConfig.scale_dtype)
+        bits=4, group_size=group_size, block_size=group_size, codebook=codebook, scale_dtype="bfloat16"
+    )
 
 
 def quantizes_shared_experts(config: FinetuneConfig) -> bool:
