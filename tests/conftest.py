@@ -123,3 +123,17 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture()
+def sqlite_store(tmp_path, monkeypatch):
+    """A fresh MLflow SQLite store (its URI) as the tracking URI, with the lab's home under ``tmp_path``."""
+    import mlflow  # heavy (~5 s): only the tests that use the store pay for it
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MOE_LAB_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(previous)

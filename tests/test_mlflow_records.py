@@ -11,19 +11,6 @@ import torch
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture()
-def sqlite_store(tmp_path, monkeypatch):
-    import mlflow
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MOE_LAB_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    yield uri
-    mlflow.set_tracking_uri(previous)
-
-
 def test_experiment_opens_on_runs_and_runs_carry_the_architecture(sqlite_store):
     from mlflow import MlflowClient
 

@@ -120,17 +120,6 @@ def test_a_directory_that_is_not_a_model_is_refused_before_mlflow_is_called(chec
         mlflow_seam.check_checkpoint(tmp_path)
 
 
-@pytest.fixture()
-def sqlite_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MOE_LAB_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    yield tmp_path / "mlflow.db"
-    mlflow.set_tracking_uri(previous)
-
-
 def test_a_client_for_a_tracking_server_asks_it_nothing(tmp_path, monkeypatch):
     """A local store is created under the store lock (tasks/storelock.py); a server creates its own, and a
     call to a dead one would make MLflow retry (here: fail at once)."""
