@@ -59,17 +59,6 @@ def quantizes_shared_experts(config: FinetuneConfig) -> bool:
     return config.quantize.base is not None and not config.lora.shared_expert
 
 
-def is_qlora_output(directory: str | os.PathLike) -> bool:
-    """A fine-tuning output directory whose base trained quantized and which holds the adapter, no merged model."""
-    directory = Path(directory)
-    if not (directory / CONFIG_FILE).is_file() or not (directory / ADAPTER_DIR).is_dir():
-        return False
-    if (directory / "merged").is_dir():
-        return False
-    quantize = json.loads((directory / CONFIG_FILE).read_text()).get("quantize") or {}
-    return quantize.get("base") is not None
-
-
 def load_qlora(
     directory: str | os.PathLike,
     *,
