@@ -207,6 +207,18 @@ def dequantize_int4_scratch(
     return values_OH2.view(O, 2 * H)
 
 
+def scratch_in_dtype(w_OI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A dequantized fp32 scratch slice as ``dtype``: itself, or its copy in that dtype's reused buffer."""
+    return w_OI if dtype == w_OI.dtype else scratch(w_OI.shape, dtype, w_OI.device).copy_(w_OI)
+
+
+def rtn_codes(w_OI: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest codes of one weight (int4 packed two a byte, or int8) and its absmax scales."""
+    scale_OG = compute_scales(w_OI, config)
+    q_OI = quantize_rtn(w_OI, scale_OG, config)
+    return (pack_int4(q_OI) if config.bits == 4 else q_OI), scale_OG
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Two signed 4-bit codes a byte along the last dim: low nibble = even index."""
     u = (q.to(torch.int16) + 8).to(torch.uint8)
@@ -349,11 +361,7 @@ class QuantizedExperts(StackedExperts):
     def quantize_into(self, name: str, e: int, w_OI: torch.Tensor) -> None:
         """Expert ``e``'s ``name`` weight, round to nearest: for a model quantized while it streams in, one
         expert slice at a time (the dense stack never exists)."""
-        config = self.quant_config
-        scale_OG = compute_scales(w_OI, config)
-        q_OI = quantize_rtn(w_OI, scale_OG, config)
-        getattr(self, f"{name}_q")[e] = pack_int4(q_OI) if config.bits == 4 else q_OI
-        getattr(self, f"{name}_scale")[e] = scale_OG
+        getattr(self, f"{name}_q")[e], getattr(self, f"{name}_scale")[e] = rtn_codes(w_OI, self.quant_config)
 
     def stack_shape(self, name: str) -> tuple[int, int, int]:
         """``(E, O, I)``: the shape of the dense ``name`` stack these codes stand for."""
@@ -414,10 +422,7 @@ class QuantizedExperts(StackedExperts):
         w_OI = dequantize_int4_scratch(q, scale, self.quant_config.codebook)
         if self.quant_config.method == "awq":
             w_OI.div_(getattr(self, f"{name}_in_scale")[e])
-        if dtype == torch.float32:
-            return w_OI
-        out_OI = scratch(w_OI.shape, dtype, w_OI.device)
-        return out_OI.copy_(w_OI)
+        return scratch_in_dtype(w_OI, dtype)
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, StackedExperts]]:
@@ -541,9 +546,8 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def quantize_from(self, w_OI: torch.Tensor) -> None:
         """Round to nearest, as `QuantizedExperts.quantize_into` does for one expert slice."""
-        scale_OG = compute_scales(w_OI, self.quant_config)
-        q_OI = quantize_rtn(w_OI, scale_OG, self.quant_config)
-        self.weight_q.copy_(pack_int4(q_OI) if self.quant_config.bits == 4 else q_OI)
+        codes, scale_OG = rtn_codes(w_OI, self.quant_config)
+        self.weight_q.copy_(codes)
         self.weight_scale.copy_(scale_OG)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -557,7 +561,7 @@ class QuantizedLinear(nn.Module):
         if self.quant_config.bits != 4:
             return self.dequantized(dtype)
         w_OI = dequantize_int4_scratch(self.weight_q, self.weight_scale, self.quant_config.codebook)
-        return w_OI if dtype == torch.float32 else scratch(w_OI.shape, dtype, w_OI.device).copy_(w_OI)
+        return scratch_in_dtype(w_OI, dtype)
 
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
         return recomputed_linear(x_NI, lambda: self._scratch_weight(x_NI.dtype))
