@@ -30,6 +30,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 VOCAB = 320
 # name: (preset, HF architecture, config overrides, MLA layout)
+# DeepSeek-V2's routing on the deepseek-tiny preset (softmax scores, a group scored by its best expert, no
+# renormalization, no selection bias)
+V2_ROUTING = dict(
+    router_score="softmax", router_group_score="max", norm_topk_prob=False, router_bias_update_rate=0.0
+)
 CASES = {
     "qwen3_moe": ("qwen3-tiny", "qwen3_moe", {}, "split"),
     "deepseek_v3": ("deepseek-tiny", "deepseek_v3", {}, "split"),
@@ -38,15 +43,7 @@ CASES = {
     "deepseek_v2": (
         "deepseek-tiny",
         "deepseek_v2",
-        dict(
-            q_lora_rank=None,
-            router_score="softmax",
-            router_group_score="max",
-            norm_topk_prob=False,
-            router_bias_update_rate=0.0,
-            router_groups=1,
-            router_topk_groups=1,
-        ),
+        dict(V2_ROUTING, q_lora_rank=None, router_groups=1, router_topk_groups=1),
         "split",
     ),
     "gpt_oss": ("gptoss-tiny", "gpt_oss", {}, "split"),
@@ -61,14 +58,7 @@ ENGINE_CASES = {
     "deepseek_v2": (
         "deepseek-tiny",
         "deepseek_v2",
-        dict(
-            router_score="softmax",
-            router_group_score="max",
-            norm_topk_prob=False,
-            router_bias_update_rate=0.0,
-            router_groups=1,
-            router_topk_groups=1,
-        ),
+        dict(V2_ROUTING, router_groups=1, router_topk_groups=1),
         "unsplit",
     ),
 }
@@ -452,12 +442,7 @@ def _config(tmp_path, preset, arch, overrides=None, edit=None):
         (
             "deepseek-tiny",
             "deepseek_v2",
-            dict(
-                router_score="softmax",
-                router_group_score="max",
-                norm_topk_prob=False,
-                router_bias_update_rate=0.0,
-            ),
+            V2_ROUTING,
             {},
             "n_group=4.*sum of its two best",
         ),
