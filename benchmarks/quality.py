@@ -1,7 +1,7 @@
 """Training quality: do the published directions of MoE research reproduce here, at equal tokens?
 
-Every arm trains on the same data, for the same tokens (batch x seq x steps), from the lifecycle recipe
-(`flows.params.small_train_config`: warm-up a third of the run, aux coefficient 0.1) at the ``tiny`` preset
+Every arm trains on the same data, for the same tokens (batch x seq x steps), with the library's defaults
+(warm-up a third of the run, the lab's aux coefficient 0.1; `flows.params.small_train_config`) at the ``tiny`` preset
 size, then reports validation perplexity and routing health:
 drop rate (at the training capacity), busiest expert over the mean load, dead experts, load-balancing
 loss (1.0 is uniform), from the training telemetry after warm-up (the second half of the run), and the
@@ -204,7 +204,6 @@ def train_config(arm: str, args, seed: int, source: str) -> TrainConfig:
         "steps": args.steps,
         "batch_size": args.batch,
         "seed": seed,
-        "optim": {"warmup_steps": max(1, args.steps // 3)},  # the lifecycle's third (small_train_config)
         "eval": {"every": 0, "batches": args.eval_batches},
         "log": {"every": max(1, args.steps // 10), "progress": "off"},
         "checkpoint": {"every": 10**9, "export": False},

@@ -41,25 +41,17 @@ def tiny_train_config(**fields) -> TrainConfig:
 
 def small_train_config(**fields) -> TrainConfig:
     """The README's run, a model that visibly learns: the lifecycle with its dense baseline took 4m03s on 2 idle
-    CPU cores (2m29s without the baseline).
-
-    A short, hot run (150 steps at lr 3e-3), so two settings differ from the papers' long runs (issue 17,
-    benchmarks/README.md "Training quality"): a warm-up of a third of the run, and the load-balancing
-    coefficient at 0.1 for every family. With Switch's 10-step warm-up the deep layers' routers collapse
-    before the balancing loss can act (11-62% of the slots dropped per layer at step 20, 20-22% in layers
-    1-3 at step 80), and at the papers' 0.01-0.02 the loss balances too slowly for 150 steps. Measured on switch-small (validation loss,
-    seed 0 / 1): warm-up 10, aux 0.01: 5.920; warm-up 50, aux 0.01 / 0.03 / 0.1 / 0.3: 5.842 / 5.791 /
-    5.740 / 5.854 (seed 1 at 0.1: 5.701), drops in every layer under 3% at step 150 with 0.1; the dense
-    baseline with equal active parameters: 5.977 (warm-up 10), 5.812 / 5.802 (warm-up 50)."""
+    CPU cores (2m29s without the baseline). The library's defaults, nothing special: a warm-up of a third of the
+    run and the lab's load-balancing coefficient 0.1 (`OptimSection.warmup_fraction`,
+    `moe_core.presets.AUX_LOSS_COEF`: the measurements behind both are there)."""
     base = {
-        "model": {"preset": "switch-small", "overrides": {"router_aux_loss_coef": 0.1}},
+        "model": {"preset": "switch-small"},
         "steps": 150,
         "batch_size": 8,
         "data": {"max_documents": 800, "seq_len": 128, "vocab_size": 4000},
         "checkpoint": {"every": 50},
         "log": {"every": 10, "progress": "auto"},
         "eval": {"batches": 8, "every": 25},
-        "optim": {"warmup_steps": 50},
     }
     return TrainConfig.build(_merge(base, fields))
 

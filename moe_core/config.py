@@ -507,15 +507,21 @@ def check_model_fields(keys, where: str = "MoEConfig") -> None:
 # the preset tables live in moe_core.presets (plain data, so the CLI lists them without importing transformers)
 
 
-def get_config(preset: str, **overrides: Any) -> MoEConfig:
-    """Build the config of a named preset, e.g. ``get_config("mixtral-tiny", num_experts=16)``."""
+def get_config(preset: str, *, balance: str = "lab", **overrides: Any) -> MoEConfig:
+    """Build the config of a named preset, e.g. ``get_config("mixtral-tiny", num_experts=16)``. ``balance=
+    "paper"`` takes the family's published load-balancing coefficient instead of the lab's (see
+    `moe_core.presets.AUX_LOSS_COEF`); an explicit ``router_aux_loss_coef`` wins over both."""
     family, _, size = preset.partition("-")
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(
             f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; choose one of: {', '.join(PRESETS)}"
         )
     layers = overrides.get("num_hidden_layers", SIZES[size]["num_hidden_layers"])
-    kwargs = {**SIZES[size], **family_settings(family, SIZES[size]["hidden_size"], layers), **overrides}
+    kwargs = {
+        **SIZES[size],
+        **family_settings(family, SIZES[size]["hidden_size"], layers, balance),
+        **overrides,
+    }
     return MoEConfig(**kwargs)
 
 

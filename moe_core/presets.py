@@ -34,9 +34,20 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
+def family_settings(name: str, hidden: int, layers: int = 2, balance: str = "lab") -> dict[str, Any]:
     """Architecture choices of each family; widths scale with the hidden size (``layers``: the depth, for
-    per-layer patterns such as gpt-oss's alternating attention)."""
+    per-layer patterns such as gpt-oss's alternating attention). ``balance`` picks the load-balancing
+    coefficient: the lab's (``"lab"``, healthy at any run length) or the family's paper's (``"paper"``);
+    see `AUX_LOSS_COEF`."""
+    if balance not in BALANCES:
+        raise ValueError(f"balance={balance!r}: choose one of {BALANCES}")
+    settings = _architecture(name, hidden, layers)
+    if name in AUX_LOSS_COEF:
+        settings["router_aux_loss_coef"] = AUX_LOSS_COEF[name][balance]
+    return settings
+
+
+def _architecture(name: str, hidden: int, layers: int) -> dict[str, Any]:
     if name == "switch":  # Fedus et al. 2021: top-1, capacity factor 1.25, ReLU/GELU FFN experts of width 4d
         # Embeddings N(0, 1) as in T5, which Switch builds on (mesh-tf; transformers' SwitchTransformers
         # `_init_weights`), not 0.02: with 0.02, the few Adam steps of warm-up write one direction shared by
@@ -53,8 +64,7 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
         # Multiplicative router jitter 1e-2: Switch's (and transformers') default. The router losses are summed
         # over MoE layers, each with its coefficient (mesh-tf's Switch/GShard layers each add coef * loss to
         # the total), not averaged: an average divides the pull toward balance by the number of MoE layers.
-        # Aux 0.01 is the paper's, for runs of 10^5 steps after a 10^4-step warm-up; short runs (the lifecycle's
-        # 150 steps) balance and learn better at 0.1 with a longer warm-up: `flows.params.small_train_config`.
+        # The aux coefficient: `AUX_LOSS_COEF` below (the paper's 0.01 is `balance="paper"`).
         return dict(
             num_experts=8,
             num_experts_per_tok=1,
@@ -65,7 +75,6 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             capacity_factor=1.25,
             eval_capacity_factor=2.0,
             norm_topk_prob=False,
-            router_aux_loss_coef=0.01,
             router_z_loss_coef=0.001,
             router_jitter=0.01,
             embedding_init_std=1.0,
@@ -80,7 +89,6 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             intermediate_size=4 * hidden,
             router="topk",
             norm_topk_prob=True,
-            router_aux_loss_coef=0.02,
             router_z_loss_coef=0.0,
         )
     if (
@@ -91,10 +99,10 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
         # "mean" reduction). At OLMoE's lr 4e-4 with ~2k warm-up steps that balances; in a short, hot run
         # (the lifecycle's 150 steps at lr 3e-3) it does not: with 64 experts the router probabilities stay
         # near uniform, so the LB loss reads ~1.1-1.3 while the busiest expert takes 3-5x the mean load and
-        # experts die (issue 17). `router_aux_loss_coef=0.1` is the knob for such runs (the lifecycle recipe,
-        # `flows.params.small_train_config`, sets it): it roughly halves the skew and keeps experts alive. With
-        # `router_loss_reduction="sum"` as well (4x the pull) a 300-step run reaches max/mean < 1.5 in every
-        # layer at a slightly better perplexity; the coarse families lose 5-11% to that (benchmarks/README.md).
+        # experts die (issue 17). The lab's 0.1 (`AUX_LOSS_COEF`) roughly halves the skew and keeps experts
+        # alive. With `router_loss_reduction="sum"` as well (4x the pull) a 300-step run reaches max/mean < 1.5
+        # in every layer at a slightly better perplexity; the coarse families lose 5-11% to that
+        # (benchmarks/README.md).
         return dict(
             num_experts=64,
             num_experts_per_tok=8,
@@ -104,13 +112,11 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             router="topk",
             norm_topk_prob=False,
             qk_norm=True,
-            router_aux_loss_coef=0.01,
             router_z_loss_coef=0.001,
         )
     if name == "shared":  # Qwen2-MoE: fine-grained routed experts plus one always-on gated shared expert
-        # aux coefficient: Qwen2-MoE's 0.001 is on transformers' scale, K times ours (moe_core.convert), so 0.004;
-        # like OLMoE's, too weak to balance a 150-step run at lr 3e-3; `router_aux_loss_coef=0.1` balances it
-        # (max/mean 1.2-1.5 per layer at step 150; issue 17, benchmarks/README.md)
+        # Qwen2-MoE's aux coefficient (`AUX_LOSS_COEF`, `balance="paper"`) is, like OLMoE's, too weak to balance
+        # a 150-step run at lr 3e-3, where the lab's 0.1 balances it (max/mean 1.2-1.5 per layer at step 150)
         return dict(
             num_experts=16,
             num_experts_per_tok=4,
@@ -123,7 +129,6 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             shared_expert_intermediate_size=2 * hidden,
             shared_expert_gate=True,
             attention_bias=True,
-            router_aux_loss_coef=0.004,
         )
     if (
         name == "deepseek"
@@ -157,13 +162,11 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             router_group_score="top2_sum",
             routed_scaling_factor=2.5,
             router_bias_update_rate=0.001,
-            router_aux_loss_coef=0.0001,
             router_z_loss_coef=0.0,
         )
     if name == "qwen3":  # Qwen3-MoE (Yang et al. 2025; transformers models/qwen3_moe): 128 fine-grained
         # experts, top-8 renormalized, no shared expert, per-head q/k RMSNorm, head_dim 2x hidden/heads and
-        # expert width 3/8 hidden as Qwen3-30B-A3B (2048 hidden, 32 heads of 128, experts of 768). Aux 0.008:
-        # Qwen3's 0.001 on transformers' scale, K times ours (moe_core.convert)
+        # expert width 3/8 hidden as Qwen3-30B-A3B (2048 hidden, 32 heads of 128, experts of 768).
         return dict(
             num_experts=128,
             num_experts_per_tok=8,
@@ -174,14 +177,13 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             norm_topk_prob=True,
             qk_norm=True,
             qk_norm_per_head=True,
-            router_aux_loss_coef=0.008,
             router_z_loss_coef=0.0,
         )
     if name == "gptoss":
         # gpt-oss (OpenAI 2025; transformers models/gpt_oss): 32 experts top-4 (gpt-oss-20b),
         # expert width = hidden, softmax over the top-4 biased logits, biased experts with the clamped SwiGLU
         # (limit 7), biased q/k/v/o, attention sinks, sliding window of 128 on every other layer from the first,
-        # YaRN RoPE (theta 150000, factor 32 over 4096 positions). Aux 0.004: its 0.001 times K (moe_core.convert)
+        # YaRN RoPE (theta 150000, factor 32 over 4096 positions).
         return dict(
             num_experts=32,
             num_experts_per_tok=4,
@@ -200,7 +202,6 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             attention_window_layers=list(range(0, layers, 2)),
             rope_theta=150000.0,
             rope_yarn=dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096),
-            router_aux_loss_coef=0.004,
             router_z_loss_coef=0.0,
         )
     if name == "glm4moe":
@@ -233,13 +234,38 @@ def family_settings(name: str, hidden: int, layers: int = 2) -> dict[str, Any]:
             router_group_score="top2_sum",
             routed_scaling_factor=1.0,
             router_bias_update_rate=0.001,
-            router_aux_loss_coef=0.0001,
             router_z_loss_coef=0.0,
         )
     if name == "dense":
         return dict(num_experts=0, ffn_activation="swiglu", intermediate_size=4 * hidden)
     raise KeyError(name)
 
+
+# The load-balancing loss coefficient of each family: the lab's default ("lab") and its paper's ("paper",
+# `balance="paper"`, `--set model.balance=paper`). The papers' values are for runs of 10^4-10^6 steps at a low
+# learning rate after thousands of warm-up steps; in the runs this lab is used for (150 to 2,500 steps at lr
+# 3e-3) they balance too slowly: Switch layers drop 5-16% of their slots and fine-grained experts die (issue 17,
+# issue 28 §2). 0.1 (with the warm-up a third of the run, `OptimSection.warmup_fraction`) is what the quality
+# benchmark measured healthy and best for every loss-balanced family: switch-small at 150 steps, val loss
+# 5.740 against 5.842 (0.01), 5.791 (0.03) and 5.854 (0.3), drops <= 3% per layer; at 2,500 steps (tiny, three
+# seeds) max/mean 1.04-1.20 and no dead expert where 0.01 leaves 1.5-2.2 (benchmarks/README.md, "Training
+# quality"). The coefficient is ours: E * sum_e f_e P_e per layer (1.0 balanced), transformers' `router_aux_
+# loss_coef` is K times smaller (`moe_core.convert`). The bias-balanced families (deepseek, glm4moe) keep their
+# paper's small sequence-level loss in both: the bias does the balancing.
+AUX_LOSS_COEF: dict[str, dict[str, float]] = {
+    "switch": {"lab": 0.1, "paper": 0.01},  # Fedus et al. 2022, §2.2: alpha = 10^-2
+    "mixtral": {"lab": 0.1, "paper": 0.02},  # Mixtral-8x7B's published config.json (the paper names none)
+    "olmoe": {
+        "lab": 0.1,
+        "paper": 0.01,
+    },  # Muennighoff et al. 2024, §2 / Table 10: load-balancing weight 0.01
+    "shared": {"lab": 0.1, "paper": 0.004},  # Qwen2-MoE's config 0.001 on transformers' scale, x K = 4
+    "qwen3": {"lab": 0.1, "paper": 0.008},  # Qwen3-30B-A3B's config 0.001, x K = 8
+    "gptoss": {"lab": 0.1, "paper": 0.004},  # gpt-oss-20b's config 0.001 (OpenAI 2025), x K = 4
+    "deepseek": {"lab": 0.0001, "paper": 0.0001},  # DeepSeek-V3 report §2.1.2: sequence-wise alpha = 0.0001
+    "glm4moe": {"lab": 0.0001, "paper": 0.0001},  # GLM-4.5 report §2.1: sequence-level loss weight 0.0001
+}
+BALANCES = ("lab", "paper")
 
 FAMILIES = ("switch", "mixtral", "olmoe", "shared", "qwen3", "gptoss", "deepseek", "glm4moe", "dense")
 PRESETS = tuple(f"{family}-{size}" for family in FAMILIES for size in SIZES)

@@ -122,11 +122,14 @@ def dense_fields(hf) -> dict[str, Any]:
 
 
 def upcycled_config(
-    path: str | os.PathLike, preset: str = "switch-tiny", overrides: dict[str, Any] | None = None
+    path: str | os.PathLike,
+    preset: str = "switch-tiny",
+    overrides: dict[str, Any] | None = None,
+    balance: str = "lab",
 ) -> MoEConfig:
     """The MoE config upcycled from the dense checkpoint at ``path``: the architecture from its config.json, the
-    MoE fields (num_experts, num_experts_per_tok, router, ...) from ``preset`` and ``overrides``. Reads only
-    config.json; refuses (every reason at once) what cannot be expressed."""
+    MoE fields (num_experts, num_experts_per_tok, router, ...) from ``preset`` (its ``balance``, `get_config`) and
+    ``overrides``. Reads only config.json; refuses (every reason at once) what cannot be expressed."""
     directory, hf = read_dense_config(path)
     overrides = dict(overrides or {})
     reasons = dense_refusals(hf)
@@ -141,7 +144,8 @@ def upcycled_config(
     try:
         # the dense model's special token ids are defaults: the data's tokenizer, or model.overrides, may set them
         ids = {name: getattr(hf, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
-        config = get_config(preset, **{**ids, **overrides, **fields, "expert_intermediate_size": width})
+        settings = {**ids, **overrides, **fields, "expert_intermediate_size": width}
+        config = get_config(preset, balance=balance, **settings)
     except (TypeError, ValueError) as err:
         reasons.append(str(err))
         config = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,20 +78,40 @@ def test_cli_has_the_orchestration_commands_and_builds_typed_params():
     assert params.train.data.max_documents == 60  # the tiny preset underneath
 
 
-def test_lifecycle_recipe_keeps_its_short_run_settings_under_user_overrides():
-    """The README's lifecycle (issue 17): a warm-up of a third of the run and the load-balancing coefficient
-    0.1 for every family; a preset chosen with --set keeps them, and the user's own value wins."""
+def test_the_library_defaults_are_the_lifecycle_settings():
+    """Issue 28 §2: a run from the CLI or Python gets what the lifecycle trains with (a warm-up of a third of
+    the run, the lab's aux coefficient 0.1 for every loss-balanced family), the papers' coefficients are one
+    setting away, and the user's own value wins over both."""
     from flows.cli import build_params
+    from moe_core.presets import AUX_LOSS_COEF
+    from moe_core.train.config import TrainConfig, TrainConfigError
 
     recipe = build_params("lifecycle", None, "small", []).train
-    assert recipe.optim.warmup_steps == recipe.steps // 3
-    assert recipe.model.build_config().router_aux_loss_coef == 0.1
-    olmoe = build_params("lifecycle", None, "small", ["train.model.preset=olmoe-small"]).train.model
-    assert olmoe.build_config().router_aux_loss_coef == 0.1 and olmoe.build_config().num_experts == 64
+    plain = TrainConfig.build({"steps": recipe.steps, "model": {"preset": recipe.model.preset}})
+    assert plain.optim.warmup(plain.steps) == recipe.optim.warmup(recipe.steps) == 50
+    assert plain.model.build_config().router_aux_loss_coef == recipe.model.build_config().router_aux_loss_coef
+    assert TrainConfig.build({"steps": 3000}).optim.warmup(3000) == 1000
+    assert TrainConfig.build({"optim": {"warmup_steps": 7}}).optim.warmup(3000) == 7
+    for preset in (
+        "switch-small",
+        "mixtral-small",
+        "olmoe-small",
+        "shared-small",
+        "qwen3-tiny",
+        "gptoss-tiny",
+    ):
+        family = preset.split("-")[0]
+        lab = TrainConfig.build({"model": {"preset": preset}}).model.build_config()
+        paper = TrainConfig.build({"model": {"preset": preset, "balance": "paper"}}).model.build_config()
+        assert lab.router_aux_loss_coef == 0.1, preset
+        assert paper.router_aux_loss_coef == AUX_LOSS_COEF[family]["paper"] < 0.1, preset
+    assert AUX_LOSS_COEF["switch"]["paper"] == 0.01  # Fedus et al. 2022
     mine = build_params(
         "lifecycle", None, "small", ["train.model.overrides.router_aux_loss_coef=0.01"]
     ).train.model
     assert mine.build_config().router_aux_loss_coef == 0.01
+    with pytest.raises(TrainConfigError, match="model.balance: Input should be 'lab' or 'paper'"):
+        TrainConfig.build({"model": {"balance": "papers"}})
 
 
 def test_flow_parameters_render_as_a_schema():

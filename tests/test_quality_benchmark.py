@@ -34,7 +34,7 @@ def test_every_arm_builds_its_model(quality, size):
         model = config.model.build_config()
         assert model.hidden_size == quality.SIZES[size]["hidden_size"], arm
         assert (model.num_experts == 0) == (quality.ARMS[arm][2] is not None), arm
-        assert config.steps == 2500 and config.optim.warmup_steps == 2500 // 3
+        assert config.steps == 2500 and config.optim.warmup(config.steps) == 2500 // 3
 
 
 def test_switch_comparison_uses_the_long_run_embedding_init(quality):

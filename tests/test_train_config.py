@@ -96,6 +96,9 @@ def test_schedules():
     assert (
         wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(89) == pytest.approx(0.5) and wsd(99) == pytest.approx(0.0)
     )
+    third = lr_lambda(TrainConfig(steps=150))  # unset: a third of the run (issue 28 §2)
+    assert third(48) < 1.0 and third(49) == pytest.approx(1.0) and third(50) == pytest.approx(1.0)
+    assert third(150) == pytest.approx(TrainConfig().optim.min_lr_ratio)
 
 
 def test_nproc_launches_torchrun_with_single_or_multi_node_rendezvous():

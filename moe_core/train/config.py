@@ -35,6 +35,9 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     preset: str = "switch-tiny"
     overrides: dict[str, Any] = Field(default_factory=dict)  # MoEConfig fields, e.g. {"num_experts": 4}
+    # the load-balancing coefficient: the lab's, healthy from 100 to 10^4 steps, or "paper": the family's
+    # published one (`moe_core.presets.AUX_LOSS_COEF`); overrides.router_aux_loss_coef wins over both
+    balance: Literal["lab", "paper"] = "lab"
     baseline: Literal["active", "total"] | None = None  # train the dense model with equal active/total params
     # a dense Llama / Mistral / Qwen2 checkpoint directory to upcycle (`moe_core.upcycle`): its config.json fixes
     # the architecture, preset + overrides the MoE fields, and its weights start every expert
@@ -62,7 +65,7 @@ class ModelSection(_Section):
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
         try:
-            config = get_config(self.preset, **overrides)
+            config = get_config(self.preset, balance=self.balance, **overrides)
             if self.baseline is not None:
                 config = dense_baseline(config, self.baseline)
         except (ValueError, TypeError) as err:
@@ -84,7 +87,7 @@ class ModelSection(_Section):
         if len(given) > 1:
             raise TrainConfigError(f"model.{' and model.'.join(given)} exclude each other; keep one")
         if self.upcycle_from is not None:
-            config = upcycled_config(self.upcycle_from, self.preset, self.overrides)
+            config = upcycled_config(self.upcycle_from, self.preset, self.overrides, self.balance)
         else:
             config = initial_config(self.init_from, self.overrides)
         if vocab_size is not None and vocab_size > config.vocab_size:
@@ -133,10 +136,19 @@ class OptimSection(_Section):
     fused: bool | None = None  # None: the fused AdamW kernel where this torch has it for the device
     grad_clip: float | None = Field(1.0, gt=0)  # max global grad norm; None disables clipping
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(10, ge=0)
+    # linear warm-up: ``warmup_steps`` when set, else ``warmup_fraction`` of the run. A third is what keeps a
+    # short, hot run's routers from collapsing before the balancing loss acts (switch-small at 150 steps: 10
+    # warm-up steps drop 7-18% of a layer's slots in steps 100-150, 50 steps 3-9%, and every arm, dense too,
+    # learns better; issue 17, benchmarks/README.md "Training quality"), and 2,500-step runs learn well with it
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_fraction: float = Field(1 / 3, ge=0, lt=1)
     decay_fraction: float = Field(0.2, gt=0, le=1)  # WSD: the last fraction of steps decays linearly
     # the routers' learning rate as a multiple of ``lr`` (their own optimizer group, same schedule)
     router_lr_scale: float = Field(1.0, gt=0)
+
+    def warmup(self, steps: int) -> int:
+        """The warm-up of a run of ``steps`` steps."""
+        return self.warmup_steps if self.warmup_steps is not None else round(self.warmup_fraction * steps)
 
 
 class ParallelSection(_Section):

@@ -15,10 +15,11 @@ def lr_lambda(config: TrainConfig):
     """Multiplier of the peak LR at each step: linear warmup, then cosine to ``min_lr_ratio`` or WSD
     (warmup-stable-decay, Hu et al. 2024 "MiniCPM": constant, then linear decay over the last fraction)."""
     optim, total = config.optim, config.steps
+    warmup = optim.warmup(total)
 
     def factor(step: int) -> float:
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
+        if step < warmup:
+            return (step + 1) / warmup
         if optim.schedule == "constant":
             return 1.0
         if optim.schedule == "wsd":
@@ -28,7 +29,7 @@ def lr_lambda(config: TrainConfig):
                 return 1.0
             progress = min(1.0, (step - decay_start + 1) / decay_steps)
             return 1.0 - (1.0 - optim.min_lr_ratio) * progress
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total - optim.warmup_steps))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
