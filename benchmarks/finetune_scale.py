@@ -34,7 +34,9 @@ layout of a frozen ``Linear``'s backward is the step's bulk: see benchmarks/READ
 The first ``--warmup`` steps are left out of the median. Memory per child: the peak resident set from the
 kernel (``wait4``'s ``ru_maxrss``), and, from ``/proc/<pid>/status`` polled every 50 ms, the anonymous and
 file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen: memory-mapped weights count as
-file-backed. ``--max-rss-gib`` stops a child that grows past it (a shared machine). With ``--device cuda`` the
+file-backed, and the largest anonymous part seen (``peak_anon_gib``). Where the weights are memory-mapped and
+larger than free memory, how much of a file stays mapped is the kernel's page reclaim, not the program: the
+anonymous peak is what the process itself needs. ``--max-rss-gib`` stops a child that grows past it (a shared machine). With ``--device cuda`` the
 device's peak allocation is reported too.
 
 Prints a table, then ONE JSON line: each variant's figures, ``lab_over_baseline`` (step time and peak RSS
@@ -268,6 +270,7 @@ def run_child(
     command += ["--result", str(result_path)]
     started = time.perf_counter()
     peak_sample: dict[str, int] = {}
+    peak_anon_kib = 0
     over_limit = False
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -279,6 +282,7 @@ def run_child(
                 sample = proc_status_kib(proc.pid)
                 if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
                     peak_sample = sample
+                peak_anon_kib = max(peak_anon_kib, sample.get("RssAnon", 0))
                 if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
                     over_limit = True
                     os.kill(proc.pid, signal.SIGKILL)
@@ -294,6 +298,7 @@ def run_child(
         "peak_rss_gib": usage.ru_maxrss * 1024 / GIB,  # ru_maxrss is in KiB on Linux
         "rss_anon_gib_at_peak": peak_sample.get("RssAnon", 0) * 1024 / GIB,
         "rss_file_gib_at_peak": peak_sample.get("RssFile", 0) * 1024 / GIB,
+        "peak_anon_gib": peak_anon_kib * 1024 / GIB,
     }
     if proc.returncode == 0 and result_path.is_file():
         row.update(json.loads(result_path.read_text()))
@@ -457,7 +462,8 @@ def print_table(figures: dict, raw: dict) -> None:
     )
     header = (
         f"{'variant':<18}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
-        f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'trainable M':>13}{'loss 0 -> n':>20}"
+        f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'max anon':>10}{'x base':>8}{'trainable M':>13}"
+        f"{'loss 0 -> n':>20}"
     )
     print(header)
     base = m["results"].get("baseline", {})
@@ -465,12 +471,14 @@ def print_table(figures: dict, raw: dict) -> None:
         ok = row.get("status") == "ok"
         ratio_t = row["step_s"] / base["step_s"] if ok and base.get("status") == "ok" else None
         ratio_m = row["peak_rss_gib"] / base["peak_rss_gib"] if base.get("peak_rss_gib") else None
+        ratio_a = row["peak_anon_gib"] / base["peak_anon_gib"] if base.get("peak_anon_gib") else None
         losses = row.get("losses") or []
         print(
             f"{name:<18}{('ok' if ok else 'see below'):<10}{_gib(row.get('step_s')):>8}{_gib(ratio_t):>8}"
             f"{row.get('tokens_per_s', 0):>8.0f}{_gib(row.get('load_s')):>8}{_gib(row.get('peak_rss_gib')):>10}"
             f"{_gib(row.get('rss_anon_gib_at_peak')):>7}{_gib(row.get('rss_file_gib_at_peak')):>7}"
-            f"{_gib(ratio_m):>8}{row.get('trainable_params', 0) / 1e6:>13.2f}"
+            f"{_gib(ratio_m):>8}{_gib(row.get('peak_anon_gib')):>10}{_gib(ratio_a):>8}"
+            f"{row.get('trainable_params', 0) / 1e6:>13.2f}"
             f"{(f'{losses[0]:.3f} -> {losses[-1]:.3f}' if losses else '-'):>20}"
         )
     for name, row in m["results"].items():
@@ -490,6 +498,8 @@ def ratio(row: dict, reference: dict) -> dict:
         out["step_time"] = round(row["step_s"] / reference["step_s"], 3)
     if reference.get("peak_rss_gib"):
         out["peak_rss"] = round(row["peak_rss_gib"] / reference["peak_rss_gib"], 3)
+    if reference.get("peak_anon_gib"):
+        out["peak_anon"] = round(row["peak_anon_gib"] / reference["peak_anon_gib"], 3)
     if row.get("cuda_peak_gib") and reference.get("cuda_peak_gib"):
         out["cuda_peak"] = round(row["cuda_peak_gib"] / reference["cuda_peak_gib"], 3)
     return out

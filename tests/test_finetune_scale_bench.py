@@ -54,6 +54,7 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
         assert row["status"] == "ok", (name, row)
         assert row["step_s"] > 0 and len(row["step_s_all"]) == 2 and len(row["losses"]) == 2
         assert 0 < row["rss_anon_gib_at_peak"] + row["rss_file_gib_at_peak"] <= row["peak_rss_gib"] + 1e-3
+        assert row["rss_anon_gib_at_peak"] <= row["peak_anon_gib"] <= row["peak_rss_gib"] + 1e-3
         assert row["torch_threads"] == 1
     base, lab = result["results"]["baseline"], result["results"]["lab"]
     # the same LoRA on both sides: r 8 on q/k/v/o and on every expert's three projections; under transformers 5
@@ -64,7 +65,7 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
     if int(result["machine"]["transformers"].split(".")[0]) >= 5:
         shared_a = result["layers"] * config["num_experts"] * 8 * config["hidden_size"]
     assert base["trainable_params"] + shared_a == lab["trainable_params"] > 0
-    assert set(result["lab_over_baseline"]) == {"step_time", "peak_rss"}
+    assert set(result["lab_over_baseline"]) == {"step_time", "peak_rss", "peak_anon"}
     assert result["lab_over_baseline"]["step_time"] == pytest.approx(lab["step_s"] / base["step_s"], rel=1e-2)
     assert "baseline" in done.stdout and "lab" in done.stdout  # the table
     # the stand-in is cached: a second build of the same request is the same directory, untouched
