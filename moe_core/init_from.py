@@ -1,7 +1,7 @@
 """Continued pretraining: the trainer's model started from an MoE checkpoint (``model.init_from=DIR``), a model
 directory of ours (a run's exported ``<out>/final``, `moe_core.convert.convert_from_hf`'s output), a step
 checkpoint of a training run (``<out>/checkpoints/step_N``: its weights, not its optimizer or data position; that
-is ``--resume``) or a Hugging Face Mixtral / OLMoE / Qwen2-MoE one (named and mapped as `moe_core.convert` maps
+is ``--resume``) or a Hugging Face one of any architecture `moe_core.convert` reads (named and mapped as it maps
 them).
 
     config = initial_config("dir", {"router_aux_loss_coef": 0.02})   # the checkpoint's architecture
