@@ -23,10 +23,20 @@ glm4_moe        ``glm4moe``     ``Glm4MoeModel``: partial RoPE (``rope.dimension
 Common to all: experts stacked [E, ...] per projection (``blk.N.ffn_{gate,up,down}_exps``, as the converter
 stacks them; transformers 5's fused ``gate_up_proj`` [E, 2F, D] is split gate-first as ``Qwen2MoeModel`` does),
 tensor names from the ``gguf`` package's `TensorNameMap` for the architecture, hyperparameters under the
-converter's keys; the byte-level BPE tokenizer (``tokenizer.json``) as ``tokenizer.ggml.model = gpt2`` padded
-with unused tokens up to the vocabulary size, its pre-tokenizer as ``default`` (llama.cpp's converter names a
-published tokenizer's own, e.g. ``qwen2`` or ``deepseek-v3``, by hashing its output: not done here); float32 weights (``general.file_type = ALL_F32``): quantize with
-llama.cpp's ``llama-quantize`` afterwards.
+converter's keys; float32 weights (``general.file_type = ALL_F32``): quantize with llama.cpp's ``llama-quantize``
+afterwards.
+
+Tokenizer: the byte-level BPE of ``tokenizer.json`` as ``tokenizer.ggml.model = gpt2``, padded with unused
+tokens up to the vocabulary size, and ``tokenizer.ggml.pre``, the name of the llama.cpp pre-tokenizer (the
+regexes that split text before BPE) that splits as the tokenizer.json's ``pre_tokenizer`` does, from one table
+(`PRE_TOKENIZERS`): ``gpt-2`` (the lab's own tokenizer, GPT-2; ``olmo`` for OLMoE's GPT-NeoX one, the same
+splits), ``qwen2``, ``deepseek-v3``, ``deepseek-llm`` (DeepSeek-V2), ``gpt-4o`` (gpt-oss), ``glm4``,
+``llama-bpe``. llama.cpp's converter names it by hashing a published tokenizer's ids of a check text; here it is
+read from the declared regexes. One that matches none, a normalizer llama.cpp does not run (Qwen's NFC is
+let through: llama.cpp's converter ignores it too, so text not in NFC tokenizes differently there), and
+SentencePiece-style tokenizers (byte fallback / Metaspace: Mixtral's and Llama-2's published ones, which
+llama.cpp runs as its ``llama`` vocabulary with per-token scores) are refused before any weight is read: llama.cpp
+would otherwise split text differently and run the model on other ids.
 
 RoPE: llama.cpp runs ``llama`` with interleaved (NORM) RoPE, hence the Mixtral permute; ``olmoe``, ``qwen*moe``,
 ``gpt-oss`` and ``glm4moe`` use NEOX (rotate-half) RoPE like transformers, and ``deepseek2`` uses NORM RoPE on
@@ -58,7 +68,9 @@ olmoe normalizes k over the whole hidden size), DeepSeek-V2's group-limited rout
 Checked in tests/test_gguf_families.py (every family read back against llama.cpp's loader shapes and keys, values
 equal to the HF tensors after these transforms) and, in llama.cpp itself (the prebuilt 0.4.17 build of
 tests/llama_cpp_engine.py), greedy tokens equal to ours from olmoe, qwen2moe and deepseek2 (unsplit) files.
-That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups.
+That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups. The tokenizer: in
+tests/test_gguf_tokenizer.py (each family's published pre-tokenizer rebuilt; llama.cpp's ids of tricky text equal
+Hugging Face's for every name that build has, all but ``gpt-4o`` and ``glm4``).
 """
 
 from __future__ import annotations
@@ -542,9 +554,10 @@ def layout_for(model_type: str | None, mla: str = "split") -> GGUFLayout:
 # ``use_regex`` is GPT-2's regex; ``Digits`` is \p{N} or \p{N}+), and the name llama.cpp runs them under, from
 # llama.cpp ``src/llama-vocab.cpp`` (the name -> LLAMA_VOCAB_PRE_TYPE switch in ``llama_vocab::impl::load``, and
 # each type's regex list in the ``llm_tokenizer_bpe`` constructor, whose comments keep tokenizer.json's original
-# form), ggml-org/llama.cpp at commit 00ad355e (read 2026-11); the names used here are older than that build and
-# than the prebuilt 0.4.17 engine of the tests, which runs them (tests/test_gguf_tokenizer.py), except ``gpt-4o``
-# and ``glm4`` it predates.
+# form), ggml-org/llama.cpp at commit 00ad355e (read 2026-11). The prebuilt llama.cpp of the tests (llama-cpp-cffi
+# 0.4.17, early 2025) has every name here but ``gpt-4o`` and ``glm4``, and tokenizes as Hugging Face with each
+# (tests/test_gguf_tokenizer.py). Names llama.cpp has for the same behaviour (``olmo`` for ``gpt-2``) are not
+# separate entries: `_CONVERTER_NAME` picks the one its converter writes for a model_type.
 GPT2_REGEX = (
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"  # ByteLevel use_regex
 )
