@@ -114,6 +114,16 @@ FAMILIES = {
     "gpt_oss": ("gptoss-tiny", "gpt_oss", {}, _byte_level(_split(O200K)), None, False, "gpt-4o"),
     "glm4_moe": ("glm4moe-tiny", "glm4_moe", {}, _byte_level(_split(LLAMA3)), None, False, "glm4"),
     "llama3": ("shared-tiny", "qwen2_moe", {}, _byte_level(_split(LLAMA3)), None, True, "llama-bpe"),
+    # GLM-4.5's regexes with Llama-3's ignore_merges: still "glm4" in a glm4_moe checkpoint (the converter's name)
+    "glm4_moe_ignore_merges": (
+        "glm4moe-tiny",
+        "glm4_moe",
+        {},
+        _byte_level(_split(LLAMA3)),
+        None,
+        True,
+        "glm4",
+    ),
 }
 # the names the prebuilt llama.cpp of tests/llama_cpp_engine.py (llama-cpp-cffi 0.4.17, early 2025) has:
 # it predates "gpt-4o" and "glm4" (it refuses to load them: "unknown pre-tokenizer type")
@@ -253,6 +263,18 @@ def test_gguf_names_the_pre_tokenizer_llama_cpp_splits_the_same_way(case, tmp_pa
         (
             {"pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}},
             "SentencePiece-style.*convert_hf_to_gguf",
+        ),
+        (  # Mixtral's published tokenizer.json spells spaces in its normalizer
+            {
+                "normalizer": {
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "Prepend", "prepend": "\u2581"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+                    ],
+                }
+            },
+            "SentencePiece-style",
         ),
     ],
 )

@@ -611,8 +611,9 @@ PRE_TOKENIZERS = (
     PreTokenizer("deepseek-llm", DEEPSEEK_LLM_REGEXES, families="DeepSeek-LLM / DeepSeek-V2"),
     PreTokenizer("gpt-4o", (GPT4O_REGEX,), families="gpt-oss (o200k)"),
 )
-# where llama.cpp has several names for one behaviour, the one its converter writes for that model_type
-_CONVERTER_NAME = {("gpt-2", "olmoe"): "olmo"}
+# where llama.cpp has several names for one behaviour, the one its converter writes for that model_type (GLM-4.5's
+# tokenizer is "glm4" whatever its ignore_merges, as the converter's hash names it)
+_CONVERTER_NAME = {("gpt-2", "olmoe"): "olmo", ("llama-bpe", "glm4_moe"): "glm4"}
 # normalizers llama.cpp does not run but that change nothing for text already in that form (Qwen2's NFC)
 _HARMLESS_NORMALIZERS = (None, "NFC")
 
@@ -653,7 +654,7 @@ def _split_regexes(pre: dict | None, where: Path) -> tuple[str, ...]:
 
 def _is_sentencepiece(data: dict) -> bool:
     """A SentencePiece-style BPE (Llama-2 / Mistral / Mixtral): byte fallback, spaces as U+2581 (Metaspace)."""
-    text = json.dumps([data.get("normalizer"), data.get("pre_tokenizer")])
+    text = json.dumps([data.get("normalizer"), data.get("pre_tokenizer")], ensure_ascii=False)
     return bool(data.get("model", {}).get("byte_fallback")) or "Metaspace" in text or "\u2581" in text
 
 
