@@ -595,9 +595,8 @@ class PreTokenizer:
 
     name: str
     regexes: tuple[str, ...]
-    ignore_merges: bool = (
-        False  # llama.cpp's name also sets ``ignore_merges`` (the BPE model's flag must match)
-    )
+    # llama.cpp's name also sets ``ignore_merges``: tells apart names that share regexes (Llama-3's and GLM-4's)
+    ignore_merges: bool = False
     families: str = ""  # the published tokenizers written under it
 
 
