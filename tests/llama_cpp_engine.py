@@ -9,6 +9,7 @@ with that directory on its path, loading only its compiled cffi bindings of llam
 
     PYTHONPATH=$(python -c "from tests.llama_cpp_engine import install; print(install())") \
         python tests/llama_cpp_engine.py MODEL.gguf 1,2,3 16   # the 16 greedy tokens after ids 1,2,3 (JSON)
+    echo '["text", ...]' | PYTHONPATH=... python tests/llama_cpp_engine.py --tokenize MODEL.gguf  # ids per text
 """
 
 from __future__ import annotations
@@ -55,15 +56,55 @@ def greedy(gguf_file: Path, prompt_ids: list[int], new_tokens: int, site: Path) 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _run(gguf_file: str, prompt: str, new_tokens: int) -> None:
+def tokenize(gguf_file: Path, texts: list[str], site: Path) -> list[list[int]]:
+    """llama.cpp's tokenization of each text with the file's vocabulary (its pre-tokenizer included), in a child
+    process: no BOS/EOS added, special-token text not parsed (as ``tokenizer(text, add_special_tokens=False)``)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--tokenize", str(gguf_file)],
+        input=json.dumps(texts),
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"llama.cpp tokenize failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _bindings():
     # llama-cpp-cffi's compiled bindings of llama.h, loaded alone: its package __init__ imports a chat
     # formatter stack (transformers, jinja2, ...) that this check does not need
     (so,) = Path(os.environ["PYTHONPATH"], "llama").glob("_llama_cpp_cpu.*.so")
     spec = importlib.util.spec_from_file_location("_llama_cpp_cpu", so)
     bindings = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bindings)
-    ffi, lib = bindings.ffi, bindings.lib
+    return bindings.ffi, bindings.lib
 
+
+def _tokenize(gguf_file: str) -> None:
+    ffi, lib = _bindings()
+    lib.llama_backend_init()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True  # the vocabulary and pre-tokenizer only, no weights
+    model = lib.llama_model_load_from_file(gguf_file.encode(), params)
+    if model == ffi.NULL:
+        raise SystemExit(f"llama.cpp could not load {gguf_file}")
+    vocab = lib.llama_model_get_vocab(model)
+    result = []
+    for text in json.loads(sys.stdin.read()):
+        data = text.encode()
+        ids = ffi.new("llama_token[]", 4 * len(data) + 8)
+        n = lib.llama_tokenize(vocab, data, len(data), ids, len(ids), False, False)
+        if n < 0:
+            raise SystemExit(f"llama_tokenize needs {-n} tokens")
+        result.append(list(ffi.unpack(ids, n)))
+    lib.llama_model_free(model)
+    print(json.dumps(result))
+
+
+def _run(gguf_file: str, prompt: str, new_tokens: int) -> None:
+    ffi, lib = _bindings()
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(gguf_file.encode(), lib.llama_model_default_params())
     if model == ffi.NULL:
@@ -90,4 +131,7 @@ def _run(gguf_file: str, prompt: str, new_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    _run(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if sys.argv[1] == "--tokenize":
+        _tokenize(sys.argv[2])
+    else:
+        _run(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -23,10 +23,20 @@ glm4_moe        ``glm4moe``     ``Glm4MoeModel``: partial RoPE (``rope.dimension
 Common to all: experts stacked [E, ...] per projection (``blk.N.ffn_{gate,up,down}_exps``, as the converter
 stacks them; transformers 5's fused ``gate_up_proj`` [E, 2F, D] is split gate-first as ``Qwen2MoeModel`` does),
 tensor names from the ``gguf`` package's `TensorNameMap` for the architecture, hyperparameters under the
-converter's keys; the byte-level BPE tokenizer (``tokenizer.json``) as ``tokenizer.ggml.model = gpt2`` padded
-with unused tokens up to the vocabulary size, its pre-tokenizer as ``default`` (llama.cpp's converter names a
-published tokenizer's own, e.g. ``qwen2`` or ``deepseek-v3``, by hashing its output: not done here); float32 weights (``general.file_type = ALL_F32``): quantize with
-llama.cpp's ``llama-quantize`` afterwards.
+converter's keys; float32 weights (``general.file_type = ALL_F32``): quantize with llama.cpp's ``llama-quantize``
+afterwards.
+
+Tokenizer: the byte-level BPE of ``tokenizer.json`` as ``tokenizer.ggml.model = gpt2``, padded with unused
+tokens up to the vocabulary size, and ``tokenizer.ggml.pre``, the name of the llama.cpp pre-tokenizer (the
+regexes that split text before BPE) that splits as the tokenizer.json's ``pre_tokenizer`` does, from one table
+(`PRE_TOKENIZERS`): ``gpt-2`` (the lab's own tokenizer, GPT-2; ``olmo`` for OLMoE's GPT-NeoX one, the same
+splits), ``qwen2``, ``deepseek-v3``, ``deepseek-llm`` (DeepSeek-V2), ``gpt-4o`` (gpt-oss), ``glm4``,
+``llama-bpe``. llama.cpp's converter names it by hashing a published tokenizer's ids of a check text; here it is
+read from the declared regexes. One that matches none, a normalizer llama.cpp does not run (Qwen's NFC is
+let through: llama.cpp's converter ignores it too, so text not in NFC tokenizes differently there), and
+SentencePiece-style tokenizers (byte fallback / Metaspace: Mixtral's and Llama-2's published ones, which
+llama.cpp runs as its ``llama`` vocabulary with per-token scores) are refused before any weight is read: llama.cpp
+would otherwise split text differently and run the model on other ids.
 
 RoPE: llama.cpp runs ``llama`` with interleaved (NORM) RoPE, hence the Mixtral permute; ``olmoe``, ``qwen*moe``,
 ``gpt-oss`` and ``glm4moe`` use NEOX (rotate-half) RoPE like transformers, and ``deepseek2`` uses NORM RoPE on
@@ -58,7 +68,9 @@ olmoe normalizes k over the whole hidden size), DeepSeek-V2's group-limited rout
 Checked in tests/test_gguf_families.py (every family read back against llama.cpp's loader shapes and keys, values
 equal to the HF tensors after these transforms) and, in llama.cpp itself (the prebuilt 0.4.17 build of
 tests/llama_cpp_engine.py), greedy tokens equal to ours from olmoe, qwen2moe and deepseek2 (unsplit) files.
-That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups.
+That build has no qwen3moe, gpt-oss or glm4moe, no split MLA and no expert groups. The tokenizer: in
+tests/test_gguf_tokenizer.py (each family's published pre-tokenizer rebuilt; llama.cpp's ids of tricky text equal
+Hugging Face's for every name that build has, all but ``gpt-4o`` and ``glm4``).
 """
 
 from __future__ import annotations
@@ -533,8 +545,163 @@ def layout_for(model_type: str | None, mla: str = "split") -> GGUFLayout:
     return LAYOUTS[model_type]
 
 
-# ================================================================================================ export
-def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
+# ================================================================================================ tokenizer
+# llama.cpp picks its pre-tokenizer (the regexes that split text into words before BPE) from the name in
+# ``tokenizer.ggml.pre``. Its converter (``convert_hf_to_gguf.py``, ``get_vocab_base_pre``) finds the name by
+# hashing a published tokenizer's ids of a check text; here it is read from what tokenizer.json declares: its
+# ``pre_tokenizer``, reduced to the list of regexes it splits with (`_split_regexes`), looked up in this table.
+# Each entry: the regexes in the form tokenizer.json writes them (``Split`` patterns, Isolated; ``ByteLevel`` with
+# ``use_regex`` is GPT-2's regex; ``Digits`` is \p{N} or \p{N}+), and the name llama.cpp runs them under, from
+# llama.cpp ``src/llama-vocab.cpp`` (the name -> LLAMA_VOCAB_PRE_TYPE switch in ``llama_vocab::impl::load``, and
+# each type's regex list in the ``llm_tokenizer_bpe`` constructor, whose comments keep tokenizer.json's original
+# form), ggml-org/llama.cpp at commit 00ad355e (read 2026-11). The prebuilt llama.cpp of the tests (llama-cpp-cffi
+# 0.4.17, early 2025) has every name here but ``gpt-4o`` and ``glm4``, and tokenizes as Hugging Face with each
+# (tests/test_gguf_tokenizer.py). Names llama.cpp has for the same behaviour (``olmo`` for ``gpt-2``) are not
+# separate entries: `_CONVERTER_NAME` picks the one its converter writes for a model_type.
+GPT2_REGEX = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"  # ByteLevel use_regex
+)
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+QWEN2_REGEX = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")  # Llama-3's and GLM-4's: digit runs of 1-3
+GPT4O_REGEX = (  # tiktoken's o200k (gpt-oss's o200k_harmony)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",  # CJK ideographs, hiragana, katakana
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^""" + "\r\n" + r"""\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[""" + "\r\n" + r"""]*|\s*[""" + "\r\n" + r"""]+|\s+(?!\S)|\s+""",
+)
+# DeepSeek-LLM / V2's letters: three range ends are U+1F7D, U+1FD3, U+1FDB as tokenizer.json has them (llama.cpp's
+# source shows them NFC-normalized to U+03CE, U+0390, U+038A, which makes those ranges descending: invalid there)
+DEEPSEEK_LLM_REGEXES = (
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",  # noqa: E501, RUF001
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",  # noqa: RUF001
+    r"\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",  # Digits(individual_digits=false)
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """One llama.cpp pre-tokenizer: its ``tokenizer.ggml.pre`` name and the tokenizer.json regexes it splits by."""
+
+    name: str
+    regexes: tuple[str, ...]
+    # llama.cpp's name also sets ``ignore_merges``: tells apart names that share regexes (Llama-3's and GLM-4's)
+    ignore_merges: bool = False
+    families: str = ""  # the published tokenizers written under it
+
+
+PRE_TOKENIZERS = (
+    # llama.cpp's GPT2 type; also its "olmo" (same regexes and flags), the name its converter gives OLMoE's
+    PreTokenizer("gpt-2", (GPT2_REGEX,), families="GPT-2, GPT-NeoX / OLMoE, the lab's own tokenizer"),
+    PreTokenizer("qwen2", (QWEN2_REGEX,), families="Qwen1.5 / Qwen2 / Qwen3 (MoE)"),
+    PreTokenizer("llama-bpe", (LLAMA3_REGEX,), ignore_merges=True, families="Llama-3"),
+    PreTokenizer("glm4", (LLAMA3_REGEX,), families="GLM-4 / GLM-4.5"),
+    PreTokenizer("deepseek-v3", DEEPSEEK3_REGEXES, families="DeepSeek-V3 / R1, Kimi K2's base"),
+    PreTokenizer("deepseek-llm", DEEPSEEK_LLM_REGEXES, families="DeepSeek-LLM / DeepSeek-V2"),
+    PreTokenizer("gpt-4o", (GPT4O_REGEX,), families="gpt-oss (o200k)"),
+)
+# where llama.cpp has several names for one behaviour, the one its converter writes for that model_type (GLM-4.5's
+# tokenizer is "glm4" whatever its ignore_merges, as the converter's hash names it)
+_CONVERTER_NAME = {("gpt-2", "olmoe"): "olmo", ("llama-bpe", "glm4_moe"): "glm4"}
+# normalizers llama.cpp does not run but that change nothing for text already in that form (Qwen2's NFC)
+_HARMLESS_NORMALIZERS = (None, "NFC")
+
+
+def _split_regexes(pre: dict | None, where: Path) -> tuple[str, ...]:
+    """The regexes a byte-level tokenizer.json ``pre_tokenizer`` splits by, in order (what llama.cpp's regex lists
+    are), ending in the ByteLevel byte mapping; raises for anything llama.cpp's BPE pre-tokenizers cannot do."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    regexes: list[str] = []
+    for i, step in enumerate(steps):
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            if i != len(steps) - 1 or step.get("add_prefix_space", False):
+                raise GGUFExportError(
+                    f"{where}: pre_tokenizer ByteLevel {'adds a prefix space' if i == len(steps) - 1 else 'is not last'}"
+                    ", which no llama.cpp pre-tokenizer does"
+                )
+            if step.get("use_regex", True):
+                regexes.append(GPT2_REGEX)
+            return tuple(regexes)
+        if (
+            kind == "Split"
+            and step.get("behavior", "Isolated") == "Isolated"
+            and not step.get("invert", False)
+        ):
+            pattern = step.get("pattern", {})
+            regexes.append(pattern["Regex"] if "Regex" in pattern else re.escape(pattern.get("String", "")))
+        elif kind == "Digits":
+            regexes.append(r"\p{N}" if step.get("individual_digits", False) else r"\p{N}+")
+        else:
+            raise GGUFExportError(
+                f"{where}: pre_tokenizer step {json.dumps(step)[:200]} has no llama.cpp equivalent"
+            )
+    raise GGUFExportError(
+        f"{where}: pre_tokenizer {json.dumps(pre)[:200]} does not end in ByteLevel: not a byte-level BPE tokenizer"
+    )
+
+
+def _is_sentencepiece(data: dict) -> bool:
+    """A SentencePiece-style BPE (Llama-2 / Mistral / Mixtral): byte fallback, spaces as U+2581 (Metaspace)."""
+    text = json.dumps([data.get("normalizer"), data.get("pre_tokenizer")], ensure_ascii=False)
+    return bool(data.get("model", {}).get("byte_fallback")) or "Metaspace" in text or "\u2581" in text
+
+
+def pre_tokenizer_name(data: dict, where: Path, model_type: str | None = None) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` name for a byte-level BPE tokenizer.json (parsed ``data``): the
+    `PRE_TOKENIZERS` entry whose regexes are exactly those its pre_tokenizer splits by. Raises `GGUFExportError`
+    naming what was found when none is: llama.cpp would split text differently from Hugging Face (its "default"
+    splits contractions, digit runs and punctuation otherwise) and the model would run on other ids."""
+    normalizer = (data.get("normalizer") or {}).get("type")
+    if normalizer == "Sequence" and not data["normalizer"].get("normalizers"):
+        normalizer = None  # DeepSeek-V3's empty Sequence
+    if normalizer not in _HARMLESS_NORMALIZERS:
+        raise GGUFExportError(
+            f"{where}: normalizer {json.dumps(data['normalizer'])[:200]}: llama.cpp's BPE tokenizers do not "
+            "normalize, so the GGUF file would tokenize text differently; not written"
+        )
+    regexes = _split_regexes(data.get("pre_tokenizer"), where)
+    ignore_merges = bool(data.get("model", {}).get("ignore_merges", False))
+    # several names for one regex list (Llama-3's and GLM-4's) differ in ignore_merges, which tells them apart;
+    # elsewhere the flag changes nothing for a vocabulary whose every token its merges build
+    candidates = [pre for pre in PRE_TOKENIZERS if pre.regexes == regexes]
+    if len(candidates) > 1:
+        candidates = [pre for pre in candidates if pre.ignore_merges == ignore_merges]
+    if candidates:
+        return _CONVERTER_NAME.get((candidates[0].name, model_type), candidates[0].name)
+    known = "; ".join(f"{p.name} ({p.families})" for p in PRE_TOKENIZERS)
+    raise GGUFExportError(
+        f"{where}: its pre_tokenizer splits by {json.dumps(regexes, ensure_ascii=False)[:400]} "
+        f"(model.ignore_merges={ignore_merges}), which matches none of llama.cpp's pre-tokenizers known here: "
+        f"{known}. llama.cpp would split text differently from Hugging Face, so the file is not written. If "
+        "llama.cpp has this pre-tokenizer (src/llama-vocab.cpp), add it to PRE_TOKENIZERS in "
+        "moe_core/inference/gguf_export.py; otherwise convert with llama.cpp's convert_hf_to_gguf.py"
+    )
+
+
+@dataclass(frozen=True)
+class BPEVocab:
+    """A byte-level BPE vocabulary as llama.cpp's ``gpt2`` tokenizer model reads it."""
+
+    tokens: list[str]  # padded with unused tokens up to config.json's vocab_size
+    types: list[gguf.TokenType]
+    merges: list[str]
+    pre: str  # tokenizer.ggml.pre
+
+
+def read_vocab(hf_dir: Path, vocab_size: int, model_type: str | None = None) -> BPEVocab:
+    """The vocabulary of ``hf_dir/tokenizer.json`` and its llama.cpp pre-tokenizer name; refused (with the reason)
+    when llama.cpp would not tokenize as Hugging Face does."""
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         raise GGUFExportError(
@@ -547,6 +714,15 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
         raise GGUFExportError(
             f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is written"
         )
+    if _is_sentencepiece(data):
+        # llama.cpp runs these as tokenizer.ggml.model = "llama" with per-token scores and types
+        # (convert_hf_to_gguf.py `_set_vocab_sentencepiece` from tokenizer.model): not written here
+        raise GGUFExportError(
+            f"{path}: a SentencePiece-style tokenizer (byte_fallback / Metaspace, e.g. Mixtral's or Llama-2's), "
+            "which llama.cpp runs as its 'llama' vocabulary with per-token scores from tokenizer.model; this export "
+            "writes byte-level BPE only: convert this checkpoint with llama.cpp's convert_hf_to_gguf.py"
+        )
+    pre = pre_tokenizer_name(data, path, model_type)
     vocab: dict[str, int] = dict(model["vocab"])
     special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
     vocab.update(special)
@@ -558,9 +734,10 @@ def _tokenizer_vocab(hf_dir: Path, vocab_size: int):
         tokens[i] = token
         types[i] = gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return tokens, types, merges
+    return BPEVocab(tokens, types, merges, pre)
 
 
+# ================================================================================================ export
 class SafetensorsCheckpoint:
     """The tensors of a Hugging Face safetensors checkpoint (``model.safetensors``, or the shards its
     ``model.safetensors.index.json`` lists), memory-mapped and read one at a time by name.
@@ -671,7 +848,7 @@ def export_gguf(
         )
     for warning in layout.warnings(cfg):
         logger.warning("%s: %s", hf_dir, warning)
-    tokens, types, merges = _tokenizer_vocab(hf_dir, cfg["vocab_size"])
+    vocab = read_vocab(hf_dir, cfg["vocab_size"], cfg.get("model_type"))
     reader = SafetensorsCheckpoint(hf_dir)  # stored names: the layouts handle fused and per-expert experts
     packed = sorted(n for n in reader.names() if n.endswith(("_blocks", "_scales")))
     if packed:
@@ -687,7 +864,7 @@ def export_gguf(
         try:
             writer.add_name(hf_dir.name)
             layout.metadata(writer, cfg)
-            _write_vocab(writer, hf_dir, cfg, tokens, types, merges)
+            _write_vocab(writer, hf_dir, cfg, vocab)
             for name, shape in plan:
                 writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
             writer.write_header_to_file()
@@ -701,12 +878,12 @@ def export_gguf(
     return out_file
 
 
-def _write_vocab(writer: gguf.GGUFWriter, hf_dir: Path, cfg: dict, tokens, types, merges) -> None:
+def _write_vocab(writer: gguf.GGUFWriter, hf_dir: Path, cfg: dict, vocab: BPEVocab) -> None:
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    writer.add_token_merges(vocab.merges)
     # BOS/EOS/PAD (and the chat template) the way llama.cpp's converter finds them: the tokenizer files first,
     # then config.json (`gguf.SpecialVocab`), so a checkpoint whose config lacks them still stops at EOS
     special = gguf.SpecialVocab(hf_dir, load_merges=False, n_vocab=cfg["vocab_size"])
