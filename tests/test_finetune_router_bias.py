@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from moe_core import load
 from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.finetune.methods import unwrap
 from moe_core.finetune.parallel import CHECKPOINTS
 from moe_core.model import MoEForCausalLM
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
@@ -143,3 +144,24 @@ def test_a_resumed_run_keeps_the_bias_moved_before_the_crash(bases, tokenizer, t
     for a, b in zip(biases(resumed.model), biases(whole.model), strict=True):
         assert torch.equal(a, b)
     assert_same_model(resumed.model, whole.model)
+
+
+def test_qlora_output_loads_on_its_quantized_base_with_the_moved_bias(bases, tokenizer, tmp_path):
+    base = bases / "glm4moe-tiny"
+    start = biases(MoEForCausalLM.from_pretrained(base))
+    result = run(
+        base,
+        tmp_path / "out",
+        tokenizer,
+        method="qlora",
+        quantize={"group_size": 16},
+        freeze={"router": False},
+        export={"merged": False, "adapters": True},
+    )
+    trained = unwrap(result.model)  # the 4-bit base with the adapter, unmerged, as training left it
+    assert any(not torch.equal(a, b) for a, b in zip(biases(trained), start, strict=True))
+    loaded = load(
+        tmp_path / "out"
+    )  # the quantized base again, the adapter placed (`moe_core.finetune.qlora`)
+    assert loaded.kind == "finetuned"
+    assert_same_model(loaded.model, trained)

@@ -15,7 +15,8 @@ The rule (also in `moe_core.finetune.config`'s docstring):
   adapter (our names)  ``base_model.model.<router>.expert_bias`` in adapter_model.safetensors, beside the trained
                        gate (modules_to_save): the PeftModel's own name for the buffer, so stock PEFT's
                        ``PeftModel.from_pretrained`` loads it into the base router as it loads the adapter's other
-                       tensors, and `moe_core.load` copies it there itself (`restore_router_biases`)
+                       tensors, and `moe_core.load` copies it there itself (`restore_router_biases`), onto
+                       the full-precision base or a QLoRA output's quantized one (`moe_core.finetune.qlora`)
   adapter (HF names)   the saved gate's ``e_score_correction_bias`` (`moe_core.finetune.hf_adapter`); refused for an
                        architecture whose router has no bias (DeepSeek-V2) unless it is still zero
   merged/, hf/         the model's own buffer (``save_pretrained``; `moe_core.convert.to_hf`)
