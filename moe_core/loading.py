@@ -342,6 +342,7 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
         hf_named_key,
         is_hf_adapter,
     )
+    from moe_core.finetune.selection_bias import restore_router_biases
 
     weights = directory / "adapter_model.safetensors"
     if not weights.is_file():
@@ -375,6 +376,9 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
                 model = reward_model_from(model)
             peft_model = PeftModel.from_pretrained(model, str(directory))
             _check_adapter_covered(peft_model, weights)
+            restore_router_biases(
+                peft_model, weights
+            )  # a trained router's selection bias, saved beside its gate
     except AdapterConversionError as err:
         raise LoadError(str(err)) from None
     model = peft_model.merge_and_unload()

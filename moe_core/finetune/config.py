@@ -28,6 +28,15 @@ Methods (``method``):
 - ``router``: task-adaptive routing by tuning only the router gates.
 - ``router_bias``: only a task-conditioned router bias trains (needs ``data.task_column``).
 ``routing.task_bias=true`` adds the task-conditioned router bias to any method (multi-task training).
+
+The routers' selection bias (``expert_bias`` of the aux-loss-free ``aux_free`` / ``deepseek`` routers, DeepSeek-V3
+and GLM-4.5's ``e_score_correction_bias``; the base model's ``router_bias_update_rate`` is its step) moves only
+while the router trains (`train_router`: ``method=router``, ``full`` unless ``freeze.router``, ``lora`` with
+``freeze.router=false``); a frozen router keeps the base model's bias, as ESFT freezes the gates and transformers
+never updates it. Whenever it moved it is saved with every output, so each reproduces the trained model's routing:
+in the adapter beside the trained gate (our names: ``...router.expert_bias``, restored by ``moe_core.load`` and
+stock PEFT alike; HF names: the gate's ``e_score_correction_bias``, refused for a router with no bias there), in
+merged/ and hf/ as the model's own buffer, and in resumable checkpoints (`moe_core.finetune.selection_bias`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@
                  ``PeftModel.from_pretrained(OlmoeForCausalLM.from_pretrained(src), "<out>/adapter")``; for
                  our own models it names ours: ``PeftModel.from_pretrained(MoEForCausalLM.from_pretrained(base),
                  "<out>/adapter")``. ``moe_core.load("<out>/adapter")`` reads either onto our model.
+                 A trained router's selection bias (DeepSeek-V3 / GLM-4.5 ``expert_bias``, moved by aux-loss-free
+                 balancing) is saved with it in either names (`moe_core.finetune.selection_bias`).
 <out>/merged/    our format (config.json + model.safetensors + tokenizer), adapter folded into the weights
 <out>/hf/        the architecture the model came from (Mixtral / OLMoE / Qwen2-MoE) via moe_core.convert.to_hf,
                  loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
@@ -33,6 +35,7 @@ from moe_core.fileio import atomic_directory
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.hf_adapter import save_hf_adapter
 from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.finetune.selection_bias import add_router_biases
 from moe_core.mapped import densify_experts
 from moe_core.reward_model import MoEForSequenceClassification
 
@@ -62,6 +65,7 @@ def _write_adapter(model, out_dir: Path, plan: MethodPlan | None, tokenizer) -> 
         save_hf_adapter(model, out_dir)
     else:
         model.save_pretrained(str(out_dir))
+        add_router_biases(model, out_dir / "adapter_model.safetensors")  # a trained router's selection bias
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None:

@@ -71,6 +71,8 @@ from transformers import AutoModelForCausalLM
 from moe_core.config import MoEConfig
 from moe_core.convert import ARCHITECTURES, HFArchitecture, config_to_hf, get_architecture, weight_plan
 from moe_core.errors import MoELabError
+from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
+from moe_core.finetune.selection_bias import saved_router_biases
 from moe_core.task_bias import unwrap
 
 PREFIX = "base_model.model."  # PEFT's prefix of every key in adapter_model.safetensors
@@ -80,7 +82,7 @@ LORA_FACTORS = ("lora_A.weight", "lora_B.weight")
 # the selection bias of DeepSeek-V3 / GLM-4.5 routers: ours `mlp.router.expert_bias`, HF's
 # `mlp.gate.e_score_correction_bias` (`moe_core.convert.weight_plan`): a buffer beside the router's weight, which PEFT
 # saves with a router in modules_to_save (its state_dict), and which moves when the router trains (aux-loss-free)
-ROUTER_BIAS_OURS, ROUTER_BIAS_HF = "router.expert_bias", "e_score_correction_bias"
+ROUTER_BIAS_OURS, ROUTER_BIAS_HF = f"router.{BIAS_BUFFER}", "e_score_correction_bias"
 
 
 class AdapterConversionError(MoELabError):
@@ -363,24 +365,21 @@ def _param_wrappers(model) -> dict[str, ParamWrapper]:
     return {name: module for name, module in model.named_modules() if isinstance(module, ParamWrapper)}
 
 
-def _router_bias_tensors(base, names: NameMap, saved_hf_modules: set[str]) -> dict[str, torch.Tensor]:
-    """The selection bias of each router whose trained copy the adapter saves (modules_to_save), as the HF router
-    module's ``e_score_correction_bias``: stock PEFT builds a saved module from the adapter's copy, so the copy
-    must carry the bias our router selects with now (moved by aux-loss-free balancing while the router trained,
-    `MoEStepCallback`), not the base checkpoint's. A router with no bias on the HF side (DeepSeek-V2) is refused
-    unless ours is still zero."""
+def _router_bias_tensors(peft_model, names: NameMap) -> dict[str, torch.Tensor]:
+    """The selection bias of each router whose trained copy the adapter saves (`selection_bias.saved_router_biases`),
+    as the HF router module's ``e_score_correction_bias``: stock PEFT builds a saved module from the adapter's copy,
+    so the copy must carry the bias our router selects with now (moved by aux-loss-free balancing while the router
+    trained, `MoEStepCallback`), not the base checkpoint's. A router with no bias on the HF side (DeepSeek-V2) is
+    refused unless ours is still zero."""
     out: dict[str, torch.Tensor] = {}
-    for hf in sorted(saved_hf_modules):
-        ours = names.hf_modules.get(hf, "")
-        if not ours.endswith(".router.gate"):
-            continue
-        router = base.get_submodule(ours.removesuffix(".gate"))
-        bias = getattr(router, "expert_bias", None)
-        if hf in names.hf_router_biases:
-            out[f"{PREFIX}{v5_module(hf, names.arch)}.{ROUTER_BIAS_HF}"] = bias.detach().float().clone()
-        elif bias is not None and bool(bias.detach().any()):
+    for key, bias in saved_router_biases(peft_model).items():
+        ours = key.removeprefix(PREFIX).removesuffix(f".{BIAS_BUFFER}")
+        hf = names.router_biases.get(ours)
+        if hf is not None:
+            out[f"{PREFIX}{v5_module(hf, names.arch)}.{ROUTER_BIAS_HF}"] = bias
+        elif bool(bias.any()):
             raise AdapterConversionError(
-                f"the router {ours.removesuffix('.gate')} has a nonzero selection bias (expert_bias), which "
+                f"the router {ours} has a nonzero selection bias (expert_bias), which "
                 f"{names.arch.class_name}'s router has no place for; write this model as deepseek_v3, or keep "
                 "router_bias_update_rate at 0 when training its router"
             )
@@ -422,7 +421,7 @@ def hf_adapter_state(peft_model, adapter_name: str = "default") -> tuple[dict[st
         hf = names.modules[module]
         tensors[f"{PREFIX}{v5_module(hf, names.arch)}.{rest}"] = tensor.detach().clone()
         (lora_targets if rest.startswith("lora_") else saved_modules).add(hf)
-    tensors.update(_router_bias_tensors(base, names, saved_modules))
+    tensors.update(_router_bias_tensors(peft_model, names))
     experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     for stack, pair in factors.items():  # ParamWrapper's layout, per our stacked [E, O, I] parameter
         E = len(names.experts[stack])

@@ -11,7 +11,8 @@ delta is far below a 4-bit step). So the output is loaded the way it trained:
              in, with the recorded ``quantize.*`` (round to nearest: the same codes as training's, bit for bit)
     wrappers `apply_method` with the recorded config (ESFT's selection from ``moe_expert_selection.json``)
     factors  the adapter's tensors placed into those wrappers (HF-named ones through `hf_adapter`), every key
-             of the file placed and every wrapper's factor given, else refused
+             of the file placed and every wrapper's factor given, else refused; a trained router's selection
+             bias saved with it copied into the base router (`moe_core.finetune.selection_bias`)
     forward  unmerged: each expert's LoRA on its routed tokens over its dequantized slice, as in training
 
 `moe_core.load(out_dir)` takes this path for a fine-tuning output whose ``finetune_config.json`` sets
@@ -31,6 +32,8 @@ from safetensors.torch import load_file
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.hf_adapter import apply_hf_adapter, is_hf_adapter
 from moe_core.finetune.methods import apply_method, unwrap
+from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
+from moe_core.finetune.selection_bias import restore_router_biases
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QuantConfig, load_quantizing_experts
 
@@ -99,6 +102,8 @@ def load_qlora(
         apply_hf_adapter(model, adapter, into=peft_model)
     else:
         tensors = load_file(str(weights))
+        # a trained router's selection bias is a buffer of the base, not an adapter tensor (`selection_bias`)
+        tensors = {key: t for key, t in tensors.items() if not key.endswith(f".{BIAS_BUFFER}")}
         expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
         unplaced = sorted(set(tensors) ^ set(expected))
         if unplaced:
@@ -107,6 +112,7 @@ def load_qlora(
                 f"adapter of {source}?"
             )
         set_peft_model_state_dict(peft_model, tensors)
+        restore_router_biases(peft_model, weights)
     trained = unwrap(peft_model)
     trained.requires_grad_(False)
     return trained.eval()

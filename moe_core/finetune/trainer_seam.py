@@ -22,6 +22,7 @@ import torch
 
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.parallel import CheckpointStore
+from moe_core.finetune.selection_bias import load_router_bias_state, router_bias_state
 from moe_core.train.checkpoint import rng_state, set_rng_state
 
 # the Trainer methods `PerRankCheckpoints` replaces, and the Trainer methods that call them (the seam test)
@@ -56,6 +57,8 @@ class PerRankCheckpoints:
             "trainable": {
                 name: p.detach().cpu().clone() for name, p in self.model.named_parameters() if p.requires_grad
             },
+            # not a parameter, but moved by a trained router (`moe_core.finetune.selection_bias`)
+            "router_biases": router_bias_state(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.lr_scheduler.state_dict(),
             "rng": rng_state(),
@@ -75,6 +78,8 @@ class PerRankCheckpoints:
         with torch.no_grad():
             for name, tensor in saved["trainable"].items():
                 params[name].copy_(tensor)
+        if "router_biases" in saved:  # (checkpoints written before it was saved resume without it)
+            load_router_bias_state(self.model, saved["router_biases"], str(resume_from_checkpoint))
         guard = getattr(self, "_guard", None)
         if guard is not None and saved["guard"]:
             guard.load_state_dict(saved["guard"])
