@@ -65,14 +65,13 @@ def test_the_tiny_run_loads_copied_and_mapped_and_ends_with_its_json_line(tmp_pa
     for kind in ("copy", "mmap"):
         row = children[kind]
         assert row["logits_finite"] is True and row["logits_shape"][:2] == [1, 8]
-        assert (
-            row["model_bytes"] == fam["checkpoint_bytes"]
-        )  # every stored tensor became the model's, in bf16
+        # every stored tensor became the model's, in bf16 (plus a few bytes of buffers: the router's fp32 bias)
+        assert 0 <= row["model_bytes"] - fam["checkpoint_bytes"] <= 0.01 * fam["checkpoint_bytes"]
         assert row["load_s"] > 0 and row["peak_over_bytes"] > 0
         expected = (
             (row["peak_rss_gib"] - children["imports"]["peak_rss_gib"]) * 2**30 / fam["checkpoint_bytes"]
         )
-        assert row["peak_less_imports_over_bytes"] == pytest.approx(expected, abs=2e-3)
+        assert row["peak_less_imports_over_bytes"] == pytest.approx(expected, rel=2e-3)  # of rounded GiB
     assert "glm-4.5-air" in done.stdout and "experts capped" in done.stdout  # the table and its note
 
 
