@@ -89,14 +89,9 @@ def test_the_request_raises_layers_past_dense_ones_and_caps_experts(bench):
     assert overrides == {"num_local_experts": 16}
 
 
-def test_a_stand_in_over_max_gib_is_refused_before_anything_is_built(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(_PATH), "--only", "glm-4.5-air", "--max-gib", "1", "--cache-dir", str(tmp_path)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2
-    assert "glm-4.5-air: 2 layers are 7.13 GiB on disk, over --max-gib 1" in done.stderr
+def test_a_stand_in_over_max_gib_is_refused_before_anything_is_built(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--only", "glm-4.5-air", "--max-gib", "1", "--cache-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "glm-4.5-air: 2 layers are 7.13 GiB on disk, over --max-gib 1" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
