@@ -463,6 +463,10 @@ class CheckpointReader:
         for those is a new tensor each time, never a view of the file (`moe_core.mapped` refuses them)."""
         return sorted(self._mxfp4)
 
+    def source_of(self, name: str) -> str:
+        """The stored tensor ``name`` is read from: itself, or the fused tensor it is a slice of."""
+        return self._alias[name][0] if name in self._alias else name
+
     def get(self, name: str) -> torch.Tensor:
         if name in self._zeros:
             return torch.zeros(self._zeros[name])
@@ -1577,20 +1581,35 @@ def check_shape(directory: Path, name: str, source: torch.Tensor, ours: str, sha
         )
 
 
+# a loader that copies what it reads unmaps the file it reads after this many bytes (and reopens it for the next
+# tensor): the pages read stay page cache, not the process's resident set (a hub shard is 2-10 GB)
+RELEASE_EVERY_BYTES = 64 * 2**20
+
+
 def stream_weights(reader: CheckpointReader, plan, *, release: bool = False):
     """``(our name, expert index or None, checkpoint name, tensor)`` for every weight of the plan, one tensor
     read at a time: a per-expert slice of a stacked weight comes with its expert's index. ``release``: a loader
     that keeps no view of the files (it copies or quantizes what it reads) unmaps each file once the plan moves
-    on to another, so that the pages read stay page cache and do not add up in the process's resident set (the
-    whole checkpoint's size, by the end of a 26.7 GiB load); a file visited again is opened again."""
-    current = None
+    on to another, or once `RELEASE_EVERY_BYTES` were read from it, so that the pages read stay page cache and
+    do not add up in the process's resident set (a second copy of the whole checkpoint's size by the end of a
+    load, beside the model's own memory); a file visited again is opened again. A stored tensor several plan
+    entries are sliced from (a fused [E, ...] experts tensor) is never released between its slices."""
+    current, source, read = None, None, 0
     for ours, names in plan:
         for e, name in enumerate(names):
             file = reader.file_of.get(name)
-            if release and current is not None and file != current:
-                reader.release(current)
+            next_source = reader.source_of(name)
+            if release and current is not None and next_source != source:
+                if file != current or read >= RELEASE_EVERY_BYTES:
+                    reader.release(current)
+                    read = 0
+            if file != current:
+                read = 0
             current = file if file is not None else current
-            yield ours, (None if len(names) == 1 else e), name, reader.get(name)
+            source = next_source
+            tensor = reader.get(name)
+            read += tensor.numel() * tensor.element_size()
+            yield ours, (None if len(names) == 1 else e), name, tensor
     if release and current is not None:
         reader.release(current)
 
@@ -1673,7 +1692,8 @@ def from_hf(
     tensors = our_tensors(model, plan)
     check_coverage(directory, reader, plan, config)
     with torch.no_grad():
-        for ours, e, name, source in stream_weights(reader, plan):
+        # release: every tensor is copied into the model, none stays a view of the files
+        for ours, e, name, source in stream_weights(reader, plan, release=True):
             target = tensors[ours] if e is None else tensors[ours][e]
             check_shape(directory, name, source, ours, target.shape)
             target.copy_(source)
