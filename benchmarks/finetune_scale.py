@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,14 +65,15 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from its path
+from child_memory import GIB, proc_status_kib, watch_child  # noqa: E402
+
 # Only the standard library at the top: this file is also the children's program, and the baseline child may
 # run under another interpreter (--baseline-python: an environment pinned to another transformers) where only
 # torch, transformers and peft exist. torch and the lab are imported inside the functions that use them.
 
 REPO = Path(__file__).resolve().parents[1]
 SFT_DATA = REPO / "examples" / "sft.jsonl"
-GIB = 2**30
-POLL_S = 0.05
 RESULT_PREFIX = "variant result: "  # one stdout line per finished variant (gpu_suite.py reads them)
 LORA_R, LORA_ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
 TINY_TOKENIZER_VOCAB = 400
@@ -82,17 +82,6 @@ QLORA_FIELD, MMAP_FIELD = "quantize.base", "model.mmap"
 
 
 # ================================================================================================ the children
-def proc_status_kib(pid: int | str = "self") -> dict[str, int]:
-    """VmHWM / VmRSS / RssAnon / RssFile (KiB) of a process from /proc/<pid>/status; {} off Linux or once it
-    is gone."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return {}
-    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-    return {k: int(line.split()[1]) for line in lines for k in keys if line.startswith(k + ":")}
-
-
 def timed_steps(model, spec: dict) -> dict:
     """The benchmark's step, the same for every variant: forward with labels = inputs, backward, clip, AdamW on
     the trainable parameters, zero_grad. Returns per-step seconds and losses."""
@@ -268,47 +257,13 @@ def run_child(
         env["OMP_NUM_THREADS"] = str(spec["threads"])
     command = [python, str(Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path)]
     command += ["--result", str(result_path)]
-    started = time.perf_counter()
-    peak_sample: dict[str, int] = {}
-    peak_anon_kib = 0
-    over_limit = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                sample = proc_status_kib(proc.pid)
-                if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
-                    peak_sample = sample
-                peak_anon_kib = max(peak_anon_kib, sample.get("RssAnon", 0))
-                if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
-                    over_limit = True
-                    os.kill(proc.pid, signal.SIGKILL)
-                time.sleep(POLL_S)
-        except BaseException:  # Ctrl-C or an error here: the child does not outlive the benchmark
-            proc.kill()
-            proc.wait()
-            raise
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    row: dict = {
-        "wall_s": time.perf_counter() - started,
-        "exit_code": proc.returncode,
-        "peak_rss_gib": usage.ru_maxrss * 1024 / GIB,  # ru_maxrss is in KiB on Linux
-        "rss_anon_gib_at_peak": peak_sample.get("RssAnon", 0) * 1024 / GIB,
-        "rss_file_gib_at_peak": peak_sample.get("RssFile", 0) * 1024 / GIB,
-        "peak_anon_gib": peak_anon_kib * 1024 / GIB,
-    }
-    if proc.returncode == 0 and result_path.is_file():
-        row.update(json.loads(result_path.read_text()))
-    elif over_limit:
-        row["status"] = f"stopped: resident set over --max-rss-gib {max_rss_gib}"
-    elif proc.returncode == -signal.SIGKILL:
-        row["status"] = "killed (SIGKILL: out of memory?)"
-    else:
-        row["status"] = f"failed (exit {proc.returncode})"
-        row["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    row = watch_child(command, env, log_path, max_rss_gib)
+    row["peak_rss_gib"] = row["ru_maxrss_gib"]  # the kernel's peak, as every row in benchmarks/README.md
+    if row["exit_code"] == 0:
+        if result_path.is_file():
+            row.update(json.loads(result_path.read_text()))
+        else:
+            row["status"] = "failed (exit 0 without a result)"
     if row.get("status") == "ok":
         timed = row["step_s_all"][spec["warmup"] :]
         row["step_s"] = statistics.median(timed)

@@ -44,19 +44,18 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from its path
+from child_memory import GIB, proc_status_kib, watch_child  # noqa: E402
+
 # Only the standard library at the top: this file is also the children's program, and the import child must
 # measure exactly what the loading children import. torch and the lab are imported inside the functions.
 
-GIB = 2**30
-POLL_S = 0.05
 FORWARD_TOKENS = 8
 TINY_TOKENIZER_VOCAB = 400
 CHILDREN = ("imports", "copy", "mmap")
@@ -66,17 +65,6 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 # ================================================================================================ the children
-def proc_status_kib(pid: int | str = "self") -> dict[str, int]:
-    """VmHWM / VmRSS / RssAnon / RssFile (KiB) of a process from /proc/<pid>/status; {} off Linux or once it
-    is gone."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return {}
-    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-    return {k: int(line.split()[1]) for line in lines for k in keys if line.startswith(k + ":")}
-
-
 def child_main(kind: str, checkpoint: str, result_path: Path) -> int:
     """One child: the imports every child makes, then (``copy`` / ``mmap``) the load and one forward."""
     import torch
@@ -118,53 +106,18 @@ def run_child(kind: str, checkpoint: Path, workdir: Path, max_rss_gib: float | N
     }
     command = [sys.executable, str(Path(__file__).resolve()), "--child", kind]
     command += ["--checkpoint", str(checkpoint), "--result", str(result_path)]
-    started = time.perf_counter()
-    peak_sample: dict[str, int] = {}
-    peak_anon_kib = 0
-    over_limit = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                sample = proc_status_kib(proc.pid)
-                if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
-                    peak_sample = sample
-                peak_anon_kib = max(peak_anon_kib, sample.get("RssAnon", 0))
-                if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
-                    over_limit = True
-                    os.kill(proc.pid, signal.SIGKILL)
-                time.sleep(POLL_S)
-        except BaseException:  # Ctrl-C or an error here: the child does not outlive the benchmark
-            proc.kill()
-            proc.wait()
-            raise
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    row: dict = {
-        "wall_s": time.perf_counter() - started,
-        "exit_code": proc.returncode,
-        # ru_maxrss (KiB on Linux) also counts the resident set this process had when it forked the child (the
-        # pages are shared until exec): here torch and the lab, ~0.4 GiB, which would hide a small child's own
-        # peak. The child's own high-water mark (VmHWM, its address space's since exec) is read at its end.
-        "ru_maxrss_gib": usage.ru_maxrss * 1024 / GIB,
-        "peak_rss_gib": max(peak_sample.get("VmRSS", 0), peak_sample.get("VmHWM", 0)) * 1024 / GIB,
-        "rss_anon_gib_at_peak": peak_sample.get("RssAnon", 0) * 1024 / GIB,
-        "rss_file_gib_at_peak": peak_sample.get("RssFile", 0) * 1024 / GIB,
-        "peak_anon_gib": peak_anon_kib * 1024 / GIB,
-    }
-    if proc.returncode == 0 and result_path.is_file():
-        row.update(json.loads(result_path.read_text()))
-        hwm_kib = row["memory_at_end_kib"].get("VmHWM", 0)
-        row["peak_rss_gib"] = max(row["peak_rss_gib"], hwm_kib * 1024 / GIB)
-    elif over_limit:
-        row["status"] = f"stopped: resident set over --max-rss-gib {max_rss_gib}"
-    elif proc.returncode == -signal.SIGKILL:
-        row["status"] = "killed (SIGKILL: out of memory?)"
-    else:
-        row["status"] = f"failed (exit {proc.returncode})"
-        row["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    row = watch_child(command, env, log_path, max_rss_gib)
+    # ru_maxrss also counts what this process (torch and the lab, ~0.4 GiB) had resident when it forked the
+    # child, which would hide a small child's own peak: the child's own high-water mark (VmHWM) is the figure,
+    # polled and read once more at its end
+    row["peak_rss_gib"] = max(row["vm_hwm_gib"], row["rss_anon_gib_at_peak"] + row["rss_file_gib_at_peak"])
+    if row["exit_code"] == 0:
+        if result_path.is_file():
+            row.update(json.loads(result_path.read_text()))
+            hwm_kib = row["memory_at_end_kib"].get("VmHWM", 0)
+            row["peak_rss_gib"] = max(row["peak_rss_gib"], hwm_kib * 1024 / GIB)
+        else:
+            row["status"] = "failed (exit 0 without a result)"
     return row
 
 

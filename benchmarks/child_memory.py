@@ -1,0 +1,81 @@
+"""One child process of a memory benchmark, watched: its resident set polled from ``/proc/<pid>/status`` every
+50 ms while it runs (standard library only: `finetune_scale.py` and `load_published.py` import it in their
+children too, under whichever interpreter runs them).
+
+Figures: ``ru_maxrss`` from ``wait4`` (the kernel's peak; on Linux it also counts what this process had resident
+when it forked the child, which hides a child smaller than its parent), the child's own high-water mark
+(``VmHWM``), the anonymous and file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen, and
+the largest anonymous part seen: with a memory-mapped checkpoint larger than free memory, how much of the file
+stays mapped at the peak moment is the kernel's page reclaim, so the anonymous peak is what the process itself
+needs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+GIB = 2**30
+POLL_S = 0.05
+
+
+def proc_status_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmHWM / VmRSS / RssAnon / RssFile (KiB) of a process from /proc/<pid>/status; {} off Linux or once it
+    is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+    return {k: int(line.split()[1]) for line in lines for k in keys if line.startswith(k + ":")}
+
+
+def watch_child(command: list[str], env: dict[str, str], log_path: Path, max_rss_gib: float | None) -> dict:
+    """Run ``command`` (stdout and stderr to ``log_path``), poll its memory until it ends, SIGKILL it once its
+    resident set passes ``max_rss_gib``. Returns the figures above, ``wall_s``, ``exit_code`` and, unless it
+    exited 0, a ``status`` saying why (with the log's tail for a failure)."""
+    started = time.perf_counter()
+    peak_sample: dict[str, int] = {}
+    peak_anon_kib = 0
+    over_limit = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                sample = proc_status_kib(proc.pid)
+                if sample.get("VmRSS", 0) > peak_sample.get("VmRSS", -1):
+                    peak_sample = sample
+                peak_anon_kib = max(peak_anon_kib, sample.get("RssAnon", 0))
+                if max_rss_gib and sample.get("VmRSS", 0) > max_rss_gib * GIB / 1024 and not over_limit:
+                    over_limit = True
+                    os.kill(proc.pid, signal.SIGKILL)
+                time.sleep(POLL_S)
+        except BaseException:  # Ctrl-C or an error here: the child does not outlive the benchmark
+            proc.kill()
+            proc.wait()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    row: dict = {
+        "wall_s": time.perf_counter() - started,
+        "exit_code": proc.returncode,
+        "ru_maxrss_gib": usage.ru_maxrss * 1024 / GIB,  # KiB on Linux
+        "vm_hwm_gib": peak_sample.get("VmHWM", 0) * 1024 / GIB,
+        "rss_anon_gib_at_peak": peak_sample.get("RssAnon", 0) * 1024 / GIB,
+        "rss_file_gib_at_peak": peak_sample.get("RssFile", 0) * 1024 / GIB,
+        "peak_anon_gib": peak_anon_kib * 1024 / GIB,
+    }
+    if proc.returncode == 0:
+        return row
+    if over_limit:
+        row["status"] = f"stopped: resident set over --max-rss-gib {max_rss_gib}"
+    elif proc.returncode == -signal.SIGKILL:
+        row["status"] = "killed (SIGKILL: out of memory?)"
+    else:
+        row["status"] = f"failed (exit {proc.returncode})"
+        row["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    return row
