@@ -4,32 +4,21 @@ memory watch and the optional variants are checked on their own, without trainin
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_PATH = ROOT / "benchmarks" / "finetune_scale.py"
+from tests.bench_helpers import benchmark_path, load_benchmark, repo_env
+
+_PATH = benchmark_path("finetune_scale")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("finetune_scale_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    return load_benchmark("finetune_scale")
 
 
 @pytest.mark.slow
@@ -38,7 +27,7 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
         [sys.executable, str(_PATH), "--tiny", "--cache-dir", str(tmp_path), "--warmup", "1", "--steps", "1"]
         + ["--threads", "1", "--max-rss-gib", "4"],
         cwd=tmp_path,  # nothing depends on the working directory
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -4,32 +4,21 @@ the JSON line the README's figures come from; the stand-in request (layers, expe
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_PATH = ROOT / "benchmarks" / "load_published.py"
+from tests.bench_helpers import benchmark_path, load_benchmark, repo_env
+
+_PATH = benchmark_path("load_published")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("load_published_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    return load_benchmark("load_published")
 
 
 @pytest.mark.slow
@@ -39,7 +28,7 @@ def test_the_tiny_run_loads_copied_and_mapped_and_ends_with_its_json_line(tmp_pa
         [sys.executable, str(_PATH), "--tiny", "--only", "glm-4.5-air", "--layers", "1", "--max-experts", "4"]
         + ["--cache-dir", str(cache), "--delete", "--max-rss-gib", "4"],
         cwd=tmp_path,  # nothing depends on the working directory
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -2,23 +2,17 @@
 every preset size (an arm whose overrides no longer build would fail only an hour into the full run), the
 pairs compare a MoE with a dense model of equal active parameters, and the margins table is right."""
 
-import importlib.util
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
 from moe_core.config import parameter_counts
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+from tests.bench_helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 def _args(size="tiny"):
