@@ -43,32 +43,27 @@ def install(cache: Path | None = None) -> Path:
 def greedy(gguf_file: Path, prompt_ids: list[int], new_tokens: int, site: Path) -> dict:
     """Run llama.cpp on ``gguf_file`` in a child process: the greedy continuation of ``prompt_ids`` and the
     logits after the prompt."""
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run(
-        [sys.executable, __file__, str(gguf_file), ",".join(map(str, prompt_ids)), str(new_tokens)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _child([str(gguf_file), ",".join(map(str, prompt_ids)), str(new_tokens)], site, "run")
 
 
 def tokenize(gguf_file: Path, texts: list[str], site: Path) -> list[list[int]]:
     """llama.cpp's tokenization of each text with the file's vocabulary (its pre-tokenizer included), in a child
     process: no BOS/EOS added, special-token text not parsed (as ``tokenizer(text, add_special_tokens=False)``)."""
+    return _child(["--tokenize", str(gguf_file)], site, "tokenize", stdin=json.dumps(texts))
+
+
+def _child(args: list[str], site: Path, what: str, stdin: str | None = None):
+    """This file run as a script with ``args`` beside the engine's ``site``; the JSON of its last output line."""
     out = subprocess.run(
-        [sys.executable, __file__, "--tokenize", str(gguf_file)],
-        input=json.dumps(texts),
+        [sys.executable, __file__, *args],
+        input=stdin,
         env={**os.environ, "PYTHONPATH": str(site)},
         capture_output=True,
         text=True,
         timeout=300,
     )
     if out.returncode != 0:
-        raise RuntimeError(f"llama.cpp tokenize failed ({out.returncode}): {out.stderr[-2000:]}")
+        raise RuntimeError(f"llama.cpp {what} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
