@@ -147,6 +147,9 @@ def test_a_checkpoint_resumes_on_the_device_to_the_uninterrupted_weights(tmp_pat
                 "log": {"every": 1, "progress": "off"},
                 "checkpoint": {"every": 2, "keep_last": 5},
                 "eval": {"batches": 1},
+                # a fixed warm-up longer than both runs: the cut run (steps=2) and the run it resumes into
+                # (steps=4) then share their schedule (a warm-up that is a fraction of the run would not)
+                "optim": {"warmup_steps": 10},
             }
         )
 
