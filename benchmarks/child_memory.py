@@ -12,9 +12,11 @@ needs."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
 GIB = 2**30
@@ -30,6 +32,29 @@ def proc_status_kib(pid: int | str = "self") -> dict[str, int]:
         return {}
     keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
     return {k: int(line.split()[1]) for line in lines for k in keys if line.startswith(k + ":")}
+
+
+def meminfo_kib() -> dict[str, int]:
+    """/proc/meminfo's fields (KiB); {} off Linux."""
+    try:
+        return {
+            line.split(":")[0]: int(line.split()[1])
+            for line in Path("/proc/meminfo").read_text().splitlines()
+        }
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def machine(packages: tuple[str, ...]) -> dict:
+    """What a memory benchmark's figures were taken on, with the versions of ``packages``."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(meminfo_kib().get("MemTotal", 0) / 2**20, 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        **{name: metadata.version(name) for name in packages},
+    }
 
 
 def watch_child(command: list[str], env: dict[str, str], log_path: Path, max_rss_gib: float | None) -> dict:

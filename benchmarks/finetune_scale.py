@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -66,6 +65,7 @@ from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from its path
+import child_memory  # noqa: E402
 from child_memory import GIB, proc_status_kib, watch_child  # noqa: E402
 
 # Only the standard library at the top: this file is also the children's program, and the baseline child may
@@ -353,7 +353,7 @@ def warm_page_cache(directory: Path) -> bool:
     process's memory does not grow); skipped when they would not fit in half the available memory."""
     files = sorted(directory.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
-    available = _meminfo_kib().get("MemAvailable", 0) * 1024
+    available = child_memory.meminfo_kib().get("MemAvailable", 0) * 1024
     if size > available / 2:
         return False
     for file in files:
@@ -363,27 +363,9 @@ def warm_page_cache(directory: Path) -> bool:
     return True
 
 
-def _meminfo_kib() -> dict[str, int]:
-    try:
-        return {
-            line.split(":")[0]: int(line.split()[1])
-            for line in Path("/proc/meminfo").read_text().splitlines()
-        }
-    except (OSError, ValueError, IndexError):
-        return {}
-
-
 def machine(device: str) -> dict:
     """What the figures were taken on (the baseline child reports the versions it ran with, too)."""
-    info = {
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "memory_gib": round(_meminfo_kib().get("MemTotal", 0) / 2**20, 1),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
-        **{name: metadata.version(name) for name in ("torch", "transformers", "peft")},
-        "device": device,
-    }
+    info = {**child_memory.machine(("torch", "transformers", "peft")), "device": device}
     if device.startswith("cuda"):
         import torch  # the parent imports torch only to name the GPU
 

@@ -42,15 +42,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from its path
+import child_memory  # noqa: E402
 from child_memory import GIB, proc_status_kib, watch_child  # noqa: E402
 
 # Only the standard library at the top: this file is also the children's program, and the import child must
@@ -155,25 +154,8 @@ def checkpoint_bytes_planned(name: str, layers: int, overrides: dict) -> int:
     return sum(int(torch.Size(shape).numel()) for _, shape in layout) * 2
 
 
-def _meminfo_kib() -> dict[str, int]:
-    try:
-        return {
-            line.split(":")[0]: int(line.split()[1])
-            for line in Path("/proc/meminfo").read_text().splitlines()
-        }
-    except (OSError, ValueError, IndexError):
-        return {}
-
-
 def machine() -> dict:
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "memory_gib": round(_meminfo_kib().get("MemTotal", 0) / 2**20, 1),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "python": platform.python_version(),
-        **{name: metadata.version(name) for name in ("torch", "transformers", "safetensors")},
-    }
+    return child_memory.machine(("torch", "transformers", "safetensors"))
 
 
 def summarize(rows: dict[str, dict], checkpoint_bytes: int) -> dict:
