@@ -1,12 +1,17 @@
 """A model directory's chat template is untrusted code: a fine-tune renders it on every example, bounded in time,
 memory and output, before the model loads, and a failure is one line naming the file and the template line."""
 
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
+from transformers import TokenizersBackend
 
 from moe_core.data.chat_template import ChatTemplateError, TemplateLimits, check_chat_template
 from moe_core.finetune import FinetuneConfig, finetune
+from tests.bench_helpers import repo_env
 from tests.finetune_helpers import instruction_records, tiny_tokenizer
 
 USER = [{"role": "user", "content": "hi"}]
@@ -83,3 +88,38 @@ def test_a_fine_tune_refuses_a_bad_template_before_loading_the_model(tmp_path, t
     with pytest.raises(ChatTemplateError, match="the chat template failed: TemplateSyntaxError"):
         finetune(config, tmp_path / "out", tokenizer=tokenizer, records=instruction_records(4))
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+# a lock the tokenizer takes while rendering, held by the caller while it checks: a renderer forked from a process
+# whose other thread holds a lock inherits it locked and hangs (CI saw one such hang blamed on the template)
+HELD = threading.Lock()
+
+
+class LockingTokenizer(TokenizersBackend):
+    def apply_chat_template(self, *args, **kwargs):
+        with HELD:
+            return super().apply_chat_template(*args, **kwargs)
+
+
+def test_the_renderer_inherits_no_lock_from_the_caller(tokenizer):
+    tokenizer.__class__ = LockingTokenizer
+    with HELD:  # as another thread would hold it at the moment the renderer starts
+        check_chat_template(tokenizer, renderings(), "t.jinja", TemplateLimits(seconds=20))
+
+
+def test_a_script_without_a_main_guard_is_not_run_again(tmp_path):
+    """A user's plain script calls the check at top level: the renderer must not re-run it (as multiprocessing's
+    spawn would)."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from moe_core.data.chat_template import check_chat_template\n"
+        "from tests.finetune_helpers import tiny_tokenizer\n"
+        "print('script ran', flush=True)\n"
+        "check_chat_template(tiny_tokenizer(), [(0, [{'role': 'user', 'content': 'hi'}], True)])\n"
+        "print('checked', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=repo_env()
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n").count("script ran") == 1 and "checked" in done.stdout
