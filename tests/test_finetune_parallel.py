@@ -146,8 +146,11 @@ def assert_same_run(one: Path, many: Path) -> None:
     wb = load_file(many / "adapter" / "adapter_model.safetensors")
     assert {k: v.shape for k, v in wb.items()} == {k: v.shape for k, v in wa.items()}
     assert any(".mlp.experts." in k for k in wa)
+    # relative to each factor's norm: lora_B starts at zero, so every entry is near zero, where Adam's
+    # m / (sqrt(v) + eps) turns a 1e-7 gradient rounding into a larger update difference (1.3e-5 seen on an
+    # AVX-512 CPU for the killed-and-resumed run; the losses above stay within 1e-5)
     for name in wa:
-        assert ((wb[name] - wa[name]).norm() / wa[name].norm().clamp_min(1e-12)).item() < 1e-5, name
+        assert ((wb[name] - wa[name]).norm() / wa[name].norm().clamp_min(1e-12)).item() < 1e-4, name
     config = "adapter_config.json"
     assert json.loads((many / "adapter" / config).read_text()) == json.loads(
         (one / "adapter" / config).read_text()

@@ -45,7 +45,8 @@ ARGS = [
     "--set",
     "checkpoint.every=10",
     "--set",
-    "optim.lr=1e-2",
+    "optim.lr=3e-3",  # at 1e-2 Adam amplifies the first steps' 1e-7 rounding differences 10x a step on some
+    # CPUs (AVX-512: 7e-5 apart by step 9, weights 3e-2 apart by step 20); at 3e-3, 4e-6 and 4e-5, and it trains
     "--set",
     "optim.warmup_steps=2",
 ]
@@ -70,18 +71,17 @@ def one_process(tmp_path_factory):
     return out
 
 
-def assert_same_trajectory(one: Path, many: Path, late_rel: float = 1e-3) -> None:
+def assert_same_trajectory(one: Path, many: Path) -> None:
     a, b = read_jsonl(one / "metrics.jsonl"), read_jsonl(many / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 21))
     for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
-        assert [r[key] for r in b[:10]] == pytest.approx([r[key] for r in a[:10]], rel=2e-5), key
-        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=late_rel), key
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=2e-5), key
     assert a[-1]["lm_loss"] < a[0]["lm_loss"] - 0.3  # it trained: the comparison is not of two idle runs
     for key in ("moe/layer_0/expert_3_frac", "moe/layer_1/entropy"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-3, abs=1e-3), key
     # weights (expert shards gathered) relative to each tensor's norm: elementwise, Adam magnifies rounding
-    # in near-zero entries. Tight at step 10; looser at the end, where a flipped near-tie may have moved them
-    for step, tolerance in ((10, 1e-4), (20, 1e-2)):
+    # in near-zero entries
+    for step, tolerance in ((10, 1e-4), (20, 2e-4)):
         wa = gather_state_dict(one / "checkpoints" / f"step_{step:08d}")
         wb = gather_state_dict(many / "checkpoints" / f"step_{step:08d}")
         assert wa.keys() == wb.keys()
