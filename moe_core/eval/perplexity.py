@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
@@ -171,6 +170,8 @@ def unequal_training(rows: Sequence[Mapping[str, Any]]) -> str | None:
 def comparison_table(rows: Sequence[Mapping[str, Any]], reference: str | None = None):
     """A pandas DataFrame of `model_row` rows; with ``reference`` (a model name), adds ``<split>_ppl_ratio``
     columns: each model's perplexity over the reference's (below 1.0 is better)."""
+    import pandas as pd  # here, not at the top: the trainer imports this module, and pandas costs every run 0.2-0.5 s
+
     df = pd.DataFrame(list(rows))
     if reference is not None:
         if reference not in set(df["model"]):
