@@ -5,17 +5,55 @@ Fine-tuning with LoRA (or QLoRA) keeps the base frozen, so backward computes onl
 for every Linear. On AVX2 CPUs (no AVX-512 BF16), oneDNN has no fast low-precision kernel for a product whose
 right operand is a row-major ``[O, I]`` weight: 96 ms for [8, 1024] x [1024, 2048] in bf16 (minutes per step
 for an LM head), against 9 ms for the same product written ``F.linear(dY, W^T)`` on a transposed copy made in
-about a millisecond (benchmarks/README.md, "Expert LoRA"). `frozen_linear` is that product with that backward;
-the expert paths call it for their per-expert slices, and `use_frozen_linears` swaps a model's plain
-``nn.Linear`` layers for `FrozenLinear` (same parameters, hooks and state dict) from outside the model file.
-Elsewhere (a weight that trains, CUDA, fp32, no gradient) everything is exactly ``F.linear``.
+about a millisecond (benchmarks/README.md, "Expert LoRA"). On CPUs with AVX-512 BF16 and AMX it is the other way
+round: autograd's own product is 7-11x faster than making the copy (0.30 against 2.13 ms for [64, 2048] x
+[2048, 768]; 62 against 665 ms for a 151,936-row LM head), and the copy had made the lab's fine-tuning step 3x
+slower than transformers + PEFT's. Which layout is fast is measured once per process and dtype
+(`input_gradient_layout`), and the transposed path is taken only where it wins. `frozen_linear` is that product
+with that backward; the expert paths call it for their per-expert slices, and `use_frozen_linears` swaps a
+model's plain ``nn.Linear`` layers for `FrozenLinear` (same parameters, hooks and state dict) from outside the
+model file. Elsewhere (a weight that trains, CUDA, fp32, no gradient, a CPU whose own product is fast)
+everything is exactly ``F.linear``.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# the layout of the input gradient ``dY W`` per low-precision dtype on this CPU: "transposed" (``F.linear(dY,
+# W^T)`` on a transposed copy: AVX2) or "direct" (autograd's ``dY @ W``: AVX-512 BF16 / AMX); filled by
+# `input_gradient_layout` on first use, set by tests to exercise either path
+INPUT_GRADIENT_LAYOUT: dict[torch.dtype, str] = {}
+
+
+def input_gradient_layout(dtype: torch.dtype) -> str:
+    """ "transposed" where making ``W^T`` and multiplying by it beats oneDNN's ``dY @ W`` for ``dtype`` on this
+    CPU, else "direct": timed once per process on a [16, 1024] x [1024, 512] product (the two differ 7-11x
+    either way, so the choice does not hinge on the machine's load)."""
+    if dtype not in INPUT_GRADIENT_LAYOUT:
+        w_OI, grad_NO = torch.randn(1024, 512).to(dtype), torch.randn(16, 1024).to(dtype)
+
+        def fastest(product) -> float:
+            product()
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                product()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        direct = fastest(lambda: grad_NO @ w_OI)
+        transposed = fastest(lambda: F.linear(grad_NO, w_OI.t().contiguous()))
+        INPUT_GRADIENT_LAYOUT[dtype] = "transposed" if transposed < direct else "direct"
+    return INPUT_GRADIENT_LAYOUT[dtype]
+
+
+def _low_precision_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
 
 
 def share_hooks(module: nn.Module, replacement: nn.Module) -> nn.Module:
@@ -53,9 +91,10 @@ TRANSPOSE_BLOCK_BYTES = 32 * 2**20
 
 
 def _input_gradient(grad_NO: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-    """``dY W``: on a transposed copy where oneDNN's own path is slow (bf16/fp16 on CPU), else as it is. A weight
-    above `TRANSPOSE_BLOCK_BYTES` goes by blocks of O rows, ``sum_b dY[:, b] W[b]``, added up in fp32."""
-    if grad_NO.device.type != "cpu" or grad_NO.dtype not in (torch.bfloat16, torch.float16):
+    """``dY W``: on a transposed copy where oneDNN's own path is slow (bf16/fp16 on some CPUs:
+    `input_gradient_layout`), else as it is. A weight above `TRANSPOSE_BLOCK_BYTES` goes by blocks of O rows,
+    ``sum_b dY[:, b] W[b]``, added up in fp32."""
+    if not _low_precision_cpu(grad_NO) or input_gradient_layout(grad_NO.dtype) == "direct":
         return grad_NO @ w_OI.to(grad_NO.dtype)
     O, I = w_OI.shape
     rows = max(1, TRANSPOSE_BLOCK_BYTES // (I * w_OI.element_size()))
@@ -95,9 +134,9 @@ def frozen_linear(x_NI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     if (
         x_NI.requires_grad
         and not w_OI.requires_grad
-        and x_NI.device.type == "cpu"
-        and x_NI.dtype in (torch.bfloat16, torch.float16)
+        and _low_precision_cpu(x_NI)
         and torch.is_grad_enabled()
+        and input_gradient_layout(x_NI.dtype) == "transposed"
     ):
         return _FrozenLinearLowPrecisionCPU.apply(x_NI, w_OI)
     return F.linear(x_NI, w_OI)
@@ -123,10 +162,11 @@ class FrozenLinear(nn.Linear):
 
 def use_frozen_linears(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` for a `FrozenLinear` sharing it, when the model runs in bf16/fp16
-    on CPU (elsewhere autograd's own kernels are fast); in place, before the weights that train are chosen (a
-    `FrozenLinear` whose weight trains is ``F.linear``). Returns how many."""
+    on a CPU where the transposed input gradient is the fast one (elsewhere autograd's own kernels are fast); in
+    place, before the weights that train are chosen (a `FrozenLinear` whose weight trains is ``F.linear``).
+    Returns how many."""
     weight = next(model.parameters())
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+    if not _low_precision_cpu(weight) or input_gradient_layout(weight.dtype) == "direct":
         return 0
     swapped = 0
     for parent in list(model.modules()):
