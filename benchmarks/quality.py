@@ -42,10 +42,11 @@ dense-active): at the ``small`` size (2.9M non-embedding parameters) 0.3M tokens
 and 1M tokens the MoE 4.5% *behind* (95.5 vs 91.4; aux 0.01 or 0.03 no better): a third of a token per
 parameter is data-limited, dense-total (8x the FFN) is worse still, and an expert that sees an eighth of the
 tokens cannot pay for itself. At ``tiny`` (90k non-embedding parameters, ~28 tokens each at one pass, the
-regime the papers' runs are in) every MoE leads its dense model with equal active parameters on every
-seed, by 3-5% on the mean of three (benchmarks/README.md "Session 7": switch 4.5%, dropless 3.1%, fine
-4.4%, olmoe 4.6%; single seeds 2.7-6.0%). The 5% the issue asks for is not reached on the mean of three
-seeds by any pair; seed 0 at two passes gave the Switch pair less, not more (3.3%).
+regime the papers' runs are in) every MoE leads its dense model with equal active parameters on the mean
+of three seeds (benchmarks/README.md "Training quality", 2026-11-26: olmoe 5.9%, the one pair past the issue's
+5%, switch 5.0%, fine 4.8%, dropless 2.5%, whose seed 1 is -0.2%; seed-to-seed spread is 0.5-1.0 perplexity, and
+another CPU's rounding moved the means by up to 1.6%). Seed 0 at two passes gave the Switch pair less, not more
+(3.3%, 2026-11-23).
 
 Each arm runs in its own process with one torch thread, two arms at a time (``--jobs 2``: one per core of
 the 2-core machine; on it, one arm with 2 threads was slower than two arms side by side). The figures do not
