@@ -15,7 +15,7 @@ runs it, with ``--vocab-size 4000`` and validation on):
            tokenizer's own ``encode_batch`` on the same text with one thread (``TOKENIZERS_PARALLELISM=false``),
            the bound of the tokenize stage per core
 
-    python benchmarks/data_prep.py                                  # sizes 40 320 1000, procs 1 2 on 40 MB
+    python benchmarks/data_prep.py                                  # sizes 40 320 1000, procs 1 2 on 320 MB
     python benchmarks/data_prep.py --sizes 40 320 --parts sizes     # memory figures only
 
 Prints a table, then ONE JSON line.
@@ -134,7 +134,12 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=float, nargs="+", default=[40, 320, 1000], help="corpus sizes, MB")
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--procs-mb", type=float, default=40)
+    parser.add_argument(
+        "--procs-mb",
+        type=float,
+        default=320,
+        help="corpus of the procs part, MB (320: on 40 MB the serial tokenizer-training pass caps 2 processes at 1.4x)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the procs part")
     parser.add_argument("--parts", nargs="+", default=["sizes", "procs"], choices=["sizes", "procs"])
     parser.add_argument("--vocab-size", type=int, default=4000)
