@@ -250,7 +250,11 @@ def test_the_input_gradient_layout_is_measured_once_per_dtype(monkeypatch):
     from moe_core import frozen_linear as module
 
     monkeypatch.setattr(module, "INPUT_GRADIENT_LAYOUT", {})
+    torch.manual_seed(0)
     layout = module.input_gradient_layout(torch.bfloat16)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))  # the measurement draws nothing from the caller's random stream
     assert layout in ("direct", "transposed") and module.INPUT_GRADIENT_LAYOUT == {torch.bfloat16: layout}
     monkeypatch.setattr(module.time, "perf_counter", None)  # a second measurement would fail
     assert module.input_gradient_layout(torch.bfloat16) == layout
