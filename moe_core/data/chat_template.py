@@ -151,6 +151,11 @@ def _child_main() -> None:
     line. Anything else written to stdout (a library's print) goes to stderr."""
     channel = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
+    # What is unpickled here is never a file a user gave: `check_chat_template` pickles the tokenizer object its
+    # caller already holds into an unnamed temporary file (no path another process could write to) and hands
+    # that file to this child as stdin. A pickle keeps the tokenizer exactly as the caller has it (its class,
+    # a trust_remote_code class among them, and a chat template set in memory), which a save_pretrained round
+    # trip through AutoTokenizer would not.
     sys.path[:] = pickle.load(sys.stdin.buffer)  # a tokenizer class from trust_remote_code lives on it
     tokenizer, conversations, fields = pickle.load(sys.stdin.buffer)
     _render_all(
