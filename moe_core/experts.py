@@ -335,9 +335,22 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         """What the decode loop hands to `expert` (it takes no gradient): `unbound` unless cheaper exists."""
         return self.unbound()
 
+    def stack(self, p: str) -> torch.Tensor | None:
+        """Projection ``p``'s weights as the dense ``[E, O, I]`` tensor this module already holds (no copy: a
+        parameter, or the storage its per-expert tensors are views of), or None: what ``grouped_mm`` multiplies
+        by (`grouped_project`)."""
+        return None
+
     def grouped_mm_ok(self, x_TD: torch.Tensor, lora: ExpertLoRA | None = None) -> bool:
-        """Whether ``grouped_mm`` can run on ``x_TD`` (and ``lora``'s ranks) here (it needs dense stacks)."""
-        return False
+        """Whether ``grouped_mm`` can run on ``x_TD`` (and ``lora``'s ranks) here: it needs every projection as
+        a dense stack (`stack`) and a device and dtype `torch._grouped_mm` takes."""
+        up = self.stack("up_proj")
+        if up is None or self.stack("down_proj") is None:
+            return False
+        if self.activation == "swiglu" and self.stack("gate_proj") is None:
+            return False
+        E, F_, D = up.shape
+        return grouped_mm_supported(x_TD, F_, D, *(lora.ranks() if lora is not None else ()))
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
         if self.impl != "auto":
@@ -409,8 +422,49 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
     def forward_grouped_mm(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
-        """The sorted layout through one grouped matmul per projection; without dense stacks, `forward_sorted`."""
-        return self.forward_sorted(x_TD, record, lora)
+        """The sorted layout through one grouped matmul per projection; without dense stacks (or for a LoRA rank
+        of a width it cannot take), `forward_sorted`."""
+        if self.stack("up_proj") is None or (lora is not None and not self.grouped_mm_ok(x_TD, lora)):
+            return self.forward_sorted(x_TD, record, lora)
+        dispatch = ExpertDispatch.of(record, self.num_experts)
+        offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
+        out_AD = self.grouped_ffn(dispatch.gather(x_TD), offs_E, lora, dispatch.expert_ids_A)
+        return dispatch.combine(out_AD, x_TD)
+
+    def grouped_project(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor:
+        """Projection ``p`` of the expert-sorted rows ``x_AI`` through ``gmm(a, w [E, O, I])``: `stack`'s
+        weights (a module holding its weights otherwise, quantized, overrides it)."""
+        return gmm(x_AI, self.stack(p))
+
+    def grouped_ffn(
+        self,
+        x_AD: torch.Tensor,
+        offs_E: torch.Tensor,
+        lora: ExpertLoRA | None = None,
+        expert_ids_A: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The sorted rows ``x_AD`` through every projection as one grouped matmul each (``offs_E``: where each
+        expert's rows end); ``expert_ids_A`` (each row's expert) places gpt-oss's biases."""
+        device = x_AD.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
+
+        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
+            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
+            if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
+                out.register_hook(lambda g: g.contiguous())
+            return out
+
+        def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
+            y_AO = self.grouped_project(p, x_AI, gmm)
+            bias_EO = self.bias_stack(p)
+            # the rows are sorted by expert: each gets its expert's bias (a gather: no host sync)
+            if bias_EO is not None:
+                y_AO = y_AO + bias_EO.to(y_AO.dtype).index_select(0, expert_ids_A)
+            delta_AO = lora.grouped_delta(p, x_AI, gmm) if lora is not None else None
+            return y_AO if delta_AO is None else y_AO + delta_AO
+
+        h_gate = proj("gate_proj", x_AD) if self.activation == "swiglu" else None
+        return proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD)))
 
     def uses_decode_path(self, x_TD: torch.Tensor, record: RoutingRecord, impl: str) -> bool:
         return (
@@ -578,49 +632,8 @@ class GroupedExperts(StackedExperts):
     def decode_weights(self) -> tuple:
         return self.gate_proj, self.up_proj, self.down_proj  # indexing a stack is a view: nothing to unbind
 
-    def grouped_mm_ok(self, x_TD: torch.Tensor, lora: ExpertLoRA | None = None) -> bool:
-        E, F_, D = self.up_proj.shape
-        return grouped_mm_supported(x_TD, F_, D, *(lora.ranks() if lora is not None else ()))
-
-    def forward_grouped_mm(
-        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
-    ) -> torch.Tensor:
-        if lora is not None and not self.grouped_mm_ok(x_TD, lora):  # a rank of the wrong width for it
-            return self.forward_sorted(x_TD, record, lora)
-        dispatch = ExpertDispatch.of(record, self.num_experts)
-        offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
-        out_AD = self._grouped_ffn(dispatch.gather(x_TD), offs_E, lora, dispatch.expert_ids_A)
-        return dispatch.combine(out_AD, x_TD)
-
-    def _grouped_ffn(
-        self,
-        x_AD: torch.Tensor,
-        offs_E: torch.Tensor,
-        lora: ExpertLoRA | None = None,
-        expert_ids_A: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The sorted rows ``x_AD`` through every projection as one grouped matmul each (``offs_E``: where each
-        expert's rows end); ``expert_ids_A`` (each row's expert) places gpt-oss's biases."""
-        device = x_AD.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
-
-        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
-            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
-            if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
-                out.register_hook(lambda g: g.contiguous())
-            return out
-
-        def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
-            y_AO = gmm(x_AI, getattr(self, p))
-            bias_EO = self.bias_stack(p)
-            # the rows are sorted by expert: each gets its expert's bias (a gather: no host sync)
-            if bias_EO is not None:
-                y_AO = y_AO + bias_EO.to(y_AO.dtype).index_select(0, expert_ids_A)
-            delta_AO = lora.grouped_delta(p, x_AI, gmm) if lora is not None else None
-            return y_AO if delta_AO is None else y_AO + delta_AO
-
-        h_gate = proj("gate_proj", x_AD) if self.gate_proj is not None else None
-        return proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD)))
+    def stack(self, p: str) -> torch.Tensor | None:
+        return getattr(self, p)
 
 
 def replace_experts(model: nn.Module, make) -> dict[str, StackedExperts]:

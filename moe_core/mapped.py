@@ -53,8 +53,10 @@ class MappingError(MoELabError):
 class MappedExperts(StackedExperts):
     """A `StackedExperts` whose weights are one frozen ``[O, I]`` tensor per expert and projection (views of a
     checkpoint's file mapping, `load_mapped`), never stacked: the per-expert paths (reference, sorted, decode)
-    run on them as they are, ``grouped_mm`` runs as ``sorted``, and ``static`` / ``gather``, which read whole
-    stacks by design, stack a copy per call (export and compiled decoding, not fine-tuning).
+    run on them as they are, ``grouped_mm`` runs as ``sorted`` while they are the file's, and ``static`` / ``gather``,
+    which read whole stacks by design, stack a copy per call (export and compiled decoding, not fine-tuning).
+    Moved to a GPU (``.to("cuda")``: a copy anyway), each projection is copied into one ``[E, O, I]`` stack there
+    and ``grouped_mm`` runs on it (`_apply`, `stack`).
 
     The tensors are frozen parameters ``{projection}_{e}``, as a `GroupedExperts`' frozen stacks are parameters:
     ``.to(device)`` moves them, parameter counts include them, and data-parallel wrappers treat them alike (a
@@ -77,6 +79,7 @@ class MappedExperts(StackedExperts):
         super().__init__(num_experts, activation, impl, max_slots)
         self.projections = tuple(shapes)
         self.shapes = dict(shapes)  # projection -> (O, I) of one expert's weight
+        self._stacks: dict[str, torch.Tensor] = {}  # projection -> the device stack `_apply` made (`stack`)
         for name, (O, I) in shapes.items():
             for e in range(num_experts):  # placeholders until `set_expert` (built on the meta device)
                 self.register_parameter(f"{name}_{e}", nn.Parameter(torch.empty(O, I), requires_grad=False))
@@ -111,6 +114,38 @@ class MappedExperts(StackedExperts):
     def unbound(self) -> tuple:
         return tuple(self.weights(p) for p in PROJECTIONS)
 
+    def stack(self, p: str) -> torch.Tensor | None:
+        """The ``[E, O, I]`` stack `_apply` copied projection ``p`` into, while every ``{p}_{e}`` is still a view
+        of it; None for weights that are the file's views (or were replaced since)."""
+        stack = self._stacks.get(p)
+        if stack is None:
+            return None
+        weights = self.weights(p)
+        if any(w.data_ptr() != s.data_ptr() or w.dtype != s.dtype for w, s in zip(weights, stack)):
+            return None
+        return stack
+
+    def _apply(self, fn, recurse: bool = True):
+        """`nn.Module._apply` (``.to(device)``, ``.cuda()``, ``.bfloat16()``, ...), except that a projection whose
+        weights it would copy (another device or dtype) is copied into one ``[E, O, I]`` stack there, expert by
+        expert (no host-side stack), and each ``{p}_{e}`` becomes a view of it: the state dict and the per-expert
+        paths are unchanged, and ``grouped_mm`` (`stack`) runs on the GPU as for `GroupedExperts`. The mapping
+        itself is read once; a call that copies nothing (the same device and dtype) keeps the views of the file."""
+        for p in self.projections:
+            weights = self.weights(p)
+            if weights[0].is_meta:
+                continue
+            target = fn(torch.empty(0, dtype=weights[0].dtype, device=weights[0].device))
+            if (target.device, target.dtype) == (weights[0].device, weights[0].dtype) or target.is_meta:
+                continue
+            stack = torch.empty((self.num_experts, *self.shapes[p]), dtype=target.dtype, device=target.device)
+            with torch.no_grad():
+                for e, w_OI in enumerate(weights):
+                    stack[e].copy_(w_OI)
+                    setattr(self, f"{p}_{e}", nn.Parameter(stack[e], requires_grad=False))
+            self._stacks[p] = stack
+        return super()._apply(fn, recurse)
+
     def project(self, p: str, e: int, x_NI: torch.Tensor, weights: tuple) -> torch.Tensor:
         return frozen_linear(x_NI, weights[PROJECTIONS.index(p)][e])
 
@@ -129,7 +164,10 @@ class MappedExperts(StackedExperts):
             )
         for p in PROJECTIONS:
             w = self.weights(p)
-            setattr(dense, p, nn.Parameter(torch.stack(w), requires_grad=False) if w is not None else None)
+            stack = self.stack(p) if w is not None else None  # the device stack `_apply` made: no second copy
+            if w is not None and stack is None:
+                stack = torch.stack(w)
+            setattr(dense, p, nn.Parameter(stack, requires_grad=False) if stack is not None else None)
             if self.bias_stack(p) is not None:  # gpt-oss: the biases, the same tensors
                 setattr(dense, f"{p}_bias", self.bias_stack(p))
         return share_hooks(self, dense)

@@ -85,9 +85,11 @@ def test_offloaded_experts_share_the_interface_and_the_layer(tmp_path):
     check(offloaded, x, record, experts.forward_reference(x, record))
 
 
-def test_expert_parallel_experts_share_the_interface_and_the_layer(tmp_path):
-    # a one-process gloo group: the module's own path (ep_size 1) and its all-to-all dispatch, forward and
-    # backward, against the reference loop; the multi-process runs are in test_train_parallel.py
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
+def test_expert_parallel_experts_share_the_interface_and_the_layer(tmp_path, impl):
+    # a one-process gloo group: the module's own path (ep_size 1) and its all-to-all dispatch (the local experts
+    # one by one, or as one grouped matmul per projection: what a GPU runs), forward and backward, against the
+    # reference loop; the multi-process runs are in test_train_parallel.py
     experts, x, record = layer()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -96,7 +98,7 @@ def test_expert_parallel_experts_share_the_interface_and_the_layer(tmp_path):
         x_ref = x.clone().requires_grad_()
         experts.forward_reference(x_ref, record).square().sum().backward()
         x_a2a = x.clone().requires_grad_()
-        y = parallel.forward_all_to_all(x_a2a, record)
+        y = parallel.forward_all_to_all(x_a2a, record, impl=impl)
         torch.testing.assert_close(y, experts.forward_reference(x, record), atol=1e-6, rtol=1e-5)
         y.square().sum().backward()
         torch.testing.assert_close(x_a2a.grad, x_ref.grad, atol=1e-6, rtol=1e-5)

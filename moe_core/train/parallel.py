@@ -219,7 +219,7 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
     ) -> torch.Tensor:
         if self.ep_size == 1:
             return self.local(x_TD, record, impl, lora)
-        return self.forward_all_to_all(x_TD, record, lora)
+        return self.forward_all_to_all(x_TD, record, lora, impl)
 
     def local_stack(self, name: str) -> torch.Tensor | None:
         """This rank's ``[El, O, I]`` stack of projection ``name``: what LoRA on the experts adapts when a
@@ -227,10 +227,16 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         return getattr(self.local, name)
 
     def forward_all_to_all(
-        self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
+        self,
+        x_TD: torch.Tensor,
+        record: RoutingRecord,
+        lora: ExpertLoRA | None = None,
+        impl: str | None = None,
     ) -> torch.Tensor:
         """Slots to the ranks holding their experts, each expert on what it received, results back; ``lora``:
-        low-rank updates of the local experts (indexed by local expert), applied on the slots they received."""
+        low-rank updates of the local experts (indexed by local expert), applied on the slots they received.
+        The local experts run as one grouped matmul per projection where ``impl`` (default: the local experts'
+        choice, `StackedExperts.resolved_impl`) is ``grouped_mm`` and it can run, else expert by expert."""
         P, El = self.ep_size, self.num_local
         # sort kept slots by expert: experts are contiguous per rank, so this also groups them by destination
         dispatch = ExpertDispatch.of(record, self.num_experts)
@@ -250,11 +256,19 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
             torch.arange(El, device=x_TD.device).repeat(P), recv_counts_PEl.flatten().to(x_TD.device)
         )
         by_local = sort_by_expert(local_ids_R, El)
-        chunks = torch.split(x_RD.index_select(0, by_local.order_A), by_local.counts_E.tolist())
-        weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
-        views = lora.unbound() if lora is not None else None
-        out_RD = torch.cat([self.local.expert(e, chunk, weights, views) for e, chunk in enumerate(chunks)])
-        out_RD = out_RD.index_select(0, by_local.inverse())  # back to the received order
+        x_SD = x_RD.index_select(0, by_local.order_A)  # sorted by local expert
+        impl = impl or self.local.resolved_impl(x_RD)
+        if impl == "grouped_mm" and self.local.grouped_mm_ok(x_RD, lora):
+            offs_El = by_local.counts_E.cumsum(0).to(torch.int32)
+            out_SD = self.local.grouped_ffn(x_SD, offs_El, lora, by_local.expert_ids_A)
+        else:
+            chunks = torch.split(x_SD, by_local.counts_E.tolist())
+            weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
+            views = lora.unbound() if lora is not None else None
+            out_SD = torch.cat(
+                [self.local.expert(e, chunk, weights, views) for e, chunk in enumerate(chunks)]
+            )
+        out_RD = out_SD.index_select(0, by_local.inverse())  # back to the received order
         out_AD = TimedAllToAll.apply(out_RD, send_splits, recv_splits, self.group, comm, self.ep_rank)
         return dispatch.combine(out_AD, x_TD)
 
