@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_core.frozen_linear import frozen_linear, share_hooks
+from moe_core.frozen_linear import frozen_linear, recomputed_grouped_mm, share_hooks
 from moe_core.routing import RoutingRecord
 
 
@@ -422,9 +422,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
     def forward_grouped_mm(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
-        """The sorted layout through one grouped matmul per projection; without dense stacks (or for a LoRA rank
-        of a width it cannot take), `forward_sorted`."""
-        if self.stack("up_proj") is None or (lora is not None and not self.grouped_mm_ok(x_TD, lora)):
+        """The sorted layout through one grouped matmul per projection; where it cannot run (no dense stacks, a
+        device or dtype it does not take, a LoRA rank of a width it cannot take), `forward_sorted`."""
+        if not self.grouped_mm_ok(x_TD, lora):
             return self.forward_sorted(x_TD, record, lora)
         dispatch = ExpertDispatch.of(record, self.num_experts)
         offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
@@ -432,8 +432,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         return dispatch.combine(out_AD, x_TD)
 
     def grouped_project(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor:
-        """Projection ``p`` of the expert-sorted rows ``x_AI`` through ``gmm(a, w [E, O, I])``: `stack`'s
-        weights (a module holding its weights otherwise, quantized, overrides it)."""
+        """Projection ``p`` of the expert-sorted rows ``x_AI`` through ``gmm(a, w)`` (``w``: an ``[E, O, I]``
+        stack, or a function making it): `stack`'s weights (quantized experts pass their dequantization)."""
         return gmm(x_AI, self.stack(p))
 
     def grouped_ffn(
@@ -448,8 +448,12 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         device = x_AD.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
 
-        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # autocast does not cover _grouped_mm
-            out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
+        def gmm(a: torch.Tensor, w) -> torch.Tensor:  # autocast does not cover _grouped_mm
+            # w: an [E, O, I] stack, or a function making one (made again in backward, never kept: QLoRA's)
+            if callable(w):
+                out = recomputed_grouped_mm(a.to(dtype), w, offs_E)
+            else:
+                out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
             if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
                 out.register_hook(lambda g: g.contiguous())
             return out

@@ -31,7 +31,13 @@ from torch import nn
 from moe_core.config import MoEConfig
 from moe_core.convert import check_shape, copy_companion_files, open_streaming, stream_weights
 from moe_core.errors import MoELabError, weight_mismatch
-from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, replace_experts
+from moe_core.experts import (
+    PROJECTIONS,
+    GroupedExperts,
+    StackedExperts,
+    grouped_mm_supported,
+    replace_experts,
+)
 from moe_core.fileio import atomic_directory
 from moe_core.frozen_linear import recomputed_linear
 from moe_core.model import FeedForward, MoEForCausalLM, materialize
@@ -284,7 +290,8 @@ class QuantizedExperts(StackedExperts):
 
     Buffers per projection ``p``: ``p_q`` (int8 codes, or uint8 with two int4 codes a byte), ``p_scale``
     ([E, O, G], `QuantConfig.scale_dtype`: fp32 unless QLoRA's bf16) and, for AWQ only, ``p_in_scale`` (fp32 [E, I], the activation-aware scale that divides
-    the dequantized weight's columns). ``grouped_mm`` needs the whole dense stack, so it runs as ``sorted``.
+    the dequantized weight's columns). ``grouped_mm`` (``auto`` on a GPU) dequantizes a layer's stack per projection
+    in forward and again in backward (`moe_core.frozen_linear.recomputed_grouped_mm`); the CPU runs ``sorted``.
     gpt-oss's experts keep their biases unquantized (frozen ``{p}_bias`` [E, O] parameters in the model's dtype)
     and their clamped SwiGLU (``bias``, ``swiglu_limit``, ``swiglu_alpha``: `StackedExperts.ffn_options`)."""
 
@@ -395,12 +402,23 @@ class QuantizedExperts(StackedExperts):
         return w
 
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
-        # grouped_mm needs the whole dense stack: asked for it, this module chooses as for "auto"
+        # on a GPU, a layer's stacks dequantized at once and one grouped matmul per projection (forward and again
+        # in backward: one dense stack alive at a time); on the CPU slice by slice, each dequantized slice
+        # cache-sized (`project`)
         if self.impl not in ("auto", "grouped_mm"):
             return self.impl
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
             return "static"
+        if self.impl == "grouped_mm" or x_TD.is_cuda:
+            return "grouped_mm"
         return "sorted"
+
+    def grouped_mm_ok(self, x_TD: torch.Tensor, lora=None) -> bool:
+        F_, D = self.shapes["up_proj"]
+        return grouped_mm_supported(x_TD, F_, D, *(lora.ranks() if lora is not None else ()))
+
+    def grouped_project(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor:
+        return gmm(x_AI, lambda: self.dequantized_stack(p))
 
     def unbound(self) -> tuple:
         return None, None, None  # `expert` dequantizes its own slices

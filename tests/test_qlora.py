@@ -183,14 +183,17 @@ def qlora_pair(config=NF4, lora=None):
     return ours, reference
 
 
-def test_lora_on_4_bit_experts_equals_peft_on_the_dequantized_weights():
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
+def test_lora_on_4_bit_experts_equals_peft_on_the_dequantized_weights(impl):
+    """Slice by slice (the CPU's ``auto``) and a layer's stacks dequantized at once through grouped matmuls (a
+    GPU's ``auto``)."""
     ours, reference = qlora_pair()
     x = torch.randint(0, 300, (3, 10))
-    for model in (ours, reference):
-        model(input_ids=x, labels=x).loss.backward()
+    ours(input_ids=x, labels=x, expert_impl=impl).loss.backward()
+    reference(input_ids=x, labels=x).loss.backward()
     with torch.no_grad():
         torch.testing.assert_close(
-            ours(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
+            ours(input_ids=x, expert_impl=impl).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
         )
     grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
@@ -315,11 +318,13 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
         finetune(config, tmp_path / "out", records=instruction_records(4))
 
 
-def test_a_qlora_step_keeps_no_dequantized_expert_for_backward():
-    """The 4-bit slices are dequantized again in backward, not kept: what autograd holds for a QLoRA step is what
-    it holds for LoRA on the dense model (whose frozen weights it keeps as views of themselves)."""
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
+def test_a_qlora_step_keeps_no_dequantized_expert_for_backward(impl):
+    """The 4-bit slices (or stacks, grouped_mm) are dequantized again in backward, not kept: what autograd holds
+    for a QLoRA step is what it holds for LoRA on the dense model (whose frozen weights it keeps as views of
+    themselves)."""
 
-    def kept_bytes(model) -> int:
+    def kept_bytes(model, impl="sorted") -> int:
         own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
         kept: dict[int, int] = {}
 
@@ -330,7 +335,7 @@ def test_a_qlora_step_keeps_no_dequantized_expert_for_backward():
 
         x = torch.randint(0, 300, (2, 16))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=x, labels=x).loss.backward()
+            model(input_ids=x, labels=x, expert_impl=impl).loss.backward()
         return sum(kept.values())
 
     lora = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": []}}
@@ -341,7 +346,7 @@ def test_a_qlora_step_keeps_no_dequantized_expert_for_backward():
 
     routed_dense, _ = apply_lora(tiny_model(), FinetuneConfig.build(lora), {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})
     F_, D = 32, 32  # tiny_model's experts; kept dequantized slices would add 2 layers x 3 x 4 experts x F x D
-    assert kept_bytes(qlora) <= kept_bytes(routed_dense) + 3 * F_ * D * 4  # at most one expert's slack
+    assert kept_bytes(qlora, impl) <= kept_bytes(routed_dense, impl) + 3 * F_ * D * 4  # one expert's slack
 
 
 def test_quantizing_while_loading_keeps_one_shard_mapped_at_a_time(tmp_path):
