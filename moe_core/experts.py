@@ -80,6 +80,47 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in t
 EXPERTS_MARK = ".mlp.experts."
 
 
+class _LowRankDelta(torch.autograd.Function):
+    """``s (x A^T) B^T`` for one expert's LoRA factors ``A`` [R, I] and ``B`` [O, R] (fp32 parameters, or views of
+    them) on activations ``x`` [N, I] of a lower precision: the factors are cast to ``x``'s dtype in forward and
+    again in backward, and only ``x`` and ``u = x A^T`` [N, R] are kept. Autograd on the same products would
+    keep each expert's cast factors for backward: ``E R (I + O)`` bytes per projection and layer whatever the
+    batch (150 MiB for OLMoE-1B-7B at r=8), more than its activations at fine-tuning's small batches. The same
+    products in the same order as autograd's (the parity tests hold it to PEFT)."""
+
+    @staticmethod
+    def forward(
+        ctx, x_NI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        u_NR = F.linear(x_NI, A_RI.to(x_NI.dtype))
+        ctx.save_for_backward(x_NI, u_NR, A_RI, B_OR)
+        ctx.scale = scale
+        return F.linear(u_NR, B_OR.to(x_NI.dtype)) * scale
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        x_NI, u_NR, A_RI, B_OR = ctx.saved_tensors
+        grad_NO = grad_NO * ctx.scale
+        grad_u_NR = grad_NO.mm(B_OR.to(grad_NO.dtype))
+        grad_B = grad_NO.t().mm(u_NR).to(B_OR.dtype) if ctx.needs_input_grad[2] else None
+        grad_x = grad_u_NR.mm(A_RI.to(grad_NO.dtype)) if ctx.needs_input_grad[0] else None
+        grad_A = grad_u_NR.t().mm(x_NI).to(A_RI.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_A, grad_B, None
+
+
+def low_rank_delta(x_NI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * (x A^T) B^T`` [N, O]; `_LowRankDelta` when a gradient is wanted and the factors are of another
+    dtype than ``x`` (their casts not kept for backward), else the plain products."""
+    if (
+        torch.is_grad_enabled()
+        and x_NI.dim() == 2
+        and A_RI.dtype != x_NI.dtype
+        and (x_NI.requires_grad or A_RI.requires_grad or B_OR.requires_grad)
+    ):
+        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale)
+    return F.linear(F.linear(x_NI, A_RI.to(x_NI.dtype)), B_OR.to(x_NI.dtype)) * scale
+
+
 @dataclass(frozen=True)
 class ExpertLoRA:
     """Low-rank updates of the expert projections: for projection ``p`` and expert ``e``,
@@ -107,7 +148,7 @@ class ExpertLoRA:
         adapted."""
         out_NO = None
         for A_E, B_E, s in views.get(p, ()):
-            term_NO = F.linear(F.linear(x_NI, A_E[e].to(x_NI.dtype)), B_E[e].to(x_NI.dtype)) * s
+            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s)
             out_NO = term_NO if out_NO is None else out_NO + term_NO
         return out_NO
 
@@ -453,7 +494,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             if callable(w):
                 out = recomputed_grouped_mm(a.to(dtype), w, offs_E)
             else:
-                out = torch._grouped_mm(a.to(dtype), w.to(dtype).transpose(-2, -1), offs=offs_E)
+                # contiguous: a LoRA B factor is a permuted view of PEFT's [O, R*E] parameter (a no-op otherwise)
+                w_EIO = w.to(dtype).contiguous().transpose(-2, -1)
+                out = torch._grouped_mm(a.to(dtype), w_EIO, offs=offs_E)
             if out.requires_grad:  # its CPU backward rejects zero-stride (expanded) gradients
                 out.register_hook(lambda g: g.contiguous())
             return out

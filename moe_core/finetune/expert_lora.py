@@ -108,7 +108,9 @@ class ParamWrapper(peft_lora.ParamWrapper):
             per_adapter = []
             for adapter in adapters:
                 B_EOR, A_ERI, scale = wrapper.get_delta_factors(adapter)  # delta_e = scale * B_e @ A_e
-                per_adapter.append((A_ERI, B_EOR.contiguous(), scale))
+                # B_EOR stays a view of PEFT's [O, R*E] parameter: a contiguous copy would be kept for backward
+                # through the per-expert views of it (`moe_core.experts.low_rank_delta` keeps the factors)
+                per_adapter.append((A_ERI, B_EOR, scale))
             if per_adapter:
                 factors[wrapper.parameter_name] = tuple(per_adapter)
         return ExpertLoRA(factors) if factors else None
