@@ -15,7 +15,9 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
 - ``sorted``: sort the kept slots by expert, run each expert's matmuls on its contiguous slice and add it
   back while it is still in cache. The default on CPU and wherever grouped_mm is not supported.
 - ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CPU fp32/bf16 in
-  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs.
+  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs, for every
+  module that holds dense stacks (``stack``: `GroupedExperts`; a memory-mapped `MappedExperts` once moved to the
+  device) or makes them (4-bit `QuantizedExperts`, dequantized per projection, again in backward).
 - ``static``: every expert on every token, as one wide FFN of E*F hidden units gated by a dense [T, E]
   combine matrix: three matmuls, no data-dependent shapes, for ONNX export and
   ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
@@ -41,7 +43,7 @@ design, fold ``s B_e A_e`` into them.
 The interface every module at ``MoEBlock.experts`` has is `ExpertModule` (a Protocol: ``num_experts`` and
 ``forward(x_TD, record, impl)``); `StackedExperts` is the abstract base of those whose weights are E stacked
 FFNs, which gives them every path above through four members (``expert``, ``unbound``, ``stacks``,
-``resolved_impl``). `sort_by_expert` / `ExpertDispatch` is the one sort-by-expert dispatch, shared with
+``resolved_impl``), and ``grouped_mm`` through ``stack`` or ``grouped_project``. `sort_by_expert` / `ExpertDispatch` is the one sort-by-expert dispatch, shared with
 expert parallelism (`moe_core.train.parallel`).
 """
 
