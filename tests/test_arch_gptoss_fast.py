@@ -34,6 +34,7 @@ from tests.finetune_helpers import tiny_model
 from tests.helpers import randomize_
 from tests.test_arch_gptoss import HF_TINY
 from tests.test_expert_lora import randomize_lora
+from tests.test_mmap_base import same_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -279,12 +280,7 @@ def test_lora_on_the_mapped_gptoss_base_and_its_weights_are_views_of_the_file(hf
     file = directory / "model.safetensors"
     assert all(is_file_backed(w, file) for p in PROJECTIONS for w in experts.weights(p))  # strided views
     assert not is_file_backed(experts.up_proj_bias, file)  # the biases are copied (small)
-    ft = FinetuneConfig.build(LORA)
-    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
-    ours, _ = apply_lora(mapped.train(), ft, selection)
-    reference, _ = apply_lora(copied.train(), ft, selection)
-    randomize_lora(reference)
-    ours.load_state_dict(reference.state_dict(), strict=False)
+    ours, reference = same_lora(mapped, copied)
     ids = input_ids()
     for model in (ours, reference):
         model(ids, labels=ids).loss.backward()

@@ -237,11 +237,8 @@ def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):
     it (the per-expert loop made the LoRA step 10.6x transformers + PEFT's on an H100), and the LoRA gradients
     equal the copied base's."""
     from moe_core import load
-    from moe_core.finetune import FinetuneConfig
-    from moe_core.finetune.methods import apply_lora
     from tests.test_convert import make_inputs
-    from tests.test_expert_lora import randomize_lora
-    from tests.test_mmap_base import LORA, write_checkpoint
+    from tests.test_mmap_base import same_lora, write_checkpoint
 
     directory = write_checkpoint(tmp_path, "olmoe", torch.bfloat16, hidden_size=64, intermediate_size=32)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16  # the dry run: a dtype change copies too
@@ -253,12 +250,7 @@ def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):
     x_TD = torch.zeros(4, mapped.config.hidden_size, device=DEVICE, dtype=dtype)
     if DEVICE == "cuda" and grouped_mm_supported(x_TD, 32, 64):
         assert experts.resolved_impl(x_TD) == "grouped_mm"
-    ft = FinetuneConfig.build(LORA)
-    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
-    ours, _ = apply_lora(mapped.train(), ft, selection)
-    reference, _ = apply_lora(copied.train(), ft, selection)
-    randomize_lora(reference)
-    ours.load_state_dict(reference.state_dict(), strict=False)
+    ours, reference = same_lora(mapped, copied)
     for model in (ours, reference):
         model(input_ids, attention_mask=mask, labels=input_ids).loss.backward()
     expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}

@@ -55,6 +55,18 @@ def digest(directory: Path) -> dict[str, str]:
     }
 
 
+def same_lora(mapped: MoEForCausalLM, copied: MoEForCausalLM):
+    """LoRA (`LORA`, every expert of every MoE layer) on both bases, the copied one's random factors loaded into
+    the mapped one's: the pair whose outputs and gradients must agree."""
+    ft = FinetuneConfig.build(LORA)
+    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
+    ours, _ = apply_lora(mapped.train(), ft, selection)
+    reference, _ = apply_lora(copied.train(), ft, selection)
+    randomize_lora(reference)
+    ours.load_state_dict(reference.state_dict(), strict=False)  # the same factors
+    return ours, reference
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return {
@@ -74,12 +86,7 @@ def test_lora_on_the_mapped_base_equals_lora_on_the_copied_one(checkpoints, case
     assert mapped.dtype == dtype and mapped.mapped_from is not None
     experts = mapped.model.layers[0].mlp.experts
     assert isinstance(experts, MappedExperts if case != "ours" else GroupedExperts)
-    ft = FinetuneConfig.build(LORA)
-    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
-    ours, _ = apply_lora(mapped.train(), ft, selection)
-    reference, _ = apply_lora(copied.train(), ft, selection)
-    randomize_lora(reference)
-    ours.load_state_dict(reference.state_dict(), strict=False)  # the same factors
+    ours, reference = same_lora(mapped, copied)
     input_ids, mask = make_inputs(mapped.config.vocab_size)
     for model in (ours, reference):
         model(input_ids, attention_mask=mask, labels=input_ids).loss.backward()
@@ -337,12 +344,7 @@ def test_a_mapped_base_moved_off_its_file_is_stacked_and_runs_grouped_mm_like_th
         assert stack_EOI.shape == experts.stack_shape(p)
         assert all(w.data_ptr() == s.data_ptr() for w, s in zip(experts.weights(p), stack_EOI))
     copied = load(directory).model.to(torch.float32)
-    ft = FinetuneConfig.build(LORA)
-    selection = {layer: list(range(mapped.config.num_experts)) for layer in mapped.config.moe_layer_ids}
-    ours, _ = apply_lora(mapped.train(), ft, selection)
-    reference, _ = apply_lora(copied.train(), ft, selection)
-    randomize_lora(reference)
-    ours.load_state_dict(reference.state_dict(), strict=False)
+    ours, reference = same_lora(mapped, copied)
     input_ids, mask = make_inputs(mapped.config.vocab_size)
     for model in (ours, reference):
         model(input_ids, attention_mask=mask, labels=input_ids, expert_impl="grouped_mm").loss.backward()
