@@ -208,3 +208,24 @@ def test_a_ray_preparation_stopped_by_a_full_disk_continues_to_the_same_shards(
     local = prepare(dataclasses_replace(config, engine="local"), tmp_path / "l")
     assert 0 < done < read_manifest(local)["counts"]["documents_loaded"]  # stopped part way through pass 2
     same_preparation(local, prepare(config, tmp_path / "ray"))
+
+
+@pytest.mark.slow
+def test_a_source_that_changes_between_the_scan_and_pass_2_is_refused_on_ray(
+    tmp_path, monkeypatch, local_ray
+):
+    monkeypatch.setattr(stream_module, "PART_BYTES", 3000)
+    monkeypatch.setattr(prepare_module, "source_fingerprint", lambda *a: "unchanged")  # as if not noticed
+    docs = corpus_with_duplicates(300, seed=3)
+    source = write_jsonl(tmp_path / "c.jsonl", docs)
+    config = PrepareConfig(**dict(CUT, source=str(source)), engine="ray")
+    monkeypatch.setattr(prepare_module, "_tokenize_and_pack", lambda *a: (_ for _ in ()).throw(DiskFullError))
+    with pytest.raises(DiskFullError):  # stopped after the scan, its checkpoint kept
+        prepare(config, tmp_path / "ray")
+    monkeypatch.undo()
+    monkeypatch.setattr(stream_module, "PART_BYTES", 3000)
+    monkeypatch.setattr(prepare_module, "source_fingerprint", lambda *a: "unchanged")
+    write_jsonl(source, docs[:-40])  # the last parts lost documents
+    with pytest.raises(DataError, match="changed while it was being prepared") as err:
+        prepare(config, tmp_path / "ray")
+    assert str(err.value).startswith(f"{source} (1 file(s)): changed") and "Traceback" not in str(err.value)

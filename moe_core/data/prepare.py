@@ -718,17 +718,32 @@ def _ray_scan(
 
 
 def _in_order(ray: Any, calls):
-    """(key, result) of each (key, submit) in order, with at most two tasks per cluster CPU in flight."""
+    """(key, result) of each (key, submit) in order, with at most two tasks per cluster CPU in flight (bounded
+    memory); the tasks still in flight are cancelled when the caller stops early. A task's `DataError` is
+    raised as itself (its message names the file and line), not inside Ray's traceback."""
     limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     in_flight: collections.deque = collections.deque()
-    for key, submit in calls:
-        in_flight.append((key, submit()))
-        while len(in_flight) >= limit:
+
+    def get(ref):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, DataError):
+                raise DataError(str(err.cause)) from None
+            raise
+
+    try:
+        for key, submit in calls:
+            in_flight.append((key, submit()))
+            while len(in_flight) >= limit:
+                key_, ref = in_flight.popleft()
+                yield key_, get(ref)
+        while in_flight:
             key_, ref = in_flight.popleft()
-            yield key_, ray.get(ref)
-    while in_flight:
-        key_, ref = in_flight.popleft()
-        yield key_, ray.get(ref)
+            yield key_, get(ref)
+    finally:
+        for _, ref in in_flight:
+            ray.cancel(ref)
 
 
 class _ray_session:
