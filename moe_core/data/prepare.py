@@ -14,13 +14,22 @@ whatever its size (a few bytes per document, one tokenizer sample, one shard per
      documents for the tokenizer, and up to ``validation_max_rows`` rows (or ``validation.sample_rows``) for
      the great-expectations suite; a failed suite raises `DataValidationError` before anything is written;
   2. tokenizer: a byte-level BPE trained on the sample, or ``config.tokenizer`` loaded;
-  3. tokenize + pack: chunks of consecutive documents are tokenized in this process, in ``num_proc``
-     worker processes (`moe_core.data.encode`), or with ``engine="ray"`` as Ray tasks on the cluster that
-     ``RAY_ADDRESS`` names (a local one without it; `pip install .[ray]`), and their tokens, documents joined by EOS, are appended in
+  3. tokenize + pack: chunks of consecutive documents are tokenized in this process or in ``num_proc``
+     worker processes (`moe_core.data.encode`), and their tokens, documents joined by EOS, are appended in
      stream order to one `ShardWriter` per split, which writes each [blocks, seq_len] shard (uint16 when the
-     vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full. The
-     shards are byte for byte the same for any ``num_proc`` and either engine. Tokenization is the stage
-     that bounds preparation (benchmarks/data_prep.py); reading, the scan and packing stay in this process.
+     vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full.
+
+With ``engine="ray"`` (`pip install .[ray]`) the reading and the per-document work run as Ray tasks on the
+cluster ``RAY_ADDRESS`` names (a local one without it): the source is cut into parts
+(`moe_core.data.stream.partition_source`: a file each, large JSON-lines and text files at line or paragraph
+breaks, parquet between row groups); in the scan a task per part reads it and returns, per document, what the
+decisions need (`moe_core.data.parts.document_facts`: sha256, sizes, domain, MinHash band keys, and the part's
+own sample candidates), and in pass 2 a task per part reads it again and tokenizes its kept documents. What
+depends on the order of the stream stays in this process and takes the parts' results in part order, as the
+local scan takes documents (`_OrderedScan`: exact duplicates keep their first copy, near-duplicate groups their
+first member, domains are numbered as first seen, the samples are chosen), with packing and writing. The
+shards are byte for byte the same for any ``num_proc`` and either engine; the local scan is the reference the
+Ray scan is tested equal to (tests/test_data_ray.py).
 
 Everything is written to ``.<out>.partial-<fingerprint>`` beside `out_dir` and renamed into place at the end,
 so `out_dir` (a previous preparation included) is never seen half written. A preparation that is killed, or
@@ -130,7 +139,8 @@ class PrepareConfig:
     seed: int = 0  # validation sample
     max_documents: int | None = None  # None: every document
     num_proc: int = 1  # tokenizer processes (the shards are the same for any number)
-    engine: str = "local"  # where tokenization runs: "local" processes or "ray" tasks (the same shards)
+    engine: str = "local"  # "local" (this process reads; num_proc tokenize) or "ray" (tasks read, scan and
+    # tokenize the parts of the source); the same shards
     dtype: str = "auto"  # token dtype: uint16 when the vocabulary fits, else uint32
     blocks_per_shard: int = 8192
     dedup: bool = True
