@@ -229,3 +229,18 @@ def test_a_source_that_changes_between_the_scan_and_pass_2_is_refused_on_ray(
     with pytest.raises(DataError, match="changed while it was being prepared") as err:
         prepare(config, tmp_path / "ray")
     assert str(err.value).startswith(f"{source} (1 file(s)): changed") and "Traceback" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_instruction_data_on_ray_gives_the_local_shards(tmp_path, monkeypatch, local_ray):
+    monkeypatch.setattr(stream_module, "PART_BYTES", 2000)  # the records validated come from the parts
+    rng = random.Random(4)
+    rows = [
+        {"instruction": " ".join(rng.choice(WORDS) for _ in range(8)), "output": f"answer {i} " * 4}
+        for i in range(80)
+    ]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = dict(source=str(tmp_path / "sft.jsonl"), kind="instruction", vocab_size=300, seq_len=32)
+    local = prepare(PrepareConfig(**config), tmp_path / "local")
+    assert read_manifest(local)["validation"]["rows_checked"] == 80
+    same_preparation(local, prepare(PrepareConfig(**config, engine="ray"), tmp_path / "ray"))
