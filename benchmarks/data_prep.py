@@ -14,9 +14,13 @@ runs it, with ``--vocab-size 4000`` and validation on):
            (target: 2 processes >= 1.7x faster than 1 on 2 idle cores), MB/s per core; beside it the
            tokenizer's own ``encode_batch`` on the same text with one thread (``TOKENIZERS_PARALLELISM=false``),
            the bound of the tokenize stage per core
+  engines  the ``--procs-mb`` corpus prepared by one local process and on a local Ray cluster of
+           ``max(--procs)`` CPUs (started before the clock; parts of ``--part-mb``), interleaved: seconds, and
+           the driving process's own CPU per MB (what bounds a cluster run when the driver reads and scans)
 
     python benchmarks/data_prep.py                                  # sizes 40 320 1000, procs 1 2 on 320 MB
     python benchmarks/data_prep.py --sizes 40 320 --parts sizes     # memory figures only
+    python benchmarks/data_prep.py --parts engines --procs-mb 40 --part-mb 8 --near-dedup 0.8   # local vs Ray
 
 Prints a table, then ONE JSON line.
 """
@@ -79,17 +83,41 @@ def make_corpus(path: Path, megabytes: float) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- children
-def child_prepare(corpus: str, out: str, num_proc: int, vocab_size: int) -> None:
+def child_prepare(
+    corpus: str,
+    out: str,
+    num_proc: int,
+    vocab_size: int,
+    engine: str = "local",
+    part_mb: float | None = None,
+    near_dedup: float | None = None,
+) -> None:
+    from moe_core.data import stream
     from moe_core.data.prepare import PrepareConfig, prepare
 
+    ray_start = 0.0
+    if engine == "ray":  # the cluster started before the clock: a user's cluster is already up
+        import ray
+
+        t0 = time.perf_counter()
+        ray.init(num_cpus=num_proc, include_dashboard=False, log_to_driver=False)
+        ray_start = time.perf_counter() - t0
+    if part_mb:
+        stream.PART_BYTES = int(part_mb * 1e6)
+    config = PrepareConfig(
+        source=corpus, vocab_size=vocab_size, num_proc=num_proc, engine=engine, near_dedup=near_dedup
+    )
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    prepare(PrepareConfig(source=corpus, vocab_size=vocab_size, num_proc=num_proc), out, overwrite=True)
+    prepare(config, out, overwrite=True)
     seconds = time.perf_counter() - t0
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
         json.dumps(
             {
                 "seconds": seconds,
+                "driver_cpu_s": own.ru_utime + own.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+                "ray_start_s": ray_start,
                 "peak_rss_gib": own.ru_maxrss * 1024 / GIB,  # KiB on Linux
                 "workers_peak_rss_gib": children.ru_maxrss * 1024 / GIB,
             }
@@ -141,7 +169,15 @@ def main() -> None:
         help="corpus of the procs part, MB (320: on 40 MB the serial tokenizer-training pass caps 2 processes at 1.4x)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the procs part")
-    parser.add_argument("--parts", nargs="+", default=["sizes", "procs"], choices=["sizes", "procs"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["sizes", "procs"], choices=["sizes", "procs", "engines"]
+    )
+    parser.add_argument(
+        "--part-mb", type=float, default=None, help="engines: the size of a source's parts on Ray, MB"
+    )
+    parser.add_argument(
+        "--near-dedup", type=float, default=None, help="engines: MinHash near-deduplication at this threshold"
+    )
     parser.add_argument("--vocab-size", type=int, default=4000)
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="corpora and outputs (default: a temp dir)"
@@ -149,9 +185,12 @@ def main() -> None:
     parser.add_argument("--child-prepare", nargs=2, metavar=("CORPUS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--child-encode", nargs=2, metavar=("CORPUS", "TOKENIZER"), help=argparse.SUPPRESS)
     parser.add_argument("--num-proc", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--engine", default="local", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_prepare:
-        return child_prepare(*args.child_prepare, args.num_proc, args.vocab_size)
+        return child_prepare(
+            *args.child_prepare, args.num_proc, args.vocab_size, args.engine, args.part_mb, args.near_dedup
+        )
     if args.child_encode:
         return child_encode(*args.child_encode, args.procs_mb)
 
@@ -218,6 +257,41 @@ def main() -> None:
                 )
             print(
                 f"tokenizer encode_batch alone, 1 thread: {result['tokenizer_encode_batch_mb_per_s_1_thread']} MB/s"
+            )
+        if "engines" in args.parts:
+            corpus = make_corpus(work / f"corpus-{args.procs_mb:g}MB.jsonl", args.procs_mb)
+            actual = corpus.stat().st_size / 1e6
+            n = max(args.procs)
+            runs = {"local": ["--num-proc", "1"], "ray": ["--num-proc", str(n), "--engine", "ray"]}
+            if args.part_mb:
+                runs["ray"] += ["--part-mb", str(args.part_mb)]
+            if args.near_dedup:
+                for extra in runs.values():
+                    extra += ["--near-dedup", str(args.near_dedup)]
+            result["near_dedup"] = args.near_dedup
+            seen: dict[str, list[dict]] = {k: [] for k in runs}
+            for _ in range(args.rounds):
+                for name, extra in runs.items():
+                    seen[name].append(run_child(["--child-prepare", str(corpus), str(work / name), *extra]))
+            result["engines"] = {
+                name: {
+                    "seconds": round(statistics.median(f["seconds"] for f in figs), 2),
+                    "driver_cpu_s_per_mb": round(
+                        statistics.median(f["driver_cpu_s"] for f in figs) / actual, 4
+                    ),
+                    "ray_start_s": round(statistics.median(f["ray_start_s"] for f in figs), 2),
+                }
+                for name, figs in seen.items()
+            }
+            local, ray_ = result["engines"]["local"], result["engines"]["ray"]
+            result["engines"]["ray_speedup"] = round(local["seconds"] / ray_["seconds"], 3)
+            result["engines"]["driver_cpu_ratio"] = round(
+                ray_["driver_cpu_s_per_mb"] / local["driver_cpu_s_per_mb"], 3
+            )
+            print(
+                f"{actual:.1f} MB: local {local['seconds']} s, Ray ({n} CPUs) {ray_['seconds']} s "
+                f"(x{result['engines']['ray_speedup']}); the driving process's CPU per MB on Ray "
+                f"x{result['engines']['driver_cpu_ratio']} of local's"
             )
     finally:
         if args.work_dir is None:

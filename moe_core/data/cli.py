@@ -77,8 +77,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "--engine",
         default="local",
         choices=("local", "ray"),
-        help="where tokenization runs: local processes, or Ray tasks on the cluster RAY_ADDRESS names "
-        "(a local one without it); the shards are the same",
+        help="local: this process reads and scans, --num-proc processes tokenize; ray: tasks on the cluster "
+        "RAY_ADDRESS names (a local one without it) read, scan and tokenize the parts of the source; the "
+        "shards are the same",
     )
     p.add_argument(
         "--tokenizer-sample-mb",

@@ -172,7 +172,10 @@ class NearDuplicates:
         ]
 
     def add(self, text: str) -> bool:
-        keys = self.band_keys(text)
+        return self.add_keys(self.band_keys(text))
+
+    def add_keys(self, keys: list[int] | tuple[int, ...]) -> bool:
+        """`add` of a document whose `band_keys` were computed elsewhere (a worker's part of the scan)."""
         duplicate = any(key in seen for key, seen in zip(keys, self._seen))
         for key, seen in zip(keys, self._seen):
             seen.add(key)

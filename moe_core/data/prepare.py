@@ -14,13 +14,22 @@ whatever its size (a few bytes per document, one tokenizer sample, one shard per
      documents for the tokenizer, and up to ``validation_max_rows`` rows (or ``validation.sample_rows``) for
      the great-expectations suite; a failed suite raises `DataValidationError` before anything is written;
   2. tokenizer: a byte-level BPE trained on the sample, or ``config.tokenizer`` loaded;
-  3. tokenize + pack: chunks of consecutive documents are tokenized in this process, in ``num_proc``
-     worker processes (`moe_core.data.encode`), or with ``engine="ray"`` as Ray tasks on the cluster that
-     ``RAY_ADDRESS`` names (a local one without it; `pip install .[ray]`), and their tokens, documents joined by EOS, are appended in
+  3. tokenize + pack: chunks of consecutive documents are tokenized in this process or in ``num_proc``
+     worker processes (`moe_core.data.encode`), and their tokens, documents joined by EOS, are appended in
      stream order to one `ShardWriter` per split, which writes each [blocks, seq_len] shard (uint16 when the
-     vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full. The
-     shards are byte for byte the same for any ``num_proc`` and either engine. Tokenization is the stage
-     that bounds preparation (benchmarks/data_prep.py); reading, the scan and packing stay in this process.
+     vocabulary fits, else uint32, plus a uint8 array of domain ids per token) as soon as it is full.
+
+With ``engine="ray"`` (`pip install .[ray]`) the reading and the per-document work run as Ray tasks on the
+cluster ``RAY_ADDRESS`` names (a local one without it): the source is cut into parts
+(`moe_core.data.stream.partition_source`: a file each, large JSON-lines and text files at line or paragraph
+breaks, parquet between row groups); in the scan a task per part reads it and returns, per document, what the
+decisions need (`moe_core.data.parts.document_facts`: sha256, sizes, domain, MinHash band keys, and the part's
+own sample candidates), and in pass 2 a task per part reads it again and tokenizes its kept documents. What
+depends on the order of the stream stays in this process and takes the parts' results in part order, as the
+local scan takes documents (`_OrderedScan`: exact duplicates keep their first copy, near-duplicate groups their
+first member, domains are numbered as first seen, the samples are chosen), with packing and writing. The
+shards are byte for byte the same for any ``num_proc`` and either engine; the local scan is the reference the
+Ray scan is tested equal to (tests/test_data_ray.py).
 
 Everything is written to ``.<out>.partial-<fingerprint>`` beside `out_dir` and renamed into place at the end,
 so `out_dir` (a previous preparation included) is never seen half written. A preparation that is killed, or
@@ -58,6 +67,17 @@ import tokenizers
 from moe_core.data.encode import Encoder, encode_chunk, encode_in_worker, init_worker
 from moe_core.data.errors import DataError
 from moe_core.data.minhash import NearDuplicates
+from moe_core.data.parts import (
+    DocumentFacts,
+    SampleBounds,
+    document_facts,
+    encode_part,
+    hash_fraction,
+    new_samples,
+    sample_item,
+    sample_keys,
+    scan_part,
+)
 from moe_core.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -73,7 +93,7 @@ from moe_core.data.sources import (
     parse_source,
     source_fingerprint,
 )
-from moe_core.data.stream import BottomK, iter_documents
+from moe_core.data.stream import Partition, iter_documents, partition_source
 from moe_core.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 from moe_core.data.validation import ValidationConfig, ValidationResult, validate
 from moe_core.fileio import (
@@ -119,7 +139,8 @@ class PrepareConfig:
     seed: int = 0  # validation sample
     max_documents: int | None = None  # None: every document
     num_proc: int = 1  # tokenizer processes (the shards are the same for any number)
-    engine: str = "local"  # where tokenization runs: "local" processes or "ray" tasks (the same shards)
+    engine: str = "local"  # "local" (this process reads; num_proc tokenize) or "ray" (tasks read, scan and
+    # tokenize the parts of the source); the same shards
     dtype: str = "auto"  # token dtype: uint16 when the vocabulary fits, else uint32
     blocks_per_shard: int = 8192
     dedup: bool = True
@@ -341,10 +362,6 @@ def _fill_eval_splits(
     return counts
 
 
-def _hash_fraction(digest: bytes) -> float:
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], dict[str, int]]:
     """Split id per document (0 train, 1 validation, 2 test, -1 duplicate removed) from its sha256, and
     exact-duplicate removal; what the streaming scan (`_scan`) decides, for a list of texts.
@@ -352,7 +369,7 @@ def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], d
     A document goes to test when u < test_fraction, to validation when u < test + val fractions, where
     u in [0, 1) is its hash; then `_fill_eval_splits`."""
     digests = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
-    u_N = np.asarray([_hash_fraction(d) for d in digests], dtype=np.float64)
+    u_N = np.asarray([hash_fraction(d) for d in digests], dtype=np.float64)
     split_N = _initial_splits(config, u_N)
     seen: set[bytes] = set()
     duplicates = 0
@@ -368,10 +385,10 @@ def assign_splits(config: PrepareConfig, texts: list[str]) -> tuple[list[int], d
 
 
 # ---------------------------------------------------------------------------------------------- build
-def _documents(config: PrepareConfig, spec: SourceSpec, check: bool = True):
-    return iter_documents(
-        spec,
-        config.kind,
+def _read_args(config: PrepareConfig) -> dict[str, Any]:
+    """How `iter_documents` reads the source for this config (in this process, or a part in a worker)."""
+    return dict(
+        kind=config.kind,
         text_column=config.text_column,
         domain_column=config.domain_column,
         hub_config=config.hub_config,
@@ -379,8 +396,11 @@ def _documents(config: PrepareConfig, spec: SourceSpec, check: bool = True):
         txt_sample_by=config.txt_sample_by,
         max_line_bytes=config.max_line_bytes,
         max_documents=config.max_documents,
-        check=check,
     )
+
+
+def _documents(config: PrepareConfig, spec: SourceSpec, check: bool = True):
+    return iter_documents(spec, check=check, **_read_args(config))
 
 
 def _source_bytes(spec: SourceSpec) -> int | None:
@@ -457,63 +477,38 @@ def _scan_and_tokenizer(
     checkpointed as ``scan.json`` + ``scan.npz`` + ``tokenizer/``. Per document it keeps a few bytes."""
     if validated is not None:
         validated.raise_for_failure()  # a failed report is never recorded as a passed preparation
-    u, chars, status, domain = array("d"), array("q"), array("b"), array("B")
-    domain_index: dict[str, int] = {}
-    seen: set[bytes] = set()
-    near = (
-        NearDuplicates(config.near_dedup, config.minhash_num_perm, config.minhash_ngram)
-        if config.near_dedup is not None
-        else None
-    )
     val_rows = config.validation.sample_rows or config.validation_max_rows
-    check = config.validate and validated is None
-    val_sample = BottomK(max_items=val_rows, max_bytes=VALIDATION_SAMPLE_BYTES) if check else None
-    tok_sample = BottomK(max_bytes=config.tokenizer_sample_bytes) if config.tokenizer is None else None
-    rate_sample = BottomK(max_bytes=1 << 20)  # kept documents, to measure tokens per character
-    loaded = empty = duplicates = near_duplicates = 0
+    bounds = SampleBounds(
+        validation=(val_rows, VALIDATION_SAMPLE_BYTES) if config.validate and validated is None else None,
+        tokenizer=config.tokenizer_sample_bytes if config.tokenizer is None else None,
+        rate=1 << 20,  # kept documents, to measure tokens per character
+        eval_fraction=config.test_fraction + config.val_fraction,
+        instruction=config.kind == "instruction",
+    )
+    ordered = _OrderedScan(config, spec, bounds)
     total = _source_bytes(spec)
     with Progress(total / MB if total else None, "prepare: scan", unit="MB") as bar:
-        for doc in _documents(config, spec):
-            loaded += 1
-            bar.update(len(doc.text) / MB)
-            if not doc.text.strip():
-                empty += 1
-                continue
-            raw = doc.text.encode("utf-8", "surrogatepass")
-            digest = hashlib.sha256(raw).digest()
-            i = len(u)
-            # 0 keep, 1 exact duplicate, 2 near-duplicate (removed only when dedup / near_dedup say so)
-            state = 1 if digest[:16] in seen else 0
-            seen.add(digest[:16])
-            if state == 1:
-                duplicates += 1
-            elif near is not None and near.add(doc.text):
-                state = 2
-                near_duplicates += 1
-            if len(domain_index) == 255 and doc.domain not in domain_index:
-                raise DataError(f"{spec.name}: over 255 domains; at most 255 fit the uint8 domain ids")
-            u.append(_hash_fraction(digest))
-            chars.append(len(doc.text))
-            status.append(state)
-            domain.append(domain_index.setdefault(doc.domain, len(domain_index)))
-            if val_sample is not None:
-                record = doc.record if config.kind == "instruction" else {"text": doc.text}
-                val_sample.add(int.from_bytes(digest[8:16], "big"), i, len(raw), record)
-            if (
-                tok_sample is not None
-                and state == 0
-                and _hash_fraction(digest) >= (config.test_fraction + config.val_fraction)
-            ):  # a train document (moves to evaluation splits are undone below)
-                tok_sample.add(int.from_bytes(digest[16:24], "big"), i, len(raw), doc.text)
-            if state == 0:
-                rate_sample.add(int.from_bytes(digest[24:], "big"), i, len(raw), doc.text)
+        if config.engine == "ray":
+            parts = _ray_scan(config, spec, ordered, bounds, bar)
+        else:  # the reference: every document read and its facts computed here, in stream order
+            parts = None
+            for doc in _documents(config, spec):
+                bar.update(len(doc.text) / MB)
+                facts = document_facts(doc, ordered.near, ordered.seen)
+                ordered.add(facts, sample_item(doc, bounds), doc.text, doc.text)
+    u, chars, status, domain = ordered.u, ordered.chars, ordered.status, ordered.domain
+    domain_index, near = ordered.domain_index, ordered.near
     if not len(u):
         raise DataError(f"{spec.name}: every document is empty; nothing to prepare")
-    del seen
+    val_sample, tok_sample, rate_sample = ordered.samples(config, spec, parts)
+    loaded, empty = ordered.loaded, ordered.empty
+    duplicates, near_duplicates = ordered.duplicates, ordered.near_duplicates
+    tok_bytes = ordered.tok.bytes if ordered.tok is not None else 0
+    del ordered
 
     report = validated
     if val_sample is not None:
-        sample = val_sample.items()
+        sample = val_sample
         report = validate(
             [record for _, record in sample],
             config.kind,
@@ -547,10 +542,10 @@ def _scan_and_tokenizer(
     domain_N = remap[np.frombuffer(domain, dtype=np.uint8)]
 
     if tok_sample is not None:
-        texts = [t for i, t in tok_sample.items() if split_N[i] == 0]
+        texts = [t for i, t in tok_sample if split_N[i] == 0]
         sample_info = {
             "documents": len(texts),
-            "bytes": tok_sample.bytes,
+            "bytes": tok_bytes,
             "max_bytes": config.tokenizer_sample_bytes,
         }
         tokenizer = train_tokenizer(texts, config.vocab_size)
@@ -569,7 +564,7 @@ def _scan_and_tokenizer(
             f"dtype uint16 cannot hold token ids of a {vocab}-token vocabulary; use uint32 or auto"
         )
     kept_chars = int(np.frombuffer(chars, dtype=np.int64)[split_N >= 0].sum())
-    measured = [t for _, t in rate_sample.items()]
+    measured = [t for _, t in rate_sample]
     n_tokens = sum(len(ids) + 1 for ids in tokenizer(measured, add_special_tokens=False)["input_ids"])
     scan = {
         "counts": counts,
@@ -579,6 +574,7 @@ def _scan_and_tokenizer(
         "tokens_per_char": n_tokens / max(1, sum(len(t) for t in measured)),
         "tokenizer_sample": sample_info,
         "near_dedup": near.describe() if near is not None else None,
+        "partitions": parts,  # engine="ray": the parts read and their documents, for pass 2
         "validation": None
         if report is None
         else {"suite": report.suite, "success": report.success, "rows_checked": report.rows_checked},
@@ -588,6 +584,202 @@ def _scan_and_tokenizer(
     os.replace(tmp, work / "scan.npz")
     _write_json(work / "scan.json", scan)  # last: its presence says the scan is complete
     return scan, split_N, domain_N
+
+
+class _OrderedScan:
+    """The scan's decisions that depend on the order of the stream, taken one document at a time in stream
+    order, whichever engine computed the documents' facts (`document_facts`): an exact duplicate (same
+    sha256) keeps its first copy, a near-duplicate (an LSH band shared with an earlier document) its group's
+    first member, domains are numbered as first seen; and the three bounded samples. A few bytes per
+    document: u (the split), characters, state, domain id."""
+
+    def __init__(self, config: PrepareConfig, spec: SourceSpec, bounds: SampleBounds) -> None:
+        self.spec, self.bounds = spec, bounds
+        self.u, self.chars, self.status, self.domain = array("d"), array("q"), array("b"), array("B")
+        self.domain_index: dict[str, int] = {}
+        self.seen: set[bytes] = set()  # the first 16 bytes of every digest so far
+        self.near = (
+            NearDuplicates(config.near_dedup, config.minhash_num_perm, config.minhash_ngram)
+            if config.near_dedup is not None
+            else None
+        )
+        self.val, self.tok, self.rate = new_samples(bounds)
+        self.loaded = self.empty = self.duplicates = self.near_duplicates = 0
+
+    def add(self, facts: DocumentFacts | None, val_item: Any, tok_text: str | None, rate_text: str | None):
+        """One record of the stream; a sample's item may be None when the engine did not send it (read again
+        from its part in `samples` if the sample keeps it)."""
+        self.loaded += 1
+        if facts is None:
+            self.empty += 1
+            return
+        digest, i = facts.digest, len(self.u)
+        # 0 keep, 1 exact duplicate, 2 near-duplicate (removed only when dedup / near_dedup say so)
+        state = 1 if digest[:16] in self.seen else 0
+        self.seen.add(digest[:16])
+        if state == 1:
+            self.duplicates += 1
+        elif self.near is not None and self.near.add_keys(facts.band_keys):
+            state = 2
+            self.near_duplicates += 1
+        if len(self.domain_index) == 255 and facts.domain not in self.domain_index:
+            raise DataError(f"{self.spec.name}: over 255 domains; at most 255 fit the uint8 domain ids")
+        u = hash_fraction(digest)
+        self.u.append(u)
+        self.chars.append(facts.chars)
+        self.status.append(state)
+        self.domain.append(self.domain_index.setdefault(facts.domain, len(self.domain_index)))
+        k_val, k_tok, k_rate = sample_keys(digest)
+        if self.val is not None:
+            self.val.add(k_val, i, facts.nbytes, val_item)
+        if self.tok is not None and state == 0 and u >= self.bounds.eval_fraction:
+            self.tok.add(
+                k_tok, i, facts.nbytes, tok_text
+            )  # a train document (moves to eval are undone later)
+        if state == 0:
+            self.rate.add(k_rate, i, facts.nbytes, rate_text)
+
+    def samples(self, config: PrepareConfig, spec: SourceSpec, parts: list[dict[str, Any]] | None):
+        """(index, item) lists of the validation, tokenizer and rate samples (None when not kept), in stream
+        order; items a part did not send are read from it again here (a duplicate from an earlier part
+        crowded them out of the part's own sample: rare, and only those parts)."""
+        out = [s.items() if s is not None else None for s in (self.val, self.tok, self.rate)]
+        missing = sorted({i for items in out if items for i, item in items if item is None})
+        if missing:
+            found = _read_documents(config, spec, parts or [], missing)
+            for k, items in enumerate(out):
+                if items:
+                    out[k] = [
+                        (i, item if item is not None else _as_item(found[i], k, self.bounds))
+                        for i, item in items
+                    ]
+        return out
+
+
+def _as_item(doc, k: int, bounds: SampleBounds) -> Any:
+    return sample_item(doc, bounds) if k == 0 else doc.text
+
+
+def _read_documents(config: PrepareConfig, spec: SourceSpec, parts: list[dict[str, Any]], wanted: list[int]):
+    """The documents of the given (non-blank, global) indexes, read from the parts that hold them."""
+    found, wanted_set, first = {}, set(wanted), 0
+    for entry in parts:
+        last = first + entry["documents"]
+        if wanted_set.intersection(range(first, last)):
+            i = first
+            for doc in iter_documents(spec, part=_partition(entry), check=False, **_read_args(config)):
+                if i >= last:
+                    break
+                if doc.text.strip():
+                    if i in wanted_set:
+                        found[i] = doc
+                    i += 1
+        first = last
+    return found
+
+
+def _partition(entry: dict[str, Any]) -> Partition:
+    return Partition(None if entry["path"] is None else Path(entry["path"]), entry["start"], entry["stop"])
+
+
+def _ray_scan(
+    config: PrepareConfig, spec: SourceSpec, ordered: _OrderedScan, bounds: SampleBounds, bar: Progress
+) -> list[dict[str, Any]]:
+    """Pass 1 on Ray: a task per part of the source (`partition_source`) reads it and computes its documents'
+    facts (`scan_part`); the results are taken in part order into ``ordered``, which decides as the local scan
+    does. Returns the parts read with their non-blank documents (all of them unless ``max_documents`` ends
+    the stream inside the part), for pass 2."""
+    parts = partition_source(spec, txt_sample_by=config.txt_sample_by)
+    read = _read_args(config)
+    near_args = (
+        (config.near_dedup, config.minhash_num_perm, config.minhash_ngram) if config.near_dedup else None
+    )
+    limit = config.max_documents
+    done: list[dict[str, Any]] = []
+    with _ray_session(config.num_proc) as ray:
+        task = ray.remote(num_cpus=1)(scan_part)
+        calls = ((part, lambda p=part: task.remote(spec, p, read, near_args, bounds)) for part in parts)
+        for part, result in _in_order(ray, calls):
+            left = None if limit is None else limit - ordered.loaded
+            facts = result.facts if left is None else result.facts[:left]
+            j = 0  # non-blank documents of the part so far
+            for f in facts:
+                if f is None:
+                    ordered.add(None, None, None, None)
+                    continue
+                ordered.add(f, result.validation.get(j), result.tokenizer.get(j), result.rate.get(j))
+                bar.update(f.chars / MB)
+                j += 1
+            whole = len(facts) == len(result.facts)
+            if result.error is not None and whole:
+                raise DataError(result.error)
+            done.append(
+                {
+                    "path": None if part.path is None else str(part.path),
+                    "start": part.start,
+                    "stop": part.stop,
+                    "documents": j,
+                    "whole": whole and not (limit is not None and ordered.loaded >= limit),
+                }
+            )
+            if limit is not None and ordered.loaded >= limit:
+                break
+    return done
+
+
+def _in_order(ray: Any, calls):
+    """(key, result) of each (key, submit) in order, with at most two tasks per cluster CPU in flight (bounded
+    memory); the tasks still in flight are cancelled when the caller stops early. A task's `DataError` is
+    raised as itself (its message names the file and line), not inside Ray's traceback."""
+    limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    in_flight: collections.deque = collections.deque()
+
+    def get(ref):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, DataError):
+                raise DataError(str(err.cause)) from None
+            raise
+
+    try:
+        for key, submit in calls:
+            in_flight.append((key, submit()))
+            while len(in_flight) >= limit:
+                key_, ref = in_flight.popleft()
+                yield key_, get(ref)
+        while in_flight:
+            key_, ref = in_flight.popleft()
+            yield key_, get(ref)
+    finally:
+        for _, ref in in_flight:
+            ray.cancel(ref)
+
+
+class _ray_session:
+    """The Ray cluster ``RAY_ADDRESS`` names, one this process has already joined, or a local one started
+    here (``num_proc`` CPUs when more than 1) and shut down at the end."""
+
+    def __init__(self, num_proc: int) -> None:
+        self.num_proc, self.started = num_proc, False
+
+    def __enter__(self):
+        import ray  # optional: pip install '.[ray]' (PrepareConfig checks it is there)
+
+        if not ray.is_initialized():
+            local = (
+                {}
+                if os.environ.get("RAY_ADDRESS")
+                else {"num_cpus": self.num_proc if self.num_proc > 1 else None}
+            )
+            ray.init(**local, include_dashboard=False, log_to_driver=False)
+            self.started = True
+        self.ray = ray
+        return ray
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started:
+            self.ray.shutdown()
 
 
 def _chunks(config: PrepareConfig, spec: SourceSpec, split_N: np.ndarray, domain_N: np.ndarray, start: int):
@@ -675,17 +867,21 @@ def _tokenize_and_pack(
     backend = tokenizer.backend_tokenizer.to_str()
     append_eos = config.kind == "text"  # rendered chats already end each turn with EOS
     workers = config.num_proc if config.num_proc > 1 and scan["kept_chars"] > IN_PROCESS_BYTES else 0
-    pool = (
-        _ray_encoder(config.num_proc, backend, tokenizer.eos_token_id, append_eos)
-        if config.engine == "ray"
-        else _encoder_pool(workers, backend, tokenizer.eos_token_id, append_eos)
-    )
+    tok = (backend, tokenizer.eos_token_id, append_eos)
+    if config.engine == "ray" and scan.get("partitions") is not None:  # the workers read their parts
+        pool, chunks = (
+            _ray_part_encoder(config, spec, scan["partitions"], split_N, domain_N, start, *tok),
+            None,
+        )
+    else:  # this process reads (a scan by the local engine resumed on Ray too)
+        chunks = _chunks(config, spec, split_N, domain_N, start)
+        pool = _ray_encoder(config.num_proc, *tok) if config.engine == "ray" else _encoder_pool(workers, *tok)
     with (
         disk_full_guard(work, needed),
         Progress(scan["kept_chars"] / MB, "prepare: tokenize", unit="MB") as bar,
         pool as encode,
     ):
-        for end, results, size in encode(_chunks(config, spec, split_N, domain_N, start)):
+        for end, results, size in encode(chunks):
             shards = 0
             for name, (tokens, domains, n_docs) in zip(SPLITS, results):
                 shards += writers[name].append(tokens, domains)
@@ -744,6 +940,47 @@ class _encoder_pool:
             self.pool.join()
 
 
+class _ray_part_encoder:
+    """Pass 2 on Ray: a task per part of the scan (`encode_part`) reads its documents itself and tokenizes the
+    kept ones with the split and domain ids sent to it; (end, per-split results, characters) in part order,
+    ``end`` the index of the first document after the part (where a restart continues). Parts before
+    ``start`` (done before a resume) are skipped, a part it falls in is read from there."""
+
+    def __init__(self, config, spec, parts, split_N, domain_N, start, backend, eos, append_eos) -> None:
+        self.config, self.spec, self.parts = config, spec, parts
+        self.split_N, self.domain_N, self.start = split_N, domain_N, start
+        self.tokenizer = (backend, eos, append_eos)
+
+    def __enter__(self):
+        self.session = _ray_session(self.config.num_proc)
+        self.ray = self.session.__enter__()
+        return self.run
+
+    def run(self, _chunks: None = None):
+        ray, read = self.ray, _read_args(self.config)
+        task = ray.remote(num_cpus=1)(encode_part)
+        backend, eos, append_eos = self.tokenizer
+        backend_ref = ray.put(backend)
+        calls, first = [], 0
+        for entry in self.parts:
+            last = first + entry["documents"]
+            if last > self.start:
+                skip = max(0, self.start - first)
+                sids, doms = self.split_N[first + skip : last], self.domain_N[first + skip : last]
+                args = (self.spec, _partition(entry), read, skip, sids, doms, backend_ref, eos, append_eos)
+                calls.append((last, lambda a=args, w=entry["whole"]: task.remote(*a, whole=w)))
+            first = last
+        if first != len(self.split_N):
+            raise DataError(
+                f"{self.spec.name}: the scan's parts hold {first} documents, not {len(self.split_N)}"
+            )
+        for end, (results, chars) in _in_order(ray, calls):
+            yield end, results, chars
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.__exit__(*exc)
+
+
 class _ray_encoder:
     """`_encoder_pool` on a Ray cluster: each chunk a Ray task (the tokenizer's JSON sent once through the object
     store, one encoder kept per worker process), at most two tasks per cluster CPU in flight (bounded memory),
@@ -752,40 +989,29 @@ class _ray_encoder:
 
     def __init__(self, num_proc: int, backend: str, eos: int, append_eos: bool) -> None:
         self.num_proc, self.backend, self.eos, self.append_eos = num_proc, backend, eos, append_eos
-        self.started = False
 
     def __enter__(self):
-        import ray  # optional: pip install '.[ray]' (PrepareConfig checks it is there)
-
-        if not ray.is_initialized():
-            local = (
-                {}
-                if os.environ.get("RAY_ADDRESS")
-                else {"num_cpus": self.num_proc if self.num_proc > 1 else None}
-            )
-            ray.init(**local, include_dashboard=False, log_to_driver=False)
-            self.started = True
-        self.ray = ray
+        self.session = _ray_session(self.num_proc)
+        self.ray = ray = self.session.__enter__()
         self.task = ray.remote(num_cpus=1)(encode_chunk)
         self.tokenizer_ref = ray.put(self.backend)
         return self.run
 
     def run(self, chunks):
-        limit = 2 * max(1, int(self.ray.cluster_resources().get("CPU", 1)))
-        in_flight: collections.deque = collections.deque()
-        for end, texts, sids, doms, size in chunks:
-            ref = self.task.remote(self.tokenizer_ref, self.eos, self.append_eos, texts, sids, doms)
-            in_flight.append((end, ref, size))
-            while len(in_flight) >= limit:
-                end_, ref_, size_ = in_flight.popleft()
-                yield end_, self.ray.get(ref_), size_
-        while in_flight:
-            end_, ref_, size_ = in_flight.popleft()
-            yield end_, self.ray.get(ref_), size_
+        calls = (
+            (
+                (end, size),
+                lambda t=texts, s=sids, d=doms: self.task.remote(
+                    self.tokenizer_ref, self.eos, self.append_eos, t, s, d
+                ),
+            )
+            for end, texts, sids, doms, size in chunks
+        )
+        for (end, size), results in _in_order(self.ray, calls):
+            yield end, results, size
 
     def __exit__(self, *exc: object) -> None:
-        if self.started:
-            self.ray.shutdown()
+        self.session.__exit__(*exc)
 
 
 def _versions() -> dict[str, str]:

@@ -263,8 +263,19 @@ def parse_source(source: str) -> SourceSpec:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def check_file(path: Path, builder: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
-    """Reject a file `datasets` would choke on or silently mangle, naming the file, offset and line."""
+def check_file(
+    path: Path,
+    builder: str,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    start: int = 0,
+    stop: int | None = None,
+    lines_before: int = 0,
+) -> None:
+    """Reject a file `datasets` would choke on or silently mangle, naming the file, offset and line.
+    ``start``/``stop``: check only those bytes (a part of the file cut at a line boundary, which has
+    ``lines_before`` lines before it; `moe_core.data.stream.partition_source`); an empty file is refused
+    only by the check of the whole file."""
+    whole = start == 0 and stop is None
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"{path}: empty file (0 bytes); remove it or point the source elsewhere")
@@ -275,11 +286,14 @@ def check_file(path: Path, builder: str, max_line_bytes: int = DEFAULT_MAX_LINE_
             raise DataError(f"{path}: not a parquet file (no PAR1 magic bytes); check the file or its suffix")
         return
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = line = 0  # bytes and newlines before the current chunk
+    offset, line = start, lines_before  # bytes and newlines before the current chunk
     current = 0  # length of the line that runs into the current chunk
     nonspace = False
+    left = (size if stop is None else stop) - start
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+        f.seek(start)
+        while left > 0 and (chunk := f.read(min(1 << 20, left))):
+            left -= len(chunk)
             nul = chunk.find(b"\0")
             if nul >= 0:
                 raise DataError(
@@ -315,7 +329,7 @@ def check_file(path: Path, builder: str, max_line_bytes: int = DEFAULT_MAX_LINE_
                 f"{path}: invalid UTF-8 (truncated sequence at the end of the file); "
                 "re-encode the file as UTF-8"
             ) from None
-    if not nonspace:
+    if whole and not nonspace:
         raise DataError(f"{path}: empty file (whitespace only); remove it or point the source elsewhere")
 
 
