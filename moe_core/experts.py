@@ -84,11 +84,13 @@ EXPERTS_MARK = ".mlp.experts."
 
 class _LowRankDelta(torch.autograd.Function):
     """``s (x A^T) B^T`` for one expert's LoRA factors ``A`` [R, I] and ``B`` [O, R] (fp32 parameters, or views of
-    them) on activations ``x`` [N, I] of a lower precision: the factors are cast to ``x``'s dtype in forward and
-    again in backward, and only ``x`` and ``u = x A^T`` [N, R] are kept. Autograd on the same products would
-    keep each expert's cast factors for backward: ``E R (I + O)`` bytes per projection and layer whatever the
-    batch (150 MiB for OLMoE-1B-7B at r=8), more than its activations at fine-tuning's small batches. The same
-    products in the same order as autograd's (the parity tests hold it to PEFT)."""
+    them) on activations ``x`` [N, I] of a lower precision: a factor in another dtype is cast to ``x``'s in
+    forward and again in backward, and only ``x``, ``u = x A^T`` [N, R] and the factors as given are kept.
+    Autograd on the same products would keep each expert's cast factors for backward: ``E R (I + O)`` bytes per
+    projection and layer whatever the batch (150 MiB for OLMoE-1B-7B at r=8), more than its activations at
+    fine-tuning's small batches; `ExpertLoRA.unbound` hands ``B`` over already in ``x``'s dtype (one contiguous
+    copy per layer, which is what stays: half of those bytes for ``O`` = ``I``). The same products in the same
+    order as autograd's (the parity tests hold it to PEFT)."""
 
     @staticmethod
     def forward(
@@ -136,11 +138,13 @@ class ExpertLoRA:
 
     factors: dict[str, tuple[tuple[torch.Tensor, torch.Tensor, float], ...]]
 
-    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, float], ...]]:
+    def unbound(self, dtype: torch.dtype | None = None) -> dict[str, tuple[tuple[tuple, tuple, float], ...]]:
         """Per-expert views of every factor, made once per layer for a loop over experts (one gradient per
-        stack, as `StackedExperts.unbound`)."""
+        stack, as `StackedExperts.unbound`). ``B`` is copied once, contiguous and in ``dtype`` (the activations'):
+        PEFT's ``[O, R*E]`` layout puts an expert's ``B_e`` on every cache line of the parameter, too slow to read
+        expert by expert; ``A_e`` is a contiguous slice of the parameter as it is (`low_rank_delta` casts it)."""
         return {
-            p: tuple((A.unbind(0), B.unbind(0), s) for A, B, s in per_adapter)
+            p: tuple((A.unbind(0), B.to(dtype).contiguous().unbind(0), s) for A, B, s in per_adapter)
             for p, per_adapter in self.factors.items()
         }
 
@@ -433,7 +437,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
     ) -> torch.Tensor:
         y_TD = torch.zeros_like(x_TD)
         weights_TK = record.weights_TK.to(x_TD.dtype)
-        views = lora.unbound() if lora is not None else None
+        views = lora.unbound(x_TD.dtype) if lora is not None else None
         for e in range(self.num_experts):
             token_idx, slot_idx = torch.where((record.expert_ids_TK == e) & ~record.dropped_TK)
             if token_idx.numel() == 0:
@@ -450,7 +454,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         x_AD, weights_A = dispatch.gather(x_TD), dispatch.weights_A.to(x_TD.dtype)
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
-        views = lora.unbound() if lora is not None else None
+        views = lora.unbound(x_TD.dtype) if lora is not None else None
         counts = dispatch.counts_E.tolist()
         for e, x_ND, t_N, w_N in zip(
             range(self.num_experts),
@@ -541,7 +545,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
                     slots.append(k)
         y_TD = torch.zeros_like(x_TD)
         weights = self.decode_weights()
-        views = lora.unbound() if lora is not None else None
+        views = lora.unbound(x_TD.dtype) if lora is not None else None
         T = x_TD.shape[0]
         for e, (toks, slots) in tokens_of.items():
             if len(toks) == T == 1:  # the batch-1 decode step: no gathers at all
