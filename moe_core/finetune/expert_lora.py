@@ -90,6 +90,18 @@ class ParamWrapper(peft_lora.ParamWrapper):
             )
         super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
 
+    def factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(A_ERI, B_EOR, scale)`` with ``delta_e = scale * B_e @ A_e``: views of the adapter's parameters in
+        their own dtype (fp32), PEFT's layout as ``get_delta_factors`` reads it (``lora_A`` [E*R, I], ``lora_B``
+        [O, R*E]) but not cast to the stack's dtype: the routed products run in the factors' precision, as
+        PEFT's LoRA layers compute (`moe_core.experts.low_rank_delta`), whatever the base's dtype."""
+        A_RI = self.lora_A[adapter].weight
+        B_OR = self.lora_B[adapter].weight
+        E = self.num_experts
+        A_ERI = A_RI.reshape(E, -1, A_RI.shape[-1])
+        B_EOR = B_OR.reshape(B_OR.shape[0], -1, E).permute(2, 0, 1)
+        return A_ERI, B_EOR, self.scaling[adapter]
+
     def nest(self) -> list[ParamWrapper]:
         """This wrapper and the ones it wraps, outermost first (one per adapted projection)."""
         chain, layer = [], self
@@ -107,10 +119,7 @@ class ParamWrapper(peft_lora.ParamWrapper):
             adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
             per_adapter = []
             for adapter in adapters:
-                B_EOR, A_ERI, scale = wrapper.get_delta_factors(adapter)  # delta_e = scale * B_e @ A_e
-                # B_EOR stays a view of PEFT's [O, R*E] parameter: a contiguous copy would be kept for backward
-                # through the per-expert views of it (`moe_core.experts.low_rank_delta` keeps the factors)
-                per_adapter.append((A_ERI, B_EOR, scale))
+                per_adapter.append(wrapper.factors(adapter))
             if per_adapter:
                 factors[wrapper.parameter_name] = tuple(per_adapter)
         return ExpertLoRA(factors) if factors else None

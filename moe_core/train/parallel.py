@@ -264,7 +264,7 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
         else:
             chunks = torch.split(x_SD, by_local.counts_E.tolist())
             weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
-            views = lora.unbound(x_SD.dtype) if lora is not None else None
+            views = lora.unbound() if lora is not None else None
             out_SD = torch.cat(
                 [self.local.expert(e, chunk, weights, views) for e, chunk in enumerate(chunks)]
             )
