@@ -4,8 +4,8 @@ For one published MoE architecture (``--model``, optionally cut to its first ``-
 random-weight stand-in with the published config (`moe_core.published.build_published`: sharded bf16
 safetensors and a small tokenizer with a chat template, cached under ``~/.cache/moe-lab/published``; nothing
 is downloaded). Each variant then runs in a child process of its own, one after the other (never two at
-once), on the same tokens (``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl`` framed by the tokenizer's
-chat template, labels = inputs), with the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every
+once), on the same tokens (at each step the next ``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl`` framed
+by the tokenizer's chat template, labels = inputs: new data every step, as a fine-tune reads it), with the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every
 expert's gate/up/down projections; Qwen2-MoE's shared expert is not adapted, as the lab's default), the same
 AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
 
@@ -92,10 +92,11 @@ def timed_steps(model, spec: dict) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    input_ids = torch.tensor(spec["tokens"], dtype=torch.long, device=device)
+    batches = [torch.tensor(rows, dtype=torch.long, device=device) for rows in spec["tokens"]]
     model.train()
     seconds, losses = [], []
-    for _ in range(spec["warmup"] + spec["steps"]):
+    for step in range(spec["warmup"] + spec["steps"]):
+        input_ids = batches[step % len(batches)]
         t0 = time.perf_counter()
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
@@ -200,7 +201,7 @@ def generate_after_training(model, spec: dict) -> dict:
     from moe_core.finetune.methods import unwrap
 
     trained = unwrap(model).eval()
-    prompt_BS = torch.tensor(spec["tokens"][:1], dtype=torch.long, device=spec["device"])[:, :16]
+    prompt_BS = torch.tensor(spec["tokens"][0][:1], dtype=torch.long, device=spec["device"])[:, :16]
     t0 = time.perf_counter()
     with torch.no_grad():
         out_BS = trained.generate(
@@ -271,9 +272,14 @@ def run_child(
     return row
 
 
-def benchmark_tokens(checkpoint: Path, batch: int, seq: int) -> tuple[list[list[int]], list[dict]]:
-    """``batch`` rows of ``seq`` token ids: the examples of ``examples/sft.jsonl`` framed by the checkpoint's
-    chat template, back to back (repeated as needed); and those examples as records, for the lab's checks."""
+def benchmark_tokens(
+    checkpoint: Path, batch: int, seq: int, steps: int = 1
+) -> tuple[list[list[list[int]]], list[dict]]:
+    """``steps`` batches of ``batch`` rows of ``seq`` token ids, each step the next tokens of the examples of
+    ``examples/sft.jsonl`` framed by the checkpoint's chat template, back to back (repeated as needed), as a
+    fine-tune reads new data at every step (a step repeating the same tokens routes to the same experts, and
+    per-expert LoRA modules that never get a token never get an optimizer state: a fixed batch flatters them);
+    and those examples as records, for the lab's checks."""
     from moe_core.data.sources import to_messages
     from moe_core.data.tokenizer import load_tokenizer
 
@@ -283,9 +289,10 @@ def benchmark_tokens(checkpoint: Path, batch: int, seq: int) -> tuple[list[list[
     for record in records:
         # return_dict=False: the ids (transformers 5 returns a BatchEncoding by default)
         stream += list(tokenizer.apply_chat_template(to_messages(record), tokenize=True, return_dict=False))
-    needed = batch * seq
+    needed = steps * batch * seq
     stream = (stream * (needed // len(stream) + 1))[:needed]
-    return [stream[i * seq : (i + 1) * seq] for i in range(batch)], records
+    rows = [stream[i * seq : (i + 1) * seq] for i in range(steps * batch)]
+    return [rows[k * batch : (k + 1) * batch] for k in range(steps)], records
 
 
 # the baseline's LoRA targets under transformers 5, which holds each layer's experts as two fused parameters
@@ -557,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_env and (not args.only or "baseline" in args.only):
         args.baseline_python = baseline_env(args.baseline_env, args.cache_dir)
     config = json.loads((checkpoint / "config.json").read_text())
-    tokens, records = benchmark_tokens(checkpoint, args.batch, args.seq)
+    tokens, records = benchmark_tokens(checkpoint, args.batch, args.seq, args.warmup + args.steps)
     warmed = warm_page_cache(checkpoint)
     spec_common = {
         "checkpoint": str(checkpoint),
