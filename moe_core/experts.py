@@ -43,8 +43,8 @@ design, fold ``s B_e A_e`` into them.
 The interface every module at ``MoEBlock.experts`` has is `ExpertModule` (a Protocol: ``num_experts`` and
 ``forward(x_TD, record, impl)``); `StackedExperts` is the abstract base of those whose weights are E stacked
 FFNs, which gives them every path above through four members (``expert``, ``unbound``, ``stacks``,
-``resolved_impl``), and ``grouped_mm`` through ``stack`` or ``grouped_project``. `sort_by_expert` / `ExpertDispatch` is the one sort-by-expert dispatch, shared with
-expert parallelism (`moe_core.train.parallel`).
+``resolved_impl``), and ``grouped_mm`` through ``stack`` or ``grouped_project``. `sort_by_expert` /
+`ExpertDispatch` is the one sort-by-expert dispatch, shared with expert parallelism (`moe_core.train.parallel`).
 """
 
 from __future__ import annotations

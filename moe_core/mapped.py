@@ -164,10 +164,11 @@ class MappedExperts(StackedExperts):
             )
         for p in PROJECTIONS:
             w = self.weights(p)
-            stack = self.stack(p) if w is not None else None  # the device stack `_apply` made: no second copy
-            if w is not None and stack is None:
-                stack = torch.stack(w)
-            setattr(dense, p, nn.Parameter(stack, requires_grad=False) if stack is not None else None)
+            if w is None:
+                setattr(dense, p, None)
+                continue
+            stack = self.stack(p)  # the device stack `_apply` made: no second copy
+            setattr(dense, p, nn.Parameter(torch.stack(w) if stack is None else stack, requires_grad=False))
             if self.bias_stack(p) is not None:  # gpt-oss: the biases, the same tensors
                 setattr(dense, f"{p}_bias", self.bias_stack(p))
         return share_hooks(self, dense)

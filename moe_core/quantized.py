@@ -33,6 +33,7 @@ from moe_core.convert import check_shape, copy_companion_files, open_streaming, 
 from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.experts import (
     PROJECTIONS,
+    ExpertLoRA,
     GroupedExperts,
     StackedExperts,
     grouped_mm_supported,
@@ -413,7 +414,7 @@ class QuantizedExperts(StackedExperts):
             return "grouped_mm"
         return "sorted"
 
-    def grouped_mm_ok(self, x_TD: torch.Tensor, lora=None) -> bool:
+    def grouped_mm_ok(self, x_TD: torch.Tensor, lora: ExpertLoRA | None = None) -> bool:
         F_, D = self.shapes["up_proj"]
         return grouped_mm_supported(x_TD, F_, D, *(lora.ranks() if lora is not None else ()))
 

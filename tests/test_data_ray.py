@@ -6,21 +6,19 @@ with exact and near-duplicates planted across the cuts."""
 
 from __future__ import annotations
 
-import errno
 import json
 import random
 from dataclasses import replace as dataclasses_replace
 
-import numpy as np
 import pytest
 
 from moe_core.data import prepare as prepare_module
-from moe_core.data import shards as shards_module
 from moe_core.data import stream as stream_module
 from moe_core.data.errors import DataError
 from moe_core.data.prepare import PrepareConfig, prepare
 from moe_core.data.shards import MANIFEST, read_manifest
 from moe_core.fileio import DiskFullError
+from tests.test_data_streaming import fill_disk_after
 
 SMALL = dict(
     max_documents=60, vocab_size=300, seq_len=32, val_fraction=0.1, test_fraction=0.1, blocks_per_shard=16
@@ -191,18 +189,10 @@ def test_a_ray_preparation_stopped_by_a_full_disk_continues_to_the_same_shards(
     monkeypatch.setattr(stream_module, "PART_BYTES", 3000)
     source = write_jsonl(tmp_path / "c.jsonl", corpus_with_duplicates(300, seed=2))
     config = PrepareConfig(**dict(CUT, source=str(source), blocks_per_shard=4), engine="ray")
-    real_save, calls = np.save, [0]
-
-    def save_until_full(file, arr, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] > 30:
-            raise OSError(errno.ENOSPC, "No space left on device", str(file))
-        return real_save(file, arr, *args, **kwargs)
-
-    monkeypatch.setattr(shards_module.np, "save", save_until_full)
+    disk_freed = fill_disk_after(monkeypatch, saves=30)
     with pytest.raises(DiskFullError, match="same command continues"):
         prepare(config, tmp_path / "ray")
-    monkeypatch.setattr(shards_module.np, "save", real_save)
+    disk_freed()
     (work,) = tmp_path.glob(".ray.partial-*")
     done = json.loads((work / "progress.json").read_text())["documents_done"]
     local = prepare(dataclasses_replace(config, engine="local"), tmp_path / "l")

@@ -236,25 +236,32 @@ def test_a_killed_prepare_resumes_and_gives_the_uninterrupted_shards(tmp_path):
     assert not list(tmp_path.glob(".out.partial-*")) and not list(out.glob("pending-*"))
 
 
+def fill_disk_after(monkeypatch, saves: int):
+    """The shard writer's ``np.save`` fails with ENOSPC (a full disk) after ``saves`` calls; returns the function
+    that frees the disk again."""
+    real_save, calls = np.save, [0]
+
+    def save_until_full(file, arr, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > saves:
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_save(file, arr, *args, **kwargs)
+
+    monkeypatch.setattr(shards_module.np, "save", save_until_full)
+    return lambda: monkeypatch.setattr(shards_module.np, "save", real_save)
+
+
 def test_a_full_disk_mid_way_keeps_the_old_output_and_the_rerun_continues(tmp_path, monkeypatch):
     path = write_corpus(tmp_path / "c.jsonl", 800)
     config = PrepareConfig(source=str(path), **SMALL)
     out = prepare(PrepareConfig(source=str(path), **{**SMALL, "seq_len": 16}), tmp_path / "out")
     before = splits_of(out)
-    real_save, calls = np.save, [0]
-
-    def save_until_full(file, arr, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] > 12:
-            raise OSError(errno.ENOSPC, "No space left on device", str(file))
-        return real_save(file, arr, *args, **kwargs)
-
     monkeypatch.setattr(prepare_module, "CHUNK_BYTES", 8 << 10)
-    monkeypatch.setattr(shards_module.np, "save", save_until_full)
+    disk_freed = fill_disk_after(monkeypatch, saves=12)
     with pytest.raises(DiskFullError, match=r"needs about .* free there.*same command continues"):
         prepare(config, out, overwrite=True)
     assert splits_of(out) == before  # the last complete shard set is intact
-    monkeypatch.setattr(shards_module.np, "save", real_save)
+    disk_freed()
     prepare(config, out, overwrite=True)
     reference = prepare(config, tmp_path / "reference")
     assert splits_of(out) == splits_of(reference)

@@ -632,10 +632,9 @@ class _OrderedScan:
         k_val, k_tok, k_rate = sample_keys(digest)
         if self.val is not None:
             self.val.add(k_val, i, facts.nbytes, val_item)
+        # a train document (moves to evaluation splits are undone later)
         if self.tok is not None and state == 0 and u >= self.bounds.eval_fraction:
-            self.tok.add(
-                k_tok, i, facts.nbytes, tok_text
-            )  # a train document (moves to eval are undone later)
+            self.tok.add(k_tok, i, facts.nbytes, tok_text)
         if state == 0:
             self.rate.add(k_rate, i, facts.nbytes, rate_text)
 
@@ -869,10 +868,8 @@ def _tokenize_and_pack(
     workers = config.num_proc if config.num_proc > 1 and scan["kept_chars"] > IN_PROCESS_BYTES else 0
     tok = (backend, tokenizer.eos_token_id, append_eos)
     if config.engine == "ray" and scan.get("partitions") is not None:  # the workers read their parts
-        pool, chunks = (
-            _ray_part_encoder(config, spec, scan["partitions"], split_N, domain_N, start, *tok),
-            None,
-        )
+        pool = _ray_part_encoder(config, spec, scan["partitions"], split_N, domain_N, start, *tok)
+        chunks = None
     else:  # this process reads (a scan by the local engine resumed on Ray too)
         chunks = _chunks(config, spec, split_N, domain_N, start)
         pool = _ray_encoder(config.num_proc, *tok) if config.engine == "ray" else _encoder_pool(workers, *tok)
