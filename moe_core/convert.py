@@ -1616,7 +1616,7 @@ def stream_weights(reader: CheckpointReader, plan, *, release: bool = False):
 
 @dataclass
 class StreamingLoad:
-    """A model checkpoint directory (a Hugging Face Mixtral / OLMoE / Qwen2-MoE one, or ours) opened for a loader
+    """A model checkpoint directory (a Hugging Face one of `ARCHITECTURES`, or ours) opened for a loader
     that streams its tensors into a model built on the meta device: the QLoRA loader quantizing the experts as
     they come (`moe_core.quantized.load_quantizing_experts`) and the memory-mapping one (`moe_core.mapped`). The
     plan is checked to cover the model and the files exactly before any storage exists."""

@@ -63,7 +63,7 @@ def add_cli(subparsers) -> None:
     )
     sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     from_parser = sub.add_parser(
-        "from-hf", help="Mixtral / OLMoE / Qwen2-MoE checkpoint -> moe_lab checkpoint"
+        "from-hf", help=f"Hugging Face checkpoint ({' / '.join(ARCH_CHOICES)}) -> moe_lab checkpoint"
     )
     from_parser.add_argument("source", help="HF checkpoint directory or hub id")
     from_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
@@ -71,7 +71,9 @@ def add_cli(subparsers) -> None:
     from_parser.add_argument("--revision", help="hub revision (branch, tag or commit)")
     from_parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     from_parser.set_defaults(func=_cli_from_hf)
-    to_parser = sub.add_parser("to-hf", help="moe_lab checkpoint -> Mixtral / OLMoE / Qwen2-MoE checkpoint")
+    to_parser = sub.add_parser(
+        "to-hf", help=f"moe_lab checkpoint -> Hugging Face checkpoint ({' / '.join(ARCH_CHOICES)})"
+    )
     to_parser.add_argument("source", help="moe_lab checkpoint directory (save_pretrained)")
     to_parser.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     to_parser.add_argument(

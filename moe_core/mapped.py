@@ -3,7 +3,7 @@
 Legend: E = experts, O = output features, I = input features (one expert's weight is ``[O, I]``).
 
     from moe_core.mapped import load_mapped
-    model = load_mapped("path/to/olmoe", dtype=torch.bfloat16)   # ours or a HF Mixtral / OLMoE / Qwen2-MoE dir
+    model = load_mapped("path/to/olmoe", dtype=torch.bfloat16)   # ours or a HF dir convert reads
 
 `load_mapped` builds the model on the meta device (`moe_core.convert.open_streaming`, the plan QLoRA's streaming
 loader uses too) and assigns the checkpoint's tensors to it as they are: each weight is a view of safetensors'

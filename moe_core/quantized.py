@@ -621,7 +621,7 @@ def load_quantizing_experts(
     *,
     shared_experts: bool = False,
 ) -> MoEForCausalLM:
-    """A full-precision checkpoint (a Hugging Face Mixtral / OLMoE / Qwen2-MoE one, or ours) with its expert stacks
+    """A full-precision checkpoint (a Hugging Face one `convert` reads, or ours) with its expert stacks
     quantized while they stream in, one expert slice at a time (round to nearest), for QLoRA: the model is built
     on the meta device, every expert stack replaced by `QuantizedExperts` before any storage exists, and only
     the quantized codes, the other weights (in ``dtype``, default the checkpoint's) and one source tensor at a

@@ -12,7 +12,7 @@
                  A trained router's selection bias (DeepSeek-V3 / GLM-4.5 ``expert_bias``, moved by aux-loss-free
                  balancing) is saved with it in either names (`moe_core.finetune.selection_bias`).
 <out>/merged/    our format (config.json + model.safetensors + tokenizer), adapter folded into the weights
-<out>/hf/        the architecture the model came from (Mixtral / OLMoE / Qwen2-MoE) via moe_core.convert.to_hf,
+<out>/hf/        the architecture the model came from (any `moe_core.convert` writes) via moe_core.convert.to_hf,
                  loadable by transformers' AutoModelForCausalLM; written when the base model had HF origin
 task_router_bias.{safetensors,json} beside each, when trained: no HF architecture has a per-task bias, so it
                  stays a separate file (`TaskRouterBias.load(dir).attach(model)`)

@@ -3,8 +3,8 @@
     from moe_core.finetune import FinetuneConfig, finetune
     result = finetune(FinetuneConfig.load("finetune.yaml"), out_dir="runs/ft")
 
-Base models: our checkpoints load as they are; Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoints (a local
-directory or a hub id) go through the exact converter (`moe_core.convert.from_hf`), so every architecture trains
+Base models: our checkpoints load as they are; Hugging Face checkpoints of any architecture `moe_core.convert`
+reads (a local directory or a hub id) go through the exact converter (`moe_core.convert.from_hf`), so every architecture trains
 through one code path: the same LoRA targets on the stacked experts, our router losses in the objective, routing
 telemetry, and an exact export back to the architecture it came from (`<out>/hf`).
 
@@ -163,7 +163,7 @@ OUTPUTS = (
 # ------------------------------------------------------------------------------------------------ loading
 def base_model_config(path: str, quantize_base: str | None = None):
     """The config of the base model at ``path`` (any full-precision checkpoint `moe_core.load` reads: ours, or a
-    Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoint), read without its weights; a quantized model is refused,
+    Hugging Face checkpoint), read without its weights; a quantized model is refused,
     and with ``quantize.base`` (QLoRA, quantized while it loads) one that is not a model directory."""
     kind = detect(path)
     if kind == "quantized":

@@ -161,7 +161,7 @@ def add_cli(subparsers) -> None:
     onnx.add_argument(
         "model_dir",
         type=existing_path("model"),
-        help="our checkpoint, or a Hugging Face Mixtral / OLMoE / Qwen2-MoE directory",
+        help="our checkpoint, or a Hugging Face directory of an architecture `moe-lab convert` reads",
     )
     onnx.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     onnx.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)

@@ -5,8 +5,8 @@
     ort_model = load_onnx("out/onnx")                     # an OrtCausalLM over an ONNX Runtime session
     ort_model.generate(input_ids, max_new_tokens=20)
 
-or ``moe-lab export onnx MODEL_DIR --out DIR``. Hugging Face Mixtral / OLMoE / Qwen2-MoE checkpoints are
-converted exactly with `moe_core.convert.from_hf` first and exported as ``moe_lab``.
+or ``moe-lab export onnx MODEL_DIR --out DIR``. Hugging Face checkpoints (every architecture `moe_core.convert`
+reads) are converted exactly with `moe_core.convert.from_hf` first and exported as ``moe_lab``.
 
 How it works (torch 2.13's ``torch.onnx.export(..., dynamo=True)``: ``torch.export`` in non-strict mode, then
 onnxscript's translation; no optimum, so the lab is not tied to the transformers range optimum-onnx supports):

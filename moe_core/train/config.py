@@ -43,7 +43,7 @@ class ModelSection(_Section):
     # the architecture, preset + overrides the MoE fields, and its weights start every expert
     upcycle_from: str | None = None
     # an MoE checkpoint directory to continue pretraining from (`moe_core.init_from`): ours, or a Hugging Face
-    # Mixtral / OLMoE / Qwen2-MoE; its config.json is the model (overrides: training fields only)
+    # any architecture moe_core.convert reads; its config.json is the model (overrides: training fields only)
     init_from: str | None = None
 
     @field_validator("overrides")

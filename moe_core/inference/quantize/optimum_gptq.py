@@ -42,7 +42,7 @@ def quantize_optimum_gptq(
     """optimum's GPTQ (``optimum.gptq.GPTQQuantizer``) on a GPU, written as a Hugging Face GPTQ checkpoint.
 
     optimum quantizes ``nn.Linear`` modules; our experts are stacked parameters, so the model goes through
-    its Hugging Face architecture first (`moe_core.convert.to_hf`: Mixtral / OLMoE / Qwen2-MoE, one
+    its Hugging Face architecture first (`moe_core.convert.to_hf`, one
     ``nn.Linear`` per expert projection), is quantized there block by block on ``calibration`` (token-id
     batches [B, S]), and is refused if any expert projection stayed in float. The result loads with
     ``AutoModelForCausalLM.from_pretrained`` on a machine with the same backend. Rarely routed experts get
