@@ -208,6 +208,9 @@ def run_command(
     try:
         if getattr(args, "router_modules", None):
             allow_router_modules(args.router_modules)
+        from moe_core.progress import quiet_library_bars
+
+        quiet_library_bars()
         code = int(args.func(args) or 0)
     except (MoELabError, ValueError, FileNotFoundError) as err:
         print(f"moe-lab {args.command}: error: {err}", file=sys.stderr)

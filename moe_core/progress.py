@@ -56,6 +56,19 @@ def resolve_mode(mode: str = "auto", stream=None) -> str:
     return mode
 
 
+def quiet_library_bars(stream=None) -> None:
+    """Off a terminal (``lines`` or ``off``), turn off the tqdm bars of huggingface_hub, transformers and
+    datasets too ("Loading weights", "Writing model shards", downloads): in a log they are carriage-return
+    noise beside the lab's own lines. Set in the environment, so the processes a command starts (torchrun
+    workers, a flow's stages) inherit it; a user's own setting of those variables wins."""
+    if resolve_mode("auto", stream) in ("bar", "widget"):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # huggingface_hub; transformers reads it too
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        sys.modules["transformers"].utils.logging.disable_progress_bar()  # imported already: read at import
+
+
 def format_seconds(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     if seconds < 60:
@@ -98,6 +111,7 @@ class Progress:
         self._t0 = time.perf_counter()
         self._last_line = self._t0
         self._lines_printed = 0
+        self._last_printed_state = None  # (n, postfix) of the last line printed: close() does not repeat it
         self._bar = None
         self._closed = False
         if self.mode in ("bar", "widget"):
@@ -173,6 +187,7 @@ class Progress:
     def _print_line(self, head: str | None = None) -> None:
         self._lines_printed += 1
         self._last_line = time.perf_counter()
+        self._last_printed_state = self._state()
         print(self.line(head), file=self.stream, flush=True)
 
     def print_line(self, head: str | None = None) -> None:
@@ -192,8 +207,12 @@ class Progress:
             and self.mode == "lines"
             and self.n > self._start
             and (self._lines_printed or time.perf_counter() - self._t0 >= min(self.every_s, 2.0))
+            and self._state() != self._last_printed_state
         ):
-            self._print_line()  # the final state; a job done in a blink prints nothing
+            self._print_line()  # the final state, once; a job done in a blink prints nothing
+
+    def _state(self) -> tuple:
+        return self.n, tuple(self.postfix.items())
 
     def __enter__(self) -> Progress:
         return self

@@ -32,6 +32,19 @@ def test_lines_off_a_terminal_carry_rate_eta_and_postfix():
     assert last.startswith("train: 10/10 step (100%)") and "ETA" not in last
 
 
+def test_close_does_not_repeat_the_line_the_last_update_printed():
+    """The ONNX export and the flows' benchmark printed their last line twice: the update reaching the total
+    printed it, then close() printed the same state again."""
+    stream = io.StringIO()
+    bar = Progress(3, "export onnx", unit="stage", stream=stream, every_s=0)
+    bar.stage("a")
+    bar.stage("b")
+    bar.advance_to(3)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line for line in lines if line.startswith("export onnx: 3/3 stage (100%)")] == lines[-1:], lines
+
+
 def test_lines_are_throttled_and_a_blink_prints_nothing():
     stream = io.StringIO()
     with Progress(1000, "fast", stream=stream, every_s=60) as bar:
@@ -142,3 +155,41 @@ def test_training_lines_one_per_logging_step_with_eta():
         lines[0]
     )
     assert lines[1].startswith("step 4/4 (100%)") and "ETA" not in lines[1]
+
+
+def test_off_a_terminal_a_command_turns_the_libraries_bars_off(tmp_path, monkeypatch):
+    """transformers 5 draws "Loading weights" and "Writing model shards" tqdm bars at every load and save: in
+    a flow's log (off a terminal) they were carriage-return noise between the lab's own lines. A command run
+    off a terminal turns them off for itself and the processes it starts; a user's own setting wins."""
+    import subprocess
+    import sys
+
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS", "MOE_LAB_PROGRESS"):
+        monkeypatch.delenv(name, raising=False)
+    code = (
+        "import os, sys, moe_core.cli as c\n"
+        "c.run_command(['convert', 'to-hf', sys.argv[1], '--out', sys.argv[2]], c.COMMANDS, c.build_parser)\n"
+        "import transformers.utils.logging as l\n"
+        "print(os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'), l.is_progress_bar_enabled())\n"
+    )
+    model = tmp_path / "model"
+    from moe_core import MoEForCausalLM, get_config
+
+    MoEForCausalLM(get_config("mixtral-tiny")).save_pretrained(model)
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.stdout.strip().splitlines()[-1] == "1 False", run.stdout + run.stderr
+    assert "Writing model shards" not in run.stderr and "Loading weights" not in run.stderr, run.stderr
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's choice stands
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(tmp_path / "hf2")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.stdout.strip().splitlines()[-1] == "0 True", run.stdout + run.stderr
