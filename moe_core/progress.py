@@ -78,6 +78,11 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def _amount(value: float) -> str:
+    """A count as people read it: 2.447 MB, not the float sum 2.4466710000000003."""
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
 def format_value(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -168,7 +173,12 @@ class Progress:
         before the percentage)."""
         rate = self.rate()
         parts = [
-            head or (f"{self.desc}: {self.n}" + (f"/{self.total}" if self.total else "") + f" {self.unit}")
+            head
+            or (
+                f"{self.desc}: {_amount(self.n)}"
+                + (f"/{_amount(self.total)}" if self.total else "")
+                + f" {self.unit}"
+            )
         ]
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"

@@ -45,6 +45,15 @@ def test_close_does_not_repeat_the_line_the_last_update_printed():
     assert [line for line in lines if line.startswith("export onnx: 3/3 stage (100%)")] == lines[-1:], lines
 
 
+def test_fractional_amounts_print_as_people_read_them():
+    """`data prepare` counts MB as float sums: its lines said 'tokenize: 2.4466710000000003/2.446671 MB'."""
+    stream = io.StringIO()
+    bar = Progress(2.446671, "prepare: tokenize", unit="MB", stream=stream, every_s=0)
+    for _ in range(3):
+        bar.update(0.815557)
+    assert stream.getvalue().splitlines()[-1].startswith("prepare: tokenize: 2.447/2.447 MB (100%)")
+
+
 def test_lines_are_throttled_and_a_blink_prints_nothing():
     stream = io.StringIO()
     with Progress(1000, "fast", stream=stream, every_s=60) as bar:
