@@ -108,9 +108,14 @@ def timed_steps(model, spec: dict) -> dict:
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         print(f"step {len(seconds)}/{spec['warmup'] + spec['steps']}: {seconds[-1]:.2f} s", flush=True)
+    with_state = [p for p in params if optimizer.state.get(p)]
     return {
         "torch_threads": torch.get_num_threads(),
         "trainable_params": sum(p.numel() for p in params),
+        # AdamW makes a parameter's state at its first gradient: a per-expert LoRA module whose expert got no
+        # token yet has none, so until every expert was routed to, a model of per-expert modules holds less
+        # state than it will for the rest of a fine-tune (the share of trainable elements that have one)
+        "optimizer_state_share": sum(p.numel() for p in with_state) / max(1, sum(p.numel() for p in params)),
         "step_s_all": seconds,
         "losses": losses,
     }
@@ -407,7 +412,7 @@ def print_table(figures: dict, raw: dict) -> None:
     header = (
         f"{'variant':<18}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
         f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'max anon':>10}{'x base':>8}{'trainable M':>13}"
-        f"{'loss 0 -> n':>20}"
+        f"{'w/ state':>9}{'loss 0 -> n':>20}"
     )
     print(header)
     base = m["results"].get("baseline", {})
@@ -423,6 +428,7 @@ def print_table(figures: dict, raw: dict) -> None:
             f"{_gib(row.get('rss_anon_gib_at_peak')):>7}{_gib(row.get('rss_file_gib_at_peak')):>7}"
             f"{_gib(ratio_m):>8}{_gib(row.get('peak_anon_gib')):>10}{_gib(ratio_a):>8}"
             f"{row.get('trainable_params', 0) / 1e6:>13.2f}"
+            f"{_gib(row.get('optimizer_state_share')):>9}"
             f"{(f'{losses[0]:.3f} -> {losses[-1]:.3f}' if losses else '-'):>20}"
         )
     for name, row in m["results"].items():
