@@ -30,5 +30,6 @@ def cached_env(home: Path, requirements: list[str], *, system_site_packages: boo
     print(f"building the environment {home} (once) ...", flush=True)
     venv.EnvBuilder(system_site_packages=system_site_packages, with_pip=True).create(tmp)
     subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *requirements], check=True)
-    tmp.rename(home)  # pip and the interpreter run by path from bin/; nothing in the venv records its own path
+    # pip and the interpreter run by path from bin/; nothing they use records the venv's own path
+    tmp.rename(home)
     return str(python)
