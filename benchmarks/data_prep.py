@@ -471,7 +471,8 @@ def datatrove_part(args: argparse.Namespace, work: Path) -> dict:
     }
     print(f"{actual:.1f} MB, {n} processes, datatrove {dt['datatrove']}:")
     print(
-        f"{'':<28}{'s':>8}{'MB/s':>8}{'driver GiB':>12}{'worker GiB':>12}{'tree GiB':>10}{'dups':>7}{'near':>7}{'kept':>8}{'tokens':>10}"
+        f"{'':<28}{'s':>8}{'MB/s':>8}{'driver GiB':>12}{'worker GiB':>12}{'tree GiB':>10}"
+        f"{'dups':>7}{'near':>7}{'kept':>8}{'tokens':>10}"
     )
     for name, row in figures.items():
         print(
