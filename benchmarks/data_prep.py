@@ -19,10 +19,11 @@ runs it, with ``--vocab-size 4000`` and validation on):
            the driving process's own CPU per MB (what bounds a cluster run when the driver reads and scans)
   datatrove  the same work done by datatrove (issue 34 §2): a ``--procs-mb`` corpus with planted copies
            (``--duplicates``), exact and (``--near-dedup``) MinHash deduplication and tokenization with the
-           tokenizer the lab trained on it, by the lab (``--num-proc max(--procs)``, locally and on Ray) and by
-           datatrove's own blocks under its `LocalPipelineExecutor` with ``max(--procs)`` tasks and workers
-           (`child_datatrove`), interleaved: seconds, MB/s, peak RSS of the driver, of the largest worker and
-           of the whole process tree, documents each removed and kept, tokens written, lab / datatrove ratios.
+           tokenizer the lab trained on it, by the lab (``--num-proc max(--procs)``; locally, with and without its
+           validation suite, and on Ray) and by datatrove's own blocks under its `LocalPipelineExecutor` with
+           ``max(--procs)`` tasks and workers (`child_datatrove`), interleaved: seconds, MB/s, peak RSS of the
+           driver, of the largest worker and of the whole process tree, documents each removed and kept,
+           tokens written, lab / datatrove ratios.
            datatrove runs in its own virtual environment, built on first use under
            ``~/.cache/moe-lab/envs/datatrove-<version>-...`` (`DATATROVE`)
 
@@ -166,6 +167,7 @@ def child_prepare(
     part_mb: float | None = None,
     near_dedup: float | None = None,
     tokenizer: str | None = None,
+    validate: bool = True,
 ) -> None:
     from moe_core.data import stream
     from moe_core.data.prepare import PrepareConfig, prepare
@@ -186,6 +188,7 @@ def child_prepare(
         engine=engine,
         near_dedup=near_dedup,
         tokenizer=tokenizer,
+        validate=validate,
     )
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
@@ -409,8 +412,8 @@ def datatrove_part(args: argparse.Namespace, work: Path) -> dict:
     runs it with the tokenizer it trained in a first run (so neither side trains one; that first run is reported
     apart), locally and on Ray (the cluster started before the clock), and datatrove's stages
     (`child_datatrove`) encoding with the same tokenizer.json, on the corpus cut into ``max(--procs)`` files.
-    The lab also does what datatrove's pipeline does not: the validation suite, the train / validation / test
-    split, packing into blocks and checksummed shards."""
+    The lab also does what datatrove's pipeline does not: the validation suite (``lab-no-validation`` leaves it
+    out), the train / validation / test split, packing into blocks and checksummed shards."""
     corpus = make_corpus(
         work / f"corpus-{args.procs_mb:g}MB-dup{args.duplicates:g}.jsonl", args.procs_mb, args.duplicates
     )
@@ -427,6 +430,8 @@ def datatrove_part(args: argparse.Namespace, work: Path) -> dict:
     given = ["--num-proc", str(n), *near, "--tokenizer", str(tokenizer)]
     runs = {
         "lab": (sys.executable, [*lab, str(work / "dt-lab"), *given]),
+        # datatrove's pipeline validates nothing: the lab without its expectation suite, for the like-for-like
+        "lab-no-validation": (sys.executable, [*lab, str(work / "dt-lab-nv"), *given, "--no-validate"]),
         "lab-ray": (sys.executable, [*lab, str(work / "dt-lab-ray"), *given, "--engine", "ray"]),
         "datatrove": (
             python,
@@ -466,7 +471,7 @@ def datatrove_part(args: argparse.Namespace, work: Path) -> dict:
                 "seconds": round(figures[name]["seconds"] / dt["seconds"], 3),
                 "tree_peak_rss": round(figures[name]["tree_peak_rss_gib"] / dt["tree_peak_rss_gib"], 3),
             }
-            for name in ("lab", "lab-ray", "lab-training-its-tokenizer")
+            for name in ("lab", "lab-no-validation", "lab-ray", "lab-training-its-tokenizer")
         },
     }
     print(f"{actual:.1f} MB, {n} processes, datatrove {dt['datatrove']}:")
@@ -533,6 +538,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--eos", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--minhash", type=json.loads, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-validate", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_prepare:
         return child_prepare(
@@ -543,6 +549,7 @@ def main() -> None:
             args.part_mb,
             args.near_dedup,
             args.tokenizer,
+            not args.no_validate,
         )
     if args.child_datatrove:
         return child_datatrove(*args.child_datatrove, args.num_proc, args.tokenizer, args.eos, args.minhash)
