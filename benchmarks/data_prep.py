@@ -3,7 +3,7 @@ scaling, and the tokenizer library's own batch throughput, measured in one run.
 
 Corpora: jsonl files of unique documents, each a header line ("document N: <stdlib file>:<line>") followed by a
 run of 20-80 lines of the running interpreter's standard library (cycled for large sizes), written once per
-size under ``--work-dir`` (reused when present).
+size under ``--work-dir`` (reused when present); the datatrove part's with planted copies (`make_corpus`).
 
 Parts (each preparation runs in a child process of its own, one at a time: ``moe-lab data prepare`` as a user
 runs it, with ``--vocab-size 4000`` and validation on):
@@ -52,14 +52,12 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # the sibling modules, also when loaded from its path
+# Only the standard library at the top (the sibling modules are standard library too): this file is also the
+# children's program, and the datatrove child runs under datatrove's own environment, where the lab is not
+# installed. The siblings are found also when this file is loaded from its path (the tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child_memory import TreeMemory  # noqa: E402
 from envs import ENVS_ROOT, cached_env  # noqa: E402
-
-# Only the standard library at the top: this file is also the children's program, and the datatrove child runs
-# under datatrove's own environment, where the lab is not installed.
 
 GIB = 2**30
 HERE = Path(__file__).resolve()
