@@ -7,7 +7,10 @@ when it forked the child, which hides a child smaller than its parent), the chil
 (``VmHWM``), the anonymous and file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen, and
 the largest anonymous part seen: with a memory-mapped checkpoint larger than free memory, how much of the file
 stays mapped at the peak moment is the kernel's page reclaim, so the anonymous peak is what the process itself
-needs."""
+needs.
+
+`TreeMemory` watches a process's whole tree from inside it instead (`data_prep.py`'s children: a pool's or a
+cluster's workers)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import os
 import platform
 import signal
 import subprocess
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -55,6 +59,62 @@ def machine(packages: tuple[str, ...]) -> dict:
         "python": platform.python_version(),
         **{name: metadata.version(name) for name in packages},
     }
+
+
+def descendant_pids(root: int) -> list[int]:
+    """The processes now alive below ``root`` (children, their children, ...), from the parent id in every
+    ``/proc/<pid>/stat``; [] off Linux."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+class TreeMemory:
+    """While the ``with`` block runs, a thread samples this process's descendants every ``poll_s``: the
+    largest high-water mark (``VmHWM``) of any one of them, and the largest sum of resident sets (``VmRSS``)
+    over this process and all of them at one moment. A pool's or a cluster's workers are grandchildren or
+    outlive the block (a forkserver's, Ray's), so ``RUSAGE_CHILDREN`` misses them; a process that lives less
+    than ``poll_s`` may be missed here."""
+
+    def __init__(self, poll_s: float = 0.1) -> None:
+        self.poll_s = poll_s
+        self.worker_peak_kib = self.tree_peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        total = proc_status_kib().get("VmRSS", 0)
+        for pid in descendant_pids(os.getpid()):
+            status = proc_status_kib(pid)
+            self.worker_peak_kib = max(self.worker_peak_kib, status.get("VmHWM", 0))
+            total += status.get("VmRSS", 0)
+        self.tree_peak_kib = max(self.tree_peak_kib, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.sample()
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()  # what is still alive at the end (a cluster's workers)
 
 
 def watch_child(command: list[str], env: dict[str, str], log_path: Path, max_rss_gib: float | None) -> dict:

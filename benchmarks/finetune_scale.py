@@ -57,7 +57,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +66,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded from its path
 import child_memory  # noqa: E402
 from child_memory import GIB, proc_status_kib, watch_child  # noqa: E402
+from envs import cached_env  # noqa: E402
 
 # Only the standard library at the top: this file is also the children's program, and the baseline child may
 # run under another interpreter (--baseline-python: an environment pinned to another transformers) where only
@@ -334,30 +334,14 @@ BASELINE_ENVS = {
 
 def baseline_env(name: str, cache_dir: str | None) -> str:
     """The interpreter of environment ``name`` (`BASELINE_ENVS`), built on first use under the published
-    cache's sibling ``envs/`` (pip from the package index; the torch this script runs under is kept: a
-    constraint pins it). Built in a temporary directory and renamed, so a killed build leaves nothing used."""
-    import venv
-
+    cache's sibling ``envs/`` (`envs.cached_env`; the torch this script runs under is kept: a constraint pins
+    it, and the environment sees this one's site-packages)."""
     from moe_core.published import cache_root
 
-    root = cache_root(cache_dir).parent / "envs"
-    home = root / f"{name}-{'-'.join(r.split('==')[1] for r in BASELINE_ENVS[name] if '==' in r)}"
-    python = home / "bin" / "python"
-    if python.exists():
-        return str(python)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
-    print(f"building the baseline's environment {home} (once) ...", flush=True)
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(tmp)
-    torch_pin = f"torch=={metadata.version('torch')}"
-    subprocess.run(
-        [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", *BASELINE_ENVS[name], torch_pin],
-        check=True,
-    )
-    tmp.rename(
-        home
-    )  # pip and the interpreter run by path from bin/; nothing in the venv records its own path
-    return str(python)
+    pins = "-".join(r.split("==")[1] for r in BASELINE_ENVS[name] if "==" in r)
+    home = cache_root(cache_dir).parent / "envs" / f"{name}-{pins}"
+    requirements = [*BASELINE_ENVS[name], f"torch=={metadata.version('torch')}"]
+    return cached_env(home, requirements, system_site_packages=True)
 
 
 def warm_page_cache(directory: Path) -> bool:
