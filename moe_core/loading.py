@@ -64,6 +64,7 @@ from moe_core.quantized import QUANT_FILE, load_quantized
 from moe_core.reward_model import REWARD_ARCHITECTURE, MoEForSequenceClassification, reward_model_from
 from moe_core.task_bias import TaskRouterBias
 from moe_core.train import checkpoint as ckpt_io
+from moe_core.transformers_seam import old_checkpointing_names_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +375,8 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
             if "score" in (_adapter_config(directory).get("modules_to_save") or []):
                 # a reward model's adapter (objective=reward): its score head is saved with it, in full
                 model = reward_model_from(model)
-            peft_model = PeftModel.from_pretrained(model, str(directory))
+            with old_checkpointing_names_quiet():
+                peft_model = PeftModel.from_pretrained(model, str(directory))
             _check_adapter_covered(peft_model, weights)
             restore_router_biases(
                 peft_model, weights

@@ -8,17 +8,45 @@
   (`moe_core.config.model_fields` accepts them); their values are what ``generate`` uses for a field a
   generation_config.json leaves unset (`generation_default`, for the lab's ONNX Runtime ``generate``).
 
-tests/test_transformers_seam.py fails loudly when an upgrade moves or renames either.
+And one deprecation the lab's libraries trip over: transformers 5.24 renamed gradient checkpointing to
+activation checkpointing (``modeling_utils.py``: ``is_gradient_checkpointing``,
+``gradient_checkpointing_enable`` / ``_disable`` warn with a FutureWarning at every use). The lab uses the new
+names; PEFT 0.21 (``PeftModel.__init__``) and TRL 1.16 (``trl/models/utils.py``) still call the old ones, so
+every fine-tune printed warnings about names the user never typed. `old_checkpointing_names_quiet` silences
+those warnings alone, around the PEFT and TRL calls that make them.
+
+tests/test_transformers_seam.py fails loudly when an upgrade moves or renames any of these.
 """
 
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 from transformers import GenerationConfig
 from transformers.initialization import no_init_weights
 
 UPSTREAM = "transformers 5.24 (initialization.py, generation/configuration_utils.py)"
 
-__all__ = ["UPSTREAM", "generation_default", "generation_default_keys", "no_init_weights"]
+__all__ = [
+    "UPSTREAM",
+    "generation_default",
+    "generation_default_keys",
+    "no_init_weights",
+    "old_checkpointing_names_quiet",
+]
+
+# the start of transformers 5.24's FutureWarning for each old name (`old_checkpointing_names_quiet`)
+OLD_CHECKPOINTING_NAMES = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated"
+
+
+@contextlib.contextmanager
+def old_checkpointing_names_quiet():
+    """Run PEFT's or TRL's code without transformers' FutureWarnings about the old checkpointing names they use
+    (only those)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OLD_CHECKPOINTING_NAMES, category=FutureWarning)
+        yield
 
 
 def generation_default_keys() -> set[str]:

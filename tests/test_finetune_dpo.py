@@ -64,3 +64,29 @@ def test_dpo_raises_the_reward_margin_and_keeps_the_router_losses(tmp_path):
         math.log(2) + 0.05 * first["aux_loss"] + 0.01 * first["z_loss"], abs=2e-4
     )
     assert rows[-1]["rewards/margins"] > 0
+
+
+def test_a_checkpointed_lora_dpo_run_warns_nothing_about_checkpointing_names(tmp_path):
+    """transformers 5.24 renamed gradient checkpointing to activation checkpointing: the lab passed the old
+    TrainingArguments name, and TRL 1.16 reads the old model property (`trl_seam.trl_reads_deprecated_names`),
+    so every fine-tune printed two FutureWarnings about names the user never typed."""
+    import warnings
+
+    config = FinetuneConfig.build(
+        {
+            "objective": "dpo",
+            "method": "lora",
+            "steps": 2,
+            "batch_size": 2,
+            "gradient_checkpointing": True,
+            "export": {"merged": False},
+        }
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = finetune(
+            config, tmp_path, model=tiny_model(), tokenizer=tiny_tokenizer(), records=preference_records(4)
+        )
+    assert result.report is not None
+    said = [str(w.message) for w in caught if "checkpointing" in str(w.message)]
+    assert not said, said

@@ -206,7 +206,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_including_aux_loss():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     plain = grads()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed = grads()
     assert model.model.gradient_checkpointing
     router_grad = "model.layers.0.mlp.router.gate.weight"

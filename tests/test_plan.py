@@ -52,7 +52,7 @@ def test_activation_formula_matches_saved_tensors(preset, overrides, B, S, ckpt)
     torch.manual_seed(0)
     model = MoEForCausalLM(config).train()
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ids_BS = torch.randint(0, config.vocab_size, (B, S))
     measured = saved_bytes(model, ids_BS)
     predicted = sum(plan.activation_parts(config, B, S, checkpointing=ckpt).values())

@@ -41,3 +41,27 @@ def test_unset_sampling_fields_take_generates_defaults():
     assert (unset.temperature, unset.top_k, unset.top_p) == (None, None, None)
     assert [generation_default(unset, k) for k in ("temperature", "top_k", "top_p")] == [1.0, 50, 1.0]
     assert generation_default(GenerationConfig(top_k=3), "top_k") == 3
+
+
+def test_the_old_checkpointing_names_still_warn_with_the_text_the_seam_silences():
+    """If transformers drops the old names (v6) or rewords the warning, this fails: then the seam can go, or
+    its pattern needs the new text."""
+    import re
+    import warnings
+
+    from moe_core import MoEForCausalLM, get_config
+    from moe_core.transformers_seam import OLD_CHECKPOINTING_NAMES, old_checkpointing_names_quiet
+
+    model = MoEForCausalLM(get_config("mixtral-tiny"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not model.is_gradient_checkpointing
+        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_disable()
+    said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(said) == 3 and all(re.match(OLD_CHECKPOINTING_NAMES, text) for text in said), said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with old_checkpointing_names_quiet():
+            assert not model.is_gradient_checkpointing
+    assert not caught

@@ -74,6 +74,7 @@ from moe_core.errors import MoELabError
 from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
 from moe_core.finetune.selection_bias import saved_router_biases
 from moe_core.task_bias import unwrap
+from moe_core.transformers_seam import old_checkpointing_names_quiet
 
 PREFIX = "base_model.model."  # PEFT's prefix of every key in adapter_model.safetensors
 CONFIG_FILE = "adapter_config.json"
@@ -335,7 +336,7 @@ def split_gate_up(
 def hf_layout(config: MoEConfig, arch: HFArchitecture, lora_config: LoraConfig):
     """Stock PEFT's own layout of ``lora_config`` on the transformers 5 model of ``config`` (built on the meta
     device: no memory): ``({ParamWrapper key prefix: the parameter it adapts}, {adapter key: shape})``."""
-    with torch.device("meta"):
+    with torch.device("meta"), old_checkpointing_names_quiet():
         hf_model = AutoModelForCausalLM.from_config(config_to_hf(config, arch))
         peft_model = get_peft_model(hf_model, copy.deepcopy(lora_config))
     wrappers = {name: _stack_name(name, wrapper) for name, wrapper in _param_wrappers(peft_model).items()}
@@ -763,7 +764,10 @@ def apply_hf_adapter(model, directory: str | Path, adapter_name: str = "default"
         modules_to_save=sorted(saved_modules) or None,
         base_model_name_or_path=raw.get("base_model_name_or_path"),
     )
-    peft_model = into if into is not None else get_peft_model(model, lora_config, adapter_name=adapter_name)
+    if into is None:
+        with old_checkpointing_names_quiet():
+            into = get_peft_model(model, lora_config, adapter_name=adapter_name)
+    peft_model = into
     for name, wrapper in _param_wrappers(peft_model).items():
         stack = _stack_name(name, wrapper)
         if stack not in expert_factors:

@@ -36,6 +36,7 @@ from moe_core.frozen_linear import use_frozen_linears
 from moe_core.mapped import MappedExperts
 from moe_core.quantized import QuantizedExperts
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
+from moe_core.transformers_seam import old_checkpointing_names_quiet
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -261,7 +262,8 @@ def apply_lora(
     if routed:
         expert_lora.register(peft_config)
     use_frozen_linears(model)  # bf16/fp16 on CPU: the frozen base's input gradients on their fast kernel
-    peft_model = get_peft_model(model, peft_config)
+    with old_checkpointing_names_quiet():
+        peft_model = get_peft_model(model, peft_config)
     if quantized and target_parameters:
         expert_lora.inject(peft_model, target_parameters)
     mask = None

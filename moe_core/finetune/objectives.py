@@ -746,8 +746,9 @@ class MoERewardTrainer(PerRankCheckpoints, _MoEMetrics, RewardTrainer):
 # ------------------------------------------------------------------------------------------------ build
 def trainer_args(config: FinetuneConfig, out_dir, **extra):
     """SFTConfig / DPOConfig from our config: CPU or the one visible GPU, no reporting integrations,
-    checkpoints every ``checkpoint.every`` steps (per rank: `moe_core.finetune.trainer_seam`). ``extra`` overrides a field: `finetune` passes the
-    ``gradient_checkpointing`` it resolved for the model's size (`moe_core.finetune.sizing`)."""
+    checkpoints every ``checkpoint.every`` steps (per rank: `moe_core.finetune.trainer_seam`). ``extra`` overrides a
+    field: `finetune` passes the ``activation_checkpointing`` it resolved for the model's size
+    (`moe_core.finetune.sizing`; transformers 5.24's name, ``gradient_checkpointing`` is its deprecated alias)."""
     common = dict(
         output_dir=str(out_dir),
         max_steps=config.steps,
@@ -774,12 +775,12 @@ def trainer_args(config: FinetuneConfig, out_dir, **extra):
         max_length=config.data.max_length,
         remove_unused_columns=False,
         logging_nan_inf_filter=False,  # FiniteStepGuard skips and counts bad steps; no stand-in losses
-        gradient_checkpointing=bool(config.gradient_checkpointing),
+        activation_checkpointing=bool(config.gradient_checkpointing),
     )
     common.update(extra)
-    if common["gradient_checkpointing"]:
+    if common["activation_checkpointing"]:
         # non-reentrant, as pretraining uses (moe_core.train.loop): works with a frozen embedding under LoRA
-        common.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})
+        common.setdefault("activation_checkpointing_kwargs", {"use_reentrant": False})
     if config.objective == "sft":
         return SFTConfig(completion_only_loss=config.completion_only, packing=False, **common)
     if config.objective == "reward":

@@ -114,6 +114,7 @@ from moe_core.reward_model import MoEForSequenceClassification, reward_model_fro
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
 from moe_core.train.telemetry import JsonlSink, read_jsonl
+from moe_core.transformers_seam import old_checkpointing_names_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -731,7 +732,7 @@ def run_training(
         args=trainer_args(
             config,
             out_dir / "trainer",
-            gradient_checkpointing=inputs.size.gradient_checkpointing,
+            activation_checkpointing=inputs.size.gradient_checkpointing,
             **extra_args,
         ),
         processing_class=inputs.tokenizer,
@@ -743,7 +744,7 @@ def run_training(
     trainer = None
     try:
         plain = inputs.framing.kind == PLAIN
-        with quiet_datasets():
+        with quiet_datasets(), old_checkpointing_names_quiet():
             dataset = objective_dataset(
                 config.objective,
                 inputs.records,
@@ -789,7 +790,7 @@ def run_training(
         if place.checkpoints is not None:
             trainer.use_checkpoints(place.checkpoints, out_dir / "metrics.jsonl" if place.is_main else None)
         resume_from = str(place.resume_from) if place.resume_from is not None else None
-        with stop.installed():
+        with stop.installed(), old_checkpointing_names_quiet():
             trainer.train(resume_from_checkpoint=resume_from)
     finally:
         jsonl.close()

@@ -284,7 +284,7 @@ class Trainer:
         # initializes only what it owns (`build.py`: the same initial weights at every layout for a seed)
         model = build_meta_model(self.model_config)
         if config.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         # the load-balancing statistics' scope: every rank's tokens are its own, so the data-parallel group of
         # the router losses is the world (expert-parallel peers route different tokens too)
         model.load_balance = LoadBalance(
