@@ -273,11 +273,22 @@ class RunData:
         return found if isinstance(found, str) else None
 
     def is_live(self) -> bool:
+        """Its event file changed in the last `LIVE_SECONDS`, and it has not finished since: a training run
+        writes ``final/`` and a fine-tune ``summary.json`` after its last event (a run resumed later writes
+        events after them again)."""
         try:
             mtime = self.tail.path.stat().st_mtime
         except FileNotFoundError:
             return False
-        return time.time() - mtime < LIVE_SECONDS
+        if time.time() - mtime >= LIVE_SECONDS:
+            return False
+        for marker in (self.path / "final", self.path / "summary.json"):
+            try:
+                if marker.stat().st_mtime >= mtime:
+                    return False
+            except FileNotFoundError:
+                continue
+        return True
 
     def config(self) -> dict | None:
         """The training config (from the newest checkpoint that has one); numbers and names, no text."""

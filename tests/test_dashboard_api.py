@@ -484,3 +484,22 @@ def test_a_dense_baseline_is_marked_in_the_listing(runs_root, tmp_path):
         ("lifecycle/dense-active", "active"),  # the newest event file
         ("lifecycle/pretrain", None),
     ]
+
+
+def test_a_run_that_finished_is_not_live_however_recent(tmp_path):
+    """The README's `moe-lab train ... --dashboard` run, opened seconds after it finished, was listed as live
+    (its event file had changed within LIVE_SECONDS): a training run's final/ and a fine-tune's summary.json
+    are written after the last event, so a run holding one newer than its events has ended; one resumed later
+    writes events after them and is live again."""
+    root = tmp_path / "runs"
+    for name in ("training", "trained", "finetuned", "resumed"):
+        (root / name).mkdir(parents=True)
+        (root / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (root / "trained" / "final").mkdir()
+    (root / "finetuned" / "summary.json").write_text("{}")
+    (root / "resumed" / "final").mkdir()
+    earlier = os.stat(root / "resumed" / "final").st_mtime - 5
+    os.utime(root / "resumed" / "final", (earlier, earlier))
+    with TestClient(create_app([root])) as client:
+        live = {r["name"]: r["live"] for r in client.get("/api/runs").json()["runs"]}
+    assert live == {"training": True, "trained": False, "finetuned": False, "resumed": True}
