@@ -84,22 +84,32 @@ EXPERTS_MARK = ".mlp.experts."
 
 class _LowRankDelta(torch.autograd.Function):
     """``s (x A^T) B^T`` for one expert's LoRA factors ``A`` [R, I] and ``B`` [O, R] (fp32 parameters, or views of
-    them) on activations ``x`` [N, I] of a lower precision, computed in the factors' precision as PEFT's LoRA
-    layer computes it (``x`` cast up, the result cast back to ``x``'s dtype): only ``x`` (as given) and
-    ``u = x A^T`` [N, R] are kept, the up-cast ``x`` is made again in backward. Autograd on the same products
-    would keep every expert's fp32 copy of its tokens. Computing in bf16 instead (cast factors) ran each
-    expert's LoRA products through oneDNN, whose primitive cache keeps one primitive per distinct token count:
-    0.27 GiB more resident at OLMoE-1B-7B's full size after one step (measured with the cache off), and
-    autograd kept the cast factors (150 MiB)."""
+    them) on activations ``x`` [N, I], computed in the factors' precision as PEFT's LoRA layer computes it
+    (``x`` cast up, the result cast back to ``x``'s dtype): only ``x`` (as given), ``u = x A^T`` [N, R] and the
+    factors as given (views of the parameters: no memory of their own) are kept; the up-cast ``x`` is made again
+    in backward. Autograd on the same products would keep every expert's fp32 copy of its tokens. Computing in
+    bf16 instead (cast factors) ran each expert's LoRA products through oneDNN, whose primitive cache keeps one
+    primitive per distinct token count: 0.27 GiB more resident at OLMoE-1B-7B's full size after one step
+    (measured with the cache off), and autograd kept the cast factors (150 MiB).
+
+    ``B_read``: the same values as ``B_OR`` in a faster layout for the forward's read (`ExpertLoRA.unbound`'s
+    contiguous copy of the layer's stack), never kept: saving it kept every layer's copy from its forward to
+    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size, the bulk of the lab's excess over per-expert PEFT
+    modules there). Backward reads ``B_OR`` itself, once per expert."""
 
     @staticmethod
     def forward(
-        ctx, x_NI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor, scale: float
+        ctx,
+        x_NI: torch.Tensor,
+        A_RI: torch.Tensor,
+        B_OR: torch.Tensor,
+        scale: float,
+        B_read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         u_NR = F.linear(x_NI.to(A_RI.dtype), A_RI)
         ctx.save_for_backward(x_NI, u_NR, A_RI, B_OR)
         ctx.scale = scale
-        return (F.linear(u_NR, B_OR) * scale).to(x_NI.dtype)
+        return (F.linear(u_NR, B_OR if B_read is None else B_read) * scale).to(x_NI.dtype)
 
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
@@ -109,19 +119,26 @@ class _LowRankDelta(torch.autograd.Function):
         grad_B = grad_NO.t().mm(u_NR) if ctx.needs_input_grad[2] else None
         grad_x = grad_u_NR.mm(A_RI).to(x_NI.dtype) if ctx.needs_input_grad[0] else None
         grad_A = grad_u_NR.t().mm(x_NI.to(A_RI.dtype)) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_A, grad_B, None
+        return grad_x, grad_A, grad_B, None, None
 
 
-def low_rank_delta(x_NI: torch.Tensor, A_RI: torch.Tensor, B_OR: torch.Tensor, scale: float) -> torch.Tensor:
+def low_rank_delta(
+    x_NI: torch.Tensor,
+    A_RI: torch.Tensor,
+    B_OR: torch.Tensor,
+    scale: float,
+    B_read: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``scale * (x A^T) B^T`` [N, O] in ``x``'s dtype, computed in the factors' dtype (as PEFT does);
-    `_LowRankDelta` when a gradient is wanted and the dtypes differ, else the plain products."""
+    `_LowRankDelta` when a gradient is wanted, else the plain products. ``B_read``: ``B_OR``'s values in a
+    faster layout, read by the forward only (see `_LowRankDelta`)."""
     if (
         torch.is_grad_enabled()
         and x_NI.dim() == 2
-        and A_RI.dtype != x_NI.dtype
         and (x_NI.requires_grad or A_RI.requires_grad or B_OR.requires_grad)
     ):
-        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale)
+        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale, B_read)
+    B_OR = B_OR if B_read is None else B_read
     return (F.linear(F.linear(x_NI.to(A_RI.dtype), A_RI), B_OR) * scale).to(x_NI.dtype)
 
 
@@ -138,12 +155,16 @@ class ExpertLoRA:
 
     factors: dict[str, tuple[tuple[torch.Tensor, torch.Tensor, float], ...]]
 
-    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, float], ...]]:
+    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, tuple, float], ...]]:
         """Per-expert views of every factor, made once per layer for a loop over experts (one gradient per
-        stack, as `StackedExperts.unbound`). ``B`` is copied once, contiguous: PEFT's ``[O, R*E]`` layout puts an
-        expert's ``B_e`` on every cache line of the parameter, too slow to read expert by expert."""
+        stack, as `StackedExperts.unbound`), and of a contiguous copy of ``B`` for the forward's reads: PEFT's
+        ``[O, R*E]`` layout puts an expert's ``B_e`` on every cache line of the parameter, slow to read expert by
+        expert. The copy is detached and lives as long as these views (one layer's forward); gradients and
+        backward go through the views of the parameter (`_LowRankDelta`)."""
         return {
-            p: tuple((A.unbind(0), B.contiguous().unbind(0), s) for A, B, s in per_adapter)
+            p: tuple(
+                (A.unbind(0), B.unbind(0), B.detach().contiguous().unbind(0), s) for A, B, s in per_adapter
+            )
             for p, per_adapter in self.factors.items()
         }
 
@@ -152,8 +173,8 @@ class ExpertLoRA:
         """``sum_a s_a (x A_ae^T) B_ae^T`` [N, O] for expert ``e`` from `unbound`'s views; None when ``p`` is not
         adapted."""
         out_NO = None
-        for A_E, B_E, s in views.get(p, ()):
-            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s)
+        for A_E, B_E, B_read_E, s in views.get(p, ()):
+            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e])
             out_NO = term_NO if out_NO is None else out_NO + term_NO
         return out_NO
 

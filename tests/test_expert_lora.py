@@ -330,3 +330,47 @@ def test_the_low_rank_delta_equals_peft_s_products_and_keeps_no_up_cast_activati
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert ours_kept == N * R * 4  # u, in fp32
     assert peft_kept >= ours_kept + N * I * 4  # the test can fail: autograd keeps x in fp32
+
+
+def test_the_per_expert_loop_keeps_no_copy_of_b_for_backward():
+    """`ExpertLoRA.unbound` copies each B stack contiguous for the forward's per-expert reads; autograd used to
+    keep that copy from every layer's forward to its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size).
+    Now only views of the parameters are kept, and the gradients are those of plain autograd on the parameter."""
+    from moe_core.experts import ExpertLoRA
+
+    E, N, I, O, R, scale = 6, 4, 32, 48, 8, 2.0
+    g = torch.Generator().manual_seed(0)
+    A_param = torch.randn(E * R, I, generator=g).requires_grad_()  # PEFT's ParamWrapper layouts
+    B_param = torch.randn(O, E * R, generator=g).requires_grad_()
+    xs = [torch.randn(N, I, generator=g).bfloat16() for _ in range(E)]
+
+    def factors():
+        return ExpertLoRA(
+            {"up_proj": ((A_param.view(E, R, I), B_param.view(O, R, E).permute(2, 0, 1), scale),)}
+        )
+
+    own = {t.untyped_storage().data_ptr() for t in (A_param, B_param, *xs)}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        views = factors().unbound()
+        deltas = [ExpertLoRA.delta(views, "up_proj", e, x) for e, x in enumerate(xs)]
+        del views
+    sum(d.float().square().sum() for d in deltas).backward()
+    ours = A_param.grad.clone(), B_param.grad.clone()
+    assert sum(kept.values()) == E * N * R * 4  # each expert's u = x A^T in fp32, and nothing else
+
+    A_param.grad = B_param.grad = None
+    A_ERI, B_EOR, _ = factors().factors["up_proj"][0]
+    linear = torch.nn.functional.linear
+    sum(
+        (linear(linear(x.float(), A_ERI[e]), B_EOR[e]) * scale).bfloat16().float().square().sum()
+        for e, x in enumerate(xs)
+    ).backward()
+    torch.testing.assert_close(ours[0], A_param.grad, atol=0, rtol=0)
+    torch.testing.assert_close(ours[1], B_param.grad, atol=0, rtol=0)
