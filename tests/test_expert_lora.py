@@ -2,6 +2,8 @@
 ``ParamWrapper`` forward (a dense delta per stack): equal outputs and gradients, the same adapter on disk, PEFT's
 switches honoured, and no [E, O, I] tensor formed in the forward."""
 
+import contextlib
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel
@@ -297,6 +299,21 @@ def test_bf16_lora_on_cpu_swaps_the_frozen_linears_and_trains_the_same(transpose
             torch.testing.assert_close(grads[name], param.grad.float(), atol=2e-2, rtol=5e-2, msg=name)
 
 
+@contextlib.contextmanager
+def kept_by_autograd(*inputs: torch.Tensor):
+    """{storage: bytes} of what autograd saves for backward inside the block, apart from ``inputs``' storages."""
+    own = {t.untyped_storage().data_ptr() for t in inputs}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield kept
+
+
 def test_the_low_rank_delta_equals_peft_s_products_and_keeps_no_up_cast_activations():
     """`low_rank_delta` (fp32 factors, bf16 activations: a fine-tune of a bf16 base) gives the outputs and
     gradients of PEFT's LoRA layer (``x`` cast to the factors' dtype, the result cast back) bitwise, and keeps for
@@ -309,15 +326,7 @@ def test_the_low_rank_delta_equals_peft_s_products_and_keeps_no_up_cast_activati
         x = torch.randn(N, I, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
         A = torch.randn(R, I, generator=torch.Generator().manual_seed(2)).requires_grad_()
         B = torch.randn(O, R, generator=torch.Generator().manual_seed(3)).requires_grad_()
-        own = {t.untyped_storage().data_ptr() for t in (x, A, B)}
-        kept: dict[int, int] = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in own:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with kept_by_autograd(x, A, B) as kept:
             y = fn(x, A, B)
         y.float().square().sum().backward()
         return y, x.grad, A.grad, B.grad, sum(kept.values())
@@ -349,15 +358,7 @@ def test_the_per_expert_loop_keeps_no_copy_of_b_for_backward():
             {"up_proj": ((A_param.view(E, R, I), B_param.view(O, R, E).permute(2, 0, 1), scale),)}
         )
 
-    own = {t.untyped_storage().data_ptr() for t in (A_param, B_param, *xs)}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in own:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_by_autograd(A_param, B_param, *xs) as kept:
         views = factors().unbound()
         deltas = [ExpertLoRA.delta(views, "up_proj", e, x) for e, x in enumerate(xs)]
         del views

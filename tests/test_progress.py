@@ -185,20 +185,15 @@ def test_off_a_terminal_a_command_turns_the_libraries_bars_off(tmp_path, monkeyp
     from moe_core import MoEForCausalLM, get_config
 
     MoEForCausalLM(get_config("mixtral-tiny")).save_pretrained(model)
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(model), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def convert(out: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-c", code, str(model), str(tmp_path / out)]
+        return subprocess.run(args, capture_output=True, text=True, timeout=300)
+
+    run = convert("hf")
     assert run.stdout.strip().splitlines()[-1] == "1 False", run.stdout + run.stderr
     assert "Writing model shards" not in run.stderr and "Loading weights" not in run.stderr, run.stderr
 
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the user's choice stands
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(model), str(tmp_path / "hf2")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = convert("hf2")
     assert run.stdout.strip().splitlines()[-1] == "0 True", run.stdout + run.stderr
