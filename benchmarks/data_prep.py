@@ -12,7 +12,7 @@ runs it, with ``--vocab-size 4000`` and validation on):
            (targets: peak RSS at 320 MB within 1.3x of 40 MB's, s/MB within 1.25x)
   procs    the ``--procs-mb`` corpus prepared with each ``--procs`` value, interleaved over ``--rounds`` rounds
            (target: 2 processes >= 1.7x faster than 1 on 2 idle cores), MB/s per core; beside it the
-           tokenizer's own ``encode_batch`` on the same text with one thread (``TOKENIZERS_PARALLELISM=false``),
+           tokenizer's own ``encode_batch_fast`` on the same text with one thread (``TOKENIZERS_PARALLELISM=false``),
            the bound of the tokenize stage per core
   engines  the ``--procs-mb`` corpus prepared by one local process and on a local Ray cluster of
            ``max(--procs)`` CPUs (started before the clock; parts of ``--part-mb``), interleaved: seconds, and
@@ -355,7 +355,8 @@ def _document_text(doc) -> str:  # ExactDedupConfig hashes what this returns (it
 
 
 def child_encode(corpus: str, tokenizer_dir: str, megabytes: float) -> None:
-    """The tokenizer library alone: ``encode_batch`` over the corpus's first ``megabytes`` MB, in batches."""
+    """The tokenizer library alone: ``encode_batch_fast`` (ids without offsets, what `prepare` calls) over the
+    corpus's first ``megabytes`` MB, in batches."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
@@ -368,7 +369,7 @@ def child_encode(corpus: str, tokenizer_dir: str, megabytes: float) -> None:
                 break
     t0 = time.perf_counter()
     for start in range(0, len(texts), 1024):
-        tok.encode_batch(texts[start : start + 1024], add_special_tokens=False)
+        tok.encode_batch_fast(texts[start : start + 1024], add_special_tokens=False)
     print(json.dumps({"seconds": time.perf_counter() - t0, "mb": size / 1e6}))
 
 

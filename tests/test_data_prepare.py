@@ -115,6 +115,19 @@ def test_corrupt_shard_is_detected_and_overwrite_repairs(tmp_path):
         PackedTokens(out, "train")
 
 
+def test_the_encoder_gives_the_tokenizer_s_ids(prepared):
+    """`Encoder` tokenizes with ``encode_batch_fast`` (no offsets): the ids of the transformers tokenizer a model
+    trains with, on text with unicode, runs of spaces, tabs and newlines, and an empty document."""
+    from moe_core.data.encode import Encoder
+
+    tok = AutoTokenizer.from_pretrained(prepared / "tokenizer")
+    texts = ["def f(x):\n\treturn x  # é ü 中文", "", "   leading and trailing   ", "line\n\n\nbreaks\r\n"]
+    encoder = Encoder((prepared / "tokenizer" / "tokenizer.json").read_text(), tok.eos_token_id, True)
+    (tokens, _, documents), *_ = encoder.encode(texts, [0] * len(texts), [0] * len(texts))
+    want = [i for ids in tok(texts, add_special_tokens=False)["input_ids"] for i in [*ids, tok.eos_token_id]]
+    assert documents == len(texts) and tokens.tolist() == want
+
+
 def test_local_jsonl_dedup_uint32_and_existing_tokenizer(tmp_path, prepared):
     path = tmp_path / "docs.jsonl"
     rows = [{"body": f"local document {i} " + "words " * 40} for i in range(20)]
