@@ -94,8 +94,8 @@ class _LowRankDelta(torch.autograd.Function):
 
     ``B_read``: the same values as ``B_OR`` in a faster layout for the forward's read (`ExpertLoRA.unbound`'s
     contiguous copy of the layer's stack), never kept: saving it kept every layer's copy from its forward to
-    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size, the bulk of the lab's excess over per-expert PEFT
-    modules there). Backward reads ``B_OR`` itself, once per expert."""
+    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size). Backward reads ``B_OR`` itself, once per
+    expert."""
 
     @staticmethod
     def forward(

@@ -64,7 +64,8 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     # our checkpoint directory (config.json with model_type "moe_lab"), or a Hugging Face checkpoint directory or
-    # hub id of an architecture moe_core.convert reads (converted exactly with moe_core.convert.from_hf; exported back as that architecture)
+    # hub id of an architecture moe_core.convert reads (converted exactly with moe_core.convert.from_hf; exported
+    # back as that architecture)
     path: str | None = None
     tokenizer: str | None = (
         None  # a tokenizer directory or prepared-data directory; default: the model's directory

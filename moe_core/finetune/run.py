@@ -4,9 +4,9 @@
     result = finetune(FinetuneConfig.load("finetune.yaml"), out_dir="runs/ft")
 
 Base models: our checkpoints load as they are; Hugging Face checkpoints of any architecture `moe_core.convert`
-reads (a local directory or a hub id) go through the exact converter (`moe_core.convert.from_hf`), so every architecture trains
-through one code path: the same LoRA targets on the stacked experts, our router losses in the objective, routing
-telemetry, and an exact export back to the architecture it came from (`<out>/hf`).
+reads (a local directory or a hub id) go through the exact converter (`moe_core.convert.from_hf`), so every
+architecture trains through one code path: the same LoRA targets on the stacked experts, our router losses in
+the objective, routing telemetry, and an exact export back to the architecture it came from (`<out>/hf`).
 
 `finetune` runs four steps, each a function with a typed result that the next one takes: `load_inputs` (base
 model, tokenizer, rows) -> `select_parameters` (the method: what trains, what stays frozen) -> `run_training`
