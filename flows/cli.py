@@ -1,6 +1,6 @@
 """`moe-lab run | ui | sync`: the orchestration commands over the flows.
 
-    moe-lab run lifecycle                          # the whole lifecycle, small preset: about 3.5 min on 2 CPU cores
+    moe-lab run lifecycle                          # the whole lifecycle, small preset: about 2.5 min on 2 idle CPU cores
     moe-lab run lifecycle --size tiny --set baseline=active --set promotion.margin=0.02
     moe-lab run pretrain --params pretrain.yaml    # any flow; parameters from a YAML/JSON file
     moe-lab run lifecycle --dashboard              # the live dashboard beside the flow

@@ -40,8 +40,8 @@ def tiny_train_config(**fields) -> TrainConfig:
 
 
 def small_train_config(**fields) -> TrainConfig:
-    """The README's run, a model that visibly learns: the lifecycle with its dense baseline took 3m20s on 2
-    CPU cores (2026-11-27; 2m29s without the baseline on 2026-11-23). The library's defaults, nothing special: a
+    """The README's run, a model that visibly learns: the lifecycle with its dense baseline took 2m15s on 2
+    idle CPU cores (2026-11-27; 1m53s without the baseline). The library's defaults, nothing special: a
     warm-up of a third of the run and the lab's load-balancing coefficient 0.1 (`OptimSection.warmup_fraction`,
     `moe_core.presets.AUX_LOSS_COEF`: the measurements behind both are there)."""
     base = {
