@@ -432,13 +432,20 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.fixture()
 def tracking_at(monkeypatch, lab_env):
-    """Point the flows' MLflow at another address for one test (restored afterwards); no client retries."""
+    """Point the flows' MLflow at another address for one test (restored afterwards); no client retries. While
+    an outage is expected a request gives up after 5 s, so the test sees it fast; once MLflow is back
+    (``back=True``) requests get the lab's own 60 s (`tasks.settings`), as `moe-lab sync` has: a server just
+    restarted on a loaded 2-core CI machine took over 5 s to answer its first batch."""
     import mlflow
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+    def point(uri: str, back: bool = False) -> None:
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60" if back else "5")
+        mlflow.set_tracking_uri(uri)
+
     previous = mlflow.get_tracking_uri()
-    yield mlflow.set_tracking_uri
+    yield point
     mlflow.set_tracking_uri(previous)  # nothing else to undo: each flow's outage stays in its own journal
 
 
@@ -482,7 +489,7 @@ def test_mlflow_unreachable_at_start_trains_at_once_and_sync_uploads_later(
     assert {"log_params", "log_metrics", "log_artifacts", "log_model"} <= set(ops)
     assert json.loads((out / "mlflow_run.json").read_text())["offline_from_step"] == 0
 
-    tracking_at(mlflow_server.url)  # MLflow is back
+    tracking_at(mlflow_server.url, back=True)  # MLflow is back
     first = sync(out)
     assert first["operations_replayed"] == len(ops) and first["events_uploaded"] == {str(out): 6}
     client = MlflowClient(mlflow_server.url)
@@ -536,6 +543,7 @@ def test_mlflow_dying_mid_run_finishes_the_flow_and_sync_completes_the_runs(
     assert ops.count("end_run") == 2 and "log_model" in ops  # both runs' ends and the model are pending
 
     mlflow_server.start()  # back, same store: the runs are still RUNNING there
+    tracking_at(mlflow_server.url, back=True)
     client = MlflowClient(mlflow_server.url)
     assert client.get_run(result["mlflow_run_id"]).info.status == "RUNNING"
     first = sync(out)
