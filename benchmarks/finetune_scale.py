@@ -4,10 +4,11 @@ For one published MoE architecture (``--model``, optionally cut to its first ``-
 random-weight stand-in with the published config (`moe_core.published.build_published`: sharded bf16
 safetensors and a small tokenizer with a chat template, cached under ``~/.cache/moe-lab/published``; nothing
 is downloaded). Each variant then runs in a child process of its own, one after the other (never two at
-once), on the same tokens (at each step the next ``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl`` framed
-by the tokenizer's chat template, labels = inputs: new data every step, as a fine-tune reads it), with the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every
-expert's gate/up/down projections; Qwen2-MoE's shared expert is not adapted, as the lab's default), the same
-AdamW (lr 1e-4, LoRA parameters only) and gradient clipping at 1.0:
+once), on the same tokens (at each step the next ``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl``
+framed by the tokenizer's chat template, labels = inputs: new data every step, as a fine-tune reads it), with
+the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every expert's gate/up/down projections;
+Qwen2-MoE's shared expert is not adapted, as the lab's default), the same AdamW (lr 1e-4, LoRA parameters only)
+and gradient clipping at 1.0:
 
 - ``baseline``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)`` + PEFT ``get_peft_model`` with
   ``target_modules`` naming the attention projections and every per-expert ``nn.Linear`` (transformers 4.57's

@@ -78,11 +78,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def _amount(value: float) -> str:
-    """A count as people read it: 2.447 MB, not the float sum 2.4466710000000003."""
-    return str(value) if isinstance(value, int) else f"{value:.4g}"
-
-
 def format_value(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -175,8 +170,8 @@ class Progress:
         parts = [
             head
             or (
-                f"{self.desc}: {_amount(self.n)}"
-                + (f"/{_amount(self.total)}" if self.total else "")
+                f"{self.desc}: {format_value(self.n)}"
+                + (f"/{format_value(self.total)}" if self.total else "")
                 + f" {self.unit}"
             )
         ]
