@@ -12,6 +12,7 @@ device giving the uninterrupted run's weights.
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 import torch
@@ -165,36 +166,83 @@ def test_a_checkpoint_resumes_on_the_device_to_the_uninterrupted_weights(tmp_pat
         torch.testing.assert_close(a[name], b[name], atol=0, rtol=0, msg=name)
 
 
+# bf16 whole-model comparisons run one MoE layer, the first: its router sees the embeddings and attention, the same
+# code and so the same bits in both models, and picks the same experts in both. With a second MoE layer, the first
+# layer's experts (summed in another order by each path) move the second router's input by a rounding, and a
+# near-tie between two experts' logits (gaps of 1e-4 among 30 tokens, against bf16 logit errors of ~1e-2) can
+# flip: a different function, not a rounding error. The H100 run of 2026-11-27 failed the QLoRA check so (layer
+# 0's q_proj gradient 3.1x PEFT's bf16 error, the same number in both expert paths); one CPU input in five flips.
+ONE_ROUTING = {"num_hidden_layers": 1}
+# and several inputs: LoRA on the routed tokens rounds in other places than PEFT's dense delta (``x W^T`` and
+# ``(x A^T) B^T`` apart, not ``x (W + B A)^T``), so a single gradient of a single input can land 2.7x further
+# from fp32 than PEFT's (1 input in 16 on the CPU) while the median over inputs and gradients is 1.1x
+BF16_INPUTS = 4
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _run(model, x: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+    """The logits and every trainable parameter's gradient of one forward + backward on ``x``, in fp32."""
+    model.zero_grad(set_to_none=True)
+    model(input_ids=x, labels=x, **kwargs).loss.backward()
+    with torch.no_grad():
+        logits = model(input_ids=x, **kwargs).logits.float()
+    return {"logits": logits, **{n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}}
+
+
+def _shrink_lora(*models, factor: float = 0.1) -> None:
+    """Scale every LoRA factor by ``factor``: the test pairs' random factors (std 0.3, so that no difference hides
+    behind PEFT's zero B) make ``s B A`` 18x the tiny base weights (std 0.02), and a bf16 comparison would see the
+    adapters alone (the base's experts rounded to fp8 passed); shrunk, ``s B A`` is a fifth of the base, as
+    after some training."""
+    with torch.no_grad():
+        for model in models:
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.mul_(factor)
+
+
+def _assert_bf16_error_on_peft_scale(ours, peft, exact, **ours_kwargs) -> None:
+    """``ours`` and ``peft`` in bf16 against ``exact`` (PEFT in fp32), the adapters shrunk to a realistic size
+    (`_shrink_lora`), on `BF16_INPUTS` inputs: each logit and
+    gradient within 4x PEFT's own relative error (+2e-3), and the median ratio at most 1.5x (a dtype slip, a
+    product in the wrong precision, shows as 10x and more everywhere)."""
+    _shrink_lora(ours, peft, exact)
+    ratios = []
+    for seed in range(BF16_INPUTS):
+        x = _tokens(seed)
+        got, theirs, want = _run(ours, x, **ours_kwargs), _run(peft, x), _run(exact, x)
+        assert got.keys() == theirs.keys() == want.keys()
+        for name, value in got.items():
+
+            def error(v: torch.Tensor) -> float:
+                return ((v - want[name]).norm() / want[name].norm().clamp_min(1e-12)).item()
+
+            assert error(value) <= 4 * error(theirs[name]) + 2e-3, (seed, name)
+            ratios.append(error(value) / max(error(theirs[name]), 1e-12))
+    assert statistics.median(ratios) <= 1.5, sorted(ratios)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
 def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
     """LoRA on the experts computed on the routed tokens (`moe_core.finetune.expert_lora`) against PEFT's dense
-    delta, both on the device: logits and every LoRA gradient. fp32: equal. bf16 (a whole model, where rounding
-    compounds layer by layer): no further from the fp32 result than PEFT's own bf16 run is."""
-    from tests.test_expert_lora import adapted_pair, lora_grads
+    delta, both on the device: logits and every LoRA gradient. fp32: equal. bf16: on the scale of PEFT's own
+    bf16 error (`_assert_bf16_error_on_peft_scale`)."""
+    from tests.test_expert_lora import adapted_pair
 
-    x = torch.randint(0, 300, (3, 10), device=DEVICE)
-
-    def run(model):
-        model(input_ids=x, labels=x).loss.backward()
-        with torch.no_grad():
-            logits = model(input_ids=x).logits.float()
-        return {"logits": logits, **{n: g.float() for n, g in lora_grads(model).items()}}
-
-    ours, peft = (m.to(device=DEVICE, dtype=dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl))
-    got, theirs = run(ours), run(peft)
-    assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
-    if dtype == torch.float32:
-        for name, value in got.items():
-            torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+    if dtype == torch.bfloat16:
+        ours, peft = (m.to(DEVICE, dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl, **ONE_ROUTING))
+        exact = adapted_pair("mixtral-tiny", expert_impl="reference", **ONE_ROUTING)[1].to(DEVICE)
+        _assert_bf16_error_on_peft_scale(ours, peft, exact)
         return
-    exact = run(adapted_pair("mixtral-tiny", expert_impl="reference")[1].to(DEVICE))
-
-    def error(value, name):
-        return ((value - exact[name]).norm() / exact[name].norm().clamp_min(1e-12)).item()
-
+    ours, peft = (m.to(DEVICE, dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl))
+    got, theirs = _run(ours, _tokens()), _run(peft, _tokens())
+    assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
     for name, value in got.items():
-        assert error(value, name) <= 2 * error(theirs[name], name) + 2e-3, name
+        torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -202,33 +250,19 @@ def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
 def test_qlora_nf4_experts_train_on_the_device_as_peft_on_the_dequantized_weights(impl, dtype):
     """4-bit NF4 experts + routed LoRA on the device, dequantized slice by slice (sorted) or a layer's stack at a
     time through grouped matmuls (what a GPU's ``auto`` runs in bf16), against PEFT's LoRA on the dequantized
-    dense stacks."""
+    dense stacks. bf16 (the absmax scales cast too): on the scale of PEFT's own bf16 error."""
     from tests.test_qlora import qlora_pair
 
-    x = torch.randint(0, 300, (3, 10), device=DEVICE)
-
-    def run(model, **kwargs):
-        model(input_ids=x, labels=x, **kwargs).loss.backward()
-        with torch.no_grad():
-            logits = model(input_ids=x, **kwargs).logits.float()
-        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
-        return {"logits": logits, **grads}
-
-    ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair())
-    got, theirs = run(ours, expert_impl=impl), run(reference)
-    assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
-    if dtype == torch.float32:
-        for name, value in got.items():
-            _close(value, theirs[name], dtype)
+    if dtype == torch.bfloat16:
+        ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair(**ONE_ROUTING))
+        exact = qlora_pair(**ONE_ROUTING)[1].to(DEVICE)
+        _assert_bf16_error_on_peft_scale(ours, reference, exact, expert_impl=impl)
         return
-    # bf16 (scales and all, over a whole model): no further from the fp32 result than PEFT's own bf16 run is
-    exact = run(qlora_pair()[1].to(DEVICE))
-
-    def error(value, name):
-        return ((value - exact[name]).norm() / exact[name].norm().clamp_min(1e-12)).item()
-
+    ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair())
+    got, theirs = _run(ours, _tokens(), expert_impl=impl), _run(reference, _tokens())
+    assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
     for name, value in got.items():
-        assert error(value, name) <= 2 * error(theirs[name], name) + 2e-3, name
+        _close(value, theirs[name], dtype)
 
 
 def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):

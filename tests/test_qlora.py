@@ -145,11 +145,12 @@ def test_stack_shape_names_the_dense_stack():
 
 
 # ------------------------------------------------------------------------------------------------ LoRA on 4 bits
-def dequantized_twin(quantized):
-    """tiny_model() (the same seed: the same non-expert weights) with ``quantized``'s experts as dense stacks."""
+def dequantized_twin(quantized, **overrides):
+    """tiny_model(**overrides) (the same seed: the same non-expert weights) with ``quantized``'s experts as dense
+    stacks."""
     from tests.finetune_helpers import tiny_model
 
-    dense = tiny_model()
+    dense = tiny_model(**overrides)
     with torch.no_grad():
         for layer, q_layer in zip(dense.model.layers, quantized.model.layers):
             experts = q_layer.mlp.experts
@@ -161,9 +162,9 @@ def dequantized_twin(quantized):
     return dense
 
 
-def qlora_pair(config=NF4, lora=None):
-    """A tiny model with 4-bit experts + routed LoRA, and the same model with the dequantized weights as dense
-    stacks + PEFT's own LoRA, with equal factors."""
+def qlora_pair(config=NF4, lora=None, **overrides):
+    """A tiny model (``tiny_model(**overrides)``) with 4-bit experts + routed LoRA, and the same model with the
+    dequantized weights as dense stacks + PEFT's own LoRA, with equal factors."""
     from moe_core.finetune import FinetuneConfig
     from moe_core.finetune.methods import apply_lora
     from tests.finetune_helpers import tiny_model
@@ -172,9 +173,9 @@ def qlora_pair(config=NF4, lora=None):
     ft = FinetuneConfig.build(
         lora or {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj"]}}
     )
-    quantized = tiny_model()
+    quantized = tiny_model(**overrides)
     quantize_experts(quantized, config)
-    dense = dequantized_twin(quantized)
+    dense = dequantized_twin(quantized, **overrides)
     selection = {layer: list(range(4)) for layer in dense.config.moe_layer_ids}
     ours, _ = apply_lora(quantized, ft, selection)
     reference, _ = apply_lora(dense, ft, selection, routed=False)
