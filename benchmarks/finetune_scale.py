@@ -32,6 +32,9 @@ A step is forward + backward + clip + optimizer step + zero_grad; model load and
 on (QLoRA: the 4-bit experts, unmerged, which is what `moe_core.load(OUT)` rebuilds from a QLoRA output).
 ``--dtype float32`` runs both sides in float32 (on CPUs without AVX-512 BF16, torch's bf16 product in the
 layout of a frozen ``Linear``'s backward is the step's bulk: see benchmarks/README.md).
+``--profile DIR``: after its timed steps each variant runs one more step (the first batch again, untimed) under
+torch.profiler, and its operators, the most expensive first (self device time on CUDA), go to
+``DIR/VARIANT.profile.txt``: where a gap between two variants comes from.
 The first ``--warmup`` steps are left out of the median. Memory per child: the peak resident set from the
 kernel (``wait4``'s ``ru_maxrss``), and, from ``/proc/<pid>/status`` polled every 50 ms, the anonymous and
 file-backed parts (``RssAnon`` / ``RssFile``) at the largest resident set seen: memory-mapped weights count as
@@ -54,6 +57,7 @@ ratios) and the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -78,6 +82,7 @@ SFT_DATA = REPO / "examples" / "sft.jsonl"
 RESULT_PREFIX = "variant result: "  # one stdout line per finished variant (gpu_suite.py reads them)
 LORA_R, LORA_ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
 TINY_TOKENIZER_VOCAB = 400
+PROFILE_ROWS = 40  # operators per --profile table
 # the lab's config fields issue 31 names for the optional variants
 QLORA_FIELD, MMAP_FIELD = "quantize.base", "model.mmap"
 
@@ -96,16 +101,23 @@ def timed_steps(model, spec: dict) -> dict:
     batches = [torch.tensor(rows, dtype=torch.long, device=device) for rows in spec["tokens"]]
     model.train()
     seconds, losses = [], []
-    for step in range(spec["warmup"] + spec["steps"]):
+    timed = spec["warmup"] + spec["steps"]
+    profiled = bool(spec.get("profile_path"))
+    for step in range(timed + profiled):  # --profile: one more step, untimed, under the profiler
         input_ids = batches[step % len(batches)]
+        profiler = step_profiler(device) if step == timed else None
         t0 = time.perf_counter()
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with profiler or contextlib.nullcontext():
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        if profiler is not None:
+            write_profile(profiler, device, Path(spec["profile_path"]))
+            break
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         print(f"step {len(seconds)}/{spec['warmup'] + spec['steps']}: {seconds[-1]:.2f} s", flush=True)
@@ -120,6 +132,24 @@ def timed_steps(model, spec: dict) -> dict:
         "step_s_all": seconds,
         "losses": losses,
     }
+
+
+def step_profiler(device):
+    """torch.profiler over one step: the operators' CPU time, and the kernels' device time on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
+def write_profile(profiler, device, path: Path) -> None:
+    """The profiled step's operators, the most expensive first (self device time on CUDA, else self CPU time),
+    with their call counts: where a variant's step goes, for ``--profile``. Written whole or not at all."""
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(table + "\n")
+    tmp.replace(path)
 
 
 def child_baseline(spec: dict) -> dict:
@@ -252,6 +282,8 @@ def run_child(
 ) -> dict:
     """Run one variant in a child process and watch its memory; its result with the memory figures added."""
     spec_path, result_path, log_path = (workdir / f"{name}.{x}" for x in ("spec.json", "result.json", "log"))
+    if spec.get("profile_dir"):
+        spec = {**spec, "profile_path": str(Path(spec["profile_dir"]) / f"{name}.profile.txt")}
     spec_path.write_text(json.dumps(spec))
     import moe_core  # the children import the same lab as this process
 
@@ -509,6 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-rss-gib", type=float, default=None, help="stop a child whose RSS grows past this"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="one more step per variant, untimed, under torch.profiler: DIR/VARIANT.profile.txt, its "
+        "operators by self time (device time on CUDA)",
+    )
     parser.add_argument("--cache-dir", default=None, help="default: $MOE_LAB_PUBLISHED_CACHE or ~/.cache/...")
     parser.add_argument(
         "--build-only", action="store_true", help="write the stand-in checkpoint, print its path"
@@ -552,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_only:
         print(checkpoint)
         return 0
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     if args.baseline_env and (not args.only or "baseline" in args.only):
         args.baseline_python = baseline_env(args.baseline_env, args.cache_dir)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -572,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "gradient_checkpointing": args.gradient_checkpointing,
         "baseline_targets": baseline_targets(config["model_type"]),
         "generate": args.generate,
+        "profile_dir": str(args.profile.resolve()) if args.profile else None,
     }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ft-scale-") as tmp:

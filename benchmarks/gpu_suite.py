@@ -17,7 +17,8 @@
      ``generate`` on the same model;
    - finetune, qlora: LoRA and QLoRA (nf4) steps at OLMoE-1B-7B's full size against transformers + PEFT on the same
      tokens (`benchmarks/finetune_scale.py` in a child, its random-weight stand-in written first: 13 GiB of
-     disk), each variant's step time and peak CUDA memory;
+     disk), each variant's step time and peak CUDA memory, and one more step profiled per variant (its kernels by
+     device time, in ``--out``'s ``*-profiles/``);
    - peak CUDA memory of each.
 3. One table and one JSON line, printed and written to ``--out`` (default ``runs/gpu_suite/``); the JSON file is
    rewritten after every section, so a run stopped at its time limit keeps what it measured.
@@ -220,10 +221,16 @@ def measure_train(device: torch.device, dry_run: bool, workdir: Path) -> dict:
 
 
 def measure_finetune(
-    device: torch.device, dry_run: bool, workdir: Path, timeout_s: float, variants: tuple[str, ...]
+    device: torch.device,
+    dry_run: bool,
+    workdir: Path,
+    timeout_s: float,
+    variants: tuple[str, ...],
+    profile_dir: Path,
 ) -> dict:
     """benchmarks/finetune_scale.py in a child, for ``variants`` (its stand-in checkpoint is written once into
-    ``workdir`` and shared by the calls): its JSON line, or what stopped it."""
+    ``workdir`` and shared by the calls): its JSON line, or what stopped it. Each variant's profiled step
+    (``--profile``: one more step, untimed) goes to ``profile_dir``, so a gap can be read without a second lease."""
     if dry_run:
         size = ["--tiny", "--steps", "1", "--warmup", "0", "--lab-set=quantize.group_size=16"]
     else:
@@ -232,6 +239,7 @@ def measure_finetune(
     command = [sys.executable, str(ROOT / "benchmarks" / "finetune_scale.py"), *size, *qlora]
     command += [f"--only={v}" for v in variants]
     command += ["--device", device.type, "--cache-dir", str(workdir / "published")]
+    command += ["--profile", str(profile_dir)]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -399,10 +407,10 @@ def main() -> int:
         "train": lambda workdir: measure_train(device, args.dry_run, workdir),
         "decode": lambda workdir: measure_decode(device, args.dry_run),
         "finetune": lambda workdir: measure_finetune(
-            device, args.dry_run, workdir, args.finetune_timeout, ("baseline", "lab")
+            device, args.dry_run, workdir, args.finetune_timeout, ("baseline", "lab"), out / f"{stem}-profiles"
         ),
         "qlora": lambda workdir: measure_finetune(
-            device, args.dry_run, workdir, args.finetune_timeout, ("lab-qlora-nf4",)
+            device, args.dry_run, workdir, args.finetune_timeout, ("lab-qlora-nf4",), out / f"{stem}-profiles"
         ),
     }
     wanted = [w for w in args.only.split(",") if w]

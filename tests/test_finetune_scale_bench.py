@@ -25,7 +25,7 @@ def bench():
 def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
     done = subprocess.run(
         [sys.executable, str(_PATH), "--tiny", "--cache-dir", str(tmp_path), "--warmup", "1", "--steps", "1"]
-        + ["--threads", "1", "--max-rss-gib", "4"],
+        + ["--threads", "1", "--max-rss-gib", "4", "--profile", str(tmp_path / "profile")],
         cwd=tmp_path,  # nothing depends on the working directory
         env=repo_env(),
         capture_output=True,
@@ -57,6 +57,11 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
     assert set(result["lab_over_baseline"]) == {"step_time", "peak_rss", "peak_anon"}
     assert result["lab_over_baseline"]["step_time"] == pytest.approx(lab["step_s"] / base["step_s"], rel=1e-2)
     assert "baseline" in done.stdout and "lab" in done.stdout  # the table
+    # --profile: each variant's last step, its operators by self time, with their call counts
+    for name in ("baseline", "lab"):
+        table = (tmp_path / "profile" / f"{name}.profile.txt").read_text()
+        assert "Self CPU" in table and "# of Calls" in table and "aten::" in table, table[:500]
+    assert not list((tmp_path / "profile").glob("*.tmp"))
     # the stand-in is cached: a second build of the same request is the same directory, untouched
     assert Path(result["checkpoint"]).parent == tmp_path
 

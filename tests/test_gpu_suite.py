@@ -40,3 +40,6 @@ def test_the_gpu_suite_dry_run_exercises_every_section(tmp_path):
     assert {"batch1", "batch32"} <= set(result["decode"])
     assert result["qlora"]["results"]["lab-qlora-nf4"]["status"] == "ok" and "finetune" not in result
     assert len(list(tmp_path.glob("*-dry-run.json"))) == 1 and len(list(tmp_path.glob("*-dry-run.txt"))) == 1
+    # the fine-tuning sections' profiled steps, one table per variant
+    (profile,) = tmp_path.glob("*-dry-run-profiles/lab-qlora-nf4.profile.txt")
+    assert "aten::" in profile.read_text()
