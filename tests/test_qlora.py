@@ -373,19 +373,30 @@ def test_quantizing_while_loading_keeps_one_shard_mapped_at_a_time(tmp_path):
     assert max(kept) == len(files)  # without release every file stays mapped (the mapped loader needs them)
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("codebook", ["int", "nf4"])
-def test_the_dequantization_qlora_runs_is_the_reference_in_reused_buffers(codebook):
+def test_the_dequantization_qlora_runs_is_the_reference_in_reused_buffers(codebook, scale_dtype):
     """`scratch_weight` (what a QLoRA step dequantizes ~13k times) gives `weight`'s values bitwise, in buffers
     reused from slice to slice: allocating each slice left glibc's heap 1.8 GiB larger after 3 steps of a 2-layer
-    Qwen1.5-MoE-A2.7B (benchmarks/README.md, "Fine-tuning at real size")."""
-    from moe_core.quantized import _SCRATCH
+    Qwen1.5-MoE-A2.7B (benchmarks/README.md, "Fine-tuning at real size"). Integer codes take no table lookup
+    (`dequantize_int4_scratch`), fp32 and bf16 scales (QLoRA's) alike; a shared expert's `QuantizedLinear` too."""
+    from moe_core.quantized import _SCRATCH, QuantizedLinear
 
-    quantized, _ = qlora_pair(QuantConfig(bits=4, group_size=16, block_size=16, codebook=codebook))
+    config = QuantConfig(bits=4, group_size=16, block_size=16, codebook=codebook, scale_dtype=scale_dtype)
+    quantized, _ = qlora_pair(config)
     experts = next(m for m in quantized.modules() if isinstance(m, QuantizedExperts))
-    for dtype in (torch.float32, torch.bfloat16):
+    assert experts.gate_proj_scale.dtype == getattr(torch, scale_dtype)
+    with torch.no_grad():  # scales of every size and sign of exponent: the rounding of the product shows
+        for name, buffer in experts.named_buffers():
+            if name.endswith("_scale"):
+                buffer.copy_(torch.randn(buffer.shape).exp() * 10.0 ** torch.randint(-4, 2, buffer.shape))
+    linear = QuantizedLinear(48, 32, config)
+    linear.quantize_from(torch.randn(32, 48))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for p in experts.projections:
             for e in range(experts.num_experts):
                 assert torch.equal(experts.scratch_weight(p, e, dtype), experts.weight(p, e, dtype))
+        assert torch.equal(linear._scratch_weight(dtype), linear.dequantized(dtype))
     buffers = len(_SCRATCH)
     x = torch.randint(0, 300, (2, 16))
     quantized(input_ids=x, labels=x).loss.backward()
