@@ -100,7 +100,7 @@ def timed_steps(model, spec: dict) -> dict:
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     batches = [torch.tensor(rows, dtype=torch.long, device=device) for rows in spec["tokens"]]
     model.train()
-    seconds, losses = [], []
+    seconds, losses, anon_gib = [], [], []
     timed = spec["warmup"] + spec["steps"]
     profiled = bool(spec.get("profile_path"))
     for step in range(timed + profiled):  # --profile: one more step, untimed, under the profiler
@@ -120,7 +120,10 @@ def timed_steps(model, spec: dict) -> dict:
             break
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
-        print(f"step {len(seconds)}/{spec['warmup'] + spec['steps']}: {seconds[-1]:.2f} s", flush=True)
+        anon_gib.append(proc_status_kib().get("RssAnon", 0) / 2**20)
+        print(
+            f"step {len(seconds)}/{timed}: {seconds[-1]:.2f} s, anonymous {anon_gib[-1]:.2f} GiB", flush=True
+        )
     with_state = [p for p in params if optimizer.state.get(p)]
     return {
         "torch_threads": torch.get_num_threads(),
@@ -131,6 +134,9 @@ def timed_steps(model, spec: dict) -> dict:
         "optimizer_state_share": sum(p.numel() for p in with_state) / max(1, sum(p.numel() for p in params)),
         "step_s_all": seconds,
         "losses": losses,
+        # the process's anonymous memory after each step: a set that still grows after the first step (the
+        # allocator's heap, state made late) shows here, where the peak alone hides when it formed
+        "anon_gib_after_step": [round(x, 3) for x in anon_gib],
     }
 
 

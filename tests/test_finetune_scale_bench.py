@@ -45,6 +45,7 @@ def test_the_tiny_run_measures_both_sides_and_ends_with_its_json_line(tmp_path):
         assert 0 < row["rss_anon_gib_at_peak"] + row["rss_file_gib_at_peak"] <= row["peak_rss_gib"] + 1e-3
         assert row["rss_anon_gib_at_peak"] <= row["peak_anon_gib"] <= row["peak_rss_gib"] + 1e-3
         assert row["torch_threads"] == 1
+        assert len(row["anon_gib_after_step"]) == 2 and min(row["anon_gib_after_step"]) > 0
     base, lab = result["results"]["baseline"], result["results"]["lab"]
     # the same LoRA on both sides: r 8 on q/k/v/o and on every expert's three projections; under transformers 5
     # the baseline adapts the fused gate_up_proj, whose one LoRA shares its A factor between gate and up
