@@ -402,15 +402,16 @@ def main() -> int:
     if not args.skip_checks:
         result["checks"] = checks(args.dry_run)
         print(save().splitlines()[1], flush=True)
+    profiles = out / f"{stem}-profiles"  # the fine-tuning sections' profiled steps
     sections = {
         "moe_layer": lambda workdir: measure_moe_layer(device, args.dry_run),
         "train": lambda workdir: measure_train(device, args.dry_run, workdir),
         "decode": lambda workdir: measure_decode(device, args.dry_run),
         "finetune": lambda workdir: measure_finetune(
-            device, args.dry_run, workdir, args.finetune_timeout, ("baseline", "lab"), out / f"{stem}-profiles"
+            device, args.dry_run, workdir, args.finetune_timeout, ("baseline", "lab"), profiles
         ),
         "qlora": lambda workdir: measure_finetune(
-            device, args.dry_run, workdir, args.finetune_timeout, ("lab-qlora-nf4",), out / f"{stem}-profiles"
+            device, args.dry_run, workdir, args.finetune_timeout, ("lab-qlora-nf4",), profiles
         ),
     }
     wanted = [w for w in args.only.split(",") if w]

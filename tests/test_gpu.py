@@ -192,6 +192,10 @@ def _run(model, x: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
     return {"logits": logits, **{n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}}
 
 
+def _relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((value - exact).norm() / exact.norm().clamp_min(1e-12)).item()
+
+
 def _shrink_lora(*models, factor: float = 0.1) -> None:
     """Scale every LoRA factor by ``factor``: the test pairs' random factors (std 0.3, so that no difference hides
     behind PEFT's zero B) make ``s B A`` 18x the tiny base weights (std 0.02), and a bf16 comparison would see the
@@ -216,12 +220,9 @@ def _assert_bf16_error_on_peft_scale(ours, peft, exact, **ours_kwargs) -> None:
         got, theirs, want = _run(ours, x, **ours_kwargs), _run(peft, x), _run(exact, x)
         assert got.keys() == theirs.keys() == want.keys()
         for name, value in got.items():
-
-            def error(v: torch.Tensor) -> float:
-                return ((v - want[name]).norm() / want[name].norm().clamp_min(1e-12)).item()
-
-            assert error(value) <= 4 * error(theirs[name]) + 2e-3, (seed, name)
-            ratios.append(error(value) / max(error(theirs[name]), 1e-12))
+            ours_error, peft_error = (_relative_error(v, want[name]) for v in (value, theirs[name]))
+            assert ours_error <= 4 * peft_error + 2e-3, (seed, name)
+            ratios.append(ours_error / max(peft_error, 1e-12))
     assert statistics.median(ratios) <= 1.5, sorted(ratios)
 
 
@@ -234,7 +235,9 @@ def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
     from tests.test_expert_lora import adapted_pair
 
     if dtype == torch.bfloat16:
-        ours, peft = (m.to(DEVICE, dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl, **ONE_ROUTING))
+        ours, peft = (
+            m.to(DEVICE, dtype) for m in adapted_pair("mixtral-tiny", expert_impl=impl, **ONE_ROUTING)
+        )
         exact = adapted_pair("mixtral-tiny", expert_impl="reference", **ONE_ROUTING)[1].to(DEVICE)
         _assert_bf16_error_on_peft_scale(ours, peft, exact)
         return
