@@ -82,6 +82,40 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's weights, in t
 EXPERTS_MARK = ".mlp.experts."
 
 
+def experts_first(B_EOR: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a factor stack ``B_EOR`` [E, O, R]. PEFT's layout is a permuted view of its
+    ``[O, R*E]`` parameter, E innermost: copied as a 2-D transpose of ``[O*R, E]``, which torch does twice as fast
+    as the 3-D permute (2.7 against 5.7 ms for Qwen3-30B-A3B's down projection, 128 experts)."""
+    E, O, R = B_EOR.shape
+    B_ORE = B_EOR.permute(1, 2, 0)
+    if B_ORE.is_contiguous():
+        return B_ORE.reshape(O * R, E).t().contiguous().view(E, O, R)
+    return B_EOR.contiguous()
+
+
+class BackwardCopy:
+    """One layer's ``B`` stack as a contiguous copy for the backward's per-expert products, made when the
+    layer's first expert needs it and dropped after its last (``pending``: the experts whose backward is still
+    to come): one copy alive at a time, none from forward to backward. Without it each expert's ``dY @ B_e``
+    copied its scattered ``B_e`` (PEFT's layout, E innermost) on its own: 287 against 86 us, 68 ms of a 1.27 s
+    step of Qwen3-30B-A3B cut to 4 layers (benchmarks/README.md)."""
+
+    def __init__(self, B_EOR: torch.Tensor) -> None:
+        self.B_EOR = B_EOR  # the parameter's view: no memory of its own
+        self.copy: torch.Tensor | None = None
+        self.pending = 0
+
+    def expert(self, e: int) -> torch.Tensor:
+        if self.copy is None:
+            self.copy = experts_first(self.B_EOR.detach())
+        return self.copy[e]
+
+    def done(self) -> None:
+        self.pending -= 1
+        if self.pending <= 0:
+            self.copy = None
+
+
 class _LowRankDelta(torch.autograd.Function):
     """``s (x A^T) B^T`` for one expert's LoRA factors ``A`` [R, I] and ``B`` [O, R] (fp32 parameters, or views of
     them) on activations ``x`` [N, I], computed in the factors' precision as PEFT's LoRA layer computes it
@@ -94,8 +128,8 @@ class _LowRankDelta(torch.autograd.Function):
 
     ``B_read``: the same values as ``B_OR`` in a faster layout for the forward's read (`ExpertLoRA.unbound`'s
     contiguous copy of the layer's stack), never kept: saving it kept every layer's copy from its forward to
-    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size). Backward reads ``B_OR`` itself, once per
-    expert."""
+    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size). ``B_backward`` (and this expert's index ``e``):
+    where the backward reads ``B_OR``'s values, the layer's `BackwardCopy`; without it, ``B_OR`` itself."""
 
     @staticmethod
     def forward(
@@ -105,21 +139,27 @@ class _LowRankDelta(torch.autograd.Function):
         B_OR: torch.Tensor,
         scale: float,
         B_read: torch.Tensor | None = None,
+        B_backward: BackwardCopy | None = None,
+        e: int = 0,
     ) -> torch.Tensor:
         u_NR = F.linear(x_NI.to(A_RI.dtype), A_RI)
         ctx.save_for_backward(x_NI, u_NR, A_RI, B_OR)
-        ctx.scale = scale
+        ctx.scale, ctx.B_backward, ctx.e = scale, B_backward, e
+        if B_backward is not None:
+            B_backward.pending += 1
         return (F.linear(u_NR, B_OR if B_read is None else B_read) * scale).to(x_NI.dtype)
 
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
         x_NI, u_NR, A_RI, B_OR = ctx.saved_tensors
         grad_NO = grad_NO.to(B_OR.dtype) * ctx.scale
-        grad_u_NR = grad_NO.mm(B_OR)
+        grad_u_NR = grad_NO.mm(B_OR if ctx.B_backward is None else ctx.B_backward.expert(ctx.e))
+        if ctx.B_backward is not None:
+            ctx.B_backward.done()
         grad_B = grad_NO.t().mm(u_NR) if ctx.needs_input_grad[2] else None
         grad_x = grad_u_NR.mm(A_RI).to(x_NI.dtype) if ctx.needs_input_grad[0] else None
         grad_A = grad_u_NR.t().mm(x_NI.to(A_RI.dtype)) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_A, grad_B, None, None
+        return grad_x, grad_A, grad_B, None, None, None, None
 
 
 def low_rank_delta(
@@ -128,16 +168,18 @@ def low_rank_delta(
     B_OR: torch.Tensor,
     scale: float,
     B_read: torch.Tensor | None = None,
+    B_backward: BackwardCopy | None = None,
+    e: int = 0,
 ) -> torch.Tensor:
     """``scale * (x A^T) B^T`` [N, O] in ``x``'s dtype, computed in the factors' dtype (as PEFT does);
     `_LowRankDelta` when a gradient is wanted, else the plain products. ``B_read``: ``B_OR``'s values in a
-    faster layout, read by the forward only (see `_LowRankDelta`)."""
+    faster layout, read by the forward only; ``B_backward``, ``e``: the backward's (see `_LowRankDelta`)."""
     if (
         torch.is_grad_enabled()
         and x_NI.dim() == 2
         and (x_NI.requires_grad or A_RI.requires_grad or B_OR.requires_grad)
     ):
-        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale, B_read)
+        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale, B_read, B_backward, e)
     B_OR = B_OR if B_read is None else B_read
     return (F.linear(F.linear(x_NI.to(A_RI.dtype), A_RI), B_OR) * scale).to(x_NI.dtype)
 
@@ -155,15 +197,17 @@ class ExpertLoRA:
 
     factors: dict[str, tuple[tuple[torch.Tensor, torch.Tensor, float], ...]]
 
-    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, tuple, float], ...]]:
+    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, tuple, BackwardCopy, float], ...]]:
         """Per-expert views of every factor, made once per layer for a loop over experts (one gradient per
-        stack, as `StackedExperts.unbound`), and of a contiguous copy of ``B`` for the forward's reads: PEFT's
+        stack, as `StackedExperts.unbound`), of a contiguous copy of ``B`` for the forward's reads (PEFT's
         ``[O, R*E]`` layout puts an expert's ``B_e`` on every cache line of the parameter, slow to read expert by
-        expert. The copy is detached and lives as long as these views (one layer's forward); gradients and
-        backward go through the views of the parameter (`_LowRankDelta`)."""
+        expert), and the layer's `BackwardCopy` for the backward's. The forward's copy is detached and lives as
+        long as these views (one layer's forward); gradients go through the views of the parameter
+        (`_LowRankDelta`)."""
         return {
             p: tuple(
-                (A.unbind(0), B.unbind(0), B.detach().contiguous().unbind(0), s) for A, B, s in per_adapter
+                (A.unbind(0), B.unbind(0), experts_first(B.detach()).unbind(0), BackwardCopy(B), s)
+                for A, B, s in per_adapter
             )
             for p, per_adapter in self.factors.items()
         }
@@ -173,8 +217,8 @@ class ExpertLoRA:
         """``sum_a s_a (x A_ae^T) B_ae^T`` [N, O] for expert ``e`` from `unbound`'s views; None when ``p`` is not
         adapted."""
         out_NO = None
-        for A_E, B_E, B_read_E, s in views.get(p, ()):
-            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e])
+        for A_E, B_E, B_read_E, B_backward, s in views.get(p, ()):
+            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e], B_backward, e)
             out_NO = term_NO if out_NO is None else out_NO + term_NO
         return out_NO
 
