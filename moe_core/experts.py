@@ -184,6 +184,54 @@ def low_rank_delta(
     return (F.linear(F.linear(x_NI.to(A_RI.dtype), A_RI), B_OR) * scale).to(x_NI.dtype)
 
 
+class _SortedLowRankDelta(torch.autograd.Function):
+    """`_LowRankDelta` for every expert of a layer at once, on its expert-sorted rows ``x_AI`` (``counts``: rows
+    per expert), expert by expert with the same products (bitwise the same values): one autograd node per
+    projection, where the per-expert nodes' factor gradients were stacked by autograd, zeros and all (38 ms of a
+    1.17 s step of Qwen3-30B-A3B cut to 4 layers); here each is written into its slice of one ``[E, R, I]`` /
+    ``[E, O, R]`` gradient. Kept for backward: ``x`` as given, ``u = x A^T`` [A, R] and the factors as given
+    (views of the parameters); ``B`` is read from a contiguous copy made in each pass and dropped with it."""
+
+    @staticmethod
+    def forward(
+        ctx, x_AI: torch.Tensor, A_ERI: torch.Tensor, B_EOR: torch.Tensor, scale: float, counts: list[int]
+    ) -> torch.Tensor:
+        A_ERI_, B_EOR_ = A_ERI.detach(), experts_first(B_EOR.detach())
+        u_AR = x_AI.new_empty((x_AI.shape[0], A_ERI.shape[1]), dtype=A_ERI.dtype)
+        out_AO = x_AI.new_empty((x_AI.shape[0], B_EOR.shape[1]))
+        for e, (x_NI, u_NR, out_NO) in enumerate(
+            zip(x_AI.split(counts), u_AR.split(counts), out_AO.split(counts))
+        ):
+            if counts[e]:
+                torch.mm(x_NI.to(A_ERI_.dtype), A_ERI_[e].t(), out=u_NR)
+                out_NO.copy_(torch.mm(u_NR, B_EOR_[e].t()).mul_(scale))
+        ctx.save_for_backward(x_AI, u_AR, A_ERI, B_EOR)
+        ctx.scale, ctx.counts = scale, counts
+        return out_AO
+
+    @staticmethod
+    def backward(ctx, grad_AO: torch.Tensor):
+        x_AI, u_AR, A_ERI, B_EOR = ctx.saved_tensors
+        A_ERI_, B_EOR_ = A_ERI.detach(), experts_first(B_EOR.detach())
+        need_x, need_A, need_B = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(x_AI) if need_x else None
+        grad_A = torch.zeros_like(A_ERI_) if need_A else None
+        grad_B = torch.zeros_like(B_EOR_) if need_B else None
+        splits = (t.split(ctx.counts) for t in (x_AI, u_AR, grad_AO))
+        for e, (x_NI, u_NR, grad_NO) in enumerate(zip(*splits)):
+            if not ctx.counts[e]:
+                continue
+            grad_NO = grad_NO.to(B_EOR_.dtype) * ctx.scale
+            grad_u_NR = grad_NO.mm(B_EOR_[e])
+            if need_B:
+                torch.mm(grad_NO.t(), u_NR, out=grad_B[e])
+            if need_x:
+                grad_x.narrow(0, sum(ctx.counts[:e]), ctx.counts[e]).copy_(grad_u_NR.mm(A_ERI_[e]))
+            if need_A:
+                torch.mm(grad_u_NR.t(), x_NI.to(A_ERI_.dtype), out=grad_A[e])
+        return grad_x, grad_A, grad_B, None, None
+
+
 @dataclass(frozen=True)
 class ExpertLoRA:
     """Low-rank updates of the expert projections: for projection ``p`` and expert ``e``,
@@ -221,6 +269,15 @@ class ExpertLoRA:
             term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e], B_backward, e)
             out_NO = term_NO if out_NO is None else out_NO + term_NO
         return out_NO
+
+    def sorted_delta(self, p: str, x_AI: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """`delta` of every expert at once, on the expert-sorted rows ``x_AI`` (``counts``: rows per expert), with
+        gradients (`_SortedLowRankDelta`); None when ``p`` is not adapted."""
+        out_AO = None
+        for A_ERI, B_EOR, s in self.factors.get(p, ()):
+            term_AO = _SortedLowRankDelta.apply(x_AI, A_ERI, B_EOR, s, counts)
+            out_AO = term_AO if out_AO is None else out_AO + term_AO
+        return out_AO
 
     def grouped_delta(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor | None:
         """The same for the expert-sorted assignments ``x_AI`` through ``gmm(a, w [E, out, in])`` (a grouped
@@ -515,6 +572,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
         dispatch = ExpertDispatch.of(record, self.num_experts)
+        if lora is not None and torch.is_grad_enabled():
+            return self.forward_sorted_lora(x_TD, dispatch, lora)
         x_AD, weights_A = dispatch.gather(x_TD), dispatch.weights_A.to(x_TD.dtype)
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
@@ -529,6 +588,33 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             if counts[e]:
                 y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights, views) * w_N[:, None])
         return y_TD
+
+    def forward_sorted_lora(
+        self, x_TD: torch.Tensor, dispatch: ExpertDispatch, lora: ExpertLoRA
+    ) -> torch.Tensor:
+        """`forward_sorted` under LoRA with gradients, projection by projection: the base product expert by
+        expert (`project`), each projection's LoRA delta for every expert at once (`ExpertLoRA.sorted_delta`: one
+        autograd node per projection, not one per expert and projection, whose factor gradients autograd had to
+        stack). The same values as `expert`'s loop."""
+        x_AD = dispatch.gather(x_TD)
+        if x_AD.shape[0] == 0:  # every assignment dropped
+            return torch.zeros_like(x_TD)
+        counts = dispatch.counts_E.tolist()
+        weights = self.unbound()
+
+        def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for e, x_NI in enumerate(x_AI.split(counts)):
+                if counts[e]:
+                    y_NO = self.project(p, e, x_NI, weights)
+                    bias_O = self.expert_bias(p, e)
+                    outs.append(y_NO if bias_O is None else y_NO + bias_O)
+            y_AO = torch.cat(outs)
+            delta_AO = lora.sorted_delta(p, x_AI, counts)
+            return y_AO if delta_AO is None else y_AO + delta_AO
+
+        h_gate = proj("gate_proj", x_AD) if self.activation == "swiglu" else None
+        return dispatch.combine(proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD))), x_TD)
 
     def forward_grouped_mm(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None

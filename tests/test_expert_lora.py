@@ -394,3 +394,38 @@ def test_the_per_expert_loop_keeps_no_copy_of_b_for_backward(monkeypatch):
     ).backward()
     torch.testing.assert_close(ours[0], A_param.grad, atol=0, rtol=0)
     torch.testing.assert_close(ours[1], B_param.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_sorted_path_under_lora_is_the_per_expert_reference_bitwise_with_one_node_per_projection(dtype):
+    """With gradients, the sorted path runs projection by projection, each projection's LoRA delta for every
+    expert in one autograd node (`_SortedLowRankDelta`), where the per-expert loop made one per expert and
+    projection and autograd stacked their factor gradients. The logits and every LoRA gradient are the
+    reference path's (the per-expert loop) to the bit."""
+    x = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for impl in ("reference", "sorted"):
+        ours, _ = adapted_pair("mixtral-tiny", expert_impl=impl)
+        ours = ours.to(dtype)
+        out = ours(input_ids=x, labels=x)
+        nodes, seen, stack = [], set(), [out.loss.grad_fn]
+        while stack:  # the autograd graph's node names
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            nodes.append(type(node).__name__)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        out.loss.backward()
+        results[impl] = out.logits.detach(), lora_grads(ours), nodes
+    (ref_logits, ref_grads, ref_nodes), (logits, grads, nodes) = results["reference"], results["sorted"]
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), name
+    layers, projections = 2, 3  # mixtral-tiny: two MoE layers of SwiGLU experts, every projection adapted
+    assert nodes.count("_SortedLowRankDeltaBackward") == layers * projections
+    assert (
+        "_LowRankDeltaBackward" not in nodes
+        and ref_nodes.count("_LowRankDeltaBackward") > layers * projections
+    )
