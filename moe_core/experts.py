@@ -214,11 +214,11 @@ class _SortedLowRankDelta(torch.autograd.Function):
         x_AI, u_AR, A_ERI, B_EOR = ctx.saved_tensors
         A_ERI_, B_EOR_ = A_ERI.detach(), experts_first(B_EOR.detach())
         need_x, need_A, need_B = ctx.needs_input_grad[:3]
-        grad_x = torch.empty_like(x_AI) if need_x else None
-        grad_A = torch.zeros_like(A_ERI_) if need_A else None
+        grad_x = torch.empty_like(x_AI)  # every row is some expert's: written whole
+        grad_A = torch.zeros_like(A_ERI_) if need_A else None  # experts without rows: zero
         grad_B = torch.zeros_like(B_EOR_) if need_B else None
-        splits = (t.split(ctx.counts) for t in (x_AI, u_AR, grad_AO))
-        for e, (x_NI, u_NR, grad_NO) in enumerate(zip(*splits)):
+        splits = (t.split(ctx.counts) for t in (x_AI, u_AR, grad_AO, grad_x))
+        for e, (x_NI, u_NR, grad_NO, grad_x_NI) in enumerate(zip(*splits)):
             if not ctx.counts[e]:
                 continue
             grad_NO = grad_NO.to(B_EOR_.dtype) * ctx.scale
@@ -226,10 +226,10 @@ class _SortedLowRankDelta(torch.autograd.Function):
             if need_B:
                 torch.mm(grad_NO.t(), u_NR, out=grad_B[e])
             if need_x:
-                grad_x.narrow(0, sum(ctx.counts[:e]), ctx.counts[e]).copy_(grad_u_NR.mm(A_ERI_[e]))
+                grad_x_NI.copy_(grad_u_NR.mm(A_ERI_[e]))
             if need_A:
                 torch.mm(grad_u_NR.t(), x_NI.to(A_ERI_.dtype), out=grad_A[e])
-        return grad_x, grad_A, grad_B, None, None
+        return grad_x if need_x else None, grad_A, grad_B, None, None
 
 
 @dataclass(frozen=True)
