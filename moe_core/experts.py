@@ -93,29 +93,6 @@ def experts_first(B_EOR: torch.Tensor) -> torch.Tensor:
     return B_EOR.contiguous()
 
 
-class BackwardCopy:
-    """One layer's ``B`` stack as a contiguous copy for the backward's per-expert products, made when the
-    layer's first expert needs it and dropped after its last (``pending``: the experts whose backward is still
-    to come): one copy alive at a time, none from forward to backward. Without it each expert's ``dY @ B_e``
-    copied its scattered ``B_e`` (PEFT's layout, E innermost) on its own: 287 against 86 us, 68 ms of a 1.27 s
-    step of Qwen3-30B-A3B cut to 4 layers (benchmarks/README.md)."""
-
-    def __init__(self, B_EOR: torch.Tensor) -> None:
-        self.B_EOR = B_EOR  # the parameter's view: no memory of its own
-        self.copy: torch.Tensor | None = None
-        self.pending = 0
-
-    def expert(self, e: int) -> torch.Tensor:
-        if self.copy is None:
-            self.copy = experts_first(self.B_EOR.detach())
-        return self.copy[e]
-
-    def done(self) -> None:
-        self.pending -= 1
-        if self.pending <= 0:
-            self.copy = None
-
-
 class _LowRankDelta(torch.autograd.Function):
     """``s (x A^T) B^T`` for one expert's LoRA factors ``A`` [R, I] and ``B`` [O, R] (fp32 parameters, or views of
     them) on activations ``x`` [N, I], computed in the factors' precision as PEFT's LoRA layer computes it
@@ -128,8 +105,8 @@ class _LowRankDelta(torch.autograd.Function):
 
     ``B_read``: the same values as ``B_OR`` in a faster layout for the forward's read (`ExpertLoRA.unbound`'s
     contiguous copy of the layer's stack), never kept: saving it kept every layer's copy from its forward to
-    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size). ``B_backward`` (and this expert's index ``e``):
-    where the backward reads ``B_OR``'s values, the layer's `BackwardCopy`; without it, ``B_OR`` itself."""
+    its backward (0.22 GiB at Qwen1.5-MoE-A2.7B's full size). Backward reads ``B_OR`` itself, once per
+    expert (the training paths take `_SortedLowRankDelta`, which reads one contiguous copy per layer)."""
 
     @staticmethod
     def forward(
@@ -139,27 +116,21 @@ class _LowRankDelta(torch.autograd.Function):
         B_OR: torch.Tensor,
         scale: float,
         B_read: torch.Tensor | None = None,
-        B_backward: BackwardCopy | None = None,
-        e: int = 0,
     ) -> torch.Tensor:
         u_NR = F.linear(x_NI.to(A_RI.dtype), A_RI)
         ctx.save_for_backward(x_NI, u_NR, A_RI, B_OR)
-        ctx.scale, ctx.B_backward, ctx.e = scale, B_backward, e
-        if B_backward is not None:
-            B_backward.pending += 1
+        ctx.scale = scale
         return (F.linear(u_NR, B_OR if B_read is None else B_read) * scale).to(x_NI.dtype)
 
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
         x_NI, u_NR, A_RI, B_OR = ctx.saved_tensors
         grad_NO = grad_NO.to(B_OR.dtype) * ctx.scale
-        grad_u_NR = grad_NO.mm(B_OR if ctx.B_backward is None else ctx.B_backward.expert(ctx.e))
-        if ctx.B_backward is not None:
-            ctx.B_backward.done()
+        grad_u_NR = grad_NO.mm(B_OR)
         grad_B = grad_NO.t().mm(u_NR) if ctx.needs_input_grad[2] else None
         grad_x = grad_u_NR.mm(A_RI).to(x_NI.dtype) if ctx.needs_input_grad[0] else None
         grad_A = grad_u_NR.t().mm(x_NI.to(A_RI.dtype)) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_A, grad_B, None, None, None, None
+        return grad_x, grad_A, grad_B, None, None
 
 
 def low_rank_delta(
@@ -168,18 +139,16 @@ def low_rank_delta(
     B_OR: torch.Tensor,
     scale: float,
     B_read: torch.Tensor | None = None,
-    B_backward: BackwardCopy | None = None,
-    e: int = 0,
 ) -> torch.Tensor:
     """``scale * (x A^T) B^T`` [N, O] in ``x``'s dtype, computed in the factors' dtype (as PEFT does);
     `_LowRankDelta` when a gradient is wanted, else the plain products. ``B_read``: ``B_OR``'s values in a
-    faster layout, read by the forward only; ``B_backward``, ``e``: the backward's (see `_LowRankDelta`)."""
+    faster layout, read by the forward only (see `_LowRankDelta`)."""
     if (
         torch.is_grad_enabled()
         and x_NI.dim() == 2
         and (x_NI.requires_grad or A_RI.requires_grad or B_OR.requires_grad)
     ):
-        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale, B_read, B_backward, e)
+        return _LowRankDelta.apply(x_NI, A_RI, B_OR, scale, B_read)
     B_OR = B_OR if B_read is None else B_read
     return (F.linear(F.linear(x_NI.to(A_RI.dtype), A_RI), B_OR) * scale).to(x_NI.dtype)
 
@@ -188,8 +157,8 @@ class _SortedLowRankDelta(torch.autograd.Function):
     """`_LowRankDelta` for every expert of a layer at once, on its expert-sorted rows ``x_AI`` (``counts``: rows
     per expert), expert by expert with the same products (bitwise the same values): one autograd node per
     projection, where the per-expert nodes' factor gradients were stacked by autograd, zeros and all (38 ms of a
-    1.17 s step of Qwen3-30B-A3B cut to 4 layers); here each is written into its slice of one ``[E, R, I]`` /
-    ``[E, O, R]`` gradient. Kept for backward: ``x`` as given, ``u = x A^T`` [A, R] and the factors as given
+    1.17 s step of Qwen3-30B-A3B cut to 4 layers), and each expert's backward copied its scattered ``B_e`` (68 ms);
+    here each gradient is written into its slice of one ``[E, R, I]`` / ``[E, O, R]`` gradient. Kept for backward: ``x`` as given, ``u = x A^T`` [A, R] and the factors as given
     (views of the parameters); ``B`` is read from a contiguous copy made in each pass and dropped with it."""
 
     @staticmethod
@@ -245,17 +214,15 @@ class ExpertLoRA:
 
     factors: dict[str, tuple[tuple[torch.Tensor, torch.Tensor, float], ...]]
 
-    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, tuple, BackwardCopy, float], ...]]:
+    def unbound(self) -> dict[str, tuple[tuple[tuple, tuple, tuple, float], ...]]:
         """Per-expert views of every factor, made once per layer for a loop over experts (one gradient per
-        stack, as `StackedExperts.unbound`), of a contiguous copy of ``B`` for the forward's reads (PEFT's
+        stack, as `StackedExperts.unbound`), and of a contiguous copy of ``B`` for the forward's reads: PEFT's
         ``[O, R*E]`` layout puts an expert's ``B_e`` on every cache line of the parameter, slow to read expert by
-        expert), and the layer's `BackwardCopy` for the backward's. The forward's copy is detached and lives as
-        long as these views (one layer's forward); gradients go through the views of the parameter
-        (`_LowRankDelta`)."""
+        expert. The copy is detached and lives as long as these views (one layer's forward); gradients and
+        backward go through the views of the parameter (`_LowRankDelta`)."""
         return {
             p: tuple(
-                (A.unbind(0), B.unbind(0), experts_first(B.detach()).unbind(0), BackwardCopy(B), s)
-                for A, B, s in per_adapter
+                (A.unbind(0), B.unbind(0), experts_first(B.detach()).unbind(0), s) for A, B, s in per_adapter
             )
             for p, per_adapter in self.factors.items()
         }
@@ -265,8 +232,8 @@ class ExpertLoRA:
         """``sum_a s_a (x A_ae^T) B_ae^T`` [N, O] for expert ``e`` from `unbound`'s views; None when ``p`` is not
         adapted."""
         out_NO = None
-        for A_E, B_E, B_read_E, B_backward, s in views.get(p, ()):
-            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e], B_backward, e)
+        for A_E, B_E, B_read_E, s in views.get(p, ()):
+            term_NO = low_rank_delta(x_NI, A_E[e], B_E[e], s, B_read_E[e])
             out_NO = term_NO if out_NO is None else out_NO + term_NO
         return out_NO
 
@@ -572,8 +539,12 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
         dispatch = ExpertDispatch.of(record, self.num_experts)
-        if lora is not None and torch.is_grad_enabled():
-            return self.forward_sorted_lora(x_TD, dispatch, lora)
+        if (
+            lora is not None and torch.is_grad_enabled()
+        ):  # training LoRA: a projection at a time (`sorted_ffn`)
+            return dispatch.combine(
+                self.sorted_ffn(dispatch.gather(x_TD), dispatch.counts_E.tolist(), lora), x_TD
+            )
         x_AD, weights_A = dispatch.gather(x_TD), dispatch.weights_A.to(x_TD.dtype)
         # expert by expert on its contiguous slice, combined while the slice is still in cache
         y_TD, weights = torch.zeros_like(x_TD), self.unbound()
@@ -589,18 +560,21 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
                 y_TD.index_add_(0, t_N, self.expert(e, x_ND, weights, views) * w_N[:, None])
         return y_TD
 
-    def forward_sorted_lora(
-        self, x_TD: torch.Tensor, dispatch: ExpertDispatch, lora: ExpertLoRA
+    def sorted_ffn(
+        self, x_AD: torch.Tensor, counts: list[int], lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
-        """`forward_sorted` under LoRA with gradients, projection by projection: the base product expert by
-        expert (`project`), each projection's LoRA delta for every expert at once (`ExpertLoRA.sorted_delta`: one
-        autograd node per projection, not one per expert and projection, whose factor gradients autograd had to
-        stack). The same values as `expert`'s loop."""
-        x_AD = dispatch.gather(x_TD)
-        if x_AD.shape[0] == 0:  # every assignment dropped
-            return torch.zeros_like(x_TD)
-        counts = dispatch.counts_E.tolist()
+        """Every expert's FFN on its rows of the expert-sorted ``x_AD`` (``counts``: rows per expert), the outputs
+        in the same order: `grouped_ffn`'s contract, expert by expert (the sorted path's slices; expert
+        parallelism's local experts). Under LoRA with gradients, a projection at a time: the base product expert by
+        expert (`project`), the projection's LoRA delta for every expert in one autograd node
+        (`ExpertLoRA.sorted_delta`), where one node per expert and projection left autograd to stack their factor
+        gradients; the same values as `expert`'s loop. Otherwise (and on no rows at all, which still joins the
+        graph) `expert` on each slice."""
         weights = self.unbound()
+        if lora is None or not torch.is_grad_enabled() or x_AD.shape[0] == 0:
+            views = lora.unbound() if lora is not None else None
+            slices = zip(range(self.num_experts), x_AD.split(counts))
+            return torch.cat([self.expert(e, x_ND, weights, views) for e, x_ND in slices])
 
         def proj(p: str, x_AI: torch.Tensor) -> torch.Tensor:
             outs = []
@@ -614,7 +588,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             return y_AO if delta_AO is None else y_AO + delta_AO
 
         h_gate = proj("gate_proj", x_AD) if self.activation == "swiglu" else None
-        return dispatch.combine(proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD))), x_TD)
+        return proj("down_proj", self.activate(h_gate, proj("up_proj", x_AD)))
 
     def forward_grouped_mm(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None

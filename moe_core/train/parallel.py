@@ -262,12 +262,7 @@ class ExpertParallelExperts(nn.Module, ExpertModule):
             offs_El = by_local.counts_E.cumsum(0).to(torch.int32)
             out_SD = self.local.grouped_ffn(x_SD, offs_El, lora, by_local.expert_ids_A)
         else:
-            chunks = torch.split(x_SD, by_local.counts_E.tolist())
-            weights = self.local.unbound()  # one gradient per stack, not one full-size gradient per slice
-            views = lora.unbound() if lora is not None else None
-            out_SD = torch.cat(
-                [self.local.expert(e, chunk, weights, views) for e, chunk in enumerate(chunks)]
-            )
+            out_SD = self.local.sorted_ffn(x_SD, by_local.counts_E.tolist(), lora)
         out_RD = out_SD.index_select(0, by_local.inverse())  # back to the received order
         out_AD = TimedAllToAll.apply(out_RD, send_splits, recv_splits, self.group, comm, self.ep_rank)
         return dispatch.combine(out_AD, x_TD)
