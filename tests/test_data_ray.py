@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace as dataclasses_replace
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +143,32 @@ def test_a_bad_record_in_a_later_part_stops_ray_with_its_line_in_the_file(tmp_pa
         prepare(PrepareConfig(**CUT, source=str(path), engine="ray"), tmp_path / "ray")
     assert "line 151:" in str(local.value) and str(on_ray.value) == str(local.value)
     assert not (tmp_path / "ray").exists() and not list(tmp_path.glob(".ray.partial-*"))
+
+
+def _finish_after(marker: str, seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    Path(marker).write_text("done")
+    return marker
+
+
+@pytest.mark.slow
+def test_tasks_in_flight_when_the_driver_stops_early_finish_and_none_is_cancelled(
+    tmp_path, monkeypatch, local_ray
+):
+    """`_in_order` stopped after its first result (a bad record, ``max_documents``): the tasks still in flight
+    are waited for, never `ray.cancel`led (in Ray 2.60 a cancel racing a task's completion aborts the driver)."""
+    monkeypatch.setattr(
+        local_ray, "cancel", lambda *a, **k: pytest.fail("ray.cancel can abort the driver (Ray 2.60)")
+    )
+    task = local_ray.remote(num_cpus=1)(_finish_after)
+    markers = [tmp_path / f"part-{i}" for i in range(4)]  # all in flight: two per CPU of the 2-CPU cluster
+    calls = ((i, lambda m=m, i=i: task.remote(str(m), 0.5 * i)) for i, m in enumerate(markers))
+    results = prepare_module._in_order(local_ray, calls)
+    assert next(results) == (0, str(markers[0]))
+    results.close()  # the caller stops here; parts 1-3 are still running
+    assert [m.is_file() for m in markers] == [True] * 4
 
 
 def test_an_unknown_engine_is_refused_by_name():

@@ -728,8 +728,12 @@ def _ray_scan(
 
 def _in_order(ray: Any, calls):
     """(key, result) of each (key, submit) in order, with at most two tasks per cluster CPU in flight (bounded
-    memory); the tasks still in flight are cancelled when the caller stops early. A task's `DataError` is
-    raised as itself (its message names the file and line), not inside Ray's traceback."""
+    memory). When the caller stops early (a bad record, a full disk, ``max_documents`` reached) the tasks still
+    in flight are waited for and their results dropped, not cancelled: in Ray 2.60 ``ray.cancel`` races a
+    task's completion and can abort this whole process ("Check failed: it != submissible_tasks_.end() Tried to
+    complete task that was not pending", task_manager.cc; ray-project/ray#54846), which is how a CI worker
+    running these tests died. At most that many parts are read to no use. A task's `DataError` is raised as
+    itself (its message names the file and line), not inside Ray's traceback."""
     limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     in_flight: collections.deque = collections.deque()
 
@@ -751,8 +755,9 @@ def _in_order(ray: Any, calls):
             key_, ref = in_flight.popleft()
             yield key_, get(ref)
     finally:
-        for _, ref in in_flight:
-            ray.cancel(ref)
+        if in_flight:
+            refs = [ref for _, ref in in_flight]
+            ray.wait(refs, num_returns=len(refs), fetch_local=False)
 
 
 class _ray_session:
