@@ -24,8 +24,9 @@ and gradient clipping at 1.0:
   (the published configs' ``output_router_logits`` is false, so the baseline's has none), and the routing
   statistics the lab's trainer logs are not computed.
 - ``lab-qlora-int4`` / ``lab-qlora-nf4`` (``--qlora``) and ``lab-copy`` (``--copy``): the lab with
-  ``quantize.base=...`` / ``model.mmap=false`` (the base copied into memory); "not available yet" while
-  `FinetuneConfig` refuses a field.
+  ``quantize.base=...`` / ``model.mmap=false`` (the base copied into memory); ``--qlora int4-attn`` (or
+  ``nf4-attn``) adds ``quantize.attention=true``, the attention projections in 4 bits too; "not available yet"
+  while `FinetuneConfig` refuses a field.
 
 A step is forward + backward + clip + optimizer step + zero_grad; model load and wrapping are timed apart.
 ``--generate N``: after its steps each lab variant decodes N greedy tokens with its adapter on the base it trained
@@ -412,7 +413,9 @@ def variants(args) -> list[tuple[str, str, list[str], bool]]:
     """(name, child kind, lab --set fields, optional)."""
     out = [("baseline", "baseline", [], False), ("lab", "lab", list(args.lab_set), False)]
     for scheme in args.qlora:
-        out.append((f"lab-qlora-{scheme}", "lab", [*args.lab_set, f"{QLORA_FIELD}={scheme}"], True))
+        base, attention = scheme.removesuffix("-attn"), scheme.endswith("-attn")
+        fields = [f"{QLORA_FIELD}={base}"] + (["quantize.attention=true"] if attention else [])
+        out.append((f"lab-qlora-{scheme}", "lab", [*args.lab_set, *fields], True))
     if args.copy:
         out.append(("lab-copy", "lab", [*args.lab_set, f"{MMAP_FIELD}=false"], True))
     return out
@@ -517,7 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="in every variant")
     parser.add_argument(
-        "--qlora", action="append", default=[], choices=["int4", "nf4"], help="add a QLoRA variant"
+        "--qlora",
+        action="append",
+        default=[],
+        choices=["int4", "nf4", "int4-attn", "nf4-attn"],
+        help="add a QLoRA variant (-attn: the attention projections in 4 bits too, quantize.attention)",
     )
     parser.add_argument(
         "--copy", action="store_true", help="add the lab with its base copied into memory (model.mmap=false)"

@@ -560,14 +560,24 @@ def _read_quant_file(directory: Path) -> dict:
     return meta
 
 
-# ---------------------------------------------------------------------------------------------- shared experts
+# ---------------------------------------------------------------------------------------------- dense projections
 class QuantizedLinear(nn.Module):
-    """A frozen bias-free ``nn.Linear`` [O, I] held as codes (``weight_q``: int4 packed two a byte, or int8) and
-    absmax scales (``weight_scale`` [O, G]): under QLoRA, the shared experts' projections (Qwen2-MoE's 5632-wide
-    shared expert: 1.6 GiB of bf16 over Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits). Dequantized into
-    reused buffers at each use and again in backward (`recomputed_linear`), as the routed experts' slices are."""
+    """A frozen ``nn.Linear`` [O, I] held as codes (``weight_q``: int4 packed two a byte, or int8) and absmax
+    scales (``weight_scale`` [O, G]), its bias (if any) kept as it was (a ``bias`` buffer, the model's dtype):
+    under QLoRA, the shared experts' projections (Qwen2-MoE's 5632-wide shared expert: 1.6 GiB of bf16 over
+    Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits) and, with ``quantize.attention``, the attention
+    projections. Dequantized into reused buffers at each use and again in backward (`recomputed_linear`), as the
+    routed experts' slices are. LoRA on it is `moe_core.finetune.expert_lora.QuantizedLinearLoRA`, whose adapter
+    has the keys of LoRA on the ``nn.Linear`` it stands for."""
 
-    def __init__(self, in_features: int, out_features: int, config: QuantConfig) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: QuantConfig,
+        bias: bool = False,
+        bias_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.quant_config = in_features, out_features, config
         width = in_features if config.bits == 8 else in_features // 2
@@ -577,6 +587,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer(
             "weight_scale", torch.ones(out_features, config.groups(in_features), dtype=scale_dtype)
         )
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype) if bias else None)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The codes under the name quantized linears give them (GPTQ's, AWQ's): where PEFT looks for a layer's
+        device when it wraps one with LoRA (it has no ``weight``)."""
+        return self.weight_q
 
     @torch.no_grad()
     def quantize_from(self, w_OI: torch.Tensor) -> None:
@@ -598,34 +615,71 @@ class QuantizedLinear(nn.Module):
         return dequantize_int4_scratch(self.weight_q, self.weight_scale, self.quant_config.codebook, dtype)
 
     def forward(self, x_NI: torch.Tensor) -> torch.Tensor:
-        return recomputed_linear(x_NI, lambda: self._scratch_weight(x_NI.dtype))
+        y_NO = recomputed_linear(x_NI, lambda: self._scratch_weight(x_NI.dtype))
+        return y_NO if self.bias is None else y_NO + self.bias.to(y_NO.dtype)
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.quant_config.bits}"
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.quant_config.bits}, "
+            f"bias={self.bias is not None}"
         )
+
+
+def _quantize_linears(model: nn.Module, config: QuantConfig, owners: list[tuple[str, nn.Module]]):
+    """Every ``nn.Linear`` child of the ``owners`` (name, module) replaced by `QuantizedLinear`, in place:
+    quantized from its weight (its bias copied), or, on the meta device (a model about to stream in), empty
+    codes to fill with `QuantizedLinear.quantize_from`. Returns the new modules by name."""
+    replaced: dict[str, QuantizedLinear] = {}
+    for name, owner in owners:
+        for child, linear in list(owner.named_children()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            bias = linear.bias
+            quantized = QuantizedLinear(
+                linear.in_features,
+                linear.out_features,
+                config,
+                bias is not None,
+                None if bias is None else bias.dtype,
+            )
+            if linear.weight.device.type != "meta":
+                quantized = quantized.to(linear.weight.device)
+                quantized.quantize_from(linear.weight.detach())
+                if bias is not None:
+                    quantized.bias.copy_(bias.detach())
+            setattr(owner, child, quantized)
+            replaced[f"{name}.{child}"] = quantized
+    return replaced
 
 
 def quantize_shared_experts(model: nn.Module, config: QuantConfig) -> dict[str, QuantizedLinear]:
     """Replace every shared expert's projections (``...mlp.shared_expert.{gate,up,down}_proj``, the always-on
-    `FeedForward` of Qwen2-MoE / DeepSeekMoE) by `QuantizedLinear`, in place: quantized from their weights, or,
-    on the meta device (a model about to stream in), empty codes to fill with `QuantizedLinear.quantize_from`.
-    Returns the new modules by their names (``...shared_expert.up_proj``)."""
-    replaced: dict[str, QuantizedLinear] = {}
-    for name, module in list(model.named_modules()):
-        if not name.endswith(".mlp.shared_expert") or not isinstance(module, FeedForward):
-            continue
-        for proj in PROJECTIONS:
-            linear = getattr(module, proj, None)
-            if not isinstance(linear, nn.Linear):
-                continue
-            quantized = QuantizedLinear(linear.in_features, linear.out_features, config)
-            if linear.weight.device.type != "meta":
-                quantized = quantized.to(linear.weight.device)
-                quantized.quantize_from(linear.weight.detach())
-            setattr(module, proj, quantized)
-            replaced[f"{name}.{proj}"] = quantized
-    return replaced
+    `FeedForward` of Qwen2-MoE / DeepSeekMoE) by `QuantizedLinear` (`_quantize_linears`). Returns the new
+    modules by their names (``...shared_expert.up_proj``)."""
+    owners = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.endswith(".mlp.shared_expert") and isinstance(module, FeedForward)
+    ]
+    return _quantize_linears(model, config, owners)
+
+
+def quantize_attention(model: nn.Module, config: QuantConfig) -> dict[str, QuantizedLinear]:
+    """Replace every attention projection (``...self_attn.{q,k,v,o}_proj``; multi-head latent attention's
+    ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``) by `QuantizedLinear`, biases
+    kept (Qwen2-MoE's q/k/v). Returns the new modules by name (``...self_attn.q_proj``)."""
+    owners = [(name, module) for name, module in model.named_modules() if name.endswith(".self_attn")]
+    return _quantize_linears(model, config, owners)
+
+
+def attention_input_widths(config: MoEConfig) -> dict[str, int]:
+    """The input width of each attention projection of ``config``'s model (read off one layer built on the
+    meta device): a 4-bit group size must divide each before the attention can be quantized."""
+    from moe_core.model import DecoderLayer
+
+    with torch.device("meta"):
+        attention = DecoderLayer(config, 0).self_attn
+    return {name: m.in_features for name, m in attention.named_children() if isinstance(m, nn.Linear)}
 
 
 # ---------------------------------------------------------------------------------------------- quantized loading
@@ -635,13 +689,15 @@ def load_quantizing_experts(
     dtype: torch.dtype | str | None = None,
     *,
     shared_experts: bool = False,
+    attention: bool = False,
 ) -> MoEForCausalLM:
     """A full-precision checkpoint (a Hugging Face one `convert` reads, or ours) with its expert stacks
     quantized while they stream in, one expert slice at a time (round to nearest), for QLoRA: the model is built
     on the meta device, every expert stack replaced by `QuantizedExperts` before any storage exists, and only
     the quantized codes, the other weights (in ``dtype``, default the checkpoint's) and one source tensor at a
     time are ever in memory; the full-precision model never has to fit. ``shared_experts``: the shared experts'
-    projections too (`quantize_shared_experts`)."""
+    projections too (`quantize_shared_experts`); ``attention``: the attention projections too
+    (`quantize_attention`)."""
     opened = open_streaming(path, dtype, QuantizationError, "quantizing while loading")
     directory, reader, model, plan = opened.directory, opened.reader, opened.model, opened.plan
     with torch.device("meta"):  # before any storage exists
@@ -657,18 +713,19 @@ def load_quantizing_experts(
                 bias_dtype=dense.up_proj.dtype,
             ),
         )
-        shared = quantize_shared_experts(model, config) if shared_experts else {}
+        linears = quantize_shared_experts(model, config) if shared_experts else {}
+        if attention:
+            linears.update(quantize_attention(model, config))
     materialize(model, "cpu")
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for ours, e, name, source in stream_weights(reader, plan, release=True):
             module, _, projection = ours.rpartition(".")
-            if module in shared and projection == "weight":
-                check_shape(
-                    directory, name, source, ours, (shared[module].out_features, shared[module].in_features)
-                )
-                shared[module].quantize_from(source)
+            if module in linears and projection == "weight":
+                linear = linears[module]
+                check_shape(directory, name, source, ours, (linear.out_features, linear.in_features))
+                linear.quantize_from(source)
                 continue
             experts = quantized.get(module)
             # not a quantized stack: copied as it is (gpt-oss's expert biases too, one expert's row at a time)

@@ -201,6 +201,19 @@ def test_peft_seam():
     # our own views of the factors (not cast to the stack's dtype) read PEFT's layout as it does
     ours_A, ours_B, ours_scale = nest[0].factors("default")
     assert torch.equal(ours_A, A_ERI) and torch.equal(ours_B, B_EOR) and ours_scale == scale
+    # QuantizedLinearLoRA: PEFT's LoRA Linear over a layer it does not know, found by its in/out features and,
+    # for the device, its ``qweight``; PEFT still takes no other layer type for it
+    from peft.tuners.tuners_utils import _get_in_out_features
+
+    from moe_core.finetune.expert_lora import QuantizedLinearLoRA
+    from moe_core.quantized import QuantConfig, QuantizedLinear
+
+    codes = QuantizedLinear(32, 16, QuantConfig(bits=4, group_size=8))
+    with pytest.warns(UserWarning, match="Unsupported layer type"):
+        assert _get_in_out_features(codes) == (32, 16)
+    lora = QuantizedLinearLoRA(codes, "default", config=LoraConfig(r=4), r=4, lora_alpha=8)
+    assert lora.lora_A["default"].weight.shape == (4, 32) and lora.lora_B["default"].weight.shape == (16, 4)
+    assert callable(getattr(peft_lora.Linear, "get_delta_weight", None))
 
 
 @pytest.fixture

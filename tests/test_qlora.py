@@ -14,6 +14,7 @@ from moe_core.quantized import (
     QuantConfig,
     QuantizationError,
     QuantizedExperts,
+    QuantizedLinear,
     compute_scales,
     dequantize,
     dequantize_int4,
@@ -147,11 +148,20 @@ def test_stack_shape_names_the_dense_stack():
 # ------------------------------------------------------------------------------------------------ LoRA on 4 bits
 def dequantized_twin(quantized, **overrides):
     """tiny_model(**overrides) (the same seed: the same non-expert weights) with ``quantized``'s experts as dense
-    stacks."""
+    stacks and its 4-bit projections (`QuantizedLinear`: attention, shared experts) as dense weights."""
+    from moe_core.quantized import QuantizedLinear
     from tests.finetune_helpers import tiny_model
 
     dense = tiny_model(**overrides)
     with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, QuantizedLinear):
+                name = name.removesuffix(".base_layer")  # under LoRA
+                name = name.removeprefix("base_model.model.")
+                linear = dense.get_submodule(name)
+                linear.weight.copy_(module.dequantized())
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
         for layer, q_layer in zip(dense.model.layers, quantized.model.layers):
             experts = q_layer.mlp.experts
             experts = (
@@ -162,11 +172,13 @@ def dequantized_twin(quantized, **overrides):
     return dense
 
 
-def qlora_pair(config=NF4, lora=None, **overrides):
-    """A tiny model (``tiny_model(**overrides)``) with 4-bit experts + routed LoRA, and the same model with the
-    dequantized weights as dense stacks + PEFT's own LoRA, with equal factors."""
+def qlora_pair(config=NF4, lora=None, attention=False, **overrides):
+    """A tiny model (``tiny_model(**overrides)``) with 4-bit experts (and attention, ``attention``) + routed LoRA,
+    and the same model with the dequantized weights as dense stacks and Linears + PEFT's own LoRA, with equal
+    factors."""
     from moe_core.finetune import FinetuneConfig
     from moe_core.finetune.methods import apply_lora
+    from moe_core.quantized import quantize_attention
     from tests.finetune_helpers import tiny_model
     from tests.test_expert_lora import randomize_lora
 
@@ -175,6 +187,12 @@ def qlora_pair(config=NF4, lora=None, **overrides):
     )
     quantized = tiny_model(**overrides)
     quantize_experts(quantized, config)
+    if attention:
+        with torch.no_grad():  # biases (Qwen2-MoE's q/k/v) start at zero: give them values to keep
+            for module in quantized.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    module.bias.normal_(0.0, 0.1)
+        quantize_attention(quantized, config)
     dense = dequantized_twin(quantized, **overrides)
     selection = {layer: list(range(4)) for layer in dense.config.moe_layer_ids}
     ours, _ = apply_lora(quantized, ft, selection)
@@ -205,6 +223,33 @@ def test_lora_on_4_bit_experts_equals_peft_on_the_dequantized_weights(impl):
     assert not any(".experts." in n and "lora_" not in n for n in grads)
 
 
+def test_lora_on_4_bit_attention_equals_peft_on_the_dequantized_linears():
+    """``quantize.attention``: q/k/v/o as `QuantizedLinear` (Qwen2-MoE's q/k/v biases kept), PEFT's LoRA on them
+    (`QuantizedLinearLoRA`) gives PEFT's LoRA on the dequantized nn.Linears: logits and every gradient."""
+    from moe_core.finetune.expert_lora import QuantizedLinearLoRA
+    from moe_core.quantized import QuantizedLinear
+
+    lora = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj", "v_proj", "o_proj"]}}
+    ours, reference = qlora_pair(lora=lora, attention=True, attention_bias=True)
+    attention = ours.base_model.model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, QuantizedLinearLoRA) and isinstance(attention.k_proj, QuantizedLinear)
+    assert attention.q_proj.base_layer.bias is not None and attention.q_proj.base_layer.bias.abs().sum() > 0
+    x = torch.randint(0, 300, (3, 10))
+    ours(input_ids=x, labels=x).loss.backward()
+    reference(input_ids=x, labels=x).loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
+        )
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and any(".self_attn.o_proj.lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="4-bit projection .* full-precision base"):
+        attention.q_proj.merge()
+
+
 def test_a_qlora_adapter_is_a_peft_adapter_of_the_full_precision_model(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -228,11 +273,13 @@ def test_merging_into_4_bit_experts_is_refused_naming_what_to_do():
 
 
 # ------------------------------------------------------------------------------------------------ moe-lab finetune
+@pytest.mark.parametrize("attention", [False, True], ids=["experts", "experts+attention"])
 def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_the_full_precision_base(
-    tmp_path,
+    tmp_path, attention
 ):
     """... and the output directory loads on the base it trained on (quantized again, the adapter unmerged):
-    the trained model's logits and greedy tokens, where the full-precision merge differs."""
+    the trained model's logits and greedy tokens, where the full-precision merge differs. ``attention``: q/k/v/o
+    in 4 bits too (``quantize.attention``), their LoRA keys those of the full-precision model's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +294,7 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
         {
             "model": {"path": str(source)},
             "method": "qlora",
-            "quantize": {"group_size": 16},
+            "quantize": {"group_size": 16, "attention": attention},
             "lora": {"r": 4, "experts": "all"},
             "steps": 3,
             "batch_size": 4,
@@ -263,6 +310,12 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
     experts = [m for m in result.model.modules() if isinstance(m, QuantizedExperts)]
     assert experts and all(m.quant_config.codebook == "nf4" for m in experts)
     assert all(m.up_proj_scale.dtype == torch.bfloat16 for m in experts)  # QLoRA's scales: half the bytes
+    four_bit_attention = [n for n, m in result.model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(four_bit_attention) == (8 if attention else 0)  # q, k, v, o of both layers
+    trained_attention = [
+        n for n, p in result.model.named_parameters() if p.requires_grad and "self_attn" in n
+    ]
+    assert len(trained_attention) == 16  # LoRA A and B on q, k, v, o (lora.attention's default) either way
     assert all(torch.isfinite(torch.tensor(row["loss"])) for row in result.metrics if "loss" in row)
     # the adapter is LoRA on the full-precision model: stock PEFT on the HF model, and our loader, apply it
     x = torch.randint(0, 300, (2, 10))
@@ -282,6 +335,7 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
         assert loaded.kind == "finetuned" and any(
             isinstance(m, QuantizedExperts) for m in loaded.model.modules()
         )
+        assert attention == any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
         torch.testing.assert_close(loaded.model(input_ids=x).logits, trained(input_ids=x).logits)
         assert not torch.allclose(loaded.model(input_ids=x).logits, merged(input_ids=x).logits, atol=1e-4)
         prompt = loaded.tokenizer("hello", return_tensors="pt")
@@ -299,6 +353,8 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
         FinetuneConfig.build({"method": "full", "quantize": {"base": "nf4"}})
     with pytest.raises(FinetuneError, match="export.merged / export.hf with quantize.base"):
         FinetuneConfig.build({"method": "qlora", "export": {"merged": True}})
+    with pytest.raises(FinetuneError, match="quantize.attention=true holds the attention projections"):
+        FinetuneConfig.build({"method": "lora", "quantize": {"attention": True}})
     source = hf_checkpoint(tmp_path, "olmoe")
 
     def no_weights(*args, **kwargs):
@@ -430,6 +486,38 @@ def test_shared_experts_quantize_while_loading_as_in_memory(checkpoints, config)
     up(x).sum().backward()
     torch.nn.functional.linear(x_ref, up.dequantized()).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
+    input_ids, mask = make_inputs(streamed.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            streamed(input_ids, attention_mask=mask).logits,
+            reference.eval()(input_ids, attention_mask=mask).logits,
+        )
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "olmoe"])
+def test_attention_quantizes_while_loading_as_in_memory(checkpoints, case):
+    """``quantize.attention``: every attention projection streamed in as `QuantizedLinear` (Qwen2-MoE's q/k/v
+    biases copied as they are) equals quantizing the loaded model's."""
+    from moe_core.quantized import QuantizedLinear, quantize_attention, quantize_shared_experts
+
+    directory = checkpoints[case]
+    streamed = load_quantizing_experts(directory, INT4, shared_experts=True, attention=True)
+    reference = from_hf(directory)
+    dense_q = reference.model.layers[0].self_attn.q_proj
+    dense_q_weight, dense_q_bias = dense_q.weight.detach().clone(), dense_q.bias
+    quantize_experts(reference, INT4)
+    quantize_shared_experts(reference, INT4)
+    replaced = quantize_attention(reference, INT4)
+    assert len(replaced) == 4 * reference.config.num_hidden_layers  # q, k, v, o of every layer
+    state, expected = streamed.state_dict(), reference.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+    q = streamed.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantizedLinear) and (q.bias is None) == (dense_q_bias is None)
+    if dense_q_bias is not None:
+        assert torch.equal(q.bias, dense_q_bias.detach()) and dense_q_bias.abs().sum() > 0
+    assert (q.dequantized() - dense_q_weight).abs().max() <= q.weight_scale.max() * 1.01  # within a step
     input_ids, mask = make_inputs(streamed.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(

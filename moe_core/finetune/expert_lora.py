@@ -17,7 +17,8 @@ PEFT's switches keep their meaning: ``disable_adapter()`` (the DPO reference for
 merged adapters are not applied twice, several active adapters add up. `tests/test_expert_lora.py` holds this
 forward equal to PEFT's own in outputs and gradients.
 
-Reach into PEFT (peft 0.21: `peft/tuners/lora/layer.py` ``ParamWrapper``, `peft/tuners/lora/config.py`
+Reach into PEFT (peft 0.21: `peft/tuners/lora/layer.py` ``ParamWrapper`` and ``Linear`` (`QuantizedLinearLoRA`, LoRA
+on QLoRA's 4-bit attention and shared experts), `peft/tuners/lora/config.py`
 ``LoraConfig._register_custom_module``, PEFT's documented experimental hook for custom LoRA layers, and
 `peft/utils/constants.py` ``DUMMY_TARGET_MODULES``, its marker for a model whose targets come later): this module
 is the one place;
@@ -27,6 +28,7 @@ is the one place;
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from moe_core.experts import PROJECTIONS, ExpertLoRA, StackedExperts
 from moe_core.mapped import MappedExperts
+from moe_core.quantized import QuantizedLinear
 
 DUMMY_TARGETS = DUMMY_TARGET_MODULES  # PEFT's "no module targets" marker: the targets are injected afterwards
 
@@ -140,9 +143,32 @@ class ParamWrapper(peft_lora.ParamWrapper):
         return "routed_" + super().__repr__()
 
 
-def register(config: LoraConfig) -> LoraConfig:
-    """Make ``config`` adapt every `StackedExperts` stack it targets with `ParamWrapper`."""
-    config._register_custom_module({StackedExperts: ParamWrapper})
+class QuantizedLinearLoRA(peft_lora.Linear):
+    """PEFT's LoRA ``Linear`` over a `moe_core.quantized.QuantizedLinear` (QLoRA's 4-bit attention or shared-expert
+    projection): ``y = base(x) + s B(A(x))`` with PEFT's own factors, initialization, scaling, dtype handling and
+    state-dict keys, those of LoRA on the ``nn.Linear`` the codes stand for, so stock PEFT loads the adapter onto
+    the full-precision model. The base output comes from the codes (dequantized per use); merging into them is
+    refused, as for the 4-bit experts."""
+
+    def __init__(self, base_layer, adapter_name: str, **kwargs) -> None:
+        with warnings.catch_warnings():  # PEFT warns of any layer type it does not know itself
+            warnings.filterwarnings("ignore", "Unsupported layer type", UserWarning)
+            super().__init__(base_layer, adapter_name, **kwargs)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise ValueError(
+            "a LoRA adapter on a 4-bit projection (QLoRA) merges into the full-precision base, not into the "
+            "codes: save the adapter and apply it to the base it was trained on (moe_core.load(<adapter dir>), "
+            "or PEFT on the full-precision model)"
+        )
+
+
+def register(config: LoraConfig, routed: bool = True) -> LoraConfig:
+    """Make ``config`` adapt every `QuantizedLinear` it targets with `QuantizedLinearLoRA` and, when ``routed``,
+    every `StackedExperts` stack with `ParamWrapper` (otherwise PEFT's own, the dense-delta reference)."""
+    config._register_custom_module({QuantizedLinear: QuantizedLinearLoRA})
+    if routed:
+        config._register_custom_module({StackedExperts: ParamWrapper})
     return config
 
 

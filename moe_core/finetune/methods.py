@@ -259,8 +259,7 @@ def apply_lora(
         target_parameters=(target_parameters or None) if not quantized else None,
         modules_to_save=modules_to_save or None,
     )
-    if routed:
-        expert_lora.register(peft_config)
+    expert_lora.register(peft_config, routed=routed)
     use_frozen_linears(model)  # bf16/fp16 on CPU: the frozen base's input gradients on their fast kernel
     with old_checkpointing_names_quiet():
         peft_model = get_peft_model(model, peft_config)

@@ -92,6 +92,7 @@ def load_qlora(
         base_quant_config(config),
         dtype or config.model.dtype,
         shared_experts=quantizes_shared_experts(config),
+        attention=config.quantize.attention,
     )
     selection = None
     if config.lora.experts == "esft":  # the experts ESFT chose for this run, recorded beside the adapter

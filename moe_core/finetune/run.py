@@ -109,7 +109,13 @@ from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
-from moe_core.quantized import QuantizedExperts, load_quantizing_experts, quantize_shared_experts
+from moe_core.quantized import (
+    QuantizedExperts,
+    attention_input_widths,
+    load_quantizing_experts,
+    quantize_attention,
+    quantize_shared_experts,
+)
 from moe_core.reward_model import MoEForSequenceClassification, reward_model_from
 from moe_core.train.loop import STOP_SIGNALS
 from moe_core.train.parallel import shutdown_parallel
@@ -557,6 +563,9 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         widths = {"hidden_size": config_of_model.hidden_size}
         if config_of_model.num_experts:
             widths["expert_intermediate_size"] = config_of_model.expert_intermediate_size
+        if config.quantize.attention:
+            for name, width in attention_input_widths(config_of_model).items():
+                widths.setdefault(f"{name}'s input width", width)
         for name, width in widths.items():
             if width % quant.group_size:
                 raise FinetuneError(
@@ -569,7 +578,11 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         print(f"moe-lab finetune: {note}", flush=True)
     if model is None and quant is not None:
         model = load_quantizing_experts(
-            config.model.path, quant, config.model.dtype, shared_experts=quantizes_shared_experts(config)
+            config.model.path,
+            quant,
+            config.model.dtype,
+            shared_experts=quantizes_shared_experts(config),
+            attention=config.quantize.attention,
         )
     elif model is None:
         model = load(config.model.path, dtype=config.model.dtype, memory_map=memory_map).model
@@ -577,6 +590,8 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         quantize_experts(model, quant)  # a model given in memory: its experts quantized in place
         if quantizes_shared_experts(config):
             quantize_shared_experts(model, quant)
+        if config.quantize.attention:
+            quantize_attention(model, quant)
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
     adopt_special_token_ids(model, special_token_ids(tokenizer), replace=True)
