@@ -436,7 +436,7 @@ def print_table(figures: dict, raw: dict) -> None:
         f"steps after {m['warmup']} warm-up, {threads} torch thread(s) per child on {m['device']}"
     )
     header = (
-        f"{'variant':<18}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
+        f"{'variant':<21}{'status':<10}{'step s':>8}{'x base':>8}{'tok/s':>8}{'load s':>8}"
         f"{'peak GiB':>10}{'anon':>7}{'file':>7}{'x base':>8}{'max anon':>10}{'x base':>8}{'trainable M':>13}"
         f"{'w/ state':>9}{'loss 0 -> n':>20}"
     )
@@ -449,7 +449,7 @@ def print_table(figures: dict, raw: dict) -> None:
         ratio_a = row["peak_anon_gib"] / base["peak_anon_gib"] if base.get("peak_anon_gib") else None
         losses = row.get("losses") or []
         print(
-            f"{name:<18}{('ok' if ok else 'see below'):<10}{_gib(row.get('step_s')):>8}{_gib(ratio_t):>8}"
+            f"{name:<21}{('ok' if ok else 'see below'):<10}{_gib(row.get('step_s')):>8}{_gib(ratio_t):>8}"
             f"{row.get('tokens_per_s', 0):>8.0f}{_gib(row.get('load_s')):>8}{_gib(row.get('peak_rss_gib')):>10}"
             f"{_gib(row.get('rss_anon_gib_at_peak')):>7}{_gib(row.get('rss_file_gib_at_peak')):>7}"
             f"{_gib(ratio_m):>8}{_gib(row.get('peak_anon_gib')):>10}{_gib(ratio_a):>8}"

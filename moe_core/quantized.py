@@ -625,7 +625,7 @@ class QuantizedLinear(nn.Module):
         )
 
 
-def _quantize_linears(model: nn.Module, config: QuantConfig, owners: list[tuple[str, nn.Module]]):
+def _quantize_linears(config: QuantConfig, owners: list[tuple[str, nn.Module]]) -> dict[str, QuantizedLinear]:
     """Every ``nn.Linear`` child of the ``owners`` (name, module) replaced by `QuantizedLinear`, in place:
     quantized from its weight (its bias copied), or, on the meta device (a model about to stream in), empty
     codes to fill with `QuantizedLinear.quantize_from`. Returns the new modules by name."""
@@ -661,7 +661,7 @@ def quantize_shared_experts(model: nn.Module, config: QuantConfig) -> dict[str, 
         for name, module in model.named_modules()
         if name.endswith(".mlp.shared_expert") and isinstance(module, FeedForward)
     ]
-    return _quantize_linears(model, config, owners)
+    return _quantize_linears(config, owners)
 
 
 def quantize_attention(model: nn.Module, config: QuantConfig) -> dict[str, QuantizedLinear]:
@@ -669,7 +669,7 @@ def quantize_attention(model: nn.Module, config: QuantConfig) -> dict[str, Quant
     ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``) by `QuantizedLinear`, biases
     kept (Qwen2-MoE's q/k/v). Returns the new modules by name (``...self_attn.q_proj``)."""
     owners = [(name, module) for name, module in model.named_modules() if name.endswith(".self_attn")]
-    return _quantize_linears(model, config, owners)
+    return _quantize_linears(config, owners)
 
 
 def attention_input_widths(config: MoEConfig) -> dict[str, int]:
