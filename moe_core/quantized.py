@@ -18,6 +18,7 @@ nearest, GPTQ, AWQ) and the ``moe-lab quantize`` command live above this module,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -126,15 +127,59 @@ NF4_LEVELS = (
 )  # fmt: skip
 
 
+def nf4_midpoints(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 15 fp32 midpoints between consecutive NF4 levels: the nearest level is how many lie below."""
+    levels = torch.tensor(NF4_LEVELS, device=device)
+    return (levels[1:] + levels[:-1]) / 2
+
+
+def nf4_codes_reference(y: torch.Tensor) -> torch.Tensor:
+    """The reference for `nf4_codes`: the index of the nearest NF4 level of each ``y`` in [-1, 1] (ties to the
+    lower level), by binary search over the midpoints (int64)."""
+    return torch.bucketize(y, nf4_midpoints(y.device))
+
+
+NF4_CELLS = 512  # `nf4_codes`' table: [-1, 1] in 512 cells, each holding at most one midpoint
+
+
+def _nf4_cell(y: torch.Tensor) -> torch.Tensor:
+    """Each ``y`` in [-1, 1]'s cell (int32): non-decreasing in ``y``, as every step of it is in fp32."""
+    return ((y + 1) * (NF4_CELLS / 2)).to(torch.int32).clamp_(max=NF4_CELLS - 1)
+
+
+@functools.cache
+def _nf4_cell_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per cell: how many midpoints lie in cells below it (int8), and the midpoint inside it (+inf if none)."""
+    midpoints = nf4_midpoints(device)
+    cells = _nf4_cell(midpoints)
+    if len(set(cells.tolist())) != len(cells):
+        raise RuntimeError(f"NF4_CELLS={NF4_CELLS}: two NF4 midpoints share a cell")
+    below = torch.searchsorted(cells, torch.arange(NF4_CELLS, dtype=torch.int32, device=device))
+    inside = torch.full((NF4_CELLS,), float("inf"), device=device)
+    inside[cells.long()] = midpoints
+    return below.to(torch.int8), inside
+
+
+def nf4_codes(y: torch.Tensor) -> torch.Tensor:
+    """`nf4_codes_reference` (int8), exactly, 5x faster on a CPU: ``y``'s cell tells how many midpoints lie in
+    the cells below (all below ``y``, since the cell is non-decreasing in ``y``) and the one midpoint that may
+    share its cell, compared directly; two table lookups and a comparison instead of a binary search per
+    value, the bulk of quantizing a checkpoint to NF4 while it loads (35 of 37 ms for a 1024 x 2048 slice)."""
+    below, inside = _nf4_cell_tables(torch.device(y.device))
+    y_N = y.reshape(-1)
+    cell_N = _nf4_cell(y_N)
+    q_N = torch.index_select(below, 0, cell_N)
+    q_N += y_N > torch.index_select(inside, 0, cell_N)
+    return q_N.view(y.shape)
+
+
 def quantize_rtn(w_OI: torch.Tensor, scale_OG: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     """Codes of ``w`` [..., O, I] at the given scales, as int8: integers in [-qmax-1, qmax], or (nf4) the index
     of the nearest NF4 level minus 8, so that int4 packing stores both alike."""
     G = scale_OG.shape[-1]
     w_OGg = w_OI.float().reshape(*w_OI.shape[:-1], G, -1) / scale_OG[..., None]
     if config.codebook == "nf4":
-        levels = torch.tensor(NF4_LEVELS, device=w_OI.device)
-        midpoints = (levels[1:] + levels[:-1]) / 2  # nearest level = how many midpoints lie below
-        q = torch.bucketize(w_OGg.clamp(-1, 1), midpoints) - 8
+        q = nf4_codes(w_OGg.clamp(-1, 1)) - 8
     else:
         q = torch.round(w_OGg).clamp(-config.qmax - 1, config.qmax)
     return q.reshape(w_OI.shape).to(torch.int8)

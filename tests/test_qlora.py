@@ -50,6 +50,25 @@ def test_nf4_codes_are_the_nearest_level_of_the_group_absmax():
     assert nf4_error < int4_error
 
 
+def test_nf4_codes_are_the_binary_search_reference_exactly():
+    """`nf4_codes` (a cell table and one comparison) against `nf4_codes_reference` (bucketize over the midpoints):
+    on the midpoints themselves and their fp32 neighbours (ties go to the lower level), on every cell edge and its
+    neighbours, on -1, 0, 1, and on millions of uniform values."""
+    from moe_core.quantized import NF4_CELLS, nf4_codes, nf4_codes_reference, nf4_midpoints
+
+    mid = nf4_midpoints()
+    edges = torch.arange(NF4_CELLS + 1) / (NF4_CELLS / 2) - 1
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    probes = [mid, edges, torch.tensor([-1.0, -0.0, 0.0, 1.0]), torch.linspace(-1, 1, 100_001)]
+    probes += [torch.nextafter(t, d) for t in (mid, edges) for d in (up, down)]
+    torch.manual_seed(0)
+    probes.append(torch.rand(2_000_000) * 2 - 1)
+    y = torch.cat(probes).clamp(-1, 1)
+    codes = nf4_codes(y)
+    assert codes.dtype == torch.int8 and torch.equal(codes.long(), nf4_codes_reference(y))
+    assert torch.equal(nf4_codes(mid), torch.arange(15, dtype=torch.int8))  # a tie: the lower level
+
+
 def test_the_byte_table_dequantization_is_the_reference_bitwise():
     """QLoRA's per-expert dequantization (`dequantize_int4`, one [256, 2] lookup per byte) against the reference
     (unpack to int8 codes, then `dequantize`): every byte value, both codebooks, with and without a stack dim."""
