@@ -77,3 +77,26 @@ def tiny_model(
 
 def state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_lora_step(
+    ours, reference, input_ids: torch.Tensor, adapted: str, tol: float = 1e-5, **forward
+):
+    """One training step's loss backward on both models (``forward``: extra arguments to ``ours``, such as
+    ``expert_impl``), then the same logits and the same gradient on every trainable parameter (within ``tol``);
+    ``adapted`` names a part (``.experts.``, ``.self_attn.o_proj.lora_A``) some trained parameter must be in."""
+    ours(input_ids=input_ids, labels=input_ids, **forward).loss.backward()
+    reference(input_ids=input_ids, labels=input_ids).loss.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(input_ids=input_ids, **forward).logits,
+            reference(input_ids=input_ids).logits,
+            atol=tol,
+            rtol=tol,
+        )
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and any(adapted in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=tol, rtol=tol, msg=name)
+    return grads

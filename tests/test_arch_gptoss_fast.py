@@ -30,7 +30,7 @@ from moe_core.quantized import (
     load_quantizing_experts,
     save_quantized,
 )
-from tests.finetune_helpers import tiny_model
+from tests.finetune_helpers import assert_same_lora_step, tiny_model
 from tests.helpers import randomize_
 from tests.test_arch_gptoss import HF_TINY
 from tests.test_expert_lora import randomize_lora
@@ -213,18 +213,7 @@ def test_qlora_on_4_bit_gptoss_experts_equals_peft_on_the_dequantized_weights(qu
     reference, _ = apply_lora(dense, ft, selection, routed=False)
     randomize_lora(ours)
     reference.load_state_dict(ours.state_dict(), strict=False)
-    x = input_ids(300, 3, 10)
-    for model in (ours, reference):
-        model(input_ids=x, labels=x).loss.backward()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            ours(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
-        )
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert_same_lora_step(ours, reference, input_ids(300, 3, 10), ".experts.")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

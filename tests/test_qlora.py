@@ -225,19 +225,12 @@ def qlora_pair(config=NF4, lora=None, attention=False, **overrides):
 def test_lora_on_4_bit_experts_equals_peft_on_the_dequantized_weights(impl):
     """Slice by slice (the CPU's ``auto``) and a layer's stacks dequantized at once through grouped matmuls (a
     GPU's ``auto``)."""
+    from tests.finetune_helpers import assert_same_lora_step
+
     ours, reference = qlora_pair()
-    x = torch.randint(0, 300, (3, 10))
-    ours(input_ids=x, labels=x, expert_impl=impl).loss.backward()
-    reference(input_ids=x, labels=x).loss.backward()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            ours(input_ids=x, expert_impl=impl).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
-        )
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    grads = assert_same_lora_step(
+        ours, reference, torch.randint(0, 300, (3, 10)), ".experts.", expert_impl=impl
+    )
     # only the adapters train: the 4-bit codes have no gradient and stay as they are
     assert not any(".experts." in n and "lora_" not in n for n in grads)
 
@@ -247,24 +240,14 @@ def test_lora_on_4_bit_attention_equals_peft_on_the_dequantized_linears():
     (`QuantizedLinearLoRA`) gives PEFT's LoRA on the dequantized nn.Linears: logits and every gradient."""
     from moe_core.finetune.expert_lora import QuantizedLinearLoRA
     from moe_core.quantized import QuantizedLinear
+    from tests.finetune_helpers import assert_same_lora_step
 
     lora = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "attention": ["q_proj", "v_proj", "o_proj"]}}
     ours, reference = qlora_pair(lora=lora, attention=True, attention_bias=True)
     attention = ours.base_model.model.model.layers[0].self_attn
     assert isinstance(attention.q_proj, QuantizedLinearLoRA) and isinstance(attention.k_proj, QuantizedLinear)
     assert attention.q_proj.base_layer.bias is not None and attention.q_proj.base_layer.bias.abs().sum() > 0
-    x = torch.randint(0, 300, (3, 10))
-    ours(input_ids=x, labels=x).loss.backward()
-    reference(input_ids=x, labels=x).loss.backward()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            ours(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-5, rtol=1e-5
-        )
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    assert grads.keys() == expected.keys() and any(".self_attn.o_proj.lora_A" in n for n in grads)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert_same_lora_step(ours, reference, torch.randint(0, 300, (3, 10)), ".self_attn.o_proj.lora_A")
     with pytest.raises(ValueError, match="4-bit projection .* full-precision base"):
         attention.q_proj.merge()
 
