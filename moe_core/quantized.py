@@ -42,7 +42,7 @@ from moe_core.experts import (
 )
 from moe_core.fileio import atomic_directory
 from moe_core.frozen_linear import recomputed_linear
-from moe_core.model import FeedForward, MoEForCausalLM, materialize
+from moe_core.model import DecoderLayer, FeedForward, MoEForCausalLM, materialize
 
 
 class QuantizationError(MoELabError):
@@ -720,8 +720,6 @@ def quantize_attention(model: nn.Module, config: QuantConfig) -> dict[str, Quant
 def attention_input_widths(config: MoEConfig) -> dict[str, int]:
     """The input width of each attention projection of ``config``'s model (read off one layer built on the
     meta device): a 4-bit group size must divide each before the attention can be quantized."""
-    from moe_core.model import DecoderLayer
-
     with torch.device("meta"):
         attention = DecoderLayer(config, 0).self_attn
     return {name: m.in_features for name, m in attention.named_children() if isinstance(m, nn.Linear)}

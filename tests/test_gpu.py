@@ -248,20 +248,22 @@ def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
         torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("attention", [False, True], ids=["experts", "experts+attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
-def test_qlora_nf4_experts_train_on_the_device_as_peft_on_the_dequantized_weights(impl, dtype):
+def test_qlora_nf4_experts_train_on_the_device_as_peft_on_the_dequantized_weights(impl, dtype, attention):
     """4-bit NF4 experts + routed LoRA on the device, dequantized slice by slice (sorted) or a layer's stack at a
     time through grouped matmuls (what a GPU's ``auto`` runs in bf16), against PEFT's LoRA on the dequantized
-    dense stacks. bf16 (the absmax scales cast too): on the scale of PEFT's own bf16 error."""
+    dense stacks. bf16 (the absmax scales cast too): on the scale of PEFT's own bf16 error. ``attention``: the
+    attention projections in 4 bits too (``quantize.attention``), q_proj's LoRA over the codes."""
     from tests.test_qlora import qlora_pair
 
     if dtype == torch.bfloat16:
-        ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair(**ONE_ROUTING))
-        exact = qlora_pair(**ONE_ROUTING)[1].to(DEVICE)
+        ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair(attention=attention, **ONE_ROUTING))
+        exact = qlora_pair(attention=attention, **ONE_ROUTING)[1].to(DEVICE)
         _assert_bf16_error_on_peft_scale(ours, reference, exact, expert_impl=impl)
         return
-    ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair())
+    ours, reference = (m.to(DEVICE, dtype) for m in qlora_pair(attention=attention))
     got, theirs = _run(ours, _tokens(), expert_impl=impl), _run(reference, _tokens())
     assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
     for name, value in got.items():
