@@ -143,8 +143,9 @@ NF4_CELLS = 512  # `nf4_codes`' table: [-1, 1] in 512 cells, each holding at mos
 
 
 def _nf4_cell(y: torch.Tensor) -> torch.Tensor:
-    """Each ``y`` in [-1, 1]'s cell (int32): non-decreasing in ``y``, as every step of it is in fp32."""
-    return ((y + 1) * (NF4_CELLS / 2)).to(torch.int32).clamp_(max=NF4_CELLS - 1)
+    """Each ``y`` in [-1, 1]'s cell (int32): non-decreasing in ``y``, as every step of it is in fp32 (a NaN, from a
+    corrupt weight, gets a cell too rather than an out-of-range index)."""
+    return ((y + 1) * (NF4_CELLS / 2)).to(torch.int32).clamp_(0, NF4_CELLS - 1)
 
 
 @functools.cache
