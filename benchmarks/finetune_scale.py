@@ -24,9 +24,10 @@ and gradient clipping at 1.0:
   (the published configs' ``output_router_logits`` is false, so the baseline's has none), and the routing
   statistics the lab's trainer logs are not computed.
 - ``lab-qlora-int4`` / ``lab-qlora-nf4`` (``--qlora``) and ``lab-copy`` (``--copy``): the lab with
-  ``quantize.base=...`` / ``model.mmap=false`` (the base copied into memory); ``--qlora int4-attn`` (or
-  ``nf4-attn``) adds ``quantize.attention=true``, the attention projections in 4 bits too; "not available yet"
-  while `FinetuneConfig` refuses a field.
+  ``quantize.base=...`` / ``model.mmap=false`` (the base copied into memory); ``--qlora int4-experts`` (or
+  ``nf4-experts``) adds ``quantize.attention=false`` (the attention in the model's dtype, the only form before
+  version-2 fine-tuning configs), ``-attn`` ``true`` (the default since); "not available yet" while
+  `FinetuneConfig` refuses a field.
 
 A step is forward + backward + clip + optimizer step + zero_grad; model load and wrapping are timed apart.
 ``--generate N``: after its steps each lab variant decodes N greedy tokens with its adapter on the base it trained
@@ -413,8 +414,10 @@ def variants(args) -> list[tuple[str, str, list[str], bool]]:
     """(name, child kind, lab --set fields, optional)."""
     out = [("baseline", "baseline", [], False), ("lab", "lab", list(args.lab_set), False)]
     for scheme in args.qlora:
-        base, attention = scheme.removesuffix("-attn"), scheme.endswith("-attn")
-        fields = [f"{QLORA_FIELD}={base}"] + (["quantize.attention=true"] if attention else [])
+        base, _, part = scheme.partition("-")
+        fields = [f"{QLORA_FIELD}={base}"]
+        if part:  # the attention in 4 bits (-attn, the default) or in the model's dtype (-experts)
+            fields.append(f"quantize.attention={'true' if part == 'attn' else 'false'}")
         out.append((f"lab-qlora-{scheme}", "lab", [*args.lab_set, *fields], True))
     if args.copy:
         out.append(("lab-copy", "lab", [*args.lab_set, f"{MMAP_FIELD}=false"], True))
@@ -523,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         "--qlora",
         action="append",
         default=[],
-        choices=["int4", "nf4", "int4-attn", "nf4-attn"],
-        help="add a QLoRA variant (-attn: the attention projections in 4 bits too, quantize.attention)",
+        choices=[f"{b}{p}" for b in ("int4", "nf4") for p in ("", "-attn", "-experts")],
+        help="add a QLoRA variant (the lab's default: attention in 4 bits too; -attn says so, -experts keeps the "
+        "attention in the model's dtype: quantize.attention=false)",
     )
     parser.add_argument(
         "--copy", action="store_true", help="add the lab with its base copied into memory (model.mmap=false)"

@@ -275,13 +275,14 @@ def test_merging_into_4_bit_experts_is_refused_naming_what_to_do():
 
 
 # ------------------------------------------------------------------------------------------------ moe-lab finetune
-@pytest.mark.parametrize("attention", [False, True], ids=["experts", "experts+attention"])
+@pytest.mark.parametrize("attention", [False, None], ids=["experts", "default: experts+attention"])
 def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_the_full_precision_base(
     tmp_path, attention
 ):
     """... and the output directory loads on the base it trained on (quantized again, the adapter unmerged):
-    the trained model's logits and greedy tokens, where the full-precision merge differs. ``attention``: q/k/v/o
-    in 4 bits too (``quantize.attention``), their LoRA keys those of the full-precision model's."""
+    the trained model's logits and greedy tokens, where the full-precision merge differs. By default q/k/v/o are
+    in 4 bits too (``quantize.attention``), their LoRA keys those of the full-precision model's; false: in the
+    model's dtype."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -313,7 +314,7 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
     assert experts and all(m.quant_config.codebook == "nf4" for m in experts)
     assert all(m.up_proj_scale.dtype == torch.bfloat16 for m in experts)  # QLoRA's scales: half the bytes
     four_bit_attention = [n for n, m in result.model.named_modules() if isinstance(m, QuantizedLinear)]
-    assert len(four_bit_attention) == (8 if attention else 0)  # q, k, v, o of both layers
+    assert len(four_bit_attention) == (0 if attention is False else 8)  # q, k, v, o of both layers
     trained_attention = [
         n for n, p in result.model.named_parameters() if p.requires_grad and "self_attn" in n
     ]
@@ -337,7 +338,7 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
         assert loaded.kind == "finetuned" and any(
             isinstance(m, QuantizedExperts) for m in loaded.model.modules()
         )
-        assert attention == any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+        assert (attention is not False) == any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
         torch.testing.assert_close(loaded.model(input_ids=x).logits, trained(input_ids=x).logits)
         assert not torch.allclose(loaded.model(input_ids=x).logits, merged(input_ids=x).logits, atol=1e-4)
         prompt = loaded.tokenizer("hello", return_tensors="pt")
@@ -526,3 +527,23 @@ def test_attention_quantizes_while_loading_as_in_memory(checkpoints, case):
             streamed(input_ids, attention_mask=mask).logits,
             reference.eval()(input_ids, attention_mask=mask).logits,
         )
+
+
+def test_qlora_holds_the_attention_in_4_bits_unless_told_and_a_version_1_config_reads_as_it_trained(tmp_path):
+    """``quantize.attention`` unset follows ``quantize.base`` (on under QLoRA, off without); false keeps the
+    attention in the model's dtype; a config saved before version 2 (no such field) reads as false, so its run
+    reloads on the base it trained on; a saved and reloaded config keeps its choice."""
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.qlora import quantizes_attention
+
+    assert quantizes_attention(FinetuneConfig.build({"method": "qlora"}))
+    assert not quantizes_attention(FinetuneConfig.build({"method": "lora"}))
+    assert not quantizes_attention(
+        FinetuneConfig.build({"method": "qlora", "quantize": {"attention": False}})
+    )
+    old = FinetuneConfig.build({"version": 1, "method": "qlora"})
+    assert old.quantize.attention is False and not quantizes_attention(old)
+    for config in (FinetuneConfig.build({"method": "qlora"}), old):
+        config.save(tmp_path / "config.json")
+        again = FinetuneConfig.load(tmp_path / "config.json")
+        assert quantizes_attention(again) == quantizes_attention(config)

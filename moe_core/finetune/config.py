@@ -23,7 +23,8 @@ Methods (``method``):
   DeepSeek's Expert-Specialized Fine-Tuning); the base stays frozen; ``freeze.router=false`` trains the router
   as a full copy saved with the adapter (PEFT ``modules_to_save``).
 - ``qlora``: shorthand for ``lora`` with ``quantize.base=nf4`` (QLoRA, Dettmers et al. 2023): the frozen base
-  experts are held in 4 bits (the lab's own grouped NF4 / int4 codes, `moe_core.quantized`), quantized while the
+  experts, shared experts and attention projections are held in 4 bits (the lab's own grouped NF4 / int4 codes,
+  `moe_core.quantized`; ``quantize.attention=false`` keeps the attention in ``model.dtype``), quantized while the
   checkpoint streams in, and LoRA trains on top; the adapter is that of LoRA on the full-precision model.
 - ``router``: task-adaptive routing by tuning only the router gates.
 - ``router_bias``: only a task-conditioned router bias trains (needs ``data.task_column``).
@@ -248,8 +249,10 @@ class QuantizeSection(_Section):
         64, ge=2, multiple_of=2
     )  # 4-bit codes: inputs sharing one absmax scale (QLoRA: 64)
     # the attention projections (q/k/v/o; MLA's) in the same bits too, LoRA on them unchanged (its adapter keys are
-    # those of LoRA on the full-precision model): 0.75 of Qwen1.5-MoE-A2.7B's 9.5 GiB of QLoRA base become 0.2
-    attention: bool = False
+    # those of LoRA on the full-precision model). None: on whenever quantize.base is set, as bitsandbytes' QLoRA
+    # holds every linear layer in 4 bits (full-size Qwen1.5-MoE-A2.7B: peak 11.7 GiB, not 12.2, for a step 1.07x);
+    # false: the attention in model.dtype (configs saved before version 2 read as false)
+    attention: bool | None = None
 
 
 class ParallelSection(_Section):
@@ -305,7 +308,8 @@ class FinetuneConfig(_Section, ConfigFile):
     # (`resolve_size_defaults`; TRL turns it on always), and off with the task router bias, which it breaks
     gradient_checkpointing: bool | None = None  # None: on above 1 B parameters or 4 GiB of activations
     seed: int = 0
-    version: int = 1
+    # 2: quantize.attention exists, on by default under QLoRA (a version-1 config reads as false: what it trained)
+    version: int = 2
 
     @field_validator("lora", "freeze", mode="before")
     @classmethod
@@ -316,6 +320,17 @@ class FinetuneConfig(_Section, ConfigFile):
                 if isinstance(ids, dict):
                     value = {**value, key: {int(k): v for k, v in ids.items()}}
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_1_held_the_attention_in_full_precision(cls, data):
+        """A config saved before version 2 (no ``quantize.attention``) trained its QLoRA adapter over attention in
+        the model's dtype: read it so, and a saved run reloads on the base it trained on."""
+        if isinstance(data, dict) and data.get("version", 2) < 2:
+            quantize = dict(data.get("quantize") or {})
+            quantize.setdefault("attention", False)
+            data = {**data, "quantize": quantize}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -338,7 +353,8 @@ class FinetuneConfig(_Section, ConfigFile):
         if self.quantize.attention and self.quantize.base is None:
             raise ValueError(
                 "quantize.attention=true holds the attention projections in quantize.base's bits; set "
-                "quantize.base (nf4, int4 or int8; method=qlora sets nf4) or unset quantize.attention"
+                "quantize.base (nf4, int4 or int8; method=qlora sets nf4) or unset quantize.attention (it "
+                "follows quantize.base)"
             )
         if self.quantize.base is not None and (self.export.merged or self.export.hf):
             raise ValueError(

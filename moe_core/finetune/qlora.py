@@ -62,6 +62,12 @@ def quantizes_shared_experts(config: FinetuneConfig) -> bool:
     return config.quantize.base is not None and not config.lora.shared_expert
 
 
+def quantizes_attention(config: FinetuneConfig) -> bool:
+    """QLoRA holds the attention projections in the experts' bits too (`quantize_attention`) unless
+    ``quantize.attention`` is false; ``None`` follows ``quantize.base``."""
+    return config.quantize.base is not None and config.quantize.attention is not False
+
+
 def load_qlora(
     directory: str | os.PathLike,
     *,
@@ -92,7 +98,7 @@ def load_qlora(
         base_quant_config(config),
         dtype or config.model.dtype,
         shared_experts=quantizes_shared_experts(config),
-        attention=config.quantize.attention,
+        attention=quantizes_attention(config),
     )
     selection = None
     if config.lora.experts == "esft":  # the experts ESFT chose for this run, recorded beside the adapter

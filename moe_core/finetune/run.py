@@ -104,7 +104,7 @@ from moe_core.finetune.parallel import (
     shard_experts,
     world_size,
 )
-from moe_core.finetune.qlora import base_quant_config, quantizes_shared_experts
+from moe_core.finetune.qlora import base_quant_config, quantizes_attention, quantizes_shared_experts
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
@@ -563,7 +563,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         widths = {"hidden_size": config_of_model.hidden_size}
         if config_of_model.num_experts:
             widths["expert_intermediate_size"] = config_of_model.expert_intermediate_size
-        if config.quantize.attention:
+        if quantizes_attention(config):
             for name, width in attention_input_widths(config_of_model).items():
                 widths.setdefault(f"{name}'s input width", width)
         for name, width in widths.items():
@@ -582,7 +582,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
             quant,
             config.model.dtype,
             shared_experts=quantizes_shared_experts(config),
-            attention=config.quantize.attention,
+            attention=quantizes_attention(config),
         )
     elif model is None:
         model = load(config.model.path, dtype=config.model.dtype, memory_map=memory_map).model
@@ -590,7 +590,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         quantize_experts(model, quant)  # a model given in memory: its experts quantized in place
         if quantizes_shared_experts(config):
             quantize_shared_experts(model, quant)
-        if config.quantize.attention:
+        if quantizes_attention(config):
             quantize_attention(model, quant)
     # the tokenizer frames the data: its BOS/EOS/PAD go into the model's config and generation config now
     # (transformers' Trainer would align them with a warning, after `select_parameters` copied the model)
