@@ -539,9 +539,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
         dispatch = ExpertDispatch.of(record, self.num_experts)
-        if (
-            lora is not None and torch.is_grad_enabled()
-        ):  # training LoRA: a projection at a time (`sorted_ffn`)
+        # training LoRA: a projection at a time (`sorted_ffn`)
+        if lora is not None and torch.is_grad_enabled():
             return dispatch.combine(
                 self.sorted_ffn(dispatch.gather(x_TD), dispatch.counts_E.tolist(), lora), x_TD
             )

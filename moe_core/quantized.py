@@ -611,8 +611,8 @@ class QuantizedLinear(nn.Module):
     """A frozen ``nn.Linear`` [O, I] held as codes (``weight_q``: int4 packed two a byte, or int8) and absmax
     scales (``weight_scale`` [O, G]), its bias (if any) kept as it was (a ``bias`` buffer, the model's dtype):
     under QLoRA, the shared experts' projections (Qwen2-MoE's 5632-wide shared expert: 1.6 GiB of bf16 over
-    Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits) and, with ``quantize.attention``, the attention
-    projections. Dequantized into reused buffers at each use and again in backward (`recomputed_linear`), as the
+    Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits) and the attention projections (``quantize.attention``,
+    on by default under QLoRA). Dequantized into reused buffers at each use and again in backward (`recomputed_linear`), as the
     routed experts' slices are. LoRA on it is `moe_core.finetune.expert_lora.QuantizedLinearLoRA`, whose adapter
     has the keys of LoRA on the ``nn.Linear`` it stands for."""
 

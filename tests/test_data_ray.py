@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -146,8 +147,6 @@ def test_a_bad_record_in_a_later_part_stops_ray_with_its_line_in_the_file(tmp_pa
 
 
 def _finish_after(marker: str, seconds: float) -> str:
-    import time
-
     time.sleep(seconds)
     Path(marker).write_text("done")
     return marker
