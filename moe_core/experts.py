@@ -326,9 +326,12 @@ class ExpertSort:
 
 
 def sort_by_expert(expert_ids_A: torch.Tensor, num_experts: int) -> ExpertSort:
-    """The one sort-by-expert of the lab: the sorted paths here and expert parallelism's regrouping."""
+    """The one sort-by-expert of the lab: the sorted paths here and expert parallelism's regrouping. The counts
+    are where each expert's run of the sorted ids begins (`torch.searchsorted`), not ``bincount``: on CUDA
+    that reads the largest id back to the host first, a wait for the device in every MoE layer."""
     expert_ids_A, order_A = expert_ids_A.sort(stable=True)
-    return ExpertSort(order_A, expert_ids_A, torch.bincount(expert_ids_A, minlength=num_experts))
+    starts_E1 = torch.searchsorted(expert_ids_A, torch.arange(num_experts + 1, device=expert_ids_A.device))
+    return ExpertSort(order_A, expert_ids_A, starts_E1.diff())
 
 
 @dataclass
@@ -343,14 +346,22 @@ class ExpertDispatch:
     counts_E: torch.Tensor  # assignments per expert
 
     @classmethod
-    def of(cls, record: RoutingRecord, num_experts: int) -> ExpertDispatch:
-        K = record.expert_ids_TK.shape[1]
-        kept_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
-        by_expert = sort_by_expert(record.expert_ids_TK.flatten()[kept_A], num_experts)
-        slot_A = kept_A[by_expert.order_A]
-        return cls(
-            slot_A // K, by_expert.expert_ids_A, record.weights_TK.flatten()[slot_A], by_expert.counts_E
-        )
+    def of(cls, record: RoutingRecord, num_experts: int, every_slot: bool = False) -> ExpertDispatch:
+        """The kept slots, sorted by expert. ``every_slot`` (token choice only): every slot, the dropped ones
+        with combine weight 0, so they add exactly nothing and get no gradient; selecting the kept ones is a
+        ``nonzero``, whose size the host must read back, a wait for the device in every layer (grouped_mm
+        takes it: its launches then never wait). Expert choice (K = E slots enumerate the experts) keeps the
+        kept ones alone: every slot would be the dense layer."""
+        T, K = record.expert_ids_TK.shape
+        weights_TK = record.weights_TK
+        if every_slot and record.slots_are_choices:
+            slot_A = torch.arange(T * K, device=record.expert_ids_TK.device)
+            weights_TK = weights_TK.masked_fill(record.dropped_TK, 0.0)  # 0 by the record's contract already
+        else:
+            slot_A = (~record.dropped_TK).flatten().nonzero().squeeze(-1)
+        by_expert = sort_by_expert(record.expert_ids_TK.flatten()[slot_A], num_experts)
+        slot_A = slot_A[by_expert.order_A]
+        return cls(slot_A // K, by_expert.expert_ids_A, weights_TK.flatten()[slot_A], by_expert.counts_E)
 
     def gather(self, x_TD: torch.Tensor) -> torch.Tensor:
         return x_TD.index_select(0, self.token_idx_A)
@@ -596,7 +607,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         device or dtype it does not take, a LoRA rank of a width it cannot take), `forward_sorted`."""
         if not self.grouped_mm_ok(x_TD, lora):
             return self.forward_sorted(x_TD, record, lora)
-        dispatch = ExpertDispatch.of(record, self.num_experts)
+        dispatch = ExpertDispatch.of(record, self.num_experts, every_slot=True)
         offs_E = dispatch.counts_E.cumsum(0).to(torch.int32)
         out_AD = self.grouped_ffn(dispatch.gather(x_TD), offs_E, lora, dispatch.expert_ids_A)
         return dispatch.combine(out_AD, x_TD)

@@ -46,9 +46,10 @@ def slot_counts(
     expert_ids_TK: torch.Tensor, num_experts: int, token_mask_T: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Routed slots per expert, counted from the token-choice assignment BEFORE capacity drops (Switch eq. 4:
-    f_e counts what the router chose, not what an expert had room for); only the tokens in ``token_mask_T``."""
+    f_e counts what the router chose, not what an expert had room for); only the tokens in ``token_mask_T``.
+    A scatter-add, not ``bincount``: on CUDA that reads the largest id back to the host, a wait per layer."""
     if token_mask_T is None:
-        return torch.bincount(expert_ids_TK.flatten(), minlength=num_experts)
+        token_mask_T = torch.ones(expert_ids_TK.shape[0], dtype=torch.bool, device=expert_ids_TK.device)
     weights_TK = token_mask_T[:, None].expand_as(expert_ids_TK).long()
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_ids_TK.device)
     return counts_E.scatter_add_(0, expert_ids_TK.flatten(), weights_TK.flatten())
@@ -201,7 +202,8 @@ def layer_losses(
     counts_LE = torch.stack([slot_counts(r.expert_ids_TK, E, token_mask_T) for r in records])
     f_LE = balance.slot_fractions(counts_LE)
     if token_mask_T is None:
-        tokens = torch.tensor(float(records[0].probs_TE.shape[0]), device=counts_LE.device)
+        # made on the device (a copy from the host would wait for it)
+        tokens = torch.full((), float(records[0].probs_TE.shape[0]), device=counts_LE.device)
         p_sum_LE = torch.stack([p_TE.sum(0) for p_TE in probs_LTE])
     else:
         mask_T1 = token_mask_T[:, None].to(probs_LTE[0].dtype)

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_core.router_losses import BALANCING
+from moe_core.router_losses import BALANCING, slot_counts
 
 
 @dataclass(frozen=True)
@@ -525,13 +525,14 @@ class AuxLossFreeRouter(TokenChoiceTopKRouter):
         self.pending_load.zero_()
 
     def observe(self, record: RoutingRecord) -> None:
-        counts_E = torch.bincount(record.expert_ids_TK.flatten(), minlength=self.num_experts)
+        counts_E = slot_counts(record.expert_ids_TK, self.num_experts)
         self.pending_load += counts_E.to(self.pending_load.dtype)
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
         load_E = self.pending_load if load_E is None else load_E.to(self.pending_load)
-        if self.update_rate > 0 and load_E.sum() > 0:
+        # no load observed: every sign is 0 (a test of the sum would make the host wait for the device)
+        if self.update_rate > 0:
             self.expert_bias += self.update_rate * torch.sign(load_E.mean() - load_E).float()
         self.pending_load.zero_()
 

@@ -11,6 +11,7 @@ device giving the uninterrupted run's weights.
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 
@@ -66,13 +67,17 @@ def test_every_expert_path_matches_the_reference_forward_and_backward(impl, dtyp
         _close(got, want, dtype)
 
 
+def _relative_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
 def _close(got, want, dtype):
     """fp32: elementwise. bf16: relative to the tensor's norm (a path that sums in another order, over every
     token at once, moves single elements of a bf16 weight gradient by more than their own size)."""
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     else:
-        assert ((got - want).norm() / want.norm().clamp_min(1e-12)).item() < 1e-2
+        assert _relative_error(got, want) < 1e-2
 
 
 def test_grouped_mm_is_what_hopper_runs_in_bf16():
@@ -290,11 +295,81 @@ def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):
     if DEVICE == "cuda" and grouped_mm_supported(x_TD, 32, 64):
         assert experts.resolved_impl(x_TD) == "grouped_mm"
     ours, reference = same_lora(mapped, copied)
-    for model in (ours, reference):
+    exact = copy.deepcopy(reference).float()  # the same base and factors in fp32: what both runs approximate
+    for model in (ours, reference, exact):
         model(input_ids, attention_mask=mask, labels=input_ids).loss.backward()
-    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    grads, expected, exact_grads = (
+        {n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (ours, reference, exact)
+    )
     assert grads.keys() == expected.keys() and any(".experts." in n for n in grads)
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name
-        _close(grads[name], grad, dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4)
+        else:  # bf16 on this random toy moves a gradient 5-20% off fp32's: ours no further off than the copy's
+            assert _relative_error(grads[name], exact_grads[name]) <= 2 * _relative_error(
+                grad, exact_grads[name]
+            ), name
+
+
+def test_a_lora_training_step_never_makes_the_host_wait_for_the_device(tmp_path, monkeypatch):
+    """The lab's LoRA step on the device (grouped_mm experts, routed LoRA on the experts and the attention,
+    gradient checkpointing) launches its kernels without the host once waiting for the GPU. A wait per layer (a
+    CUDA ``bincount`` sizing its output, a ``.tolist()``) drains the launch queue each time, so the GPU idles
+    while Python launches the next layer: on an H100 the OLMoE-1B-7B LoRA step took 0.218 s with the GPU busy
+    for 0.101 s of it (transformers + PEFT: 0.151 s). Every wait is listed with where the lab made it: torch's
+    detector on CUDA (the whole step, the optimizer's too), `HostReads` in the dry run (the ops that would wait;
+    the forward and backward). LoRA rank 8: grouped_mm takes widths of 8 bf16 elements; rank 4 runs the sorted
+    path, which reads its per-expert counts back by design."""
+    import traceback
+    import warnings
+
+    from moe_core import load
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.methods import apply_lora
+    from tests.test_host_waits import LORA, HostReads
+    from tests.test_mmap_base import write_checkpoint
+
+    directory = write_checkpoint(tmp_path, "olmoe", torch.bfloat16, hidden_size=64, intermediate_size=32)
+    model, _ = apply_lora(load(directory).model.to(DEVICE), FinetuneConfig.build(LORA), None)
+    if DEVICE == "cuda":  # what ``auto`` runs there; the dry run asks for it
+        x_TD = torch.zeros(4, 64, device=DEVICE, dtype=torch.bfloat16)
+        assert model.get_base_model().model.layers[0].mlp.experts.resolved_impl(x_TD) == "grouped_mm"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 64), device=DEVICE)
+    impl = None if DEVICE == "cuda" else "grouped_mm"
+
+    def forward_backward():
+        model(input_ids=input_ids, labels=input_ids, expert_impl=impl).loss.backward()
+
+    def step():
+        forward_backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the first one makes the optimizer's state and the library handles
+    if DEVICE != "cuda":
+        with HostReads(monkeypatch) as reads:
+            forward_backward()
+        assert not reads.sites, f"{len(reads.sites)} reads back in one step:\n" + "\n".join(reads.sites)
+        return
+    torch.cuda.synchronize()
+    waits = []
+
+    def where(message, category, filename, lineno, file=None, line=None):
+        stack = traceback.extract_stack()[:-1]  # a wait in a backward kernel has the test's frames alone
+        frames = [f for f in stack if any(k in f.filename for k in ("moe_core", "peft", "transformers"))]
+        waits.append(f"{message}\n" + "".join(traceback.format_list((frames or stack)[-4:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = where
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not waits, f"{len(waits)} host waits in one step:\n" + "\n".join(waits)

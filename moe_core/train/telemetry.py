@@ -26,6 +26,7 @@ import torch
 
 from moe_core.fileio import append_record, cut_torn_tail, disk_full_guard
 from moe_core.progress import Progress
+from moe_core.router_losses import slot_counts
 from moe_core.routing import RoutingRecord
 
 
@@ -231,7 +232,7 @@ class RoutingStats:
         E = self.num_experts
         for i, record in enumerate(records):
             row = self.sums_LX[i]
-            row[:E] += torch.bincount(record.expert_ids_TK.flatten(), minlength=E)[:E].to(row.dtype)
+            row[:E] += slot_counts(record.expert_ids_TK, E).to(row.dtype)
             if record.slots_are_choices:
                 row[E] += record.dropped_TK.sum().to(row.dtype)
             else:  # expert choice: the tokens no expert took, on the scale of slots (K per token)
