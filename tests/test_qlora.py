@@ -197,13 +197,13 @@ def dequantized_twin(quantized, **overrides):
     return dense
 
 
-def qlora_pair(config=NF4, lora=None, attention=False, **overrides):
-    """A tiny model (``tiny_model(**overrides)``) with 4-bit experts (and attention, ``attention``) + routed LoRA,
-    and the same model with the dequantized weights as dense stacks and Linears + PEFT's own LoRA, with equal
-    factors."""
+def qlora_pair(config=NF4, lora=None, attention=False, shared_experts=False, **overrides):
+    """A tiny model (``tiny_model(**overrides)``) with 4-bit experts (and attention, ``attention``; shared experts,
+    ``shared_experts``) + routed LoRA, and the same model with the dequantized weights as dense stacks and
+    Linears + PEFT's own LoRA, with equal factors."""
     from moe_core.finetune import FinetuneConfig
     from moe_core.finetune.methods import apply_lora
-    from moe_core.quantized import quantize_attention
+    from moe_core.quantized import quantize_attention, quantize_shared_experts
     from tests.finetune_helpers import tiny_model
     from tests.test_expert_lora import randomize_lora
 
@@ -218,6 +218,8 @@ def qlora_pair(config=NF4, lora=None, attention=False, **overrides):
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, 0.1)
         quantize_attention(quantized, config)
+    if shared_experts:
+        quantize_shared_experts(quantized, config)
     dense = dequantized_twin(quantized, **overrides)
     selection = {layer: list(range(4)) for layer in dense.config.moe_layer_ids}
     ours, _ = apply_lora(quantized, ft, selection)
@@ -256,6 +258,19 @@ def test_lora_on_4_bit_attention_equals_peft_on_the_dequantized_linears():
     assert_same_lora_step(ours, reference, torch.randint(0, 300, (3, 10)), ".self_attn.o_proj.lora_A")
     with pytest.raises(ValueError, match="4-bit projection .* full-precision base"):
         attention.q_proj.merge()
+
+
+def test_lora_on_4_bit_shared_experts_equals_peft_on_the_dequantized_linears():
+    """``lora.shared_expert`` under QLoRA: the shared experts' projections stay in 4 bits (`QuantizedLinear`)
+    with PEFT's LoRA over them (`QuantizedLinearLoRA`), as PEFT's LoRA on the dequantized nn.Linears."""
+    from moe_core.finetune.expert_lora import QuantizedLinearLoRA
+    from tests.finetune_helpers import assert_same_lora_step
+
+    lora = {"lora": {"r": 4, "alpha": 8.0, "experts": "all", "shared_expert": True}}
+    ours, reference = qlora_pair(lora=lora, shared_experts=True, preset="shared-tiny")
+    shared = ours.base_model.model.model.layers[0].mlp.shared_expert
+    assert all(isinstance(getattr(shared, p), QuantizedLinearLoRA) for p in PROJECTIONS)
+    assert_same_lora_step(ours, reference, torch.randint(0, 300, (3, 10)), ".shared_expert.down_proj.lora_A")
 
 
 def test_a_qlora_adapter_is_a_peft_adapter_of_the_full_precision_model(tmp_path):
@@ -534,3 +549,28 @@ def test_qlora_holds_the_attention_in_4_bits_unless_told_and_a_version_1_config_
         config.save(tmp_path / "config.json")
         again = FinetuneConfig.load(tmp_path / "config.json")
         assert quantizes_attention(again) == quantizes_attention(config)
+
+
+def test_qlora_holds_adapted_shared_experts_in_4_bits_and_a_version_2_config_reads_as_it_trained(tmp_path):
+    """``quantize.shared_experts`` unset follows ``quantize.base``, with or without ``lora.shared_expert``; false
+    keeps them in the model's dtype; a version-2 config (before the field) that adapted the shared expert held it
+    in full precision and reads so, one that did not held it in 4 bits and reads so."""
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.qlora import quantizes_shared_experts
+
+    adapted = {"method": "qlora", "lora": {"shared_expert": True}}
+    assert quantizes_shared_experts(FinetuneConfig.build(adapted))
+    assert quantizes_shared_experts(FinetuneConfig.build({"method": "qlora"}))
+    assert not quantizes_shared_experts(
+        FinetuneConfig.build({"method": "lora", "lora": {"shared_expert": True}})
+    )
+    assert not quantizes_shared_experts(
+        FinetuneConfig.build({**adapted, "quantize": {"shared_experts": False}})
+    )
+    old_adapted = FinetuneConfig.build({**adapted, "version": 2})
+    assert old_adapted.quantize.shared_experts is False and not quantizes_shared_experts(old_adapted)
+    assert quantizes_shared_experts(FinetuneConfig.build({"method": "qlora", "version": 2}))
+    for config in (FinetuneConfig.build(adapted), old_adapted):
+        config.save(tmp_path / "config.json")
+        again = FinetuneConfig.load(tmp_path / "config.json")
+        assert quantizes_shared_experts(again) == quantizes_shared_experts(config)

@@ -253,6 +253,10 @@ class QuantizeSection(_Section):
     # holds every linear layer in 4 bits (full-size Qwen1.5-MoE-A2.7B: peak 11.7 GiB, not 12.2, for a step 1.07x);
     # false: the attention in model.dtype (configs saved before version 2 read as false)
     attention: bool | None = None
+    # the shared experts' projections (Qwen2-MoE's, DeepSeekMoE's) in the same bits, with or without LoRA on them
+    # (lora.shared_expert). None: on whenever quantize.base is set; false: in model.dtype (a config saved before
+    # version 3 with lora.shared_expert reads as false: it held an adapted shared expert in full precision)
+    shared_experts: bool | None = None
 
 
 class ParallelSection(_Section):
@@ -309,7 +313,8 @@ class FinetuneConfig(_Section, ConfigFile):
     gradient_checkpointing: bool | None = None  # None: on above 1 B parameters or 4 GiB of activations
     seed: int = 0
     # 2: quantize.attention exists, on by default under QLoRA (a version-1 config reads as false: what it trained)
-    version: int = 2
+    # 3: quantize.shared_experts exists; an adapted shared expert is in 4 bits too (version 2 held it in full)
+    version: int = 3
 
     @field_validator("lora", "freeze", mode="before")
     @classmethod
@@ -329,6 +334,21 @@ class FinetuneConfig(_Section, ConfigFile):
         if isinstance(data, dict) and data.get("version", 2) < 2:
             quantize = dict(data.get("quantize") or {})
             quantize.setdefault("attention", False)
+            data = {**data, "quantize": quantize}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_2_held_an_adapted_shared_expert_in_full_precision(cls, data):
+        """Before version 3, QLoRA quantized the shared experts only when they carried no adapter: a config of
+        then with ``lora.shared_expert`` reads as ``quantize.shared_experts=false``, what it trained on."""
+        if (
+            isinstance(data, dict)
+            and data.get("version", 3) < 3
+            and (data.get("lora") or {}).get("shared_expert")
+        ):
+            quantize = dict(data.get("quantize") or {})
+            quantize.setdefault("shared_experts", False)
             data = {**data, "quantize": quantize}
         return data
 

@@ -57,9 +57,10 @@ def base_quant_config(config: FinetuneConfig) -> QuantConfig | None:
 
 
 def quantizes_shared_experts(config: FinetuneConfig) -> bool:
-    """QLoRA holds the shared experts in the same bits as the routed ones (`quantize_shared_experts`) unless
-    they carry an adapter (``lora.shared_expert``: LoRA on a frozen ``nn.Linear``, PEFT's own)."""
-    return config.quantize.base is not None and not config.lora.shared_expert
+    """QLoRA holds the shared experts in the same bits as the routed ones (`quantize_shared_experts`), adapted
+    or not (``lora.shared_expert``: PEFT's LoRA over the codes, `QuantizedLinearLoRA`), unless
+    ``quantize.shared_experts`` is false; ``None`` follows ``quantize.base``."""
+    return config.quantize.base is not None and config.quantize.shared_experts is not False
 
 
 def quantizes_attention(config: FinetuneConfig) -> bool:

@@ -563,6 +563,10 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
         widths = {"hidden_size": config_of_model.hidden_size}
         if config_of_model.num_experts:
             widths["expert_intermediate_size"] = config_of_model.expert_intermediate_size
+        if quantizes_shared_experts(config) and config_of_model.num_shared_experts:
+            # the shared experts fused into one FFN (`MoEBlock`): its down projection's input width
+            shared = config_of_model.num_shared_experts * config_of_model.shared_expert_intermediate_size
+            widths["shared experts' intermediate width"] = shared
         if quantizes_attention(config):
             for name, width in attention_input_widths(config_of_model).items():
                 widths.setdefault(f"{name}'s input width", width)
