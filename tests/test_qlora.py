@@ -371,7 +371,8 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
     from moe_core.finetune import FinetuneConfig, FinetuneError, finetune
     from moe_core.finetune import run as run_module
     from tests.finetune_helpers import instruction_records
-    from tests.test_finetune_hf import hf_checkpoint
+    from tests.test_finetune_hf import hf_checkpoint, tiny_tokenizer
+    from tests.test_mmap_base import write_checkpoint
 
     with pytest.raises(FinetuneError, match="quantize.base=nf4 holds the frozen base"):
         FinetuneConfig.build({"method": "full", "quantize": {"base": "nf4"}})
@@ -379,6 +380,8 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
         FinetuneConfig.build({"method": "qlora", "export": {"merged": True}})
     with pytest.raises(FinetuneError, match="quantize.attention=true holds the attention projections"):
         FinetuneConfig.build({"method": "lora", "quantize": {"attention": True}})
+    with pytest.raises(FinetuneError, match="quantize.shared_experts=true holds the shared experts"):
+        FinetuneConfig.build({"method": "lora", "quantize": {"shared_experts": True}})
     source = hf_checkpoint(tmp_path, "olmoe")
 
     def no_weights(*args, **kwargs):
@@ -397,6 +400,23 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
         FinetuneError, match="quantize.group_size=24 does not divide the model's hidden_size=32"
     ):
         finetune(config, tmp_path / "out", records=instruction_records(4))
+    # the shared experts' fused width too (Qwen2-MoE: hidden 32, its shared expert 48 wide), adapted or not
+    qwen = write_checkpoint(
+        tmp_path / "qwen",
+        "qwen2_moe",
+        torch.float32,
+        vocab_size=300,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    tiny_tokenizer().save_pretrained(qwen)
+    shared = config.with_overrides(
+        [f"model.path={qwen}", "quantize.group_size=32", "lora.shared_expert=true"]
+    )
+    with pytest.raises(
+        FinetuneError, match="32 does not divide the model's shared experts' intermediate width=48"
+    ):
+        finetune(shared, tmp_path / "out", records=instruction_records(4))
 
 
 @pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])

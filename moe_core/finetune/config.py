@@ -376,6 +376,12 @@ class FinetuneConfig(_Section, ConfigFile):
                 "quantize.base (nf4, int4 or int8; method=qlora sets nf4) or unset quantize.attention (it "
                 "follows quantize.base)"
             )
+        if self.quantize.shared_experts and self.quantize.base is None:
+            raise ValueError(
+                "quantize.shared_experts=true holds the shared experts in quantize.base's bits; set "
+                "quantize.base (nf4, int4 or int8; method=qlora sets nf4) or unset quantize.shared_experts (it "
+                "follows quantize.base)"
+            )
         if self.quantize.base is not None and (self.export.merged or self.export.hf):
             raise ValueError(
                 "export.merged / export.hf with quantize.base: an adapter trained on a quantized base is merged "
