@@ -236,20 +236,24 @@ def _int4_table(codebook: str, device: torch.device) -> torch.Tensor:
     return _SCRATCH[key]
 
 
+WORDS = {4: torch.int32, 8: torch.int64}  # an integer dtype of each word size `_int4_pairs` makes
+
+
 def _int4_pairs(codebook: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[256] words: `_int4_table`'s two values of each byte in ``dtype`` as one word of twice its size, so that a
     lookup moves the pair at once (a 1-D ``index_select`` is 2.4x faster on a CPU than one over [256, 2] rows:
     0.94 against 2.25 ms for a 1408 x 2048 slice in fp32), the result read back as ``dtype`` bit for bit. NF4's
     levels are fp32 (``dtype`` another would round them before the scale does); the integer codes are exact in
     every float dtype."""
+    if codebook == "nf4" and dtype != torch.float32:
+        raise ValueError(
+            f"NF4's levels are looked up in fp32, not {dtype}: the scale's product is rounded once"
+        )
     key = ("int4-pairs", codebook, torch.device(device), dtype)
     if key not in _SCRATCH:
         table_B2 = _int4_table(codebook, device).to(dtype)
         _SCRATCH[key] = table_B2.view(WORDS[2 * dtype.itemsize]).view(256)
     return _SCRATCH[key]
-
-
-WORDS = {4: torch.int32, 8: torch.int64}  # an integer dtype of each word size `_int4_pairs` makes
 
 
 def dequantize_int4_scratch(
