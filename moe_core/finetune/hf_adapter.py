@@ -336,9 +336,12 @@ def split_gate_up(
 def hf_layout(config: MoEConfig, arch: HFArchitecture, lora_config: LoraConfig):
     """Stock PEFT's own layout of ``lora_config`` on the transformers 5 model of ``config`` (built on the meta
     device: no memory): ``({ParamWrapper key prefix: the parameter it adapts}, {adapter key: shape})``."""
+    probe = copy.deepcopy(lora_config)
+    # a from-config model has no name: PEFT would warn that it "renamed" the base (only in this probe's copy)
+    probe.base_model_name_or_path = None
     with torch.device("meta"), old_checkpointing_names_quiet():
         hf_model = AutoModelForCausalLM.from_config(config_to_hf(config, arch))
-        peft_model = get_peft_model(hf_model, copy.deepcopy(lora_config))
+        peft_model = get_peft_model(hf_model, probe)
     wrappers = {name: _stack_name(name, wrapper) for name, wrapper in _param_wrappers(peft_model).items()}
     state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     return wrappers, {key: tuple(t.shape) for key, t in state.items()}
