@@ -357,3 +357,27 @@ def test_a_mapped_base_moved_off_its_file_is_stacked_and_runs_grouped_mm_like_th
     # a weight replaced afterwards is no view of the stack: the stack is no longer used
     experts.set_expert("up_proj", 0, experts.weights("up_proj")[0].clone())
     assert experts.stack("up_proj") is None and not experts.grouped_mm_ok(torch.zeros(1, 8))
+
+
+def test_a_mapped_base_moved_off_the_cpu_lets_go_of_its_files(tmp_path):
+    """Moved wholly to another device (a GPU; here the meta device), no tensor is a view of the files: the model
+    drops its reader and the process maps the files no more (their pages leave its resident set). Moved within
+    the CPU, or partly, it keeps them."""
+    import gc
+
+    directory = write_checkpoint(tmp_path, "olmoe", torch.bfloat16)
+    files = sorted(str(f.resolve()) for f in directory.glob("*.safetensors"))
+
+    def mapped_files() -> set[str]:
+        gc.collect()
+        return {
+            line.split(maxsplit=5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+        } & set(files)
+
+    model = load(directory, memory_map=True).model
+    assert model.mapped_from is not None and mapped_files()
+    model.to(torch.bfloat16)  # the CPU, the file's dtype: still its views
+    model.model.embed_tokens.to("meta")  # a part moved
+    assert model.mapped_from is not None and mapped_files()
+    model.to("meta")
+    assert model.mapped_from is None and not mapped_files()
