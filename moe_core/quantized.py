@@ -196,9 +196,9 @@ def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor, codebook: str = "int"
 def dequantize_int4(packed_OH: torch.Tensor, scale_OG: torch.Tensor, codebook: str = "int") -> torch.Tensor:
     """``dequantize(unpack_int4(packed), scale, codebook)``, bitwise, by one table lookup per byte: each of the
     256 byte values stands for two values (low nibble first), so a byte's pair comes out of a 256-entry table
-    (`_int4_pairs`) and no int64 code tensor is made. The temporaries are an int32 index and the fp32 result (a quarter
-    of the reference's), which is what the per-expert dequantization of QLoRA runs at every forward and
-    backward: fewer and smaller blocks, less allocator growth."""
+    (`_int4_pairs`) and no int64 code tensor is made. The temporaries are an int32 index and the fp32 result
+    (a quarter of the reference's), which is what the per-expert dequantization of QLoRA runs at every forward
+    and backward: fewer and smaller blocks, less allocator growth."""
     pairs_B = _int4_pairs(codebook, packed_OH.device)
     values = torch.index_select(pairs_B, 0, packed_OH.int().flatten()).view(torch.float32)  # [... * O * I]
     *lead, O, H = packed_OH.shape
@@ -622,8 +622,8 @@ class QuantizedLinear(nn.Module):
     scales (``weight_scale`` [O, G]), its bias (if any) kept as it was (a ``bias`` buffer, the model's dtype):
     under QLoRA, the shared experts' projections (Qwen2-MoE's 5632-wide shared expert: 1.6 GiB of bf16 over
     Qwen1.5-MoE-A2.7B's 24 layers, 0.45 GiB in 4 bits) and the attention projections (``quantize.attention``,
-    on by default under QLoRA). Dequantized into reused buffers at each use and again in backward (`recomputed_linear`), as the
-    routed experts' slices are. LoRA on it is `moe_core.finetune.expert_lora.QuantizedLinearLoRA`, whose adapter
+    on by default under QLoRA). Dequantized into reused buffers at each use and again in backward
+    (`recomputed_linear`), as the routed experts' slices are. LoRA on it is `moe_core.finetune.expert_lora.QuantizedLinearLoRA`, whose adapter
     has the keys of LoRA on the ``nn.Linear`` it stands for."""
 
     def __init__(

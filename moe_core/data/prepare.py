@@ -732,8 +732,9 @@ def _in_order(ray: Any, calls):
     in flight are waited for and their results dropped, not cancelled: in Ray 2.60 ``ray.cancel`` races a
     task's completion and can abort this whole process ("Check failed: it != submissible_tasks_.end() Tried to
     complete task that was not pending", task_manager.cc; ray-project/ray#54846), seen here in a pytest worker
-    running these tests, and the likely cause of a CI worker's death. At most that many parts are read to no use. A task's `DataError` is raised as
-    itself (its message names the file and line), not inside Ray's traceback."""
+    running these tests, and the likely cause of a CI worker's death. At most that many parts are read to no
+    use. A task's `DataError` is raised as itself (its message names the file and line), not inside Ray's
+    traceback."""
     limit = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     in_flight: collections.deque = collections.deque()
 

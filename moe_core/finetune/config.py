@@ -241,6 +241,11 @@ class ExportSection(_Section):
     max_shard_mb: int = Field(5000, ge=1)  # the largest safetensors shard of merged/ and hf/
 
 
+# 2: quantize.attention exists, on by default under QLoRA (a version-1 config reads as false: what it trained)
+# 3: quantize.shared_experts exists; an adapted shared expert is in 4 bits too (version 2 held it in full)
+CONFIG_VERSION = 3
+
+
 class QuantizeSection(_Section):
     # the frozen base experts in few bits while LoRA trains (QLoRA); None: in model.dtype. nf4: NormalFloat4
     # levels (QLoRA's choice for normally distributed weights); int4: evenly spaced; int8: one scale per row
@@ -312,9 +317,7 @@ class FinetuneConfig(_Section, ConfigFile):
     # (`resolve_size_defaults`; TRL turns it on always), and off with the task router bias, which it breaks
     gradient_checkpointing: bool | None = None  # None: on above 1 B parameters or 4 GiB of activations
     seed: int = 0
-    # 2: quantize.attention exists, on by default under QLoRA (a version-1 config reads as false: what it trained)
-    # 3: quantize.shared_experts exists; an adapted shared expert is in 4 bits too (version 2 held it in full)
-    version: int = 3
+    version: int = CONFIG_VERSION
 
     @field_validator("lora", "freeze", mode="before")
     @classmethod
@@ -328,28 +331,21 @@ class FinetuneConfig(_Section, ConfigFile):
 
     @model_validator(mode="before")
     @classmethod
-    def _version_1_held_the_attention_in_full_precision(cls, data):
-        """A config saved before version 2 (no ``quantize.attention``) trained its QLoRA adapter over attention in
-        the model's dtype: read it so, and a saved run reloads on the base it trained on."""
-        if isinstance(data, dict) and data.get("version", 2) < 2:
-            quantize = dict(data.get("quantize") or {})
-            quantize.setdefault("attention", False)
-            data = {**data, "quantize": quantize}
-        return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _version_2_held_an_adapted_shared_expert_in_full_precision(cls, data):
-        """Before version 3, QLoRA quantized the shared experts only when they carried no adapter: a config of
-        then with ``lora.shared_expert`` reads as ``quantize.shared_experts=false``, what it trained on."""
-        if (
-            isinstance(data, dict)
-            and data.get("version", 3) < 3
-            and (data.get("lora") or {}).get("shared_expert")
-        ):
-            quantize = dict(data.get("quantize") or {})
-            quantize.setdefault("shared_experts", False)
-            data = {**data, "quantize": quantize}
+    def _an_older_config_reads_as_it_trained(cls, data):
+        """A quantize field added since a config was saved takes the value its run trained with, so that the run
+        reloads on the base it trained on: before version 2 (no ``quantize.attention``) QLoRA held the attention
+        in the model's dtype; before version 3 (no ``quantize.shared_experts``) it held an adapted shared expert
+        (``lora.shared_expert``) so too. A config without a version is a new one."""
+        if not isinstance(data, dict):
+            return data
+        version = data.get("version", CONFIG_VERSION)
+        trained = {}
+        if version < 2:
+            trained["attention"] = False
+        if version < 3 and (data.get("lora") or {}).get("shared_expert"):
+            trained["shared_experts"] = False
+        if trained:
+            data = {**data, "quantize": {**trained, **(data.get("quantize") or {})}}
         return data
 
     @model_validator(mode="before")
