@@ -14,6 +14,7 @@ by design (a slice per expert). ``tests/test_gpu.py`` checks the same on a GPU w
 
 from __future__ import annotations
 
+import collections
 import traceback
 
 import pytest
@@ -52,6 +53,19 @@ def _where() -> str:
     stack = traceback.extract_stack()[:-2]
     frames = [f for f in stack if "moe_core" in f.filename] or stack
     return "".join(traceback.format_list(frames[-3:]))
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the operators dispatched in its scope, by name (``ops``): what a CUDA step launches, one kernel or
+    more each, and what the host spends its time on when the device waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class HostReads(TorchDispatchMode):
