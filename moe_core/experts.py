@@ -614,7 +614,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
 
     def grouped_project(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor:
         """Projection ``p`` of the expert-sorted rows ``x_AI`` through ``gmm(a, w)`` (``w``: an ``[E, O, I]``
-        stack, or a function making it): `stack`'s weights (quantized experts pass their dequantization)."""
+        stack, or a function of the dtype making it): `stack`'s weights (quantized experts pass their dequantization)."""
         return gmm(x_AI, self.stack(p))
 
     def grouped_ffn(
@@ -630,7 +630,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_AD.dtype
 
         def gmm(a: torch.Tensor, w) -> torch.Tensor:  # autocast does not cover _grouped_mm
-            # w: an [E, O, I] stack, or a function making one (made again in backward, never kept: QLoRA's)
+            # w: an [E, O, I] stack, or a function making one in a dtype (made again in backward, never kept:
+            # QLoRA's, dequantized straight into the compute dtype)
             if callable(w):
                 out = recomputed_grouped_mm(a.to(dtype), w, offs_E)
             else:

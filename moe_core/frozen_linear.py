@@ -127,28 +127,29 @@ class _RecomputedWeightLinear(torch.autograd.Function):
 class _RecomputedWeightGroupedMM(torch.autograd.Function):
     """`_RecomputedWeightLinear` for expert-sorted rows and a whole frozen stack: ``y_A = x_A W_{e(A)}^T`` through
     `torch._grouped_mm` (``offs_E``: where each expert's rows end), the ``[E, O, I]`` stack made by ``weight_fn``
-    in forward and again in backward (a 4-bit layer dequantized at once on a GPU: one stack alive at a time)."""
+    in forward and again in backward (a 4-bit layer dequantized at once on a GPU: one stack alive at a time), in
+    the compute dtype (``weight_fn(dtype)``: a 4-bit stack dequantizes straight into it)."""
 
     @staticmethod
     def forward(ctx, x_AI: torch.Tensor, weight_fn, offs_E: torch.Tensor) -> torch.Tensor:
         ctx.weight_fn = weight_fn
         ctx.save_for_backward(offs_E)
-        w_EOI = weight_fn().to(x_AI.dtype)
+        w_EOI = weight_fn(x_AI.dtype)
         return torch._grouped_mm(x_AI, w_EOI.transpose(-2, -1), offs=offs_E)
 
     @staticmethod
     def backward(ctx, grad_AO: torch.Tensor):
         (offs_E,) = ctx.saved_tensors
-        w_EOI = ctx.weight_fn().to(grad_AO.dtype)
+        w_EOI = ctx.weight_fn(grad_AO.dtype)
         return torch._grouped_mm(grad_AO.contiguous(), w_EOI, offs=offs_E), None, None
 
 
 def recomputed_grouped_mm(x_AI: torch.Tensor, weight_fn, offs_E: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(x, weight_fn().transpose(-2, -1), offs=offs_E)`` whose backward calls ``weight_fn``
-    again rather than keeping the stack."""
+    """``torch._grouped_mm(x, weight_fn(x.dtype).transpose(-2, -1), offs=offs_E)`` whose backward calls
+    ``weight_fn`` again rather than keeping the stack (``weight_fn(dtype)``: the stack in ``dtype``)."""
     if x_AI.requires_grad and torch.is_grad_enabled():
         return _RecomputedWeightGroupedMM.apply(x_AI, weight_fn, offs_E)
-    return torch._grouped_mm(x_AI, weight_fn().to(x_AI.dtype).transpose(-2, -1), offs=offs_E)
+    return torch._grouped_mm(x_AI, weight_fn(x_AI.dtype).transpose(-2, -1), offs=offs_E)
 
 
 def recomputed_linear(x_NI: torch.Tensor, weight_fn) -> torch.Tensor:

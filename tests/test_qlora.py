@@ -15,6 +15,7 @@ from moe_core.quantized import (
     QuantizationError,
     QuantizedExperts,
     QuantizedLinear,
+    _scaled_into,
     compute_scales,
     dequantize,
     dequantize_int4,
@@ -79,13 +80,26 @@ def test_the_byte_table_dequantization_is_the_reference_bitwise():
         (torch.randint(0, 256, (3, 16, 32), dtype=torch.uint8, generator=g), 8),
         (torch.randint(0, 256, (5, 8), dtype=torch.uint8, generator=g), 1),
     ):
-        scale = torch.rand(*packed.shape[:-1], G, generator=g) + 0.01
+        # scales of every size and sign of exponent: the rounding of the product shows
+        scale = torch.rand(*packed.shape[:-1], G, generator=g).exp() * 10.0 ** torch.randint(-4, 2, (G,))
         for codebook in ("int", "nf4"):
             fast = dequantize_int4(packed, scale, codebook)
-            assert torch.equal(fast, dequantize(unpack_int4(packed), scale, codebook)), (
-                packed.shape,
-                codebook,
-            )
+            reference = dequantize(unpack_int4(packed), scale, codebook)
+            assert torch.equal(fast, reference), (packed.shape, codebook)
+            # straight into a compute dtype (QLoRA's stacks on a GPU): the fp32 values' cast, bit for bit, with
+            # fp32 and bf16 (QLoRA's) scales
+            for scale_dtype in (torch.float32, torch.bfloat16):
+                s = scale.to(scale_dtype)
+                reference = dequantize(unpack_int4(packed), s, codebook)
+                for dtype in (torch.bfloat16, torch.float16):
+                    fast = dequantize_int4(packed, s, codebook, dtype)
+                    where = (codebook, s.dtype, dtype)
+                    assert fast.dtype == dtype and torch.equal(fast, reference.to(dtype)), where
+                    # a GPU's one pass, the product stored in ``dtype`` as it is computed: the same bits
+                    *lead, O, H = packed.shape
+                    values = dequantize_int4(packed, torch.ones_like(s, dtype=torch.float32), codebook)
+                    one_pass = _scaled_into(values.view(*lead, O, G, -1), s, dtype, one_pass=True)
+                    assert torch.equal(one_pass.view(*lead, O, 2 * H), reference.to(dtype)), where
     # and the codes round-trip: what quantizing wrote, dequantizing reads
     w = torch.randn(4, 16, 32, generator=g)
     scale = compute_scales(w, NF4)
@@ -496,6 +510,8 @@ def test_the_dequantization_qlora_runs_is_the_reference_in_reused_buffers(codebo
         for p in experts.projections:
             for e in range(experts.num_experts):
                 assert torch.equal(experts.scratch_weight(p, e, dtype), experts.weight(p, e, dtype))
+            # a GPU's grouped path: the layer's stack dequantized at once, straight into the compute dtype
+            assert torch.equal(experts.dequantized_stack(p, dtype), experts.dequantized_stack(p).to(dtype))
         assert torch.equal(linear._scratch_weight(dtype), linear.dequantized(dtype))
     buffers = len(_SCRATCH)
     x = torch.randint(0, 300, (2, 16))
