@@ -19,6 +19,7 @@ from moe_core.quantized import (
     compute_scales,
     dequantize,
     dequantize_int4,
+    dequantize_int4_scratch,
     fake_quantize,
     load_quantizing_experts,
     pack_int4,
@@ -100,6 +101,14 @@ def test_the_byte_table_dequantization_is_the_reference_bitwise():
                     values = dequantize_int4(packed, torch.ones_like(s, dtype=torch.float32), codebook)
                     one_pass = _scaled_into(values.view(*lead, O, G, -1), s, dtype, one_pass=True)
                     assert torch.equal(one_pass.view(*lead, O, 2 * H), reference.to(dtype)), where
+    # QLoRA's CPU slices in a 16-bit dtype, integer codes two bytes at a time: every pair of bytes
+    every_pair = torch.arange(65536, dtype=torch.int32).view(torch.uint8).view(-1, 4)[:, :2].reshape(256, 512)
+    scale = torch.rand(256, 16, generator=g).exp().bfloat16()
+    reference = dequantize(unpack_int4(every_pair), scale, "int")
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize_int4_scratch(every_pair, scale, "int", dtype), reference.to(dtype)), (
+            dtype
+        )
     # and the codes round-trip: what quantizing wrote, dequantizing reads
     w = torch.randn(4, 16, 32, generator=g)
     scale = compute_scales(w, NF4)
