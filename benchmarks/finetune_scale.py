@@ -151,8 +151,9 @@ def step_profiler(device):
 
 
 def write_profile(profiler, device, path: Path) -> None:
-    """The profiled step's operators, the most expensive first by self CPU time, and on CUDA first by self device
-    time, with their call counts: where a variant's step goes, for ``--profile``. Written whole or not at all."""
+    """The profiled step's operators, the most expensive first by self CPU time, and on CUDA first by self
+    device time, with their call counts: where a variant's step goes, for ``--profile``. Written whole or not
+    at all."""
     averages = profiler.key_averages()
     table = averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
     if device.type == "cuda":  # the device's kernels first, then what the host spent launching them

@@ -614,7 +614,8 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
 
     def grouped_project(self, p: str, x_AI: torch.Tensor, gmm) -> torch.Tensor:
         """Projection ``p`` of the expert-sorted rows ``x_AI`` through ``gmm(a, w)`` (``w``: an ``[E, O, I]``
-        stack, or a function of the dtype making it): `stack`'s weights (quantized experts pass their dequantization)."""
+        stack, or a function of the dtype making it): `stack`'s weights (quantized experts pass their
+        dequantization)."""
         return gmm(x_AI, self.stack(p))
 
     def grouped_ffn(

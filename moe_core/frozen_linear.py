@@ -125,10 +125,11 @@ class _RecomputedWeightLinear(torch.autograd.Function):
 
 
 class _RecomputedWeightGroupedMM(torch.autograd.Function):
-    """`_RecomputedWeightLinear` for expert-sorted rows and a whole frozen stack: ``y_A = x_A W_{e(A)}^T`` through
-    `torch._grouped_mm` (``offs_E``: where each expert's rows end), the ``[E, O, I]`` stack made by ``weight_fn``
-    in forward and again in backward (a 4-bit layer dequantized at once on a GPU: one stack alive at a time), in
-    the compute dtype (``weight_fn(dtype)``: a 4-bit stack dequantizes straight into it)."""
+    """`_RecomputedWeightLinear` for expert-sorted rows and a whole frozen stack: ``y_A = x_A W_{e(A)}^T``
+    through `torch._grouped_mm` (``offs_E``: where each expert's rows end), the ``[E, O, I]`` stack made by
+    ``weight_fn`` in forward and again in backward (a 4-bit layer dequantized at once on a GPU: one stack
+    alive at a time), in the compute dtype (``weight_fn(dtype)``: a 4-bit stack dequantizes straight into
+    it)."""
 
     @staticmethod
     def forward(ctx, x_AI: torch.Tensor, weight_fn, offs_E: torch.Tensor) -> torch.Tensor:

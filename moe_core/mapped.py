@@ -115,10 +115,11 @@ class MappedExperts(StackedExperts):
         return tuple(self.weights(p) for p in PROJECTIONS)
 
     def stack(self, p: str) -> torch.Tensor | None:
-        """The ``[E, O, I]`` stack `_apply` copied projection ``p`` into, while every ``{p}_{e}`` is still a view
-        of it; None for weights that are the file's views (or were replaced since: `__setattr__` lets go of the
-        stack). Called per layer and pass, so it reads no weight: a check of E views here was the largest host
-        cost of the GPU LoRA step (an unbind and 64 selects per call, 33 ms of a 0.17 s step on an H100)."""
+        """The ``[E, O, I]`` stack `_apply` copied projection ``p`` into, while every ``{p}_{e}`` is still a
+        view of it; None for weights that are the file's views (or were replaced since: `__setattr__` lets go
+        of the stack). Called per layer and pass, so it reads no weight: a check of E views here was the
+        largest host cost of the GPU LoRA step (an unbind and 64 selects per call, 33 ms of a 0.17 s step on
+        an H100)."""
         return self._stacks.get(p)
 
     def __setattr__(self, name: str, value) -> None:

@@ -197,14 +197,14 @@ def dequantize(q_OI: torch.Tensor, scale_OG: torch.Tensor, codebook: str = "int"
 def dequantize_int4(
     packed_OH: torch.Tensor, scale_OG: torch.Tensor, codebook: str = "int", dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """``dequantize(unpack_int4(packed), scale, codebook).to(dtype)``, bitwise, by one table lookup per byte: each
-    of the 256 byte values stands for two values (low nibble first), so a byte's pair comes out of a 256-entry
-    table (`_int4_pairs`) and no int64 code tensor is made. The temporaries are an int32 index and the values,
-    which is what the per-expert dequantization of QLoRA runs at every forward and backward (a layer's stacks at
-    once on a GPU): fewer and smaller blocks, less allocator growth. In a compute ``dtype``, integer codes come
-    out of the table in it (exact: ``nibble - 8`` is in every float dtype) and NF4's fp32 values are scaled into
-    it (`_scaled_into`): no fp32 stack cast after (a stack of 8 Qwen1.5-MoE experts on 2 CPU cores, int codes
-    into bf16: 70 against 109 ms)."""
+    """``dequantize(unpack_int4(packed), scale, codebook).to(dtype)``, bitwise, by one table lookup per byte:
+    each of the 256 byte values stands for two values (low nibble first), so a byte's pair comes out of a
+    256-entry table (`_int4_pairs`) and no int64 code tensor is made. The temporaries are an int32 index and
+    the values, which is what the per-expert dequantization of QLoRA runs at every forward and backward (a
+    layer's stacks at once on a GPU): fewer and smaller blocks, less allocator growth. In a compute ``dtype``,
+    integer codes come out of the table in it (exact: ``nibble - 8`` is in every float dtype) and NF4's fp32
+    values are scaled into it (`_scaled_into`): no fp32 stack cast after (a stack of 8 Qwen1.5-MoE experts on
+    2 CPU cores, int codes into bf16: 70 against 109 ms)."""
     *lead, O, H = packed_OH.shape
     G = scale_OG.shape[-1]
     index = packed_OH.int().flatten()
@@ -220,11 +220,11 @@ def dequantize_int4(
 def _scaled_into(
     values_OGk: torch.Tensor, scale_OG: torch.Tensor, dtype: torch.dtype, one_pass: bool | None = None
 ) -> torch.Tensor:
-    """``(values * scale).to(dtype)``, bit for bit: the product is computed in the common dtype of the two (fp32
-    for NF4's levels) and rounded to it, then to ``dtype``. On a GPU in one pass, stored in ``dtype`` as it is
-    computed (a layer's fp32 stack neither written back nor read again); on the CPU in place and then cast, which
-    measured faster there than the mixed-dtype product (a 1408 x 2048 bf16 slice: 2.10 against 2.25 ms).
-    ``one_pass``: which of the two (default: one pass on a GPU), for the tests."""
+    """``(values * scale).to(dtype)``, bit for bit: the product is computed in the common dtype of the two
+    (fp32 for NF4's levels) and rounded to it, then to ``dtype``. On a GPU in one pass, stored in ``dtype`` as
+    it is computed (a layer's fp32 stack neither written back nor read again); on the CPU in place and then
+    cast, which measured faster there than the mixed-dtype product (a 1408 x 2048 bf16 slice: 2.10 against
+    2.25 ms). ``one_pass``: which of the two (default: one pass on a GPU), for the tests."""
     if not (values_OGk.is_cuda if one_pass is None else one_pass):
         return values_OGk.mul_(scale_OG[..., None]).to(dtype)
     out = torch.empty(values_OGk.shape, dtype=dtype, device=values_OGk.device)
@@ -280,8 +280,8 @@ def _int4_pairs(codebook: str, device: torch.device, dtype: torch.dtype = torch.
 
 
 def _int4_quads(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[65536] int64: the four ``nibble - 8`` (two bytes' codes, the first byte's low nibble first) in a 16-bit
-    ``dtype``, one word each, indexed by the two bytes read as one little-endian uint16 (512 KiB: a quarter of the
+    """[65536] int64: the four ``nibble - 8`` (two bytes' codes, the first byte's low nibble first) in a
+    16-bit ``dtype``, one word each, indexed by the two bytes read as one little-endian uint16 (512 KiB; half
     as many lookups as a byte at a time, of words twice as wide: 1.2x faster on a CPU)."""
     key = ("int4-quads", torch.device(device), dtype)
     if key not in _SCRATCH:
@@ -294,7 +294,8 @@ def _int4_quads(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def _quads_apply(packed_OH: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `_int4_quads` can read ``packed_OH``: a 16-bit ``dtype``, rows of whole byte pairs at even
-    addresses, on a little-endian CPU (measured there; a GPU takes a layer's stack at once, `dequantize_int4`)."""
+    addresses, on a little-endian CPU (measured there; a GPU takes a layer's stack at once,
+    `dequantize_int4`)."""
     return (
         dtype.itemsize == 2
         and dtype.is_floating_point
@@ -312,12 +313,12 @@ def dequantize_int4_scratch(
     """``dequantize_int4(packed, scale, codebook).to(dtype)`` of one expert slice [O, I/2], bitwise, in reused
     buffers (`scratch`: nothing is allocated per slice). NF4: `dequantize_int4`'s table lookup, written with
     ``out=``, then the cast. Integer codes: the byte's pair of ``nibble - 8`` looked up straight in ``dtype``
-    (less memory traffic than fp32 values and a cast), then the scale. Bitwise the same: ``nibble - 8`` is exact
-    in every float dtype, and the in-place product is computed in the common dtype (fp32 against an fp32 scale,
-    rounded to fp32 and then to ``dtype`` as the reference's; exact against a bf16 scale, QLoRA's, then rounded
-    once). In a 16-bit ``dtype`` on the CPU, integer codes are looked up two bytes at a time (`_int4_quads`). A
-    1408 x 2048 bf16 slice on 2 cores: NF4 1.88 ms (2.21 before the word lookups); int 1.32-1.38 ms against
-    1.61-1.69 a byte at a time in the same run (1.73 before the word lookups)."""
+    (less memory traffic than fp32 values and a cast), then the scale. Bitwise the same: ``nibble - 8`` is
+    exact in every float dtype, and the in-place product is computed in the common dtype (fp32 against an fp32
+    scale, rounded to fp32 and then to ``dtype`` as the reference's; exact against a bf16 scale, QLoRA's, then
+    rounded once). In a 16-bit ``dtype`` on the CPU, integer codes are looked up two bytes at a time
+    (`_int4_quads`). A 1408 x 2048 bf16 slice on 2 cores: NF4 1.88 ms (2.21 before the word lookups); int
+    1.32-1.38 ms against 1.61-1.69 a byte at a time in the same run (1.73 before the word lookups)."""
     O, H = packed_OH.shape
     G = scale_OG.shape[-1]
     device = packed_OH.device
@@ -725,7 +726,7 @@ class QuantizedLinear(nn.Module):
         """The reference: the dense [O, I] weight these codes stand for, newly allocated."""
         codebook = self.quant_config.codebook
         if self.quant_config.bits == 4:
-            return dequantize_int4(self.weight_q, self.weight_scale, codebook, dtype)
+            return dequantize_int4(self.weight_q, self.weight_scale, codebook).to(dtype)
         return dequantize(self.weight_q, self.weight_scale, codebook).to(dtype)
 
     def _scratch_weight(self, dtype: torch.dtype) -> torch.Tensor:

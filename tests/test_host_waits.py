@@ -56,8 +56,8 @@ def _where() -> str:
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the operators dispatched in its scope, by name (``ops``): what a CUDA step launches, one kernel or
-    more each, and what the host spends its time on when the device waits for it."""
+    """Counts the operators dispatched in its scope, by name (``ops``): what a CUDA step launches, one kernel
+    or more each, and what the host spends its time on when the device waits for it."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -355,8 +355,9 @@ def test_a_mapped_base_moved_off_its_file_is_stacked_and_runs_grouped_mm_like_th
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(grads[name], grad, atol=0, rtol=0, msg=name)
-    # and no more host work for it: the mapped model dispatches the copied one's operators, no more (a check of
-    # each expert's view at every call, an unbind and E selects, was the largest host cost of an H100's step)
+    # and no more host work for it: the mapped model dispatches the copied one's operators, no more (a check
+    # of each expert's view at every call, an unbind and E selects, was the largest host cost of an H100's
+    # step)
     ops = []
     for model in (ours, reference):
         with OpCount() as count:
@@ -367,7 +368,7 @@ def test_a_mapped_base_moved_off_its_file_is_stacked_and_runs_grouped_mm_like_th
     experts.set_expert("up_proj", 0, experts.weights("up_proj")[0].clone())
     assert experts.stack("up_proj") is None and not experts.grouped_mm_ok(torch.zeros(1, 8))
     assert experts.stack("down_proj") is not None  # the other projections' stacks still hold their weights
-    # the same view assigned again (load_state_dict(assign=True) of the model's own state): nothing to let go of
+    # the same view assigned again (load_state_dict(assign=True) of the model's own state): nothing dropped
     experts.down_proj_1 = experts.down_proj_1
     assert experts.stack("down_proj") is not None
 

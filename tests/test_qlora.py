@@ -87,8 +87,8 @@ def test_the_byte_table_dequantization_is_the_reference_bitwise():
             fast = dequantize_int4(packed, scale, codebook)
             reference = dequantize(unpack_int4(packed), scale, codebook)
             assert torch.equal(fast, reference), (packed.shape, codebook)
-            # straight into a compute dtype (QLoRA's stacks on a GPU): the fp32 values' cast, bit for bit, with
-            # fp32 and bf16 (QLoRA's) scales
+            # straight into a compute dtype (QLoRA's stacks on a GPU): the fp32 values' cast, bit for bit,
+            # with fp32 and bf16 (QLoRA's) scales
             for scale_dtype in (torch.float32, torch.bfloat16):
                 s = scale.to(scale_dtype)
                 reference = dequantize(unpack_int4(packed), s, codebook)
