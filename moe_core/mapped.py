@@ -119,8 +119,13 @@ class MappedExperts(StackedExperts):
         view of it; None for weights that are the file's views (or were replaced since: `__setattr__` lets go
         of the stack). Called per layer and pass, so it reads no weight: a check of E views here was the
         largest host cost of the GPU LoRA step (an unbind and 64 selects per call, 33 ms of a 0.17 s step on
-        an H100)."""
-        return self._stacks.get(p)
+        an H100). A copy of the module (``copy.deepcopy``, pickling) clones every parameter apart from the
+        stack: the first expert's weight is then no longer the stack's first row, and the stack is let go of."""
+        stack = self._stacks.get(p)
+        if stack is not None and getattr(self, f"{p}_0").data_ptr() != stack.data_ptr():
+            del self._stacks[p]
+            return None
+        return stack
 
     def __setattr__(self, name: str, value) -> None:
         """`nn.Module.__setattr__`; a ``{p}_{e}`` weight replaced by anything but its row of ``p``'s stack

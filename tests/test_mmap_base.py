@@ -3,6 +3,7 @@ the copying loader, for Hugging Face per-expert layouts and our stacked one, in 
 are file-backed (views of the mapping, and anonymous memory far below the weights' bytes in a child process); the
 files are byte-identical after training and a merged export; clear refusals."""
 
+import copy
 import hashlib
 import json
 import subprocess
@@ -371,6 +372,27 @@ def test_a_mapped_base_moved_off_its_file_is_stacked_and_runs_grouped_mm_like_th
     # the same view assigned again (load_state_dict(assign=True) of the model's own state): nothing dropped
     experts.down_proj_1 = experts.down_proj_1
     assert experts.stack("down_proj") is not None
+
+
+def test_a_copy_of_a_stacked_mapped_layer_runs_grouped_mm_on_its_own_weights(checkpoints):
+    """`copy.deepcopy` (and pickling) clone each per-expert weight apart from the stack `_apply` made: the copy's
+    grouped_mm must not multiply by that stack once the copy's weights change in place (``load_state_dict``
+    without ``assign``); it lets go of it and gives what the per-expert path gives."""
+    directory = checkpoints["olmoe", torch.bfloat16]
+    mapped = load(directory, memory_map=True).model.to(torch.float32)
+    experts = mapped.model.layers[0].mlp.experts
+    assert all(experts.stack(p) is not None for p in experts.projections)
+    copied = copy.deepcopy(mapped)
+    torch.manual_seed(1)
+    new_weights = {k: torch.randn_like(v) for k, v in copied.state_dict().items() if ".experts." in k}
+    copied.load_state_dict(new_weights, strict=False)
+    input_ids, mask = make_inputs(copied.config.vocab_size)
+    with torch.no_grad():
+        grouped = copied(input_ids, attention_mask=mask, expert_impl="grouped_mm").logits
+        per_expert = copied(input_ids, attention_mask=mask, expert_impl="sorted").logits
+        before = mapped(input_ids, attention_mask=mask, expert_impl="grouped_mm").logits
+    torch.testing.assert_close(grouped, per_expert)
+    assert not torch.allclose(grouped, before)  # the new weights did change the outputs
 
 
 def test_a_mapped_base_moved_off_the_cpu_lets_go_of_its_files(tmp_path):
