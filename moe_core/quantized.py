@@ -208,7 +208,7 @@ def dequantize_int4(
     *lead, O, H = packed_OH.shape
     G = scale_OG.shape[-1]
     index = packed_OH.int().flatten()
-    if codebook == "int" or dtype == torch.float32:  # the pairs straight in ``dtype``, scaled in place
+    if dtype == torch.float32 or (codebook == "int" and 2 * dtype.itemsize in WORDS):  # pairs in ``dtype``
         pairs_B = _int4_pairs(codebook, packed_OH.device, dtype)
         values = torch.index_select(pairs_B, 0, index).view(dtype).view(*lead, O, G, 2 * H // G)
         values.mul_(scale_OG[..., None])  # in the common dtype of the two, then rounded to ``dtype``

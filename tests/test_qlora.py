@@ -92,7 +92,7 @@ def test_the_byte_table_dequantization_is_the_reference_bitwise():
             for scale_dtype in (torch.float32, torch.bfloat16):
                 s = scale.to(scale_dtype)
                 reference = dequantize(unpack_int4(packed), s, codebook)
-                for dtype in (torch.bfloat16, torch.float16):
+                for dtype in (torch.bfloat16, torch.float16, torch.float64):
                     fast = dequantize_int4(packed, s, codebook, dtype)
                     where = (codebook, s.dtype, dtype)
                     assert fast.dtype == dtype and torch.equal(fast, reference.to(dtype)), where
