@@ -82,7 +82,9 @@ def test_the_byte_table_dequantization_is_the_reference_bitwise():
         (torch.randint(0, 256, (5, 8), dtype=torch.uint8, generator=g), 1),
     ):
         # scales of every size and sign of exponent: the rounding of the product shows
-        scale = torch.rand(*packed.shape[:-1], G, generator=g).exp() * 10.0 ** torch.randint(-4, 2, (G,))
+        scale = torch.rand(*packed.shape[:-1], G, generator=g).exp() * 10.0 ** torch.randint(
+            -4, 2, (G,), generator=g
+        )
         for codebook in ("int", "nf4"):
             fast = dequantize_int4(packed, scale, codebook)
             reference = dequantize(unpack_int4(packed), scale, codebook)
