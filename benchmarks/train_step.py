@@ -13,11 +13,16 @@
    turn; median step time, tokens/s and the communication telemetry (all-to-all ms and bytes per rank, share
    of the step) from the run's ``metrics.jsonl``. The first ``--warmup`` steps are left out.
 
+``--compile`` adds ``moe-compiled`` (``compile=true``: the routed experts, `moe_core.experts.impl_under_capture`)
+and ``moe-compiled-static`` (compiled with ``expert_impl=static``, every expert on every token: what ``auto``
+took under torch.compile before 2026-11-27), interleaved with the rest; their warm-up steps compile.
+
 Prints a table, then ONE JSON line of the figures.
 
     python benchmarks/train_step.py                                  # switch-small, batch 8 x seq 128
     python benchmarks/train_step.py --preset mixtral-small --quality-steps 0   # step time only
     python benchmarks/train_step.py --ep-scaling 1,2,4 --preset mixtral-small --rounds 20   # EP scaling
+    python benchmarks/train_step.py --preset olmoe-small --compile --quality-steps 0   # compiled steps too
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ from moe_core.train import TrainConfig, read_jsonl
 from moe_core.train.loop import Trainer
 
 
-def config_for(args, baseline: str | None, steps: int, source: str) -> TrainConfig:
+def config_for(args, baseline: str | None, steps: int, source: str, **fields) -> TrainConfig:
+    """The run's config; ``fields``: top-level fields of a variant (``compile``, ``model``'s ``overrides``)."""
+    overrides = fields.pop("overrides", {})
     return TrainConfig.build(
         {
-            "model": {"preset": args.preset, "baseline": baseline},
+            "model": {"preset": args.preset, "baseline": baseline, "overrides": overrides},
             "data": {
                 "source": source,
                 "seq_len": args.seq,
@@ -59,15 +66,19 @@ def config_for(args, baseline: str | None, steps: int, source: str) -> TrainConf
             "eval": {"every": 0, "batches": args.eval_batches},
             "log": {"every": max(1, steps // 5), "progress": "off"},
             "checkpoint": {"every": 10**9, "export": False},
+            **fields,
         }
     )
 
 
 def step_times(args, workdir: Path) -> dict[str, dict]:
-    variants = {"moe": None, "dense-active": "active", "dense-total": "total"}
+    variants = {"moe": (None, {}), "dense-active": ("active", {}), "dense-total": ("total", {})}
+    if args.compile:  # compile=true, and the same with every expert on every token (auto's choice before)
+        variants["moe-compiled"] = (None, {"compile": True})
+        variants["moe-compiled-static"] = (None, {"compile": True, "overrides": {"expert_impl": "static"}})
     trainers = {
-        name: Trainer(config_for(args, b, 10**6, "synthetic"), workdir / f"speed-{name}")
-        for name, b in variants.items()
+        name: Trainer(config_for(args, b, 10**6, "synthetic", **fields), workdir / f"speed-{name}")
+        for name, (b, fields) in variants.items()
     }
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for trainer in trainers.values():
@@ -213,6 +224,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quality-steps", type=int, default=300, help="0 skips the quality run")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also moe with compile=true, and compiled with expert_impl=static (every expert on every token)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-documents", type=int, default=2000, help="of the built-in corpus")
     parser.add_argument("--eval-batches", type=int, default=32)
@@ -240,12 +256,12 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved steps"
     )
     print(
-        f"{'variant':<14}{'step ms':>10}{'tokens/s':>12}{'x dense-active':>16}{'active M':>10}{'total M':>10}"
+        f"{'variant':<20}{'step ms':>10}{'tokens/s':>12}{'x dense-active':>16}{'active M':>10}{'total M':>10}"
     )
     base = speed["dense-active"]["step_s"]
     for name, row in speed.items():
         print(
-            f"{name:<14}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}{row['step_s'] / base:>16.2f}"
+            f"{name:<20}{row['step_s'] * 1e3:>10.1f}{row['tokens_per_s']:>12.0f}{row['step_s'] / base:>16.2f}"
             f"{row['params_active'] / 1e6:>10.2f}{row['params_total'] / 1e6:>10.2f}"
         )
     if qual:

@@ -20,7 +20,8 @@ Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over th
   device) or makes them (4-bit `QuantizedExperts`, dequantized per projection, again in backward).
 - ``static``: every expert on every token, as one wide FFN of E*F hidden units gated by a dense [T, E]
   combine matrix: three matmuls, no data-dependent shapes, for ONNX export and
-  ``torch.compile(fullgraph=True)``. E/K times the FLOPs.
+  ``torch.compile(fullgraph=True)``. E/K times the FLOPs. ``auto`` takes it while exporting or tracing, but
+  not under torch.compile, where it keeps the routed paths (`impl_under_capture`).
 - ``gather``: each token gathers its K experts' weights and every projection is written as the reduction
   it is (``h_tkf = sum_d x_td w_{e_tk} fd``). For compiled decoding (few tokens): inductor fuses the gather
   into the reduction loop, so a step streams exactly the chosen experts' bytes, with no copy, no host sync
@@ -281,6 +282,25 @@ def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     return device == "cpu"
 
 
+def impl_under_capture(x_TD: torch.Tensor, grouped_mm_ok) -> str | None:
+    """The path ``auto`` takes while a graph is being captured, or None when running eagerly.
+
+    - torch.export, ONNX export, jit tracing: ``static``, the one path with no data-dependent shape.
+    - torch.compile: ``grouped_mm`` on a GPU where it runs (``grouped_mm_ok()``), as torchtitan compiles its
+      experts; otherwise ``sorted``, whose read of the token counts is a graph break: `forward_sorted` runs
+      eagerly between the compiled graphs. Not ``grouped_mm`` on the CPU: in torch 2.13 its fake kernel takes
+      bf16 only, and inductor's CPU fallback does not keep the strides it needs (a LoRA factor's cast copy
+      reached it permuted: "Invalid strides/sizes"). Not ``static`` either: E/K times the FLOPs (a compiled
+      olmoe-small training step took 4.0 s on it, against 0.32 s sorted and 0.33 s eager, on 2 CPU cores). A
+      caller that needs one graph (``fullgraph=True``) names ``static``.
+    """
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting():
+        return "static"
+    if not torch.compiler.is_compiling():
+        return None
+    return "grouped_mm" if x_TD.is_cuda and grouped_mm_ok() else "sorted"
+
+
 @runtime_checkable
 class ExpertModule(Protocol):
     """What `MoEBlock` calls as ``self.experts``: E experts behind one call. Declared once, here.
@@ -501,8 +521,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
     def resolved_impl(self, x_TD: torch.Tensor) -> str:
         if self.impl != "auto":
             return self.impl
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-            return "static"
+        traced = impl_under_capture(x_TD, lambda: self.grouped_mm_ok(x_TD))
+        if traced is not None:
+            return traced
         # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
         return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
 
@@ -546,6 +567,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         return y_TD
 
     # -------------------------------------------------------------------------------- fast paths
+    @torch.compiler.disable  # the host reads the token counts: under torch.compile it runs between graphs
     def forward_sorted(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:
@@ -663,6 +685,7 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
             and not (torch.is_grad_enabled() and x_TD.requires_grad)
         )
 
+    @torch.compiler.disable  # a host loop over the chosen experts: under torch.compile it runs between graphs
     def forward_decode(
         self, x_TD: torch.Tensor, record: RoutingRecord, lora: ExpertLoRA | None = None
     ) -> torch.Tensor:

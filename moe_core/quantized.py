@@ -38,6 +38,7 @@ from moe_core.experts import (
     GroupedExperts,
     StackedExperts,
     grouped_mm_supported,
+    impl_under_capture,
     replace_experts,
 )
 from moe_core.fileio import atomic_directory
@@ -543,8 +544,9 @@ class QuantizedExperts(StackedExperts):
         # cache-sized (`project`)
         if self.impl not in ("auto", "grouped_mm"):
             return self.impl
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-            return "static"
+        traced = impl_under_capture(x_TD, lambda: self.grouped_mm_ok(x_TD))
+        if traced is not None:
+            return traced
         if self.impl == "grouped_mm" or x_TD.is_cuda:
             return "grouped_mm"
         return "sorted"

@@ -121,6 +121,43 @@ def test_compiled_decode_matches_eager():
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 
+def test_compiled_training_runs_the_routed_experts_on_the_device(monkeypatch):
+    """A compiled bf16 training forward and backward (``compile=true``'s model) equals eager, with the experts on
+    their routed tokens: never ``static``, and on Hopper ``grouped_mm`` inside the graph, not ``sorted`` between
+    graphs (`moe_core.experts.impl_under_capture`)."""
+    from moe_core.experts import StackedExperts
+
+    torch.manual_seed(0)
+    model = MoEForCausalLM(get_config("olmoe-tiny", vocab_size=128, num_hidden_layers=2)).to(DEVICE)
+    ids = torch.randint(0, 128, (4, 32), device=DEVICE)
+    device_type = torch.device(DEVICE).type
+
+    def loss_and_grads(m):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach().float(), {
+            n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    eager_loss, eager_grads = loss_and_grads(model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an expert path compiled training must not take")
+
+    monkeypatch.setattr(StackedExperts, "forward_static", refused)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    if hopper:
+        monkeypatch.setattr(StackedExperts, "forward_sorted", refused)
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(torch.compile(model, backend=BACKEND))
+    torch.testing.assert_close(loss, eager_loss, atol=2e-2, rtol=2e-2)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:  # bf16: the compiled kernels round elsewhere than eager's
+        torch.testing.assert_close(grads[name], eager_grads[name], atol=1e-2, rtol=5e-2, msg=name)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @torch.no_grad()
 def test_quantized_experts_dequantize_on_the_device(bits):

@@ -292,3 +292,48 @@ def test_router_gates_get_the_switch_initialization():
         router_std = math.sqrt(0.1 / weight.shape[1])
         assert weight.abs().max() <= 2 * router_std
         assert 0.75 * router_std < weight.std() < router_std  # a normal cut at 2 std keeps 88% of its std
+
+
+def test_auto_impl_while_a_graph_is_captured(monkeypatch):
+    """`impl_under_capture`: eagerly the module's own choice; under torch.compile the routed paths (on the CPU
+    ``sorted``, run eagerly between the graphs), never ``static``, which runs every expert on every token (E/K
+    times the FLOPs); under torch.export ``static``, the one path without a data-dependent shape."""
+    from moe_core.experts import StackedExperts, impl_under_capture
+
+    config = get_config("olmoe-tiny")
+    block = seeded_block(config)
+    x = torch.randn(2, 5, config.hidden_size)
+    assert impl_under_capture(x, lambda: True) is None
+    y_ref, dx_ref, grads_ref = forward_backward(block, x, None)
+
+    static = StackedExperts.forward_static
+
+    def no_static(*args, **kwargs):
+        raise AssertionError("static ran under torch.compile")
+
+    monkeypatch.setattr(StackedExperts, "forward_static", no_static)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager")  # the graphs and autograd, without a C++ build
+    y, dx, grads = forward_backward(compiled, x, None)
+    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
+
+    monkeypatch.setattr(StackedExperts, "forward_static", static)
+
+    class Output(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return self.block(x)[0]
+
+    sorted_path = StackedExperts.forward_sorted
+    monkeypatch.setattr(StackedExperts, "forward_sorted", no_static)  # export must not take it either
+    program = torch.export.export(Output(block), (x,))
+    monkeypatch.setattr(StackedExperts, "forward_sorted", sorted_path)
+    torch.testing.assert_close(program.module()(x), y_ref, atol=1e-5, rtol=1e-5)
