@@ -627,6 +627,22 @@ class MoEModel(MoEPreTrainedModel):
         return self.norm(h_BSD), cache, records
 
 
+def compile_layers(model: nn.Module, **compile_kwargs) -> int:
+    """``torch.compile`` each decoder layer of ``model`` (a causal LM, a reward model, a PEFT model around one)
+    in place, as torchtitan compiles its blocks: the layers share one compiled code, so compiling costs about one
+    layer's time, and the embedding, the layer loop (activation checkpointing, the routers' statistics) and the
+    head stay eager. The experts keep their routed path under it (`moe_core.experts.impl_under_capture`).
+    Returns the number of layers compiled."""
+    decoders = [m for m in model.modules() if isinstance(m, MoEModel)]
+    if len(decoders) != 1:
+        raise ValueError(
+            f"compile_layers: expected one MoEModel in {type(model).__name__}, found {len(decoders)}"
+        )
+    for layer in decoders[0].layers:
+        layer.compile(**compile_kwargs)
+    return len(decoders[0].layers)
+
+
 class RouterAccess:
     """The routers of a model whose decoder is ``self.model`` (`MoEModel`): the causal LM and the reward model."""
 

@@ -19,6 +19,8 @@ def test_config_checks_itself_and_names_the_field():
         FinetuneConfig.build({"lora": {"r": 0}})
     with pytest.raises(FinetuneError, match="unknown field"):
         FinetuneConfig().with_overrides(["lora.rank=4"])
+    with pytest.raises(FinetuneError, match="compile=true.*parallel.ep_size=2"):
+        FinetuneConfig.build({"compile": True, "parallel": {"ep_size": 2}})
 
 
 def test_overrides_yaml_and_per_layer_expert_ids(tmp_path):

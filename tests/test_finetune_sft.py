@@ -243,3 +243,42 @@ def test_ctrl_c_stops_after_the_step_and_writes_the_outputs_of_the_steps_done(tm
         )
     assert "SIGINT again: stopping now; nothing written" in capfd.readouterr().err
     assert not (tmp_path / "b" / "summary.json").exists()
+
+
+def test_compiled_layers_train_as_eager_with_the_routed_experts(tmp_path, tokenizer, monkeypatch):
+    """``compile=true`` (every decoder layer through torch.compile, inductor) gives eager's losses step for step,
+    under activation checkpointing too, with the experts on their routed tokens: never ``static``."""
+    import json
+
+    from moe_core.experts import StackedExperts
+
+    def losses(out, **fields):
+        torch.manual_seed(0)
+        config = FinetuneConfig.build(
+            {"steps": 3, "batch_size": 4, "optim": {"lr": 1e-2}, "export": {"merged": False}, **fields}
+        )
+        finetune(
+            config, tmp_path / out, model=tiny_model(), tokenizer=tokenizer, records=instruction_records(8)
+        )
+        saved = json.loads((tmp_path / out / "finetune_config.json").read_text())
+        assert saved["compile"] == config.compile  # saved with the run
+        rows = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in rows if '"loss"' in r]
+
+    eager = losses("eager")
+
+    def no_static(*args, **kwargs):
+        raise AssertionError("the static path ran under torch.compile")
+
+    monkeypatch.setattr(StackedExperts, "forward_static", no_static)
+    compiled_modules = []
+    module_compile = torch.nn.Module.compile
+
+    def spy(module, *args, **kwargs):
+        compiled_modules.append(type(module).__name__)
+        return module_compile(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    compiled = losses("compiled", compile=True, gradient_checkpointing=True)
+    assert compiled_modules == ["DecoderLayer"] * tiny_model().config.num_hidden_layers
+    assert len(eager) == len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-5)

@@ -5,7 +5,7 @@ torch.compile backend (inductor by default; the dry run takes aot_eager, which s
 
 What a GPU changes and these hold to the reference: every expert path in fp32 and bf16, forward and backward
 (``grouped_mm`` where the device has it: Hopper in bf16); the router's fp32 logits under bf16 autocast; the
-compiled decode against eager; int8/int4 experts dequantized on the device; a checkpoint saved and resumed on the
+compiled decode and compiled training steps (pretraining, LoRA) against eager; int8/int4 experts dequantized on the device; a checkpoint saved and resumed on the
 device giving the uninterrupted run's weights.
 """
 
@@ -288,6 +288,25 @@ def test_routed_expert_lora_equals_peft_on_the_device(impl, dtype):
     assert got.keys() == theirs.keys() and any(".experts." in n for n in got)
     for name, value in got.items():
         torch.testing.assert_close(value, theirs[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_lora_layers_train_on_the_device_as_peft(monkeypatch):
+    """``compile=true`` fine-tuning (`moe_core.model.compile_layers`): the routed expert LoRA and PEFT's attention
+    LoRA inside each compiled decoder layer, in bf16, on the scale of PEFT's own bf16 error, never through the
+    ``static`` path (on Hopper: grouped_mm inside the graph)."""
+    from moe_core.experts import StackedExperts
+    from moe_core.model import compile_layers
+    from tests.test_expert_lora import adapted_pair
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the static path ran under torch.compile")
+
+    monkeypatch.setattr(StackedExperts, "forward_static", refused)
+    ours, peft = (m.to(DEVICE, torch.bfloat16) for m in adapted_pair("mixtral-tiny", **ONE_ROUTING))
+    exact = adapted_pair("mixtral-tiny", expert_impl="reference", **ONE_ROUTING)[1].to(DEVICE)
+    torch._dynamo.reset()
+    assert compile_layers(ours, backend=BACKEND) == 1
+    _assert_bf16_error_on_peft_scale(ours, peft, exact)
 
 
 @pytest.mark.parametrize("attention", [False, True], ids=["experts", "experts+attention"])

@@ -653,6 +653,10 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
         report.require_expert_adapters()
     if report.trainable_params == 0:
         raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
+    if config.compile:
+        from moe_core.model import compile_layers
+
+        logger.info("compile=true: %d decoder layers compile at the first step", compile_layers(train_model))
     return SelectedParameters(train_model, plan, report, ref_model)
 
 
