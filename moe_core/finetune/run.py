@@ -109,6 +109,7 @@ from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config
+from moe_core.model import compile_layers
 from moe_core.quantized import (
     QuantizedExperts,
     attention_input_widths,
@@ -654,8 +655,6 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
     if report.trainable_params == 0:
         raise FinetuneError("nothing trains: every parameter is frozen; check method and freeze")
     if config.compile:
-        from moe_core.model import compile_layers
-
         logger.info("compile=true: %d decoder layers compile at the first step", compile_layers(train_model))
     return SelectedParameters(train_model, plan, report, ref_model)
 
