@@ -290,9 +290,10 @@ def impl_under_capture(x_TD: torch.Tensor, grouped_mm_ok) -> str | None:
       experts; otherwise ``sorted``, whose read of the token counts is a graph break: `forward_sorted` runs
       eagerly between the compiled graphs. Not ``grouped_mm`` on the CPU: in torch 2.13 its fake kernel takes
       bf16 only, and inductor's CPU fallback does not keep the strides it needs (a LoRA factor's cast copy
-      reached it permuted: "Invalid strides/sizes"). Not ``static`` either: E/K times the FLOPs (a compiled
-      olmoe-small training step took 4.0 s on it, against 0.32 s sorted and 0.33 s eager, on 2 CPU cores). A
-      caller that needs one graph (``fullgraph=True``) names ``static``.
+      reached it permuted: "Invalid strides/sizes"). Not ``static`` either: E/K times the FLOPs (compiled fp32
+      training steps on 2 CPU cores: olmoe-small 500 ms on it against 351 ms sorted, 360 eager; experts of
+      hidden 1024 and width 512, 3.48 s against 1.56, 1.60 eager; only at toy widths in bf16 can its few wide
+      matmuls win, benchmarks/README.md). A caller that needs one graph (``fullgraph=True``) names ``static``.
     """
     if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting():
         return "static"

@@ -316,8 +316,8 @@ class FinetuneConfig(_Section, ConfigFile):
     # recompute activations in backward; None: on for a large base model or large activations, off otherwise
     # (`resolve_size_defaults`; TRL turns it on always), and off with the task router bias, which it breaks
     gradient_checkpointing: bool | None = None  # None: on above 1 B parameters or 4 GiB of activations
-    # each decoder layer through torch.compile (`MoEModel.compile_layers`): fewer kernel launches where the host
-    # bounds the step (a GPU); the first steps compile (tens of seconds)
+    # each decoder layer through torch.compile (`moe_core.model.compile_layers`): fewer kernel launches where the
+    # host bounds the step (a GPU); the first steps compile (tens of seconds)
     compile: bool = False
     seed: int = 0
     version: int = CONFIG_VERSION
@@ -425,15 +425,12 @@ class FinetuneConfig(_Section, ConfigFile):
         if self.objective == "grpo":
             _check_grpo(self)
         if self.compile and (self.objective == "grpo" or self.parallel.ep_size > 1):
-            raise ValueError(
-                "compile=true compiles the decoder layers for training steps of one shape; "
-                + (
-                    "objective=grpo also decodes with them (a new graph per cache length)"
-                    if self.objective == "grpo"
-                    else f"parallel.ep_size={self.parallel.ep_size} exchanges tokens between ranks inside them"
-                )
-                + ": not supported yet; set compile=false"
+            other = (
+                "objective=grpo (it also decodes with the compiled layers: a graph per cache length)"
+                if self.objective == "grpo"
+                else f"parallel.ep_size={self.parallel.ep_size} (tokens cross ranks inside the compiled layers)"
             )
+            raise ValueError(f"compile=true is not supported with {other} yet; set compile=false")
         if self.objective in ("orpo", "kto", "reward", "grpo") and self.parallel.ep_size > 1:
             raise ValueError(
                 f"objective={self.objective} with parallel.ep_size={self.parallel.ep_size}: experts split over "
