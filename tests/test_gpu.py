@@ -150,7 +150,7 @@ def test_compiled_training_runs_the_routed_experts_on_the_device(monkeypatch):
     hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
     if hopper:
         monkeypatch.setattr(StackedExperts, "forward_sorted", refused)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     loss, grads = loss_and_grads(torch.compile(model, backend=BACKEND))
     torch.testing.assert_close(loss, eager_loss, atol=2e-2, rtol=2e-2)
     assert grads.keys() == eager_grads.keys()
@@ -304,7 +304,7 @@ def test_compiled_lora_layers_train_on_the_device_as_peft(monkeypatch):
     monkeypatch.setattr(StackedExperts, "forward_static", refused)
     ours, peft = (m.to(DEVICE, torch.bfloat16) for m in adapted_pair("mixtral-tiny", **ONE_ROUTING))
     exact = adapted_pair("mixtral-tiny", expert_impl="reference", **ONE_ROUTING)[1].to(DEVICE)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     assert compile_layers(ours, backend=BACKEND) == 1
     _assert_bf16_error_on_peft_scale(ours, peft, exact)
 

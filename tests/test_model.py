@@ -306,23 +306,23 @@ def test_auto_impl_while_a_graph_is_captured(monkeypatch):
     assert impl_under_capture(x, lambda: True) is None
     y_ref, dx_ref, grads_ref = forward_backward(block, x, None)
 
-    static = StackedExperts.forward_static
+    def refused(path: str, capture: str):
+        def run(*args, **kwargs):
+            raise AssertionError(f"the {path} path ran under {capture}")
 
-    def no_static(*args, **kwargs):
-        raise AssertionError("static ran under torch.compile")
+        return run
 
-    monkeypatch.setattr(StackedExperts, "forward_static", no_static)
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend="aot_eager")  # the graphs and autograd, without a C++ build
-    y, dx, grads = forward_backward(compiled, x, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(StackedExperts, "forward_static", refused("static", "torch.compile"))
+        torch.compiler.reset()
+        compiled = torch.compile(block, backend="aot_eager")  # the graphs and autograd, without a C++ build
+        y, dx, grads = forward_backward(compiled, x, None)
     grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(dx, dx_ref)
     assert grads.keys() == grads_ref.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], grads_ref[name], msg=name)
-
-    monkeypatch.setattr(StackedExperts, "forward_static", static)
 
     class Output(torch.nn.Module):
         def __init__(self, block):
@@ -332,8 +332,7 @@ def test_auto_impl_while_a_graph_is_captured(monkeypatch):
         def forward(self, x):
             return self.block(x)[0]
 
-    sorted_path = StackedExperts.forward_sorted
-    monkeypatch.setattr(StackedExperts, "forward_sorted", no_static)  # export must not take it either
-    program = torch.export.export(Output(block), (x,))
-    monkeypatch.setattr(StackedExperts, "forward_sorted", sorted_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(StackedExperts, "forward_sorted", refused("sorted", "torch.export"))
+        program = torch.export.export(Output(block), (x,))
     torch.testing.assert_close(program.module()(x), y_ref, atol=1e-5, rtol=1e-5)
