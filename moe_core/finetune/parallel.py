@@ -58,7 +58,13 @@ from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.methods import ExpertLoraMask, MethodPlan, lora_wrappers
 from moe_core.mapped import MappedExperts
 from moe_core.task_bias import unwrap
-from moe_core.train.parallel import ExpertParallelExperts, ParallelState, barrier, init_parallel
+from moe_core.train.parallel import (
+    ExpertParallelExperts,
+    ParallelState,
+    barrier,
+    init_parallel,
+    squared_norm,
+)
 
 # Legend: E = experts, El = experts on this rank, R = LoRA rank, I / O = a projection's input / output width,
 # P = ranks in the expert-parallel group.
@@ -267,11 +273,10 @@ class ExpertGradients:
 
     def _clip(self) -> float:
         state = self.parallel.state
-        sq = [torch.zeros((), dtype=torch.float64, device=state.device) for _ in range(2)]
-        for i, params in enumerate((self.replicated, self.expert)):
-            for p in params:
-                if p.grad is not None:
-                    sq[i] += p.grad.detach().double().square().sum()
+        sq = [
+            squared_norm([p.grad.detach() for p in params if p.grad is not None], state.device)
+            for params in (self.replicated, self.expert)
+        ]
         if self.expert and state.ep_size > 1:
             dist.all_reduce(sq[1], group=state.ep_group)
         norm = (sq[0] + sq[1]).sqrt()

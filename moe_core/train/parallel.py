@@ -465,22 +465,26 @@ def sync_expert_grads(model: nn.Module, state: ParallelState) -> None:
         param.grad.div_(state.world_size)
 
 
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads`` (zero for none), a float64 scalar on ``device``, for norms summed over
+    groups and ranks: torch's norm of the tensors (`torch.nn.utils.get_total_norm`, as ``clip_grad_norm_``
+    computes it: one fused reduction per tensor, in its dtype). Copying every gradient to float64 first, as this
+    once did, cost a quarter of an olmoe-small CPU training step (benchmarks/README.md)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.nn.utils.get_total_norm(grads, 2.0).to(device, torch.float64).square()
+
+
 def global_grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:
     """L2 norm of the full gradient: replicated parameters once, FSDP shards summed over the world, expert
     shards summed over the EP group."""
-    replicated_sq, sharded_sq, expert_sq = (
-        torch.zeros((), dtype=torch.float64, device=state.device) for _ in range(3)
-    )
+    groups: dict[str, list[torch.Tensor]] = {"replicated": [], "sharded": [], "expert": []}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        sq = local(param.grad).detach().double().square().sum()
-        if is_sharded(param.grad):
-            sharded_sq += sq
-        elif is_expert_param(name):
-            expert_sq += sq
-        else:
-            replicated_sq += sq
+        kind = "sharded" if is_sharded(param.grad) else "expert" if is_expert_param(name) else "replicated"
+        groups[kind].append(local(param.grad).detach())
+    replicated_sq, sharded_sq, expert_sq = (squared_norm(grads, state.device) for grads in groups.values())
     if state.distributed:
         dist.all_reduce(sharded_sq)
         if state.ep_size > 1:
