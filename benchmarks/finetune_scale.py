@@ -52,6 +52,7 @@ ratios) and the machine.
     python benchmarks/finetune_scale.py --model olmoe-1b-7b --baseline-env transformers4   # full size: alone
     python benchmarks/finetune_scale.py --model qwen1.5-moe-a2.7b --qlora int4      # 26.7 GiB: alone, with disk
     python benchmarks/finetune_scale.py --tiny                                      # shrunken config, seconds
+    python benchmarks/finetune_scale.py --narrow --threads 1  # published counts, tiny widths: the host's cost
     python benchmarks/finetune_scale.py --model mixtral-8x7b --build-only           # only write the stand-in
     python benchmarks/finetune_scale.py --model qwen3-30b-a3b --layers 4            # Qwen3-30B-A3B's shape, 4 layers
 """
@@ -84,6 +85,8 @@ SFT_DATA = REPO / "examples" / "sft.jsonl"
 RESULT_PREFIX = "variant result: "  # one stdout line per finished variant (gpu_suite.py reads them)
 LORA_R, LORA_ALPHA, LR, CLIP = 8, 16.0, 1e-4, 1.0
 TINY_TOKENIZER_VOCAB = 400
+# the config fields --narrow keeps at their published values: what sets how many operators a step dispatches
+COUNT_FIELDS = {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"}
 PROFILE_ROWS = 40  # operators per --profile table
 # the lab's config fields issue 31 names for the optional variants
 QLORA_FIELD, MMAP_FIELD = "quantize.base", "model.mmap"
@@ -229,6 +232,12 @@ def child_lab(spec: dict) -> dict:
         inputs = load_inputs(config, records=spec["records"])
         selected = select_parameters(config, inputs, Path(scratch))
     model = selected.train_model.to(spec["device"])
+    if spec.get("expert_impl"):  # --lab-expert-impl: auto's choice of expert path replaced
+        from moe_core.experts import StackedExperts  # the child's imports are its own (see child_main)
+
+        for module in model.modules():
+            if isinstance(module, StackedExperts):
+                module.impl = spec["expert_impl"]
     load_s = time.perf_counter() - t0
     memory_after_load = proc_status_kib()
     print(f"loaded in {load_s:.1f} s", flush=True)
@@ -437,7 +446,9 @@ def print_table(figures: dict, raw: dict) -> None:
     threads = "/".join(map(str, threads)) or "?"
     print(
         f"\n{m['model']} ({m['hub_id']}), {m['layers']} of {m['published_layers']} layers"
-        f"{' (tiny: shrunken config)' if m['tiny'] else ''}: {m['parameters'] / 1e9:.3f} B parameters, "
+        f"{' (tiny: shrunken config)' if m['tiny'] else ''}"
+        f"{' (narrow: tiny widths, published counts)' if m.get('narrow') else ''}: "
+        f"{m['parameters'] / 1e9:.3f} B parameters, "
         f"{m['checkpoint_gib']:.2f} GiB bf16 on disk, run in {m['dtype']}; batch {m['batch']} x {m['seq']} tokens, median of {m['steps']} "
         f"steps after {m['warmup']} warm-up, {threads} torch thread(s) per child on {m['device']}"
     )
@@ -512,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, default=None, help="cut to the first N decoder layers")
     parser.add_argument("--tiny", action="store_true", help="a shrunken config of the same architecture")
+    parser.add_argument(
+        "--narrow",
+        action="store_true",
+        help="the published counts (layers, experts, top-k) at --tiny's widths: a step bound by dispatching its "
+        "operators, as a GPU step's host is",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
@@ -542,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a FinetuneConfig field for the lab",
+    )
+    parser.add_argument(
+        "--lab-expert-impl",
+        default=None,
+        metavar="IMPL",
+        help="the lab variants' expert path instead of auto's choice (sorted, grouped_mm, ...)",
     )
     parser.add_argument("--only", action="append", default=[], help="run only these variants (repeatable)")
     parser.add_argument(
@@ -594,8 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only {unknown}: not among this run's variants {known}")
     published = PUBLISHED[args.model]
+    if args.tiny and args.narrow:
+        parser.error("--tiny and --narrow: choose one")
     layers = args.layers if args.layers is not None else (2 if args.tiny else None)
     overrides = published.tiny_overrides if args.tiny else None
+    if args.narrow:  # the widths shrunk, every count kept
+        overrides = {k: v for k, v in published.tiny_overrides.items() if k not in COUNT_FIELDS}
     try:
         checkpoint = build_published(
             args.model,
@@ -603,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides=overrides,
             cache_dir=args.cache_dir,
             seed=args.seed,
-            tokenizer_vocab=TINY_TOKENIZER_VOCAB if args.tiny else 4096,
+            tokenizer_vocab=TINY_TOKENIZER_VOCAB if args.tiny or args.narrow else 4096,
             progress=lambda line: print(line, flush=True),
         )
     except PublishedError as err:
@@ -635,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_targets": baseline_targets(config["model_type"]),
         "generate": args.generate,
         "profile_dir": str(args.profile.resolve()) if args.profile else None,
+        "expert_impl": args.lab_expert_impl,
     }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ft-scale-") as tmp:
@@ -653,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "hub_id": published.hub_id,
         "tiny": args.tiny,
+        "narrow": args.narrow,
         "layers": config["num_hidden_layers"],
         "published_layers": published.config["num_hidden_layers"],
         "parameters": record["parameters"],

@@ -17,6 +17,13 @@
 and ``moe-compiled-static`` (compiled with ``expert_impl=static``, every expert on every token: what ``auto``
 took under torch.compile before 2026-11-27), interleaved with the rest; their warm-up steps compile.
 
+``--expert-impl IMPL`` (repeatable) adds ``moe-IMPL``: the MoE step with that expert path instead of ``auto``'s.
+
+In bf16 on a CPU, oneDNN compiles a kernel for each matmul shape and keeps 1024 of them
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); the experts' row counts change at every step, and trainers interleaved on
+the same tokens route alike, so a later variant finds the kernels an earlier one just compiled and the first one
+pays for them (olmoe-small: the same config 523 ms first, 293 ms fourth). Time bf16 variants in separate runs.
+
 Prints a table, then ONE JSON line of the figures.
 
     python benchmarks/train_step.py                                  # switch-small, batch 8 x seq 128
@@ -76,6 +83,8 @@ def step_times(args, workdir: Path) -> dict[str, dict]:
     if args.compile:  # compile=true, and the same with every expert on every token (auto's choice before)
         variants["moe-compiled"] = (None, {"compile": True})
         variants["moe-compiled-static"] = (None, {"compile": True, "overrides": {"expert_impl": "static"}})
+    for impl in args.expert_impl:  # the MoE step with auto's choice replaced
+        variants[f"moe-{impl}"] = (None, {"overrides": {"expert_impl": impl}})
     trainers = {
         name: Trainer(config_for(args, b, 10**6, "synthetic", **fields), workdir / f"speed-{name}")
         for name, (b, fields) in variants.items()
@@ -228,6 +237,13 @@ def main() -> None:
         "--compile",
         action="store_true",
         help="also moe with compile=true, and compiled with expert_impl=static (every expert on every token)",
+    )
+    parser.add_argument(
+        "--expert-impl",
+        action="append",
+        default=[],
+        metavar="IMPL",
+        help="also the MoE step with this expert_impl (sorted, grouped_mm, static, ...; repeatable)",
     )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-documents", type=int, default=2000, help="of the built-in corpus")

@@ -13,9 +13,11 @@ per-expert loop costs no copy, and the stack feeds `torch._grouped_mm` directly 
 Implementations, all computing ``y_t = sum_k w_tk * expert_{e_tk}(x_t)`` over the kept slots:
 - ``reference``: a plain loop over experts with a boolean mask each: slow, obviously right.
 - ``sorted``: sort the kept slots by expert, run each expert's matmuls on its contiguous slice and add it
-  back while it is still in cache. The default on CPU and wherever grouped_mm is not supported.
+  back while it is still in cache. The default on CPU for stacks stored in bf16 and wherever grouped_mm is not
+  supported.
 - ``grouped_mm``: the same sorted layout through one `torch._grouped_mm` per projection (CPU fp32/bf16 in
-  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs, for every
+  torch 2.13, Hopper GPUs in bf16), with no host sync on the token counts. The default on those GPUs and on a
+  CPU for float32 stacks (`StackedExperts.resolved_impl` says why), for every
   module that holds dense stacks (``stack``: `GroupedExperts`; a memory-mapped `MappedExperts` once moved to the
   device) or makes them (4-bit `QuantizedExperts`, dequantized per projection, again in backward).
 - ``static``: every expert on every token, as one wide FFN of E*F hidden units gated by a dense [T, E]
@@ -525,8 +527,16 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         traced = impl_under_capture(x_TD, lambda: self.grouped_mm_ok(x_TD))
         if traced is not None:
             return traced
-        # on CPU the per-expert loop keeps each slice cache-sized and measures as fast (benchmarks/README.md)
-        return "grouped_mm" if x_TD.is_cuda and self.grouped_mm_ok(x_TD) else "sorted"
+        if not self.grouped_mm_ok(x_TD):
+            return "sorted"
+        if x_TD.is_cuda:
+            return "grouped_mm"
+        # On the CPU, grouped_mm where the stacks are float32 (a trainer's weights, under bf16 autocast too): one
+        # call per projection beat the per-expert loop in every preset's training step (0.47-0.98x, in bf16 the
+        # most) and at OLMoE-1B-7B's width in fp32 (0.92x). Where they are stored in bf16 (a published
+        # checkpoint's base) torch's CPU kernel ran the 4-layer OLMoE-1B-7B's steps 1.5-1.9x slower than the loop
+        # (full training, and LoRA at 1,024 tokens): benchmarks/README.md, "Expert path on the CPU".
+        return "grouped_mm" if self.stack("up_proj").dtype == torch.float32 else "sorted"
 
     def forward(
         self,

@@ -268,8 +268,23 @@ def test_auto_impl_avoids_grouped_mm_for_misaligned_widths():
     x = torch.randn(2, 5, config.hidden_size)
     assert not grouped_mm_supported(x, 3, config.hidden_size)  # rows of 12 bytes
     assert grouped_mm_supported(x, 128, config.hidden_size)
-    assert block.experts.resolved_impl(x) == "sorted"  # the CPU default
+    assert block.experts.resolved_impl(x) == "sorted"  # fp32 stacks, but widths grouped_mm cannot take
     torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
+
+
+def test_auto_impl_on_the_cpu_follows_the_stacks_dtype():
+    """fp32 stacks (a trainer's weights, bf16 autocast or not) take grouped_mm on the CPU, bf16 stacks (a
+    published checkpoint's base) the per-expert loop: what measured faster for each (benchmarks/README.md)."""
+    config = get_config("olmoe-tiny")
+    block = seeded_block(config)
+    x = torch.randn(2, 5, config.hidden_size)
+    assert block.experts.resolved_impl(x) == "grouped_mm"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block.experts.resolved_impl(x) == "grouped_mm"
+        torch.testing.assert_close(block(x)[0], block(x, "sorted")[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
+    block.to(torch.bfloat16)
+    assert block.experts.resolved_impl(x.to(torch.bfloat16)) == "sorted"
 
 
 def test_gather_path_refuses_to_materialize_a_large_batch_eagerly():

@@ -31,8 +31,11 @@ matmul outputs: an approximation there), j = 2 for a SwiGLU FFN (gate, up, silu,
       renormalized top-k weights                           T K 4 + T 4 (softmax over the top-k logits: T K 4)
       load-balancing and z losses                          T 4 + (T E 4 + T 4) per layer; L_moe E 4 + 4 once
     dispatch (sorted by expert)                            2 A 8 (slot and token indices)
-    experts, one process                                   A D a + 2 j A Fe a + 2 A D a + A 4
-    experts, expert-parallel (all-to-all path)             2 A 8 + R D a + 2 j R Fe a + A D a + A 4 (R = A)
+    experts, one process                                   A D a + 2 j A Fe a + 2 A D a + A 4 + E 4
+    experts, expert-parallel (all-to-all path)             2 A 8 + R D a + 2 j R Fe a + A D a + A 4 + El 4
+                                                           (R = A; El = E / ep: local experts)
+      (E 4, El 4: grouped_mm's int32 offsets, the path of a trainer's fp32 weights on a CPU and of bf16 on
+      Hopper; the sorted path, taken for widths grouped_mm cannot take, saves none: 4 bytes an expert high)
     shared experts (+ Qwen2 gate)                          2 j T Fs a [+ T 4 + T D a]
     dense FFN layer                                        T D a + 2 j T F a
     once: token ids, RoPE cos/sin, final norm, lm_head     T 8 + 2 T Hd 4 [no ckpt] + (2 D + 1) T 4 + T D a
@@ -185,12 +188,13 @@ def layer_activation_bytes(
     parts["router"] = router
     A = routed_slots(c, T)
     Fe = c.expert_intermediate_size
+    offsets = E // ep_size * 4  # grouped_mm's [E] int32 offsets (the local experts' under expert parallelism)
     if ep_size == 1:
         parts["dispatch"] = 2 * A * 8
-        parts["experts"] = A * D * a + 2 * j * A * Fe * a + 2 * A * D * a + A * 4
+        parts["experts"] = A * D * a + 2 * j * A * Fe * a + 2 * A * D * a + A * 4 + offsets
     else:  # the all-to-all path; R (slots received) taken as A
         parts["dispatch"] = 2 * A * 8 + 2 * A * 8
-        parts["experts"] = A * D * a + 2 * j * A * Fe * a + A * D * a + A * 4
+        parts["experts"] = A * D * a + 2 * j * A * Fe * a + A * D * a + A * 4 + offsets
     if c.num_shared_experts > 0:
         Fs = c.num_shared_experts * c.shared_expert_intermediate_size
         shared = 2 * j * T * Fs * a
