@@ -534,8 +534,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         # On the CPU, grouped_mm where the stacks are float32 (a trainer's weights, under bf16 autocast too): one
         # call per projection beat the per-expert loop in every preset's training step (0.47-0.98x, in bf16 the
         # most) and at OLMoE-1B-7B's width in fp32 (0.92x). Where they are stored in bf16 (a published
-        # checkpoint's base) torch's CPU kernel ran the 4-layer OLMoE-1B-7B's steps 1.5-1.9x slower than the loop
-        # (full training, and LoRA at 1,024 tokens): benchmarks/README.md, "Expert path on the CPU".
+        # checkpoint's base) torch's CPU kernel ran the 4-layer OLMoE-1B-7B's steps 1.3-1.9x slower than the loop
+        # (full training, and LoRA at 1,024 tokens): benchmarks/README.md, "Expert path and clipping norm on the
+        # CPU".
         return "grouped_mm" if self.stack("up_proj").dtype == torch.float32 else "sorted"
 
     def forward(

@@ -469,7 +469,7 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     """The sum of squares of ``grads`` (zero for none), a float64 scalar on ``device``, for norms summed over
     groups and ranks: torch's norm of the tensors (`torch.nn.utils.get_total_norm`, as ``clip_grad_norm_``
     computes it: one fused reduction per tensor, in its dtype). Copying every gradient to float64 first, as this
-    once did, cost a quarter of an olmoe-small CPU training step (benchmarks/README.md)."""
+    once did, cost a third of an olmoe-small CPU training step (benchmarks/README.md)."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.nn.utils.get_total_norm(grads, 2.0).to(device, torch.float64).square()
