@@ -532,8 +532,9 @@ class StackedExperts(nn.Module, ExpertModule, ABC):
         if x_TD.is_cuda:
             return "grouped_mm"
         # On the CPU, grouped_mm where the stacks are float32 (a trainer's weights, under bf16 autocast too): one
-        # call per projection beat the per-expert loop in every preset's fp32 training step (0.71-0.98x), under
-        # bf16 autocast (olmoe-small alone: 0.80x) and at OLMoE-1B-7B's width in fp32 (0.92x). Where they are stored in bf16 (a published
+        # call per projection beat the per-expert loop in the fp32 training steps of the five small presets
+        # measured (olmoe, qwen3, mixtral, switch, deepseek: 0.71-0.98x), under bf16 autocast (olmoe-small alone:
+        # 0.80x) and at OLMoE-1B-7B's width in fp32 (0.92x). Where the stacks are stored in bf16 (a published
         # checkpoint's base) torch's CPU kernel ran the 4-layer OLMoE-1B-7B's steps 1.3-1.9x slower than the loop
         # (full training, and LoRA at 1,024 tokens): benchmarks/README.md, "Expert path and clipping norm on the
         # CPU".
