@@ -603,8 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args.child, args.spec, args.result)
 
+    from moe_core.config import EXPERT_IMPLS
     from moe_core.published import PUBLISHED, PublishedError, build_published
 
+    if args.lab_expert_impl is not None and args.lab_expert_impl not in EXPERT_IMPLS:
+        parser.error(f"--lab-expert-impl {args.lab_expert_impl!r}: choose one of {', '.join(EXPERT_IMPLS)}")
     if args.model not in PUBLISHED:
         parser.error(f"--model {args.model!r}: choose one of {', '.join(PUBLISHED)}")
     for flag in ("batch", "seq", "steps"):

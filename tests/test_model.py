@@ -284,7 +284,9 @@ def test_auto_impl_on_the_cpu_follows_the_stacks_dtype():
         torch.testing.assert_close(block(x)[0], block(x, "sorted")[0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(block(x)[0], block(x, "reference")[0])
     block.to(torch.bfloat16)
-    assert block.experts.resolved_impl(x.to(torch.bfloat16)) == "sorted"
+    x_bf16 = x.to(torch.bfloat16)
+    assert block.experts.grouped_mm_ok(x_bf16)  # grouped_mm could run: the stacks' dtype is what decides
+    assert block.experts.resolved_impl(x_bf16) == "sorted"
 
 
 def test_gather_path_refuses_to_materialize_a_large_batch_eagerly():
