@@ -578,6 +578,23 @@ def test_attention_quantizes_while_loading_as_in_memory(checkpoints, case):
     assert (q.dequantized() - dense_q_weight).abs().max() <= q.weight_scale.max() * 1.01  # within a step
 
 
+def test_method_qlora_from_the_command_line_is_lora_on_an_nf4_base():
+    """``--set method=qlora`` (README), which `with_overrides` applies to a whole dumped config (its
+    ``quantize.base`` present and null), is LoRA on an NF4 base as in a YAML file; a base given with it stays."""
+    from moe_core.finetune import FinetuneConfig
+    from moe_core.finetune.cli import resolve_config
+
+    class Args:
+        config, model, data = None, None, None
+        overrides = ["method=qlora"]
+
+    for config in (resolve_config(Args), FinetuneConfig.build({"method": "qlora"})):
+        assert (config.method, config.quantize.base) == ("lora", "nf4")
+    Args.overrides = ["method=qlora", "quantize.base=int4"]
+    assert resolve_config(Args).quantize.base == "int4"
+    assert FinetuneConfig().with_overrides(["quantize.base=int8", "method=qlora"]).quantize.base == "int8"
+
+
 def test_qlora_holds_the_attention_in_4_bits_unless_told_and_a_version_1_config_reads_as_it_trained(tmp_path):
     """``quantize.attention`` unset follows ``quantize.base`` (on under QLoRA, off without); false keeps the
     attention in the model's dtype; a config saved before version 2 (no such field) reads as false, so its run

@@ -354,11 +354,13 @@ class FinetuneConfig(_Section, ConfigFile):
     @model_validator(mode="before")
     @classmethod
     def _qlora_is_lora_on_a_quantized_base(cls, data):
+        """``method=qlora`` is LoRA with ``quantize.base`` given, or NF4 where it is not. Unset and null read
+        alike: ``--set`` applies its assignments to a whole dumped config (`ConfigFile.with_overrides`), where
+        every field is present and an unset ``quantize.base`` is null."""
         if isinstance(data, dict) and data.get("method") == "qlora":
             quantize = dict(data.get("quantize") or {})
-            quantize.setdefault("base", "nf4")
-            if quantize["base"] is None:
-                raise ValueError("method=qlora needs quantize.base (nf4, int4 or int8); or use method=lora")
+            if quantize.get("base") is None:
+                quantize["base"] = "nf4"
             data = {**data, "method": "lora", "quantize": quantize}
         return data
 
