@@ -33,7 +33,7 @@ def convert_to_hf(
         )
     if kind == "quantized":
         raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
-    loaded = load(source)
+    loaded = load(source, merged=True)  # weights written out: a fine-tune's adapter merged in
     # a training checkpoint keeps no tokenizer files of its own: it names its data's tokenizer
     tokenizer_dir = loaded.tokenizer_dir or loaded.path
     return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=tokenizer_dir, overwrite=overwrite)

@@ -12,9 +12,10 @@ The kind is read from the directory's files, never from its name (first match wi
                                               merged into it; in our module names, or in a HF architecture's
                                               (ours for a HF-origin model, or stock PEFT's on OlmoeForCausalLM
                                               etc.: finetune/hf_adapter.py converts it exactly or refuses)
-    finetuned    finetune_config.json         a fine-tuning output directory: its merged/ model, else adapter/
-                                              (a QLoRA fine-tune's on its base quantized again as it trained:
-                                              finetune/qlora.py, unmerged)
+    finetuned    finetune_config.json         a fine-tuning output directory: its merged/ model, else adapter/:
+                                              a LoRA (or QLoRA) fine-tune's on its base as it trained, unmerged
+                                              (memory-mapped, or quantized again: finetune/as_trained.py), or
+                                              merged into its base with ``merged=True``
     checkpoint   manifest.json + trainer_state.json   a training checkpoint (format 2, moe_core.train.checkpoint):
                                               replicated weights and expert shards gathered into one model
     run          checkpoints/step_* or final/ a training output directory: its exported final/ model, else its
@@ -147,6 +148,7 @@ def load(
     tokenizer: str | os.PathLike | None = None,
     base: str | os.PathLike | None = None,
     memory_map: bool = False,
+    merged: bool = False,
 ) -> Loaded:
     """Model and tokenizer from any checkpoint kind (see the module docstring), in eval mode.
 
@@ -154,20 +156,24 @@ def load(
     CPU); ``tokenizer``: a tokenizer (or prepared-data) directory used when the checkpoint names none of its
     own; ``base``: the base model of a PEFT adapter (default: the path the adapter records); ``memory_map``: the
     weights stay memory-mapped from the safetensors files, frozen (`moe_core.mapped`: a model directory, ours
-    or a Hugging Face one, in its stored dtype; other kinds are refused)."""
+    or a Hugging Face one, in its stored dtype; other kinds are refused). ``merged``: a fine-tuning output's
+    adapter merged into its full-precision base rather than run unmerged on the base as it trained
+    (`moe_core.finetune.as_trained`): plain weights, what a command that rewrites them needs (quantize, prune,
+    export, conversion); the whole base in memory."""
     directory = _local(path)
     kind = detect(directory)
-    if kind == "finetuned" and _trained_on_quantized_base(directory):
-        if memory_map:
+    if kind == "finetuned" and not merged and _loads_as_trained(directory):
+        if memory_map and _trained_on_quantized_base(directory):
             raise LoadError(
                 f"{directory}: a QLoRA fine-tune loads on its quantized base, not memory-mapped: load without "
-                "memory_map (or give its adapter/ directory to merge it into the full-precision base)"
+                "memory_map (or with merged=True, or give its adapter/ directory, to merge it into the "
+                "full-precision base)"
             )
-        # the fine-tuning stack (peft, the LoRA wrappers), imported only for a QLoRA output; it does not import
-        # this module back
-        from moe_core.finetune.qlora import load_qlora
+        # the fine-tuning stack (peft, the LoRA wrappers), imported only for a fine-tune's adapter; it imports
+        # this module back only inside its functions
+        from moe_core.finetune.as_trained import load_as_trained
 
-        model = load_qlora(directory, base=base, dtype=dtype)
+        model = load_as_trained(directory, _base_as_trained, base=base, dtype=dtype)
     elif kind in ("run", "finetuned"):
         loaded = load(
             _inner(directory, kind),
@@ -221,9 +227,26 @@ def load(
     return loaded
 
 
+def _base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
+    """A fine-tune's full-precision base as it trained (`moe_core.finetune.as_trained`): memory-mapped when
+    ``map_it`` (``model.mmap`` not false) and its files hold ``dtype``, else copied."""
+    mapped = map_it and memory_map_refusal(path, dtype) is None
+    return load(path, dtype=dtype, memory_map=mapped).model
+
+
+def _loads_as_trained(directory: Path) -> bool:
+    """A LoRA fine-tune's output with its adapter alone (`moe_core.finetune.as_trained.loads_as_trained`)."""
+    if (directory / "merged").is_dir() or not (directory / "adapter").is_dir():
+        return False
+    # the fine-tuning stack (peft, the LoRA wrappers), imported only for a fine-tune's adapter
+    from moe_core.finetune.as_trained import loads_as_trained
+
+    return loads_as_trained(directory)
+
+
 def _trained_on_quantized_base(directory: Path) -> bool:
     """A fine-tuning output of QLoRA (``quantize.base`` recorded) holding its adapter and no merged model: it
-    loads on the quantized base it trained on (`moe_core.finetune.qlora`)."""
+    loads on the quantized base it trained on (`moe_core.finetune.as_trained`)."""
     if (directory / "merged").is_dir() or not (directory / "adapter").is_dir():
         return False
     try:

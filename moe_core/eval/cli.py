@@ -89,6 +89,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         help="tokenizer directory (default: the model directory's own, else the data's)",
     )
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the weights' dtype; auto: float32 up to 1 B parameters, above that the dtype the checkpoint holds "
+        "(a float32 copy of a published bf16 MoE is twice its size; a fine-tune's output then loads as it trained)",
+    )
 
 
 # ------------------------------------------------------------------ model loading for eval and analyze
@@ -102,12 +109,38 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = path or args.model
     if path:
-        model = load(path, dtype=torch.float32).model
+        model = load(path, dtype=model_dtype(args, path)).model
     else:
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         torch.manual_seed(0)
         model = MoEForCausalLM(get_config(args.preset, **overrides))
     return model.to(device).eval()
+
+
+def model_dtype(args, path: str):
+    """``--dtype`` as `moe_core.load` takes it: auto is float32 (every model compared in one precision) up to
+    `LARGE_MODEL_PARAMS` parameters, and above it the stored dtype (None), said in one line: the float32 copy of a
+    12.9 GiB bf16 OLMoE-1B-7B would not fit a 24 GiB machine, and a fine-tune's output over a memory-mapped base
+    (`moe_core.finetune.as_trained`) maps only in the dtype its files hold."""
+    import torch  # the handlers' heavy imports happen here (module comment)
+
+    if getattr(args, "dtype", "auto") != "auto":
+        return getattr(torch, args.dtype)
+    # the size rule is the fine-tuning defaults' (sizing is light: configs only)
+    from moe_core.config import parameter_counts
+    from moe_core.finetune.sizing import LARGE_MODEL_PARAMS
+    from moe_core.loading import model_config
+
+    params = parameter_counts(model_config(path))["total"]
+    if params <= LARGE_MODEL_PARAMS:
+        return torch.float32
+    print(
+        f"moe-lab: {path}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): evaluated in the "
+        "dtype its checkpoint holds, not float32 (a copy of twice its size); --dtype float32 asks for float32",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
 
 
 def load_tokenizer_for(args, required: bool):

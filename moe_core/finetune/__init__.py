@@ -12,7 +12,7 @@ The same from the command line: ``moe-lab finetune --config finetune.yaml --out 
 (FinetuneConfig), `methods` (freezing, LoRA targets, expert subsets, ESFT, task router bias), `objectives` (TRL
 SFT/DPO/ORPO/KTO/reward trainers with the MoE losses), `report` (trainable-parameter report), `export` (adapter, merged, HF),
 `grpo` (GRPO: the lab's decode path as TRL's rollout, routing replay, routing-shift telemetry, checked
-rewards; `rewards` the bundled reward functions; `trl_seam` what it relies on in TRL), `sizing` (the defaults that follow the base model's size), `parallel` (several processes: experts split over
+rewards; `rewards` the bundled reward functions; `trl_seam` what it relies on in TRL), `sizing` (the defaults that follow the base model's size), `as_trained` (an adapter-only output loaded unmerged on its base as it trained), `qlora` (how QLoRA holds the base), `parallel` (several processes: experts split over
 them, per-rank checkpoints; `trainer_seam` the Trainer hooks it replaces), `run` (finetune), `cli`.
 
 The names above are resolved on first use (moe_core._lazy): `moe-lab finetune --help` imports this package

@@ -139,6 +139,10 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
             f"{_size(LARGE_MODEL_PARAMS)}) and each is a full copy (~{copy:.1f} GiB)"
             + (", the adapter is written" if has_adapter else "")
             + f"; {flags} writes {'them' if len(skipped) > 1 else 'it'}"
-            + (" (moe_core.load reads the output directory's adapter either way)" if has_adapter else "")
+            + (
+                " (moe-lab generate OUT and moe_core.load('OUT') run the adapter unmerged on the base as it trained)"
+                if has_adapter
+                else ""
+            )
         )
     return SizeDefaults(bool(checkpointing), bool(merged), bool(hf), params, acts, notes)

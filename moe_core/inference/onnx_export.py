@@ -232,7 +232,7 @@ def _load_for_export(source: str | os.PathLike | MoEForCausalLM) -> MoEForCausal
     """A model as given, or any checkpoint kind `moe_core.load` reads (a Hugging Face MoE is converted)."""
     if isinstance(source, MoEForCausalLM):
         return source
-    return load(source, dtype=torch.float32).model
+    return load(source, dtype=torch.float32, merged=True).model  # a fine-tune's adapter merged in
 
 
 def check_exportable(model: MoEForCausalLM) -> None:

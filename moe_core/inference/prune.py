@@ -367,7 +367,7 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    loaded = load(model_dir, dtype=torch.float32)
+    loaded = load(model_dir, dtype=torch.float32, merged=True)  # a fine-tune's adapter merged in
     model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None

@@ -61,7 +61,7 @@ def quantize_optimum_gptq(
             "optimum GPTQ calibrates on real text: pass --data DIR (a prepared-data directory)"
         )
     check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
-    model = load(model_dir, dtype=torch.float32).model
+    model = load(model_dir, dtype=torch.float32, merged=True).model  # a fine-tune's adapter merged in
     with (
         tempfile.TemporaryDirectory(prefix="moe_gptq_") as tmp,
         atomic_directory(out_dir, overwrite, QuantizationError) as staging,

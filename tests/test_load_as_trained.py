@@ -1,0 +1,128 @@
+"""A fine-tuning output that holds its adapter alone loads on the base as it trained, unmerged
+(`moe_core.finetune.as_trained`): a LoRA fine-tune's on its memory-mapped base, with no copy of the base and no
+merge (which needs the whole base in memory: none at all for a base larger than it), QLoRA's on its 4-bit base.
+What rewrites weights (quantize, prune, ONNX export, conversion to Hugging Face) reads the adapter merged into
+the full-precision base (``load(..., merged=True)``): on a QLoRA output those had written a checkpoint that did not
+load (quantize), or stopped with an internal error (convert) or a dispatch error (ONNX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moe_core import load
+from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.finetune.methods import unwrap
+from moe_core.hf_export import convert_to_hf
+from moe_core.inference.quantize.weight_only import quantize_checkpoint
+from moe_core.mapped import MappedExperts
+from moe_core.quantized import QuantConfig, QuantizedExperts
+from tests.finetune_helpers import instruction_records
+from tests.test_finetune_hf import hf_checkpoint
+
+
+def adapter_only_finetune(tmp_path, model=None, **fields):
+    source = hf_checkpoint(tmp_path, "olmoe")
+    config = FinetuneConfig.build(
+        {
+            "model": {"path": str(source), **(model or {})},
+            "lora": {"r": 4, "experts": "all"},
+            "steps": 3,
+            "batch_size": 4,
+            "data": {"max_length": 64, "chat_template": "chatml"},
+            "optim": {"lr": 5e-3},
+            "log": {"progress": "off"},
+            "export": {"merged": False, "hf": False},
+            **fields,
+        }
+    )
+    result = finetune(config, tmp_path / "out", records=instruction_records(16))
+    assert result.merged_dir is None and not (tmp_path / "out" / "merged").exists()
+    return source, result
+
+
+def has_lora(model) -> bool:
+    return any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_an_adapter_only_lora_output_loads_unmerged_on_its_mapped_base(tmp_path):
+    source, result = adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    x = torch.randint(0, 300, (2, 10))
+    loaded = load(out)
+    assert loaded.kind == "finetuned"
+    # the base's experts as views of its files, the adapter unmerged on top
+    assert any(isinstance(m, MappedExperts) for m in loaded.model.modules())
+    assert has_lora(loaded.model) and not any(p.requires_grad for p in loaded.model.parameters())
+    merged = load(out, merged=True).model
+    assert not has_lora(merged) and not any(isinstance(m, MappedExperts) for m in merged.modules())
+    trained = unwrap(result.model).eval()
+    with torch.no_grad():
+        ours = loaded.model(input_ids=x).logits
+        torch.testing.assert_close(ours, trained(input_ids=x).logits)  # the very computation training ran
+        torch.testing.assert_close(ours, merged(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours, load(out / "adapter").model(input_ids=x).logits, atol=1e-5, rtol=1e-5
+        )
+        original = AutoModelForCausalLM.from_pretrained(source).eval()
+        assert not torch.allclose(original(input_ids=x).logits, ours, atol=1e-4)  # the adapter acts
+        prompt = loaded.tokenizer("hello", return_tensors="pt")
+        tokens = loaded.model.generate(**prompt, max_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, trained.generate(**prompt, max_new_tokens=6, do_sample=False))
+
+    # a writer reads the merged weights: the HF checkpoint it writes holds the fine-tuned model
+    hf_dir = convert_to_hf(out, tmp_path / "hf")
+    with torch.no_grad():
+        written = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=x).logits
+    torch.testing.assert_close(written, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_model_mmap_false_loads_its_base_copied_and_still_unmerged(tmp_path):
+    _, result = adapter_only_finetune(tmp_path, model={"mmap": False})
+    loaded = load(tmp_path / "out")
+    assert has_lora(loaded.model) and not any(isinstance(m, MappedExperts) for m in loaded.model.modules())
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(input_ids=x).logits, unwrap(result.model).eval()(input_ids=x).logits
+        )
+
+
+@pytest.mark.slow
+def test_writers_read_a_qlora_output_merged_into_its_full_precision_base(tmp_path):
+    """quantize and convert on a QLoRA output: the adapter merged into the bf16/fp32 base they came from (before:
+    a quantized checkpoint of PEFT-wrapped keys that did not load, and an internal conversion error)."""
+    _, result = adapter_only_finetune(tmp_path, method="qlora", quantize={"group_size": 16})
+    out = tmp_path / "out"
+    assert any(isinstance(m, QuantizedExperts) for m in load(out).model.modules())  # as it trained
+    reference = load(out / "adapter").model  # the adapter merged into the full-precision base
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        expected = reference(input_ids=x).logits
+        hf_dir = convert_to_hf(out, tmp_path / "hf")
+        written = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=x).logits
+        torch.testing.assert_close(written, expected, atol=1e-5, rtol=1e-5)
+        report = quantize_checkpoint(out, tmp_path / "int8", QuantConfig(bits=8))
+        quantized = load(tmp_path / "int8").model
+        assert report.experts_quantized > 0 and not has_lora(quantized)
+        drift = (quantized(input_ids=x).logits - expected).abs().max()
+        assert drift < 0.05 * expected.abs().max(), drift  # int8 of the merged model, not of the 4-bit base
+
+
+def test_eval_reads_a_model_above_1b_parameters_in_its_stored_dtype(tmp_path, monkeypatch, capsys):
+    """``moe-lab eval`` / ``analyze`` (``--dtype auto``): float32 up to 1 B parameters, as before; above, the
+    checkpoint's own dtype, said in one line (a float32 copy of a published bf16 MoE is twice its size, and an
+    adapter-only fine-tune's base maps only in the dtype its files hold); ``--dtype`` overrides."""
+    from argparse import Namespace
+
+    from moe_core.eval.cli import model_dtype
+    from moe_core.finetune import sizing
+
+    source = hf_checkpoint(tmp_path, "olmoe")
+    assert model_dtype(Namespace(dtype="auto"), str(source)) is torch.float32
+    monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)
+    assert model_dtype(Namespace(dtype="auto"), str(source)) is None
+    assert "evaluated in the dtype its checkpoint holds" in capsys.readouterr().err
+    assert model_dtype(Namespace(dtype="float32"), str(source)) is torch.float32
+    assert model_dtype(Namespace(dtype="bfloat16"), str(source)) is torch.bfloat16
