@@ -423,3 +423,29 @@ def test_the_sorted_path_under_lora_is_the_per_expert_reference_bitwise_with_one
         "_LowRankDeltaBackward" not in nodes
         and ref_nodes.count("_LowRankDeltaBackward") > layers * projections
     )
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_decode_path_under_lora_equals_the_reference(tokens, monkeypatch):
+    """The few-slot decode path (`StackedExperts.forward_decode`, what generation runs on an adapter loaded
+    unmerged, `moe_core.finetune.as_trained`) applies every chosen expert's LoRA: the reference path's outputs."""
+    ours, _ = adapted_pair("mixtral-tiny", expert_impl="reference")
+    ours.eval()
+    stacks = [m for m in ours.modules() if isinstance(m, StackedExperts)]
+    x = torch.randint(0, 300, (1, tokens), generator=torch.Generator().manual_seed(0))
+    decode_calls = []
+    forward_decode = StackedExperts.forward_decode
+
+    def counted(self, x_TD, record, lora=None):
+        decode_calls.append(lora is not None)
+        return forward_decode(self, x_TD, record, lora)
+
+    monkeypatch.setattr(StackedExperts, "forward_decode", counted)
+    with torch.no_grad():
+        reference = ours(input_ids=x).logits
+        assert decode_calls == []
+        for m in stacks:
+            m.impl, m.max_slots = "sorted", 64
+        decoded = ours(input_ids=x).logits
+    assert decode_calls == [True] * len(stacks)  # every MoE layer decoded, with its LoRA
+    torch.testing.assert_close(decoded, reference, atol=1e-6, rtol=1e-6)
