@@ -101,3 +101,29 @@ def test_fine_tune_output_folders_follow_the_training_rules(tmp_path, tokenizer)
                 records=instruction_records(4),
             )
     assert not (tmp_path / "busy").exists()
+
+
+def test_the_finite_check_after_training_reads_what_trained_and_the_merge_check_reads_all():
+    """After training only the trainable parameters and the buffers can have changed: the check reads those (a
+    frozen memory-mapped base would otherwise be paged in whole); a merged model's every weight changed."""
+    import torch
+
+    from moe_core.finetune.run import check_finite_weights
+
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("expert_bias", torch.zeros(4))
+    model.weight.requires_grad_(False)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")  # frozen: training cannot have made it
+    check_finite_weights(model, "fine-tuned model", trained_only=True)
+    with pytest.raises(
+        FinetuneDivergedError, match=r"merged model: 1 tensors hold non-finite values \(first: weight\)"
+    ):
+        check_finite_weights(model, "merged model")
+    for tensor, name in ((model.bias, "bias"), (model.expert_bias, "expert_bias")):
+        with torch.no_grad():
+            tensor[1] = float("inf")
+        with pytest.raises(FinetuneDivergedError, match=rf"first: {name}"):
+            check_finite_weights(model, "fine-tuned model", trained_only=True)
+        with torch.no_grad():
+            tensor[1] = 0.0

@@ -21,9 +21,9 @@ trained:
 
 Loading so takes seconds and the base's pages, not a copy: the 4-layer OLMoE-1B-7B (3.5 GiB) loads in 0.6 s at 0.4
 GiB of anonymous memory where the merge took 17.5 s and 3.9 GiB; `moe-lab generate OUT` of the full OLMoE-1B-7B
-(12.9 GiB) took 14.0 s at a 5.9 GiB peak against 52.5 s and 15.5 GiB merged, decoding at 0.8-0.85x the merged
+(12.9 GiB) took 14.0 s at a 5.7 GiB peak against 52.5 s and 14.8 GiB merged, decoding at 0.8-0.85x the merged
 model's speed (LoRA's products at every step), and of the full Qwen1.5-MoE-A2.7B (26.7 GiB: no merge fits a 23.5
-GiB machine) 25.8 s at a 10.4 GiB peak (README.md); `tests/test_load_as_trained.py`.
+GiB machine) 25.8 s at a 9.9 GiB peak (README.md); `tests/test_load_as_trained.py`.
 
 What rewrites weights (quantize, prune, ONNX export, conversion to Hugging Face) needs the merged model: those
 call ``moe_core.load(path, merged=True)``, which merges the adapter into the full-precision base (the output's
