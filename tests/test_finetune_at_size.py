@@ -135,6 +135,19 @@ def test_a_large_base_trains_with_checkpointing_and_writes_the_adapter_only(tmp_
     torch.testing.assert_close(loaded.model(ids).logits, merged(ids).logits)
 
 
+def test_a_rank_other_than_the_first_loads_without_saying_the_defaults(tmp_path, monkeypatch, capsys):
+    """Under ``--nproc N`` every rank loads the inputs; the lines saying what the size chose (and why the base is
+    copied) come once, from rank 0 (`_finetune` passes ``announce=place.is_main``; the progress display likewise)."""
+    from moe_core.finetune.run import load_inputs
+
+    monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)
+    config = FinetuneConfig.build({"model": {"path": str(saved_base(tmp_path))}, "steps": 2, "batch_size": 2})
+    load_inputs(config, records=instruction_records(4), announce=False)
+    assert "moe-lab finetune:" not in capsys.readouterr().out
+    load_inputs(config, records=instruction_records(4))
+    assert "moe-lab finetune: gradient checkpointing on" in capsys.readouterr().out
+
+
 def test_checkpointing_gives_the_same_lora_step_as_without(tmp_path):
     def one_step(flag: bool, out):
         config = FinetuneConfig.build(

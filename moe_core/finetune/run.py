@@ -189,7 +189,7 @@ def base_model_config(path: str, quantize_base: str | None = None):
     return model_config(path)
 
 
-def memory_map_base(config: FinetuneConfig) -> bool:
+def memory_map_base(config: FinetuneConfig, announce: bool = True) -> bool:
     """Whether the base at ``model.path`` loads memory-mapped (``model.mmap``, `moe_core.mapped`), decided from its
     files alone: unset, it is when the method keeps the base frozen and the files hold ``model.dtype``, else it is
     copied and one line says why; ``true`` where it cannot be is refused."""
@@ -203,10 +203,11 @@ def memory_map_base(config: FinetuneConfig) -> bool:
             f"model.mmap=true, but model.path={config.model.path!r} cannot be memory-mapped: {reason}; set "
             "model.dtype to the dtype its files hold, or model.mmap=false to copy it into memory"
         )
-    print(
-        f"moe-lab finetune: the base model is copied into memory, not memory-mapped (model.mmap): {reason}",
-        flush=True,
-    )
+    if announce:
+        print(
+            f"moe-lab finetune: the base model is copied into memory, not memory-mapped (model.mmap): {reason}",
+            flush=True,
+        )
     return False
 
 
@@ -482,7 +483,7 @@ def _finetune(
             config, model.config if model is not None else base_model_config(config.model.path)
         )
     _seed(config.seed)
-    inputs = load_inputs(config, model=model, tokenizer=tokenizer, records=records)
+    inputs = load_inputs(config, model=model, tokenizer=tokenizer, records=records, announce=place.is_main)
     if (
         place.parallel is not None
         and place.parallel.sharded
@@ -530,11 +531,14 @@ class LoadedInputs:
     rewards: list = field(default_factory=list)  # GRPO's reward functions, checked (`grpo.CheckedReward`)
 
 
-def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=None) -> LoadedInputs:
+def load_inputs(
+    config: FinetuneConfig, *, model=None, tokenizer=None, records=None, announce: bool = True
+) -> LoadedInputs:
     """The base model, tokenizer and data: those given, else the ones ``config.model`` / ``config.data`` name.
     Every check runs before the weights load: the tokenizer, the data, the framing rendered on every example,
     the prompt lengths, then the model's config (read alone: its kind, the vocabulary against the tokenizer's,
-    the size that resolves the auto defaults); the weights load last."""
+    the size that resolves the auto defaults); the weights load last. ``announce``: print the lines that say which
+    defaults the size chose and why the base is copied (on several processes rank 0 alone says them)."""
     if model is None and not config.model.path:
         raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
     if tokenizer is None:
@@ -569,7 +573,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
     config_of_model = (
         model.config if model is not None else base_model_config(config.model.path, config.quantize.base)
     )
-    memory_map = model is None and memory_map_base(config)
+    memory_map = model is None and memory_map_base(config, announce)
     quant = base_quant_config(config)
     if quant is not None and quant.bits == 4:
         widths = {"hidden_size": config_of_model.hidden_size}
@@ -590,7 +594,7 @@ def load_inputs(config: FinetuneConfig, *, model=None, tokenizer=None, records=N
                 )
     tokenizer = prepare_tokenizer(tokenizer, config_of_model)
     size = resolve_size_defaults(config, config_of_model)
-    for note in size.notes:
+    for note in size.notes if announce else ():  # one line per run, not per rank
         print(f"moe-lab finetune: {note}", flush=True)
     if model is None and quant is not None:
         model = load_quantizing_experts(
@@ -754,7 +758,7 @@ def run_training(
     guard = FiniteStepGuard(config.faults.max_bad_steps_in_a_row)
     stop = StopOnSignal(place.parallel.agree_on_signal if place.parallel is not None else None)
     callbacks = [guard, SinkCallback([jsonl, *sinks]), MoEStepCallback(train_model, plan, guard), stop]
-    if config.log.progress != "off":
+    if config.log.progress != "off" and place.is_main:  # one display per run, not one per rank
         callbacks.append(ProgressCallback(config.log.progress))
     extra_args = {}
     if place.parallel is not None:
