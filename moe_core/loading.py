@@ -378,7 +378,15 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
         check_convertible(
             directory
         )  # an adapter in HF names our model cannot represent: before the base loads
-        base_loaded = load(base or _adapter_base(directory), dtype=dtype)
+        base_path = base or _adapter_base(directory)
+        try:
+            base_loaded = load(base_path, dtype=dtype)
+        except MoELabError as err:  # a base moved or deleted since: say which file named it
+            named = "base=" if base else f"base_model_name_or_path in {directory / 'adapter_config.json'}"
+            raise LoadError(
+                f"{directory}: the adapter's base model ({named}: {base_path}) does not load: {err}; give where "
+                "it is now as base= (moe_core.load(ADAPTER, base=DIR))"
+            ) from None
         if base_loaded.kind == "quantized":
             raise LoadError(
                 f"{directory}: base model {base} is quantized; apply adapters to full-precision weights"

@@ -126,3 +126,24 @@ def test_eval_reads_a_model_above_1b_parameters_in_its_stored_dtype(tmp_path, mo
     assert "evaluated in the dtype its checkpoint holds" in capsys.readouterr().err
     assert model_dtype(Namespace(dtype="float32"), str(source)) is torch.float32
     assert model_dtype(Namespace(dtype="bfloat16"), str(source)) is torch.bfloat16
+
+
+def test_a_moved_base_is_named_with_the_file_that_recorded_it(tmp_path):
+    """The base was moved after the fine-tune: loading says which file named it and how to give its new place,
+    and ``base=`` loads it from there."""
+    from moe_core.finetune.config import FinetuneError
+    from moe_core.loading import LoadError
+
+    source, _ = adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    moved = source.rename(tmp_path / "moved")
+    with pytest.raises(
+        FinetuneError, match=r"model.path in .*out/finetune_config.json: .*hf_olmoe\) does not load"
+    ):
+        load(out)
+    with pytest.raises(LoadError, match=r"base_model_name_or_path in .*adapter/adapter_config.json"):
+        load(out / "adapter")
+    assert has_lora(load(out, base=moved).model)
+    # (merging through PEFT, it says the adapter's recorded base was renamed: here it was, on purpose)
+    with pytest.warns(UserWarning, match="base_model_name_or_path` was renamed"):
+        assert not has_lora(load(out / "adapter", base=moved).model)

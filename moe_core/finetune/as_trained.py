@@ -42,6 +42,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from moe_core.errors import MoELabError
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.hf_adapter import apply_hf_adapter, is_hf_adapter
 from moe_core.finetune.methods import apply_method, unwrap
@@ -106,16 +107,23 @@ def load_as_trained(
         )
     source = str(base) if base is not None else config.model.path
     dtype = dtype or config.model.dtype
-    if quantized:
-        model = load_quantizing_experts(
-            source,
-            base_quant_config(config),
-            dtype,
-            shared_experts=quantizes_shared_experts(config),
-            attention=quantizes_attention(config),
-        )
-    else:
-        model = load_base(source, dtype, config.model.mmap is not False)
+    try:
+        if quantized:
+            model = load_quantizing_experts(
+                source,
+                base_quant_config(config),
+                dtype,
+                shared_experts=quantizes_shared_experts(config),
+                attention=quantizes_attention(config),
+            )
+        else:
+            model = load_base(source, dtype, config.model.mmap is not False)
+    except MoELabError as err:  # a base moved or deleted since: say which file named it, and the way out
+        named = "base=" if base is not None else f"model.path in {directory / CONFIG_FILE}"
+        raise FinetuneError(
+            f"{directory}: the base model it was fine-tuned on ({named}: {source}) does not load: {err}; give "
+            "where it is now as base= (moe_core.load(OUT, base=DIR))"
+        ) from None
     selection = None
     if config.lora.experts == "esft":  # the experts ESFT chose for this run, recorded beside the adapter
         saved = json.loads((adapter / "moe_expert_selection.json").read_text())["expert_adapters"]
