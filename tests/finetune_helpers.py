@@ -9,6 +9,16 @@ from moe_core.model import MoEForCausalLM
 
 COLORS = ["red", "blue", "green", "black", "white", "gold", "pink", "gray"]
 ANIMALS = ["cat", "dog", "fox", "owl", "cow", "bee", "ant", "elk"]
+# a few LoRA steps on every expert of a tiny checkpoint, framed by ChatML: the fine-tune of the QLoRA and the
+# as-trained loading tests (model.path and the rest added by each)
+SMALL_LORA_RUN = {
+    "lora": {"r": 4, "experts": "all"},
+    "steps": 3,
+    "batch_size": 4,
+    "data": {"max_length": 64, "chat_template": "chatml"},
+    "optim": {"lr": 5e-3},
+    "log": {"progress": "off"},
+}
 
 
 def instruction_records(n: int = 16, task: bool = False) -> list[dict]:

@@ -18,7 +18,7 @@ from moe_core.hf_export import convert_to_hf
 from moe_core.inference.quantize.weight_only import quantize_checkpoint
 from moe_core.mapped import MappedExperts
 from moe_core.quantized import QuantConfig, QuantizedExperts
-from tests.finetune_helpers import instruction_records
+from tests.finetune_helpers import SMALL_LORA_RUN, instruction_records
 from tests.test_finetune_hf import hf_checkpoint
 
 
@@ -26,13 +26,8 @@ def adapter_only_finetune(tmp_path, model=None, **fields):
     source = hf_checkpoint(tmp_path, "olmoe")
     config = FinetuneConfig.build(
         {
+            **SMALL_LORA_RUN,
             "model": {"path": str(source), **(model or {})},
-            "lora": {"r": 4, "experts": "all"},
-            "steps": 3,
-            "batch_size": 4,
-            "data": {"max_length": 64, "chat_template": "chatml"},
-            "optim": {"lr": 5e-3},
-            "log": {"progress": "off"},
             "export": {"merged": False, "hf": False},
             **fields,
         }

@@ -335,21 +335,16 @@ def test_qlora_fine_tunes_a_hugging_face_checkpoint_and_its_adapter_applies_to_t
     from moe_core import load
     from moe_core.finetune import FinetuneConfig, finetune
     from moe_core.finetune.methods import unwrap
-    from tests.finetune_helpers import instruction_records
+    from tests.finetune_helpers import SMALL_LORA_RUN, instruction_records
     from tests.test_finetune_hf import hf_checkpoint
 
     source = hf_checkpoint(tmp_path, "olmoe")
     config = FinetuneConfig.build(
         {
+            **SMALL_LORA_RUN,
             "model": {"path": str(source)},
             "method": "qlora",
             "quantize": {"group_size": 16, "attention": attention},
-            "lora": {"r": 4, "experts": "all"},
-            "steps": 3,
-            "batch_size": 4,
-            "data": {"max_length": 64, "chat_template": "chatml"},
-            "optim": {"lr": 5e-3},
-            "log": {"progress": "off"},
         }
     )
     assert config.method == "lora" and config.quantize.base == "nf4"  # qlora: LoRA on an NF4 base
