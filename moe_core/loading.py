@@ -163,16 +163,16 @@ def load(
     directory = _local(path)
     kind = detect(directory)
     if kind == "finetuned" and not merged and _loads_as_trained(directory):
-        if memory_map and _trained_on_quantized_base(directory):
+        # the fine-tuning stack (peft, the LoRA wrappers), imported only for a fine-tune's adapter; it does not
+        # import this module back
+        from moe_core.finetune.as_trained import load_as_trained, recorded_config
+
+        if memory_map and recorded_config(directory).quantize.base is not None:
             raise LoadError(
                 f"{directory}: a QLoRA fine-tune loads on its quantized base, not memory-mapped: load without "
                 "memory_map (or with merged=True, or give its adapter/ directory, to merge it into the "
                 "full-precision base)"
             )
-        # the fine-tuning stack (peft, the LoRA wrappers), imported only for a fine-tune's adapter; it imports
-        # this module back only inside its functions
-        from moe_core.finetune.as_trained import load_as_trained
-
         model = load_as_trained(directory, _base_as_trained, base=base, dtype=dtype)
     elif kind in ("run", "finetuned"):
         loaded = load(
@@ -235,25 +235,14 @@ def _base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEFo
 
 
 def _loads_as_trained(directory: Path) -> bool:
-    """A LoRA fine-tune's output with its adapter alone (`moe_core.finetune.as_trained.loads_as_trained`)."""
+    """A LoRA fine-tune's output with its adapter alone (`moe_core.finetune.as_trained.loads_as_trained`); its
+    directory layout is looked at first, so that an output with merged/ never imports the fine-tuning stack."""
     if (directory / "merged").is_dir() or not (directory / "adapter").is_dir():
         return False
-    # the fine-tuning stack (peft, the LoRA wrappers), imported only for a fine-tune's adapter
+    # the fine-tuning stack (peft, the LoRA wrappers), imported only for an output holding its adapter alone
     from moe_core.finetune.as_trained import loads_as_trained
 
     return loads_as_trained(directory)
-
-
-def _trained_on_quantized_base(directory: Path) -> bool:
-    """A fine-tuning output of QLoRA (``quantize.base`` recorded) holding its adapter and no merged model: it
-    loads on the quantized base it trained on (`moe_core.finetune.as_trained`)."""
-    if (directory / "merged").is_dir() or not (directory / "adapter").is_dir():
-        return False
-    try:
-        recorded = json.loads((directory / FINETUNE_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise LoadError(f"{directory / FINETUNE_CONFIG}: unreadable ({err})") from None
-    return (recorded.get("quantize") or {}).get("base") is not None
 
 
 def memory_map_refusal(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> str | None:

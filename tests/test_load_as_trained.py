@@ -16,6 +16,7 @@ from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.finetune.methods import unwrap
 from moe_core.hf_export import convert_to_hf
 from moe_core.inference.quantize.weight_only import quantize_checkpoint
+from moe_core.loading import LoadError
 from moe_core.mapped import MappedExperts
 from moe_core.quantized import QuantConfig, QuantizedExperts
 from tests.finetune_helpers import SMALL_LORA_RUN, instruction_records
@@ -91,6 +92,8 @@ def test_writers_read_a_qlora_output_merged_into_its_full_precision_base(tmp_pat
     _, result = adapter_only_finetune(tmp_path, method="qlora", quantize={"group_size": 16})
     out = tmp_path / "out"
     assert any(isinstance(m, QuantizedExperts) for m in load(out).model.modules())  # as it trained
+    with pytest.raises(LoadError, match="a QLoRA fine-tune loads on its quantized base, not memory-mapped"):
+        load(out, memory_map=True)
     reference = load(out / "adapter").model  # the adapter merged into the full-precision base
     x = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
@@ -127,7 +130,6 @@ def test_a_moved_base_is_named_with_the_file_that_recorded_it(tmp_path):
     """The base was moved after the fine-tune: loading says which file named it and how to give its new place,
     and ``base=`` loads it from there."""
     from moe_core.finetune.config import FinetuneError
-    from moe_core.loading import LoadError
 
     source, _ = adapter_only_finetune(tmp_path)
     out = tmp_path / "out"

@@ -124,7 +124,7 @@ def model_dtype(args, path: str):
     (`moe_core.finetune.as_trained`) maps only in the dtype its files hold."""
     import torch  # the handlers' heavy imports happen here (module comment)
 
-    if getattr(args, "dtype", "auto") != "auto":
+    if args.dtype != "auto":
         return getattr(torch, args.dtype)
     # the size rule is the fine-tuning defaults' (sizing is light: configs only)
     from moe_core.config import parameter_counts

@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 
 from moe_core.errors import MoELabError
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
-from moe_core.finetune.hf_adapter import apply_hf_adapter, is_hf_adapter
+from moe_core.finetune.hf_adapter import WEIGHTS_FILE, apply_hf_adapter, is_hf_adapter
 from moe_core.finetune.methods import apply_method, unwrap
 from moe_core.finetune.qlora import base_quant_config, quantizes_attention, quantizes_shared_experts
 from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
@@ -54,7 +54,6 @@ from moe_core.quantized import load_quantizing_experts
 
 CONFIG_FILE = "finetune_config.json"
 ADAPTER_DIR = "adapter"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def loads_as_trained(directory: str | os.PathLike) -> bool:
@@ -73,10 +72,8 @@ def loads_as_trained(directory: str | os.PathLike) -> bool:
 
 
 def recorded_config(directory: Path) -> FinetuneConfig:
-    try:
-        return FinetuneConfig.load(directory / CONFIG_FILE)
-    except (OSError, ValueError) as err:
-        raise FinetuneError(f"{directory / CONFIG_FILE}: unreadable ({err})") from None
+    """The fine-tuning output's config (a missing or invalid file is refused by `FinetuneConfig.load`, naming it)."""
+    return FinetuneConfig.load(directory / CONFIG_FILE)
 
 
 def load_as_trained(
