@@ -216,6 +216,48 @@ def test_peft_seam():
     assert callable(getattr(peft_lora.Linear, "get_delta_weight", None))
 
 
+def test_an_added_adapter_reaches_the_injected_expert_wrappers():
+    """PEFT 0.21's ``PeftModel.add_adapter`` looks for a target stack as an ``nn.Parameter`` and so misses the
+    wrappers `expert_lora.inject` nests over 4-bit or memory-mapped experts (with a warning that nothing matched);
+    TRL 1.16's DPO and KTO trainers add their reference that way (a frozen copy "ref" of the adapter).
+    `expert_lora.add_adapter` gives every wrapper the adapter as PEFT gives one it found; the stock method still
+    misses them (when it stops missing them, `adapters_reach_injected_experts` can go)."""
+    import inspect
+
+    from trl import DPOTrainer, KTOTrainer
+
+    from moe_core.inference.quantize import quantize_experts
+    from moe_core.quantized import QuantConfig
+
+    def quantized_peft_model():
+        model = tiny_model()
+        quantize_experts(model, QuantConfig(bits=4, group_size=16))
+        return apply_lora(model, FinetuneConfig.build(LORA), {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]})[0]
+
+    def expert_wrappers(model):
+        return [m for m in model.modules() if isinstance(m, expert_lora.ParamWrapper)]
+
+    stock = quantized_peft_model()
+    with pytest.warns(RuntimeWarning, match=expert_lora.UNMATCHED_WARNING):
+        stock.add_adapter("ref", stock.peft_config["default"])
+    assert all("ref" not in w.lora_A for w in expert_wrappers(stock))
+    assert "ref" in stock.base_model.model.model.layers[0].self_attn.q_proj.lora_A
+
+    ours = quantized_peft_model()
+    with expert_lora.adapters_reach_injected_experts(ours) as model:
+        model.add_adapter("ref", model.peft_config["default"])  # as TRL calls it
+    assert "add_adapter" not in vars(ours)  # the class's method again
+    wrappers = expert_wrappers(ours)
+    assert len(wrappers) == 2 * 3
+    for wrapper in wrappers:
+        for factor in ("lora_A", "lora_B"):
+            default, ref = getattr(wrapper, factor)["default"].weight, getattr(wrapper, factor)["ref"].weight
+            assert ref.shape == default.shape and ref.dtype == default.dtype and not ref.requires_grad
+        assert wrapper.scaling["ref"] == wrapper.scaling["default"]
+    for trainer in (DPOTrainer, KTOTrainer):
+        assert 'model.add_adapter("ref", default_config)' in inspect.getsource(trainer.__init__)
+
+
 @pytest.fixture
 def transposed_layout(monkeypatch):
     """The transposed input gradient (what `input_gradient_layout` measures as the fast one on AVX2 CPUs), on

@@ -90,3 +90,53 @@ def test_a_checkpointed_lora_dpo_run_warns_nothing_about_checkpointing_names(tmp
     assert result.report is not None
     said = [str(w.message) for w in caught if "checkpointing" in str(w.message)]
     assert not said, said
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_lora_against_its_reference_trains_on_a_mapped_or_4_bit_base(tmp_path, objective):
+    """TRL 1.16 makes the LoRA reference a frozen copy of the policy's adapter ("ref", added in its trainer's
+    ``__init__``). On a memory-mapped or 4-bit base the expert wrappers are nested by hand (`expert_lora.inject`),
+    PEFT's ``add_adapter`` did not reach them, and DPO and KTO stopped at the experts' factors ("ModuleDict has no
+    attribute `ref`"): at full size, where the base is mapped by default, they did not run at all. Now every
+    expert factor has its frozen copy, which stays at the initial adapter while the policy moves, and the mapped
+    run is the copied run, step for step."""
+    from tests.test_finetune_orpo_kto import kto_records
+    from tests.test_mmap_base import hf_source
+
+    source = hf_source(tmp_path, torch.bfloat16)
+    records = preference_records(8) if objective == "dpo" else kto_records(4)
+    forms = {
+        "mapped": {},
+        "copied": {"model": {"path": str(source), "dtype": "bfloat16", "mmap": False}},
+        "qlora": {"method": "qlora", "quantize": {"group_size": 16}},
+    }
+    metrics = {}
+    for form, fields in forms.items():
+        config = FinetuneConfig.build(
+            {
+                "model": {"path": str(source), "dtype": "bfloat16"},
+                "objective": objective,
+                "steps": 2,
+                "batch_size": 4,
+                "lora": {"r": 4, "experts": "all"},
+                "optim": {"lr": 5e-3},
+                "data": {"max_length": 64, "chat_template": "chatml"},
+                "log": {"progress": "off"},
+                "export": {"merged": False, "hf": False},  # the result holds the trained PEFT model
+                **fields,
+            }
+        )
+        result = finetune(config, tmp_path / form, records=records)
+        factors = dict(result.model.named_parameters())
+        expert_B = [n for n in factors if ".experts." in n and ".lora_B.default." in n]
+        assert len(expert_B) == 2 * 3  # two MoE layers, gate, up and down
+        for name in expert_B:
+            ref = factors[name.replace(".default.", ".ref.")]
+            assert not ref.requires_grad and not ref.any()  # frozen at the initial adapter (B = 0)
+            assert factors[name].any()  # the policy trained
+        metrics[form] = [r for r in result.metrics if "loss" in r]
+        first = metrics[form][0]  # the policy is its reference, up to bf16 paths (autograd's and no_grad's)
+        assert abs(first["rewards/chosen"]) < 1e-2 and abs(first["rewards/rejected"]) < 1e-2
+    for mapped, copied in zip(metrics["mapped"], metrics["copied"], strict=True):
+        assert mapped["loss"] == pytest.approx(copied["loss"], abs=1e-3)
+        assert mapped["grad_norm"] == pytest.approx(copied["grad_norm"], rel=2e-2)

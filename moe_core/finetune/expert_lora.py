@@ -27,6 +27,8 @@ is the one place;
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import warnings
 from typing import Any
@@ -201,3 +203,32 @@ def inject(peft_model, targets: list[str], adapter_name: str = "default") -> Non
     peft_model.base_model.targeted_parameter_names.extend(
         t for t in targets if t not in peft_model.base_model.targeted_parameter_names
     )
+
+
+UNMATCHED_WARNING = "were set but no parameter was matched"  # PEFT's, on a config whose stacks it cannot see
+
+
+def add_adapter(peft_model, adapter_name: str, config: LoraConfig, **kwargs) -> None:
+    """``peft_model.add_adapter(adapter_name, config)`` that reaches the expert wrappers `inject` nested by hand
+    too: PEFT adds the adapter where it finds its targets (the attention, dense stacks) and cannot find an
+    injected wrapper's stack (it looks for an ``nn.Parameter``), so each such wrapper gets it here the way PEFT
+    adds one to a wrapper it found (``update_layer``: the same shapes, initialization and scaling)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f".*{UNMATCHED_WARNING}", category=RuntimeWarning)
+        type(peft_model).add_adapter(peft_model, adapter_name, config, **kwargs)
+    for module in peft_model.modules():
+        if isinstance(module, ParamWrapper) and adapter_name not in module.lora_A:
+            module.update_layer(adapter_name, config.r, lora_alpha=config.lora_alpha, config=config)
+
+
+@contextlib.contextmanager
+def adapters_reach_injected_experts(peft_model):
+    """While open, ``peft_model.add_adapter`` is `add_adapter`: for a caller that adds an adapter through PEFT's
+    method, such as TRL 1.16's DPO and KTO trainers, whose ``__init__`` adds a frozen copy of the policy's adapter
+    named "ref" as the reference (`trl/trainer/dpo_trainer.py`). Without it, on a memory-mapped or 4-bit base
+    that copy skipped the experts and TRL stopped at their factors (``ModuleDict has no attribute `ref```)."""
+    peft_model.add_adapter = functools.partial(add_adapter, peft_model)  # the instance's, over the class's
+    try:
+        yield peft_model
+    finally:
+        del peft_model.add_adapter

@@ -56,6 +56,7 @@ from typing import Any
 
 import datasets
 import torch
+from peft import PeftModel
 from transformers import TrainerCallback
 from trl import (
     DPOConfig,
@@ -73,6 +74,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from moe_core.data.framing import plain_text
 from moe_core.data.sources import to_messages
+from moe_core.finetune import expert_lora
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.finetune.parallel import ExpertGradients
@@ -618,7 +620,13 @@ class _PolicyAndReference:
         per_expert: bool = False,
         **kwargs,
     ) -> None:
-        with _config_kept(model):
+        # TRL adds the LoRA reference as a frozen copy of the adapter, "ref": on our injected expert wrappers too
+        whole = (
+            expert_lora.adapters_reach_injected_experts
+            if isinstance(model, PeftModel)
+            else contextlib.nullcontext
+        )
+        with _config_kept(model), whole(model):
             super().__init__(model, *args, **kwargs)
         self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
         base = unwrap(self.model)
