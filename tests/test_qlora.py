@@ -418,8 +418,10 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
     )
     with pytest.raises(
         FinetuneError, match="quantize.group_size=24 does not divide the model's hidden_size=32"
-    ):
+    ) as refused:
         finetune(config, tmp_path / "out", records=instruction_records(4))
+    # a size that fits all widths, not a guess
+    assert "--set quantize.group_size=32 divides them all" in str(refused.value)
     # the shared experts' fused width too (Qwen2-MoE: hidden 32, its shared expert 48 wide), adapted or not
     qwen = write_checkpoint(
         tmp_path / "qwen",
@@ -435,8 +437,9 @@ def test_qlora_refusals_come_before_the_weights_load(tmp_path, monkeypatch):
     )
     with pytest.raises(
         FinetuneError, match="32 does not divide the model's shared experts' intermediate width=48"
-    ):
+    ) as refused:
         finetune(shared, tmp_path / "out", records=instruction_records(4))
+    assert "--set quantize.group_size=16 divides them all" in str(refused.value)
 
 
 @pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])

@@ -8,6 +8,8 @@ base quantized again as it trained, the adapter unmerged (`moe_core.finetune.as_
 
 from __future__ import annotations
 
+import math
+
 from moe_core.finetune.config import FinetuneConfig
 from moe_core.quantized import QuantConfig
 
@@ -37,3 +39,13 @@ def quantizes_attention(config: FinetuneConfig) -> bool:
     """QLoRA holds the attention projections in the experts' bits too (`quantize_attention`) unless
     ``quantize.attention`` is false; ``None`` follows ``quantize.base``."""
     return config.quantize.base is not None and config.quantize.attention is not False
+
+
+def group_size_hint(widths) -> str:
+    """What to set when ``quantize.group_size`` does not divide one of the quantized input widths: the largest
+    common group size up to 128 (even, as `QuantConfig` requires), or why none exists."""
+    common = math.gcd(*widths)
+    fits = [size for size in (128, 64, 32, 16, 8, 4, 2) if common % size == 0]
+    if not fits:
+        return f"the widths have no even common divisor (their greatest is {common}): set quantize.base=int8"
+    return f"--set quantize.group_size={fits[0]} divides them all"

@@ -104,7 +104,12 @@ from moe_core.finetune.parallel import (
     shard_experts,
     world_size,
 )
-from moe_core.finetune.qlora import base_quant_config, quantizes_attention, quantizes_shared_experts
+from moe_core.finetune.qlora import (
+    base_quant_config,
+    group_size_hint,
+    quantizes_attention,
+    quantizes_shared_experts,
+)
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
@@ -589,8 +594,8 @@ def load_inputs(
         for name, width in widths.items():
             if width % quant.group_size:
                 raise FinetuneError(
-                    f"quantize.group_size={quant.group_size} does not divide the model's {name}={width}; pick a "
-                    "group size that divides it (e.g. 32 or 64)"
+                    f"quantize.group_size={quant.group_size} does not divide the model's {name}={width}; "
+                    f"{group_size_hint(widths.values())}"
                 )
     tokenizer = prepare_tokenizer(tokenizer, config_of_model)
     size = resolve_size_defaults(config, config_of_model)
