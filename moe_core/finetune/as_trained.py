@@ -29,6 +29,11 @@ What rewrites weights (quantize, prune, ONNX export, conversion to Hugging Face)
 call ``moe_core.load(path, merged=True)``, which merges the adapter into the full-precision base (the output's
 merged/ when it has one), as ``moe_core.load(OUT / "adapter")`` always does. Fine-tunes this does not cover load
 merged as before: a task router bias (a task id per batch) and a reward model's score head.
+
+A fine-tune can also go on training such an output's adapter (`continued`: ``lora.init_from``, or ``model.path``
+naming the output): SFT, then DPO or KTO on the SFT'd adapter, with TRL's reference a frozen copy of it. The run
+is built as the output loads (the recorded base, ``lora``, ``freeze`` and ``quantize``, ESFT's experts), its
+factors placed by `place_adapter`; its own adapter still records the original base.
 """
 
 from __future__ import annotations
@@ -121,26 +126,127 @@ def load_as_trained(
             f"{directory}: the base model it was fine-tuned on ({named}: {source}) does not load: {err}; give "
             "where it is now as base= (moe_core.load(OUT, base=DIR))"
         ) from None
-    selection = None
-    if config.lora.experts == "esft":  # the experts ESFT chose for this run, recorded beside the adapter
-        saved = json.loads((adapter / "moe_expert_selection.json").read_text())["expert_adapters"]
-        selection = {int(layer): ids for layer, ids in saved.items()}
-    peft_model, _ = apply_method(model, config, expert_selection=selection)
-    if is_hf_adapter(adapter, model.config):
-        apply_hf_adapter(model, adapter, into=peft_model)
-    else:
-        tensors = load_file(str(weights))
-        # a trained router's selection bias is a buffer of the base, not an adapter tensor (`selection_bias`)
-        tensors = {key: t for key, t in tensors.items() if not key.endswith(f".{BIAS_BUFFER}")}
-        expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-        unplaced = sorted(set(tensors) ^ set(expected))
-        if unplaced:
-            raise FinetuneError(
-                f"{weights}: {unplaced[:3]} do not match the adapter the recorded config builds; is this the "
-                f"adapter of {source}?"
-            )
-        set_peft_model_state_dict(peft_model, tensors)
-        restore_router_biases(peft_model, weights)
+    peft_model, _ = apply_method(model, config, expert_selection=recorded_selection(directory, config))
+    place_adapter(peft_model, model, adapter, source)
     trained = unwrap(peft_model)
     trained.requires_grad_(False)
     return trained.eval()
+
+
+def recorded_selection(directory: Path, config: FinetuneConfig) -> dict[int, list[int]] | None:
+    """The experts ESFT chose for the fine-tune in ``directory``, recorded beside its adapter; None for the other
+    ``lora.experts`` choices, which the config itself gives."""
+    if config.lora.experts != "esft":
+        return None
+    saved = json.loads((directory / ADAPTER_DIR / "moe_expert_selection.json").read_text())["expert_adapters"]
+    return {int(layer): ids for layer, ids in saved.items()}
+
+
+def place_adapter(peft_model, model: MoEForCausalLM, adapter: Path, source: str) -> None:
+    """The tensors of ``adapter`` (a fine-tune's adapter/ directory) into the wrappers ``peft_model`` has for it:
+    every key of the file placed and every factor given (HF-named ones through `hf_adapter`), else refused; a
+    trained router's selection bias copied into the base router."""
+    weights = adapter / WEIGHTS_FILE
+    if is_hf_adapter(adapter, model.config):
+        apply_hf_adapter(model, adapter, into=peft_model)
+        return
+    tensors = load_file(str(weights))
+    # a trained router's selection bias is a buffer of the base, not an adapter tensor (`selection_bias`)
+    tensors = {key: t for key, t in tensors.items() if not key.endswith(f".{BIAS_BUFFER}")}
+    expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    unplaced = sorted(set(tensors) ^ set(expected))
+    if unplaced:
+        raise FinetuneError(
+            f"{weights}: {unplaced[:3]} do not match the adapter the recorded config builds; is this the "
+            f"adapter of {source}?"
+        )
+    set_peft_model_state_dict(peft_model, tensors)
+    restore_router_biases(peft_model, weights)
+
+
+# what gives an adapter its shape and its base its form: a continued run takes them from the run it continues
+SHAPING = ("lora", "freeze", "quantize")
+
+
+def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
+    """``config`` as the run it describes: unchanged, unless it continues a LoRA fine-tune's adapter
+    (``lora.init_from``, or ``model.path`` naming a fine-tune output that holds its adapter alone, which reads as
+    that). Then the base is the one that run recorded (``model.path``, and its ``dtype`` and ``mmap`` where this
+    config leaves them at their defaults), the adapter's shape (``lora``, ``freeze``, ``quantize``) is that run's,
+    the tokenizer its output's (its chat template with it) and ``data.chat_template`` its own where this one sets
+    none; a shaping section set otherwise is refused, naming the field. Returns the config and a line that says
+    so (None when nothing continues)."""
+    path = config.lora.init_from
+    if path is None and config.model.path and _holds_adapter_alone(Path(config.model.path)):
+        path = config.model.path
+    if path is None:
+        return config, None
+    directory = Path(path)
+    if directory.name == ADAPTER_DIR and (directory.parent / CONFIG_FILE).is_file():
+        directory = directory.parent  # its adapter/ directory named: the output it belongs to
+    if not ((directory / CONFIG_FILE).is_file() and (directory / ADAPTER_DIR / WEIGHTS_FILE).is_file()):
+        raise FinetuneError(
+            f"lora.init_from={path}: not a LoRA fine-tune's output (it needs {CONFIG_FILE} and "
+            f"{ADAPTER_DIR}/{WEIGHTS_FILE})"
+        )
+    recorded = recorded_config(directory)
+    if recorded.method != "lora" or recorded.routing.task_bias or recorded.objective == "reward":
+        raise FinetuneError(
+            f"{directory / CONFIG_FILE}: method={recorded.method}, objective={recorded.objective}, "
+            f"routing.task_bias={recorded.routing.task_bias}: only a LoRA adapter of a causal LM (no task router "
+            "bias) is trained on; fine-tune its merged model instead (model.path=OUT/merged)"
+        )
+    if config.method != "lora":
+        raise FinetuneError(
+            f"method={config.method} with the adapter of {directory}: going on training an adapter is "
+            "method=lora (or unset method)"
+        )
+    fresh = FinetuneConfig()
+    given = config.model_dump()
+    kept = recorded.model_dump()
+    kept["lora"]["init_from"] = None
+    for section in SHAPING:
+        mine = {**given[section], "init_from": None} if section == "lora" else given[section]
+        default = (
+            {**fresh.model_dump()[section], "init_from": None}
+            if section == "lora"
+            else fresh.model_dump()[section]
+        )
+        differs = sorted(k for k in mine if mine[k] != kept[section][k])
+        if mine != default and differs:
+            field = f"{section}.{differs[0]}"
+            raise FinetuneError(
+                f"{field}={given[section][differs[0]]!r}: the adapter of {directory} was trained with "
+                f"{field}={kept[section][differs[0]]!r}, and going on training it keeps its shape; leave "
+                f"{section} unset (or as recorded in {directory / CONFIG_FILE}), or train a new adapter on its "
+                "merged model"
+            )
+    model = dict(given["model"])
+    if model["path"] is None or Path(model["path"]) == Path(path):
+        model["path"] = recorded.model.path  # the base that run trained on
+    for key in ("dtype", "mmap"):
+        if model[key] == fresh.model_dump()["model"][key]:
+            model[key] = kept["model"][key]
+    if model["tokenizer"] is None and any((directory / ADAPTER_DIR).glob("tokenizer*.json")):
+        model["tokenizer"] = str(directory / ADAPTER_DIR)  # its tokenizer and chat template
+    data = dict(given["data"])
+    if data["chat_template"] is None:
+        data["chat_template"] = recorded.data.chat_template
+    update = {section: kept[section] for section in SHAPING}
+    update["lora"] = {**kept["lora"], "init_from": str(directory)}
+    resolved = FinetuneConfig.build({**given, **update, "model": model, "data": data})
+    note = (
+        f"training on the adapter of {directory} (r={recorded.lora.r}, experts={recorded.lora.experts}"
+        f"{', ' + recorded.quantize.base + ' base' if recorded.quantize.base else ''}) over its base "
+        f"{model['path']}; its lora, freeze and quantize sections are the recorded ones"
+    )
+    return resolved, note
+
+
+def _holds_adapter_alone(directory: Path) -> bool:
+    return (
+        directory.is_dir()
+        and (directory / CONFIG_FILE).is_file()
+        and (directory / ADAPTER_DIR).is_dir()
+        and loads_as_trained(directory)
+    )

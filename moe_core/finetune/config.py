@@ -113,6 +113,11 @@ class LoraSection(_Section):
     esft_examples: int = Field(64, ge=1)  # examples of the training set the routing profile is taken on
     shared_expert: bool = False  # also an adapter on the always-on shared expert (Qwen2-MoE / DeepSeekMoE)
     dense_ffn: bool = False  # also adapters on dense FFN layers (non-MoE layers)
+    # a LoRA fine-tune's output whose adapter this run starts from and trains on (SFT, then DPO or KTO against
+    # that adapter, frozen, as the reference); its base, the adapter's shape (this section, freeze, quantize)
+    # and ESFT's experts are the recorded ones (moe_core.finetune.as_trained.continued). model.path naming such
+    # an output that holds its adapter alone sets it
+    init_from: str | None = None
 
 
 class FreezeSection(_Section):

@@ -66,6 +66,7 @@ from moe_core.data.tokenizer import (
 from moe_core.data.validation import validate
 from moe_core.fileio import OutputLock, refuse_previous_outputs, staged_outputs
 from moe_core.finetune import export
+from moe_core.finetune.as_trained import ADAPTER_DIR, continued, place_adapter, recorded_selection
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import (
     MethodPlan,
@@ -113,7 +114,7 @@ from moe_core.finetune.qlora import (
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
-from moe_core.loading import detect, load, memory_map_refusal, model_config
+from moe_core.loading import detect, load, memory_map_refusal, model_config, tokenizer_dir
 from moe_core.memory import release_freed_memory
 from moe_core.model import compile_layers
 from moe_core.quantized import (
@@ -387,11 +388,14 @@ def finetune(
     module docstring for the locking, staging and several-process rules.
     """
     out_dir = Path(out_dir)
+    config, continuing = continued(config)  # going on training an earlier fine-tune's adapter
     world = world_size()
     check_world(config, world)  # before anything loads or joins a process group
     if config.checkpoint.every is None and resume:
         raise FinetuneError("resume needs checkpoint.every (the run to continue kept checkpoints with it)")
     place = RunPlace(parallel=FinetuneParallel.start(config) if world > 1 else None)
+    if continuing and place.is_main:
+        print(f"moe-lab finetune: {continuing}", flush=True)
     try:
         if config.checkpoint.every is not None:
             place.checkpoints = CheckpointStore(out_dir / CHECKPOINTS, place.parallel, config.checkpoint.keep)
@@ -547,11 +551,8 @@ def load_inputs(
     if model is None and not config.model.path:
         raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
     if tokenizer is None:
-        source = config.model.tokenizer or config.model.path
-        if not source:
-            raise FinetuneError(
-                "no tokenizer: set model.tokenizer (or model.path to a directory holding one)"
-            )
+        # the model's own, or the one `load` gives with it (a fine-tune output's, an adapter's base model's)
+        source = config.model.tokenizer or tokenizer_dir(config.model.path) or config.model.path
         tokenizer = load_tokenizer(source)
     if records is None:
         records = load_records(config)
@@ -650,7 +651,10 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # before the method changes the model
 
     selection = None
-    if config.method == "lora" and config.lora.experts == "esft" and model.config.num_experts:
+    continuing = config.method == "lora" and config.lora.init_from is not None
+    if continuing:  # ESFT's experts are the ones the adapter went on has
+        selection = recorded_selection(Path(config.lora.init_from), config)
+    elif config.method == "lora" and config.lora.experts == "esft" and model.config.num_experts:
         frozen = resolve_expert_ids(config.freeze.experts, model.config, "freeze.experts")
         usage, selection = esft_selection(model, inputs.tokenizer, inputs.records, config, frozen)
         (out_dir / "esft_selection.json").write_text(
@@ -667,6 +671,8 @@ def select_parameters(config: FinetuneConfig, inputs: LoadedInputs, out_dir: Pat
         )
 
     train_model, plan = apply_method(model, config, expert_selection=selection, task_names=inputs.task_names)
+    if continuing:  # its factors, trained on from here (the DPO/KTO reference is TRL's frozen copy of them)
+        place_adapter(train_model, model, Path(config.lora.init_from) / ADAPTER_DIR, config.model.path)
     report = trainable_parameter_report(train_model, plan)
     report.save(out_dir / "trainable_parameters.json")
     logger.info("%s", report.to_text())
