@@ -1,4 +1,5 @@
-"""Giving the C heap's freed memory back to the operating system between the phases of a run.
+"""How much memory a process may hold (`process_memory_bytes`), and giving the C heap's freed memory back to the
+operating system between the phases of a run (`release_freed_memory`).
 
 Tensors on the CPU are allocated by glibc's malloc. A block above its mmap threshold is mapped on its own and
 unmapped when freed, but the threshold rises with the blocks a process frees (up to 32 MiB), so a run's mid-sized
@@ -16,7 +17,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 from functools import cache
+
+import torch
+
+
+def process_memory_bytes(on_cuda: bool, processes_per_host: int = 1) -> int | None:
+    """What one process may hold: the first CUDA device's memory when it runs on CUDA, else this host's physical
+    memory shared by its ``processes_per_host`` (None where neither is known)."""
+    if on_cuda and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(processes_per_host, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @cache

@@ -87,6 +87,36 @@ def test_auto_defaults_keep_the_old_ones_at_toy_size_and_follow_a_large_model():
     assert resolve_size_defaults(FinetuneConfig.build({"method": "full"}), large_config).export_merged is True
 
 
+def test_full_fine_tuning_that_cannot_fit_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """``method=full`` of the full OLMoE-1B-7B on this 24 GiB machine loaded 12.9 GiB and was then killed for
+    memory: its weights and its experts' gradients and AdamW moments need at least 6.9 B x 2 + 6.4 B x 3 x 2 bytes.
+    It is refused from the config alone, pointing at LoRA; what fits is not refused."""
+    large_config = get_config("olmoe-tiny", **OLMOE_1B_7B)
+    full = FinetuneConfig.build({"method": "full", "model": {"dtype": "bfloat16"}})
+    total = parameter_counts(large_config)["total"]
+    experts = 16 * 64 * 3 * 2048 * 1024
+    assert sizing.full_training_floor(full, large_config) == (total + 3 * experts) * 2
+    assert sizing.full_training_floor(FinetuneConfig(), large_config) == 0  # LoRA: the base is frozen
+    with pytest.raises(
+        FinetuneError, match=r"method=full trains every weight .* at least 4[0-9.]+ GiB in bfloat16"
+    ):
+        sizing.check_full_training_fits(full, large_config, 24 * 2**30, "this machine")
+    sizing.check_full_training_fits(full, large_config, 80 * 2**30, "the GPU")  # fits: nothing said
+    sizing.check_full_training_fits(full, large_config, None, "this machine")  # unknown: nothing checked
+
+    # through finetune(): before any weight loads
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights loaded before the memory was checked")
+
+    monkeypatch.setattr(run_module, "load", no_weights)
+    monkeypatch.setattr(run_module, "process_memory_bytes", lambda on_cuda, processes: 1024)
+    config = FinetuneConfig.build(
+        {"method": "full", "model": {"path": str(saved_base(tmp_path))}, "steps": 1}
+    )
+    with pytest.raises(FinetuneError, match="more than the 0.0 GiB this machine holds; use method=lora"):
+        finetune(config, tmp_path / "out", records=instruction_records(4))
+
+
 def test_an_hf_export_of_a_model_without_hf_origin_is_refused_before_the_weights_load():
     config = FinetuneConfig.build({"export": {"hf": True}})
     with pytest.raises(FinetuneError, match="export.hf=true, but the base model did not come from"):

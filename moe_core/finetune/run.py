@@ -112,10 +112,10 @@ from moe_core.finetune.qlora import (
     quantizes_shared_experts,
 )
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
-from moe_core.finetune.sizing import SizeDefaults, resolve_size_defaults
+from moe_core.finetune.sizing import SizeDefaults, check_full_training_fits, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config, tokenizer_dir
-from moe_core.memory import release_freed_memory
+from moe_core.memory import process_memory_bytes, release_freed_memory
 from moe_core.model import compile_layers
 from moe_core.quantized import (
     QuantizedExperts,
@@ -600,6 +600,12 @@ def load_inputs(
                 )
     tokenizer = prepare_tokenizer(tokenizer, config_of_model)
     size = resolve_size_defaults(config, config_of_model)
+    on_cuda = torch.cuda.is_available()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this host
+    where = (
+        "the GPU" if on_cuda else "this machine" if processes == 1 else f"each of {processes} processes here"
+    )
+    check_full_training_fits(config, config_of_model, process_memory_bytes(on_cuda, processes), where)
     for note in size.notes if announce else ():  # one line per run, not per rank
         print(f"moe-lab finetune: {note}", flush=True)
     if model is None and quant is not None:

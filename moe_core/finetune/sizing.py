@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moe_core.config import MoEConfig, parameter_counts
+from moe_core.config import MoEConfig, ffn_params, parameter_counts
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 
 # Above 1 B parameters the defaults change. Why there: the frozen weights alone are >= 2 GB in bf16 (4 GB fp32),
@@ -146,3 +146,38 @@ def resolve_size_defaults(config: FinetuneConfig, model_config: MoEConfig) -> Si
             )
         )
     return SizeDefaults(bool(checkpointing), bool(merged), bool(hf), params, acts, notes)
+
+
+def full_training_floor(config: FinetuneConfig, model_config: MoEConfig) -> int:
+    """The fewest bytes ``method=full`` can train ``model_config`` in: every weight in ``model.dtype`` and, for the
+    routed experts' stacks (trained whatever ``freeze.experts`` holds still: a frozen expert is a masked row of a
+    trained stack), a gradient and AdamW's two moments in that dtype too (torch's AdamW keeps its state in the
+    parameter's dtype). Activations, the attention's and embeddings' own gradients and state, and everything else
+    come on top. 0 for the methods that keep the base frozen."""
+    if config.method != "full":
+        return 0
+    counts = parameter_counts(model_config)
+    experts = 0
+    if model_config.num_experts:
+        per_expert = ffn_params(model_config, model_config.expert_intermediate_size)
+        moe_layers = sum(model_config.is_moe_layer(i) for i in range(model_config.num_hidden_layers))
+        experts = moe_layers * model_config.num_experts * per_expert
+    return (counts["total"] + 3 * experts) * DTYPE_BYTES[config.model.dtype]
+
+
+def check_full_training_fits(
+    config: FinetuneConfig, model_config: MoEConfig, memory: int | None, where: str
+) -> None:
+    """Refuse ``method=full`` before any weight loads when `full_training_floor` alone exceeds ``memory`` (the
+    bytes one process may hold on ``where``: the host's memory, or the GPU's): it could only end in an
+    out-of-memory kill after the model loaded. None: unknown, nothing checked."""
+    floor = full_training_floor(config, model_config)
+    if memory is None or floor <= memory:
+        return
+    params = parameter_counts(model_config)["total"]
+    raise FinetuneError(
+        f"method=full trains every weight of this {_size(params)}-parameter model: its weights, and the experts' "
+        f"gradients and AdamW state, need at least {floor / 2**30:.1f} GiB in {config.model.dtype}, more than "
+        f"the {memory / 2**30:.1f} GiB {where} holds; use method=lora (LoRA on the attention and every expert, "
+        "the base frozen and memory-mapped) or method=qlora (the base in 4 bits)"
+    )

@@ -244,14 +244,9 @@ def dry_run_report(config, world_size: int) -> str:
 def rank_memory_bytes(config, nproc_per_node: int) -> int | None:
     """What one rank may hold: the first CUDA device's memory when the run trains on CUDA, else this host's
     memory shared by its processes (None where neither is known)."""
-    import torch
+    from moe_core.memory import process_memory_bytes  # lazy: torch, imported by the command that needs it
 
-    if config.device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(nproc_per_node, 1)
-    except (ValueError, OSError, AttributeError):
-        return None
+    return process_memory_bytes(config.device != "cpu", nproc_per_node)
 
 
 def _size(n: int) -> str:
