@@ -34,6 +34,8 @@ whose experts are MXFP4 (gpt-oss as published: dequantized on read, nothing woul
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
 import torch
@@ -319,3 +321,76 @@ def is_file_backed(tensor: torch.Tensor, file: str | os.PathLike) -> bool:
                 if low <= start and end <= high:
                     return True
     return False
+
+
+def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_bytes: int) -> None:
+    """``model.save_pretrained(out_dir, max_shard_size=max_shard_bytes)``'s files (config, generation config,
+    safetensors shards and their index, the stacked layout) for a model whose experts are still `MappedExperts`,
+    without stacking them all first: a projection's ``[E, O, I]`` stack is made while its shard is written and let
+    go of after, so the copy in ordinary memory is one shard, not the model (`densify_experts` then
+    ``save_pretrained`` held a copy of every expert: 13.1 GiB of anonymous memory for the full OLMoE-1B-7B). A
+    tensor that shares another's memory (tied embeddings) is written once, under its first name."""
+    from safetensors.torch import save_file  # lazy: only exports write
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    plan: list[
+        tuple[str, tuple, int, object]
+    ] = []  # (name, shape, bytes, the module and projection, or tensor)
+    seen: set[tuple[int, tuple]] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix) if prefix else model
+        p, _, e = leaf.rpartition("_")
+        if isinstance(module, MappedExperts) and e.isdigit() and p in module.projections:
+            if e == "0":  # the projection's stack, in place of its E per-expert tensors
+                shape = module.stack_shape(p)
+                plan.append(
+                    (f"{prefix}.{p}", shape, tensor.element_size() * tensor.numel() * shape[0], (module, p))
+                )
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        plan.append((name, tuple(tensor.shape), tensor.element_size() * tensor.numel(), tensor))
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for entry in plan:
+        if shards[-1] and size + entry[2] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for file_name, shard in zip(names, shards, strict=True):
+        tensors = {}
+        for name, _, _, source in shard:
+            if isinstance(source, tuple):
+                module, p = source
+                tensors[name] = torch.stack([w.detach() for w in module.weights(p)])
+            else:
+                tensors[name] = source.detach().contiguous()
+            weight_map[name] = file_name
+        save_file(tensors, os.path.join(out_dir, file_name), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {
+            "metadata": {
+                "total_parameters": sum(math.prod(entry[1]) for entry in plan),
+                "total_size": sum(entry[2] for entry in plan),
+            },
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)

@@ -420,3 +420,60 @@ def test_a_mapped_base_moved_off_the_cpu_lets_go_of_its_files(tmp_path):
     assert model.mapped_from is not None and mapped_files()
     model.to("meta")
     assert model.mapped_from is None and not mapped_files()
+
+
+@pytest.mark.parametrize("case", ["olmoe", "mixtral"])
+def test_a_mapped_model_is_saved_a_shard_at_a_time_as_save_pretrained_writes_it(tmp_path, checkpoints, case):
+    """`save_streaming` writes what ``densify_experts`` + ``save_pretrained`` write (the same files, names, shards
+    and tensors, bit for bit) while the experts stay the file's: the copy of a projection's stack lives while its
+    shard is written. A router fine-tune (nothing to merge) of the full OLMoE-1B-7B held 13.1 GiB of anonymous
+    memory to write merged/ that way."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from moe_core.mapped import save_streaming
+
+    directory = checkpoints[case, torch.bfloat16]
+    mapped = load(directory, memory_map=True).model
+    shard = 40_000  # bytes: several shards, an expert stack alone in some
+    save_streaming(mapped, tmp_path / "streamed", shard)
+    assert isinstance(mapped.model.layers[0].mlp.experts, MappedExperts)  # still the file's
+    dense = load(directory, memory_map=True).model
+    densify_experts(dense)
+    dense.save_pretrained(tmp_path / "saved", max_shard_size=shard)
+    files = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert sorted(p.name for p in (tmp_path / "streamed").iterdir()) == files
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2
+    for name in files:
+        ours, theirs = tmp_path / "streamed" / name, tmp_path / "saved" / name
+        if name.endswith(".safetensors"):
+            a, b = load_file(ours), load_file(theirs)
+            assert a.keys() == b.keys(), name
+            assert all(torch.equal(a[k], b[k]) for k in a), name
+        elif name.endswith(".json"):
+            assert json.loads(ours.read_text()) == json.loads(theirs.read_text()), name
+    x = torch.randint(0, mapped.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load(tmp_path / "streamed").model(input_ids=x).logits, mapped(input_ids=x).logits
+        )
+
+
+def test_a_router_fine_tune_of_a_mapped_base_writes_merged_without_stacking_its_experts(tmp_path):
+    source = hf_source(tmp_path, torch.float32)
+    result = finetune(
+        ft_config(source, method="router", **{"export.hf": "false"}),
+        tmp_path / "out",
+        records=instruction_records(16),
+    )
+    assert isinstance(
+        result.model.model.layers[0].mlp.experts, MappedExperts
+    )  # written from the file's views
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        written = load(tmp_path / "out" / "merged").model(input_ids=x).logits
+        torch.testing.assert_close(written, result.model(input_ids=x).logits)
+        assert not torch.allclose(
+            written, load(source).model(input_ids=x).logits, atol=1e-5
+        )  # the routers trained

@@ -36,7 +36,7 @@ from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.hf_adapter import save_hf_adapter
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.finetune.selection_bias import add_router_biases
-from moe_core.mapped import densify_experts
+from moe_core.mapped import MappedExperts, densify_experts, save_streaming
 from moe_core.reward_model import MoEForSequenceClassification
 
 
@@ -87,9 +87,10 @@ def _write_adapter(model, out_dir: Path, plan: MethodPlan | None, tokenizer) -> 
 def merged_model(model, plan: MethodPlan | None = None):
     """Our `MoEForCausalLM` with the adapter folded in (PEFT ``merge_and_unload``), frozen-expert hooks removed and
     the task bias detached (it is saved on its own). Modifies ``model`` in place; returns the plain model. A base
-    memory-mapped from its files (`moe_core.mapped`) is never written through: its per-expert tensors are stacked
-    into ordinary memory first (`densify_experts`), and a merge into another mapped weight lands in pages the
-    mapping copies on write (private to the process)."""
+    memory-mapped from its files (`moe_core.mapped`) is never written through: under an adapter its per-expert
+    tensors are stacked into ordinary memory first (`densify_experts`), and a merge into another mapped weight
+    lands in pages the mapping copies on write (private to the process); with no adapter (``method=router`` or
+    ``router_bias``: nothing to merge) they stay the file's, and `save_merged` writes them a shard at a time."""
     if plan is not None:
         if plan.lora_mask is not None:
             plan.lora_mask.remove()
@@ -97,7 +98,8 @@ def merged_model(model, plan: MethodPlan | None = None):
             plan.expert_freeze.remove()
         if plan.task_bias is not None:
             plan.task_bias.detach(model)
-    densify_experts(model)  # experts memory-mapped one tensor per expert: stacked, so merges add into a copy
+    if is_peft(model):  # experts memory-mapped one tensor per expert: stacked, so merges add into a copy
+        densify_experts(model)
     merged = model.merge_and_unload() if is_peft(model) else model
     for param in merged.parameters():
         param.requires_grad_(False)
@@ -114,7 +116,13 @@ def save_merged(
 ) -> Path:
     """The merged model in our format (``save_pretrained``, safetensors shards of at most ``max_shard_bytes``)."""
     out_dir = Path(out_dir)
-    unwrap(model).save_pretrained(str(out_dir), max_shard_size=max_shard_bytes)
+    base = unwrap(model)
+    if any(
+        isinstance(m, MappedExperts) for m in base.modules()
+    ):  # nothing merged into them: still the file's
+        save_streaming(base, out_dir, max_shard_bytes)
+    else:
+        base.save_pretrained(str(out_dir), max_shard_size=max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None and plan.task_bias is not None:
@@ -138,6 +146,7 @@ def save_hf(
             "save_hf: the model did not come from a Hugging Face architecture (config.hf_origin "
             "is empty); use moe_core.convert.to_hf(model, dir, architecture=...) to pick one"
         )
+    densify_experts(base)  # `to_hf` writes stacks; a mapped model's are formed here (a copy of the experts)
     out_dir = Path(to_hf(base, out_dir, overwrite=True, max_shard_size=max_shard_bytes))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
