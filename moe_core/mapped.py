@@ -24,8 +24,10 @@ gpt-oss stores its experts fused and transposed, gate and up interleaved (``gate
 expert's gate / up / down weight is a strided view of that mapping (`moe_core.convert.CheckpointReader`), and its
 biases ([E, O] per projection, a few numbers per expert) are copied, with the clamped SwiGLU kept.
 LoRA on them nests PEFT's wrappers by hand, as for QLoRA's `QuantizedExperts` (`expert_lora.inject`, through
-``stack_shape``). To export merged weights, `densify_experts` first stacks them into ordinary memory
-(`moe_core.finetune.export.merged_model` does), one layer at a time; the files are never written.
+``stack_shape``). To merge an adapter into them, `densify_experts` first stacks them into ordinary memory
+(`moe_core.finetune.export.merged_model` does), one layer at a time; a model with nothing to merge into its
+experts (a router fine-tune) is written by `save_streaming`, a projection's stack at a time. The files are
+never written.
 
 Full fine-tuning keeps the copying loader: its weights change at every step. Refusals (`MappingError`, before
 any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked, or
