@@ -374,7 +374,7 @@ def _from_adapter(directory: Path, base: str | os.PathLike | None, dtype) -> MoE
             named = "base=" if base else f"base_model_name_or_path in {directory / 'adapter_config.json'}"
             raise LoadError(
                 f"{directory}: the adapter's base model ({named}: {base_path}) does not load: {err}; give where "
-                "it is now as base= (moe_core.load(ADAPTER, base=DIR))"
+                "it is now as base= (moe_core.load(ADAPTER, base=DIR); --base DIR for moe-lab generate, eval and analyze)"
             ) from None
         if base_loaded.kind == "quantized":
             raise LoadError(

@@ -144,3 +144,14 @@ def test_a_moved_base_is_named_with_the_file_that_recorded_it(tmp_path):
     # (merging through PEFT, it says the adapter's recorded base was renamed: here it was, on purpose)
     with pytest.warns(UserWarning, match="base_model_name_or_path` was renamed"):
         assert not has_lora(load(out / "adapter", base=moved).model)
+    # the commands that run an output as it trained take it as --base (the message names it)
+    from moe_lab.cli import main
+
+    with pytest.raises(FinetuneError, match="--base DIR for moe-lab generate, eval and analyze"):
+        load(out)
+    assert (
+        main(["generate", str(out), "--prompt", "the red", "--max-new-tokens", "2", "--base", str(moved)])
+        == 0
+    )
+    report = main(["eval", "--model", str(out), "--generate", "--max-new-tokens", "2", "--base", str(moved)])
+    assert report == 0

@@ -90,6 +90,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument(
+        "--base",
+        default=None,
+        type=existing_path("base model"),
+        help="for a fine-tune's output that holds its adapter alone (or an adapter directory): where the base "
+        "model it trained on is now, if it moved since (default: the path the output recorded)",
+    )
+    p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
@@ -109,7 +116,8 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = path or args.model
     if path:
-        model = load(path, dtype=model_dtype(args, path)).model
+        base = args.base if path == args.model else None  # --base is --model's (not a compared model's)
+        model = load(path, dtype=model_dtype(args, path, base), base=base).model
     else:
         overrides = {"vocab_size": vocab_size} if vocab_size else {}
         torch.manual_seed(0)
@@ -117,7 +125,7 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
     return model.to(device).eval()
 
 
-def model_dtype(args, path: str):
+def model_dtype(args, path: str, base: str | None = None):
     """``--dtype`` as `moe_core.load` takes it: auto is float32 (every model compared in one precision) up to
     `LARGE_MODEL_PARAMS` parameters, and above it the stored dtype (None), said in one line: the float32 copy of a
     12.9 GiB bf16 OLMoE-1B-7B would not fit a 24 GiB machine, and a fine-tune's output over a memory-mapped base
@@ -131,7 +139,7 @@ def model_dtype(args, path: str):
     from moe_core.finetune.sizing import LARGE_MODEL_PARAMS
     from moe_core.loading import model_config
 
-    params = parameter_counts(model_config(path))["total"]
+    params = parameter_counts(model_config(path, base))["total"]
     if params <= LARGE_MODEL_PARAMS:
         return torch.float32
     print(

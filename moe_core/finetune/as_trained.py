@@ -124,7 +124,7 @@ def load_as_trained(
         named = "base=" if base is not None else f"model.path in {directory / CONFIG_FILE}"
         raise FinetuneError(
             f"{directory}: the base model it was fine-tuned on ({named}: {source}) does not load: {err}; give "
-            "where it is now as base= (moe_core.load(OUT, base=DIR))"
+            "where it is now as base= (moe_core.load(OUT, base=DIR); --base DIR for moe-lab generate, eval and analyze)"
         ) from None
     peft_model, _ = apply_method(model, config, expert_selection=recorded_selection(directory, config))
     place_adapter(peft_model, model, adapter, source)

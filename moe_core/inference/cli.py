@@ -133,6 +133,7 @@ def _generate(args: argparse.Namespace) -> int:
         events_dir=args.events,
         expert_cache=args.expert_cache,
         json_lines=args.json,
+        base=args.base,
     )
     if args.json:
         print(json.dumps(report), file=sys.stderr)
@@ -287,6 +288,13 @@ def add_cli(subparsers) -> None:
     )
     generate.add_argument(
         "model_dir", type=existing_path("model"), help="checkpoint directory with a tokenizer"
+    )
+    generate.add_argument(
+        "--base",
+        default=None,
+        type=existing_path("base model"),
+        help="for a fine-tune's output that holds its adapter alone (or an adapter directory): where the base "
+        "model it trained on is now, if it moved since (default: the path the output recorded)",
     )
     generate.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", type=existing_path("prompts file"), help="one prompt per line")

@@ -226,8 +226,10 @@ def generate_cli(
     events_dir=None,
     expert_cache: int | None = None,
     json_lines: bool = True,
+    base=None,
 ) -> dict:
     """`moe-lab generate`: load a checkpoint (plain or `moe-lab quantize` output) and its tokenizer, stream.
+    ``base``: for a fine-tune's output holding its adapter alone, its base where it is now (`moe_core.load`).
     A fine-tune's prompts are framed the way its training framed them (``prompt_framing.json`` beside its
     tokenizer: its chat template, or plain text; `moe_core.data.framing`); other models get the text as given.
     ``expert_cache``: keep only this many experts in memory (offloaded to a temporary directory);
@@ -239,7 +241,7 @@ def generate_cli(
     if not prompts:
         raise GenerationError("no prompts: give --prompt TEXT (repeatable) or --prompts-file FILE")
     model_dir = Path(model_dir)
-    loaded = load(model_dir)  # any checkpoint kind: plain, quantized, pruned, fine-tuned, a training run
+    loaded = load(model_dir, base=base)  # any checkpoint kind: plain, quantized, pruned, fine-tuned, a run
     model, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise GenerationError(
