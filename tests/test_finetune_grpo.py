@@ -167,6 +167,24 @@ def test_gspo_with_a_reward_model_and_lora_runs(tokenizer, tmp_path):
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
 
 
+def test_a_kl_to_the_adapter_s_copy_runs_on_a_4_bit_base(tokenizer, tmp_path):
+    """``grpo.beta`` above 0 under LoRA: TRL 1.16 adds the KL reference as a frozen copy of the adapter ("ref"),
+    which missed the expert wrappers nested by hand over 4-bit (or memory-mapped) experts and stopped the run
+    ("ModuleDict has no attribute `ref`"); every expert factor has its copy now, frozen at the start."""
+    config = grpo_config(method="lora", grpo={"beta": 0.04}, quantize={"base": "int4", "group_size": 16})
+    model = tiny_model(vocab_size=len(tokenizer))
+    result = finetune(config, tmp_path / "out", model=model, tokenizer=tokenizer, records=sums_records())
+    params = dict(result.model.named_parameters())
+    expert_B = [n for n in params if ".experts." in n and ".lora_B.default." in n]
+    assert expert_B
+    for name in expert_B:
+        ref = params[name.replace(".default.", ".ref.")]
+        assert not ref.requires_grad and not ref.any()  # the adapter as it started (B = 0)
+        assert params[name].any()
+    rows = [r for r in result.metrics if "train_runtime" not in r]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and "kl" in r for r in rows)
+
+
 def test_a_non_finite_step_is_skipped_and_counted(tokenizer, tmp_path, monkeypatch):
     original = MoEGRPOTrainer.compute_loss
     calls = []

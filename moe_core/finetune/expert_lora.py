@@ -34,7 +34,7 @@ import warnings
 from typing import Any
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftModel
 from peft.tuners.lora import layer as peft_lora
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
@@ -224,9 +224,13 @@ def add_adapter(peft_model, adapter_name: str, config: LoraConfig, **kwargs) -> 
 @contextlib.contextmanager
 def adapters_reach_injected_experts(peft_model):
     """While open, ``peft_model.add_adapter`` is `add_adapter`: for a caller that adds an adapter through PEFT's
-    method, such as TRL 1.16's DPO and KTO trainers, whose ``__init__`` adds a frozen copy of the policy's adapter
+    method, such as TRL 1.16's DPO, KTO and GRPO (``beta`` above 0) trainers, whose ``__init__`` adds a frozen copy of the policy's adapter
     named "ref" as the reference (`trl/trainer/dpo_trainer.py`). Without it, on a memory-mapped or 4-bit base
-    that copy skipped the experts and TRL stopped at their factors (``ModuleDict has no attribute `ref```)."""
+    that copy skipped the experts and TRL stopped at their factors (``ModuleDict has no attribute `ref```). A model
+    that is no `PeftModel` (``method=full``, ``router``) is left as it is."""
+    if not isinstance(peft_model, PeftModel):
+        yield peft_model
+        return
     peft_model.add_adapter = functools.partial(add_adapter, peft_model)  # the instance's, over the class's
     try:
         yield peft_model

@@ -48,6 +48,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from moe_core.data.framing import PLAIN, read_framing
+from moe_core.finetune import expert_lora
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
 from moe_core.finetune.methods import MethodPlan, unwrap
 from moe_core.finetune.objectives import (
@@ -435,7 +436,8 @@ class MoEGRPOTrainer(_MoEMetrics, GRPOTrainer):
         per_expert: bool = False,
         **kwargs,
     ) -> None:
-        with _config_kept(model), rollout_func_accepted():
+        # with grpo.beta above 0 TRL adds the KL reference as a frozen copy of the adapter: on our injected experts too
+        with _config_kept(model), rollout_func_accepted(), expert_lora.adapters_reach_injected_experts(model):
             super().__init__(model, *args, rollout_func=rollout, **kwargs)
         without_trl_aux_loss(self)
         base = unwrap(self.model)  # TRL's fused head patched in; ours answers its calls instead

@@ -56,7 +56,6 @@ from typing import Any
 
 import datasets
 import torch
-from peft import PeftModel
 from transformers import TrainerCallback
 from trl import (
     DPOConfig,
@@ -621,12 +620,7 @@ class _PolicyAndReference:
         **kwargs,
     ) -> None:
         # TRL adds the LoRA reference as a frozen copy of the adapter, "ref": on our injected expert wrappers too
-        whole = (
-            expert_lora.adapters_reach_injected_experts
-            if isinstance(model, PeftModel)
-            else contextlib.nullcontext
-        )
-        with _config_kept(model), whole(model):
+        with _config_kept(model), expert_lora.adapters_reach_injected_experts(model):
             super().__init__(model, *args, **kwargs)
         self.aux_loss_enabled = False  # TRL's own MoE path would add a second, transformers-style aux loss
         base = unwrap(self.model)
