@@ -201,19 +201,13 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
             f"method={config.method} with the adapter of {directory}: going on training an adapter is "
             "method=lora (or unset method)"
         )
-    fresh = FinetuneConfig()
-    given = config.model_dump()
-    kept = recorded.model_dump()
-    kept["lora"]["init_from"] = None
+    given, kept, default = (c.model_dump() for c in (config, recorded, FinetuneConfig()))
+    for fields in (given, kept, default):  # where each starts is not the adapter's shape
+        fields["lora"]["init_from"] = None
     for section in SHAPING:
-        mine = {**given[section], "init_from": None} if section == "lora" else given[section]
-        default = (
-            {**fresh.model_dump()[section], "init_from": None}
-            if section == "lora"
-            else fresh.model_dump()[section]
-        )
+        mine = given[section]
         differs = sorted(k for k in mine if mine[k] != kept[section][k])
-        if mine != default and differs:
+        if mine != default[section] and differs:  # left at the defaults: the recorded ones, said in the note
             field = f"{section}.{differs[0]}"
             raise FinetuneError(
                 f"{field}={given[section][differs[0]]!r}: the adapter of {directory} was trained with "
@@ -225,7 +219,7 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
     if model["path"] is None or Path(model["path"]) == Path(path):
         model["path"] = recorded.model.path  # the base that run trained on
     for key in ("dtype", "mmap"):
-        if model[key] == fresh.model_dump()["model"][key]:
+        if model[key] == default["model"][key]:
             model[key] = kept["model"][key]
     if model["tokenizer"] is None and any((directory / ADAPTER_DIR).glob("tokenizer*.json")):
         model["tokenizer"] = str(directory / ADAPTER_DIR)  # its tokenizer and chat template
@@ -244,9 +238,5 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
 
 
 def _holds_adapter_alone(directory: Path) -> bool:
-    return (
-        directory.is_dir()
-        and (directory / CONFIG_FILE).is_file()
-        and (directory / ADAPTER_DIR).is_dir()
-        and loads_as_trained(directory)
-    )
+    """A fine-tune's output that `moe_core.load` runs as it trained (its adapter alone, `loads_as_trained`)."""
+    return (directory / CONFIG_FILE).is_file() and loads_as_trained(directory)
