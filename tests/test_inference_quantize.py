@@ -128,6 +128,41 @@ def test_save_and_load_quantized(tmp_path):
         torch.testing.assert_close(loaded(ids()).logits, model(ids()).logits)
 
 
+def test_a_large_checkpoint_is_quantized_and_loaded_in_its_own_dtype_without_a_float32_model(
+    tmp_path, monkeypatch, capsys
+):
+    """``moe-lab quantize`` of the full OLMoE-1B-7B (12.9 GiB in bf16) read it in float32 (25.8 GiB) and was killed
+    for memory, and loading its 4.7 GiB output built the whole model in float32 first (random weights, random
+    experts quantized) and was killed too. Above 1 B parameters (here: above 1,000) the checkpoint is read in the
+    dtype it holds, which gives the same codes; the output loads on the meta device, each tensor in its stored
+    dtype, and nothing is quantized on the way in."""
+    from moe_core.finetune import sizing
+    from moe_core.inference.quantize.weight_only import quantize_checkpoint
+
+    model = tiny_model().to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    config = QuantConfig(bits=4, group_size=16)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "small", config)  # a small model: read in float32
+    monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "large", config)
+    assert "read in the dtype its checkpoint holds" in capsys.readouterr().err
+
+    def never(*args, **kwargs):
+        raise AssertionError("loading quantized experts again")
+
+    monkeypatch.setattr(QuantizedExperts, "from_experts", never)
+    small, large = load_quantized(tmp_path / "small"), load_quantized(tmp_path / "large")
+    assert small.model.embed_tokens.weight.dtype == torch.float32
+    assert large.model.embed_tokens.weight.dtype == torch.bfloat16  # as stored: no float32 copy
+    for (name, a), (_, b) in zip(expert_modules(small), expert_modules(large), strict=True):
+        for p in PROJECTIONS:  # the same codes and scales from the same stored values
+            assert torch.equal(getattr(a, f"{p}_q"), getattr(b, f"{p}_q")), name
+            assert torch.equal(getattr(a, f"{p}_scale"), getattr(b, f"{p}_scale")), name
+    assert not any(t.is_meta for t in [*large.parameters(), *large.buffers()])
+    with torch.no_grad():
+        assert torch.isfinite(large(ids()).logits).all()
+
+
 def test_onnx_dynamic_int8_quantizes_every_expert_matmul(tmp_path):
     import onnx
 

@@ -136,11 +136,11 @@ def model_dtype(args, path: str, base: str | None = None):
         return getattr(torch, args.dtype)
     # the size rule is the fine-tuning defaults' (sizing is light: configs only)
     from moe_core.config import parameter_counts
-    from moe_core.finetune.sizing import LARGE_MODEL_PARAMS
+    from moe_core.finetune.sizing import LARGE_MODEL_PARAMS, auto_read_dtype
     from moe_core.loading import model_config
 
     params = parameter_counts(model_config(path, base))["total"]
-    if params <= LARGE_MODEL_PARAMS:
+    if auto_read_dtype(params) == "float32":
         return torch.float32
     print(
         f"moe-lab: {path}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): evaluated in the "

@@ -29,6 +29,16 @@ from moe_core.finetune.config import FinetuneConfig, FinetuneError
 # recomputing them costs ~30% of a step; and a merged copy is then a multi-GB write per export, where the
 # adapter is MBs. The toy and lab-sized models (a few M to a few hundred M) keep the old defaults.
 LARGE_MODEL_PARAMS = 1_000_000_000
+
+
+def auto_read_dtype(parameters: int) -> str | None:
+    """The dtype a command reads a checkpoint in when none is asked (eval, analyze, quantize): ``"float32"`` up to
+    `LARGE_MODEL_PARAMS` parameters (every model compared in one precision), above it None: the dtype its files
+    hold. A float32 copy of the 12.9 GiB bf16 OLMoE-1B-7B is 25.8 GiB, more than a 24 GiB machine holds, and a
+    fine-tune's output over a memory-mapped base (`moe_core.finetune.as_trained`) maps only in its files' dtype."""
+    return "float32" if parameters <= LARGE_MODEL_PARAMS else None
+
+
 # Activations above 4 GiB for one micro-batch also turn checkpointing on (long sequences on a mid-sized model).
 LARGE_ACTIVATION_BYTES = 4 * 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
