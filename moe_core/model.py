@@ -751,6 +751,26 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
     return model
 
 
+def materialize_unsaved(model: nn.Module) -> nn.Module:
+    """For a model built on the meta device whose checkpoint tensors were assigned to it
+    (``load_state_dict(..., assign=True)``: each in the dtype and storage it was read in, nothing allocated
+    twice): what no checkpoint holds (non-persistent buffers), given storage on the CPU and computed by the
+    modules' ``reset_buffers``, as `materialize` does. A parameter or buffer still on the meta device after that
+    was in no checkpoint: refused."""
+    for module in model.modules():
+        placed = False
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.empty_like(buffer, device="cpu"))
+                placed = True
+        if placed and hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{left[:3]} were neither loaded nor computed (a checkpoint without them?)")
+    return model
+
+
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModel.register(MoEConfig, MoEModel, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)

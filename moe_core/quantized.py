@@ -44,7 +44,7 @@ from moe_core.experts import (
 )
 from moe_core.fileio import atomic_directory
 from moe_core.frozen_linear import recomputed_linear
-from moe_core.model import DecoderLayer, FeedForward, MoEForCausalLM, materialize
+from moe_core.model import DecoderLayer, FeedForward, MoEForCausalLM, materialize, materialize_unsaved
 
 
 class QuantizationError(MoELabError):
@@ -674,24 +674,8 @@ def load_quantized(directory: str | os.PathLike) -> MoEForCausalLM:
             model.load_state_dict({key: file.get_tensor(key)}, strict=False, assign=True)
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    _materialize_unsaved(model)
+    materialize_unsaved(model)
     return model
-
-
-def _materialize_unsaved(model: nn.Module) -> None:
-    """What no checkpoint holds (non-persistent buffers), still on the meta device after the file's tensors were
-    assigned: storage on the CPU, computed by the modules' ``reset_buffers`` (`moe_core.model.materialize`)."""
-    for module in model.modules():
-        placed = False
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer.is_meta:
-                setattr(module, name, torch.empty_like(buffer, device="cpu"))
-                placed = True
-        if placed and hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise QuantizationError(f"internal: {left[:3]} were not loaded or computed")
 
 
 def _read_quant_file(directory: Path) -> dict:

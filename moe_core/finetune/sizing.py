@@ -17,6 +17,7 @@ Three fields of `FinetuneConfig` are ``None`` ("auto") by default and resolved h
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,3 +192,25 @@ def check_full_training_fits(
         f"the {memory / 2**30:.1f} GiB {where} holds; use method=lora (LoRA on the attention and every expert, "
         "the base frozen and memory-mapped) or method=qlora (the base in 4 bits)"
     )
+
+
+def read_dtype(path, command: str):
+    """The dtype a command that rewrites a checkpoint's weights (``quantize``, ``prune``) reads it in: float32 up
+    to 1 B parameters, above that the dtype its files hold (`auto_read_dtype`), said in one line. ``moe-lab
+    quantize`` of the full OLMoE-1B-7B (12.9 GiB in bf16) read it in float32, 25.8 GiB, and was killed for memory
+    (``prune`` read it so too); quantization's codes are the same either way (computed in float32 from the stored
+    values)."""
+    import torch  # lazy: this module is configs only, imported where torch is not needed
+
+    from moe_core.loading import model_config  # lazy: the loader, with the modeling stack behind it
+
+    params = parameter_counts(model_config(path))["total"]
+    dtype = auto_read_dtype(params)
+    if dtype is None:
+        print(
+            f"moe-lab {command}: {path}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): "
+            "read in the dtype its checkpoint holds, not float32 (a copy of twice its size)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return getattr(torch, dtype) if dtype else None

@@ -55,9 +55,10 @@ from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
 from moe_core.experts import PROJECTIONS, GroupedExperts
 from moe_core.fileio import atomic_directory, check_output_dir
+from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import PRUNE_FILE, load
-from moe_core.model import MoEForCausalLM
+from moe_core.model import MoEForCausalLM, materialize_unsaved
 from moe_core.routing import pruned_mass_matters
 
 
@@ -263,7 +264,8 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
         new_config = MoEConfig.from_dict(data)
     except ValueError as err:  # e.g. pruned_choices="drop" on a router that selects with a bias
         raise PruneError(f"cannot prune this model so: {err}") from None
-    new_model = MoEForCausalLM(new_config).to(next(model.parameters()).dtype).eval()
+    with torch.device("meta"):  # the kept tensors are assigned to it below: no second model is allocated
+        new_model = MoEForCausalLM(new_config).eval()
 
     state = model.state_dict()
     new_state = {}
@@ -281,13 +283,12 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
         prefix = f"model.layers.{layer_id}.mlp."
         index = torch.tensor(ids)
         experts = layers[layer_id].mlp.experts
-        stacks = {
-            p: getattr(experts, p).detach().clone() for p in PROJECTIONS if getattr(experts, p) is not None
-        }
+        stacks = {p: getattr(experts, p).detach() for p in PROJECTIONS if getattr(experts, p) is not None}
         for p in PROJECTIONS:  # gpt-oss's expert biases [E, O]: kept (or merged) with their experts
             if experts.bias_stack(p) is not None:
-                stacks[f"{p}_bias"] = experts.bias_stack(p).detach().clone()
-        if prune.merge_similar:
+                stacks[f"{p}_bias"] = experts.bias_stack(p).detach()
+        if prune.merge_similar:  # merges into the kept rows in place: on a copy of the stacks
+            stacks = {p: stack.clone() for p, stack in stacks.items()}
             report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
         for p, stack in stacks.items():
             new_state[f"{prefix}experts.{p}"] = stack.index_select(0, index)
@@ -308,13 +309,14 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
             new_state[pruned_rows] = torch.cat([earlier_PD, gate_ED.index_select(0, dropped)])
         share = usage[layer_id].float() / usage[layer_id].sum().clamp_min(1)
         report.usage_share_kept[layer_id] = float(share[index].sum())
-    missing, unexpected = new_model.load_state_dict(new_state, strict=False)
+    missing, unexpected = new_model.load_state_dict(new_state, strict=False, assign=True)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise PruneError(
             f"pruned state does not fit the pruned model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     if new_config.tie_word_embeddings:
         new_model.tie_weights()
+    materialize_unsaved(new_model)
     report.params_before = sum(p.numel() for p in model.parameters())
     report.params_after = sum(p.numel() for p in new_model.parameters())
     return new_model, report
@@ -367,7 +369,9 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    loaded = load(model_dir, dtype=torch.float32, merged=True)  # a fine-tune's adapter merged in
+    loaded = load(
+        model_dir, dtype=read_dtype(model_dir, "prune"), merged=True
+    )  # a fine-tune's adapter merged in
     model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None

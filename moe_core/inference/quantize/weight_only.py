@@ -14,18 +14,16 @@ any expert stack was skipped.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from moe_core.config import parameter_counts
 from moe_core.fileio import check_output_dir
-from moe_core.finetune.sizing import LARGE_MODEL_PARAMS, auto_read_dtype
+from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import load, model_config
+from moe_core.loading import load
 from moe_core.quantized import (
     QuantConfig,
     QuantizationError,
@@ -81,23 +79,6 @@ def quantize_experts(
     return report
 
 
-def read_dtype(model_dir) -> torch.dtype | None:
-    """float32 up to 1 B parameters; above, the dtype the checkpoint holds (`sizing.auto_read_dtype`), said in one
-    line: ``moe-lab quantize`` of the full OLMoE-1B-7B read it in float32 (25.8 GiB) and was killed for memory. The
-    codes are the same either way (`quantize_rtn` computes them in float32 from the stored values); the weights
-    that stay in full precision are written in that dtype, and a fine-tune's adapter is merged in it."""
-    params = parameter_counts(model_config(model_dir))["total"]
-    dtype = auto_read_dtype(params)
-    if dtype is None:
-        print(
-            f"moe-lab quantize: {model_dir}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): "
-            "read in the dtype its checkpoint holds, not float32 (a copy of twice its size)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return getattr(torch, dtype) if dtype else None
-
-
 def quantize_checkpoint(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -118,7 +99,9 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    loaded = load(model_dir, dtype=read_dtype(model_dir), merged=True)  # a fine-tune's adapter merged in
+    loaded = load(
+        model_dir, dtype=read_dtype(model_dir, "quantize"), merged=True
+    )  # a fine-tune's adapter merged in
     model = loaded.model
     report = quantize_experts(model, config, calibration)
     # the tokenizer and generation defaults travel along (a training run's or checkpoint's tokenizer is the data's)
