@@ -463,6 +463,20 @@ class QuantizedExperts(StackedExperts):
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     @classmethod
+    def shaped_like(cls, dense: StackedExperts, config: QuantConfig) -> QuantizedExperts:
+        """Codes and scales of ``dense``'s shapes under ``config``, not yet filled (built on the meta device by the
+        loaders, before any storage exists)."""
+        return cls(
+            dense.num_experts,
+            dense.activation,
+            dense.projection_shapes(),
+            config,
+            dense.impl,
+            **dense.ffn_options(),
+            bias_dtype=dense.up_proj.dtype,
+        )
+
+    @classmethod
     def from_experts(
         cls,
         experts: GroupedExperts,
@@ -649,15 +663,7 @@ def load_quantized(directory: str | os.PathLike) -> MoEForCausalLM:
         model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
         replace_experts(  # the structure (and AWQ's input scales) for the state dict
             model,
-            lambda dense: QuantizedExperts(
-                dense.num_experts,
-                dense.activation,
-                dense.projection_shapes(),
-                config,
-                dense.impl,
-                **dense.ffn_options(),
-                bias_dtype=dense.up_proj.dtype,
-            ),
+            lambda dense: QuantizedExperts.shaped_like(dense, config),
         )
     expected = set(model.state_dict())
     with safe_open(str(weights), framework="pt") as file:
@@ -839,15 +845,7 @@ def load_quantizing_experts(
     with torch.device("meta"):  # before any storage exists
         quantized = replace_experts(
             model,
-            lambda dense: QuantizedExperts(
-                dense.num_experts,
-                dense.activation,
-                dense.projection_shapes(),
-                config,
-                dense.impl,
-                **dense.ffn_options(),
-                bias_dtype=dense.up_proj.dtype,
-            ),
+            lambda dense: QuantizedExperts.shaped_like(dense, config),
         )
         linears = quantize_shared_experts(model, config) if shared_experts else {}
         if attention:
