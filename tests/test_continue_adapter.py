@@ -131,3 +131,13 @@ def test_lora_init_from_names_a_lora_output_or_is_refused(tmp_path):
     config = FinetuneConfig.build({"model": {"path": str(tmp_path)}, "lora": {"init_from": str(tmp_path)}})
     with pytest.raises(FinetuneError, match="not a LoRA fine-tune's output"):
         continued(config)
+
+
+def test_a_model_in_memory_without_a_tokenizer_is_refused_by_name(tmp_path):
+    """Finding the tokenizer where `load` finds it must not read a path that was never given."""
+    from tests.finetune_helpers import tiny_model
+
+    with pytest.raises(FinetuneError, match="no tokenizer: set model.tokenizer"):
+        finetune(
+            FinetuneConfig.build({"steps": 1}), tmp_path / "out", model=tiny_model(), records=first_records()
+        )

@@ -552,7 +552,13 @@ def load_inputs(
         raise FinetuneError("model.path is not set; give our checkpoint or a Hugging Face MoE checkpoint")
     if tokenizer is None:
         # the model's own, or the one `load` gives with it (a fine-tune output's, an adapter's base model's)
-        source = config.model.tokenizer or tokenizer_dir(config.model.path) or config.model.path
+        source = config.model.tokenizer or (
+            (tokenizer_dir(config.model.path) or config.model.path) if config.model.path else None
+        )
+        if not source:
+            raise FinetuneError(
+                "no tokenizer: set model.tokenizer (or model.path to a directory holding one)"
+            )
         tokenizer = load_tokenizer(source)
     if records is None:
         records = load_records(config)
