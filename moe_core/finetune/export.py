@@ -114,12 +114,11 @@ def save_merged(
     *,
     max_shard_bytes: int = 5 * 10**9,
 ) -> Path:
-    """The merged model in our format (``save_pretrained``, safetensors shards of at most ``max_shard_bytes``)."""
+    """The merged model in our format (``save_pretrained``, safetensors shards of at most ``max_shard_bytes``);
+    experts still memory-mapped (nothing was merged into them) are written a shard at a time (`save_streaming`)."""
     out_dir = Path(out_dir)
     base = unwrap(model)
-    if any(
-        isinstance(m, MappedExperts) for m in base.modules()
-    ):  # nothing merged into them: still the file's
+    if any(isinstance(m, MappedExperts) for m in base.modules()):
         save_streaming(base, out_dir, max_shard_bytes)
     else:
         base.save_pretrained(str(out_dir), max_shard_size=max_shard_bytes)
