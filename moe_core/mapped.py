@@ -336,9 +336,8 @@ def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    plan: list[
-        tuple[str, tuple, int, object]
-    ] = []  # (name, shape, bytes, the module and projection, or tensor)
+    # (name, shape, bytes, and what it is read from: a tensor, or a mapped module and projection to stack)
+    plan: list[tuple[str, tuple, int, object]] = []
     seen: set[tuple[int, tuple]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = name.rpartition(".")

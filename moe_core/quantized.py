@@ -656,28 +656,23 @@ def load_quantized(directory: str | os.PathLike) -> MoEForCausalLM:
             f"{directory}: {QUANT_FILE} without model.safetensors; quantize the model again "
             "(moe-lab quantize --overwrite)"
         )
-    # built on the meta device and given the file's tensors one at a time, in the dtype they are stored in: the
-    # model built in float32 first (random weights, random experts quantized, then replaced) took 25.8 GiB for a
-    # 4.7 GiB quantized OLMoE-1B-7B, more than the machine that wrote it holds
+    # built on the meta device and given the file's tensors (views of its mapping) in the dtype they are stored
+    # in: the model built in float32 first (random weights, random experts quantized, then replaced) took 25.8 GiB
+    # for a 4.7 GiB quantized OLMoE-1B-7B, more than the machine that wrote it holds
     with torch.device("meta"):
         model = MoEForCausalLM(MoEConfig.from_pretrained(directory)).eval()
-        replace_experts(  # the structure (and AWQ's input scales) for the state dict
-            model,
-            lambda dense: QuantizedExperts.shaped_like(dense, config),
-        )
-    expected = set(model.state_dict())
+        # the structure (and AWQ's input scales) for the state dict
+        replace_experts(model, lambda dense: QuantizedExperts.shaped_like(dense, config))
     with safe_open(str(weights), framework="pt") as file:
-        stored = set(file.keys())
-        tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-        missing, unexpected = sorted(expected - stored - tied), sorted(stored - expected)
-        if missing or unexpected:
-            raise QuantizationError(
-                f"{weights}: the weights do not cover the model its config.json describes ("
-                + weight_mismatch(missing, unexpected)
-                + "); quantize the model again (moe-lab quantize --overwrite)"
-            )
-        for key in sorted(stored):
-            model.load_state_dict({key: file.get_tensor(key)}, strict=False, assign=True)
+        state = {key: file.get_tensor(key) for key in file.keys()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise QuantizationError(
+            f"{weights}: the weights do not cover the model its config.json describes ("
+            + weight_mismatch(missing, unexpected)
+            + "); quantize the model again (moe-lab quantize --overwrite)"
+        )
     if model.config.tie_word_embeddings:
         model.tie_weights()
     materialize_unsaved(model)

@@ -159,6 +159,11 @@ def test_a_large_checkpoint_is_quantized_and_loaded_in_its_own_dtype_without_a_f
             assert torch.equal(getattr(a, f"{p}_q"), getattr(b, f"{p}_q")), name
             assert torch.equal(getattr(a, f"{p}_scale"), getattr(b, f"{p}_scale")), name
     assert not any(t.is_meta for t in [*large.parameters(), *large.buffers()])
+    from moe_core.mapped import is_file_backed
+
+    weights = tmp_path / "large" / "model.safetensors"  # the file's own pages, not a copy
+    assert is_file_backed(large.model.embed_tokens.weight, weights)
+    assert is_file_backed(large.model.layers[0].mlp.experts.up_proj_q, weights)
     with torch.no_grad():
         assert torch.isfinite(large(ids()).logits).all()
 

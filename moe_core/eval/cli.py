@@ -126,29 +126,16 @@ def load_model(args, path: str | None = None, vocab_size: int | None = None):
 
 
 def model_dtype(args, path: str, base: str | None = None):
-    """``--dtype`` as `moe_core.load` takes it: auto is float32 (every model compared in one precision) up to
-    `LARGE_MODEL_PARAMS` parameters, and above it the stored dtype (None), said in one line: the float32 copy of a
-    12.9 GiB bf16 OLMoE-1B-7B would not fit a 24 GiB machine, and a fine-tune's output over a memory-mapped base
-    (`moe_core.finetune.as_trained`) maps only in the dtype its files hold."""
+    """``--dtype`` as `moe_core.load` takes it; auto is `moe_core.finetune.sizing.read_dtype`'s rule: float32 up to
+    1 B parameters, above that the stored dtype (None), said in one line."""
     import torch  # the handlers' heavy imports happen here (module comment)
 
     if args.dtype != "auto":
         return getattr(torch, args.dtype)
     # the size rule is the fine-tuning defaults' (sizing is light: configs only)
-    from moe_core.config import parameter_counts
-    from moe_core.finetune.sizing import LARGE_MODEL_PARAMS, auto_read_dtype
-    from moe_core.loading import model_config
+    from moe_core.finetune.sizing import read_dtype
 
-    params = parameter_counts(model_config(path, base))["total"]
-    if auto_read_dtype(params) == "float32":
-        return torch.float32
-    print(
-        f"moe-lab: {path}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): evaluated in the "
-        "dtype its checkpoint holds, not float32 (a copy of twice its size); --dtype float32 asks for float32",
-        file=sys.stderr,
-        flush=True,
-    )
-    return None
+    return read_dtype(path, None, base, doing="evaluated", hint="; --dtype float32 asks for float32")
 
 
 def load_tokenizer_for(args, required: bool):

@@ -32,14 +32,6 @@ from moe_core.finetune.config import FinetuneConfig, FinetuneError
 LARGE_MODEL_PARAMS = 1_000_000_000
 
 
-def auto_read_dtype(parameters: int) -> str | None:
-    """The dtype a command reads a checkpoint in when none is asked (eval, analyze, quantize): ``"float32"`` up to
-    `LARGE_MODEL_PARAMS` parameters (every model compared in one precision), above it None: the dtype its files
-    hold. A float32 copy of the 12.9 GiB bf16 OLMoE-1B-7B is 25.8 GiB, more than a 24 GiB machine holds, and a
-    fine-tune's output over a memory-mapped base (`moe_core.finetune.as_trained`) maps only in its files' dtype."""
-    return "float32" if parameters <= LARGE_MODEL_PARAMS else None
-
-
 # Activations above 4 GiB for one micro-batch also turn checkpointing on (long sequences on a mid-sized model).
 LARGE_ACTIVATION_BYTES = 4 * 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -194,23 +186,26 @@ def check_full_training_fits(
     )
 
 
-def read_dtype(path, command: str):
-    """The dtype a command that rewrites a checkpoint's weights (``quantize``, ``prune``) reads it in: float32 up
-    to 1 B parameters, above that the dtype its files hold (`auto_read_dtype`), said in one line. ``moe-lab
-    quantize`` of the full OLMoE-1B-7B (12.9 GiB in bf16) read it in float32, 25.8 GiB, and was killed for memory
-    (``prune`` read it so too); quantization's codes are the same either way (computed in float32 from the stored
-    values)."""
+def read_dtype(path, command: str | None, base=None, *, doing: str = "read", hint: str = ""):
+    """The dtype a command reads a checkpoint in when none is asked (eval and analyze, and quantize and prune,
+    which rewrite its weights): float32 up to `LARGE_MODEL_PARAMS` parameters (every model compared in one
+    precision), above it None, the dtype its files hold, said in one line (``doing``, ``hint``: that line's verb
+    and its way out). A float32 copy of the 12.9 GiB bf16 OLMoE-1B-7B is 25.8 GiB: ``moe-lab quantize`` of it read
+    it so and was killed for memory (``prune`` read it so too), and a fine-tune's output over a memory-mapped base
+    (`moe_core.finetune.as_trained`) maps only in its files' dtype. Quantization's codes are the same either way
+    (computed in float32 from the stored values). ``base``: an adapter-only output's base where it is now."""
     import torch  # lazy: this module is configs only, imported where torch is not needed
 
     from moe_core.loading import model_config  # lazy: the loader, with the modeling stack behind it
 
-    params = parameter_counts(model_config(path))["total"]
-    dtype = auto_read_dtype(params)
-    if dtype is None:
-        print(
-            f"moe-lab {command}: {path}: {params / 1e9:.2f} B parameters (above {LARGE_MODEL_PARAMS / 1e9:g} B): "
-            "read in the dtype its checkpoint holds, not float32 (a copy of twice its size)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return getattr(torch, dtype) if dtype else None
+    params = parameter_counts(model_config(path, base))["total"]
+    if params <= LARGE_MODEL_PARAMS:
+        return torch.float32
+    print(
+        f"moe-lab{' ' + command if command else ''}: {path}: {params / 1e9:.2f} B parameters (above "
+        f"{LARGE_MODEL_PARAMS / 1e9:g} B): {doing} in the dtype its checkpoint holds, not float32 (a copy of twice "
+        f"its size){hint}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None

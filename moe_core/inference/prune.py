@@ -227,7 +227,9 @@ def choose_experts(scores: dict[int, torch.Tensor], config, prune: PruneConfig) 
 # ---------------------------------------------------------------------------------------------- pruning
 @torch.no_grad()
 def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None):
-    """A new, smaller `MoEForCausalLM` keeping each layer's highest-ranked experts; returns (model, report).
+    """A new, smaller `MoEForCausalLM` keeping each layer's highest-ranked experts; returns (model, report). The
+    tensors pruning does not cut (attention, norms, embeddings, dense layers) are ``model``'s own, shared, not
+    copied: train one of the two and the other changes too (``copy.deepcopy`` first to keep both apart).
 
     ``usage``: routed slots per layer (ranks experts for ``criterion="frequency"``, weights merges, and gives
     the report's kept share); ``saliency``: `collect_saliency`'s REAP scores, required for ``"reap"``."""
@@ -369,9 +371,8 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    loaded = load(
-        model_dir, dtype=read_dtype(model_dir, "prune"), merged=True
-    )  # a fine-tune's adapter merged in
+    # a fine-tune's adapter merged in
+    loaded = load(model_dir, dtype=read_dtype(model_dir, "prune"), merged=True)
     model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None

@@ -99,9 +99,8 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    loaded = load(
-        model_dir, dtype=read_dtype(model_dir, "quantize"), merged=True
-    )  # a fine-tune's adapter merged in
+    # a fine-tune's adapter merged in
+    loaded = load(model_dir, dtype=read_dtype(model_dir, "quantize"), merged=True)
     model = loaded.model
     report = quantize_experts(model, config, calibration)
     # the tokenizer and generation defaults travel along (a training run's or checkpoint's tokenizer is the data's)
