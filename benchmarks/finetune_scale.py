@@ -7,8 +7,10 @@ is downloaded). Each variant then runs in a child process of its own, one after 
 once), on the same tokens (at each step the next ``--batch`` x ``--seq`` tokens of ``examples/sft.jsonl``
 framed by the tokenizer's chat template, labels = inputs: new data every step, as a fine-tune reads it), with
 the same LoRA (r 8, alpha 16, no dropout, on q/k/v/o and on every expert's gate/up/down projections;
-Qwen2-MoE's shared expert is not adapted, as the lab's default), the same AdamW (lr 1e-4, LoRA parameters only)
-and gradient clipping at 1.0:
+Qwen2-MoE's shared expert is not adapted, as the lab's default), AdamW with the same hyperparameters (lr 1e-4,
+LoRA parameters only; each side's own: torch's for the baseline, the lab's trainer's `ExpertAdamW` for the lab,
+which steps each expert of a stacked factor as torch's AdamW steps a per-expert module) and gradient clipping at
+1.0:
 
 - ``baseline``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=bfloat16)`` + PEFT ``get_peft_model`` with
   ``target_modules`` naming the attention projections and every per-expert ``nn.Linear`` (transformers 4.57's
@@ -19,8 +21,9 @@ and gradient clipping at 1.0:
   checks, the base model through ``moe_core.load``, in bf16, memory-mapped from the safetensors shards as the
   baseline's is: ``model.mmap`` unset maps a frozen base stored in the training dtype, `moe_core.mapped`) and
   ``select_parameters`` (``apply_method``: the lab's LoRA on attention and the stacked experts), from a
-  `FinetuneConfig` (``--lab-set`` adds ``--set``-style fields). The steps are the same hand-written loop as the
-  baseline's, not TRL's trainer, so both measure the same thing: the lab's objective adds its router losses
+  `FinetuneConfig` (``--lab-set`` adds ``--set``-style fields), and the optimizer its trainer builds
+  (``optim.idle_experts``). The steps are the same hand-written loop as the baseline's, not TRL's trainer, so
+  both measure the same thing: the lab's objective adds its router losses
   (the published configs' ``output_router_logits`` is false, so the baseline's has none), and the routing
   statistics the lab's trainer logs are not computed.
 - ``lab-qlora-int4`` / ``lab-qlora-nf4`` (``--qlora``) and ``lab-copy`` (``--copy``): the lab with
@@ -93,16 +96,17 @@ QLORA_FIELD, MMAP_FIELD = "quantize.base", "model.mmap"
 
 
 # ================================================================================================ the children
-def timed_steps(model, spec: dict) -> dict:
+def timed_steps(model, spec: dict, optimizer_cls=None, **optimizer_kwargs) -> dict:
     """The benchmark's step, the same for every variant: forward with labels = inputs, backward, clip, AdamW on
-    the trainable parameters, zero_grad. Returns per-step seconds and losses."""
+    the trainable parameters (``optimizer_cls``: the side's own AdamW, torch's by default), zero_grad. Returns
+    per-step seconds and losses."""
     import torch
 
     device = torch.device(spec["device"])
     if spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    optimizer = (optimizer_cls or torch.optim.AdamW)(params, lr=LR, weight_decay=0.0, **optimizer_kwargs)
     batches = [torch.tensor(rows, dtype=torch.long, device=device) for rows in spec["tokens"]]
     model.train()
     seconds, losses, anon_gib = [], [], []
@@ -129,14 +133,20 @@ def timed_steps(model, spec: dict) -> dict:
         print(
             f"step {len(seconds)}/{timed}: {seconds[-1]:.2f} s, anonymous {anon_gib[-1]:.2f} GiB", flush=True
         )
-    with_state = [p for p in params if optimizer.state.get(p)]
+    # trainable elements with AdamW moments (the lab's ExpertAdamW keeps a stack's per expert, under "experts")
+    with_state = sum(
+        moments["exp_avg"].numel()
+        for state in optimizer.state.values()
+        for moments in [state, *state.get("experts", {}).values()]
+        if "exp_avg" in moments
+    )
     return {
         "torch_threads": torch.get_num_threads(),
         "trainable_params": sum(p.numel() for p in params),
         # AdamW makes a parameter's state at its first gradient: a per-expert LoRA module whose expert got no
         # token yet has none, so until every expert was routed to, a model of per-expert modules holds less
         # state than it will for the rest of a fine-tune (the share of trainable elements that have one)
-        "optimizer_state_share": sum(p.numel() for p in with_state) / max(1, sum(p.numel() for p in params)),
+        "optimizer_state_share": with_state / max(1, sum(p.numel() for p in params)),
         "step_s_all": seconds,
         "losses": losses,
         # the process's anonymous memory after each step: a set that still grows after the first step (the
@@ -206,7 +216,9 @@ def child_lab(spec: dict) -> dict:
     import torch
 
     from moe_core.finetune.config import FinetuneConfig, FinetuneError
+    from moe_core.finetune.methods import expert_axes
     from moe_core.finetune.run import load_inputs, select_parameters
+    from moe_core.train.optim import ExpertAdamW
 
     torch.manual_seed(spec["seed"])
     base = {
@@ -241,7 +253,10 @@ def child_lab(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     memory_after_load = proc_status_kib()
     print(f"loaded in {load_s:.1f} s", flush=True)
-    out = timed_steps(model, spec)
+    # the lab's AdamW as its trainer builds it (`objectives._MoEMetrics.create_optimizer`): with
+    # optim.idle_experts=hold, each expert of a stacked factor steps as its own parameter
+    axes = expert_axes(model) if config.optim.idle_experts == "hold" else {}
+    out = timed_steps(model, spec, ExpertAdamW, expert_axes=axes) if axes else timed_steps(model, spec)
     out.update(load_s=load_s, memory_after_load_kib=memory_after_load, lab_config=config.model_dump())
     if spec["generate"]:
         out["generation"] = generate_after_training(model, spec)
@@ -412,6 +427,17 @@ def warm_page_cache(directory: Path) -> bool:
     return True
 
 
+def evict_page_cache(directory: Path) -> None:
+    """Drop the weight files' pages from the page cache (``posix_fadvise(DONTNEED)``: no privileges needed; pages
+    another process maps stay), so that the next child reads them from the disk as the first child did."""
+    for file in sorted(directory.glob("*.safetensors")):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def machine(device: str) -> dict:
     """What the figures were taken on (the baseline child reports the versions it ran with, too)."""
     info = {**child_memory.machine(("torch", "transformers", "peft")), "device": device}
@@ -554,6 +580,13 @@ def main(argv: list[str] | None = None) -> int:
         "--copy", action="store_true", help="add the lab with its base copied into memory (model.mmap=false)"
     )
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the checkpoint from the page cache before each child (each starts from the disk; without it "
+        "a later child finds an earlier one's pages cached, and at sizes beyond memory how many stay mapped, "
+        "file-backed RSS, then differs by a GiB either way)",
+    )
+    parser.add_argument(
         "--lab-set",
         action="append",
         default=[],
@@ -648,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline_python = baseline_env(args.baseline_env, args.cache_dir)
     config = json.loads((checkpoint / "config.json").read_text())
     tokens, records = benchmark_tokens(checkpoint, args.batch, args.seq, args.warmup + args.steps)
-    warmed = warm_page_cache(checkpoint)
+    warmed = False if args.cold else warm_page_cache(checkpoint)
     spec_common = {
         "checkpoint": str(checkpoint),
         "tokens": tokens,
@@ -675,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {name} (its log: {Path(tmp) / name}.log) ...", flush=True)
             spec = {**spec_common, "lab_sets": lab_sets, "optional": optional}
             python = args.baseline_python if kind == "baseline" else sys.executable
+            if args.cold:
+                evict_page_cache(checkpoint)
             results[name] = run_child(kind, name, spec, Path(tmp), python, args.max_rss_gib)
             # each variant's figures as it ends: a caller that stops this run at a time limit keeps them
             print(f"{RESULT_PREFIX}{json.dumps({name: _round(results[name])})}", flush=True)
@@ -698,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": "q,k,v,o + every expert's gate/up/down"},
         "page_cache_warmed": warmed,
+        "page_cache_cold_per_child": args.cold,
         "machine": machine(args.device),
         "results": {name: _round(row) for name, row in results.items()},
         "lab_over_baseline": ratio(results.get("lab", {}), results.get("baseline", {})),

@@ -220,6 +220,11 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     grad_clip: float | None = Field(1.0, gt=0)
+    # LoRA on stacked experts: an expert that got no token in an optimizer step. hold: not stepped, its factors,
+    # moments and step count stay (per-expert modules under torch's AdamW: transformers 4 + PEFT), moments kept
+    # only from an expert's first token on (`moe_core.train.optim.ExpertAdamW`); step: the stack steps as one
+    # tensor (a zero gradient row still moves by momentum and weight decay; moments for every expert)
+    idle_experts: Literal["hold", "step"] = "hold"
 
 
 class LogSection(_Section):
@@ -248,7 +253,8 @@ class ExportSection(_Section):
 
 # 2: quantize.attention exists, on by default under QLoRA (a version-1 config reads as false: what it trained)
 # 3: quantize.shared_experts exists; an adapted shared expert is in 4 bits too (version 2 held it in full)
-CONFIG_VERSION = 3
+# 4: optim.idle_experts exists, "hold" by default (an older config reads as "step": what it trained)
+CONFIG_VERSION = 4
 
 
 class QuantizeSection(_Section):
@@ -340,10 +346,11 @@ class FinetuneConfig(_Section, ConfigFile):
     @model_validator(mode="before")
     @classmethod
     def _an_older_config_reads_as_it_trained(cls, data):
-        """A quantize field added since a config was saved takes the value its run trained with, so that the run
-        reloads on the base it trained on: before version 2 (no ``quantize.attention``) QLoRA held the attention
-        in the model's dtype; before version 3 (no ``quantize.shared_experts``) it held an adapted shared expert
-        (``lora.shared_expert``) so too. A config without a version is a new one."""
+        """A field added since a config was saved takes the value its run trained with, so that the run reloads
+        on the base it trained on and resumes as it trained: before version 2 (no ``quantize.attention``) QLoRA
+        held the attention in the model's dtype; before version 3 (no ``quantize.shared_experts``) it held an
+        adapted shared expert (``lora.shared_expert``) so too; before version 4 (no ``optim.idle_experts``) the
+        stacked experts' factors stepped as one tensor. A config without a version is a new one."""
         if not isinstance(data, dict):
             return data
         version = data.get("version", CONFIG_VERSION)
@@ -354,6 +361,8 @@ class FinetuneConfig(_Section, ConfigFile):
             trained["shared_experts"] = False
         if trained:
             data = {**data, "quantize": {**trained, **(data.get("quantize") or {})}}
+        if version < 4:
+            data = {**data, "optim": {"idle_experts": "step", **(data.get("optim") or {})}}
         return data
 
     @model_validator(mode="before")

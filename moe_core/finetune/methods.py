@@ -36,6 +36,7 @@ from moe_core.frozen_linear import use_frozen_linears
 from moe_core.mapped import MappedExperts
 from moe_core.quantized import QuantizedExperts
 from moe_core.task_bias import TaskRouterBias, unwrap  # re-exported: users import them from here
+from moe_core.train.optim import ExpertAxis
 from moe_core.transformers_seam import old_checkpointing_names_quiet
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -160,6 +161,20 @@ def lora_wrappers(model) -> Iterator[tuple[str, Any]]:
     for name, module in model.named_modules():
         if isinstance(module, ParamWrapper):
             yield name, module
+
+
+def expert_axes(model) -> dict[torch.Tensor, ExpertAxis]:
+    """Where each expert's entries lie in the LoRA factors of the stacked experts (for `ExpertAdamW`): ``lora_A``
+    [E*R, I] by rows, ``lora_B`` [O, R*E] by columns (module docstring); the projections of one experts module
+    (one nest of wrappers) share a ``module``, as their experts share the routing."""
+    axes: dict[torch.Tensor, ExpertAxis] = {}
+    modules: dict[int, int] = {}
+    for _, wrapper in lora_wrappers(model):
+        module = modules.setdefault(id(wrapper.get_base_layer()), len(modules))  # the experts module adapted
+        for adapter in wrapper.lora_A:
+            axes[wrapper.lora_A[adapter].weight] = ExpertAxis(wrapper.num_experts, "rows", module)
+            axes[wrapper.lora_B[adapter].weight] = ExpertAxis(wrapper.num_experts, "columns", module)
+    return axes
 
 
 class ExpertLoraMask:
@@ -321,6 +336,7 @@ class MethodPlan:
     lora_mask: ExpertLoraMask | None = None
     expert_freeze: ExpertRowFreeze | None = None
     task_bias: TaskRouterBias | None = None
+    idle_experts: str = "step"  # optim.idle_experts: how the optimizer treats experts that got no token
 
 
 def apply_method(
@@ -335,7 +351,12 @@ def apply_method(
     given, see `select_esft_experts`)."""
     mc = model.config
     frozen = resolve_expert_ids(config.freeze.experts, mc, "freeze.experts") if mc.num_experts else {}
-    plan = MethodPlan(config.method, frozen_experts=frozen, train_router=config.train_router)
+    plan = MethodPlan(
+        config.method,
+        frozen_experts=frozen,
+        train_router=config.train_router,
+        idle_experts=config.optim.idle_experts,
+    )
     if config.method == "lora":
         if config.lora.experts == "none" or not mc.num_experts:
             selection: dict[int, list[int]] = {}

@@ -75,10 +75,11 @@ from moe_core.data.framing import plain_text
 from moe_core.data.sources import to_messages
 from moe_core.finetune import expert_lora
 from moe_core.finetune.config import FinetuneConfig, FinetuneDivergedError, FinetuneError
-from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.finetune.methods import MethodPlan, expert_axes, unwrap
 from moe_core.finetune.parallel import ExpertGradients
 from moe_core.finetune.trainer_seam import PerRankCheckpoints
 from moe_core.progress import Progress
+from moe_core.train.optim import ExpertAdamW
 from moe_core.train.telemetry import RoutingStats
 
 
@@ -460,6 +461,18 @@ class _MoEMetrics:
         self._routing = (
             RoutingStats(len(cfg.moe_layer_ids), cfg.num_experts) if log_routing and cfg.num_experts else None
         )
+
+    def create_optimizer(self, model=None):
+        """The Trainer's AdamW (its parameter groups, its kwargs), as `ExpertAdamW` where LoRA adapts stacked
+        experts and ``optim.idle_experts`` is "hold": an expert that got no token in a step is not stepped."""
+        model = self.model if model is None else model
+        plan = getattr(self, "_plan", None)
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and plan is not None:
+            axes = expert_axes(model) if plan.idle_experts == "hold" else {}
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            if axes and optimizer_cls is torch.optim.AdamW:
+                self.optimizer_cls_and_kwargs = (ExpertAdamW, {**kwargs, "expert_axes": axes})
+        return super().create_optimizer(model)
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)

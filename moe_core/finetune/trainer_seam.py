@@ -24,6 +24,7 @@ from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.parallel import CheckpointStore
 from moe_core.finetune.selection_bias import load_router_bias_state, router_bias_state
 from moe_core.train.checkpoint import rng_state, set_rng_state
+from moe_core.train.optim import ExpertAdamW
 
 # the Trainer methods `PerRankCheckpoints` replaces, and the Trainer methods that call them (the seam test)
 REPLACED = ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state")
@@ -88,6 +89,15 @@ class PerRankCheckpoints:
         if checkpoint is None:
             return
         saved = self._rank_state(checkpoint)
+        # AdamW's state of the stacked experts' factors, per expert (`ExpertAdamW`) or per stack: as saved
+        per_expert = any("experts" in state for state in saved["optimizer"]["state"].values())
+        ours = isinstance(getattr(self.optimizer, "optimizer", self.optimizer), ExpertAdamW)
+        if per_expert != ours:
+            saved_as, running = ("hold", "step") if per_expert else ("step", "hold")
+            raise FinetuneError(
+                f"{checkpoint}: its optimizer state was saved with optim.idle_experts={saved_as} and this run has "
+                f"{running}; resume with --set optim.idle_experts={saved_as}"
+            )
         self.optimizer.load_state_dict(saved["optimizer"])
         self.lr_scheduler.load_state_dict(saved["scheduler"])
 

@@ -1,10 +1,14 @@
-"""The optimizer and the learning-rate schedule of a pretraining run (`Trainer` builds both from `TrainConfig`)."""
+"""The optimizer and the learning-rate schedule of a pretraining run (`Trainer` builds both from `TrainConfig`), and
+`ExpertAdamW`, the AdamW a fine-tune steps LoRA on stacked experts with (each expert its own parameter)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from torch.optim.adamw import adamw  # torch's functional AdamW (public: torch.optim.adamw.__all__)
 
 from moe_core.routing import Router
 from moe_core.train import parallel as par
@@ -87,3 +91,115 @@ def build_optimizer(
                 f"optim.fused=true: no fused AdamW for {device.type} here ({err}); set optim.fused=null"
             ) from None
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ per-expert AdamW
+@dataclass(frozen=True)
+class ExpertAxis:
+    """Where expert ``e``'s entries of a parameter that stacks ``experts`` experts lie: ``"rows"``, the e-th of
+    ``experts`` equal leading blocks (LoRA's ``A`` [E*R, I], a stack [E, O, I]); ``"columns"``, every E-th entry
+    starting at ``e`` (PEFT's LoRA ``B`` [O, R*E], whose column ``j*E + e`` is expert e's). ``module``: the
+    parameters of one experts module share it; an expert took tokens in a step when any of them has a non-zero
+    gradient there."""
+
+    experts: int
+    layout: Literal["rows", "columns"]
+    module: int
+
+    def per_expert(self, t_X: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``[E, X]``: expert e's entries in row e (a view: writes reach ``t``; strided for columns)."""
+        if self.layout == "rows":
+            return t_X.view(self.experts, -1)
+        return t_X.view(-1, self.experts).t()
+
+
+class ExpertAdamW(torch.optim.AdamW):
+    """AdamW (Loshchilov & Hutter 2019) in which each expert of a stacked parameter is its own parameter: an
+    expert whose entries got no gradient in a step (no token was routed to it, in any micro-batch: its gradient
+    there is exactly zero) is not stepped at all, its entries, moments and step count stay as they are, and its
+    moments exist only from its first gradient on. That is what torch's AdamW does to per-expert modules (a
+    module that got no token has no gradient: transformers 4's experts, PEFT's LoRA on them), and what one
+    AdamW step over the whole stack does not: there a zero gradient row still moves by its momentum and weight
+    decay, and every expert carries moments from the first step.
+
+    ``expert_axes``: the stacked parameters and where their experts lie (`ExpertAxis`); every other parameter
+    steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice. The experts stepped are views of the
+    stack (no copy), stepped by torch's functional AdamW (`torch.optim.adamw.adamw`, multi-tensor) with a state
+    of their own: ``state[p]["experts"][e]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` as AdamW holds them
+    for a parameter (``state[p]["step"]``: the steps the stack had a gradient in); ``state_dict`` /
+    ``load_state_dict`` carry it (checkpoints resume). `tests/test_expert_adamw.py` holds it to per-expert
+    parameters under torch's AdamW, bitwise.
+    """
+
+    def __init__(self, params, expert_axes: dict[torch.Tensor, ExpertAxis], **kwargs) -> None:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if kwargs.get(flag):
+                raise ValueError(f"ExpertAdamW: {flag}=True is not supported for stacked expert parameters")
+        super().__init__(params, **kwargs)
+        self.expert_axes = expert_axes
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stacked = [
+            (p, group)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None and p in self.expert_axes
+        ]
+        took: dict[int, torch.Tensor] = {}  # experts module -> [E] bool: the experts that got a gradient
+        for p, _ in stacked:
+            axis = self.expert_axes[p]
+            took_E = axis.per_expert(p.grad).ne(0).any(dim=1)
+            took[axis.module] = took_E if axis.module not in took else took[axis.module] | took_E
+        for p, group in stacked:
+            self._step_experts(p, group, took[self.expert_axes[p].module].nonzero().flatten().tolist())
+        # the rest by torch's AdamW, the stacked parameters' gradients out of its sight meanwhile
+        grads = {p: p.grad for p, _ in stacked}
+        for p in grads:
+            p.grad = None
+        try:
+            super().step()
+        finally:
+            for p, grad in grads.items():
+                p.grad = grad
+        return loss
+
+    def _step_experts(self, p: torch.Tensor, group: dict, ids: list[int]) -> None:
+        """torch's AdamW on experts ``ids`` of ``p``, each a parameter of its own (its moments made at its first
+        step, as AdamW makes a parameter's)."""
+        axis = self.expert_axes[p]
+        p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
+        state = self.state[p]
+        if not state:  # "step": the steps the stack had a gradient in (torch's Adam expects one in a state)
+            state["step"], state["experts"] = torch.tensor(0.0, dtype=torch.float32), {}
+        state["step"] += 1
+        experts = state["experts"]
+        for e in ids:
+            if e not in experts:
+                experts[e] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros(p_EX.shape[1], dtype=p.dtype, device=p.device),
+                    "exp_avg_sq": torch.zeros(p_EX.shape[1], dtype=p.dtype, device=p.device),
+                }
+        beta1, beta2 = group["betas"]
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        adamw(
+            [p_EX[e] for e in ids],
+            [g_EX[e] for e in ids],
+            [experts[e]["exp_avg"] for e in ids],
+            [experts[e]["exp_avg_sq"] for e in ids],
+            [],
+            [experts[e]["step"] for e in ids],
+            foreach=True,  # one kernel per operation over the experts, not a Python loop over them
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

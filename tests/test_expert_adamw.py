@@ -1,0 +1,234 @@
+"""`ExpertAdamW` (`moe_core.train.optim`): each expert of a stacked LoRA factor steps as its own parameter under
+torch's AdamW, as per-expert modules do (transformers 4 + PEFT); an expert without a gradient in a step is not
+stepped and holds no state; its state resumes exactly; and a LoRA fine-tune (``optim.idle_experts``) uses it."""
+
+import io
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_core.finetune import FinetuneConfig, finetune
+from moe_core.finetune.config import CONFIG_VERSION, FinetuneError
+from moe_core.finetune.methods import apply_method, expert_axes
+from moe_core.train.optim import ExpertAdamW, ExpertAxis
+from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+E, R, I, O = 6, 3, 10, 7  # experts, rank, in, out
+HYPER = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def stacked_factors(seed: int = 0):
+    """An expert stack's LoRA factors in PEFT's layout, one other (dense) parameter, and their axes."""
+    gen = torch.Generator().manual_seed(seed)
+    A_RI = torch.nn.Parameter(torch.randn(E * R, I, generator=gen))  # expert e: rows e*R .. e*R+R-1
+    B_OR = torch.nn.Parameter(torch.randn(O, R * E, generator=gen))  # expert e: columns j*E + e
+    dense = torch.nn.Parameter(torch.randn(5, 4, generator=gen))
+    axes = {A_RI: ExpertAxis(E, "rows", 0), B_OR: ExpertAxis(E, "columns", 0)}
+    return A_RI, B_OR, dense, axes
+
+
+def expert_slices(A_RI, B_OR):
+    """Per-expert parameters with the same values: what per-expert modules hold."""
+    A = [torch.nn.Parameter(A_RI.detach().view(E, R, I)[e].clone()) for e in range(E)]
+    B = [torch.nn.Parameter(B_OR.detach().view(O, R, E)[:, :, e].clone()) for e in range(E)]
+    return A, B
+
+
+def gradients(step: int, routed: list[int]):
+    """Random gradients on the routed experts, exact zeros elsewhere; at step 0 A's gradient is zero everywhere
+    (LoRA's B starts at zero, so a routed expert's A gets none): the expert still steps, by its B."""
+    gen = torch.Generator().manual_seed(100 + step)
+    gA_ERI, gB_OER = torch.randn(E, R, I, generator=gen), torch.randn(O, R, E, generator=gen)
+    idle = [e for e in range(E) if e not in routed]
+    gA_ERI[idle] = 0
+    gB_OER[:, :, idle] = 0
+    if step == 0:
+        gA_ERI.zero_()
+    return gA_ERI, gB_OER, torch.randn(5, 4, generator=gen)
+
+
+ROUTED = [[0, 2, 3], [2, 3, 5], [0, 1], [2], [0, 1, 2, 3, 4, 5], [4]]
+
+
+def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw():
+    A_RI, B_OR, dense, axes = stacked_factors()
+    ours = ExpertAdamW([{"params": [A_RI, B_OR, dense]}], expert_axes=axes, **HYPER)
+    A, B = expert_slices(A_RI, B_OR)
+    dense_ref = torch.nn.Parameter(dense.detach().clone())
+    reference = torch.optim.AdamW([*A, *B], foreach=True, **HYPER)  # the experts' kernels, as ExpertAdamW's
+    reference_dense = torch.optim.AdamW([dense_ref], **HYPER)
+    for step, routed in enumerate(ROUTED):
+        gA_ERI, gB_OER, g_dense = gradients(step, routed)
+        A_RI.grad, B_OR.grad, dense.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E), g_dense
+        for e in range(E):  # a per-expert module without a token has no gradient at all
+            A[e].grad = gA_ERI[e].clone() if e in routed else None
+            B[e].grad = gB_OER[:, :, e].clone() if e in routed else None
+        dense_ref.grad = g_dense.clone()
+        before_RI = A_RI.detach().clone()
+        ours.step()
+        reference.step()
+        reference_dense.step()
+        for e in range(E):  # bitwise
+            assert torch.equal(A_RI.detach().view(E, R, I)[e], A[e].detach())
+            assert torch.equal(B_OR.detach().view(O, R, E)[:, :, e], B[e].detach())
+            if e not in routed:  # not stepped: bitwise as it was
+                assert torch.equal(A_RI.detach().view(E, R, I)[e], before_RI.view(E, R, I)[e])
+        assert torch.equal(dense, dense_ref)  # every other parameter: torch's AdamW itself
+        assert A_RI.grad is not None  # the gradients are left for the caller's zero_grad
+        ours.zero_grad(set_to_none=True)
+
+
+def test_state_is_kept_only_for_experts_that_had_a_gradient_each_with_its_own_step_count():
+    A_RI, B_OR, _, axes = stacked_factors()
+    ours = ExpertAdamW([A_RI, B_OR], expert_axes=axes, **HYPER)
+    for step, routed in enumerate(ROUTED[:4]):
+        gA_ERI, gB_OER, _ = gradients(step, routed)
+        A_RI.grad, B_OR.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E)
+        ours.step()
+    experts = ours.state[A_RI]["experts"]
+    assert sorted(experts) == [0, 1, 2, 3, 5]  # expert 4 got no token yet: no moments
+    for e, state in experts.items():
+        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (R * I,)
+        assert state["step"].item() == sum(e in routed for routed in ROUTED[:4])  # its own step count
+    assert sorted(ours.state[B_OR]["experts"]) == [0, 1, 2, 3, 5]
+    A_RI.grad = B_OR.grad = None  # no gradient at all (zero_grad): nothing steps
+    saved = A_RI.detach().clone()
+    ours.step()
+    assert torch.equal(A_RI.detach(), saved)
+
+
+def test_the_state_dict_resumes_exactly():
+    def run(steps, start=None):
+        A_RI, B_OR, dense, axes = stacked_factors()
+        optimizer = ExpertAdamW([{"params": [A_RI, B_OR]}, {"params": [dense]}], expert_axes=axes, **HYPER)
+        if start is not None:
+            params, state = start
+            with torch.no_grad():
+                for p, saved in zip((A_RI, B_OR, dense), params, strict=True):
+                    p.copy_(saved)
+            optimizer.load_state_dict(state)
+        for step in steps:
+            gA_ERI, gB_OER, g_dense = gradients(step, ROUTED[step])
+            A_RI.grad, B_OR.grad, dense.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E), g_dense
+            optimizer.step()
+        return (A_RI, B_OR, dense), optimizer
+
+    whole, _ = run(range(6))
+    first, optimizer = run(range(3))
+    buffer = io.BytesIO()  # through bytes, as a checkpoint goes: torch.save, torch.load(weights_only=True)
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed, optimizer = run(range(3, 6), ([p.detach().clone() for p in first], saved))
+    assert optimizer.state[resumed[0]]["experts"][0]["step"].dtype == torch.float32
+    for a, b in zip(resumed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_amsgrad_and_the_like_are_refused_by_name():
+    A_RI, B_OR, _, axes = stacked_factors()
+    with pytest.raises(ValueError, match="amsgrad"):
+        ExpertAdamW([A_RI, B_OR], expert_axes=axes, amsgrad=True)
+
+
+def test_the_axes_of_a_lora_model_are_its_expert_factors_one_module_per_nest():
+    model, _ = apply_method(tiny_model(), FinetuneConfig.build({"lora": {"r": 2, "experts": "all"}}))
+    axes = expert_axes(model)
+    factors = {n: p for n, p in model.named_parameters() if "experts" in n and "lora_" in n}
+    assert set(map(id, axes)) == set(map(id, factors.values()))
+    layers = len(model.base_model.model.config.moe_layer_ids)
+    assert len({axis.module for axis in axes.values()}) == layers  # gate, up and down of a layer share one
+    for name, p in factors.items():
+        assert axes[p].layout == ("rows" if "lora_A" in name else "columns") and axes[p].experts == 4
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning
+@pytest.fixture(scope="module")
+def base_without_expert_3(tmp_path_factory):
+    """A model whose routers never choose expert 3 (a selection bias far below the others')."""
+    model = tiny_model("glm4moe-tiny")
+    with torch.no_grad():
+        for router in model.routers():
+            router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1e4]))
+    path = tmp_path_factory.mktemp("base") / "glm4moe-tiny"
+    model.save_pretrained(path)
+    return path
+
+
+def expert_A(out, expert: int) -> dict[str, torch.Tensor]:
+    """Every experts' ``lora_A`` rows of ``expert`` in the adapter a fine-tune wrote."""
+    weights = load_file(out / "adapter" / "adapter_model.safetensors")
+    return {
+        k: v.view(4, -1, v.shape[-1])[expert] for k, v in weights.items() if "experts" in k and "lora_A" in k
+    }
+
+
+@pytest.mark.parametrize("idle", ["hold", "step"])
+def test_a_lora_fine_tune_leaves_an_expert_without_tokens_as_it_was(base_without_expert_3, tmp_path, idle):
+    def run(steps, out):
+        config = FinetuneConfig.build(
+            {
+                "model": {"path": str(base_without_expert_3)},
+                "steps": steps,
+                "batch_size": 4,
+                "optim": {"lr": 5e-2, "weight_decay": 0.5, "idle_experts": idle},
+                "lora": {"r": 2, "experts": "all"},
+                "export": {"merged": False, "adapters": True},
+            }
+        )
+        finetune(config, out, tokenizer=tiny_tokenizer(), records=instruction_records(8))
+        return out
+
+    one, three = run(1, tmp_path / "one"), run(3, tmp_path / "three")
+    idle_one, idle_three = expert_A(one, 3), expert_A(three, 3)
+    routed_one, routed_three = expert_A(one, 0), expert_A(three, 0)
+    assert idle_one and all(not torch.equal(routed_one[k], routed_three[k]) for k in routed_one)
+    if idle == "hold":  # never stepped: its initialization, whatever the run's length
+        assert all(torch.equal(idle_one[k], idle_three[k]) for k in idle_one)
+    else:  # the stack steps as one tensor: the weight decay shrinks it at every step
+        for k in idle_one:
+            torch.testing.assert_close(idle_three[k], idle_one[k] * (1 - 5e-2 * 0.5) ** 2)
+
+
+def test_an_older_config_reads_as_it_trained():
+    assert CONFIG_VERSION == 4
+    assert FinetuneConfig.build({}).optim.idle_experts == "hold"
+    assert FinetuneConfig.build({"version": 3}).optim.idle_experts == "step"
+    assert (
+        FinetuneConfig.build({"version": 3, "optim": {"idle_experts": "hold"}}).optim.idle_experts == "hold"
+    )
+
+
+def test_a_resume_with_the_other_idle_experts_setting_is_refused_by_name(base_without_expert_3, tmp_path):
+    class Crash(RuntimeError):
+        pass
+
+    class CrashAtStep2:  # a metrics sink that fails the run at step 2 (the checkpoint of step 1 is complete)
+        def log(self, step, metrics):
+            if step == 2 and "loss" in metrics:
+                raise Crash
+
+    def config(idle):
+        return FinetuneConfig.build(
+            {
+                "model": {"path": str(base_without_expert_3)},
+                "steps": 3,
+                "batch_size": 4,
+                "optim": {"idle_experts": idle},
+                "lora": {"r": 2},
+                "checkpoint": {"every": 1},
+                "export": {"merged": False, "adapters": True},
+            }
+        )
+
+    run = dict(tokenizer=tiny_tokenizer(), records=instruction_records(8))
+    with pytest.raises(Crash):
+        finetune(config("hold"), tmp_path / "out", sinks=[CrashAtStep2()], **run)
+    with pytest.raises(
+        FinetuneError, match="saved with optim.idle_experts=hold .* --set optim.idle_experts=hold"
+    ):
+        finetune(config("step"), tmp_path / "out", resume=True, **run)
+    finetune(config("hold"), tmp_path / "out", resume=True, **run)
