@@ -221,9 +221,10 @@ class OptimSection(_Section):
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     grad_clip: float | None = Field(1.0, gt=0)
     # LoRA on stacked experts: an expert that got no token in an optimizer step. hold: not stepped, its factors,
-    # moments and step count stay (per-expert modules under torch's AdamW: transformers 4 + PEFT), moments kept
-    # only from an expert's first token on (`moe_core.train.optim.ExpertAdamW`); step: the stack steps as one
-    # tensor (a zero gradient row still moves by momentum and weight decay; moments for every expert)
+    # moments and step count stay, moments kept only from an expert's first token on (lazy Adam; transformers 4
+    # + PEFT on Mixtral or Qwen2-MoE, whose experts without tokens are not run; `moe_core.train.optim.ExpertAdamW`);
+    # step: the stack steps as one tensor (a zero gradient row still moves by momentum and weight decay; moments
+    # for every expert: transformers 4's OLMoE, which runs every expert)
     idle_experts: Literal["hold", "step"] = "hold"
 
 

@@ -117,10 +117,12 @@ class ExpertAdamW(torch.optim.AdamW):
     """AdamW (Loshchilov & Hutter 2019) in which each expert of a stacked parameter is its own parameter: an
     expert whose entries got no gradient in a step (no token was routed to it, in any micro-batch: its gradient
     there is exactly zero) is not stepped at all, its entries, moments and step count stay as they are, and its
-    moments exist only from its first gradient on. That is what torch's AdamW does to per-expert modules (a
-    module that got no token has no gradient: transformers 4's experts, PEFT's LoRA on them), and what one
+    moments exist only from its first gradient on: lazy Adam, as for an embedding's rows that were not looked
+    up. That is what torch's AdamW does to per-expert modules that are not run without tokens (transformers
+    4's Mixtral and Qwen2-MoE loop over the experts hit; PEFT's LoRA on them gets no gradient), and what one
     AdamW step over the whole stack does not: there a zero gradient row still moves by its momentum and weight
-    decay, and every expert carries moments from the first step.
+    decay, and every expert carries moments from the first step (as in transformers 4's OLMoE, which runs every
+    expert, on no tokens too).
 
     ``expert_axes``: the stacked parameters and where their experts lie (`ExpertAxis`); every other parameter
     steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice. The experts stepped are views of the
