@@ -157,8 +157,10 @@ class ExpertAdamW(torch.optim.AdamW):
             axis = self.expert_axes[p]
             took_E = axis.per_expert(p.grad).ne(0).any(dim=1)
             took[axis.module] = took_E if axis.module not in took else took[axis.module] | took_E
+        # read on the host at once (on a GPU: one wait for the device per step, not one per layer)
+        ids = dict(zip(took, _nonzero_lists(list(took.values())), strict=True))
         for p, group in stacked:
-            self._step_experts(p, group, took[self.expert_axes[p].module].nonzero().flatten().tolist())
+            self._step_experts(p, group, ids[self.expert_axes[p].module])
         # the rest by torch's AdamW, the stacked parameters' gradients out of its sight meanwhile
         grads = {p: p.grad for p, _ in stacked}
         for p in grads:
@@ -205,3 +207,15 @@ class ExpertAdamW(torch.optim.AdamW):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _nonzero_lists(masks: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of each bool mask's true entries, read from the device in one transfer."""
+    if not masks:
+        return []
+    flat = torch.cat(masks).cpu()
+    out, start = [], 0
+    for mask in masks:
+        out.append(flat[start : start + len(mask)].nonzero().flatten().tolist())
+        start += len(mask)
+    return out
