@@ -110,3 +110,19 @@ def assert_same_lora_step(
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], atol=tol, rtol=tol, msg=name)
     return grads
+
+
+class Crash(RuntimeError):
+    """What `CrashAt` raises: a run killed part way."""
+
+
+class CrashAt:
+    """A metrics sink that fails the run when step ``step`` logs its loss (the checkpoint of the step before is
+    complete): a crash to resume from."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def log(self, step, metrics) -> None:
+        if step == self.step and "loss" in metrics:
+            raise Crash

@@ -12,7 +12,7 @@ from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.finetune.config import CONFIG_VERSION, FinetuneError
 from moe_core.finetune.methods import apply_method, expert_axes
 from moe_core.train.optim import ExpertAdamW, ExpertAxis
-from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+from tests.finetune_helpers import Crash, CrashAt, instruction_records, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -203,14 +203,6 @@ def test_an_older_config_reads_as_it_trained():
 
 
 def test_a_resume_with_the_other_idle_experts_setting_is_refused_by_name(base_without_expert_3, tmp_path):
-    class Crash(RuntimeError):
-        pass
-
-    class CrashAtStep2:  # a metrics sink that fails the run at step 2 (the checkpoint of step 1 is complete)
-        def log(self, step, metrics):
-            if step == 2 and "loss" in metrics:
-                raise Crash
-
     def config(idle):
         return FinetuneConfig.build(
             {
@@ -226,7 +218,7 @@ def test_a_resume_with_the_other_idle_experts_setting_is_refused_by_name(base_wi
 
     run = dict(tokenizer=tiny_tokenizer(), records=instruction_records(8))
     with pytest.raises(Crash):
-        finetune(config("hold"), tmp_path / "out", sinks=[CrashAtStep2()], **run)
+        finetune(config("hold"), tmp_path / "out", sinks=[CrashAt(2)], **run)
     with pytest.raises(
         FinetuneError, match="saved with optim.idle_experts=hold .* --set optim.idle_experts=hold"
     ):

@@ -36,7 +36,14 @@ from moe_core.finetune.parallel import (
 )
 from moe_core.finetune.trainer_seam import REPLACED
 from moe_core.train import read_jsonl
-from tests.finetune_helpers import instruction_records, preference_records, tiny_model, tiny_tokenizer
+from tests.finetune_helpers import (
+    Crash,
+    CrashAt,
+    instruction_records,
+    preference_records,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -181,17 +188,9 @@ def test_four_processes_expert_and_data_parallel_dpo_equal_one_process(four, one
 
 @pytest.mark.slow
 def test_one_process_resumes_a_crashed_run(base, tmp_path, one_process):
-    class Crash(RuntimeError):
-        pass
-
-    class CrashAfter:  # a metrics sink that fails the run after step 3 (the checkpoint of step 2 is complete)
-        def log(self, step, metrics):
-            if step == 3 and "loss" in metrics:
-                raise Crash
-
     config = config_for(base, "grad_accum=2")
-    with pytest.raises(Crash):
-        finetune(config, tmp_path, sinks=[CrashAfter()])
+    with pytest.raises(Crash):  # after step 3: the checkpoint of step 2 is complete
+        finetune(config, tmp_path, sinks=[CrashAt(3)])
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINTS]
     with pytest.raises(FinetuneError, match="--resume"):  # the checkpoints are not silently replaced
         finetune(config, tmp_path)

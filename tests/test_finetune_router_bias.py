@@ -12,7 +12,7 @@ from moe_core.finetune import FinetuneConfig, finetune
 from moe_core.finetune.methods import unwrap
 from moe_core.finetune.parallel import CHECKPOINTS
 from moe_core.model import MoEForCausalLM
-from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
+from tests.finetune_helpers import Crash, CrashAt, instruction_records, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -114,14 +114,6 @@ def test_router_method_saves_the_moved_bias_in_the_merged_model(bases, tokenizer
 
 
 def test_a_resumed_run_keeps_the_bias_moved_before_the_crash(bases, tokenizer, tmp_path):
-    class Crash(RuntimeError):
-        pass
-
-    class CrashAfter:  # a metrics sink that fails the run at step 2 (the checkpoint of step 1 is complete)
-        def log(self, step, metrics):
-            if step == 2 and "loss" in metrics:
-                raise Crash
-
     base = bases / "deepseek-tiny"
     config = FinetuneConfig.build(
         {
@@ -138,7 +130,7 @@ def test_a_resumed_run_keeps_the_bias_moved_before_the_crash(bases, tokenizer, t
     records = instruction_records(8)
     whole = finetune(config, tmp_path / "whole", tokenizer=tokenizer, records=records)
     with pytest.raises(Crash):
-        finetune(config, tmp_path / "cut", tokenizer=tokenizer, records=records, sinks=[CrashAfter()])
+        finetune(config, tmp_path / "cut", tokenizer=tokenizer, records=records, sinks=[CrashAt(2)])
     assert sorted(p.name for p in (tmp_path / "cut" / CHECKPOINTS).iterdir()) == ["step_00000001"]
     resumed = finetune(config, tmp_path / "cut", tokenizer=tokenizer, records=records, resume=True)
     for a, b in zip(biases(resumed.model), biases(whole.model), strict=True):
