@@ -240,3 +240,35 @@ def test_optimum_gptq_route(tmp_path, capsys):
 
     hf = AutoModelForCausalLM.from_pretrained(out, device_map="cuda")
     assert not [n for n, m in hf.named_modules() if type(m) is torch.nn.Linear and ".experts." in n]
+
+
+@pytest.mark.parametrize("case", ["ours", "olmoe"])
+def test_round_to_nearest_quantizes_a_model_directory_while_it_streams_in(tmp_path, monkeypatch, case):
+    """``moe-lab quantize`` (round to nearest) of a model directory quantizes each expert slice as it streams in,
+    as QLoRA's base loads: it merged nothing and built the whole full-precision model first (19.3 GiB for the
+    12.9 GiB OLMoE-1B-7B; a model larger than memory could not be quantized). The output is the one quantizing
+    the loaded model gives: the same codes, scales, other weights, config and report."""
+    from safetensors.torch import load_file
+
+    from moe_core import load
+    from moe_core.inference.quantize import weight_only
+    from tests.test_mmap_base import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", case, torch.bfloat16)
+    config = QuantConfig(bits=4, group_size=16)
+    loaded = load(source, dtype=torch.float32)  # as the command reads a small model
+    reference = quantize_experts(loaded.model, config)
+    save_quantized(loaded.model, tmp_path / "reference", config, reference, companions_from=source)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the full-precision model was loaded")
+
+    monkeypatch.setattr(weight_only, "load", never)
+    report = weight_only.quantize_checkpoint(source, tmp_path / "streamed", config)
+    assert report.to_dict() == reference.to_dict()
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("streamed", "reference"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    for file in ("config.json", "quantization.json"):
+        assert (tmp_path / "streamed" / file).read_text() == (tmp_path / "reference" / file).read_text()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,7 +24,8 @@ from moe_core.fileio import check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import load
+from moe_core.loading import MAPPABLE, detect, load
+from moe_core.model import MoEForCausalLM
 from moe_core.quantized import (
     QuantConfig,
     QuantizationError,
@@ -31,6 +33,7 @@ from moe_core.quantized import (
     QuantReport,
     check_experts_quantized,
     expert_modules,
+    load_quantizing_experts,
     save_quantized,
 )
 
@@ -90,7 +93,10 @@ def quantize_checkpoint(
 ) -> QuantReport:
     """`moe-lab quantize`: load a checkpoint, quantize its experts, save (staged: ``out_dir`` is the old result
     or the new one, never a mix; a non-empty ``out_dir`` is replaced only with ``overwrite``). GPTQ and AWQ
-    calibrate on ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``."""
+    calibrate on ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``.
+    Round to nearest on a model directory (ours, a pruned one or a Hugging Face one) quantizes while the
+    checkpoint streams in (`load_quantizing_experts`, as QLoRA's base): the same codes, and memory for the
+    quantized model only."""
     check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
     if calibration is None and data_dir is not None:
         calibration = calibration_batches(data_dir)
@@ -99,11 +105,38 @@ def quantize_checkpoint(
             f"--method {config.method} calibrates on real text: pass --data DIR (a "
             "prepared-data directory, moe-lab data prepare)"
         )
-    # a fine-tune's adapter merged in
-    loaded = load(model_dir, dtype=read_dtype(model_dir, "quantize"), merged=True)
-    model = loaded.model
-    report = quantize_experts(model, config, calibration)
-    # the tokenizer and generation defaults travel along (a training run's or checkpoint's tokenizer is the data's)
-    companions = loaded.tokenizer_dir or loaded.path
+    dtype = read_dtype(model_dir, "quantize")
+    if config.method == "rtn" and detect(model_dir) in MAPPABLE:
+        # a model directory, round to nearest: quantized while it streams in, one expert slice at a time; the
+        # full-precision experts are never in memory (a model larger than memory quantizes too)
+        model = load_quantizing_experts(model_dir, config, dtype)
+        report = _streamed_report(model, config, dtype)
+        companions = Path(model_dir)
+    else:
+        # calibrated (its forward passes need the full-precision experts), or a fine-tune's adapter merged in
+        loaded = load(model_dir, dtype=dtype, merged=True)
+        model = loaded.model
+        report = quantize_experts(model, config, calibration)
+        # the tokenizer and generation defaults travel along (a run's or checkpoint's tokenizer is the data's)
+        companions = loaded.tokenizer_dir or loaded.path
     save_quantized(model, out_dir, config, report, companions_from=companions, overwrite=overwrite)
+    return report
+
+
+def _streamed_report(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> QuantReport:
+    """`quantize_experts`' report for a model whose experts were quantized while loading: the full-precision
+    model's counts and bytes from its shapes (built on the meta device: no storage)."""
+    with torch.device("meta"):
+        dense = MoEForCausalLM._from_config(model.config, dtype=dtype)
+    stacks = [(m.num_experts, [w for w in m.stacks() if w is not None]) for _, m in expert_modules(dense)]
+    report = QuantReport(
+        config.bits,
+        config.method,
+        params_total=sum(p.numel() for p in dense.parameters()),
+        params_quantized=sum(w.numel() for _, ws in stacks for w in ws),
+        bytes_before=_weight_bytes(dense),
+        bytes_after=_weight_bytes(model),
+        experts_quantized=sum(E for E, _ in stacks),
+    )
+    check_experts_quantized(model)
     return report
