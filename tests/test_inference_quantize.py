@@ -242,8 +242,8 @@ def test_optimum_gptq_route(tmp_path, capsys):
     assert not [n for n, m in hf.named_modules() if type(m) is torch.nn.Linear and ".experts." in n]
 
 
-@pytest.mark.parametrize("case", ["ours", "olmoe"])
-def test_round_to_nearest_quantizes_a_model_directory_while_it_streams_in(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case, large", [("ours", False), ("olmoe", False), ("olmoe", True)])
+def test_round_to_nearest_quantizes_a_model_directory_while_it_streams_in(tmp_path, monkeypatch, case, large):
     """``moe-lab quantize`` (round to nearest) of a model directory quantizes each expert slice as it streams in,
     as QLoRA's base loads: it merged nothing and built the whole full-precision model first (19.3 GiB for the
     12.9 GiB OLMoE-1B-7B; a model larger than memory could not be quantized). The output is the one quantizing
@@ -251,12 +251,17 @@ def test_round_to_nearest_quantizes_a_model_directory_while_it_streams_in(tmp_pa
     from safetensors.torch import load_file
 
     from moe_core import load
+    from moe_core.finetune import sizing
     from moe_core.inference.quantize import weight_only
     from tests.test_mmap_base import write_checkpoint
 
     source = write_checkpoint(tmp_path / "source", case, torch.bfloat16)
     config = QuantConfig(bits=4, group_size=16)
-    loaded = load(source, dtype=torch.float32)  # as the command reads a small model
+    if (
+        large
+    ):  # above 1 B parameters (here 1,000) the command reads the stored dtype: the report counts its bytes
+        monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)
+    loaded = load(source, dtype=None if large else torch.float32)  # as the command reads the model
     reference = quantize_experts(loaded.model, config)
     save_quantized(loaded.model, tmp_path / "reference", config, reference, companions_from=source)
 

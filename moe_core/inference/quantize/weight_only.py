@@ -110,7 +110,7 @@ def quantize_checkpoint(
         # a model directory, round to nearest: quantized while it streams in, one expert slice at a time; the
         # full-precision experts are never in memory (a model larger than memory quantizes too)
         model = load_quantizing_experts(model_dir, config, dtype)
-        report = _streamed_report(model, config, dtype)
+        report = _streamed_report(model, config)
         companions = Path(model_dir)
     else:
         # calibrated (its forward passes need the full-precision experts), or a fine-tune's adapter merged in
@@ -123,11 +123,12 @@ def quantize_checkpoint(
     return report
 
 
-def _streamed_report(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> QuantReport:
+def _streamed_report(model: nn.Module, config: QuantConfig) -> QuantReport:
     """`quantize_experts`' report for a model whose experts were quantized while loading: the full-precision
-    model's counts and bytes from its shapes (built on the meta device: no storage)."""
+    model's counts and bytes from its shapes, in the dtype its other weights were read in (built on the meta
+    device: no storage)."""
     with torch.device("meta"):
-        dense = MoEForCausalLM._from_config(model.config, dtype=dtype)
+        dense = MoEForCausalLM._from_config(model.config, dtype=model.get_input_embeddings().weight.dtype)
     stacks = [(m.num_experts, [w for w in m.stacks() if w is not None]) for _, m in expert_modules(dense)]
     report = QuantReport(
         config.bits,
