@@ -10,6 +10,7 @@ import torch
 from moe_core import MoEForCausalLM, get_config
 from moe_core.inference.expert_cache import ExpertCacheError, offload_experts
 from moe_core.inference.prune import PruneConfig, PruneError, collect_usage, prune_experts, usage_from_profile
+from moe_core.mapped import save_streaming
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -147,3 +148,45 @@ def test_cache_errors_clearly(tmp_path):
         offload_experts(model, tmp_path / "a", capacity=0)
     with pytest.raises(ExpertCacheError, match="write=True"):
         offload_experts(model_of(), tmp_path / "nothing", capacity=2, write=False)
+
+
+@pytest.mark.parametrize("criterion", ["frequency", "reap"])
+def test_a_large_model_directory_is_pruned_from_its_memory_mapping(tmp_path, monkeypatch, criterion):
+    """``moe-lab prune`` of the full OLMoE-1B-7B loaded the whole 12.9 GiB model and copied the kept experts
+    (a 19.6 GiB peak); a model larger than memory could not be pruned. Above 1 B parameters (here 1,000) a
+    model directory stays memory-mapped: the calibration runs on the mapping, the kept experts stay the file's
+    tensors and are written a stack at a time. The output is the one pruning the loaded model gives."""
+    from safetensors.torch import load_file
+
+    from moe_core import load
+    from moe_core.finetune import sizing
+    from moe_core.inference import prune as prune_module
+    from moe_core.inference.prune import collect_saliency, prune_checkpoint
+    from moe_core.mapped import is_file_backed
+    from tests.test_mmap_base import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", "olmoe", torch.bfloat16)
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    config = PruneConfig(keep_experts=2, criterion=criterion)
+    model = load(source).model  # the reference: loaded whole, in its stored bf16
+    saliency = collect_saliency(model, batches) if criterion == "reap" else None
+    reference, _ = prune_experts(model, collect_usage(model, batches), config, saliency)
+    reference.save_pretrained(tmp_path / "reference")
+
+    monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)
+    streamed = []
+    monkeypatch.setattr(
+        prune_module, "save_streaming", lambda *a: streamed.append(a[0]) or save_streaming(*a)
+    )
+    prune_checkpoint(source, None, tmp_path / "pruned", config, batches)
+    (pruned_model,) = streamed  # written from the mapping
+    experts = pruned_model.model.layers[0].mlp.experts
+    assert experts.num_experts == reference.config.num_experts < model.config.num_experts
+    assert is_file_backed(experts.up_proj_0, next(source.glob("*.safetensors")))
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("pruned", "reference"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    assert (tmp_path / "pruned" / "config.json").read_text() == (
+        tmp_path / "reference" / "config.json"
+    ).read_text()

@@ -53,13 +53,18 @@ from moe_core.analytics.profile import RouterProfile
 from moe_core.config import MoEConfig
 from moe_core.convert import copy_companion_files
 from moe_core.errors import MoELabError
-from moe_core.experts import PROJECTIONS, GroupedExperts
+from moe_core.experts import PROJECTIONS, StackedExperts
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_pass
-from moe_core.loading import PRUNE_FILE, load
+from moe_core.loading import MAPPABLE, PRUNE_FILE, detect, load
+from moe_core.mapped import MappedExperts, save_streaming
 from moe_core.model import MoEForCausalLM, materialize_unsaved
 from moe_core.routing import pruned_mass_matters
+
+# the largest safetensors file written: from a memory-mapped model each shard's stacks are made in memory while
+# it is written, so this bounds that copy (transformers' save_pretrained default, 50 GB, would be the model)
+SHARD_BYTES = 2 * 10**9
 
 
 class PruneError(MoELabError):
@@ -163,8 +168,8 @@ def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.
     counts = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
     hooks = []
     for layer_id, experts in layers.items():
-        if not isinstance(experts, GroupedExperts):
-            raise PruneError(f"layer {layer_id} has no GroupedExperts (an offloaded or dense model?)")
+        if not isinstance(experts, StackedExperts):
+            raise PruneError(f"layer {layer_id} has no stacked experts (an offloaded or dense model?)")
 
         def hook(module, args, _out, layer_id=layer_id):
             x_TD, record = args[0], args[1]
@@ -228,8 +233,9 @@ def choose_experts(scores: dict[int, torch.Tensor], config, prune: PruneConfig) 
 @torch.no_grad()
 def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None):
     """A new, smaller `MoEForCausalLM` keeping each layer's highest-ranked experts; returns (model, report). The
-    tensors pruning does not cut (attention, norms, embeddings, dense layers) are ``model``'s own, shared, not
-    copied: train one of the two and the other changes too (``copy.deepcopy`` first to keep both apart).
+    tensors pruning does not cut (attention, norms, embeddings, dense layers), and the kept experts of memory-mapped
+    `MappedExperts` (the file's tensors, renumbered), are ``model``'s own, shared, not copied: train one of the two
+    and the other changes too (``copy.deepcopy`` first to keep both apart).
 
     ``usage``: routed slots per layer (ranks experts for ``criterion="frequency"``, weights merges, and gives
     the report's kept share); ``saliency``: `collect_saliency`'s REAP scores, required for ``"reap"``."""
@@ -280,18 +286,35 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
     )
     layers = model.model.layers
     for name, tensor in state.items():
-        new_state[name] = tensor
+        if not _mapped_expert_weight(model, name):  # those go in below, the kept ones under their new index
+            new_state[name] = tensor
     for layer_id, ids in kept.items():
         prefix = f"model.layers.{layer_id}.mlp."
         index = torch.tensor(ids)
         experts = layers[layer_id].mlp.experts
-        stacks = {p: getattr(experts, p).detach() for p in PROJECTIONS if getattr(experts, p) is not None}
-        for p in PROJECTIONS:  # gpt-oss's expert biases [E, O]: kept (or merged) with their experts
-            if experts.bias_stack(p) is not None:
-                stacks[f"{p}_bias"] = experts.bias_stack(p).detach()
-        if prune.merge_similar:  # merges into the kept rows in place: on a copy of the stacks
-            stacks = {p: stack.clone() for p, stack in stacks.items()}
-            report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
+        biases = {
+            f"{p}_bias": experts.bias_stack(p).detach()
+            for p in PROJECTIONS
+            if experts.bias_stack(p) is not None
+        }
+        if isinstance(experts, MappedExperts) and not prune.merge_similar:
+            # one tensor per expert, the file's: the kept ones, renumbered, still the file's (no copy)
+            _keep_mapped(new_model, layer_id, experts, ids)
+            for j, e in enumerate(ids):
+                for p in experts.projections:
+                    new_state[f"{prefix}experts.{p}_{j}"] = getattr(experts, f"{p}_{e}")
+            stacks = biases  # gpt-oss's expert biases [E, O], a few numbers per expert: copied
+        else:
+            if isinstance(experts, MappedExperts):  # merging reads every expert as one stack: a copy
+                stacks = {p: torch.stack(experts.weights(p)) for p in experts.projections}
+            else:
+                stacks = {
+                    p: getattr(experts, p).detach() for p in PROJECTIONS if getattr(experts, p) is not None
+                }
+            stacks.update(biases)  # gpt-oss's expert biases [E, O]: kept (or merged) with their experts
+            if prune.merge_similar:  # merges into the kept rows in place: on a copy of the stacks
+                stacks = {p: stack.clone() for p, stack in stacks.items()}
+                report.merged_into[layer_id] = _merge(stacks, usage[layer_id], ids)
         for p, stack in stacks.items():
             new_state[f"{prefix}experts.{p}"] = stack.index_select(0, index)
         pruned_rows = prefix + "router.pruned_gate_weight"
@@ -322,6 +345,30 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
     report.params_before = sum(p.numel() for p in model.parameters())
     report.params_after = sum(p.numel() for p in new_model.parameters())
     return new_model, report
+
+
+def _mapped_expert_weight(model, name: str) -> bool:
+    """Whether state-dict entry ``name`` is one expert's weight of `MappedExperts` (``...experts.{p}_{e}``)."""
+    prefix, _, leaf = name.rpartition(".")
+    p, _, e = leaf.rpartition("_")
+    return e.isdigit() and isinstance(model.get_submodule(prefix), MappedExperts)
+
+
+def _keep_mapped(new_model, layer_id: int, experts: MappedExperts, ids: list[int]) -> None:
+    """Layer ``layer_id`` of the pruned model (on the meta device) as `MappedExperts` of the ``ids`` experts, to
+    hold the kept experts' file-mapped tensors as they are."""
+    mlp = new_model.model.layers[layer_id].mlp
+    bias_dtype = getattr(experts, f"{experts.projections[0]}_0").dtype
+    with torch.device("meta"):
+        mlp.experts = MappedExperts(
+            len(ids),
+            experts.activation,
+            experts.shapes,
+            experts.impl,
+            experts.max_slots,
+            **experts.ffn_options(),
+            bias_dtype=bias_dtype,
+        )
 
 
 def _merge(stacks: dict[str, torch.Tensor], counts_E: torch.Tensor, kept: list[int]) -> dict[int, int]:
@@ -371,14 +418,20 @@ def prune_checkpoint(
             "--criterion reap measures expert outputs on calibration data: pass --data DIR "
             "(a prepared-data directory)"
         )
-    # a fine-tune's adapter merged in
-    loaded = load(model_dir, dtype=read_dtype(model_dir, "prune"), merged=True)
+    dtype = read_dtype(model_dir, "prune")
+    # a large model directory stays memory-mapped (its kept experts are written from the file, a stack at a
+    # time: the model is never copied); otherwise loaded, a fine-tune's adapter merged in
+    mapped = dtype is None and detect(model_dir) in MAPPABLE and not prune.merge_similar
+    loaded = load(model_dir, dtype=dtype, memory_map=mapped, merged=True)
     model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
     saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
     new_model, report = prune_experts(model, usage, prune, saliency)
     with atomic_directory(out_dir, overwrite, PruneError) as tmp:
-        new_model.save_pretrained(tmp)
+        if any(isinstance(m, MappedExperts) for m in new_model.modules()):
+            save_streaming(new_model, tmp, SHARD_BYTES)  # save_pretrained's files, a shard's stacks at a time
+        else:
+            new_model.save_pretrained(tmp, max_shard_size=SHARD_BYTES)
         # a training run or checkpoint keeps its tokenizer elsewhere (the data's): `load` knows where
         copy_companion_files(loaded.tokenizer_dir or loaded.path, tmp)
         # the marker moe_core.load tells a pruned model by, and what the pruning kept
