@@ -58,7 +58,7 @@ from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import MAPPABLE, PRUNE_FILE, detect, load
-from moe_core.mapped import MappedExperts, save_streaming
+from moe_core.mapped import MappedExperts, mapping_refusal, save_streaming
 from moe_core.model import MoEForCausalLM, materialize_unsaved
 from moe_core.routing import pruned_mass_matters
 
@@ -419,9 +419,14 @@ def prune_checkpoint(
             "(a prepared-data directory)"
         )
     dtype = read_dtype(model_dir, "prune")
-    # a large model directory stays memory-mapped (its kept experts are written from the file, a stack at a
-    # time: the model is never copied); otherwise loaded, a fine-tune's adapter merged in
-    mapped = dtype is None and detect(model_dir) in MAPPABLE and not prune.merge_similar
+    # a large model directory stays memory-mapped where it can (its kept experts are written from the file, a
+    # shard at a time: the model is never copied); otherwise loaded, a fine-tune's adapter merged in
+    mapped = (
+        dtype is None
+        and detect(model_dir) in MAPPABLE
+        and not prune.merge_similar
+        and mapping_refusal(model_dir) is None
+    )
     loaded = load(model_dir, dtype=dtype, memory_map=mapped, merged=True)
     model = loaded.model
     usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
