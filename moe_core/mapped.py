@@ -91,6 +91,33 @@ class MappedExperts(StackedExperts):
         self.init_frozen_biases(shapes, bias, bias_dtype)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
+    @classmethod
+    def shaped_like(
+        cls, experts: StackedExperts, bias_dtype: torch.dtype | None, num_experts: int | None = None
+    ) -> MappedExperts:
+        """Placeholders of ``experts``' structure (``num_experts`` of them, default as many), to be given the
+        file's tensors (`set_expert`, or a state dict with ``assign``): built on the meta device by the loader and
+        by pruning."""
+        return cls(
+            experts.num_experts if num_experts is None else num_experts,
+            experts.activation,
+            experts.projection_shapes(),
+            experts.impl,
+            experts.max_slots,
+            **experts.ffn_options(),
+            bias_dtype=bias_dtype,
+        )
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{projection: (O, I)}``: one expert's weight shape per projection it has."""
+        return dict(self.shapes)
+
+    def expert_weight(self, leaf: str) -> tuple[str, int] | None:
+        """``(projection, expert)`` of a parameter name ``{projection}_{e}`` of this module; None for any other
+        (a bias)."""
+        p, _, e = leaf.rpartition("_")
+        return (p, int(e)) if e.isdigit() and p in self.projections else None
+
     def stack_shape(self, name: str) -> tuple[int, int, int]:
         """``(E, O, I)``: the shape of the ``name`` stack these tensors stand for (PEFT's factor shapes)."""
         return (self.num_experts, *self.shapes[name])
@@ -254,18 +281,7 @@ def load_mapped(path: str | os.PathLike, dtype: torch.dtype | str | None = None)
     model, dtype = opened.model, opened.dtype
     if opened.arch is not None:  # one tensor per expert in the files: kept as they are
         with torch.device("meta"):
-            replace_experts(
-                model,
-                lambda dense: MappedExperts(
-                    dense.num_experts,
-                    dense.activation,
-                    dense.projection_shapes(),
-                    dense.impl,
-                    dense.max_slots,
-                    **dense.ffn_options(),
-                    bias_dtype=dtype,
-                ),
-            )
+            replace_experts(model, lambda dense: MappedExperts.shaped_like(dense, dtype))
     state = model.state_dict(keep_vars=True)  # meta placeholders: names, shapes and dtypes
     with torch.no_grad():
         for ours, e, name, source in stream_weights(opened.reader, opened.plan):
@@ -342,9 +358,10 @@ def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_
     for name, tensor in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = name.rpartition(".")
         module = model.get_submodule(prefix) if prefix else model
-        p, _, e = leaf.rpartition("_")
-        if isinstance(module, MappedExperts) and e.isdigit() and p in module.projections:
-            if e == "0":  # the projection's stack, in place of its E per-expert tensors
+        owned = module.expert_weight(leaf) if isinstance(module, MappedExperts) else None
+        if owned is not None:
+            p, e = owned
+            if e == 0:  # the projection's stack, in place of its E per-expert tensors
                 shape = module.stack_shape(p)
                 plan.append(
                     (f"{prefix}.{p}", shape, tensor.element_size() * tensor.numel() * shape[0], (module, p))

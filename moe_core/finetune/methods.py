@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -336,7 +336,9 @@ class MethodPlan:
     lora_mask: ExpertLoraMask | None = None
     expert_freeze: ExpertRowFreeze | None = None
     task_bias: TaskRouterBias | None = None
-    idle_experts: str = "step"  # optim.idle_experts: how the optimizer treats experts that got no token
+    idle_experts: Literal["hold", "step"] = (
+        "hold"  # optim.idle_experts: how the optimizer treats experts with no token
+    )
 
 
 def apply_method(

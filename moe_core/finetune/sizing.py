@@ -30,8 +30,6 @@ from moe_core.finetune.config import FinetuneConfig, FinetuneError
 # recomputing them costs ~30% of a step; and a merged copy is then a multi-GB write per export, where the
 # adapter is MBs. The toy and lab-sized models (a few M to a few hundred M) keep the old defaults.
 LARGE_MODEL_PARAMS = 1_000_000_000
-
-
 # Activations above 4 GiB for one micro-batch also turn checkpointing on (long sequences on a mid-sized model).
 LARGE_ACTIVATION_BYTES = 4 * 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -299,18 +299,19 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
         }
         if isinstance(experts, MappedExperts) and not prune.merge_similar:
             # one tensor per expert, the file's: the kept ones, renumbered, still the file's (no copy)
-            _keep_mapped(new_model, layer_id, experts, ids)
+            bias_dtype = getattr(experts, f"{experts.projections[0]}_0").dtype
+            with torch.device("meta"):  # placeholders: the kept tensors are assigned below
+                new_model.model.layers[layer_id].mlp.experts = MappedExperts.shaped_like(
+                    experts, bias_dtype, num_experts=len(ids)
+                )
             for j, e in enumerate(ids):
                 for p in experts.projections:
                     new_state[f"{prefix}experts.{p}_{j}"] = getattr(experts, f"{p}_{e}")
             stacks = biases  # gpt-oss's expert biases [E, O], a few numbers per expert: copied
-        else:
-            if isinstance(experts, MappedExperts):  # merging reads every expert as one stack: a copy
-                stacks = {p: torch.stack(experts.weights(p)) for p in experts.projections}
-            else:
-                stacks = {
-                    p: getattr(experts, p).detach() for p in PROJECTIONS if getattr(experts, p) is not None
-                }
+        else:  # the [E, O, I] stacks (mapped experts, merged: stacked into a copy)
+            stacks = {
+                p: w.detach() for p, w in zip(PROJECTIONS, experts.stacks(), strict=True) if w is not None
+            }
             stacks.update(biases)  # gpt-oss's expert biases [E, O]: kept (or merged) with their experts
             if prune.merge_similar:  # merges into the kept rows in place: on a copy of the stacks
                 stacks = {p: stack.clone() for p, stack in stacks.items()}
@@ -350,25 +351,8 @@ def prune_experts(model, usage, prune: PruneConfig | None = None, saliency=None)
 def _mapped_expert_weight(model, name: str) -> bool:
     """Whether state-dict entry ``name`` is one expert's weight of `MappedExperts` (``...experts.{p}_{e}``)."""
     prefix, _, leaf = name.rpartition(".")
-    p, _, e = leaf.rpartition("_")
-    return e.isdigit() and isinstance(model.get_submodule(prefix), MappedExperts)
-
-
-def _keep_mapped(new_model, layer_id: int, experts: MappedExperts, ids: list[int]) -> None:
-    """Layer ``layer_id`` of the pruned model (on the meta device) as `MappedExperts` of the ``ids`` experts, to
-    hold the kept experts' file-mapped tensors as they are."""
-    mlp = new_model.model.layers[layer_id].mlp
-    bias_dtype = getattr(experts, f"{experts.projections[0]}_0").dtype
-    with torch.device("meta"):
-        mlp.experts = MappedExperts(
-            len(ids),
-            experts.activation,
-            experts.shapes,
-            experts.impl,
-            experts.max_slots,
-            **experts.ffn_options(),
-            bias_dtype=bias_dtype,
-        )
+    module = model.get_submodule(prefix)
+    return isinstance(module, MappedExperts) and module.expert_weight(leaf) is not None
 
 
 def _merge(stacks: dict[str, torch.Tensor], counts_E: torch.Tensor, kept: list[int]) -> dict[int, int]:
