@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_core import torch_seam
 from moe_core.frozen_linear import frozen_linear, recomputed_grouped_mm, share_hooks
 from moe_core.routing import RoutingRecord
 
@@ -297,7 +298,7 @@ def impl_under_capture(x_TD: torch.Tensor, grouped_mm_ok) -> str | None:
       hidden 1024 and width 512, 3.48 s against 1.56, 1.60 eager; only at toy widths in bf16 can its few wide
       matmuls win, benchmarks/README.md). A caller that needs one graph (``fullgraph=True``) names ``static``.
     """
-    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting():
+    if torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch_seam.is_exporting():
         return "static"
     if not torch.compiler.is_compiling():
         return None

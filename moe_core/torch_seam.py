@@ -7,10 +7,11 @@ parameters it must neither broadcast nor all-reduce; expert-parallel shards are 
 bytecode dynamo produces for a frame), ``torch/_dynamo/config.py`` (``automatic_dynamic_shapes``), the
 ``__compiled_fn_*`` / ``__resume_at_*`` globals dynamo installs beside a compiled function's bytecode, and
 ``torch/_inductor/output_code.py`` (``CompiledFxGraph.current_callable`` and ``mutated_input_idxs``: the
-compiled graph under AOT autograd's runtime wrapper). ``tests/test_torch_seam.py`` fails when any of them
-moves. Everything else in the lab uses torch's public API.
+compiled graph under AOT autograd's runtime wrapper), and ``torch/compiler/__init__.py``
+(``_is_exporting_flag``). ``tests/test_torch_seam.py`` fails when any of them moves. Everything else in the
+lab uses torch's public API.
 
-Three uses:
+Four uses:
 - `ddp_ignore` keeps DDP off the rank-local expert shards (`moe_core.train.parallel.wrap_data_parallel`, the
   fine-tune's `moe_core.finetune.parallel.leave_experts_to_us`): their gradients are reduced by the lab itself.
 - `bytecode_of` and `global_reads` let `compile_steps` read what dynamo compiled, to refuse a step that would
@@ -21,6 +22,8 @@ Three uses:
   they took an olmoe-small batch-1 decode step from 73% to 94% of the memory bound
   (``benchmarks/decode_dispatch.py``, benchmarks/README.md); a torch upgrade can break them, which is why they
   are not the default.
+- `is_exporting` tells torch.export from torch.compile inside a traced forward (`moe_core.experts.
+  impl_under_capture`): ``torch.compiler.is_exporting()`` does not in torch 2.11.
 """
 
 from __future__ import annotations
@@ -244,3 +247,11 @@ def ddp_ignore(model: nn.Module, names: list[str]) -> None:
     """Make a `DistributedDataParallel` built around ``model`` afterwards skip the parameters and buffers named
     ``names`` (fully qualified): no broadcast at construction, no all-reduce in backward."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def is_exporting() -> bool:
+    """Whether torch.export is tracing: the flag torch.export sets around its trace, read as a module global
+    (under dynamo a guarded constant). Not ``torch.compiler.is_exporting()``: dynamo in torch 2.11 folds that
+    call to True under every torch.compile (torch 2.13 reads this flag instead), which sent compiled training
+    down the experts' static path on an H100's torch 2.11 (`tests/test_gpu.py`, 2026-11-28)."""
+    return bool(torch.compiler._is_exporting_flag)

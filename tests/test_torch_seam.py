@@ -59,3 +59,22 @@ def test_ddp_skips_the_parameters_the_seam_names(tmp_path):
         assert model[0].weight.grad is not None and model[1].weight.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_is_exporting_tells_torch_export_from_torch_compile():
+    """`is_exporting` (torch/compiler/__init__.py ``_is_exporting_flag``): True while torch.export traces a
+    forward, False eagerly and under torch.compile, read inside the traced code."""
+    assert isinstance(torch.compiler._is_exporting_flag, bool)
+
+    class Branch(torch.nn.Module):
+        def forward(self, x):
+            return x + (1.0 if torch_seam.is_exporting() else 2.0)
+
+    x = torch.zeros(3)
+    assert Branch()(x).tolist() == [2.0] * 3
+    torch.compiler.reset()
+    assert torch.compile(Branch(), backend="eager", fullgraph=True)(x).tolist() == [2.0] * 3
+    exported = torch.export.export(Branch(), (x,))
+    assert exported.module()(x).tolist() == [1.0] * 3
+    for strict in (True, False):
+        assert torch.export.export(Branch(), (x,), strict=strict).module()(x).tolist() == [1.0] * 3
