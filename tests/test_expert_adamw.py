@@ -53,9 +53,11 @@ def gradients(step: int, routed: list[int]):
 ROUTED = [[0, 2, 3], [2, 3, 5], [0, 1], [2], [0, 1, 2, 3, 4, 5], [4]]
 
 
-def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw():
+@pytest.mark.parametrize("masked", [False, True], ids=["per-expert", "masked"])
+def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw(masked):
+    """Both paths: the CPU's expert by expert, and the accelerators' masked update over the whole stack."""
     A_RI, B_OR, dense, axes = stacked_factors()
-    ours = ExpertAdamW([{"params": [A_RI, B_OR, dense]}], expert_axes=axes, **HYPER)
+    ours = ExpertAdamW([{"params": [A_RI, B_OR, dense]}], expert_axes=axes, masked=masked, **HYPER)
     A, B = expert_slices(A_RI, B_OR)
     dense_ref = torch.nn.Parameter(dense.detach().clone())
     reference = torch.optim.AdamW([*A, *B], foreach=True, **HYPER)  # the experts' kernels, as ExpertAdamW's
@@ -100,10 +102,31 @@ def test_state_is_kept_only_for_experts_that_had_a_gradient_each_with_its_own_st
     assert torch.equal(A_RI.detach(), saved)
 
 
-def test_the_state_dict_resumes_exactly():
-    def run(steps, start=None):
+def test_the_masked_path_keeps_stack_shaped_moments_and_each_expert_s_step_count():
+    A_RI, B_OR, _, axes = stacked_factors()
+    ours = ExpertAdamW([A_RI, B_OR], expert_axes=axes, masked=True, **HYPER)
+    for step, routed in enumerate(ROUTED[:4]):
+        gA_ERI, gB_OER, _ = gradients(step, routed)
+        A_RI.grad, B_OR.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E)
+        ours.step()
+    state = ours.state[A_RI]
+    assert state["exp_avg"].shape == state["exp_avg_sq"].shape == A_RI.shape
+    counts = [sum(e in routed for routed in ROUTED[:4]) for e in range(E)]
+    assert state["expert_step"].tolist() == counts  # expert 4 took no token: 0, and its moments are zero
+    assert not state["exp_avg"].view(E, -1)[4].any() and not state["exp_avg_sq"].view(E, -1)[4].any()
+
+
+@pytest.mark.parametrize(
+    "saved_masked, resumed_masked", [(False, False), (True, True), (False, True), (True, False)]
+)
+def test_the_state_dict_resumes_exactly(saved_masked, resumed_masked):
+    """A state resumes bitwise, also on the other path (saved on a GPU, resumed on the CPU, and back)."""
+
+    def run(steps, start=None, masked=False):
         A_RI, B_OR, dense, axes = stacked_factors()
-        optimizer = ExpertAdamW([{"params": [A_RI, B_OR]}, {"params": [dense]}], expert_axes=axes, **HYPER)
+        optimizer = ExpertAdamW(
+            [{"params": [A_RI, B_OR]}, {"params": [dense]}], expert_axes=axes, masked=masked, **HYPER
+        )
         if start is not None:
             params, state = start
             with torch.no_grad():
@@ -117,13 +140,14 @@ def test_the_state_dict_resumes_exactly():
         return (A_RI, B_OR, dense), optimizer
 
     whole, _ = run(range(6))
-    first, optimizer = run(range(3))
+    first, optimizer = run(range(3), masked=saved_masked)
     buffer = io.BytesIO()  # through bytes, as a checkpoint goes: torch.save, torch.load(weights_only=True)
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed, optimizer = run(range(3, 6), ([p.detach().clone() for p in first], saved))
-    assert optimizer.state[resumed[0]]["experts"][0]["step"].dtype == torch.float32
+    resumed, optimizer = run(range(3, 6), ([p.detach().clone() for p in first], saved), masked=resumed_masked)
+    state = optimizer.state[resumed[0]]
+    assert (state["expert_step"] if resumed_masked else state["experts"][0]["step"]).dtype == torch.float32
     for a, b in zip(resumed, whole, strict=True):
         assert torch.equal(a, b)
 

@@ -368,6 +368,27 @@ def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):
             ), name
 
 
+def test_expert_adamw_steps_the_whole_stack_masked_on_the_device_as_the_cpu_steps_each_expert():
+    """`ExpertAdamW` on the device takes its masked path (no read back to the host) and steps as the CPU's
+    expert-by-expert path does, to rounding: the idle experts held, the others as torch's AdamW."""
+    from moe_core.train.optim import ExpertAdamW
+    from tests.test_expert_adamw import HYPER, ROUTED, E, I, O, R, gradients, stacked_factors
+
+    finals = []
+    for device in ("cpu", DEVICE):
+        A_RI, B_OR, _, axes = stacked_factors()
+        A, B = (torch.nn.Parameter(t.detach().to(device)) for t in (A_RI, B_OR))
+        optimizer = ExpertAdamW([A, B], expert_axes={A: axes[A_RI], B: axes[B_OR]}, **HYPER)
+        for step, routed in enumerate(ROUTED):
+            gA_ERI, gB_OER, _ = gradients(step, routed)
+            A.grad, B.grad = gA_ERI.reshape(E * R, I).to(device), gB_OER.reshape(O, R * E).to(device)
+            optimizer.step()
+        assert optimizer.masks(A) == (device != "cpu")
+        finals.append((A.detach().cpu(), B.detach().cpu()))
+    for ours, cpu in zip(finals[1], finals[0], strict=True):
+        torch.testing.assert_close(ours, cpu, rtol=1e-6, atol=1e-7)
+
+
 def test_a_lora_training_step_never_makes_the_host_wait_for_the_device(tmp_path, monkeypatch):
     """The lab's LoRA step on the device (grouped_mm experts, routed LoRA on the experts and the attention,
     gradient checkpointing) launches its kernels without the host once waiting for the GPU. A wait per layer (a
@@ -382,7 +403,8 @@ def test_a_lora_training_step_never_makes_the_host_wait_for_the_device(tmp_path,
 
     from moe_core import load
     from moe_core.finetune import FinetuneConfig
-    from moe_core.finetune.methods import apply_lora
+    from moe_core.finetune.methods import apply_lora, expert_axes
+    from moe_core.train.optim import ExpertAdamW
     from tests.test_host_waits import LORA, HostReads
     from tests.test_mmap_base import write_checkpoint
 
@@ -393,7 +415,7 @@ def test_a_lora_training_step_never_makes_the_host_wait_for_the_device(tmp_path,
         assert model.get_base_model().model.layers[0].mlp.experts.resolved_impl(x_TD) == "grouped_mm"
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = ExpertAdamW(params, expert_axes=expert_axes(model), lr=1e-4)  # the fine-tunes' (idle: hold)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 64), device=DEVICE)
     impl = None if DEVICE == "cuda" else "grouped_mm"
 

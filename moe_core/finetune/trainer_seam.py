@@ -89,8 +89,11 @@ class PerRankCheckpoints:
         if checkpoint is None:
             return
         saved = self._rank_state(checkpoint)
-        # AdamW's state of the stacked experts' factors, per expert (`ExpertAdamW`) or per stack: as saved
-        per_expert = any("experts" in state for state in saved["optimizer"]["state"].values())
+        # AdamW's state of the stacked experts' factors, per expert (`ExpertAdamW`, either of its paths) or per
+        # stack: as saved
+        per_expert = any(
+            "experts" in state or "expert_step" in state for state in saved["optimizer"]["state"].values()
+        )
         ours = isinstance(getattr(self.optimizer, "optimizer", self.optimizer), ExpertAdamW)
         if per_expert != ours:
             saved_as, running = ("hold", "step") if per_expert else ("step", "hold")
