@@ -83,6 +83,47 @@ def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw(masked):
         ours.zero_grad(set_to_none=True)
 
 
+def test_the_masked_path_steps_stacks_of_many_shapes_modules_and_groups_as_the_per_expert_path():
+    """The masked path steps the stacks of one shape and group together (`_Stacks`): two experts modules of 4
+    and 6 experts, two shapes each, two parameter groups with their own learning rate and weight decay, and a
+    module whose every expert idles; bitwise the per-expert path's result."""
+
+    def factors(seed):
+        gen = torch.Generator().manual_seed(seed)
+        shapes = [
+            (4 * 2, 5, "rows", 0),
+            (3, 2 * 4, "columns", 0),
+            (6 * 2, 5, "rows", 1),
+            (3, 2 * 6, "columns", 1),
+        ]
+        shapes += [(4 * 2, 5, "rows", 2), (3, 2 * 4, "columns", 2)]  # module 2: the same shapes as module 0
+        params = [torch.nn.Parameter(torch.randn(o, i, generator=gen)) for o, i, _, _ in shapes]
+        axes = {p: ExpertAxis(4 if m != 1 else 6, layout, m) for p, (_, _, layout, m) in zip(params, shapes)}
+        return params, axes
+
+    def run(masked):
+        params, axes = factors(0)
+        groups = [
+            {"params": params[:4], "lr": 3e-2, "weight_decay": 0.1},
+            {"params": params[4:], "lr": 1e-2, "weight_decay": 0.0},
+        ]
+        optimizer = ExpertAdamW(groups, expert_axes=axes, masked=masked, betas=(0.8, 0.95))
+        for step in range(5):
+            gen = torch.Generator().manual_seed(50 + step)
+            for p in params:
+                axis = axes[p]
+                p.grad = torch.randn(p.shape, generator=gen)
+                idle = [
+                    e for e in range(axis.experts) if (e + step) % 3 == 0 or axis.module == 2 and step < 2
+                ]
+                axis.per_expert(p.grad)[idle] = 0
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    for ours, reference in zip(run(True), run(False), strict=True):
+        assert torch.equal(ours, reference)
+
+
 def test_state_is_kept_only_for_experts_that_had_a_gradient_each_with_its_own_step_count():
     A_RI, B_OR, _, axes = stacked_factors()
     ours = ExpertAdamW([A_RI, B_OR], expert_axes=axes, **HYPER)
@@ -248,3 +289,30 @@ def test_a_resume_with_the_other_idle_experts_setting_is_refused_by_name(base_wi
     ):
         finetune(config("step"), tmp_path / "out", resume=True, **run)
     finetune(config("hold"), tmp_path / "out", resume=True, **run)
+
+
+def test_a_state_loaded_into_the_same_masked_optimizer_replaces_its_stacks():
+    """`load_state_dict` midway: the masked path's stacks are rebuilt from the loaded state, not kept."""
+    A_RI, B_OR, _, axes = stacked_factors()
+    optimizer = ExpertAdamW([A_RI, B_OR], expert_axes=axes, masked=True, **HYPER)
+
+    def steps(which):
+        for step in which:
+            gA_ERI, gB_OER, _ = gradients(step, ROUTED[step])
+            A_RI.grad, B_OR.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E)
+            optimizer.step()
+
+    steps(range(2))
+    snapshot = [p.detach().clone() for p in (A_RI, B_OR)]
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    steps(range(2, 5))
+    after = [p.detach().clone() for p in (A_RI, B_OR)]
+    with torch.no_grad():
+        for p, value in zip((A_RI, B_OR), snapshot, strict=True):
+            p.copy_(value)
+    saved.seek(0)
+    optimizer.load_state_dict(torch.load(saved, weights_only=True))
+    steps(range(2, 5))
+    for p, value in zip((A_RI, B_OR), after, strict=True):
+        assert torch.equal(p.detach(), value)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -113,6 +113,36 @@ class ExpertAxis:
         return t_X.view(-1, self.experts).t()
 
 
+@dataclass(eq=False)
+class _Stacks:
+    """G stacked parameters of one shape, expert layout and parameter group, and their masked AdamW state as
+    ``[G, ...]`` tensors (each parameter's state holds row i of them: ``state_dict`` saves them per parameter).
+    ``rows``: each parameter's experts module in the step's table of experts that took a gradient."""
+
+    params: list[torch.Tensor]
+    group_id: int
+    layout: Literal["rows", "columns"]
+    experts: int
+    dtype: torch.dtype
+    rows: torch.Tensor  # [G] int64
+    step: torch.Tensor  # [G] float32, on the CPU as torch's AdamW keeps it: the steps each had a gradient in
+    exp_avg: torch.Tensor  # [G, *shape]
+    exp_avg_sq: torch.Tensor  # [G, *shape]
+    expert_step: torch.Tensor  # [G, E] float32
+    rows_of_state: list[dict] = field(default_factory=list)  # each parameter's state, as this made it
+
+    def per_expert(self, t_G: torch.Tensor) -> torch.Tensor:
+        """``[G, *shape]`` as ``[G, E, X]`` (a view; strided for columns), as `ExpertAxis.per_expert` per row."""
+        G = t_G.shape[0]
+        if self.layout == "rows":
+            return t_G.view(G, self.experts, -1)
+        return t_G.view(G, -1, self.experts).transpose(1, 2)
+
+    def owns(self, state: dict) -> bool:
+        """Whether each parameter's state is still the one this made (not replaced by a load)."""
+        return all(state[p] is mine for p, mine in zip(self.params, self.rows_of_state, strict=True))
+
+
 class ExpertAdamW(torch.optim.AdamW):
     """AdamW (Loshchilov & Hutter 2019) in which each expert of a stacked parameter is its own parameter: an
     expert whose entries got no gradient in a step (no token was routed to it, in any micro-batch: its gradient
@@ -133,13 +163,16 @@ class ExpertAdamW(torch.optim.AdamW):
     parameters under torch's AdamW, bitwise.
 
     On an accelerator (``masked``: by default wherever the stack is not on the CPU) the same update runs over
-    the whole stack, each expert's coefficients masked by whether it took a gradient, with no read back to the
-    host: ``state[p]`` holds ``exp_avg`` and ``exp_avg_sq`` shaped as the stack and ``expert_step`` ([E], each
-    expert's step count). The per-expert path's host read and its per-view kernels had made the host-bound
-    GPU step of the full OLMoE-1B-7B LoRA 1.86x as long (0.298 against 0.160 s, H100, benchmarks/README.md);
-    it keeps the CPU's memory: moments only for the experts that took tokens. An expert that took none is
-    held bitwise on both paths; the others agree to rounding (the bias corrections are computed on the device,
-    not in Python floats). `load_state_dict` converts a state saved by the other path.
+    whole stacks, each expert's coefficients masked by whether it took a gradient, with no read back to the
+    host, and the stacks of one shape and group as one tensor (`_Stacks`): ``state[p]`` holds ``exp_avg`` and
+    ``exp_avg_sq`` shaped as the stack and ``expert_step`` ([E], each expert's step count). A GPU fine-tuning
+    step is bound by its host's dispatching, and the per-expert path's host read and per-view kernels made the
+    full OLMoE-1B-7B LoRA step on an H100 0.298 s against 0.160 s with one AdamW over each stack; the masked
+    path dispatches about as many operators as torch's fused AdamW (`benchmarks/expert_adamw.py`). The CPU
+    keeps the per-expert path for its memory: moments only for the experts that have taken tokens. Both are
+    bitwise equal on the CPU (the coefficients are computed in doubles, as torch passes its Python floats);
+    an expert that took no gradient is held bitwise on both. `load_state_dict` converts a state saved by the
+    other path (a run saved on a GPU resumes on the CPU, and the other way round).
     """
 
     def __init__(
@@ -151,6 +184,12 @@ class ExpertAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.expert_axes = expert_axes
         self.masked = masked
+        # each experts module's row in the masked path's table of experts that took a gradient, per expert count
+        self._rows: dict[int, dict[int, int]] = {}
+        for axis in sorted(set(expert_axes.values()), key=lambda a: (a.experts, a.module)):
+            rows = self._rows.setdefault(axis.experts, {})
+            rows.setdefault(axis.module, len(rows))
+        self._stack_cache: dict[tuple, _Stacks] = {}
 
     def masks(self, p: torch.Tensor) -> bool:
         """Whether ``p`` steps by the masked whole-stack update (else expert by expert)."""
@@ -168,18 +207,17 @@ class ExpertAdamW(torch.optim.AdamW):
             for p in group["params"]
             if p.grad is not None and p in self.expert_axes
         ]
+        masked = [(p, group) for p, group in stacked if self.masks(p)]
+        if masked:
+            self._step_masked(masked)
+        listed = [(p, group) for p, group in stacked if not self.masks(p)]
         took: dict[int, torch.Tensor] = {}  # experts module -> [E] bool: the experts that got a gradient
-        for p, _ in stacked:
+        for p, _ in listed:
             axis = self.expert_axes[p]
             took_E = axis.per_expert(p.grad).ne(0).any(dim=1)
             took[axis.module] = took_E if axis.module not in took else took[axis.module] | took_E
-        masked = [(p, group) for p, group in stacked if self.masks(p)]
-        for p, group in masked:
-            self._step_masked(p, group, took[self.expert_axes[p].module])
-        listed = [(p, group) for p, group in stacked if not self.masks(p)]
         # read on the host at once (one wait for the device per step, not one per layer)
-        modules = sorted({self.expert_axes[p].module for p, _ in listed})
-        ids = dict(zip(modules, _nonzero_lists([took[m] for m in modules]), strict=True))
+        ids = dict(zip(took, _nonzero_lists(list(took.values())), strict=True))
         for p, group in listed:
             self._step_experts(p, group, ids[self.expert_axes[p].module])
         # the rest by torch's AdamW, the stacked parameters' gradients out of its sight meanwhile
@@ -229,43 +267,107 @@ class ExpertAdamW(torch.optim.AdamW):
             maximize=False,
         )
 
-    def _step_masked(self, p: torch.Tensor, group: dict, took_E: torch.Tensor) -> None:
-        """AdamW over the whole stack ``p``, each expert's coefficients its own: those in ``took_E`` step as
-        torch's AdamW steps a parameter (its decoupled weight decay, moments and bias corrections by its own
+    def _step_masked(self, pairs: list[tuple[torch.Tensor, dict]]) -> None:
+        """AdamW over whole stacks, each expert's coefficients its own: an expert that took a gradient steps as
+        torch's AdamW steps a parameter (its decoupled weight decay, its moments, bias corrections by its own
         step count); the others are multiplied by one and moved by zero, so stay bitwise as they were (their
-        gradient is exactly zero)."""
-        axis = self.expert_axes[p]
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["expert_step"] = torch.zeros(axis.experts, dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        gradient is exactly zero). The stacks of one shape and group step as one ``[G, ...]`` tensor
+        (`_Stacks`): a few dozen operators per shape, not per stack, for the host to dispatch."""
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for p, group in pairs:
+            axis = self.expert_axes[p]
+            key = (id(group), p.shape, p.dtype, p.device, axis.layout, axis.experts)
+            buckets.setdefault(key, []).append(p)
+        stacks = [self._stacks(params, group_id) for (group_id, *_), params in buckets.items()]
+        # which experts took a gradient, over every stack of their experts module: one table per expert count
+        grads = [torch.stack([p.grad for p in s.params]) for s in stacks]
+        tables: dict[int, torch.Tensor] = {}
+        for s, g_G in zip(stacks, grads, strict=True):
+            E = s.experts
+            if E not in tables:
+                tables[E] = torch.zeros(len(self._rows[E]), E, device=g_G.device)
+            tables[E].index_add_(0, s.rows, s.per_expert(g_G).ne(0).any(dim=2).to(tables[E].dtype))
+        groups = {id(group): group for _, group in pairs}
+        for s, g_G in zip(stacks, grads, strict=True):
+            took_GE = tables[s.experts].index_select(0, s.rows).gt(0)
+            self._update_stacks(s, g_G, took_GE, groups[s.group_id])
+
+    def _update_stacks(self, s: _Stacks, g_G: torch.Tensor, took_GE: torch.Tensor, group: dict) -> None:
+        s.step.add_(1)
         beta1, beta2 = group["betas"]
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         wd, eps = group["weight_decay"], group["eps"]
-        state["expert_step"].add_(took_E)
+        s.expert_step.add_(took_GE)
         # every coefficient in doubles, then cast to the stack's dtype: torch's AdamW passes them as Python floats
-        took_E = took_E.to(torch.float64)
-        step_E = state["expert_step"].to(torch.float64).clamp(min=1)
-        bias1_E, bias2_E = 1 - beta1**step_E, 1 - beta2**step_E
+        took = took_GE.to(torch.float64)
+        step = s.expert_step.to(torch.float64).clamp(min=1)
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
 
-        def per_expert(values_E: torch.Tensor) -> torch.Tensor:  # [E] -> [E, 1] in the stack's dtype
-            return values_E.to(p.dtype).unsqueeze(1)
+        def per_expert(values_GE: torch.Tensor) -> torch.Tensor:  # [G, E] -> [G, E, 1] in the stack's dtype
+            return values_GE.to(s.dtype).unsqueeze(2)
 
-        p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
-        m_EX, v_EX = axis.per_expert(state["exp_avg"]), axis.per_expert(state["exp_avg_sq"])
-        p_EX.mul_(per_expert(1 - lr * wd * took_E))
-        m_EX.lerp_(g_EX, per_expert((1 - beta1) * took_E))
-        v_EX.mul_(per_expert(beta2 * took_E + (1 - took_E))).addcmul_(g_EX, g_EX, value=1 - beta2)
-        denom_EX = v_EX.sqrt().div_(per_expert(bias2_E.sqrt())).add_(eps)
-        p_EX.add_(m_EX.mul(per_expert(-lr / bias1_E * took_E)).div_(denom_EX))  # addcdiv's order: (s m) / d
+        p_G = torch.stack(s.params)
+        p_GEX, g_GEX = s.per_expert(p_G), s.per_expert(g_G)
+        m_GEX, v_GEX = s.per_expert(s.exp_avg), s.per_expert(s.exp_avg_sq)
+        p_GEX.mul_(per_expert(1 - lr * wd * took))
+        m_GEX.lerp_(g_GEX, per_expert((1 - beta1) * took))
+        v_GEX.mul_(per_expert(beta2 * took + (1 - took))).addcmul_(g_GEX, g_GEX, value=1 - beta2)
+        denom_GEX = v_GEX.sqrt().div_(per_expert(bias2.sqrt())).add_(eps)
+        p_GEX.add_(m_GEX.mul(per_expert(-lr / bias1 * took)).div_(denom_GEX))  # addcdiv's order: (s m) / d
+        for p, new in zip(s.params, p_G.unbind(0), strict=True):
+            p.copy_(new)
+
+    def _stacks(self, params: list[torch.Tensor], group_id: int) -> _Stacks:
+        """The `_Stacks` of ``params`` (one shape, layout and group), as the last step left it, or made from
+        their per-stack states (new, loaded, or changed since) with each state's tensors then rows of it."""
+        key = (group_id, tuple(map(id, params)))
+        cached = self._stack_cache.get(key)
+        if cached is not None and cached.owns(self.state):
+            return cached
+        first = params[0]
+        axis = self.expert_axes[first]
+        states = []
+        for p in params:
+            state = self.state[p]
+            if "experts" in state:  # the CPU path's, as saved
+                state = _masked_state(p, self.expert_axes[p], state)
+            if not state:
+                state = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "expert_step": torch.zeros(axis.experts, dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
+                }
+            states.append(state)
+        rows = [self._rows[axis.experts][self.expert_axes[p].module] for p in params]
+        stacks = _Stacks(
+            params=list(params),
+            group_id=group_id,
+            layout=axis.layout,
+            experts=axis.experts,
+            dtype=first.dtype,
+            rows=torch.tensor(rows, dtype=torch.long, device=first.device),
+            step=torch.stack([st["step"].to(torch.float32) for st in states]),
+            exp_avg=torch.stack([st["exp_avg"] for st in states]),
+            exp_avg_sq=torch.stack([st["exp_avg_sq"] for st in states]),
+            expert_step=torch.stack([st["expert_step"].to(torch.float32) for st in states]),
+        )
+        for i, p in enumerate(params):
+            self.state[p] = {
+                "step": stacks.step[i],
+                "expert_step": stacks.expert_step[i],
+                "exp_avg": stacks.exp_avg[i],
+                "exp_avg_sq": stacks.exp_avg_sq[i],
+            }
+            stacks.rows_of_state.append(self.state[p])
+        self._stack_cache[key] = stacks
+        return stacks
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then convert each stack's state to the path its device steps by (a checkpoint saved on a GPU
         resumes on the CPU and the other way round)."""
         super().load_state_dict(state_dict)
+        self._stack_cache = {}
         for p, axis in self.expert_axes.items():
             state = self.state.get(p)
             if not state:
