@@ -54,10 +54,10 @@ from moe_core.finetune.methods import apply_method, unwrap
 from moe_core.finetune.qlora import base_quant_config, quantizes_attention, quantizes_shared_experts
 from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
 from moe_core.finetune.selection_bias import restore_router_biases
+from moe_core.loading import FINETUNE_CONFIG
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import load_quantizing_experts
 
-CONFIG_FILE = "finetune_config.json"
 ADAPTER_DIR = "adapter"
 
 
@@ -78,7 +78,7 @@ def loads_as_trained(directory: str | os.PathLike) -> bool:
 
 def recorded_config(directory: Path) -> FinetuneConfig:
     """The fine-tuning output's config (a missing or invalid file is refused by `FinetuneConfig.load`, naming it)."""
-    return FinetuneConfig.load(directory / CONFIG_FILE)
+    return FinetuneConfig.load(directory / FINETUNE_CONFIG)
 
 
 def load_as_trained(
@@ -100,11 +100,11 @@ def load_as_trained(
     if not weights.is_file():
         raise FinetuneError(f"{adapter}: no {WEIGHTS_FILE}; only safetensors adapters are loaded")
     if config.method != "lora":
-        raise FinetuneError(f"{directory / CONFIG_FILE}: method={config.method}; expected lora")
+        raise FinetuneError(f"{directory / FINETUNE_CONFIG}: method={config.method}; expected lora")
     quantized = config.quantize.base is not None
     if quantized and config.routing.task_bias:
         raise FinetuneError(
-            f"{directory / CONFIG_FILE}: a task router bias over a quantized base is not loaded yet; merge the "
+            f"{directory / FINETUNE_CONFIG}: a task router bias over a quantized base is not loaded yet; merge the "
             "adapter into the full-precision base (moe_core.load(OUT / 'adapter'))"
         )
     source = str(base) if base is not None else config.model.path
@@ -121,7 +121,7 @@ def load_as_trained(
         else:
             model = load_base(source, dtype, config.model.mmap is not False)
     except MoELabError as err:  # a base moved or deleted since: say which file named it, and the way out
-        named = "base=" if base is not None else f"model.path in {directory / CONFIG_FILE}"
+        named = "base=" if base is not None else f"model.path in {directory / FINETUNE_CONFIG}"
         raise FinetuneError(
             f"{directory}: the base model it was fine-tuned on ({named}: {source}) does not load: {err}; give "
             "where it is now as base= (moe_core.load(OUT, base=DIR); --base DIR for moe-lab generate, eval and analyze)"
@@ -182,17 +182,17 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
     if path is None:
         return config, None
     directory = Path(path)
-    if directory.name == ADAPTER_DIR and (directory.parent / CONFIG_FILE).is_file():
+    if directory.name == ADAPTER_DIR and (directory.parent / FINETUNE_CONFIG).is_file():
         directory = directory.parent  # its adapter/ directory named: the output it belongs to
-    if not ((directory / CONFIG_FILE).is_file() and (directory / ADAPTER_DIR / WEIGHTS_FILE).is_file()):
+    if not ((directory / FINETUNE_CONFIG).is_file() and (directory / ADAPTER_DIR / WEIGHTS_FILE).is_file()):
         raise FinetuneError(
-            f"lora.init_from={path}: not a LoRA fine-tune's output (it needs {CONFIG_FILE} and "
+            f"lora.init_from={path}: not a LoRA fine-tune's output (it needs {FINETUNE_CONFIG} and "
             f"{ADAPTER_DIR}/{WEIGHTS_FILE})"
         )
     recorded = recorded_config(directory)
     if recorded.method != "lora" or recorded.routing.task_bias or recorded.objective == "reward":
         raise FinetuneError(
-            f"{directory / CONFIG_FILE}: method={recorded.method}, objective={recorded.objective}, "
+            f"{directory / FINETUNE_CONFIG}: method={recorded.method}, objective={recorded.objective}, "
             f"routing.task_bias={recorded.routing.task_bias}: only a LoRA adapter of a causal LM (no task router "
             "bias) is trained on; fine-tune its merged model instead (model.path=OUT/merged)"
         )
@@ -212,7 +212,7 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
             raise FinetuneError(
                 f"{field}={given[section][differs[0]]!r}: the adapter of {directory} was trained with "
                 f"{field}={kept[section][differs[0]]!r}, and going on training it keeps its shape; leave "
-                f"{section} unset (or as recorded in {directory / CONFIG_FILE}), or train a new adapter on its "
+                f"{section} unset (or as recorded in {directory / FINETUNE_CONFIG}), or train a new adapter on its "
                 "merged model"
             )
     model = dict(given["model"])
@@ -239,4 +239,4 @@ def continued(config: FinetuneConfig) -> tuple[FinetuneConfig, str | None]:
 
 def _holds_adapter_alone(directory: Path) -> bool:
     """A fine-tune's output that `moe_core.load` runs as it trained (its adapter alone, `loads_as_trained`)."""
-    return (directory / CONFIG_FILE).is_file() and loads_as_trained(directory)
+    return (directory / FINETUNE_CONFIG).is_file() and loads_as_trained(directory)

@@ -114,7 +114,14 @@ from moe_core.finetune.qlora import (
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, check_full_training_fits, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
-from moe_core.loading import detect, load, memory_map_refusal, model_config, tokenizer_dir
+from moe_core.loading import (
+    FINETUNE_CONFIG,
+    detect,
+    load,
+    memory_map_refusal,
+    model_config,
+    tokenizer_dir,
+)
 from moe_core.memory import process_memory_bytes, release_freed_memory
 from moe_core.model import compile_layers
 from moe_core.quantized import (
@@ -162,7 +169,7 @@ class FinetuneResult:
 
 # what a fine-tune writes into its output directory (an earlier run's are refused unless overwrite)
 OUTPUTS = (
-    "finetune_config.json",
+    FINETUNE_CONFIG,
     "trainable_parameters.json",
     "esft_selection.json",
     "metrics.jsonl",
@@ -486,7 +493,7 @@ def _finetune(
     config: FinetuneConfig, out_dir: Path, *, model, tokenizer, records, sinks, place: RunPlace | None = None
 ) -> FinetuneResult:
     place = place or RunPlace()
-    config.save(out_dir / "finetune_config.json")
+    config.save(out_dir / FINETUNE_CONFIG)
     if place.parallel is not None and place.parallel.sharded:  # before the weights load
         check_experts_split(
             config, model.config if model is not None else base_model_config(config.model.path)
