@@ -131,12 +131,13 @@ def test_state_is_kept_only_for_experts_that_had_a_gradient_each_with_its_own_st
         gA_ERI, gB_OER, _ = gradients(step, routed)
         A_RI.grad, B_OR.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E)
         ours.step()
-    experts = ours.state[A_RI]["experts"]
-    assert sorted(experts) == [0, 1, 2, 3, 5]  # expert 4 got no token yet: no moments
-    for e, state in experts.items():
-        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (R * I,)
-        assert state["step"].item() == sum(e in routed for routed in ROUTED[:4])  # its own step count
-    assert sorted(ours.state[B_OR]["experts"]) == [0, 1, 2, 3, 5]
+    for p in (A_RI, B_OR):
+        state = ours.state[p]
+        assert state["slot"][4] == -1  # expert 4 got no token yet: no moments
+        assert sorted(state["slot"].tolist()) == [-1, 0, 1, 2, 3, 4]  # a row each for the five others
+        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (5, p.numel() // E)
+        counts = [sum(e in routed for routed in ROUTED[:4]) for e in range(E)]
+        assert state["expert_step"].tolist() == counts  # each expert its own step count
     A_RI.grad = B_OR.grad = None  # no gradient at all (zero_grad): nothing steps
     saved = A_RI.detach().clone()
     ours.step()
@@ -188,7 +189,8 @@ def test_the_state_dict_resumes_exactly(saved_masked, resumed_masked):
     saved = torch.load(buffer, weights_only=True)
     resumed, optimizer = run(range(3, 6), ([p.detach().clone() for p in first], saved), masked=resumed_masked)
     state = optimizer.state[resumed[0]]
-    assert (state["expert_step"] if resumed_masked else state["experts"][0]["step"]).dtype == torch.float32
+    assert state["expert_step"].dtype == torch.float32
+    assert ("slot" in state) != resumed_masked and (resumed_masked or state["slot"].dtype == torch.long)
     for a, b in zip(resumed, whole, strict=True):
         assert torch.equal(a, b)
 
@@ -316,3 +318,90 @@ def test_a_state_loaded_into_the_same_masked_optimizer_replaces_its_stacks():
     steps(range(2, 5))
     for p, value in zip((A_RI, B_OR), after, strict=True):
         assert torch.equal(p.detach(), value)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["per-expert", "masked"])
+def test_a_per_expert_state_as_session_30_saved_it_resumes(masked):
+    """The state ``ExpertAdamW`` saved before its rows and stacks (``state[p]["experts"][e]``, one dict per
+    expert that had a gradient) loads on both paths and steps on as per-expert parameters under torch's AdamW."""
+    A_RI, B_OR, _, axes = stacked_factors()
+    A, B = expert_slices(A_RI, B_OR)
+    reference = torch.optim.AdamW([*A, *B], foreach=True, **HYPER)
+
+    def reference_steps(which):
+        for step in which:
+            gA_ERI, gB_OER, _ = gradients(step, ROUTED[step])
+            for e in range(E):
+                A[e].grad = gA_ERI[e].clone() if e in ROUTED[step] else None
+                B[e].grad = gB_OER[:, :, e].clone() if e in ROUTED[step] else None
+            reference.step()
+
+    reference_steps(range(3))
+
+    def legacy(experts: list) -> dict:
+        states = {e: reference.state[p] for e, p in enumerate(experts) if reference.state[p]}
+        return {
+            "step": torch.tensor(3.0),
+            "experts": {
+                e: {
+                    "step": st["step"],
+                    "exp_avg": st["exp_avg"].flatten(),
+                    "exp_avg_sq": st["exp_avg_sq"].flatten(),
+                }
+                for e, st in states.items()
+            },
+        }
+
+    # B's experts are columns of the stack: expert e's [O, R] flattened in that order (its per-expert view's row)
+    legacy_B = legacy(B)
+    for st in legacy_B["experts"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            st[key] = st[key].view(O, R).flatten()
+    saved = {
+        "state": {0: legacy(A), 1: legacy_B},
+        "param_groups": [
+            {
+                **HYPER,
+                "params": [0, 1],
+                "amsgrad": False,
+                "maximize": False,
+                "foreach": None,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "decoupled_weight_decay": True,
+            }
+        ],
+    }
+    with torch.no_grad():
+        A_RI.copy_(torch.stack([a.detach() for a in A]).view(E * R, I))
+        B_OR.copy_(torch.stack([b.detach() for b in B], dim=2).view(O, R * E))
+    ours = ExpertAdamW([A_RI, B_OR], expert_axes=axes, masked=masked, **HYPER)
+    ours.load_state_dict(saved)
+    for step in range(3, 6):
+        gA_ERI, gB_OER, _ = gradients(step, ROUTED[step])
+        A_RI.grad, B_OR.grad = gA_ERI.reshape(E * R, I), gB_OER.reshape(O, R * E)
+        ours.step()
+    reference_steps(range(3, 6))
+    for e in range(E):
+        assert torch.equal(A_RI.detach().view(E, R, I)[e], A[e].detach())
+        assert torch.equal(B_OR.detach().view(O, R, E)[:, :, e], B[e].detach())
+
+
+def test_the_experts_step_counts_keep_their_dtype_when_a_bf16_factor_s_state_loads():
+    """torch casts a loaded state's tensors to the parameter's dtype: the step counts (and the CPU path's slots)
+    are kept out of that, so 300 steps stay 300 under a bf16 LoRA factor, not 300 rounded to 8 bits."""
+    for masked in (False, True):
+        p = torch.nn.Parameter(torch.zeros(2 * 3, 4, dtype=torch.bfloat16))
+        ours = ExpertAdamW([p], expert_axes={p: ExpertAxis(2, "rows", 0)}, masked=masked, lr=1e-3)
+        for _ in range(3):
+            p.grad = torch.ones_like(p)
+            ours.step()
+        state = ours.state_dict()
+        state["state"][0]["expert_step"] = torch.tensor([301.0, 0.0])
+        again = ExpertAdamW([p], expert_axes={p: ExpertAxis(2, "rows", 0)}, masked=masked, lr=1e-3)
+        again.load_state_dict(state)
+        assert again.state[p]["expert_step"].dtype == torch.float32
+        assert again.state[p]["expert_step"].tolist() == [301.0, 0.0]
+        if not masked:
+            assert again.state[p]["slot"].dtype == torch.long

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.optim.adamw import adamw  # torch's functional AdamW (public: torch.optim.adamw.__all__)
 
 from moe_core.routing import Router
 from moe_core.train import parallel as par
@@ -113,6 +112,10 @@ class ExpertAxis:
         return t_X.view(-1, self.experts).t()
 
 
+# ExpertAdamW's state tensors that count (not moments): their dtypes, whatever the parameter's
+COUNTS = {"expert_step": torch.float32, "slot": torch.long}
+
+
 @dataclass(eq=False)
 class _Stacks:
     """G stacked parameters of one shape, expert layout and parameter group, and their masked AdamW state as
@@ -146,33 +149,36 @@ class _Stacks:
 class ExpertAdamW(torch.optim.AdamW):
     """AdamW (Loshchilov & Hutter 2019) in which each expert of a stacked parameter is its own parameter: an
     expert whose entries got no gradient in a step (no token was routed to it, in any micro-batch: its gradient
-    there is exactly zero) is not stepped at all, its entries, moments and step count stay as they are, and its
-    moments exist only from its first gradient on: lazy Adam, as for an embedding's rows that were not looked
-    up. That is what torch's AdamW does to per-expert modules that are not run without tokens (transformers
+    there is exactly zero) is not stepped at all: its entries, moments and step count stay as they are (lazy
+    Adam, as for an embedding's rows that were not looked up). That is what torch's AdamW does to per-expert modules that are not run without tokens (transformers
     4's Mixtral and Qwen2-MoE loop over the experts hit; PEFT's LoRA on them gets no gradient), and what one
     AdamW step over the whole stack does not: there a zero gradient row still moves by its momentum and weight
     decay, and every expert carries moments from the first step (as in transformers 4's OLMoE, which runs every
     expert, on no tokens too).
 
     ``expert_axes``: the stacked parameters and where their experts lie (`ExpertAxis`); every other parameter
-    steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice. The experts stepped are views of the
-    stack (no copy), stepped by torch's functional AdamW (`torch.optim.adamw.adamw`, multi-tensor) with a state
-    of their own: ``state[p]["experts"][e]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` as AdamW holds them
-    for a parameter (``state[p]["step"]``: the steps the stack had a gradient in); ``state_dict`` /
-    ``load_state_dict`` carry it (checkpoints resume). `tests/test_expert_adamw.py` holds it to per-expert
-    parameters under torch's AdamW, bitwise.
+    steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice. Both paths run one update,
+    `_adamw_rows`, on rows that are each an expert's entries, with per-row coefficients computed in doubles and
+    cast, as torch's AdamW passes Python floats: on the CPU each is bitwise torch's AdamW on per-expert
+    parameters (`tests/test_expert_adamw.py`).
 
-    On an accelerator (``masked``: by default wherever the stack is not on the CPU) the same update runs over
-    whole stacks, each expert's coefficients masked by whether it took a gradient, with no read back to the
-    host, and the stacks of one shape and group as one tensor (`_Stacks`): ``state[p]`` holds ``exp_avg`` and
-    ``exp_avg_sq`` shaped as the stack and ``expert_step`` ([E], each expert's step count). A GPU fine-tuning
-    step is bound by its host's dispatching, and the per-expert path's host read and per-view kernels made the
-    full OLMoE-1B-7B LoRA step on an H100 0.298 s against 0.160 s with one AdamW over each stack; the masked
-    path dispatches about as many operators as torch's fused AdamW (`benchmarks/expert_adamw.py`). The CPU
-    keeps the per-expert path for its memory: moments only for the experts that have taken tokens. Both are
-    bitwise equal on the CPU (the coefficients are computed in doubles, as torch passes its Python floats);
-    an expert that took no gradient is held bitwise on both. `load_state_dict` converts a state saved by the
-    other path (a run saved on a GPU resumes on the CPU, and the other way round).
+    - On the CPU (``masked`` false; the default there) the experts that took a gradient are read back, their rows
+      gathered into ``[n, X]``, stepped and scattered back. Moments exist only for the experts that have taken a
+      gradient: ``state[p]`` holds ``slot`` ([E], on the CPU: expert e's row, -1 before its first gradient),
+      ``exp_avg`` / ``exp_avg_sq`` ``[n_seen, X]``, ``expert_step`` ([E], each expert's step count) and
+      ``step`` (the steps the stack had a gradient in). The full Qwen1.5-MoE-A2.7B's LoRA keeps moments for 65%
+      of its expert factors so (benchmarks/README.md).
+    - On an accelerator (``masked``: by default wherever the stack is not on the CPU) nothing is read back: the
+      update runs over whole stacks with the coefficients of an expert that took no gradient making it a no-op,
+      the stacks of one shape and group as one tensor (`_Stacks`). ``state[p]`` holds ``exp_avg`` and
+      ``exp_avg_sq`` shaped as the stack, ``expert_step`` and ``step``. A GPU fine-tuning step is bound by its
+      host's dispatching: the first, per-expert version made the full OLMoE-1B-7B LoRA step on an H100 0.298 s
+      against 0.160 s with one AdamW over each stack; the masked path dispatches about as many operators as
+      torch's fused AdamW (`benchmarks/expert_adamw.py`).
+
+    `load_state_dict` converts a state saved by the other path (a run saved on a GPU resumes on the CPU, and the
+    other way round) or by session 30's version (``state[p]["experts"][e]``), and keeps the counts out of torch's
+    cast of a loaded state to each parameter's dtype.
     """
 
     def __init__(
@@ -232,40 +238,35 @@ class ExpertAdamW(torch.optim.AdamW):
         return loss
 
     def _step_experts(self, p: torch.Tensor, group: dict, ids: list[int]) -> None:
-        """torch's AdamW on experts ``ids`` of ``p``, each a parameter of its own (its moments made at its first
-        step, as AdamW makes a parameter's)."""
+        """AdamW on experts ``ids`` of ``p``, each as a parameter of its own, their entries gathered into rows
+        ``[n, X]`` and scattered back; moments only for the experts that have taken a gradient (rows of
+        ``exp_avg`` / ``exp_avg_sq``, expert e's at ``slot[e]``, added at its first gradient as AdamW makes a
+        parameter's state at its first step)."""
         axis = self.expert_axes[p]
-        p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
-        state = self.state[p]
-        if not state:  # "step": the steps the stack had a gradient in (torch's Adam expects one in a state)
-            state["step"], state["experts"] = torch.tensor(0.0, dtype=torch.float32), {}
+        state = self.state[p] = _compact_state(p, axis, self.state[p])
         state["step"] += 1
-        experts = state["experts"]
-        for e in ids:
-            if e not in experts:
-                experts[e] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": torch.zeros(p_EX.shape[1], dtype=p.dtype, device=p.device),
-                    "exp_avg_sq": torch.zeros(p_EX.shape[1], dtype=p.dtype, device=p.device),
-                }
-        beta1, beta2 = group["betas"]
-        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        adamw(
-            [p_EX[e] for e in ids],
-            [g_EX[e] for e in ids],
-            [experts[e]["exp_avg"] for e in ids],
-            [experts[e]["exp_avg_sq"] for e in ids],
-            [],
-            [experts[e]["step"] for e in ids],
-            foreach=True,  # one kernel per operation over the experts, not a Python loop over them
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        if not ids:
+            return
+        slot = state["slot"].tolist()  # (on the CPU)
+        new = [e for e in ids if slot[e] < 0]
+        if new:
+            seen = len(state["exp_avg"])
+            for i, e in enumerate(new):
+                slot[e] = seen + i
+            state["slot"] = torch.tensor(slot)
+            for key in ("exp_avg", "exp_avg_sq"):
+                grown = state[key].new_zeros(len(new), state[key].shape[1])
+                state[key] = torch.cat([state[key], grown])
+        idx = torch.tensor(ids, device=p.device)
+        rows = torch.tensor([slot[e] for e in ids], device=p.device)
+        p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
+        p_nX, g_nX = p_EX.index_select(0, idx), g_EX.index_select(0, idx)
+        m_nX, v_nX = state["exp_avg"].index_select(0, rows), state["exp_avg_sq"].index_select(0, rows)
+        state["expert_step"].index_add_(0, idx, torch.ones(len(ids), device=p.device))
+        _adamw_rows(p_nX, g_nX, m_nX, v_nX, state["expert_step"].index_select(0, idx), None, group)
+        p_EX.index_copy_(0, idx, p_nX)
+        state["exp_avg"].index_copy_(0, rows, m_nX)
+        state["exp_avg_sq"].index_copy_(0, rows, v_nX)
 
     def _step_masked(self, pairs: list[tuple[torch.Tensor, dict]]) -> None:
         """AdamW over whole stacks, each expert's coefficients its own: an expert that took a gradient steps as
@@ -294,26 +295,17 @@ class ExpertAdamW(torch.optim.AdamW):
 
     def _update_stacks(self, s: _Stacks, g_G: torch.Tensor, took_GE: torch.Tensor, group: dict) -> None:
         s.step.add_(1)
-        beta1, beta2 = group["betas"]
-        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        wd, eps = group["weight_decay"], group["eps"]
         s.expert_step.add_(took_GE)
-        # every coefficient in doubles, then cast to the stack's dtype: torch's AdamW passes them as Python floats
-        took = took_GE.to(torch.float64)
-        step = s.expert_step.to(torch.float64).clamp(min=1)
-        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-
-        def per_expert(values_GE: torch.Tensor) -> torch.Tensor:  # [G, E] -> [G, E, 1] in the stack's dtype
-            return values_GE.to(s.dtype).unsqueeze(2)
-
         p_G = torch.stack(s.params)
-        p_GEX, g_GEX = s.per_expert(p_G), s.per_expert(g_G)
-        m_GEX, v_GEX = s.per_expert(s.exp_avg), s.per_expert(s.exp_avg_sq)
-        p_GEX.mul_(per_expert(1 - lr * wd * took))
-        m_GEX.lerp_(g_GEX, per_expert((1 - beta1) * took))
-        v_GEX.mul_(per_expert(beta2 * took + (1 - took))).addcmul_(g_GEX, g_GEX, value=1 - beta2)
-        denom_GEX = v_GEX.sqrt().div_(per_expert(bias2.sqrt())).add_(eps)
-        p_GEX.add_(m_GEX.mul(per_expert(-lr / bias1 * took)).div_(denom_GEX))  # addcdiv's order: (s m) / d
+        _adamw_rows(
+            s.per_expert(p_G),
+            s.per_expert(g_G),
+            s.per_expert(s.exp_avg),
+            s.per_expert(s.exp_avg_sq),
+            s.expert_step,
+            took_GE,
+            group,
+        )
         for p, new in zip(s.params, p_G.unbind(0), strict=True):
             p.copy_(new)
 
@@ -329,7 +321,7 @@ class ExpertAdamW(torch.optim.AdamW):
         states = []
         for p in params:
             state = self.state[p]
-            if "experts" in state:  # the CPU path's, as saved
+            if "slot" in state or "experts" in state:  # the CPU path's, as saved
                 state = _masked_state(p, self.expert_axes[p], state)
             if not state:
                 state = {
@@ -366,47 +358,138 @@ class ExpertAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load, then convert each stack's state to the path its device steps by (a checkpoint saved on a GPU
         resumes on the CPU and the other way round)."""
-        super().load_state_dict(state_dict)
+        # torch casts every state tensor but "step" to its parameter's dtype (a bf16 LoRA factor would round the
+        # experts' step counts; the slots would turn float): these two are kept out of its sight and put back
+        counts = {
+            (pid, key): state[key]
+            for pid, state in state_dict["state"].items()
+            for key in COUNTS
+            if key in state
+        }
+        super().load_state_dict(
+            {
+                **state_dict,
+                "state": {
+                    pid: {k: v for k, v in state.items() if k not in COUNTS}
+                    for pid, state in state_dict["state"].items()
+                },
+            }
+        )
+        saved_ids = (pid for group in state_dict["param_groups"] for pid in group["params"])
+        params = (p for group in self.param_groups for p in group["params"])
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, kind in COUNTS.items():
+                if (pid, key) in counts:
+                    device = "cpu" if key == "slot" else p.device
+                    self.state[p][key] = counts[pid, key].to(dtype=kind, device=device)
         self._stack_cache = {}
         for p, axis in self.expert_axes.items():
             state = self.state.get(p)
             if not state:
                 continue
-            if self.masks(p) and "experts" in state:
-                self.state[p] = _masked_state(p, axis, state)
-            elif not self.masks(p) and "expert_step" in state:
-                self.state[p] = _listed_state(axis, state)
+            self.state[p] = _masked_state(p, axis, state) if self.masks(p) else _compact_state(p, axis, state)
+
+
+def _adamw_rows(
+    p_RX: torch.Tensor,
+    g_RX: torch.Tensor,
+    m_RX: torch.Tensor,
+    v_RX: torch.Tensor,
+    step_R: torch.Tensor,
+    took_R: torch.Tensor | None,
+    group: dict,
+) -> None:
+    """torch's AdamW update, in place, on rows that are each a parameter of their own (``[..., R, X]``, one
+    expert's entries a row): row r by its own step count ``step_R[r]`` (already counted), and, given ``took_R``,
+    not at all where it is 0 (multiplied by one and moved by zero: bitwise as it was, its gradient being zero).
+    Every coefficient is computed in doubles and cast to the rows' dtype, as torch's AdamW passes Python floats:
+    on the CPU bitwise torch's AdamW (foreach) on each row."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+    wd, eps = group["weight_decay"], group["eps"]
+    step = step_R.to(torch.float64).clamp(min=1)
+    bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+
+    def per_row(values_R: torch.Tensor) -> torch.Tensor:  # [..., R] -> [..., R, 1] in the rows' dtype
+        return values_R.to(p_RX.dtype).unsqueeze(-1)
+
+    if took_R is None:  # every row steps
+        p_RX.mul_(1 - lr * wd)
+        m_RX.lerp_(g_RX, 1 - beta1)
+        v_RX.mul_(beta2).addcmul_(g_RX, g_RX, value=1 - beta2)
+        step_size = per_row(-lr / bias1)
+    else:
+        took = took_R.to(torch.float64)
+        p_RX.mul_(per_row(1 - lr * wd * took))
+        m_RX.lerp_(g_RX, per_row((1 - beta1) * took))
+        v_RX.mul_(per_row(beta2 * took + (1 - took))).addcmul_(g_RX, g_RX, value=1 - beta2)
+        step_size = per_row(-lr / bias1 * took)
+    denom_RX = v_RX.sqrt().div_(per_row(bias2.sqrt())).add_(eps)
+    p_RX.add_(m_RX.mul(step_size).div_(denom_RX))  # addcdiv's order: (s m) / d
+
+
+def _legacy_experts(state: dict) -> tuple[list[int], dict]:
+    """The experts of a per-expert state as session 30 saved it (``state["experts"][e]``), sorted."""
+    return sorted(state["experts"]), state["experts"]
 
 
 def _masked_state(p: torch.Tensor, axis: ExpertAxis, state: dict) -> dict:
-    """A per-expert state (``state["experts"][e]``) as the masked path's stack-shaped one."""
+    """A state of the CPU path (``slot`` rows, or the older ``experts`` dict) as the masked path's stack-shaped
+    one; a masked or empty state as it is."""
+    if "slot" not in state and "experts" not in state:
+        return state
     out = {
         "step": state["step"],
         "expert_step": torch.zeros(axis.experts, dtype=torch.float32, device=p.device),
-        "exp_avg": torch.zeros_like(p),
-        "exp_avg_sq": torch.zeros_like(p),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
     }
-    for e, expert in state["experts"].items():
-        out["expert_step"][e] = expert["step"].to(torch.float32)
-        axis.per_expert(out["exp_avg"])[e] = expert["exp_avg"]
-        axis.per_expert(out["exp_avg_sq"])[e] = expert["exp_avg_sq"]
+    if "experts" in state:
+        ids, experts = _legacy_experts(state)
+        for e in ids:
+            out["expert_step"][e] = experts[e]["step"].to(torch.float32)
+            axis.per_expert(out["exp_avg"])[e] = experts[e]["exp_avg"]
+            axis.per_expert(out["exp_avg_sq"])[e] = experts[e]["exp_avg_sq"]
+        return out
+    slot = state["slot"].tolist()
+    ids = [e for e, s in enumerate(slot) if s >= 0]
+    rows = [slot[e] for e in ids]
+    out["expert_step"].copy_(state["expert_step"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        axis.per_expert(out[key])[ids] = state[key][rows].to(p.device)
     return out
 
 
-def _listed_state(axis: ExpertAxis, state: dict) -> dict:
-    """The masked path's state as the per-expert one: moments for the experts that have stepped."""
-    steps = state["expert_step"].tolist()
-    m_EX, v_EX = axis.per_expert(state["exp_avg"]), axis.per_expert(state["exp_avg_sq"])
-    experts = {
-        e: {
-            "step": torch.tensor(float(n), dtype=torch.float32),
-            "exp_avg": m_EX[e].clone(),
-            "exp_avg_sq": v_EX[e].clone(),
-        }
-        for e, n in enumerate(steps)
-        if n > 0
+def _compact_state(p: torch.Tensor, axis: ExpertAxis, state: dict) -> dict:
+    """Any state as the CPU path's: ``slot`` ([E], on the CPU: expert e's row of the moments, -1 before its first
+    gradient), ``exp_avg`` / ``exp_avg_sq`` ``[n, X]`` for the n experts that have taken one, ``expert_step``
+    ([E]) and ``step``."""
+    if "slot" in state:
+        return state
+    X = p.numel() // axis.experts
+    out = {
+        "step": state.get("step", torch.tensor(0.0, dtype=torch.float32)),
+        "expert_step": torch.zeros(axis.experts, dtype=torch.float32, device=p.device),
+        "slot": torch.full((axis.experts,), -1, dtype=torch.long),
+        "exp_avg": p.new_zeros(0, X),
+        "exp_avg_sq": p.new_zeros(0, X),
     }
-    return {"step": state["step"], "experts": experts}
+    if "experts" in state:
+        ids, experts = _legacy_experts(state)
+        moments = {key: [experts[e][key] for e in ids] for key in ("exp_avg", "exp_avg_sq")}
+        steps = [experts[e]["step"].to(torch.float32) for e in ids]
+    elif "expert_step" in state:
+        ids = [e for e, n in enumerate(state["expert_step"].tolist()) if n > 0]
+        moments = {key: list(axis.per_expert(state[key])[ids]) for key in ("exp_avg", "exp_avg_sq")}
+        steps = list(state["expert_step"][ids].to(torch.float32))
+    else:
+        return out
+    if ids:
+        out["slot"][ids] = torch.arange(len(ids))
+        out["expert_step"][ids] = torch.stack(steps).to(p.device)
+        for key, rows in moments.items():
+            out[key] = torch.stack(rows).to(p.device)
+    return out
 
 
 def _nonzero_lists(masks: list[torch.Tensor]) -> list[list[int]]:
