@@ -18,6 +18,7 @@ wall time until the device is done too. Operators: the aten calls torch.profiler
 
     python benchmarks/expert_adamw.py                       # OLMoE-1B-7B counts, CPU
     python benchmarks/expert_adamw.py --device cuda         # on a GPU (the figure that matters)
+    python benchmarks/expert_adamw.py --published-widths --batch 1 --seq 64 --steps 5   # full size, CPU
 
 Prints a table, then ONE JSON line.
 """
@@ -53,10 +54,15 @@ def narrow_model(args):
     published = PUBLISHED[args.model]
     overrides = {k: v for k, v in published.tiny_overrides.items() if k not in COUNT_FIELDS}
     checkpoint = build_published(
-        args.model, layers=args.layers, overrides=overrides, cache_dir=args.cache_dir, seed=args.seed
+        args.model,
+        layers=args.layers,
+        overrides=None if args.published_widths else overrides,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
     )
     torch.manual_seed(args.seed)
-    model = load(checkpoint).model.to(args.device)
+    # at published widths the base stays memory-mapped, as a fine-tune holds it
+    model = load(checkpoint, memory_map=args.published_widths).model.to(args.device)
     config = FinetuneConfig.build({"lora": {"r": LORA_R, "experts": "all"}, "optim": {"lr": LR}})
     model, _ = apply_method(model, config)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
@@ -116,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="olmoe-1b-7b", help="a published model (moe_core.published)")
     parser.add_argument("--layers", type=int, default=None, help="cut to the first N decoder layers")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--published-widths",
+        action="store_true",
+        help="the published model itself (its widths too), memory-mapped: the update's passes over memory count",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)

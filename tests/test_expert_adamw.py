@@ -55,12 +55,15 @@ ROUTED = [[0, 2, 3], [2, 3, 5], [0, 1], [2], [0, 1, 2, 3, 4, 5], [4]]
 
 @pytest.mark.parametrize("masked", [False, True], ids=["per-expert", "masked"])
 def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw(masked):
-    """Both paths: the CPU's expert by expert, and the accelerators' masked update over the whole stack."""
+    """Both paths, each bitwise its reference: the CPU's, torch's fused AdamW on the experts' rows, against
+    per-expert parameters under torch's fused AdamW (transformers' default optimizer); the accelerators' masked
+    update over whole stacks, computed as torch's multi-tensor AdamW computes, against that one."""
     A_RI, B_OR, dense, axes = stacked_factors()
     ours = ExpertAdamW([{"params": [A_RI, B_OR, dense]}], expert_axes=axes, masked=masked, **HYPER)
     A, B = expert_slices(A_RI, B_OR)
     dense_ref = torch.nn.Parameter(dense.detach().clone())
-    reference = torch.optim.AdamW([*A, *B], foreach=True, **HYPER)  # the experts' kernels, as ExpertAdamW's
+    kernel = {"foreach": True} if masked else {"fused": True}
+    reference = torch.optim.AdamW([*A, *B], **kernel, **HYPER)
     reference_dense = torch.optim.AdamW([dense_ref], **HYPER)
     for step, routed in enumerate(ROUTED):
         gA_ERI, gB_OER, g_dense = gradients(step, routed)
@@ -86,7 +89,8 @@ def test_each_expert_steps_as_its_own_parameter_under_torch_s_adamw(masked):
 def test_the_masked_path_steps_stacks_of_many_shapes_modules_and_groups_as_the_per_expert_path():
     """The masked path steps the stacks of one shape and group together (`_Stacks`): two experts modules of 4
     and 6 experts, two shapes each, two parameter groups with their own learning rate and weight decay, and a
-    module whose every expert idles; bitwise the per-expert path's result."""
+    module whose every expert idles; the per-expert path's result to rounding (its fused kernel computes in
+    another order), the idle experts bitwise as they were."""
 
     def factors(seed):
         gen = torch.Generator().manual_seed(seed)
@@ -121,7 +125,7 @@ def test_the_masked_path_steps_stacks_of_many_shapes_modules_and_groups_as_the_p
         return [p.detach() for p in params]
 
     for ours, reference in zip(run(True), run(False), strict=True):
-        assert torch.equal(ours, reference)
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
 
 
 def test_state_is_kept_only_for_experts_that_had_a_gradient_each_with_its_own_step_count():
@@ -162,7 +166,8 @@ def test_the_masked_path_keeps_stack_shaped_moments_and_each_expert_s_step_count
     "saved_masked, resumed_masked", [(False, False), (True, True), (False, True), (True, False)]
 )
 def test_the_state_dict_resumes_exactly(saved_masked, resumed_masked):
-    """A state resumes bitwise, also on the other path (saved on a GPU, resumed on the CPU, and back)."""
+    """A state resumes bitwise on its path, and on the other one (saved on a GPU, resumed on the CPU, and back)
+    to the rounding between the two kernels."""
 
     def run(steps, start=None, masked=False):
         A_RI, B_OR, dense, axes = stacked_factors()
@@ -181,7 +186,7 @@ def test_the_state_dict_resumes_exactly(saved_masked, resumed_masked):
             optimizer.step()
         return (A_RI, B_OR, dense), optimizer
 
-    whole, _ = run(range(6))
+    whole, _ = run(range(6), masked=resumed_masked)
     first, optimizer = run(range(3), masked=saved_masked)
     buffer = io.BytesIO()  # through bytes, as a checkpoint goes: torch.save, torch.load(weights_only=True)
     torch.save(optimizer.state_dict(), buffer)
@@ -192,7 +197,10 @@ def test_the_state_dict_resumes_exactly(saved_masked, resumed_masked):
     assert state["expert_step"].dtype == torch.float32
     assert ("slot" in state) != resumed_masked and (resumed_masked or state["slot"].dtype == torch.long)
     for a, b in zip(resumed, whole, strict=True):
-        assert torch.equal(a, b)
+        if saved_masked == resumed_masked:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_amsgrad_and_the_like_are_refused_by_name():
@@ -326,7 +334,7 @@ def test_a_per_expert_state_as_session_30_saved_it_resumes(masked):
     expert that had a gradient) loads on both paths and steps on as per-expert parameters under torch's AdamW."""
     A_RI, B_OR, _, axes = stacked_factors()
     A, B = expert_slices(A_RI, B_OR)
-    reference = torch.optim.AdamW([*A, *B], foreach=True, **HYPER)
+    reference = torch.optim.AdamW([*A, *B], **({"foreach": True} if masked else {"fused": True}), **HYPER)
 
     def reference_steps(which):
         for step in which:

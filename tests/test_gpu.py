@@ -370,7 +370,8 @@ def test_a_memory_mapped_base_on_the_device_runs_grouped_mm_on_stacks(tmp_path):
 
 def test_expert_adamw_steps_the_whole_stack_masked_on_the_device_as_the_cpu_steps_each_expert():
     """`ExpertAdamW` on the device takes its masked path (no read back to the host) and steps as the CPU's
-    expert-by-expert path does, to rounding: the idle experts held, the others as torch's AdamW."""
+    expert-by-expert path (torch's fused AdamW on rows) does, to rounding: the idle experts held, the others as
+    torch's AdamW."""
     from moe_core.train.optim import ExpertAdamW
     from tests.test_expert_adamw import HYPER, ROUTED, E, I, O, R, gradients, stacked_factors
 
@@ -386,7 +387,7 @@ def test_expert_adamw_steps_the_whole_stack_masked_on_the_device_as_the_cpu_step
         assert optimizer.masks(A) == (device != "cpu")
         finals.append((A.detach().cpu(), B.detach().cpu()))
     for ours, cpu in zip(finals[1], finals[0], strict=True):
-        torch.testing.assert_close(ours, cpu, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours, cpu, rtol=1e-5, atol=1e-6)  # the CPU's kernel is torch's fused
 
 
 def test_a_lora_training_step_never_makes_the_host_wait_for_the_device(tmp_path, monkeypatch):

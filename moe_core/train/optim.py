@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.optim.adamw import adamw  # torch's functional AdamW (public: torch.optim.adamw.__all__)
 
 from moe_core.routing import Router
 from moe_core.train import parallel as par
@@ -111,6 +112,15 @@ class ExpertAxis:
             return t_X.view(self.experts, -1)
         return t_X.view(-1, self.experts).t()
 
+    def took(self, grad: torch.Tensor) -> torch.Tensor:
+        """``[E]`` bool: the experts with a non-zero entry in ``grad`` (``[..., E]`` where ``grad`` carries leading
+        dimensions of stacks), reduced in ``grad``'s own layout. The largest magnitude, not ``any``: torch's CPU
+        ``any`` over a dimension ran 4-10x slower at LoRA's shapes; a NaN still counts as non-zero."""
+        lead = grad.shape[: grad.dim() - 2]
+        if self.layout == "rows":
+            return grad.reshape(*lead, self.experts, -1).abs().amax(dim=-1).ne(0)
+        return grad.reshape(*lead, -1, self.experts).abs().amax(dim=-2).ne(0)
+
 
 # ExpertAdamW's state tensors that count (not moments): their dtypes, whatever the parameter's
 COUNTS = {"expert_step": torch.float32, "slot": torch.long}
@@ -157,20 +167,20 @@ class ExpertAdamW(torch.optim.AdamW):
     expert, on no tokens too).
 
     ``expert_axes``: the stacked parameters and where their experts lie (`ExpertAxis`); every other parameter
-    steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice. Both paths run one update,
-    `_adamw_rows`, on rows that are each an expert's entries, with per-row coefficients computed in doubles and
-    cast, as torch's AdamW passes Python floats: on the CPU each is bitwise torch's AdamW on per-expert
-    parameters (`tests/test_expert_adamw.py`).
+    steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice.
 
-    - On the CPU (``masked`` false; the default there) the experts that took a gradient are read back, their rows
-      gathered into ``[n, X]``, stepped and scattered back. Moments exist only for the experts that have taken a
-      gradient: ``state[p]`` holds ``slot`` ([E], on the CPU: expert e's row, -1 before its first gradient),
-      ``exp_avg`` / ``exp_avg_sq`` ``[n_seen, X]``, ``expert_step`` ([E], each expert's step count) and
-      ``step`` (the steps the stack had a gradient in). The full Qwen1.5-MoE-A2.7B's LoRA keeps moments for 65%
-      of its expert factors so (benchmarks/README.md).
+    - On the CPU (``masked`` false; the default there) the experts that took a gradient are read back and
+      their rows (gathered where strided: ``lora_B``'s columns) stepped by torch's fused AdamW, each row a
+      parameter with its own step count: bitwise torch's fused AdamW (transformers' default optimizer) on
+      per-expert parameters. Moments exist only for the experts that have taken a gradient: ``state[p]``
+      holds ``slot`` ([E], on the CPU: expert e's row, -1 before its first gradient), ``exp_avg`` /
+      ``exp_avg_sq`` ``[n_seen, X]``, ``expert_step`` ([E], each expert's step count) and ``step`` (the steps
+      the stack had a gradient in). The full Qwen1.5-MoE-A2.7B's LoRA keeps moments for 65% of its expert
+      factors so (benchmarks/README.md).
     - On an accelerator (``masked``: by default wherever the stack is not on the CPU) nothing is read back: the
       update runs over whole stacks with the coefficients of an expert that took no gradient making it a no-op,
-      the stacks of one shape and group as one tensor (`_Stacks`). ``state[p]`` holds ``exp_avg`` and
+      the stacks of one shape and group as one tensor (`_Stacks`), computed as torch's multi-tensor AdamW
+      computes (`_adamw_rows`: on the CPU bitwise that on per-expert parameters). ``state[p]`` holds ``exp_avg`` and
       ``exp_avg_sq`` shaped as the stack, ``expert_step`` and ``step``. A GPU fine-tuning step is bound by its
       host's dispatching: the first, per-expert version made the full OLMoE-1B-7B LoRA step on an H100 0.298 s
       against 0.160 s with one AdamW over each stack; the masked path dispatches about as many operators as
@@ -220,7 +230,7 @@ class ExpertAdamW(torch.optim.AdamW):
         took: dict[int, torch.Tensor] = {}  # experts module -> [E] bool: the experts that got a gradient
         for p, _ in listed:
             axis = self.expert_axes[p]
-            took_E = axis.per_expert(p.grad).ne(0).any(dim=1)
+            took_E = axis.took(p.grad)
             took[axis.module] = took_E if axis.module not in took else took[axis.module] | took_E
         # read on the host at once (one wait for the device per step, not one per layer)
         ids = dict(zip(took, _nonzero_lists(list(took.values())), strict=True))
@@ -238,10 +248,11 @@ class ExpertAdamW(torch.optim.AdamW):
         return loss
 
     def _step_experts(self, p: torch.Tensor, group: dict, ids: list[int]) -> None:
-        """AdamW on experts ``ids`` of ``p``, each as a parameter of its own, their entries gathered into rows
-        ``[n, X]`` and scattered back; moments only for the experts that have taken a gradient (rows of
-        ``exp_avg`` / ``exp_avg_sq``, expert e's at ``slot[e]``, added at its first gradient as AdamW makes a
-        parameter's state at its first step)."""
+        """torch's fused AdamW on experts ``ids`` of ``p``, each expert's entries (a row of its per-expert view,
+        transposed first where they are strided: ``lora_B``'s columns) a parameter of its own with its own moments
+        and step count; moments exist only for the experts that have taken a gradient (rows of ``exp_avg`` /
+        ``exp_avg_sq``, expert e's at ``slot[e]``, added at its first gradient as AdamW makes a parameter's state
+        at its first step)."""
         axis = self.expert_axes[p]
         state = self.state[p] = _compact_state(p, axis, self.state[p])
         state["step"] += 1
@@ -257,16 +268,32 @@ class ExpertAdamW(torch.optim.AdamW):
             for key in ("exp_avg", "exp_avg_sq"):
                 grown = state[key].new_zeros(len(new), state[key].shape[1])
                 state[key] = torch.cat([state[key], grown])
-        idx = torch.tensor(ids, device=p.device)
-        rows = torch.tensor([slot[e] for e in ids], device=p.device)
         p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
-        p_nX, g_nX = p_EX.index_select(0, idx), g_EX.index_select(0, idx)
-        m_nX, v_nX = state["exp_avg"].index_select(0, rows), state["exp_avg_sq"].index_select(0, rows)
-        state["expert_step"].index_add_(0, idx, torch.ones(len(ids), device=p.device))
-        _adamw_rows(p_nX, g_nX, m_nX, v_nX, state["expert_step"].index_select(0, idx), None, group)
-        p_EX.index_copy_(0, idx, p_nX)
-        state["exp_avg"].index_copy_(0, rows, m_nX)
-        state["exp_avg_sq"].index_copy_(0, rows, v_nX)
+        # strided rows (lora_B's columns) are transposed whole into a copy and back: one blocked pass each, where
+        # gathering a row at a time would walk the whole stack once per expert
+        p_rows_EX = p_EX.contiguous()  # (p_EX itself where it is)
+        p_all, g_all = p_rows_EX.unbind(0), g_EX.contiguous().unbind(0)
+        p_rows, g_rows = [p_all[e] for e in ids], [g_all[e] for e in ids]
+        m_all, v_all, steps = state["exp_avg"].unbind(0), state["exp_avg_sq"].unbind(0), state["expert_step"]
+        beta1, beta2 = group["betas"]
+        adamw(
+            list(p_rows),
+            list(g_rows),
+            [m_all[slot[e]] for e in ids],
+            [v_all[slot[e]] for e in ids],
+            [],
+            [steps[e] for e in ids],  # views: counted in place
+            fused=True,  # every row in one kernel, each with its own step count
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        if p_rows_EX is not p_EX:
+            p_EX.copy_(p_rows_EX)
 
     def _step_masked(self, pairs: list[tuple[torch.Tensor, dict]]) -> None:
         """AdamW over whole stacks, each expert's coefficients its own: an expert that took a gradient steps as
@@ -287,7 +314,8 @@ class ExpertAdamW(torch.optim.AdamW):
             E = s.experts
             if E not in tables:
                 tables[E] = torch.zeros(len(self._rows[E]), E, device=g_G.device)
-            tables[E].index_add_(0, s.rows, s.per_expert(g_G).ne(0).any(dim=2).to(tables[E].dtype))
+            axis = ExpertAxis(E, s.layout, -1)
+            tables[E].index_add_(0, s.rows, axis.took(g_G).to(tables[E].dtype))
         groups = {id(group): group for _, group in pairs}
         for s, g_G in zip(stacks, grads, strict=True):
             took_GE = tables[s.experts].index_select(0, s.rows).gt(0)
@@ -396,12 +424,12 @@ def _adamw_rows(
     m_RX: torch.Tensor,
     v_RX: torch.Tensor,
     step_R: torch.Tensor,
-    took_R: torch.Tensor | None,
+    took_R: torch.Tensor,
     group: dict,
 ) -> None:
     """torch's AdamW update, in place, on rows that are each a parameter of their own (``[..., R, X]``, one
-    expert's entries a row): row r by its own step count ``step_R[r]`` (already counted), and, given ``took_R``,
-    not at all where it is 0 (multiplied by one and moved by zero: bitwise as it was, its gradient being zero).
+    expert's entries a row): row r by its own step count ``step_R[r]`` (already counted), and not at all where
+    ``took_R`` is 0 (multiplied by one and moved by zero: bitwise as it was, its gradient being zero).
     Every coefficient is computed in doubles and cast to the rows' dtype, as torch's AdamW passes Python floats:
     on the CPU bitwise torch's AdamW (foreach) on each row."""
     beta1, beta2 = group["betas"]
@@ -413,17 +441,11 @@ def _adamw_rows(
     def per_row(values_R: torch.Tensor) -> torch.Tensor:  # [..., R] -> [..., R, 1] in the rows' dtype
         return values_R.to(p_RX.dtype).unsqueeze(-1)
 
-    if took_R is None:  # every row steps
-        p_RX.mul_(1 - lr * wd)
-        m_RX.lerp_(g_RX, 1 - beta1)
-        v_RX.mul_(beta2).addcmul_(g_RX, g_RX, value=1 - beta2)
-        step_size = per_row(-lr / bias1)
-    else:
-        took = took_R.to(torch.float64)
-        p_RX.mul_(per_row(1 - lr * wd * took))
-        m_RX.lerp_(g_RX, per_row((1 - beta1) * took))
-        v_RX.mul_(per_row(beta2 * took + (1 - took))).addcmul_(g_RX, g_RX, value=1 - beta2)
-        step_size = per_row(-lr / bias1 * took)
+    took = took_R.to(torch.float64)
+    p_RX.mul_(per_row(1 - lr * wd * took))
+    m_RX.lerp_(g_RX, per_row((1 - beta1) * took))
+    v_RX.mul_(per_row(beta2 * took + (1 - took))).addcmul_(g_RX, g_RX, value=1 - beta2)
+    step_size = per_row(-lr / bias1 * took)
     denom_RX = v_RX.sqrt().div_(per_row(bias2.sqrt())).add_(eps)
     p_RX.add_(m_RX.mul(step_size).div_(denom_RX))  # addcdiv's order: (s m) / d
 
