@@ -151,6 +151,10 @@ class _Stacks:
             return t_G.view(G, self.experts, -1)
         return t_G.view(G, -1, self.experts).transpose(1, 2)
 
+    def took(self, g_G: torch.Tensor) -> torch.Tensor:
+        """``[G, E]`` bool: the experts with a gradient in each stack (`ExpertAxis.took`)."""
+        return ExpertAxis(self.experts, self.layout, module=-1).took(g_G)
+
     def owns(self, state: dict) -> bool:
         """Whether each parameter's state is still the one this made (not replaced by a load)."""
         return all(state[p] is mine for p, mine in zip(self.params, self.rows_of_state, strict=True))
@@ -160,17 +164,17 @@ class ExpertAdamW(torch.optim.AdamW):
     """AdamW (Loshchilov & Hutter 2019) in which each expert of a stacked parameter is its own parameter: an
     expert whose entries got no gradient in a step (no token was routed to it, in any micro-batch: its gradient
     there is exactly zero) is not stepped at all: its entries, moments and step count stay as they are (lazy
-    Adam, as for an embedding's rows that were not looked up). That is what torch's AdamW does to per-expert modules that are not run without tokens (transformers
-    4's Mixtral and Qwen2-MoE loop over the experts hit; PEFT's LoRA on them gets no gradient), and what one
-    AdamW step over the whole stack does not: there a zero gradient row still moves by its momentum and weight
-    decay, and every expert carries moments from the first step (as in transformers 4's OLMoE, which runs every
-    expert, on no tokens too).
+    Adam, as for an embedding's rows that were not looked up). That is what torch's AdamW does to per-expert
+    modules that are not run without tokens (transformers 4's Mixtral and Qwen2-MoE loop over the experts hit;
+    PEFT's LoRA on them gets no gradient), and what one AdamW step over the whole stack does not: there a zero
+    gradient row still moves by its momentum and weight decay, and every expert carries moments from the first
+    step (as in transformers 4's OLMoE, which runs every expert, on no tokens too).
 
     ``expert_axes``: the stacked parameters and where their experts lie (`ExpertAxis`); every other parameter
     steps by torch's AdamW, with the given ``foreach`` / ``fused`` choice.
 
     - On the CPU (``masked`` false; the default there) the experts that took a gradient are read back and
-      their rows (gathered where strided: ``lora_B``'s columns) stepped by torch's fused AdamW, each row a
+      their rows (transposed where strided: ``lora_B``'s columns) stepped by torch's fused AdamW, each row a
       parameter with its own step count: bitwise torch's fused AdamW (transformers' default optimizer) on
       per-expert parameters. Moments exist only for the experts that have taken a gradient: ``state[p]``
       holds ``slot`` ([E], on the CPU: expert e's row, -1 before its first gradient), ``exp_avg`` /
@@ -180,8 +184,8 @@ class ExpertAdamW(torch.optim.AdamW):
     - On an accelerator (``masked``: by default wherever the stack is not on the CPU) nothing is read back: the
       update runs over whole stacks with the coefficients of an expert that took no gradient making it a no-op,
       the stacks of one shape and group as one tensor (`_Stacks`), computed as torch's multi-tensor AdamW
-      computes (`_adamw_rows`: on the CPU bitwise that on per-expert parameters). ``state[p]`` holds ``exp_avg`` and
-      ``exp_avg_sq`` shaped as the stack, ``expert_step`` and ``step``. A GPU fine-tuning step is bound by its
+      computes (`_adamw_rows`: on the CPU bitwise that on per-expert parameters). ``state[p]`` holds
+      ``exp_avg`` and ``exp_avg_sq`` shaped as the stack, ``expert_step`` and ``step``. A GPU fine-tuning step is bound by its
       host's dispatching: the first, per-expert version made the full OLMoE-1B-7B LoRA step on an H100 0.298 s
       against 0.160 s with one AdamW over each stack; the masked path dispatches about as many operators as
       torch's fused AdamW (`benchmarks/expert_adamw.py`).
@@ -269,8 +273,8 @@ class ExpertAdamW(torch.optim.AdamW):
                 grown = state[key].new_zeros(len(new), state[key].shape[1])
                 state[key] = torch.cat([state[key], grown])
         p_EX, g_EX = axis.per_expert(p), axis.per_expert(p.grad)
-        # strided rows (lora_B's columns) are transposed whole into a copy and back: one blocked pass each, where
-        # gathering a row at a time would walk the whole stack once per expert
+        # strided rows (lora_B's columns) are transposed whole into a copy and back, one pass each, where gathering
+        # a row at a time would walk the whole stack once per expert (fused AdamW takes contiguous tensors)
         p_rows_EX = p_EX.contiguous()  # (p_EX itself where it is)
         p_all, g_all = p_rows_EX.unbind(0), g_EX.contiguous().unbind(0)
         p_rows, g_rows = [p_all[e] for e in ids], [g_all[e] for e in ids]
@@ -314,8 +318,7 @@ class ExpertAdamW(torch.optim.AdamW):
             E = s.experts
             if E not in tables:
                 tables[E] = torch.zeros(len(self._rows[E]), E, device=g_G.device)
-            axis = ExpertAxis(E, s.layout, -1)
-            tables[E].index_add_(0, s.rows, axis.took(g_G).to(tables[E].dtype))
+            tables[E].index_add_(0, s.rows, s.took(g_G).to(tables[E].dtype))
         groups = {id(group): group for _, group in pairs}
         for s, g_G in zip(stacks, grads, strict=True):
             took_GE = tables[s.experts].index_select(0, s.rows).gt(0)
@@ -367,7 +370,8 @@ class ExpertAdamW(torch.optim.AdamW):
             experts=axis.experts,
             dtype=first.dtype,
             rows=torch.tensor(rows, dtype=torch.long, device=first.device),
-            step=torch.stack([st["step"].to(torch.float32) for st in states]),
+            # (a loaded state's steps sit on the device under a fused group: read once, here)
+            step=torch.stack([st["step"].to(torch.float32).cpu() for st in states]),
             exp_avg=torch.stack([st["exp_avg"] for st in states]),
             exp_avg_sq=torch.stack([st["exp_avg_sq"] for st in states]),
             expert_step=torch.stack([st["expert_step"].to(torch.float32) for st in states]),
