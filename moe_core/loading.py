@@ -50,6 +50,7 @@ import torch
 from safetensors import safe_open
 
 from moe_core.config import MoEConfig
+from moe_core.configfile import FINETUNE_CONFIG
 from moe_core.convert import ARCHITECTURES, config_from_hf, from_hf, read_hf_config, resolve_source
 from moe_core.data.errors import DataError
 from moe_core.data.tokenizer import (
@@ -78,7 +79,6 @@ _NOT_MAPPED = {
 }
 KINDS = ("quantized", "adapter", "finetuned", "checkpoint", "run", "pruned", "reward", "model", "hf")
 PRUNE_FILE = "pruning.json"  # written by prune_checkpoint beside the pruned model: its PruneReport
-FINETUNE_CONFIG = "finetune_config.json"  # the first file a fine-tuning run writes into its output directory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # what save_pretrained writes
 

@@ -47,6 +47,7 @@ import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from moe_core.configfile import FINETUNE_CONFIG
 from moe_core.errors import MoELabError
 from moe_core.finetune.config import FinetuneConfig, FinetuneError
 from moe_core.finetune.hf_adapter import WEIGHTS_FILE, apply_hf_adapter, is_hf_adapter
@@ -54,7 +55,6 @@ from moe_core.finetune.methods import apply_method, unwrap
 from moe_core.finetune.qlora import base_quant_config, quantizes_attention, quantizes_shared_experts
 from moe_core.finetune.selection_bias import BUFFER as BIAS_BUFFER
 from moe_core.finetune.selection_bias import restore_router_biases
-from moe_core.loading import FINETUNE_CONFIG
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import load_quantizing_experts
 

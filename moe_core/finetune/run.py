@@ -54,6 +54,7 @@ import datasets
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
+from moe_core.configfile import FINETUNE_CONFIG
 from moe_core.data.chat_template import BUILTIN_TEMPLATES, check_chat_template, resolve_chat_template
 from moe_core.data.framing import PLAIN, PromptFraming, framing_for, plain_text
 from moe_core.data.sources import canonical_json, load_source, quiet_datasets
@@ -114,14 +115,7 @@ from moe_core.finetune.qlora import (
 from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, check_full_training_fits, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
-from moe_core.loading import (
-    FINETUNE_CONFIG,
-    detect,
-    load,
-    memory_map_refusal,
-    model_config,
-    tokenizer_dir,
-)
+from moe_core.loading import detect, load, memory_map_refusal, model_config, tokenizer_dir
 from moe_core.memory import process_memory_bytes, release_freed_memory
 from moe_core.model import compile_layers
 from moe_core.quantized import (
