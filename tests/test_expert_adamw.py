@@ -413,3 +413,29 @@ def test_the_experts_step_counts_keep_their_dtype_when_a_bf16_factor_s_state_loa
         assert again.state[p]["expert_step"].tolist() == [301.0, 0.0]
         if not masked:
             assert again.state[p]["slot"].dtype == torch.long
+
+
+def test_the_masked_path_steps_bf16_factors_as_torch_s_adamw_does():
+    """bf16 factors (a LoRA kept in the base's dtype): the masked path computes with float32 coefficients, as
+    torch's AdamW computes bf16 with float scalars, and lands within bf16's resolution of it."""
+    A_RI, B_OR, _, axes = stacked_factors()
+    A16, B16 = (torch.nn.Parameter(t.detach().to(torch.bfloat16)) for t in (A_RI, B_OR))
+    ours = ExpertAdamW(
+        [A16, B16], expert_axes={A16: axes[A_RI], B16: axes[B_OR]}, masked=True, lr=1e-3, weight_decay=1e-3
+    )
+    A, B = (
+        [torch.nn.Parameter(t.detach().to(torch.bfloat16)) for t in slices]
+        for slices in expert_slices(A_RI, B_OR)
+    )
+    reference = torch.optim.AdamW([*A, *B], foreach=True, lr=1e-3, weight_decay=1e-3)
+    for step, routed in enumerate(ROUTED):
+        gA_ERI, gB_OER, _ = gradients(step, routed)
+        A16.grad, B16.grad = gA_ERI.reshape(E * R, I).bfloat16(), gB_OER.reshape(O, R * E).bfloat16()
+        for e in range(E):
+            A[e].grad = gA_ERI[e].bfloat16() if e in routed else None
+            B[e].grad = gB_OER[:, :, e].bfloat16() if e in routed else None
+        ours.step()
+        reference.step()
+    for e in range(E):
+        torch.testing.assert_close(A16.detach().view(E, R, I)[e], A[e].detach(), rtol=0, atol=0.01)
+        torch.testing.assert_close(B16.detach().view(O, R, E)[:, :, e], B[e].detach(), rtol=0, atol=0.01)

@@ -434,20 +434,27 @@ def _adamw_rows(
     """torch's AdamW update, in place, on rows that are each a parameter of their own (``[..., R, X]``, one
     expert's entries a row): row r by its own step count ``step_R[r]`` (already counted), and not at all where
     ``took_R`` is 0 (multiplied by one and moved by zero: bitwise as it was, its gradient being zero).
-    Every coefficient is computed in doubles and cast to the rows' dtype, as torch's AdamW passes Python floats:
-    on the CPU bitwise torch's AdamW (foreach) on each row."""
+    Every coefficient is computed in doubles and cast to the rows' dtype (float32 for bf16 rows), as torch's AdamW
+    passes Python floats: on the CPU bitwise torch's AdamW (foreach) on each fp32 row."""
     beta1, beta2 = group["betas"]
     lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
     wd, eps = group["weight_decay"], group["eps"]
     step = step_R.to(torch.float64).clamp(min=1)
     bias1, bias2 = 1 - beta1**step, 1 - beta2**step
 
-    def per_row(values_R: torch.Tensor) -> torch.Tensor:  # [..., R] -> [..., R, 1] in the rows' dtype
-        return values_R.to(p_RX.dtype).unsqueeze(-1)
+    # the coefficients in the rows' dtype, at least float32: torch's AdamW computes bf16 rows with float scalars
+    # (a step size -lr / (1 - beta1^t) rounded to bf16 is off by up to 0.4%)
+    dtype = torch.promote_types(p_RX.dtype, torch.float32)
+
+    def per_row(values_R: torch.Tensor) -> torch.Tensor:  # [..., R] -> [..., R, 1]
+        return values_R.to(dtype).unsqueeze(-1)
 
     took = took_R.to(torch.float64)
     p_RX.mul_(per_row(1 - lr * wd * took))
-    m_RX.lerp_(g_RX, per_row((1 - beta1) * took))
+    if dtype == m_RX.dtype:
+        m_RX.lerp_(g_RX, per_row((1 - beta1) * took))
+    else:  # lerp takes a weight in its own dtype only: bf16 moments are stepped in float32
+        m_RX.copy_(m_RX.to(dtype).lerp_(g_RX.to(dtype), per_row((1 - beta1) * took)))
     v_RX.mul_(per_row(beta2 * took + (1 - took))).addcmul_(g_RX, g_RX, value=1 - beta2)
     step_size = per_row(-lr / bias1 * took)
     denom_RX = v_RX.sqrt().div_(per_row(bias2.sqrt())).add_(eps)
