@@ -24,11 +24,11 @@ from pydantic_core import PydanticUndefined
 
 from moe_core.errors import MoELabError, did_you_mean
 
-# YAML 1.1 reads on/off/yes/no as booleans; --set keeps them as words (pydantic reads them as bools anyway)
 # the file a fine-tuning run saves its config as, first of all it writes into its output directory: what makes a
 # directory a fine-tuning output (`moe_core.loading`) and what `moe_core.finetune.as_trained` reads back
 FINETUNE_CONFIG = "finetune_config.json"
 
+# YAML 1.1 reads on/off/yes/no as booleans; --set keeps them as words (pydantic reads them as bools anyway)
 _YAML_WORDS = ("on", "off", "yes", "no", "y", "n")
 
 

@@ -106,20 +106,23 @@ class ExpertAxis:
     layout: Literal["rows", "columns"]
     module: int
 
-    def per_expert(self, t_X: torch.Tensor) -> torch.Tensor:
-        """``t`` as ``[E, X]``: expert e's entries in row e (a view: writes reach ``t``; strided for columns)."""
+    def per_expert(self, t_X: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """``t`` as ``[E, X]``: expert e's entries in row e (a view: writes reach ``t``; strided for columns).
+        ``lead``: leading dimensions kept in front (``[G, *shape]`` stacks of such parameters: ``[G, E, X]``)."""
+        front = t_X.shape[:lead]
         if self.layout == "rows":
-            return t_X.view(self.experts, -1)
-        return t_X.view(-1, self.experts).t()
+            return t_X.view(*front, self.experts, -1)
+        return t_X.view(*front, -1, self.experts).transpose(-1, -2)
 
-    def took(self, grad: torch.Tensor) -> torch.Tensor:
-        """``[E]`` bool: the experts with a non-zero entry in ``grad`` (``[..., E]`` where ``grad`` carries leading
-        dimensions of stacks), reduced in ``grad``'s own layout. The largest magnitude, not ``any``: torch's CPU
-        ``any`` over a dimension ran 4-10x slower at LoRA's shapes; a NaN still counts as non-zero."""
-        lead = grad.shape[: grad.dim() - 2]
+    def took(self, grad: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """``[E]`` bool (``[G, E]`` with ``lead``, as `per_expert`): the experts with a non-zero entry in
+        ``grad``, reduced in ``grad``'s own layout. The largest magnitude, not ``any``: torch's CPU ``any`` over a
+        dimension ran 4-10x slower at LoRA's shapes; a NaN still counts as non-zero."""
+        entries = grad.abs()
         if self.layout == "rows":
-            return grad.reshape(*lead, self.experts, -1).abs().amax(dim=-1).ne(0)
-        return grad.reshape(*lead, -1, self.experts).abs().amax(dim=-2).ne(0)
+            return self.per_expert(entries, lead).amax(dim=-1).ne(0)
+        front = grad.shape[:lead]
+        return entries.view(*front, -1, self.experts).amax(dim=-2).ne(0)  # along the contiguous rows
 
 
 # ExpertAdamW's state tensors that count (not moments): their dtypes, whatever the parameter's
@@ -134,26 +137,13 @@ class _Stacks:
 
     params: list[torch.Tensor]
     group_id: int
-    layout: Literal["rows", "columns"]
-    experts: int
-    dtype: torch.dtype
+    axis: ExpertAxis  # where the experts lie in each (its module: the first parameter's)
     rows: torch.Tensor  # [G] int64
     step: torch.Tensor  # [G] float32, on the CPU as torch's AdamW keeps it: the steps each had a gradient in
     exp_avg: torch.Tensor  # [G, *shape]
     exp_avg_sq: torch.Tensor  # [G, *shape]
     expert_step: torch.Tensor  # [G, E] float32
     rows_of_state: list[dict] = field(default_factory=list)  # each parameter's state, as this made it
-
-    def per_expert(self, t_G: torch.Tensor) -> torch.Tensor:
-        """``[G, *shape]`` as ``[G, E, X]`` (a view; strided for columns), as `ExpertAxis.per_expert` per row."""
-        G = t_G.shape[0]
-        if self.layout == "rows":
-            return t_G.view(G, self.experts, -1)
-        return t_G.view(G, -1, self.experts).transpose(1, 2)
-
-    def took(self, g_G: torch.Tensor) -> torch.Tensor:
-        """``[G, E]`` bool: the experts with a gradient in each stack (`ExpertAxis.took`)."""
-        return ExpertAxis(self.experts, self.layout, module=-1).took(g_G)
 
     def owns(self, state: dict) -> bool:
         """Whether each parameter's state is still the one this made (not replaced by a load)."""
@@ -315,13 +305,13 @@ class ExpertAdamW(torch.optim.AdamW):
         grads = [torch.stack([p.grad for p in s.params]) for s in stacks]
         tables: dict[int, torch.Tensor] = {}
         for s, g_G in zip(stacks, grads, strict=True):
-            E = s.experts
+            E = s.axis.experts
             if E not in tables:
                 tables[E] = torch.zeros(len(self._rows[E]), E, device=g_G.device)
-            tables[E].index_add_(0, s.rows, s.took(g_G).to(tables[E].dtype))
+            tables[E].index_add_(0, s.rows, s.axis.took(g_G, lead=1).to(tables[E].dtype))
         groups = {id(group): group for _, group in pairs}
         for s, g_G in zip(stacks, grads, strict=True):
-            took_GE = tables[s.experts].index_select(0, s.rows).gt(0)
+            took_GE = tables[s.axis.experts].index_select(0, s.rows).gt(0)
             self._update_stacks(s, g_G, took_GE, groups[s.group_id])
 
     def _update_stacks(self, s: _Stacks, g_G: torch.Tensor, took_GE: torch.Tensor, group: dict) -> None:
@@ -329,10 +319,10 @@ class ExpertAdamW(torch.optim.AdamW):
         s.expert_step.add_(took_GE)
         p_G = torch.stack(s.params)
         _adamw_rows(
-            s.per_expert(p_G),
-            s.per_expert(g_G),
-            s.per_expert(s.exp_avg),
-            s.per_expert(s.exp_avg_sq),
+            s.axis.per_expert(p_G, lead=1),
+            s.axis.per_expert(g_G, lead=1),
+            s.axis.per_expert(s.exp_avg, lead=1),
+            s.axis.per_expert(s.exp_avg_sq, lead=1),
             s.expert_step,
             took_GE,
             group,
@@ -366,9 +356,7 @@ class ExpertAdamW(torch.optim.AdamW):
         stacks = _Stacks(
             params=list(params),
             group_id=group_id,
-            layout=axis.layout,
-            experts=axis.experts,
-            dtype=first.dtype,
+            axis=axis,
             rows=torch.tensor(rows, dtype=torch.long, device=first.device),
             # (a loaded state's steps sit on the device under a fused group: read once, here)
             step=torch.stack([st["step"].to(torch.float32).cpu() for st in states]),
@@ -461,11 +449,6 @@ def _adamw_rows(
     p_RX.add_(m_RX.mul(step_size).div_(denom_RX))  # addcdiv's order: (s m) / d
 
 
-def _legacy_experts(state: dict) -> tuple[list[int], dict]:
-    """The experts of a per-expert state as session 30 saved it (``state["experts"][e]``), sorted."""
-    return sorted(state["experts"]), state["experts"]
-
-
 def _masked_state(p: torch.Tensor, axis: ExpertAxis, state: dict) -> dict:
     """A state of the CPU path (``slot`` rows, or the older ``experts`` dict) as the masked path's stack-shaped
     one; a masked or empty state as it is."""
@@ -478,7 +461,8 @@ def _masked_state(p: torch.Tensor, axis: ExpertAxis, state: dict) -> dict:
         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
     }
     if "experts" in state:
-        ids, experts = _legacy_experts(state)
+        experts = state["experts"]  # session 30's
+        ids = sorted(experts)
         for e in ids:
             out["expert_step"][e] = experts[e]["step"].to(torch.float32)
             axis.per_expert(out["exp_avg"])[e] = experts[e]["exp_avg"]
@@ -508,7 +492,8 @@ def _compact_state(p: torch.Tensor, axis: ExpertAxis, state: dict) -> dict:
         "exp_avg_sq": p.new_zeros(0, X),
     }
     if "experts" in state:
-        ids, experts = _legacy_experts(state)
+        experts = state["experts"]  # session 30's
+        ids = sorted(experts)
         moments = {key: [experts[e][key] for e in ids] for key in ("exp_avg", "exp_avg_sq")}
         steps = [experts[e]["step"].to(torch.float32) for e in ids]
     elif "expert_step" in state:
