@@ -173,7 +173,7 @@ def load(
                 "memory_map (or with merged=True, or give its adapter/ directory, to merge it into the "
                 "full-precision base)"
             )
-        model = load_as_trained(directory, _base_as_trained, base=base, dtype=dtype)
+        model = load_as_trained(directory, base_as_trained, base=base, dtype=dtype)
     elif kind in ("run", "finetuned"):
         loaded = load(
             _inner(directory, kind),
@@ -227,7 +227,7 @@ def load(
     return loaded
 
 
-def _base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
+def base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
     """A fine-tune's full-precision base as it trained (`moe_core.finetune.as_trained`): memory-mapped when
     ``map_it`` (``model.mmap`` not false) and its files hold ``dtype``, else copied."""
     mapped = map_it and memory_map_refusal(path, dtype) is None

@@ -26,8 +26,9 @@ biases ([E, O] per projection, a few numbers per expert) are copied, with the cl
 LoRA on them nests PEFT's wrappers by hand, as for QLoRA's `QuantizedExperts` (`expert_lora.inject`, through
 ``stack_shape``). To merge an adapter into them, `densify_experts` first stacks them into ordinary memory
 (`moe_core.finetune.export.merged_model` does), one layer at a time; a model with nothing to merge into its
-experts (a router fine-tune) is written by `save_streaming`, a projection's stack at a time. The files are
-never written.
+experts (a router fine-tune) is written by `save_streaming`, a projection's stack at a time. A writer that reads
+each expert once (``moe-lab quantize`` of a fine-tune, merging its adapter a slice at a time) hands what it has
+read to `release_pages`, so the pages leave the process as it goes. The files are never written.
 
 Full fine-tuning keeps the copying loader: its weights change at every step. Refusals (`MappingError`, before
 any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked, or
@@ -36,9 +37,15 @@ whose experts are MXFP4 (gpt-oss as published: dequantized on read, nothing woul
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import ctypes.util
 import json
 import math
+import mmap
 import os
+from collections.abc import Iterable
+from functools import cache
 
 import torch
 from torch import nn
@@ -331,14 +338,23 @@ def is_file_backed(tensor: torch.Tensor, file: str | os.PathLike) -> bool:
     target = os.path.realpath(file)
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
+    return any(
+        low <= start and end <= high and os.path.realpath(path) == target
+        for low, high, path in _file_mappings()
+    )
+
+
+def _file_mappings() -> list[tuple[int, int, str]]:
+    """``[(start, end, path)]`` of this process's mappings of files, by start address (``/proc/self/maps``: the
+    lines with an inode and a path; not the heap, stacks or anonymous memory)."""
+    ranges = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and os.path.realpath(fields[5].strip()) == target:
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                if low <= start and end <= high:
-                    return True
-    return False
+            if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((start, end, fields[5].strip()))
+    return sorted(ranges)
 
 
 def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_bytes: int) -> None:
@@ -412,3 +428,48 @@ def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_
     model.config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------------------------ releasing pages
+MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
+
+
+@cache
+def _madvise():
+    """libc's ``madvise`` on Linux, else None."""
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def release_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Take the whole pages under each of ``tensors`` out of this process's resident set; returns the bytes
+    released. For views of a checkpoint's file mapping read for the last time and never written: the pages stay
+    in the page cache (the kernel reclaims them as any other), and a later read faults them in again from it.
+    ``madvise(MADV_DONTNEED)`` on the pages a tensor alone covers (not one it shares with a neighbour in the file),
+    and only inside a mapping of a file: on anonymous memory (a copy in another dtype) it would zero the memory,
+    and a page of the mapping that was written (copy-on-write) would lose the write, so a tensor that may have
+    been written must not be given. Linux only; elsewhere nothing is released."""
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    mappings = _file_mappings()
+    starts = [start for start, _, _ in mappings]
+    page, released = mmap.PAGESIZE, 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        begin = t.data_ptr()
+        end = begin + t.numel() * t.element_size()
+        i = bisect.bisect_right(starts, begin) - 1
+        if i < 0 or end > mappings[i][1]:  # not (wholly) in a file mapping
+            continue
+        lo, hi = -(-begin // page) * page, end // page * page
+        if hi > lo and madvise(lo, hi - lo, MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released

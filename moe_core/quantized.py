@@ -465,7 +465,8 @@ class QuantizedExperts(StackedExperts):
     @classmethod
     def shaped_like(cls, dense: StackedExperts, config: QuantConfig) -> QuantizedExperts:
         """Codes and scales of ``dense``'s shapes under ``config``, not yet filled (built on the meta device by the
-        loaders, before any storage exists)."""
+        loaders, before any storage exists). ``dense``: stacked or memory-mapped (`moe_core.mapped.MappedExperts`,
+        whose weights are per-expert tensors); its biases, if any, keep its weights' dtype."""
         return cls(
             dense.num_experts,
             dense.activation,
@@ -473,7 +474,7 @@ class QuantizedExperts(StackedExperts):
             config,
             dense.impl,
             **dense.ffn_options(),
-            bias_dtype=dense.up_proj.dtype,
+            bias_dtype=dense.unbound()[1][0].dtype,  # (the up projection's first expert)
         )
 
     @classmethod

@@ -85,6 +85,56 @@ def test_model_mmap_false_loads_its_base_copied_and_still_unmerged(tmp_path):
         )
 
 
+def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_path, monkeypatch):
+    """``moe-lab quantize`` of a LoRA output that holds its adapter alone: the adapter is merged into each expert
+    slice of the memory-mapped base as that slice is quantized, giving the codes of quantizing the merged model.
+    Before, the whole base was loaded and merged first: 26.7 GiB for a fine-tune of Qwen1.5-MoE-A2.7B, more than
+    the 24 GiB machine it fine-tuned on holds."""
+    from peft.tuners.lora import layer as peft_lora
+
+    from moe_core.inference.quantize import weight_only
+    from moe_core.inference.quantize.weight_only import quantize_experts
+    from moe_core.quantized import expert_modules
+
+    adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    config = QuantConfig(bits=4, group_size=16)
+    reference = load(out, merged=True).model  # the adapter merged into the whole base, then quantized
+    quantize_experts(reference, config)
+
+    mapped, original = [], weight_only.base_as_trained
+
+    def base_as_trained(*args):
+        base = original(*args)
+        mapped.append(any(isinstance(m, MappedExperts) for m in base.modules()))
+        return base
+
+    def merged_whole(self, *args, **kwargs):
+        raise AssertionError("an expert stack was merged whole")
+
+    monkeypatch.setattr(weight_only, "base_as_trained", base_as_trained)
+    monkeypatch.setattr(peft_lora.ParamWrapper, "merge", merged_whole)
+    report = quantize_checkpoint(out, tmp_path / "int4", config)
+    monkeypatch.undo()
+    assert mapped == [True]  # the base as the fine-tune held it: views of its files
+
+    quantized = load(tmp_path / "int4")
+    assert quantized.kind == "quantized" and not has_lora(quantized.model)
+    pairs = list(zip(expert_modules(quantized.model), expert_modules(reference), strict=True))
+    assert report.experts_quantized == sum(m.num_experts for _, m in expert_modules(reference))
+    for (name, ours), (ref_name, ref) in pairs:
+        assert name == ref_name and isinstance(ours, QuantizedExperts)
+        for p in ref.projections:
+            assert torch.equal(getattr(ours, f"{p}_q"), getattr(ref, f"{p}_q")), (name, p)
+            assert torch.equal(getattr(ours, f"{p}_scale"), getattr(ref, f"{p}_scale")), (name, p)
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(quantized.model(input_ids=x).logits, reference(input_ids=x).logits)
+    # the fine-tune's tokenizer and prompt framing travel with it (generate frames prompts as training did)
+    assert (tmp_path / "int4" / "prompt_framing.json").is_file()
+    assert quantized.tokenizer.chat_template == load(out).tokenizer.chat_template
+
+
 @pytest.mark.slow
 def test_writers_read_a_qlora_output_merged_into_its_full_precision_base(tmp_path):
     """quantize and convert on a QLoRA output: the adapter merged into the bf16/fp32 base they came from (before:

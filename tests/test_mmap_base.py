@@ -22,7 +22,7 @@ from moe_core.finetune import run as run_module
 from moe_core.finetune.methods import MethodPlan, apply_lora, unwrap
 from moe_core.finetune.parallel import shard_experts
 from moe_core.loading import LoadError
-from moe_core.mapped import MappedExperts, densify_experts, is_file_backed, load_mapped
+from moe_core.mapped import MappedExperts, densify_experts, is_file_backed, load_mapped, release_pages
 from moe_core.model import MoEForCausalLM
 from moe_core.train.parallel import ExpertParallelExperts, init_parallel
 from tests.finetune_helpers import instruction_records, tiny_tokenizer
@@ -190,6 +190,35 @@ def test_a_mapped_model_grows_file_backed_memory_not_anonymous(tmp_path):
     assert grown["mapped"]["RssAnon"] < 0.25 * weights_kib, grown
     assert grown["mapped"]["RssFile"] > 0.9 * weights_kib, grown
     assert grown["copied"]["RssAnon"] > 0.9 * weights_kib, grown  # what the test tells apart
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise: Linux")
+def test_released_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    """`release_pages` on a view of a file mapping drops its pages from the process (the file-backed resident set
+    falls by its size) and a later read faults the same values back in; anonymous memory given to it (a copy, where
+    MADV_DONTNEED would zero it) is left alone."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def rss_file_kib() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssFile:")))
+
+    torch.manual_seed(0)
+    expected = torch.randn(8, 256, 1024)  # 8 MiB, a "stack" of 8 slices
+    save_file({"w": expected}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        mapped = f.get_tensor("w")
+    assert is_file_backed(mapped, tmp_path / "w.safetensors")
+    copy_ = mapped.clone()
+    assert torch.equal(mapped, expected)  # every page read in
+    before = rss_file_kib()
+    released = release_pages([*mapped.unbind(0), copy_])
+    after = rss_file_kib()
+    assert released >= 7.9 * 2**20 and released <= 8 * 2**20
+    assert before - after > 7 * 1024, (before, after)
+    assert torch.equal(copy_, expected)  # anonymous: not touched
+    assert torch.equal(mapped, expected)  # read back from the file
 
 
 # ------------------------------------------------------------------------------------------------ fine-tuning

@@ -25,9 +25,13 @@ GiB of anonymous memory where the merge took 17.5 s and 3.9 GiB; `moe-lab genera
 model's speed (LoRA's products at every step), and of the full Qwen1.5-MoE-A2.7B (26.7 GiB: no merge fits a 23.5
 GiB machine) 25.8 s at a 9.9 GiB peak (README.md); `tests/test_load_as_trained.py`.
 
-What rewrites weights (quantize, prune, ONNX export, conversion to Hugging Face) needs the merged model: those
-call ``moe_core.load(path, merged=True)``, which merges the adapter into the full-precision base (the output's
-merged/ when it has one), as ``moe_core.load(OUT / "adapter")`` always does. Fine-tunes this does not cover load
+What rewrites weights (prune, ONNX export, conversion to Hugging Face) needs the merged model: those call
+``moe_core.load(path, merged=True)``, which merges the adapter into the full-precision base (the output's merged/
+when it has one), as ``moe_core.load(OUT / "adapter")`` always does: the whole base in memory. Round-to-nearest
+quantization does not: it takes `peft_as_trained` (the adapter's wrappers over the full-precision base,
+memory-mapped) and merges one expert slice at a time as it quantizes it
+(`moe_core.inference.quantize.weight_only.quantize_merged`): ``moe-lab quantize`` of the full OLMoE-1B-7B's LoRA
+output peaked at 5.55 GiB where the whole merge took 18.47 GiB, with the same bytes written. Fine-tunes this does not cover load
 merged as before: a task router bias (a task id per batch) and a reward model's score head.
 
 A fine-tune can also go on training such an output's adapter (`continued`: ``lora.init_from``, or ``model.path``
@@ -93,6 +97,22 @@ def load_as_trained(
     files hold ``dtype``, else copied (`moe_core.loading` passes its own: this module does not import the loader
     back); ``base``: that checkpoint (default: the recorded ``model.path``); ``dtype``: the weights' (default: the
     recorded ``model.dtype``)."""
+    return unwrap(peft_as_trained(directory, load_base, base=base, dtype=dtype)).eval()
+
+
+def peft_as_trained(
+    directory: str | os.PathLike,
+    load_base: Callable[[str, torch.dtype | str, bool], MoEForCausalLM],
+    *,
+    base: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    full_precision: bool = False,
+):
+    """`load_as_trained`'s PEFT model (``merge_and_unload`` is its own): the adapter's wrappers over the base, the
+    factors placed, unmerged. ``full_precision``: a QLoRA fine-tune's adapter over its full-precision base as
+    ``load_base`` gives it (memory-mapped where its files allow), not over the 4-bit one it trained on: what a
+    writer that merges needs (`moe_core.inference.quantize.weight_only` merges it into one expert slice at a time
+    and quantizes that)."""
     directory = Path(directory)
     config = recorded_config(directory)
     adapter = directory / ADAPTER_DIR
@@ -101,7 +121,7 @@ def load_as_trained(
         raise FinetuneError(f"{adapter}: no {WEIGHTS_FILE}; only safetensors adapters are loaded")
     if config.method != "lora":
         raise FinetuneError(f"{directory / FINETUNE_CONFIG}: method={config.method}; expected lora")
-    quantized = config.quantize.base is not None
+    quantized = config.quantize.base is not None and not full_precision
     if quantized and config.routing.task_bias:
         raise FinetuneError(
             f"{directory / FINETUNE_CONFIG}: a task router bias over a quantized base is not loaded yet; merge the "
@@ -126,11 +146,12 @@ def load_as_trained(
             f"{directory}: the base model it was fine-tuned on ({named}: {source}) does not load: {err}; give "
             "where it is now as base= (moe_core.load(OUT, base=DIR); --base DIR for moe-lab generate, eval and analyze)"
         ) from None
+    # (the wrappers follow the base's modules: PEFT's Linear LoRA over a full-precision attention, whose adapter
+    # keys are QLoRA's `QuantizedLinearLoRA`'s)
     peft_model, _ = apply_method(model, config, expert_selection=recorded_selection(directory, config))
     place_adapter(peft_model, model, adapter, source)
-    trained = unwrap(peft_model)
-    trained.requires_grad_(False)
-    return trained.eval()
+    peft_model.requires_grad_(False)
+    return peft_model
 
 
 def recorded_selection(directory: Path, config: FinetuneConfig) -> dict[int, list[int]] | None:

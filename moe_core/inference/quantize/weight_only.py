@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_core.experts import PROJECTIONS, StackedExperts
 from moe_core.fileio import check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import MAPPABLE, detect, load
+from moe_core.loading import MAPPABLE, base_as_trained, detect, load, tokenizer_dir
+from moe_core.mapped import MappedExperts, release_pages
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import (
     QuantConfig,
@@ -96,7 +98,9 @@ def quantize_checkpoint(
     calibrate on ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``.
     Round to nearest on a model directory (ours, a pruned one or a Hugging Face one) quantizes while the
     checkpoint streams in (`load_quantizing_experts`, as QLoRA's base): the same codes, and memory for the
-    quantized model only."""
+    quantized model only. On a fine-tune's output that holds its adapter alone (`merges_while_quantizing`) the
+    adapter is merged into one expert slice at a time of its full-precision base, memory-mapped, as that slice
+    is quantized (`quantize_merged`): the codes of the merged model, which is never in memory whole."""
     check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
     if calibration is None and data_dir is not None:
         calibration = calibration_batches(data_dir)
@@ -112,6 +116,17 @@ def quantize_checkpoint(
         model = load_quantizing_experts(model_dir, config, dtype)
         report = _streamed_report(model, config)
         companions = Path(model_dir)
+    elif config.method == "rtn" and merges_while_quantizing(model_dir):
+        # a fine-tune's adapter over its base (memory-mapped where its files hold the dtype), merged into each
+        # expert slice as it is quantized: a base larger than memory (a fine-tune of Qwen1.5-MoE-A2.7B on a 24
+        # GiB machine) quantizes too, where the merge below needs it whole
+        from moe_core.finetune.as_trained import peft_as_trained  # peft: for adapters only
+
+        model = quantize_merged(
+            peft_as_trained(model_dir, base_as_trained, dtype=dtype, full_precision=True), config
+        )
+        report = _streamed_report(model, config)
+        companions = tokenizer_dir(model_dir)  # the adapter's: its tokenizer and prompt framing
     else:
         # calibrated (its forward passes need the full-precision experts), or a fine-tune's adapter merged in
         loaded = load(model_dir, dtype=dtype, merged=True)
@@ -121,6 +136,74 @@ def quantize_checkpoint(
         companions = loaded.tokenizer_dir or loaded.path
     save_quantized(model, out_dir, config, report, companions_from=companions, overwrite=overwrite)
     return report
+
+
+def merges_while_quantizing(model_dir: str | os.PathLike) -> bool:
+    """Whether round to nearest on ``model_dir`` merges its adapter while quantizing (`quantize_merged`): a LoRA or
+    QLoRA fine-tune's output holding its adapter alone, with no task router bias or reward head (those load
+    merged, `moe_core.finetune.as_trained.loads_as_trained`)."""
+    if detect(model_dir) != "finetuned" or (Path(model_dir) / "merged").is_dir():
+        return False
+    from moe_core.finetune.as_trained import loads_as_trained, recorded_config  # peft: for adapters only
+
+    if not loads_as_trained(model_dir):
+        return False
+    config = recorded_config(Path(model_dir))
+    return not config.routing.task_bias and config.objective != "reward"
+
+
+@torch.no_grad()
+def quantize_merged(peft_model, config: QuantConfig) -> MoEForCausalLM:
+    """``peft_model``'s adapter merged into its base and every expert stack quantized (round to nearest), one
+    expert slice at a time: each slice of the base (a view of its file where it is memory-mapped) plus its
+    slice of the projection's delta (PEFT's ``get_delta_weight``, made for one projection of one layer at a
+    time), quantized into a `QuantizedExperts`; the rest (attention, a trained router) merged by PEFT's
+    ``merge_and_unload``. The codes are those of `quantize_experts` on ``merge_and_unload``'s model (the same
+    delta, added in the weights' dtype as PEFT adds it), without the merged experts ever in memory."""
+    from moe_core.finetune.methods import lora_wrappers, unwrap  # peft: for adapters only
+
+    model = unwrap(peft_model)
+    outermost = [
+        (name, wrapper)
+        for name, wrapper in lora_wrappers(model)
+        if not name.endswith(".base_layer")  # a nested wrapper: the one around it holds the experts' place
+    ]
+    for name, wrapper in outermost:
+        deltas = {w.parameter_name: w for w in wrapper.nest()}
+        experts = wrapper.get_base_layer()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, _quantized_slices(experts, config, deltas))
+    merged = peft_model.merge_and_unload()  # PEFT's Linear LoRA, saved modules
+    for name, experts in expert_modules(merged):  # experts the adapter does not cover (lora.experts=none)
+        if not isinstance(experts, QuantizedExperts):
+            parent_name, _, child = name.rpartition(".")
+            setattr(merged.get_submodule(parent_name), child, _quantized_slices(experts, config, {}))
+    check_experts_quantized(merged)
+    return merged.eval()
+
+
+def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: dict) -> QuantizedExperts:
+    """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with the delta
+    of ``wrappers[p]`` (a PEFT ``ParamWrapper`` of projection ``p``, its active adapters unmerged) added to each
+    slice first, in the slice's dtype."""
+    quantized = QuantizedExperts.shaped_like(experts, config)
+    quantized.max_slots = experts.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
+    for p, slices in zip(PROJECTIONS, experts.unbound(), strict=True):
+        if slices is None:
+            continue
+        if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
+            getattr(quantized, f"{p}_bias").copy_(experts.bias_stack(p))
+        wrapper = wrappers.get(p)
+        adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A] if wrapper is not None else []
+        delta_EOI = sum(wrapper.get_delta_weight(a) for a in adapters) if adapters else None
+        for e, w_OI in enumerate(slices):
+            if delta_EOI is not None:
+                w_OI = w_OI + delta_EOI[e].to(w_OI.dtype)  # as PEFT's merge: param.data += delta
+            quantized.quantize_into(p, e, w_OI)
+        del delta_EOI
+        if isinstance(experts, MappedExperts):  # read once: out of the resident set as it goes
+            release_pages(slices)
+    return quantized.to(next(experts.parameters()).device)
 
 
 def _streamed_report(model: nn.Module, config: QuantConfig) -> QuantReport:
