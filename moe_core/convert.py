@@ -105,6 +105,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1494,9 +1495,10 @@ def mla_weight_names(config: MoEConfig) -> list[str]:
     return q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
 
 
-def our_tensors(model: MoEForCausalLM, plan) -> dict[str, torch.Tensor]:
-    """Our parameters by name, checked to be exactly those the plan covers (catches model drift early)."""
-    tensors = model.state_dict(keep_vars=True)
+def our_tensors(model: MoEForCausalLM, plan, tensors: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Our parameters by name (``tensors`` where given, else the model's state dict), checked to be exactly those
+    the plan covers (catches model drift early)."""
+    tensors = dict(tensors) if tensors is not None else model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     planned = {ours for ours, _ in plan}
@@ -1706,11 +1708,33 @@ def from_hf(
     return model.eval()
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor a writer makes as it writes it, one shard's at a time, rather than one held before: an expert slice
+    with a fine-tune's delta added (`moe_core.mapped.stacked_tensors`). Its shape and dtype size the shards."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def made(t: torch.Tensor | Deferred) -> torch.Tensor:
+    """``t``, made now if it is `Deferred`."""
+    return t.make() if isinstance(t, Deferred) else t
+
+
 def _write_safetensors(
-    directory: Path, tensors: list[tuple[str, torch.Tensor]], max_shard_bytes: int
+    directory: Path, tensors: list[tuple[str, torch.Tensor | Deferred]], max_shard_bytes: int
 ) -> None:
-    """Write named tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``."""
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    """Write named tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``; a
+    `Deferred` one is made when its shard is written and let go of after."""
+    shards: list[list[tuple[str, torch.Tensor | Deferred]]] = [[]]
     size = 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -1728,7 +1752,7 @@ def _write_safetensors(
         # view, which safetensors writes from its pointer (slices that share a storage without overlapping are
         # accepted); contiguous() copies only a tensor that is not contiguous, one at a time
         save_file(
-            {name: t.detach().contiguous() for name, t in shard},
+            {name: made(t).detach().contiguous() for name, t in shard},
             str(directory / file),
             metadata={"format": "pt"},
         )
@@ -1747,12 +1771,16 @@ def to_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     max_shard_size: int = 5 * 2**30,
+    tensors: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write `model` as a Hugging Face checkpoint loadable with ``AutoModelForCausalLM.from_pretrained``.
 
     `architecture` (``mixtral``, ``olmoe``, ``qwen2_moe``) defaults to the one the model was converted from; a
     native model must name one. Refuses, with every reason, what the target cannot express exactly. Tokenizer
-    and generation files in `tokenizer_dir` are copied along. Returns the output directory.
+    and generation files in `tokenizer_dir` are copied along. Returns the output directory. ``tensors``: the
+    weights by our names, in place of the model's state dict: a stacked expert projection as its ``[E, O, I]``
+    tensor or a sequence of E per-expert ones, any of them `Deferred` (a memory-mapped model's experts, a
+    fine-tune's adapter merged into each as it is written: `moe_core.mapped.stacked_tensors`).
     """
     config = model.config
     origin = config.hf_origin or {}
@@ -1765,7 +1793,7 @@ def to_hf(
     arch = get_architecture(name)
     hf_config = config_to_hf(config, arch)
     plan = weight_plan(config, arch)
-    ours = our_tensors(model, plan)
+    ours = our_tensors(model, plan, tensors)
     tensors = [
         (hf_name, ours[our_name] if len(names) == 1 else ours[our_name][j])
         for our_name, names in plan
@@ -1781,7 +1809,7 @@ def to_hf(
         tensors = [(n, t) for n, t in tensors if not n.endswith(".e_score_correction_bias")]
     if arch.model_type == "gpt_oss":
         tensors = gptoss_fused_tensors(tensors)
-    hf_config.dtype = str(next(iter(ours.values())).dtype).removeprefix("torch.")
+    hf_config.dtype = str(ours["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     with atomic_directory(out_dir, overwrite, ConversionError) as tmp:
         _write_safetensors(tmp, tensors, max_shard_size)
         hf_config.save_pretrained(tmp)
@@ -1808,7 +1836,7 @@ def gptoss_fused_tensors(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[
         prefix, _, proj, kind = match.groups()
         if not groups.get((prefix, proj, kind)):
             out.append(((prefix, proj, kind), None))  # placeholder: where this group goes
-        groups.setdefault((prefix, proj, kind), []).append(tensor.detach())
+        groups.setdefault((prefix, proj, kind), []).append(made(tensor).detach())
     result = []
     for name, tensor in out:
         if tensor is not None:

@@ -4,7 +4,9 @@
     convert_to_hf("runs/a/final", "runs/a/hf", architecture="mixtral")
 
 It sits above the loader, which sits above the format readers in `moe_core.convert` (`from_hf`, `to_hf`); the
-writing itself is `moe_core.convert.to_hf` (staged: the output appears complete or not at all).
+writing itself is `moe_core.convert.to_hf` (staged: the output appears complete or not at all). A fine-tune's output
+that holds its adapter alone is written from its base memory-mapped, the adapter merged into each expert
+projection as it is written (`moe_core.finetune.export.merged_for_writing`): the merged model is never in memory.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from moe_core.convert import ConversionError, to_hf
 from moe_core.fileio import check_output_dir
-from moe_core.loading import detect, load
+from moe_core.loading import base_as_trained, detect, load, tokenizer_dir
 
 
 def convert_to_hf(
@@ -33,7 +35,35 @@ def convert_to_hf(
         )
     if kind == "quantized":
         raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
+    if kind == "finetuned" and _merges_as_written(source):
+        # a fine-tune's adapter alone: merged into its memory-mapped base's experts as they are written, the
+        # merged model never in memory (its copy of the full Qwen1.5-MoE-A2.7B would be 26.7 GiB)
+        from moe_core.finetune.as_trained import peft_as_trained
+        from moe_core.finetune.export import merged_for_writing
+        from moe_core.mapped import MappedExperts, stacked_tensors
+
+        model, deltas = merged_for_writing(peft_as_trained(source, base_as_trained, full_precision=True))
+        mapped = any(isinstance(m, MappedExperts) for m in model.modules())
+        return to_hf(
+            model,
+            out_dir,
+            architecture,
+            tokenizer_dir=tokenizer_dir(source),
+            overwrite=overwrite,
+            tensors=stacked_tensors(model, deltas) if mapped else None,
+        )
     loaded = load(source, merged=True)  # weights written out: a fine-tune's adapter merged in
     # a training checkpoint keeps no tokenizer files of its own: it names its data's tokenizer
-    tokenizer_dir = loaded.tokenizer_dir or loaded.path
-    return to_hf(loaded.model, out_dir, architecture, tokenizer_dir=tokenizer_dir, overwrite=overwrite)
+    return to_hf(
+        loaded.model,
+        out_dir,
+        architecture,
+        tokenizer_dir=loaded.tokenizer_dir or loaded.path,
+        overwrite=overwrite,
+    )
+
+
+def _merges_as_written(source: str | os.PathLike) -> bool:
+    from moe_core.finetune.as_trained import merges_as_written  # the fine-tuning stack (peft): adapters only
+
+    return merges_as_written(source)

@@ -40,17 +40,27 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import json
 import math
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import cache
+from typing import Any
 
 import torch
 from torch import nn
 
-from moe_core.convert import StreamingLoad, check_shape, open_streaming, source_dtype, stream_weights
+from moe_core.convert import (
+    Deferred,
+    StreamingLoad,
+    check_shape,
+    made,
+    open_streaming,
+    source_dtype,
+    stream_weights,
+)
 from moe_core.errors import MoELabError
 from moe_core.experts import PROJECTIONS, GroupedExperts, StackedExperts, replace_experts
 from moe_core.frozen_linear import frozen_linear, share_hooks
@@ -357,31 +367,73 @@ def _file_mappings() -> list[tuple[int, int, str]]:
     return sorted(ranges)
 
 
-def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_bytes: int) -> None:
-    """``model.save_pretrained(out_dir, max_shard_size=max_shard_bytes)``'s files (config, generation config,
-    safetensors shards and their index, the stacked layout) for a model whose experts are still `MappedExperts`,
-    without stacking them all first: a projection's ``[E, O, I]`` stack is made while its shard is written and let
-    go of after, so the copy in ordinary memory is one shard, not the model (`densify_experts` then
-    ``save_pretrained`` held a copy of every expert: 13.1 GiB of anonymous memory for the full OLMoE-1B-7B). A
-    tensor that shares another's memory (tied embeddings) is written once, under its first name."""
-    from safetensors.torch import save_file  # lazy: only exports write
+# what merging an adapter adds to each memory-mapped experts module, per projection: a function giving the
+# ``[E, O, I]`` deltas PEFT's merge adds in turn (`moe_core.finetune.expert_lora.merge_deltas`), called when the
+# projection is written (`stacked_tensors`)
+ExpertDeltas = Mapping["MappedExperts", Mapping[str, Callable[[], list[torch.Tensor]]]]
 
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    # (name, shape, bytes, and what it is read from: a tensor, or a mapped module and projection to stack)
-    plan: list[tuple[str, tuple, int, object]] = []
-    seen: set[tuple[int, tuple]] = set()
+
+def stacked_tensors(model: MoEForCausalLM, deltas: ExpertDeltas | None = None) -> dict[str, Any]:
+    """``model``'s weights by the names ``save_pretrained`` gives them (the stacked layout), with nothing stacked:
+    each `MappedExperts` projection ``p`` as the list of its E per-expert tensors (views of the file). Where
+    ``deltas`` has the module's ``p``, each is a `Deferred` instead: the expert's weight plus its slices of the
+    deltas, in the weight's dtype (as PEFT's merge adds them into a stack), made as it is written. A projection's
+    deltas are made once for its E experts, one projection's at a time, and the pages of the experts of the
+    projection written before are released then (`release_pages`). What `save_streaming` and
+    `moe_core.convert.to_hf` write a memory-mapped model from, an adapter merged as it goes."""
+    tensors: dict[str, Any] = {}
+    last: dict[tuple[MappedExperts, str], list[torch.Tensor]] = {}  # the deltas made (writers go in order)
+
+    def expert(module: MappedExperts, p: str, e: int) -> torch.Tensor:
+        w_OI = module.weights(p)[e]
+        if (module, p) not in last:
+            for read, q in last:  # read (the file's views, never written): their pages leave the resident set
+                release_pages(read.weights(q))
+            last.clear()
+            last[module, p] = [delta_EOI.to(w_OI.dtype) for delta_EOI in deltas[module][p]()]
+        for delta_EOI in last[module, p]:
+            w_OI = w_OI + delta_EOI[e]  # as PEFT's merge: param.data += delta, in the weight's dtype
+        return w_OI
+
     for name, tensor in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = name.rpartition(".")
         module = model.get_submodule(prefix) if prefix else model
         owned = module.expert_weight(leaf) if isinstance(module, MappedExperts) else None
-        if owned is not None:
-            p, e = owned
-            if e == 0:  # the projection's stack, in place of its E per-expert tensors
-                shape = module.stack_shape(p)
-                plan.append(
-                    (f"{prefix}.{p}", shape, tensor.element_size() * tensor.numel() * shape[0], (module, p))
-                )
+        if owned is None:
+            tensors[name] = tensor
+            continue
+        p, e = owned
+        w_OI = module.weights(p)[e]
+        if deltas is not None and p in deltas.get(module, {}):
+            w_OI = Deferred(tuple(w_OI.shape), w_OI.dtype, functools.partial(expert, module, p, e))
+        tensors.setdefault(f"{prefix}.{p}", []).append(w_OI)
+    return tensors
+
+
+def save_streaming(
+    model: MoEForCausalLM,
+    out_dir: str | os.PathLike,
+    max_shard_bytes: int,
+    deltas: ExpertDeltas | None = None,
+) -> None:
+    """``model.save_pretrained(out_dir, max_shard_size=max_shard_bytes)``'s files (config, generation config,
+    safetensors shards and their index, the stacked layout) for a model whose experts are still `MappedExperts`,
+    without stacking them all first: a projection's ``[E, O, I]`` stack is made while its shard is written and let
+    go of after, so the copy in ordinary memory is one shard, not the model (`densify_experts` then
+    ``save_pretrained`` held a copy of every expert: 13.1 GiB of anonymous memory for the full OLMoE-1B-7B).
+    ``deltas``: an adapter merged into the experts as they are written (`stacked_tensors`). A tensor that shares
+    another's memory (tied embeddings) is written once, under its first name."""
+    from safetensors.torch import save_file  # lazy: only exports write
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    # (name, shape, bytes, and the tensor or the per-expert entries to stack)
+    plan: list[tuple[str, tuple, int, object]] = []
+    seen: set[tuple[int, tuple]] = set()
+    for name, tensor in stacked_tensors(model, deltas).items():
+        if isinstance(tensor, list):  # the projection's stack, in place of its E per-expert tensors
+            shape = (len(tensor), *tensor[0].shape)
+            plan.append((name, shape, math.prod(shape) * tensor[0].element_size(), tensor))
             continue
         key = (tensor.data_ptr(), tuple(tensor.shape))
         if tensor.numel() and key in seen:
@@ -405,9 +457,8 @@ def save_streaming(model: MoEForCausalLM, out_dir: str | os.PathLike, max_shard_
     for file_name, shard in zip(names, shards, strict=True):
         tensors = {}
         for name, _, _, source in shard:
-            if isinstance(source, tuple):
-                module, p = source
-                tensors[name] = torch.stack([w.detach() for w in module.weights(p)])
+            if isinstance(source, list):
+                tensors[name] = torch.stack([made(w).detach() for w in source])
             else:
                 tensors[name] = source.detach().contiguous()
             weight_map[name] = file_name

@@ -135,6 +135,28 @@ def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_p
     assert quantized.tokenizer.chat_template == load(out).tokenizer.chat_template
 
 
+def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monkeypatch):
+    """``moe-lab convert to-hf OUT`` of an output holding its adapter alone writes from the memory-mapped base, the
+    adapter merged into each expert projection as it is written (never stacked into memory): the same files as
+    converting the adapter merged into a copy of the whole base."""
+    from safetensors.torch import load_file
+
+    adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    reference = convert_to_hf(out / "adapter", tmp_path / "reference")  # merged into the whole base first
+
+    def stacked_in_memory(self):
+        raise AssertionError("a memory-mapped experts module was stacked into memory")
+
+    monkeypatch.setattr(MappedExperts, "densified", stacked_in_memory)
+    written = convert_to_hf(out, tmp_path / "hf")
+    monkeypatch.undo()
+    ours, theirs = load_file(written / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in reference.iterdir())
+
+
 @pytest.mark.slow
 def test_writers_read_a_qlora_output_merged_into_its_full_precision_base(tmp_path):
     """quantize and convert on a QLoRA output: the adapter merged into the bf16/fp32 base they came from (before:

@@ -489,16 +489,20 @@ def test_a_mapped_model_is_saved_a_shard_at_a_time_as_save_pretrained_writes_it(
         )
 
 
-def test_a_router_fine_tune_of_a_mapped_base_writes_merged_without_stacking_its_experts(tmp_path):
+def test_a_router_fine_tune_of_a_mapped_base_writes_merged_without_stacking_its_experts(
+    tmp_path, monkeypatch
+):
     source = hf_source(tmp_path, torch.float32)
+    monkeypatch.setattr(MappedExperts, "densified", stacked_in_memory)  # written from the file's views
     result = finetune(
         ft_config(source, method="router", **{"export.hf": "false"}),
         tmp_path / "out",
         records=instruction_records(16),
     )
-    assert isinstance(
-        result.model.model.layers[0].mlp.experts, MappedExperts
-    )  # written from the file's views
+    # the in-memory model is what was written, memory-mapped
+    assert is_file_backed(
+        result.model.model.layers[0].mlp.experts.up_proj, tmp_path / "out" / "merged" / "model.safetensors"
+    )
     x = torch.randint(0, 300, (2, 10))
     with torch.no_grad():
         written = load(tmp_path / "out" / "merged").model(input_ids=x).logits
@@ -506,3 +510,53 @@ def test_a_router_fine_tune_of_a_mapped_base_writes_merged_without_stacking_its_
         assert not torch.allclose(
             written, load(source).model(input_ids=x).logits, atol=1e-5
         )  # the routers trained
+
+
+def stacked_in_memory(self):
+    raise AssertionError("a memory-mapped experts module was stacked into memory")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_fine_tune_of_a_mapped_base_merges_its_experts_as_merged_and_hf_are_written(
+    tmp_path, monkeypatch, dtype
+):
+    """merged/ and hf/ of a LoRA fine-tune on a memory-mapped base: the experts are never stacked into memory (a
+    merged copy of the full Qwen1.5-MoE-A2.7B is 26.7 GiB, more than the machine it fine-tunes on); each
+    projection's delta is added to each expert as its shard is written. The files hold what merging the adapter
+    into the whole base gives (PEFT's merge, through ``load(OUT / "adapter")``), bit for bit, and the run's
+    in-memory model is merged/ memory-mapped."""
+    from safetensors.torch import load_file
+
+    from moe_core.hf_export import convert_to_hf
+
+    source = hf_source(tmp_path, dtype)
+    monkeypatch.setattr(MappedExperts, "densified", stacked_in_memory)
+    name = str(dtype).removeprefix("torch.")
+    result = finetune(
+        ft_config(source, **{"model.dtype": name, "lora.attention": "[q_proj, v_proj]"}),
+        tmp_path / "out",
+        records=instruction_records(16),
+    )
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    assert result.merged_dir == out / "merged" and result.hf_dir == out / "hf"
+    reference = load(out / "adapter", dtype=dtype).model  # the adapter merged into a copy of the whole base
+    written = load_file(out / "merged" / "model.safetensors")
+    expected = reference.state_dict()
+    assert written.keys() == expected.keys()
+    for key, tensor in written.items():
+        assert torch.equal(tensor, expected[key]), key
+    reference_hf = convert_to_hf(out / "adapter", tmp_path / "reference_hf")
+    hf, hf_expected = (
+        load_file(out / "hf" / "model.safetensors"),
+        load_file(reference_hf / "model.safetensors"),
+    )
+    assert hf.keys() == hf_expected.keys()
+    assert all(torch.equal(hf[k], hf_expected[k]) for k in hf)
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        ours = result.model(input_ids=x).logits
+        torch.testing.assert_close(ours, reference(input_ids=x).logits)
+        assert not torch.allclose(
+            ours, load(source, dtype=dtype).model(input_ids=x).logits
+        )  # the adapter acts

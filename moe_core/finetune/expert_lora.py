@@ -145,6 +145,18 @@ class ParamWrapper(peft_lora.ParamWrapper):
         return "routed_" + super().__repr__()
 
 
+def merge_deltas(wrapper: peft_lora.ParamWrapper) -> list[torch.Tensor]:
+    """What PEFT's merge adds to ``wrapper``'s ``[E, O, I]`` stack: one delta per active adapter not yet merged, in
+    the order it adds them (``get_delta_weight``: in fp32 where the stack is not a tensor, memory-mapped or 4-bit).
+    For a writer that adds them to one expert slice at a time (``param.data += delta``, in the weight's dtype)
+    rather than to a stack in memory."""
+    return [
+        wrapper.get_delta_weight(a)
+        for a in wrapper.active_adapters
+        if a in wrapper.lora_A and a not in wrapper.merged_adapters
+    ]
+
+
 class QuantizedLinearLoRA(peft_lora.Linear):
     """PEFT's LoRA ``Linear`` over a `moe_core.quantized.QuantizedLinear` (QLoRA's 4-bit attention or shared-expert
     projection): ``y = base(x) + s B(A(x))`` with PEFT's own factors, initialization, scaling, dtype handling and

@@ -23,10 +23,15 @@ place (PEFT ``merge_and_unload``: one adapted tensor's delta at a time); ``save_
 ``save_pretrained``) and ``save_hf`` (`moe_core.convert.to_hf`) hand safetensors the model's own tensors (views,
 no clone, no cast), shard by shard of at most ``max_shard_bytes``, and safetensors writes them from their
 memory. tests/test_finetune_at_size.py holds the peak memory of merge + both saves well under one model copy.
+Over a memory-mapped base no copy of the experts is made at all: ``merged_for_writing`` merges everything else
+and leaves the experts the file's, with what the adapter adds to each projection, and the writers add it to each
+expert as its shard is written (`moe_core.mapped.stacked_tensors`): the full OLMoE-1B-7B's merged/ and hf/
+peaked at 9.4 GiB against 22.5 GiB stacking the experts in memory, the same bytes written (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -34,9 +39,10 @@ from moe_core.convert import to_hf
 from moe_core.fileio import atomic_directory
 from moe_core.finetune.config import FinetuneError
 from moe_core.finetune.hf_adapter import save_hf_adapter
-from moe_core.finetune.methods import MethodPlan, unwrap
+from moe_core.finetune.methods import MethodPlan, lora_wrappers, unwrap
 from moe_core.finetune.selection_bias import add_router_biases
-from moe_core.mapped import MappedExperts, densify_experts, save_streaming
+from moe_core.mapped import ExpertDeltas, MappedExperts, densify_experts, save_streaming, stacked_tensors
+from moe_core.model import MoEForCausalLM
 from moe_core.reward_model import MoEForSequenceClassification
 
 
@@ -90,20 +96,53 @@ def merged_model(model, plan: MethodPlan | None = None):
     memory-mapped from its files (`moe_core.mapped`) is never written through: under an adapter its per-expert
     tensors are stacked into ordinary memory first (`densify_experts`), and a merge into another mapped weight
     lands in pages the mapping copies on write (private to the process); with no adapter (``method=router`` or
-    ``router_bias``: nothing to merge) they stay the file's, and `save_merged` writes them a shard at a time."""
-    if plan is not None:
-        if plan.lora_mask is not None:
-            plan.lora_mask.remove()
-        if plan.expert_freeze is not None:
-            plan.expert_freeze.remove()
-        if plan.task_bias is not None:
-            plan.task_bias.detach(model)
+    ``router_bias``: nothing to merge) they stay the file's, and `save_merged` writes them a shard at a time.
+    A writer that need not hold the merged model takes `merged_for_writing` instead."""
+    _detach_plan(model, plan)
     if is_peft(model):  # experts memory-mapped one tensor per expert: stacked, so merges add into a copy
         densify_experts(model)
     merged = model.merge_and_unload() if is_peft(model) else model
     for param in merged.parameters():
         param.requires_grad_(False)
     return merged.eval()
+
+
+def merged_for_writing(model, plan: MethodPlan | None = None) -> tuple[MoEForCausalLM, ExpertDeltas]:
+    """`merged_model` for the writers (`save_merged`, `save_hf`) alone: the adapter merged into everything but the
+    memory-mapped experts (attention into copy-on-write pages, a trained router's copy put in place), which stay
+    the file's, never stacked or copied; what merging adds to each of their projections is returned as
+    ``deltas`` (`moe_core.mapped.ExpertDeltas`: made a projection at a time as it is written, the adapter's
+    factors kept for it). The model's experts so lack their deltas: write it with them, then drop it (the
+    written directory, memory-mapped, is the merged model: `merged_model` is what holds it in memory)."""
+    from moe_core.finetune.expert_lora import merge_deltas  # peft's, with the wrappers
+
+    _detach_plan(model, plan)
+    deltas: dict = {}
+    if is_peft(model):
+        base = unwrap(model)
+        for name, wrapper in list(lora_wrappers(base)):
+            experts = wrapper.get_base_layer()
+            if name.endswith(".base_layer") or not isinstance(experts, MappedExperts):
+                continue  # a nested wrapper (its outermost one holds the experts' place), or a stack in memory
+            deltas[experts] = {w.parameter_name: functools.partial(merge_deltas, w) for w in wrapper.nest()}
+            parent_name, _, child = name.rpartition(".")
+            setattr(base.get_submodule(parent_name), child, experts)  # out of PEFT's merge
+    merged = model.merge_and_unload() if is_peft(model) else model
+    for param in merged.parameters():
+        param.requires_grad_(False)
+    return merged.eval(), deltas
+
+
+def _detach_plan(model, plan: MethodPlan | None) -> None:
+    """The method's hooks removed and the task bias detached (saved on its own), before a merge."""
+    if plan is None:
+        return
+    if plan.lora_mask is not None:
+        plan.lora_mask.remove()
+    if plan.expert_freeze is not None:
+        plan.expert_freeze.remove()
+    if plan.task_bias is not None:
+        plan.task_bias.detach(model)
 
 
 def save_merged(
@@ -113,13 +152,15 @@ def save_merged(
     plan: MethodPlan | None = None,
     *,
     max_shard_bytes: int = 5 * 10**9,
+    deltas: ExpertDeltas | None = None,
 ) -> Path:
     """The merged model in our format (``save_pretrained``, safetensors shards of at most ``max_shard_bytes``);
-    experts still memory-mapped (nothing was merged into them) are written a shard at a time (`save_streaming`)."""
+    experts still memory-mapped are written a shard at a time (`save_streaming`), ``deltas`` (`merged_for_writing`)
+    added to them as they are."""
     out_dir = Path(out_dir)
     base = unwrap(model)
     if any(isinstance(m, MappedExperts) for m in base.modules()):
-        save_streaming(base, out_dir, max_shard_bytes)
+        save_streaming(base, out_dir, max_shard_bytes, deltas)
     else:
         base.save_pretrained(str(out_dir), max_shard_size=max_shard_bytes)
     if tokenizer is not None:
@@ -136,17 +177,21 @@ def save_hf(
     plan: MethodPlan | None = None,
     *,
     max_shard_bytes: int = 5 * 10**9,
+    deltas: ExpertDeltas | None = None,
 ) -> Path:
     """The merged model as its Hugging Face architecture (``config.hf_origin``), through `moe_core.convert.to_hf`
-    (safetensors shards of at most ``max_shard_bytes``)."""
+    (safetensors shards of at most ``max_shard_bytes``); experts still memory-mapped are written from the file's
+    views, ``deltas`` (`merged_for_writing`) added to them as they are (`stacked_tensors`), never stacked."""
     base = unwrap(model)
     if not base.config.hf_origin:
         raise FinetuneError(
             "save_hf: the model did not come from a Hugging Face architecture (config.hf_origin "
             "is empty); use moe_core.convert.to_hf(model, dir, architecture=...) to pick one"
         )
-    densify_experts(base)  # `to_hf` writes stacks; a mapped model's are formed here (a copy of the experts)
-    out_dir = Path(to_hf(base, out_dir, overwrite=True, max_shard_size=max_shard_bytes))
+    tensors = (
+        stacked_tensors(base, deltas) if any(isinstance(m, MappedExperts) for m in base.modules()) else None
+    )
+    out_dir = Path(to_hf(base, out_dir, overwrite=True, max_shard_size=max_shard_bytes, tensors=tensors))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     if plan is not None and plan.task_bias is not None:

@@ -75,6 +75,7 @@ from moe_core.finetune.methods import (
     resolve_expert_ids,
     routing_usage,
     select_esft_experts,
+    unwrap,
 )
 from moe_core.finetune.objectives import (
     FiniteStepGuard,
@@ -116,8 +117,9 @@ from moe_core.finetune.report import TrainableReport, trainable_parameter_report
 from moe_core.finetune.sizing import SizeDefaults, check_full_training_fits, resolve_size_defaults
 from moe_core.inference.quantize import quantize_experts
 from moe_core.loading import detect, load, memory_map_refusal, model_config, tokenizer_dir
+from moe_core.mapped import MappedExperts, load_mapped
 from moe_core.memory import process_memory_bytes, release_freed_memory
-from moe_core.model import compile_layers
+from moe_core.model import MoEForCausalLM, compile_layers
 from moe_core.quantized import (
     QuantizedExperts,
     attention_input_widths,
@@ -907,19 +909,27 @@ def export_outputs(
     shard_bytes = config.export.max_shard_mb * 10**6
     if want_merged or want_hf:
         bias = plan.task_bias
-        merged = export.merged_model(train_model, plan)
-        check_finite_weights(merged, "merged model")
-        exported.model = merged
+        base = unwrap(train_model)
+        # a memory-mapped base's experts are merged as they are written, never stacked in memory (a merged copy of
+        # the full Qwen1.5-MoE-A2.7B would be 26.7 GiB); the written directory, mapped, is then the merged model
+        streamed = type(base) is MoEForCausalLM and any(isinstance(m, MappedExperts) for m in base.modules())
+        if streamed:
+            # (the weights that trained were checked after training; the rest is the file's, plus their deltas)
+            merged, deltas = export.merged_for_writing(train_model, plan)
+        else:
+            merged, deltas = export.merged_model(train_model, plan), None
+            check_finite_weights(merged, "merged model")
         if want_merged:
             exported.merged_dir = export.save_merged(
-                merged, out_dir / "merged", inputs.tokenizer, plan, max_shard_bytes=shard_bytes
+                merged, out_dir / "merged", inputs.tokenizer, plan, max_shard_bytes=shard_bytes, deltas=deltas
             )
         if want_hf:
             exported.hf_dir = export.save_hf(
-                merged, out_dir / "hf", inputs.tokenizer, plan, max_shard_bytes=shard_bytes
+                merged, out_dir / "hf", inputs.tokenizer, plan, max_shard_bytes=shard_bytes, deltas=deltas
             )
+        exported.model = load_mapped(exported.merged_dir or exported.hf_dir) if streamed else merged
         if bias is not None:
-            bias.attach(merged)  # the in-memory model keeps routing with the trained task bias
+            bias.attach(exported.model)  # the in-memory model keeps routing with the trained task bias
     for directory in (exported.adapter_dir, exported.merged_dir, exported.hf_dir):
         if directory is not None:
             inputs.framing.save(directory)

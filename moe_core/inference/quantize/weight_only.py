@@ -98,7 +98,7 @@ def quantize_checkpoint(
     calibrate on ``calibration`` batches, or on the first batches of the prepared-data directory ``data_dir``.
     Round to nearest on a model directory (ours, a pruned one or a Hugging Face one) quantizes while the
     checkpoint streams in (`load_quantizing_experts`, as QLoRA's base): the same codes, and memory for the
-    quantized model only. On a fine-tune's output that holds its adapter alone (`merges_while_quantizing`) the
+    quantized model only. On a fine-tune's output that holds its adapter alone (`merges_as_written`) the
     adapter is merged into one expert slice at a time of its full-precision base, memory-mapped, as that slice
     is quantized (`quantize_merged`): the codes of the merged model, which is never in memory whole."""
     check_output_dir(out_dir, overwrite, QuantizationError)  # before anything expensive
@@ -116,7 +116,7 @@ def quantize_checkpoint(
         model = load_quantizing_experts(model_dir, config, dtype)
         report = _streamed_report(model, config)
         companions = Path(model_dir)
-    elif config.method == "rtn" and merges_while_quantizing(model_dir):
+    elif config.method == "rtn" and _merges_as_written(model_dir):
         # a fine-tune's adapter over its base (memory-mapped where its files hold the dtype), merged into each
         # expert slice as it is quantized: a base larger than memory (a fine-tune of Qwen1.5-MoE-A2.7B on a 24
         # GiB machine) quantizes too, where the merge below needs it whole
@@ -136,20 +136,6 @@ def quantize_checkpoint(
         companions = loaded.tokenizer_dir or loaded.path
     save_quantized(model, out_dir, config, report, companions_from=companions, overwrite=overwrite)
     return report
-
-
-def merges_while_quantizing(model_dir: str | os.PathLike) -> bool:
-    """Whether round to nearest on ``model_dir`` merges its adapter while quantizing (`quantize_merged`): a LoRA or
-    QLoRA fine-tune's output holding its adapter alone, with no task router bias or reward head (those load
-    merged, `moe_core.finetune.as_trained.loads_as_trained`)."""
-    if detect(model_dir) != "finetuned" or (Path(model_dir) / "merged").is_dir():
-        return False
-    from moe_core.finetune.as_trained import loads_as_trained, recorded_config  # peft: for adapters only
-
-    if not loads_as_trained(model_dir):
-        return False
-    config = recorded_config(Path(model_dir))
-    return not config.routing.task_bias and config.objective != "reward"
 
 
 @torch.no_grad()
@@ -183,9 +169,11 @@ def quantize_merged(peft_model, config: QuantConfig) -> MoEForCausalLM:
 
 
 def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: dict) -> QuantizedExperts:
-    """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with the delta
-    of ``wrappers[p]`` (a PEFT ``ParamWrapper`` of projection ``p``, its active adapters unmerged) added to each
-    slice first, in the slice's dtype."""
+    """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with what merging
+    ``wrappers[p]`` (a PEFT ``ParamWrapper`` of projection ``p``) adds (`merge_deltas`) added to each slice first,
+    in the slice's dtype."""
+    from moe_core.finetune.expert_lora import merge_deltas  # peft: for adapters only
+
     quantized = QuantizedExperts.shaped_like(experts, config)
     quantized.max_slots = experts.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
     for p, slices in zip(PROJECTIONS, experts.unbound(), strict=True):
@@ -193,17 +181,25 @@ def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: di
             continue
         if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
             getattr(quantized, f"{p}_bias").copy_(experts.bias_stack(p))
-        wrapper = wrappers.get(p)
-        adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A] if wrapper is not None else []
-        delta_EOI = sum(wrapper.get_delta_weight(a) for a in adapters) if adapters else None
+        deltas = merge_deltas(wrappers[p]) if p in wrappers else []
         for e, w_OI in enumerate(slices):
-            if delta_EOI is not None:
+            for delta_EOI in deltas:
                 w_OI = w_OI + delta_EOI[e].to(w_OI.dtype)  # as PEFT's merge: param.data += delta
             quantized.quantize_into(p, e, w_OI)
-        del delta_EOI
+        del deltas
         if isinstance(experts, MappedExperts):  # read once: out of the resident set as it goes
             release_pages(slices)
     return quantized.to(next(experts.parameters()).device)
+
+
+def _merges_as_written(model_dir: str | os.PathLike) -> bool:
+    """`moe_core.finetune.as_trained.merges_as_written`, the fine-tuning stack imported for a fine-tune's output
+    alone."""
+    if detect(model_dir) != "finetuned":
+        return False
+    from moe_core.finetune.as_trained import merges_as_written  # peft: for adapters only
+
+    return merges_as_written(model_dir)
 
 
 def _streamed_report(model: nn.Module, config: QuantConfig) -> QuantReport:
