@@ -20,7 +20,9 @@ from moe_core.inference.quantize import (
     save_quantized,
 )
 from moe_core.loading import LoadError
+from moe_core.model import MoEForCausalLM
 from moe_core.train import TrainConfig, train
+from moe_core.train.checkpoint import export_checkpoint
 from tests.finetune_helpers import instruction_records, tiny_model, tiny_tokenizer
 from tests.helpers import tiny_mixtral, token_ids
 
@@ -44,7 +46,7 @@ def test_our_model_directory_loads_with_its_tokenizer_in_the_requested_dtype(tmp
     assert load(tmp_path, dtype="bfloat16").model.dtype == torch.bfloat16
 
 
-def test_training_checkpoint_and_output_directory(tmp_path):
+def test_training_checkpoint_and_output_directory(tmp_path, monkeypatch):
     config = TrainConfig.build(
         {
             "model": {"preset": "switch-tiny"},
@@ -57,13 +59,29 @@ def test_training_checkpoint_and_output_directory(tmp_path):
         }
     )
     result = train(config, tmp_path)
-    from_checkpoint, from_run = load(result.checkpoint), load(tmp_path)
+    # a training checkpoint's model is built on the meta device and given its tensors, as read (a float32 model
+    # initialized at random first would hold 4 bytes a parameter more: 26 GiB for a 7 B model), when it is loaded
+    # and when it is exported to a model directory
+    built_on, build = [], MoEForCausalLM.__init__
+
+    def recorded(self, *args, **kwargs):
+        built_on.append(torch.empty(()).device.type)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(MoEForCausalLM, "__init__", recorded)
+    from_checkpoint = load(result.checkpoint)
+    export_checkpoint(result.checkpoint, tmp_path / "exported")
+    monkeypatch.undo()
+    assert built_on == ["meta", "meta"]
+    from_run = load(tmp_path)
     assert from_checkpoint.kind == "checkpoint" and from_checkpoint.path == result.checkpoint
     assert from_run.kind == "model" and from_run.path == result.export_dir  # the run's exported final/
     ids = token_ids(vocab=from_run.config.vocab_size)
     torch.testing.assert_close(
         logits(from_checkpoint.model, ids), logits(from_run.model, ids), atol=0, rtol=0
     )
+    exported = load(tmp_path / "exported").model
+    torch.testing.assert_close(logits(exported, ids), logits(from_run.model, ids), atol=0, rtol=0)
 
 
 def test_finetuned_output_merged_and_adapter_load_the_same_model(tmp_path):

@@ -645,17 +645,21 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str 
     """Write a Hugging Face-loadable directory (config.json, model.safetensors, tokenizer if known)."""
     # lazy: the modeling stack takes seconds to import, and the flows' tasks import this module to read state
     from moe_core.config import MoEConfig
-    from moe_core.model import MoEForCausalLM
+    from moe_core.model import MoEForCausalLM, materialize_unsaved
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     config = MoEConfig.from_pretrained(ckpt)
-    model = MoEForCausalLM(config)
-    missing, unexpected = model.load_state_dict(gather_state_dict(ckpt), strict=False)
+    with torch.device("meta"):  # given the checkpoint's tensors as read: no random float32 model first
+        model = MoEForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gather_state_dict(ckpt), strict=False, assign=True)
     if [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)] or unexpected:
         raise CheckpointError(
             f"{ckpt}: cannot export, parameters do not match its config.json "
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    materialize_unsaved(model)  # rotary frequencies and the like, which no checkpoint holds
     with atomic_directory(
         out_dir, overwrite=True, error_cls=CheckpointError
     ) as tmp:  # full disk: a clear error
