@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moe_core.convert import ConversionError, to_hf
 from moe_core.fileio import check_output_dir
-from moe_core.loading import base_as_trained, detect, load, tokenizer_dir
+from moe_core.loading import base_as_stored, detect, load, tokenizer_dir
 
 
 def convert_to_hf(
@@ -42,7 +42,8 @@ def convert_to_hf(
         from moe_core.finetune.export import merged_for_writing
         from moe_core.mapped import MappedExperts, stacked_tensors
 
-        model, deltas = merged_for_writing(peft_as_trained(source, base_as_trained, full_precision=True))
+        # (the base in the dtype its files hold, as `load(source, merged=True)` reads it)
+        model, deltas = merged_for_writing(peft_as_trained(source, base_as_stored, full_precision=True))
         mapped = any(isinstance(m, MappedExperts) for m in model.modules())
         return to_hf(
             model,

@@ -234,6 +234,13 @@ def base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEFor
     return load(path, dtype=dtype, memory_map=mapped).model
 
 
+def base_as_stored(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
+    """`base_as_trained` in the dtype the base's files hold, whatever ``dtype`` the fine-tune trained in: the base a
+    writer of a fine-tune's merged weights reads, as ``load(OUT, merged=True)`` reads it (a float32 fine-tune of a
+    bf16 checkpoint is written in bf16, and its base is never copied to float32 for it)."""
+    return base_as_trained(path, None, map_it)
+
+
 def _loads_as_trained(directory: Path) -> bool:
     """A LoRA fine-tune's output with its adapter alone (`moe_core.finetune.as_trained.loads_as_trained`); its
     directory layout is looked at first, so that an output with merged/ never imports the fine-tuning stack."""

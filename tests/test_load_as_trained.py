@@ -23,8 +23,8 @@ from tests.finetune_helpers import SMALL_LORA_RUN, instruction_records
 from tests.test_finetune_hf import hf_checkpoint
 
 
-def adapter_only_finetune(tmp_path, model=None, **fields):
-    source = hf_checkpoint(tmp_path, "olmoe")
+def adapter_only_finetune(tmp_path, model=None, source=None, **fields):
+    source = source or hf_checkpoint(tmp_path, "olmoe")
     config = FinetuneConfig.build(
         {
             **SMALL_LORA_RUN,
@@ -135,13 +135,18 @@ def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_p
     assert quantized.tokenizer.chat_template == load(out).tokenizer.chat_template
 
 
-def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monkeypatch, stored):
     """``moe-lab convert to-hf OUT`` of an output holding its adapter alone writes from the memory-mapped base, the
     adapter merged into each expert projection as it is written (never stacked into memory): the same files as
-    converting the adapter merged into a copy of the whole base."""
+    converting the adapter merged into a copy of the whole base, in the dtype the base's files hold (a float32
+    fine-tune, the default, of a bf16 checkpoint is written in bf16, as before)."""
     from safetensors.torch import load_file
 
-    adapter_only_finetune(tmp_path)
+    source = hf_checkpoint(tmp_path, "olmoe")
+    if stored is torch.bfloat16:
+        AutoModelForCausalLM.from_pretrained(source, dtype=stored).save_pretrained(source)
+    adapter_only_finetune(tmp_path, source=source)
     out = tmp_path / "out"
     reference = convert_to_hf(out / "adapter", tmp_path / "reference")  # merged into the whole base first
 
@@ -152,7 +157,7 @@ def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monk
     written = convert_to_hf(out, tmp_path / "hf")
     monkeypatch.undo()
     ours, theirs = load_file(written / "model.safetensors"), load_file(reference / "model.safetensors")
-    assert ours.keys() == theirs.keys()
+    assert ours.keys() == theirs.keys() and {t.dtype for t in ours.values()} == {stored}
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in reference.iterdir())
 

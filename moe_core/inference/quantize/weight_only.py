@@ -25,7 +25,7 @@ from moe_core.fileio import check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import MAPPABLE, base_as_trained, detect, load, tokenizer_dir
+from moe_core.loading import MAPPABLE, base_as_stored, base_as_trained, detect, load, tokenizer_dir
 from moe_core.mapped import MappedExperts, release_pages
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import (
@@ -122,8 +122,9 @@ def quantize_checkpoint(
         # GiB machine) quantizes too, where the merge below needs it whole
         from moe_core.finetune.as_trained import peft_as_trained  # peft: for adapters only
 
+        load_base = base_as_trained if dtype is not None else base_as_stored  # (None: the files' dtype)
         model = quantize_merged(
-            peft_as_trained(model_dir, base_as_trained, dtype=dtype, full_precision=True), config
+            peft_as_trained(model_dir, load_base, dtype=dtype, full_precision=True), config
         )
         report = _streamed_report(model, config)
         companions = tokenizer_dir(model_dir)  # the adapter's: its tokenizer and prompt framing
