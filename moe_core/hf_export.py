@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moe_core.convert import ConversionError, to_hf
 from moe_core.fileio import check_output_dir
-from moe_core.loading import base_as_stored, detect, load, tokenizer_dir
+from moe_core.loading import base_as_stored, detect, load, merges_as_written, tokenizer_dir
 
 
 def convert_to_hf(
@@ -35,7 +35,7 @@ def convert_to_hf(
         )
     if kind == "quantized":
         raise ConversionError(f"{source} is quantized; convert the full-precision checkpoint it came from")
-    if kind == "finetuned" and _merges_as_written(source):
+    if kind == "finetuned" and merges_as_written(source):
         # a fine-tune's adapter alone: merged into its memory-mapped base's experts as they are written, the
         # merged model never in memory (its copy of the full Qwen1.5-MoE-A2.7B would be 26.7 GiB)
         from moe_core.finetune.as_trained import peft_as_trained
@@ -62,9 +62,3 @@ def convert_to_hf(
         tokenizer_dir=loaded.tokenizer_dir or loaded.path,
         overwrite=overwrite,
     )
-
-
-def _merges_as_written(source: str | os.PathLike) -> bool:
-    from moe_core.finetune.as_trained import merges_as_written  # the fine-tuning stack (peft): adapters only
-
-    return merges_as_written(source)

@@ -252,6 +252,18 @@ def _loads_as_trained(directory: Path) -> bool:
     return loads_as_trained(directory)
 
 
+def merges_as_written(path: str | os.PathLike) -> bool:
+    """Whether the writers (quantize, prune, convert to-hf) merge the adapter of the fine-tuning output at ``path``
+    as they write, from its memory-mapped base (`moe_core.finetune.as_trained.merges_as_written`); the directory's
+    layout is looked at first, so that anything else never imports the fine-tuning stack."""
+    directory = _local(path)
+    if detect(directory) != "finetuned" or not _loads_as_trained(directory):
+        return False
+    from moe_core.finetune.as_trained import merges_as_written as adapter_alone  # peft: for adapters only
+
+    return adapter_alone(directory)
+
+
 def memory_map_refusal(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> str | None:
     """Why ``load(path, dtype=dtype, memory_map=True)`` would be refused (None when it maps), from the directory's
     files and headers alone, before any weight is read."""

@@ -162,6 +162,44 @@ def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monk
     assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in reference.iterdir())
 
 
+def test_prune_ranks_an_adapter_only_output_as_it_trained_and_merges_the_kept_experts_as_it_writes(
+    tmp_path, monkeypatch
+):
+    """``moe-lab prune OUT`` of an output holding its adapter alone: its experts are ranked by the routing of the
+    adapter over the memory-mapped base, and the adapter is merged into the kept experts as they are written
+    (never stacked into memory): the same experts kept and the same weights written as pruning the adapter merged
+    into a copy of the whole base."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from moe_core.inference.prune import PruneConfig, prune_checkpoint
+
+    adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    batches = [torch.randint(0, 300, (4, 16)) for _ in range(2)]
+    prune = PruneConfig(keep_experts=2)
+    reference = prune_checkpoint(out / "adapter", None, tmp_path / "reference", prune, calibration=batches)
+
+    def stacked_in_memory(self):
+        raise AssertionError("a memory-mapped experts module was stacked into memory")
+
+    monkeypatch.setattr(MappedExperts, "densified", stacked_in_memory)
+    report = prune_checkpoint(out, None, tmp_path / "pruned", prune, calibration=batches)
+    monkeypatch.undo()
+    assert report.kept == reference.kept
+    ours, theirs = (
+        load_file(tmp_path / "pruned" / "model.safetensors"),
+        load_file(tmp_path / "reference" / "model.safetensors"),
+    )
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    pruned = load(tmp_path / "pruned")
+    assert pruned.kind == "pruned" and pruned.config.num_experts == 2
+    assert json.loads((tmp_path / "pruned" / "pruning.json").read_text())["experts_after"] == 2
+    assert (tmp_path / "pruned" / "prompt_framing.json").is_file()  # the fine-tune's framing travels with it
+
+
 @pytest.mark.slow
 def test_writers_read_a_qlora_output_merged_into_its_full_precision_base(tmp_path):
     """quantize and convert on a QLoRA output: the adapter merged into the bf16/fp32 base they came from (before:

@@ -41,6 +41,7 @@ Li et al. 2024, MC-SMoE), instead of being discarded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -57,8 +58,17 @@ from moe_core.experts import PROJECTIONS, StackedExperts
 from moe_core.fileio import atomic_directory, check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_pass
-from moe_core.loading import MAPPABLE, PRUNE_FILE, detect, load
-from moe_core.mapped import MappedExperts, mapping_refusal, save_streaming
+from moe_core.loading import (
+    MAPPABLE,
+    PRUNE_FILE,
+    base_as_stored,
+    base_as_trained,
+    detect,
+    load,
+    merges_as_written,
+    tokenizer_dir,
+)
+from moe_core.mapped import ExpertDeltas, MappedExperts, mapping_refusal, save_streaming
 from moe_core.model import MoEForCausalLM, materialize_unsaved
 from moe_core.routing import pruned_mass_matters
 
@@ -403,26 +413,77 @@ def prune_checkpoint(
             "(a prepared-data directory)"
         )
     dtype = read_dtype(model_dir, "prune")
-    # a large model directory stays memory-mapped where it can (its kept experts are written from the file, a
-    # shard at a time: the model is never copied); otherwise loaded, a fine-tune's adapter merged in
-    mapped = (
-        dtype is None
-        and detect(model_dir) in MAPPABLE
+    deltas = None
+    if (
+        detect(model_dir) == "finetuned"
+        and prune.criterion == "frequency"
         and not prune.merge_similar
-        and mapping_refusal(model_dir) is None
-    )
-    loaded = load(model_dir, dtype=dtype, memory_map=mapped, merged=True)
-    model = loaded.model
-    usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
-    saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
+        and merges_as_written(model_dir)
+    ):
+        # a fine-tune's adapter alone: the experts ranked by the routing of the adapter over its memory-mapped base
+        # (as it trained), then the adapter merged into the kept experts as they are written; the merged model is
+        # never in memory (a base larger than memory prunes too)
+        from moe_core.finetune.as_trained import peft_as_trained  # peft: for adapters only
+        from moe_core.finetune.export import merged_for_writing
+        from moe_core.finetune.methods import unwrap
+
+        load_base = base_as_trained if dtype is not None else base_as_stored  # (None: the files' dtype)
+        peft_model = peft_as_trained(model_dir, load_base, dtype=dtype, full_precision=True)
+        usage = (
+            usage_from_profile(Path(profile))
+            if profile is not None
+            else collect_usage(unwrap(peft_model), calibration)
+        )
+        saliency = None
+        model, deltas = merged_for_writing(peft_model)
+        companions = tokenizer_dir(model_dir)
+    else:
+        # a large model directory stays memory-mapped where it can (its kept experts are written from the file, a
+        # shard at a time: the model is never copied); otherwise loaded, a fine-tune's adapter merged in
+        mapped = (
+            dtype is None
+            and detect(model_dir) in MAPPABLE
+            and not prune.merge_similar
+            and mapping_refusal(model_dir) is None
+        )
+        loaded = load(model_dir, dtype=dtype, memory_map=mapped, merged=True)
+        model = loaded.model
+        usage = (
+            usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
+        )
+        saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
+        # a training run or checkpoint keeps its tokenizer elsewhere (the data's): `load` knows where
+        companions = loaded.tokenizer_dir or loaded.path
     new_model, report = prune_experts(model, usage, prune, saliency)
     with atomic_directory(out_dir, overwrite, PruneError) as tmp:
         if any(isinstance(m, MappedExperts) for m in new_model.modules()):
-            save_streaming(new_model, tmp, SHARD_BYTES)  # save_pretrained's files, a shard's stacks at a time
+            # save_pretrained's files, a shard's stacks at a time, the adapter's deltas of the kept experts added
+            save_streaming(new_model, tmp, SHARD_BYTES, _kept_deltas(model, new_model, report.kept, deltas))
         else:
             new_model.save_pretrained(tmp, max_shard_size=SHARD_BYTES)
-        # a training run or checkpoint keeps its tokenizer elsewhere (the data's): `load` knows where
-        copy_companion_files(loaded.tokenizer_dir or loaded.path, tmp)
+        copy_companion_files(companions, tmp)
         # the marker moe_core.load tells a pruned model by, and what the pruning kept
         (tmp / PRUNE_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
+
+
+def _kept_deltas(
+    model, new_model, kept: dict[int, list[int]], deltas: ExpertDeltas | None
+) -> ExpertDeltas | None:
+    """``deltas`` (`moe_core.finetune.export.merged_for_writing`: an adapter's, by ``model``'s experts modules) for
+    the pruned model's experts: each layer's kept experts' rows, in their new order."""
+    if not deltas:
+        return None
+    renumbered: dict = {}
+    for layer_id, ids in kept.items():
+        old = model.model.layers[layer_id].mlp.experts
+        if old in deltas:
+            rows = torch.tensor(ids)
+            renumbered[new_model.model.layers[layer_id].mlp.experts] = {
+                p: functools.partial(_rows, delta, rows) for p, delta in deltas[old].items()
+            }
+    return renumbered
+
+
+def _rows(delta, rows: torch.Tensor) -> list[torch.Tensor]:
+    return [delta_EOI.index_select(0, rows) for delta_EOI in delta()]

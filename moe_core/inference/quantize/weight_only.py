@@ -25,7 +25,15 @@ from moe_core.fileio import check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import MAPPABLE, base_as_stored, base_as_trained, detect, load, tokenizer_dir
+from moe_core.loading import (
+    MAPPABLE,
+    base_as_stored,
+    base_as_trained,
+    detect,
+    load,
+    merges_as_written,
+    tokenizer_dir,
+)
 from moe_core.mapped import MappedExperts, release_pages
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import (
@@ -116,7 +124,7 @@ def quantize_checkpoint(
         model = load_quantizing_experts(model_dir, config, dtype)
         report = _streamed_report(model, config)
         companions = Path(model_dir)
-    elif config.method == "rtn" and _merges_as_written(model_dir):
+    elif config.method == "rtn" and merges_as_written(model_dir):
         # a fine-tune's adapter over its base (memory-mapped where its files hold the dtype), merged into each
         # expert slice as it is quantized: a base larger than memory (a fine-tune of Qwen1.5-MoE-A2.7B on a 24
         # GiB machine) quantizes too, where the merge below needs it whole
@@ -191,16 +199,6 @@ def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: di
         if isinstance(experts, MappedExperts):  # read once: out of the resident set as it goes
             release_pages(slices)
     return quantized.to(next(experts.parameters()).device)
-
-
-def _merges_as_written(model_dir: str | os.PathLike) -> bool:
-    """`moe_core.finetune.as_trained.merges_as_written`, the fine-tuning stack imported for a fine-tune's output
-    alone."""
-    if detect(model_dir) != "finetuned":
-        return False
-    from moe_core.finetune.as_trained import merges_as_written  # peft: for adapters only
-
-    return merges_as_written(model_dir)
 
 
 def _streamed_report(model: nn.Module, config: QuantConfig) -> QuantReport:
