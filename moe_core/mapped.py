@@ -24,11 +24,12 @@ gpt-oss stores its experts fused and transposed, gate and up interleaved (``gate
 expert's gate / up / down weight is a strided view of that mapping (`moe_core.convert.CheckpointReader`), and its
 biases ([E, O] per projection, a few numbers per expert) are copied, with the clamped SwiGLU kept.
 LoRA on them nests PEFT's wrappers by hand, as for QLoRA's `QuantizedExperts` (`expert_lora.inject`, through
-``stack_shape``). To merge an adapter into them, `densify_experts` first stacks them into ordinary memory
-(`moe_core.finetune.export.merged_model` does), one layer at a time; a model with nothing to merge into its
-experts (a router fine-tune) is written by `save_streaming`, a projection's stack at a time. A writer that reads
-each expert once (``moe-lab quantize`` of a fine-tune, merging its adapter a slice at a time) hands what it has
-read to `release_pages`, so the pages leave the process as it goes. The files are never written.
+``stack_shape``). To hold a merged model in memory, `densify_experts` first stacks them into ordinary memory
+(`moe_core.finetune.export.merged_model` does), one layer at a time. The writers (`save_streaming`, and
+`moe_core.convert.to_hf` through `stacked_tensors`: a fine-tune's exports, ``moe-lab convert to-hf``, prune,
+quantize) instead add a fine-tune's adapter to each expert as they write it, a projection's stack or expert at a
+time, never a stacked copy of the model, and hand what they have read to `release_pages`, so the pages leave the
+process as they go. The files are never written.
 
 Full fine-tuning keeps the copying loader: its weights change at every step. Refusals (`MappingError`, before
 any weight is read): a checkpoint whose weights are not in safetensors, or stored in another dtype than asked, or
@@ -46,7 +47,6 @@ import math
 import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
-from functools import cache
 from typing import Any
 
 import torch
@@ -485,7 +485,7 @@ def save_streaming(
 MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 
 
-@cache
+@functools.cache
 def _madvise():
     """libc's ``madvise`` on Linux, else None."""
     if not os.uname().sysname == "Linux":
