@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moe_core.convert import ConversionError, to_hf
 from moe_core.fileio import check_output_dir
-from moe_core.loading import base_as_stored, detect, load, merges_as_written, tokenizer_dir
+from moe_core.loading import adapter_to_merge, detect, load, merges_as_written, tokenizer_dir
 
 
 def convert_to_hf(
@@ -38,12 +38,10 @@ def convert_to_hf(
     if kind == "finetuned" and merges_as_written(source):
         # a fine-tune's adapter alone: merged into its memory-mapped base's experts as they are written, the
         # merged model never in memory (its copy of the full Qwen1.5-MoE-A2.7B would be 26.7 GiB)
-        from moe_core.finetune.as_trained import peft_as_trained
-        from moe_core.finetune.export import merged_for_writing
+        from moe_core.finetune.export import merged_for_writing  # peft: for adapters only
         from moe_core.mapped import MappedExperts, stacked_tensors
 
-        # (the base in the dtype its files hold, as `load(source, merged=True)` reads it)
-        model, deltas = merged_for_writing(peft_as_trained(source, base_as_stored, full_precision=True))
+        model, deltas = merged_for_writing(adapter_to_merge(source))
         mapped = any(isinstance(m, MappedExperts) for m in model.modules())
         return to_hf(
             model,

@@ -235,11 +235,19 @@ def base_as_trained(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEFor
     return load(path, dtype=dtype, memory_map=mapped).model
 
 
-def base_as_stored(path: str, dtype: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
-    """`base_as_trained` in the dtype the base's files hold, whatever ``dtype`` the fine-tune trained in: the base a
-    writer of a fine-tune's merged weights reads, as ``load(OUT, merged=True)`` reads it (a float32 fine-tune of a
-    bf16 checkpoint is written in bf16, and its base is never copied to float32 for it)."""
-    return base_as_trained(path, None, map_it)
+def adapter_to_merge(path: str | os.PathLike, dtype: torch.dtype | str | None = None):
+    """The PEFT model of the fine-tuning output at ``path`` for a writer that merges its adapter as it writes
+    (`merges_as_written`): the adapter's wrappers over the full-precision base (a QLoRA fine-tune's too), the base
+    memory-mapped where its files hold ``dtype`` (None: the dtype they hold, as ``load(path, merged=True)`` reads it:
+    a float32 fine-tune of a bf16 checkpoint is written in bf16, its base never copied to float32 for it)."""
+    # the fine-tuning stack (peft), imported only for a fine-tune's adapter; it does not import this module back
+    from moe_core.finetune.as_trained import peft_as_trained
+
+    def stored(source: str, _trained: torch.dtype | str, map_it: bool) -> MoEForCausalLM:
+        return base_as_trained(source, None, map_it)
+
+    load_base = base_as_trained if dtype is not None else stored
+    return peft_as_trained(_local(path), load_base, dtype=dtype, full_precision=True)
 
 
 def _loads_as_trained(directory: Path) -> bool:

@@ -92,7 +92,7 @@ def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_p
     the 24 GiB machine it fine-tuned on holds."""
     from peft.tuners.lora import layer as peft_lora
 
-    from moe_core.inference.quantize import weight_only
+    from moe_core import loading
     from moe_core.inference.quantize.weight_only import quantize_experts
     from moe_core.quantized import expert_modules
 
@@ -102,7 +102,7 @@ def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_p
     reference = load(out, merged=True).model  # the adapter merged into the whole base, then quantized
     quantize_experts(reference, config)
 
-    mapped, original = [], weight_only.base_as_trained
+    mapped, original = [], loading.base_as_trained
 
     def base_as_trained(*args):
         base = original(*args)
@@ -112,7 +112,7 @@ def test_quantize_merges_an_adapter_only_output_one_expert_slice_at_a_time(tmp_p
     def merged_whole(self, *args, **kwargs):
         raise AssertionError("an expert stack was merged whole")
 
-    monkeypatch.setattr(weight_only, "base_as_trained", base_as_trained)
+    monkeypatch.setattr(loading, "base_as_trained", base_as_trained)
     monkeypatch.setattr(peft_lora.ParamWrapper, "merge", merged_whole)
     report = quantize_checkpoint(out, tmp_path / "int4", config)
     monkeypatch.undo()

@@ -61,8 +61,7 @@ from moe_core.inference.evaluate import calibration_pass
 from moe_core.loading import (
     MAPPABLE,
     PRUNE_FILE,
-    base_as_stored,
-    base_as_trained,
+    adapter_to_merge,
     detect,
     load,
     merges_as_written,
@@ -423,12 +422,10 @@ def prune_checkpoint(
         # a fine-tune's adapter alone: the experts ranked by the routing of the adapter over its memory-mapped base
         # (as it trained), then the adapter merged into the kept experts as they are written; the merged model is
         # never in memory (a base larger than memory prunes too)
-        from moe_core.finetune.as_trained import peft_as_trained  # peft: for adapters only
-        from moe_core.finetune.export import merged_for_writing
+        from moe_core.finetune.export import merged_for_writing  # peft: for adapters only
         from moe_core.finetune.methods import unwrap
 
-        load_base = base_as_trained if dtype is not None else base_as_stored  # (None: the files' dtype)
-        peft_model = peft_as_trained(model_dir, load_base, dtype=dtype, full_precision=True)
+        peft_model = adapter_to_merge(model_dir, dtype)
         usage = (
             usage_from_profile(Path(profile))
             if profile is not None

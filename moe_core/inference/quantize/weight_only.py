@@ -25,15 +25,7 @@ from moe_core.fileio import check_output_dir
 from moe_core.finetune.sizing import read_dtype
 from moe_core.inference.evaluate import calibration_batches
 from moe_core.inference.quantize.calibrated import calibrated_codes
-from moe_core.loading import (
-    MAPPABLE,
-    base_as_stored,
-    base_as_trained,
-    detect,
-    load,
-    merges_as_written,
-    tokenizer_dir,
-)
+from moe_core.loading import MAPPABLE, adapter_to_merge, detect, load, merges_as_written, tokenizer_dir
 from moe_core.mapped import MappedExperts, release_pages
 from moe_core.model import MoEForCausalLM
 from moe_core.quantized import (
@@ -128,12 +120,7 @@ def quantize_checkpoint(
         # a fine-tune's adapter over its base (memory-mapped where its files hold the dtype), merged into each
         # expert slice as it is quantized: a base larger than memory (a fine-tune of Qwen1.5-MoE-A2.7B on a 24
         # GiB machine) quantizes too, where the merge below needs it whole
-        from moe_core.finetune.as_trained import peft_as_trained  # peft: for adapters only
-
-        load_base = base_as_trained if dtype is not None else base_as_stored  # (None: the files' dtype)
-        model = quantize_merged(
-            peft_as_trained(model_dir, load_base, dtype=dtype, full_precision=True), config
-        )
+        model = quantize_merged(adapter_to_merge(model_dir, dtype), config)
         report = _streamed_report(model, config)
         companions = tokenizer_dir(model_dir)  # the adapter's: its tokenizer and prompt framing
     else:
