@@ -14,7 +14,7 @@ any expert stack was skipped.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -137,39 +137,26 @@ def quantize_checkpoint(
 @torch.no_grad()
 def quantize_merged(peft_model, config: QuantConfig) -> MoEForCausalLM:
     """``peft_model``'s adapter merged into its base and every expert stack quantized (round to nearest), one
-    expert slice at a time: each slice of the base (a view of its file where it is memory-mapped) plus its
-    slice of the projection's delta (PEFT's ``get_delta_weight``, made for one projection of one layer at a
-    time), quantized into a `QuantizedExperts`; the rest (attention, a trained router) merged by PEFT's
-    ``merge_and_unload``. The codes are those of `quantize_experts` on ``merge_and_unload``'s model (the same
-    delta, added in the weights' dtype as PEFT adds it), without the merged experts ever in memory."""
-    from moe_core.finetune.methods import lora_wrappers, unwrap  # peft: for adapters only
+    expert slice at a time: the rest merged by PEFT (`moe_core.finetune.export.merged_for_writing`, as the merged
+    exports do), and each memory-mapped expert slice plus its slice of the projection's deltas (PEFT's
+    ``get_delta_weight``, made for one projection of one layer at a time) quantized into a `QuantizedExperts`.
+    The codes are those of `quantize_experts` on ``merge_and_unload``'s model (the same delta, added in the
+    weights' dtype as PEFT adds it), without the merged experts ever in memory."""
+    from moe_core.finetune.export import merged_for_writing  # peft: for adapters only
 
-    model = unwrap(peft_model)
-    outermost = [
-        (name, wrapper)
-        for name, wrapper in lora_wrappers(model)
-        if not name.endswith(".base_layer")  # a nested wrapper: the one around it holds the experts' place
-    ]
-    for name, wrapper in outermost:
-        deltas = {w.parameter_name: w for w in wrapper.nest()}
-        experts = wrapper.get_base_layer()
+    merged, deltas = merged_for_writing(peft_model)
+    for name, experts in expert_modules(merged):
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, _quantized_slices(experts, config, deltas))
-    merged = peft_model.merge_and_unload()  # PEFT's Linear LoRA, saved modules
-    for name, experts in expert_modules(merged):  # experts the adapter does not cover (lora.experts=none)
-        if not isinstance(experts, QuantizedExperts):
-            parent_name, _, child = name.rpartition(".")
-            setattr(merged.get_submodule(parent_name), child, _quantized_slices(experts, config, {}))
+        quantized = _quantized_slices(experts, config, deltas.get(experts, {}))
+        setattr(merged.get_submodule(parent_name), child, quantized)
     check_experts_quantized(merged)
-    return merged.eval()
+    return merged
 
 
-def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: dict) -> QuantizedExperts:
-    """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with what merging
-    ``wrappers[p]`` (a PEFT ``ParamWrapper`` of projection ``p``) adds (`merge_deltas`) added to each slice first,
-    in the slice's dtype."""
-    from moe_core.finetune.expert_lora import merge_deltas  # peft: for adapters only
-
+def _quantized_slices(experts: StackedExperts, config: QuantConfig, deltas: Mapping) -> QuantizedExperts:
+    """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with the deltas
+    of projection ``p`` (``deltas[p]()``: `moe_core.mapped.ExpertDeltas`' functions) added to each slice first, in
+    the slice's dtype; a memory-mapped slice's pages are released once it is read."""
     quantized = QuantizedExperts.shaped_like(experts, config)
     quantized.max_slots = experts.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
     for p, slices in zip(PROJECTIONS, experts.unbound(), strict=True):
@@ -177,12 +164,12 @@ def _quantized_slices(experts: StackedExperts, config: QuantConfig, wrappers: di
             continue
         if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
             getattr(quantized, f"{p}_bias").copy_(experts.bias_stack(p))
-        deltas = merge_deltas(wrappers[p]) if p in wrappers else []
+        deltas_EOI = deltas[p]() if p in deltas else []
         for e, w_OI in enumerate(slices):
-            for delta_EOI in deltas:
+            for delta_EOI in deltas_EOI:
                 w_OI = w_OI + delta_EOI[e].to(w_OI.dtype)  # as PEFT's merge: param.data += delta
             quantized.quantize_into(p, e, w_OI)
-        del deltas
+        del deltas_EOI
         if isinstance(experts, MappedExperts):  # read once: out of the resident set as it goes
             release_pages(slices)
     return quantized.to(next(experts.parameters()).device)
