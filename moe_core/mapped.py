@@ -373,6 +373,37 @@ def _file_mappings() -> list[tuple[int, int, str]]:
 ExpertDeltas = Mapping["MappedExperts", Mapping[str, Callable[[], list[torch.Tensor]]]]
 
 
+def merged_slice(w_OI: torch.Tensor, deltas_EOI: Iterable[torch.Tensor], e: int) -> torch.Tensor:
+    """Expert ``e``'s weight ``w_OI`` with its slice of each of a projection's deltas added, in the weight's dtype, in
+    turn: what PEFT's merge (``param.data += delta``) leaves in row ``e`` of the stack, made for one slice."""
+    for delta_EOI in deltas_EOI:
+        w_OI = w_OI + delta_EOI[e].to(w_OI.dtype)
+    return w_OI
+
+
+class MergedSlices:
+    """Expert slices of one experts module as an adapter's merge leaves them (`merged_slice`): ``(p, e)`` -> expert
+    ``e``'s weight of projection ``p``, for a reader that needs every projection of an expert at once (GPTQ and
+    AWQ quantize an expert from its gate, up and down weights). ``deltas``: the module's `ExpertDeltas` entry;
+    each projection's are made at its first read, in the weights' dtype, and kept for the module (drop this
+    object with it); none: the module's own slices (a stack's rows, or a memory-mapped module's tensors)."""
+
+    def __init__(
+        self, experts: StackedExperts, deltas: Mapping[str, Callable[[], list[torch.Tensor]]] | None = None
+    ) -> None:
+        self.unbound = dict(zip(PROJECTIONS, experts.unbound(), strict=True))
+        self.deltas = deltas or {}
+        self.made: dict[str, list[torch.Tensor]] = {}
+
+    def __call__(self, p: str, e: int) -> torch.Tensor | None:
+        slices = self.unbound[p]
+        if slices is None:
+            return None
+        if p in self.deltas and p not in self.made:
+            self.made[p] = [delta_EOI.to(slices[0].dtype) for delta_EOI in self.deltas[p]()]
+        return merged_slice(slices[e], self.made.get(p, ()), e)
+
+
 def stacked_tensors(model: MoEForCausalLM, deltas: ExpertDeltas | None = None) -> dict[str, Any]:
     """``model``'s weights by the names ``save_pretrained`` gives them (the stacked layout), with nothing stacked:
     each `MappedExperts` projection ``p`` as the list of its E per-expert tensors (views of the file). Where
@@ -391,9 +422,7 @@ def stacked_tensors(model: MoEForCausalLM, deltas: ExpertDeltas | None = None) -
                 release_pages(read.weights(q))
             last.clear()
             last[module, p] = [delta_EOI.to(w_OI.dtype) for delta_EOI in deltas[module][p]()]
-        for delta_EOI in last[module, p]:
-            w_OI = w_OI + delta_EOI[e]  # as PEFT's merge: param.data += delta, in the weight's dtype
-        return w_OI
+        return merged_slice(w_OI, last[module, p], e)
 
     for name, tensor in model.state_dict(keep_vars=True).items():
         prefix, _, leaf = name.rpartition(".")

@@ -478,15 +478,10 @@ class QuantizedExperts(StackedExperts):
         )
 
     @classmethod
-    def from_experts(
-        cls,
-        experts: GroupedExperts,
-        config: QuantConfig,
-        codes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> QuantizedExperts:
-        """Quantize ``experts`` (round to nearest unless ``codes`` gives ``{proj: (q [E,O,I] int8, scale)}``,
-        or ``(q, scale, in_scale [E, I])`` for AWQ). The decode path is on (``max_slots`` 64 unless
-        ``experts`` has its own): dequantizing only the chosen experts is what makes a decode step cheap."""
+    def from_experts(cls, experts: GroupedExperts, config: QuantConfig) -> QuantizedExperts:
+        """Quantize ``experts``' stacks, round to nearest (calibrated codes are set expert by expert: `set_codes`).
+        The decode path is on (``max_slots`` 64 unless ``experts`` has its own): dequantizing only the chosen
+        experts is what makes a decode step cheap."""
         shapes = experts.projection_shapes()
         new = cls(
             experts.num_experts,
@@ -502,17 +497,10 @@ class QuantizedExperts(StackedExperts):
             if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
                 getattr(new, f"{p}_bias").copy_(experts.bias_stack(p).detach())
             w = getattr(experts, p).detach()
-            in_scale = None
-            if codes is not None and p in codes:
-                q, scale, *rest = codes[p]
-                in_scale = rest[0] if rest else None
-            else:
-                scale = compute_scales(w, config)
-                q = quantize_rtn(w, scale, config)
+            scale = compute_scales(w, config)
+            q = quantize_rtn(w, scale, config)
             getattr(new, f"{p}_q").copy_(pack_int4(q) if config.bits == 4 else q)
             getattr(new, f"{p}_scale").copy_(scale)
-            if in_scale is not None:
-                getattr(new, f"{p}_in_scale").copy_(in_scale)
         return new.to(experts.up_proj.device)
 
     @torch.no_grad()
@@ -520,6 +508,22 @@ class QuantizedExperts(StackedExperts):
         """Expert ``e``'s ``name`` weight, round to nearest: for a model quantized while it streams in, one
         expert slice at a time (the dense stack never exists)."""
         getattr(self, f"{name}_q")[e], getattr(self, f"{name}_scale")[e] = rtn_codes(w_OI, self.quant_config)
+
+    @torch.no_grad()
+    def set_codes(
+        self,
+        name: str,
+        e: int,
+        q_OI: torch.Tensor,
+        scale_OG: torch.Tensor,
+        in_scale_I: torch.Tensor | None = None,
+    ) -> None:
+        """Expert ``e``'s ``name`` codes (int8 values, packed here for int4), their scales and AWQ's input scale:
+        codes chosen elsewhere (GPTQ, AWQ: `moe_core.inference.quantize.calibrated`), one expert at a time."""
+        getattr(self, f"{name}_q")[e] = pack_int4(q_OI) if self.quant_config.bits == 4 else q_OI
+        getattr(self, f"{name}_scale")[e] = scale_OG
+        if in_scale_I is not None:
+            getattr(self, f"{name}_in_scale")[e] = in_scale_I
 
     def stack_shape(self, name: str) -> tuple[int, int, int]:
         """``(E, O, I)``: the shape of the dense ``name`` stack these codes stand for."""

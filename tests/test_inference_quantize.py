@@ -277,3 +277,56 @@ def test_round_to_nearest_quantizes_a_model_directory_while_it_streams_in(tmp_pa
         assert torch.equal(ours[name], tensor), name
     for file in ("config.json", "quantization.json"):
         assert (tmp_path / "streamed" / file).read_text() == (tmp_path / "reference" / file).read_text()
+
+
+@pytest.mark.parametrize("case, method", [("ours", "gptq"), ("olmoe", "gptq"), ("olmoe", "awq")])
+def test_calibrated_quantization_of_a_large_model_directory_reads_it_memory_mapped(
+    tmp_path, monkeypatch, case, method
+):
+    """``moe-lab quantize --method gptq|awq`` of a large model directory runs its calibration pass on the
+    memory-mapped model and reads each expert slice from the file as it quantizes it, one module at a time: it
+    had loaded the whole model (26.7 GiB for Qwen1.5-MoE-A2.7B: more than the 24 GiB machine holds) and then held
+    every module's int8 codes beside it. The output is the one quantizing the loaded model gives."""
+    from safetensors.torch import load_file
+
+    from moe_core import load
+    from moe_core.finetune import sizing
+    from moe_core.inference.quantize import weight_only
+    from moe_core.mapped import MappedExperts
+    from tests.test_mmap_base import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", case, torch.bfloat16)
+    monkeypatch.setattr(sizing, "LARGE_MODEL_PARAMS", 1000)  # read in the stored dtype, as a 1 B+ model is
+    config = QuantConfig(bits=4, group_size=16, method=method, min_tokens=8)
+    torch.manual_seed(1)
+    calibration = [ids(4, 16) for _ in range(2)]
+    loaded = load(source)
+    assert not any(isinstance(m, MappedExperts) for m in loaded.model.modules())
+    reference = quantize_experts(loaded.model, config, calibration)
+    save_quantized(loaded.model, tmp_path / "reference", config, reference, companions_from=source)
+
+    loads, released = [], []
+
+    def recording(*args, **kwargs):
+        loads.append(kwargs.get("memory_map"))
+        return load(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a memory-mapped module was stacked into memory")
+
+    monkeypatch.setattr(weight_only, "load", recording)
+    monkeypatch.setattr(weight_only, "release_pages", lambda tensors: released.append(len(list(tensors))))
+    monkeypatch.setattr(MappedExperts, "stacks", never)
+    monkeypatch.setattr(MappedExperts, "densified", never)
+    report = weight_only.quantize_checkpoint(source, tmp_path / "mapped", config, calibration)
+    monkeypatch.undo()
+    assert loads == [True]
+    if case != "ours":  # per-expert tensors of the file (ours are stacks, views of it): each expert's three
+        # slices out of the resident set once quantized
+        experts = loaded.model.config.num_experts * len(loaded.model.config.moe_layer_ids)
+        assert released == [3] * experts
+    assert report.to_dict() == reference.to_dict()
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("mapped", "reference"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name

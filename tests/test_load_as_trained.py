@@ -270,3 +270,55 @@ def test_a_moved_base_is_named_with_the_file_that_recorded_it(tmp_path):
     )
     report = main(["eval", "--model", str(out), "--generate", "--max-new-tokens", "2", "--base", str(moved)])
     assert report == 0
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_quantization_of_an_adapter_only_output_merges_as_it_quantizes(
+    tmp_path, monkeypatch, method
+):
+    """``moe-lab quantize --method gptq|awq`` of a LoRA output holding its adapter alone calibrates on the adapter
+    as it trained (unmerged, over the memory-mapped base) and quantizes each expert from its slices with the
+    adapter's deltas added as they are read: it had merged the adapter into the whole base first (what a fine-tune
+    of Qwen1.5-MoE-A2.7B, 26.7 GiB, cannot do on the 24 GiB machine it trained on). The codes are those of the
+    merged model: the calibration inputs differ from the merged model's by rounding alone (float32 here), and
+    every expert's weights are the merged ones."""
+    from peft.tuners.lora import layer as peft_lora
+
+    from moe_core.inference.quantize.weight_only import quantize_experts
+    from moe_core.quantized import expert_modules
+    from tests.helpers import token_ids
+
+    adapter_only_finetune(tmp_path)
+    out = tmp_path / "out"
+    config = QuantConfig(bits=4, group_size=16, method=method, min_tokens=8)
+    torch.manual_seed(1)
+    calibration = [token_ids(4, 16) for _ in range(2)]
+    reference = load(out, merged=True).model  # the adapter merged into the whole base, then quantized
+    reference_report = quantize_experts(reference, config, calibration)
+
+    def merged_whole(self, *args, **kwargs):
+        raise AssertionError("an expert stack was merged whole")
+
+    monkeypatch.setattr(peft_lora.ParamWrapper, "merge", merged_whole)
+    monkeypatch.setattr(MappedExperts, "densified", merged_whole)
+    report = quantize_checkpoint(out, tmp_path / "int4", config, calibration)
+    monkeypatch.undo()
+
+    quantized = load(tmp_path / "int4")
+    assert quantized.kind == "quantized" and not has_lora(quantized.model)
+    assert report.calibration_tokens == reference_report.calibration_tokens  # the same routing
+    assert report.experts_quantized == reference_report.experts_quantized
+    for (name, ours), (_, ref) in zip(
+        expert_modules(quantized.model), expert_modules(reference), strict=True
+    ):
+        for p in ref.projections:
+            same = (getattr(ours, f"{p}_q") == getattr(ref, f"{p}_q")).float().mean()
+            assert same > 0.999, (name, p, same)  # (all equal here; a rounding apart may flip one)
+            for k in ("scale", "in_scale"):  # equal up to the calibration inputs' rounding
+                if hasattr(ref, f"{p}_{k}"):
+                    torch.testing.assert_close(getattr(ours, f"{p}_{k}"), getattr(ref, f"{p}_{k}"))
+    x = torch.randint(0, 300, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            quantized.model(input_ids=x).logits, reference(input_ids=x).logits, atol=1e-3, rtol=1e-3
+        )

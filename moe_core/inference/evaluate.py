@@ -51,13 +51,15 @@ def calibration_pass(
     model, batches: Iterable[torch.Tensor], hooks: list[tuple[torch.nn.Module, object]]
 ) -> None:
     """Run ``batches`` of token ids through ``model`` in eval mode with each ``(module, fn)`` forward hook
-    registered (how GPTQ/AWQ see expert inputs and REAP expert outputs); hooks removed and mode restored after."""
+    registered (how GPTQ/AWQ see expert inputs and REAP expert outputs); hooks removed and mode restored after.
+    The hooks read what the layers see, not the logits: only the last position's are computed (a batch's full
+    ``[B, S, V]`` logits were the pass's largest tensor)."""
     handles = [module.register_forward_hook(fn) for module, fn in hooks]
     was_training = model.training
     model.eval()
     try:
         for input_ids_BS in batches:
-            model(input_ids=input_ids_BS, use_cache=False)
+            model(input_ids=input_ids_BS, use_cache=False, logits_to_keep=1)
     finally:
         for handle in handles:
             handle.remove()

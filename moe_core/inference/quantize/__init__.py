@@ -19,7 +19,8 @@ from moe_core.inference.quantize.calibrated import (
     awq_output_error,
     awq_quantize,
     awq_search_scale,
-    calibrated_codes,
+    calibrated_experts,
+    expert_inputs,
     gptq_quantize,
 )
 from moe_core.inference.quantize.onnx_dynamic import (
@@ -59,10 +60,11 @@ __all__ = [
     "awq_output_error",
     "awq_quantize",
     "awq_search_scale",
-    "calibrated_codes",
+    "calibrated_experts",
     "check_experts_quantized",
     "compute_scales",
     "dequantize",
+    "expert_inputs",
     "expert_modules",
     "fake_quantize",
     "fold_onnx_constants",

@@ -22,22 +22,30 @@ calibration tokens of one expert.
   calibration inputs is never above RTN's. Calibration coverage, force-routing and the RTN fallback are
   GPTQ's. Not done: upstream's second search (per-group weight clipping).
 
-`calibrated_codes` returns the codes per expert module; `weight_only.quantize_experts` builds the modules.
+`expert_inputs` collects every expert module's calibration inputs in one pass; `calibrated_experts` then
+quantizes one module expert by expert, each expert slice read where it lies (a stack in memory, a memory-mapped
+file, or a fine-tune's base with its adapter's deltas added as read: `weight_only.quantize_checkpoint`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from moe_core.experts import StackedExperts
 from moe_core.inference.evaluate import calibration_pass
+from moe_core.mapped import MergedSlices
 from moe_core.progress import Progress
 from moe_core.quantized import (
     PROJECTIONS,
     QuantConfig,
     QuantizationError,
+    QuantizedExperts,
     QuantReport,
     compute_scales,
+    expert_modules,
     fake_quantize,
     quantize_rtn,
 )
@@ -128,121 +136,156 @@ def awq_quantize(
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+# expert e's weight of projection p ([O, I], in the weights' dtype; None for a projection the experts lack): the
+# module's own, or with an adapter's deltas added as it is read (`moe_core.mapped.MergedSlices`)
+ExpertWeight = Callable[[str, int], "torch.Tensor | None"]
+
+
 @torch.no_grad()
-def _collect_expert_inputs(model, modules, calibration) -> dict[str, dict[str, torch.Tensor]]:
-    """One calibration pass: per expert module, its inputs x [N, D], router probabilities [N, E] and which
-    expert each token was routed to (hit [N, E])."""
-    seen: dict[str, dict[str, list[torch.Tensor]]] = {
-        name: {"x": [], "probs": [], "hit": []} for name, _ in modules
+def expert_inputs(model, calibration) -> dict[StackedExperts, dict[str, torch.Tensor]]:
+    """One calibration pass: per expert module (the module itself is the key, so a model whose experts modules
+    are later moved, as out of PEFT's wrappers, still finds them), its inputs x [N, D] in the dtype the model
+    runs in (a bf16 model's inputs are kept in bf16: their fp32 cast, made per expert, is exact), router
+    probabilities [N, E] and which expert each token was routed to (hit [N, E])."""
+    modules = [m for _, m in expert_modules(model)]
+    seen: dict[StackedExperts, dict[str, list[torch.Tensor]]] = {
+        m: {"x": [], "probs": [], "hit": []} for m in modules
     }
     hooks = []
-    for name, module in modules:
+    for module in modules:
 
-        def hook(mod, args, _out, name=name):
+        def hook(mod, args, _out, module=module):
             x_TD, record = args[0], args[1]
-            seen[name]["x"].append(x_TD.detach().float())
-            seen[name]["probs"].append(record.probs_TE.detach().float())
+            seen[module]["x"].append(x_TD.detach().clone())
+            seen[module]["probs"].append(record.probs_TE.detach().float())
             hit_TE = torch.zeros_like(record.probs_TE, dtype=torch.bool)
             hit_TE.scatter_(1, record.expert_ids_TK.masked_fill(record.dropped_TK, 0), ~record.dropped_TK)
-            seen[name]["hit"].append(hit_TE)
+            seen[module]["hit"].append(hit_TE)
 
         hooks.append((module, hook))
     calibration_pass(model, calibration, hooks)
-    for name in seen:
-        if not seen[name]["x"]:
-            raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
-    return {name: {k: torch.cat(v) for k, v in parts.items()} for name, parts in seen.items()}
+    if any(not parts["x"] for parts in seen.values()):
+        raise QuantizationError("the calibration batches were empty; give token ids [B, S]")
+    inputs = {}
+    for module in modules:  # one module's parts concatenated at a time
+        parts = seen.pop(module)
+        inputs[module] = {k: torch.cat(v) for k, v in parts.items()}
+        del parts
+    return inputs
 
 
-def _hidden(module, e: int, x_ND: torch.Tensor) -> torch.Tensor:
-    """Expert ``e``'s hidden activation on ``x_ND`` in fp32: what its down projection reads (with gpt-oss's biases
-    and clamped SwiGLU, `StackedExperts.activate`)."""
+def _hidden(module, e: int, w: dict, x_ND: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s hidden activation on ``x_ND`` in fp32 (``w``: its weights by projection): what its down
+    projection reads (with gpt-oss's biases and clamped SwiGLU, `StackedExperts.activate`)."""
 
-    def proj(p: str) -> torch.Tensor:
+    def proj(p: str) -> torch.Tensor | None:
+        if w[p] is None:
+            return None
         bias_O = module.expert_bias(p, e)
-        return F.linear(x_ND, getattr(module, p)[e].float(), None if bias_O is None else bias_O.float())
+        return F.linear(x_ND, w[p].float(), None if bias_O is None else bias_O.float())
 
-    return module.activate(proj("gate_proj") if module.gate_proj is not None else None, proj("up_proj"))
+    return module.activate(proj("gate_proj"), proj("up_proj"))
 
 
-def _gptq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, _alphas: list) -> dict[str, tuple]:
-    a_NF = _hidden(module, e, x_ND)
+def _gptq_expert(module, e: int, w: dict, x_ND: torch.Tensor, config: QuantConfig, _alphas: list) -> dict:
+    a_NF = _hidden(module, e, w, x_ND)
     H_in, H_hidden = x_ND.T @ x_ND, a_NF.T @ a_NF
     return {
-        p: gptq_quantize(getattr(module, p)[e], H_hidden if p == "down_proj" else H_in, config)
+        p: gptq_quantize(w[p], H_hidden if p == "down_proj" else H_in, config)
         for p in PROJECTIONS
-        if getattr(module, p) is not None
+        if w[p] is not None
     }
 
 
-def _awq_expert(module, e: int, x_ND: torch.Tensor, config: QuantConfig, alphas: list) -> dict[str, tuple]:
+def _awq_expert(module, e: int, w: dict, x_ND: torch.Tensor, config: QuantConfig, alphas: list) -> dict:
     """AWQ of one expert: one scale for the projections reading x (searched on their joint output), one for
     down_proj on the hidden activation computed in full precision."""
-    inputs = [p for p in ("gate_proj", "up_proj") if getattr(module, p) is not None]
-    w_in = torch.cat([getattr(module, p)[e].float() for p in inputs])
+    inputs = [p for p in ("gate_proj", "up_proj") if w[p] is not None]
+    w_in = torch.cat([w[p].float() for p in inputs])
     s_in, alpha_in, _ = awq_search_scale(w_in, x_ND, config)
-    a_NF = _hidden(module, e, x_ND)
-    s_hidden, alpha_hidden, _ = awq_search_scale(module.down_proj[e], a_NF, config)
+    a_NF = _hidden(module, e, w, x_ND)
+    s_hidden, alpha_hidden, _ = awq_search_scale(w["down_proj"], a_NF, config)
     alphas.append([alpha_in, alpha_hidden])
-    codes = {p: awq_quantize(getattr(module, p)[e], s_in, config) for p in inputs}
-    codes["down_proj"] = awq_quantize(module.down_proj[e], s_hidden, config)
+    codes = {p: awq_quantize(w[p], s_in, config) for p in inputs}
+    codes["down_proj"] = awq_quantize(w["down_proj"], s_hidden, config)
     return codes
 
 
-def _rtn_expert(module, e: int, config: QuantConfig) -> dict[str, tuple]:
+def _rtn_expert(w: dict, config: QuantConfig) -> dict:
     codes = {}
-    for p in PROJECTIONS:
-        if getattr(module, p) is None:
+    for p, w_OI in w.items():
+        if w_OI is None:
             continue
-        w = getattr(module, p)[e].detach().float()
-        scale = compute_scales(w, config)
-        codes[p] = (quantize_rtn(w, scale, config), scale)
+        w_OI = w_OI.detach().float()
+        scale = compute_scales(w_OI, config)
+        codes[p] = (quantize_rtn(w_OI, scale, config), scale)
         if config.method == "awq":  # the identity scale: this expert is plain RTN inside an AWQ module
-            codes[p] += (torch.ones(w.shape[-1]),)
+            codes[p] += (torch.ones(w_OI.shape[-1]),)
     return codes
 
 
 @torch.no_grad()
-def calibrated_codes(
-    model, modules, config: QuantConfig, calibration, report: QuantReport
-) -> dict[str, dict]:
-    """GPTQ or AWQ codes of every expert from its own calibration inputs (force-routed up to min_tokens)."""
-    seen = _collect_expert_inputs(model, modules, calibration)
+def calibrated_experts(
+    name: str,
+    module: StackedExperts,
+    seen: dict[str, torch.Tensor],
+    config: QuantConfig,
+    report: QuantReport,
+    weight: ExpertWeight | None = None,
+    done: Callable[[int], None] | None = None,
+) -> QuantizedExperts:
+    """``module`` quantized by GPTQ or AWQ, expert by expert: each expert's codes chosen from its own calibration
+    inputs (``seen``: `expert_inputs`' entry; force-routed up to ``min_tokens``), written into a new
+    `QuantizedExperts` at once (a whole module's integer codes never exist apart from it). ``weight``: where each
+    expert slice is read from (default: the module's own; `moe_core.mapped.MergedSlices` adds an adapter's deltas);
+    ``done(e)``: called once expert ``e`` is quantized (a memory-mapped module releases its pages there)."""
+    weight = weight or MergedSlices(module)
     quantize_expert = _gptq_expert if config.method == "gptq" else _awq_expert
-    codes: dict[str, dict] = {}
-    bar = Progress(sum(m.num_experts for _, m in modules), f"quantize ({config.method})", unit="expert")
-    for name, module in modules:
-        x_ND, probs_NE, hit_NE = seen[name]["x"], seen[name]["probs"], seen[name]["hit"]
-        counts, forced, alphas, per_expert = [], [], [], []
-        for e in range(module.num_experts):
-            bar.update(1, layer=name.split(".experts")[0].removeprefix("model."))
-            idx = hit_NE[:, e].nonzero().flatten()
-            extra = 0
-            if idx.numel() < config.min_tokens:  # force-route the tokens the router likes best for e
-                order = probs_NE[:, e].masked_fill(hit_NE[:, e], -1.0).argsort(descending=True)
-                extra = min(config.min_tokens - idx.numel(), int((~hit_NE[:, e]).sum()))
-                idx = torch.cat([idx, order[:extra]])
-            counts.append(int(hit_NE[:, e].sum()))
-            forced.append(extra)
-            if idx.numel() < config.min_tokens:
-                report.experts_rtn_fallback.append(f"{name}:{e}")
-                per_expert.append(_rtn_expert(module, e, config))
-                if config.method == "awq":
-                    alphas.append([0.0, 0.0])
-                continue
-            per_expert.append(quantize_expert(module, e, x_ND[idx], config, alphas))
-        report.calibration_tokens[name] = counts
-        report.forced_tokens[name] = forced
-        if alphas:
-            report.awq_alpha[name] = alphas
-        codes[name] = {
-            p: tuple(torch.stack(parts) for parts in zip(*(c[p] for c in per_expert))) for p in per_expert[0]
-        }
+    quantized = QuantizedExperts.shaped_like(module, config)
+    quantized.max_slots = module.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
+    for p in PROJECTIONS:
+        if module.bias_stack(p) is not None:  # gpt-oss: kept as they are
+            getattr(quantized, f"{p}_bias").copy_(module.bias_stack(p).detach())
+    x_ND, probs_NE, hit_NE = seen["x"], seen["probs"], seen["hit"]
+    counts, forced, alphas = [], [], []
+    layer = name.split(".experts")[0].removeprefix("model.")
+    bar = Progress(module.num_experts, f"quantize ({config.method}) {layer}", unit="expert")
+    for e in range(module.num_experts):
+        bar.update(1)
+        idx = hit_NE[:, e].nonzero().flatten()
+        extra = 0
+        if idx.numel() < config.min_tokens:  # force-route the tokens the router likes best for e
+            order = probs_NE[:, e].masked_fill(hit_NE[:, e], -1.0).argsort(descending=True)
+            extra = min(config.min_tokens - idx.numel(), int((~hit_NE[:, e]).sum()))
+            idx = torch.cat([idx, order[:extra]])
+        counts.append(int(hit_NE[:, e].sum()))
+        forced.append(extra)
+        w = {p: weight(p, e) for p in PROJECTIONS}  # expert e's weights, read (and merged) once
+        if idx.numel() < config.min_tokens:
+            report.experts_rtn_fallback.append(f"{name}:{e}")
+            codes = _rtn_expert(w, config)
+            if config.method == "awq":
+                alphas.append([0.0, 0.0])
+        else:
+            codes = quantize_expert(module, e, w, x_ND[idx].float(), config, alphas)
+        del w
+        for p, (q_OI, scale_OG, *in_scale) in codes.items():
+            quantized.set_codes(p, e, q_OI, scale_OG, *in_scale)
+        if done is not None:
+            done(e)
     bar.close()
+    report.calibration_tokens[name] = counts
+    report.forced_tokens[name] = forced
+    if alphas:
+        report.awq_alpha[name] = alphas
+    return quantized.to(next(module.parameters()).device)
+
+
+def fallback_note(report: QuantReport, config: QuantConfig) -> None:
+    """The report's note on the experts left to round to nearest, if any (once every module is quantized)."""
     if report.experts_rtn_fallback:
         report.notes.append(
             f"{len(report.experts_rtn_fallback)} experts had fewer than min_tokens="
             f"{config.min_tokens} calibration tokens even with force-routing and were rounded "
             "to nearest; give more calibration data"
         )
-    return codes
