@@ -110,6 +110,30 @@ def test_gptq_beats_rtn_and_covers_every_expert():
     assert not report.experts_rtn_fallback
 
 
+@pytest.mark.parametrize("bits, group_size, damp", [(4, 16, 0.01), (8, 128, 0.01), (4, 16, 0.0)])
+def test_gptq_of_several_matrices_at_once_is_gptq_of_each(bits, group_size, damp):
+    """`gptq_quantize_batch` (a module's experts quantized together: the column loop's operators once for all of
+    them) gives each matrix `gptq_quantize`'s codes and scales bit for bit: with a dead input column (a zero
+    Hessian row), and undampened with fewer tokens than inputs (a Hessian that may not factorize: round to
+    nearest)."""
+    from moe_core.inference.quantize.calibrated import GPTQHessians, gptq_quantize, gptq_quantize_batch
+
+    config = QuantConfig(
+        bits=bits, group_size=group_size, method="gptq", block_size=32 if bits == 4 else 128, damp=damp
+    )
+    torch.manual_seed(0)
+    w_BOI = torch.randn(5, 24, 128).bfloat16()
+    xs = [torch.randn(n, 128) for n in (300, 40, 300, 7, 200)]
+    xs[2][:, 7] = 0.0  # a dead input column
+    H_BII = torch.stack([x.T @ x for x in xs])
+    hessians = GPTQHessians.of(H_BII, config)
+    assert hessians.singular == ([1, 3] if damp == 0 else [])  # fewer tokens than inputs, undampened
+    Q, scale = gptq_quantize_batch(w_BOI, hessians, config)
+    for b in range(5):
+        q_ref, scale_ref = gptq_quantize(w_BOI[b], H_BII[b], config)
+        assert torch.equal(Q[b], q_ref) and torch.equal(scale[b], scale_ref), b
+
+
 def test_gptq_falls_back_to_rtn_with_too_little_calibration():
     model = tiny_model()
     report = quantize_experts(model, QuantConfig(method="gptq", min_tokens=1000), [ids(1, 8)])

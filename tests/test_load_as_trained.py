@@ -162,13 +162,15 @@ def test_convert_to_hf_merges_an_adapter_only_output_as_it_writes(tmp_path, monk
     assert sorted(p.name for p in written.iterdir()) == sorted(p.name for p in reference.iterdir())
 
 
+@pytest.mark.parametrize("criterion", ["frequency", "reap"])
 def test_prune_ranks_an_adapter_only_output_as_it_trained_and_merges_the_kept_experts_as_it_writes(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, criterion
 ):
-    """``moe-lab prune OUT`` of an output holding its adapter alone: its experts are ranked by the routing of the
-    adapter over the memory-mapped base, and the adapter is merged into the kept experts as they are written
-    (never stacked into memory): the same experts kept and the same weights written as pruning the adapter merged
-    into a copy of the whole base."""
+    """``moe-lab prune OUT`` of an output holding its adapter alone: its experts are ranked by the routing (REAP:
+    and the outputs, the adapter's LoRA in them) of the adapter over the memory-mapped base, and the adapter is
+    merged into the kept experts as they are written (never stacked into memory): the same experts kept and the
+    same weights written as pruning the adapter merged into a copy of the whole base. REAP had loaded and merged
+    the whole base."""
     import json
 
     from safetensors.torch import load_file
@@ -178,13 +180,18 @@ def test_prune_ranks_an_adapter_only_output_as_it_trained_and_merges_the_kept_ex
     adapter_only_finetune(tmp_path)
     out = tmp_path / "out"
     batches = [torch.randint(0, 300, (4, 16)) for _ in range(2)]
-    prune = PruneConfig(keep_experts=2)
+    prune = PruneConfig(keep_experts=2, criterion=criterion)
     reference = prune_checkpoint(out / "adapter", None, tmp_path / "reference", prune, calibration=batches)
 
-    def stacked_in_memory(self):
-        raise AssertionError("a memory-mapped experts module was stacked into memory")
+    def stacked_in_memory(*args, **kwargs):
+        raise AssertionError(
+            "a memory-mapped experts module was stacked into memory, or a stack merged whole"
+        )
+
+    from peft.tuners.lora import layer as peft_lora
 
     monkeypatch.setattr(MappedExperts, "densified", stacked_in_memory)
+    monkeypatch.setattr(peft_lora.ParamWrapper, "merge", stacked_in_memory)
     report = prune_checkpoint(out, None, tmp_path / "pruned", prune, calibration=batches)
     monkeypatch.undo()
     assert report.kept == reference.kept

@@ -30,11 +30,11 @@ What rewrites weights merges the adapter as it writes, from the base memory-mapp
 slice at a time as it quantizes it (`moe_core.inference.quantize.weight_only.quantize_merged`; GPTQ and AWQ
 calibrate on the adapter as it trained, unmerged), conversion to Hugging Face and the merged exports one
 expert projection at a time as its shard is written (`moe_core.finetune.export.merged_for_writing`), pruning the
-kept experts (ranked by the adapter's own routing). ``moe-lab quantize`` of the full OLMoE-1B-7B's LoRA output so
-peaked at 5.7 GiB where the whole merge took 18.5 GiB, with the same bytes written. ONNX export and REAP (whose
-forward passes need the merged experts) call ``moe_core.load(path, merged=True)``, which merges the
-adapter into the full-precision base (the output's merged/ when it has one), as ``moe_core.load(OUT /
-"adapter")`` always does: the whole base in memory. Fine-tunes this does not cover load
+kept experts (ranked by the adapter's own routing, or REAP on its own outputs). ``moe-lab quantize`` of the full
+OLMoE-1B-7B's LoRA output so peaked at 5.7 GiB where the whole merge took 18.5 GiB, with the same bytes written.
+ONNX export and pruning's ``--merge-similar`` (which need the merged experts whole) call ``moe_core.load(path,
+merged=True)``, which merges the adapter into the full-precision base (the output's merged/ when it has one), as
+``moe_core.load(OUT / "adapter")`` always does: the whole base in memory. Fine-tunes this does not cover load
 merged as before: a task router bias (a task id per batch) and a reward model's score head.
 
 A fine-tune can also go on training such an output's adapter (`continued`: ``lora.init_from``, or ``model.path``

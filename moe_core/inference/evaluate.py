@@ -48,13 +48,17 @@ def calibration_batches(
 
 @torch.no_grad()
 def calibration_pass(
-    model, batches: Iterable[torch.Tensor], hooks: list[tuple[torch.nn.Module, object]]
+    model,
+    batches: Iterable[torch.Tensor],
+    hooks: list[tuple[torch.nn.Module, object]],
+    with_kwargs: bool = False,
 ) -> None:
     """Run ``batches`` of token ids through ``model`` in eval mode with each ``(module, fn)`` forward hook
-    registered (how GPTQ/AWQ see expert inputs and REAP expert outputs); hooks removed and mode restored after.
+    registered (how GPTQ/AWQ see expert inputs and REAP expert outputs; ``with_kwargs``: ``fn(module, args,
+    kwargs, output)``, as `torch.nn.Module.register_forward_hook`); hooks removed and mode restored after.
     The hooks read what the layers see, not the logits: only the last position's are computed (a batch's full
     ``[B, S, V]`` logits were the pass's largest tensor)."""
-    handles = [module.register_forward_hook(fn) for module, fn in hooks]
+    handles = [module.register_forward_hook(fn, with_kwargs=with_kwargs) for module, fn in hooks]
     was_training = model.training
     model.eval()
     try:

@@ -170,8 +170,16 @@ def collect_usage(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Ten
 @torch.no_grad()
 def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
     """REAP saliency per MoE layer, ``{layer_id: FloatTensor [E]}``: per expert, the mean over the slots
-    routed to it of (combine weight x L2 norm of the expert's output), over ``batches`` of token ids."""
-    layers = {layer_id: model.model.layers[layer_id].mlp.experts for layer_id in model.config.moe_layer_ids}
+    routed to it of (combine weight x L2 norm of the expert's output), over ``batches`` of token ids. A
+    fine-tune's adapter as it trained (LoRA on the experts, unmerged: `moe_core.finetune.as_trained`) is in each
+    expert's output, as its forward applies it."""
+    layers = {  # the experts modules themselves (under a fine-tune's LoRA wrappers, the module they wrap)
+        layer_id: next(
+            (m for m in model.model.layers[layer_id].mlp.experts.modules() if isinstance(m, StackedExperts)),
+            None,
+        )
+        for layer_id in model.config.moe_layer_ids
+    }
     E = model.config.num_experts
     sums = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
     counts = {layer_id: torch.zeros(E, dtype=torch.float64) for layer_id in layers}
@@ -180,18 +188,20 @@ def collect_saliency(model, batches: Iterable[torch.Tensor]) -> dict[int, torch.
         if not isinstance(experts, StackedExperts):
             raise PruneError(f"layer {layer_id} has no stacked experts (an offloaded or dense model?)")
 
-        def hook(module, args, _out, layer_id=layer_id):
+        def hook(module, args, kwargs, _out, layer_id=layer_id):
             x_TD, record = args[0], args[1]
+            lora = kwargs.get("lora")  # an adapter's factors on these experts (`ExpertLoRA`), or None
+            views = lora.unbound() if lora is not None else None
             for e in range(module.num_experts):  # each expert on its routed tokens, as forward_reference
                 token_idx, slot_idx = torch.where((record.expert_ids_TK == e) & ~record.dropped_TK)
                 if token_idx.numel() == 0:
                     continue
-                norm_N = module.expert(e, x_TD[token_idx]).float().norm(dim=-1)
+                norm_N = module.expert(e, x_TD[token_idx], lora=views).float().norm(dim=-1)
                 sums[layer_id][e] += (record.weights_TK[token_idx, slot_idx].float() * norm_N).sum().double()
                 counts[layer_id][e] += token_idx.numel()
 
         hooks.append((experts, hook))
-    calibration_pass(model, batches, hooks)
+    calibration_pass(model, batches, hooks, with_kwargs=True)
     if not any(float(c.sum()) for c in counts.values()):
         raise PruneError("the calibration batches routed no tokens; give token ids [B, S]")
     return {layer_id: (sums[layer_id] / counts[layer_id].clamp_min(1)).float() for layer_id in layers}
@@ -413,25 +423,21 @@ def prune_checkpoint(
         )
     dtype = read_dtype(model_dir, "prune")
     deltas = None
-    if (
-        detect(model_dir) == "finetuned"
-        and prune.criterion == "frequency"
-        and not prune.merge_similar
-        and merges_as_written(model_dir)
-    ):
-        # a fine-tune's adapter alone: the experts ranked by the routing of the adapter over its memory-mapped base
-        # (as it trained), then the adapter merged into the kept experts as they are written; the merged model is
-        # never in memory (a base larger than memory prunes too)
+    if detect(model_dir) == "finetuned" and not prune.merge_similar and merges_as_written(model_dir):
+        # a fine-tune's adapter alone: the experts ranked by the routing (REAP: and the outputs) of the adapter over
+        # its memory-mapped base (as it trained), then the adapter merged into the kept experts as they are written;
+        # the merged model is never in memory (a base larger than memory prunes too)
         from moe_core.finetune.export import merged_for_writing  # peft: for adapters only
         from moe_core.finetune.methods import unwrap
 
         peft_model = adapter_to_merge(model_dir, dtype)
+        as_trained = unwrap(peft_model)
         usage = (
             usage_from_profile(Path(profile))
             if profile is not None
-            else collect_usage(unwrap(peft_model), calibration)
+            else collect_usage(as_trained, calibration)
         )
-        saliency = None
+        saliency = collect_saliency(as_trained, calibration) if prune.criterion == "reap" else None
         model, deltas = merged_for_writing(peft_model)
         companions = tokenizer_dir(model_dir)
     else:
