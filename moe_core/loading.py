@@ -61,7 +61,7 @@ from moe_core.data.tokenizer import (
 )
 from moe_core.errors import MoELabError, weight_mismatch
 from moe_core.mapped import MappingError, load_mapped, mapping_refusal
-from moe_core.model import MoEForCausalLM, materialize_unsaved
+from moe_core.model import MoEForCausalLM
 from moe_core.quantized import QUANT_FILE, load_quantized
 from moe_core.reward_model import REWARD_ARCHITECTURE, MoEForSequenceClassification, reward_model_from
 from moe_core.task_bias import TaskRouterBias
@@ -327,22 +327,10 @@ def _from_training_checkpoint(directory: Path, dtype) -> MoEForCausalLM:
     reason = ckpt_io.incomplete_reason(directory)
     if reason is not None:
         raise LoadError(f"{directory}: incomplete training checkpoint ({reason}); load an earlier step_*")
-    config = MoEConfig.from_pretrained(directory)
-    # built on the meta device and given the checkpoint's tensors as read (assign): a float32 model initialized
-    # at random first held 4 bytes a parameter beside the checkpoint's own (a 7 B model's 26 GiB, for nothing)
-    with torch.device("meta"):
-        model = MoEForCausalLM(config)
-    state = ckpt_io.gather_state_dict(directory)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise LoadError(
-            f"{directory}: its weight files do not cover the model its config.json describes "
-            f"({weight_mismatch(missing, unexpected)}); load an earlier step_*"
-        )
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    materialize_unsaved(model)  # rotary frequencies and the like, which no checkpoint holds
+    try:
+        model = ckpt_io.checkpoint_model(directory)
+    except ckpt_io.CheckpointError as err:
+        raise LoadError(f"{err}; load an earlier step_*") from None
     return model.to(_torch_dtype(dtype)) if dtype is not None else model
 
 

@@ -641,25 +641,38 @@ def gather_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a Hugging Face-loadable directory (config.json, model.safetensors, tokenizer if known)."""
+def checkpoint_model(ckpt: str | Path):
+    """The model a training checkpoint holds: replicated weights plus every expert shard (`gather_state_dict`), on
+    a model built on the meta device and given the tensors as read (``assign``; a float32 model initialized at
+    random first held 4 bytes a parameter beside the checkpoint's own: a 7 B model's 26 GiB, for nothing), tied
+    as its config says, with what no checkpoint holds (rotary frequencies) made. Raises `CheckpointError` when the
+    weight files do not cover the model its config.json describes."""
     # lazy: the modeling stack takes seconds to import, and the flows' tasks import this module to read state
     from moe_core.config import MoEConfig
+    from moe_core.errors import weight_mismatch
     from moe_core.model import MoEForCausalLM, materialize_unsaved
 
-    ckpt, out_dir = Path(ckpt), Path(out_dir)
+    ckpt = Path(ckpt)
     config = MoEConfig.from_pretrained(ckpt)
-    with torch.device("meta"):  # given the checkpoint's tensors as read: no random float32 model first
+    with torch.device("meta"):
         model = MoEForCausalLM(config)
     missing, unexpected = model.load_state_dict(gather_state_dict(ckpt), strict=False, assign=True)
-    if [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)] or unexpected:
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
         raise CheckpointError(
-            f"{ckpt}: cannot export, parameters do not match its config.json "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{ckpt}: its weight files do not cover the model its config.json describes "
+            f"({weight_mismatch(missing, unexpected)})"
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    materialize_unsaved(model)  # rotary frequencies and the like, which no checkpoint holds
+    materialize_unsaved(model)
+    return model
+
+
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write a Hugging Face-loadable directory (config.json, model.safetensors, tokenizer if known)."""
+    ckpt, out_dir = Path(ckpt), Path(out_dir)
+    model = checkpoint_model(ckpt)
     with atomic_directory(
         out_dir, overwrite=True, error_cls=CheckpointError
     ) as tmp:  # full disk: a clear error
