@@ -159,8 +159,8 @@ def load(
     or a Hugging Face one, in its stored dtype; other kinds are refused). ``merged``: a fine-tuning output's
     adapter merged into its full-precision base rather than run unmerged on the base as it trained
     (`moe_core.finetune.as_trained`): plain weights, what a command that needs the merged experts whole (ONNX
-    export, pruning's ``--merge-similar``) reads; the whole base in memory (quantize, prune and conversion merge as they write where they
-    can: `merges_as_written`)."""
+    export, pruning's ``--merge-similar``) reads; the whole base in memory (quantize, prune and conversion merge as
+    they write where they can: `merges_as_written`)."""
     directory = _local(path)
     kind = detect(directory)
     if kind == "finetuned" and not merged and _loads_as_trained(directory):

@@ -478,6 +478,18 @@ class QuantizedExperts(StackedExperts):
         )
 
     @classmethod
+    @torch.no_grad()
+    def to_fill(cls, experts: StackedExperts, config: QuantConfig) -> QuantizedExperts:
+        """`shaped_like` ``experts`` with its biases copied (gpt-oss: kept as they are) and the decode path on (as
+        `from_experts`), for its codes to be written expert by expert (`quantize_into`, `set_codes`)."""
+        quantized = cls.shaped_like(experts, config)
+        quantized.max_slots = experts.max_slots or 64
+        for p in PROJECTIONS:
+            if experts.bias_stack(p) is not None:
+                getattr(quantized, f"{p}_bias").copy_(experts.bias_stack(p))
+        return quantized
+
+    @classmethod
     def from_experts(cls, experts: GroupedExperts, config: QuantConfig) -> QuantizedExperts:
         """Quantize ``experts``' stacks, round to nearest (calibrated codes are set expert by expert: `set_codes`).
         The decode path is on (``max_slots`` 64 unless ``experts`` has its own): dequantizing only the chosen

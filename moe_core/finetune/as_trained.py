@@ -86,9 +86,8 @@ def loads_as_trained(directory: str | os.PathLike) -> bool:
 def merges_as_written(directory: str | os.PathLike) -> bool:
     """Whether a writer merges the fine-tuning output ``directory``'s adapter as it writes (quantize, prune,
     conversion to Hugging Face: `peft_as_trained` with ``full_precision``, then one expert slice or projection at
-    a time) rather
-    than loading it merged: a LoRA or QLoRA output holding its adapter alone, with no task router bias or reward
-    head (those load merged, as `loads_as_trained` says)."""
+    a time) rather than loading it merged: a LoRA or QLoRA output holding its adapter alone, with no task router
+    bias or reward head (those load merged, as `loads_as_trained` says)."""
     if not loads_as_trained(directory):
         return False
     config = recorded_config(Path(directory))

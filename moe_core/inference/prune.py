@@ -422,8 +422,10 @@ def prune_checkpoint(
             "(a prepared-data directory)"
         )
     dtype = read_dtype(model_dir, "prune")
-    deltas = None
-    if detect(model_dir) == "finetuned" and not prune.merge_similar and merges_as_written(model_dir):
+    adapter_alone = (
+        detect(model_dir) == "finetuned" and not prune.merge_similar and merges_as_written(model_dir)
+    )
+    if adapter_alone:
         # a fine-tune's adapter alone: the experts ranked by the routing (REAP: and the outputs) of the adapter over
         # its memory-mapped base (as it trained), then the adapter merged into the kept experts as they are written;
         # the merged model is never in memory (a base larger than memory prunes too)
@@ -431,14 +433,7 @@ def prune_checkpoint(
         from moe_core.finetune.methods import unwrap
 
         peft_model = adapter_to_merge(model_dir, dtype)
-        as_trained = unwrap(peft_model)
-        usage = (
-            usage_from_profile(Path(profile))
-            if profile is not None
-            else collect_usage(as_trained, calibration)
-        )
-        saliency = collect_saliency(as_trained, calibration) if prune.criterion == "reap" else None
-        model, deltas = merged_for_writing(peft_model)
+        ranked = unwrap(peft_model)
         companions = tokenizer_dir(model_dir)
     else:
         # a large model directory stays memory-mapped where it can (its kept experts are written from the file, a
@@ -450,13 +445,12 @@ def prune_checkpoint(
             and mapping_refusal(model_dir) is None
         )
         loaded = load(model_dir, dtype=dtype, memory_map=mapped, merged=True)
-        model = loaded.model
-        usage = (
-            usage_from_profile(Path(profile)) if profile is not None else collect_usage(model, calibration)
-        )
-        saliency = collect_saliency(model, calibration) if prune.criterion == "reap" else None
+        ranked = loaded.model
         # a training run or checkpoint keeps its tokenizer elsewhere (the data's): `load` knows where
         companions = loaded.tokenizer_dir or loaded.path
+    usage = usage_from_profile(Path(profile)) if profile is not None else collect_usage(ranked, calibration)
+    saliency = collect_saliency(ranked, calibration) if prune.criterion == "reap" else None
+    model, deltas = merged_for_writing(peft_model) if adapter_alone else (ranked, None)
     new_model, report = prune_experts(model, usage, prune, saliency)
     with atomic_directory(out_dir, overwrite, PruneError) as tmp:
         if any(isinstance(m, MappedExperts) for m in new_model.modules()):

@@ -248,7 +248,6 @@ def expert_inputs(model, calibration) -> dict[StackedExperts, dict[str, torch.Te
     for module in modules:  # one module's parts concatenated at a time
         parts = seen.pop(module)
         inputs[module] = {k: torch.cat(v) for k, v in parts.items()}
-        del parts
     return inputs
 
 
@@ -327,11 +326,7 @@ def calibrated_experts(
     expert slice is read from (default: the module's own; `moe_core.mapped.MergedSlices` adds an adapter's deltas);
     ``done(e)``: called once expert ``e`` is quantized (a memory-mapped module releases its pages there)."""
     weight = weight or MergedSlices(module)
-    quantized = QuantizedExperts.shaped_like(module, config)
-    quantized.max_slots = module.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
-    for p in PROJECTIONS:
-        if module.bias_stack(p) is not None:  # gpt-oss: kept as they are
-            getattr(quantized, f"{p}_bias").copy_(module.bias_stack(p).detach())
+    quantized = QuantizedExperts.to_fill(module, config)
     x_ND, probs_NE, hit_NE = seen["x"], seen["probs"], seen["hit"]
     counts, forced, alphas = [], [], {}
     layer = name.split(".experts")[0].removeprefix("model.")

@@ -206,13 +206,10 @@ def _quantized_slices(experts: StackedExperts, config: QuantConfig, deltas: Mapp
     """``experts`` (dense or memory-mapped) quantized one expert slice at a time, round to nearest, with the deltas
     of projection ``p`` (``deltas[p]()``: `moe_core.mapped.ExpertDeltas`' functions) added to each slice first, in
     the slice's dtype; a memory-mapped slice's pages are released once it is read."""
-    quantized = QuantizedExperts.shaped_like(experts, config)
-    quantized.max_slots = experts.max_slots or 64  # as `QuantizedExperts.from_experts`: the decode path on
+    quantized = QuantizedExperts.to_fill(experts, config)
     for p, slices in zip(PROJECTIONS, experts.unbound(), strict=True):
         if slices is None:
             continue
-        if experts.bias_stack(p) is not None:  # gpt-oss: kept as they are
-            getattr(quantized, f"{p}_bias").copy_(experts.bias_stack(p))
         deltas_EOI = deltas[p]() if p in deltas else []
         for e, w_OI in enumerate(slices):
             quantized.quantize_into(p, e, merged_slice(w_OI, deltas_EOI, e))
